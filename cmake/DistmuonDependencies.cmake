@@ -1,0 +1,47 @@
+# Third-party dependencies. Every one comes from the system (Debian packages installed by
+# `make deps`); nothing is downloaded at configure time.
+
+find_package(Threads REQUIRED)
+
+# BLAS for the CPU backend: OpenBLAS (multithreaded) through its CBLAS interface.
+find_path(OPENBLAS_INCLUDE_DIR cblas.h PATH_SUFFIXES openblas x86_64-linux-gnu/openblas-pthread)
+find_library(OPENBLAS_LIBRARY NAMES openblas)
+if(NOT OPENBLAS_LIBRARY OR NOT OPENBLAS_INCLUDE_DIR)
+  message(FATAL_ERROR "OpenBLAS not found: run `make deps` (apt-get install libopenblas-dev)")
+endif()
+add_library(distmuon_blas INTERFACE)
+target_include_directories(distmuon_blas INTERFACE ${OPENBLAS_INCLUDE_DIR})
+target_link_libraries(distmuon_blas INTERFACE ${OPENBLAS_LIBRARY})
+
+find_package(nlohmann_json 3 REQUIRED)
+
+# COIN-OR CBC for the planner's MILP.
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(CBC REQUIRED IMPORTED_TARGET cbc)
+
+if(DISTMUON_WITH_MPI)
+  find_package(MPI COMPONENTS C)
+  if(NOT MPI_C_FOUND)
+    message(WARNING "MPI not found: the MPI communicator and MPI tests are disabled")
+    set(DISTMUON_WITH_MPI OFF)
+  endif()
+endif()
+
+set(DISTMUON_HAVE_CUDA OFF)
+if(DISTMUON_WITH_CUDA)
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    # sm_90a: wgmma and the tensor memory accelerator of Hopper.
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 90a)
+    endif()
+    enable_language(CUDA)
+    set(CMAKE_CUDA_STANDARD 20)
+    find_package(CUDAToolkit REQUIRED)
+    set(DISTMUON_HAVE_CUDA ON)
+    message(STATUS "distmuon: CUDA backend enabled (${CMAKE_CUDA_COMPILER_VERSION}, arch ${CMAKE_CUDA_ARCHITECTURES})")
+  else()
+    message(STATUS "distmuon: nvcc not found, CUDA backend disabled")
+  endif()
+endif()

@@ -1,0 +1,21 @@
+# Writes OUT (a C++ file) holding every workloads/*.json as a string, so that the built-in
+# workloads travel inside the library. Run at build time with -DSRC_DIR=... -DOUT=...
+file(GLOB files "${SRC_DIR}/*.json")
+list(SORT files)
+set(body "// Generated from workloads/*.json by cmake/embed_workloads.cmake. Do not edit.\n")
+string(APPEND body "namespace distmuon {\nstruct EmbeddedWorkload { const char* name; const char* json; };\n")
+string(APPEND body "extern const EmbeddedWorkload kEmbeddedWorkloads[];\nextern const int kNumEmbeddedWorkloads;\n")
+string(APPEND body "const EmbeddedWorkload kEmbeddedWorkloads[] = {\n")
+set(n 0)
+foreach(f ${files})
+  get_filename_component(name "${f}" NAME_WE)
+  # NAME_WE drops everything after the first dot ("qwen2.5-7b" -> "qwen2"): strip .json only.
+  get_filename_component(fname "${f}" NAME)
+  string(REGEX REPLACE "\\.json$" "" name "${fname}")
+  file(READ "${f}" content)
+  string(APPEND body "  {\"${name}\", R\"distmuon_json(${content})distmuon_json\"},\n")
+  math(EXPR n "${n} + 1")
+endforeach()
+string(APPEND body "};\nconst int kNumEmbeddedWorkloads = ${n};\n}  // namespace distmuon\n")
+file(WRITE "${OUT}.tmp" "${body}")
+execute_process(COMMAND ${CMAKE_COMMAND} -E copy_if_different "${OUT}.tmp" "${OUT}")

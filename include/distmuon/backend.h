@@ -1,0 +1,168 @@
+// The Backend interface: a small set of batched operations on buffers in one device's memory.
+// Everything above it (orthogonalization, the optimizer, the distributed engine) is written
+// once against this interface and never branches on the backend. The CPU backend is the
+// numerical reference; the CUDA backend is where speed lives.
+//
+// Conventions
+// - Matrices are row-major (MatRef / BatchRef). A batch holds same-shape matrices.
+// - Operations are asynchronous with respect to the host on devices that allow it; they run in
+//   issue order on the backend's current stream. Scalars that depend on data (norms, status
+//   flags) stay in device memory so that no operation needs a host synchronisation.
+// - Half-precision inputs are multiplied with fp32 accumulation and rounded once on output.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "distmuon/types.h"
+
+namespace distmuon {
+
+enum class Op : int { kN = 0, kT = 1 };  // use a matrix as stored, or its transpose
+
+// An owning allocation in backend memory (RAII: released with the Buffer).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(void* ptr, size_t bytes, std::function<void(void*)> release)
+      : ptr_(ptr), bytes_(bytes), release_(std::move(release)) {}
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { reset(); }
+
+  void reset();
+  void* data() const { return ptr_; }
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  size_t bytes() const { return bytes_; }
+  explicit operator bool() const { return ptr_ != nullptr; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  std::function<void(void*)> release_;
+};
+
+// How `scale_copy` scales each matrix b: factor_b = alpha / (norm_mul * norms[b] + eps) when
+// `norms` (device memory, one float per matrix) is given, else factor_b = alpha.
+struct ScaleSpec {
+  const float* norms = nullptr;
+  double norm_mul = 1.0;
+  double eps = 1e-7;
+  double alpha = 1.0;
+};
+
+// One Muon matrix as the fused elementwise kernels see it. `grad` and `weight` may have any
+// float dtype; `momentum` is fp32 (or bf16 by option). All three have the same shape.
+struct MuonSlot {
+  MatRef grad;
+  MatRef momentum;
+  MatRef weight;
+};
+
+// Per-matrix scalars of the final Muon update W <- W * decay - step * O.
+struct MuonUpdateCoef {
+  float decay = 1.0f;  // 1 - lr * weight_decay
+  float step = 0.0f;   // lr * shape scale
+};
+
+// One AdamW tensor (flat, `numel` elements). `param`/`grad` any float dtype, exp_avg and
+// exp_avg_sq fp32.
+struct AdamSlot {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  void* exp_avg = nullptr;
+  void* exp_avg_sq = nullptr;
+  DType param_dtype = DType::kF32;
+  DType grad_dtype = DType::kF32;
+  int64_t numel = 0;
+};
+
+// Hyperparameters of one AdamW step; per tensor so that parameter groups can differ.
+struct AdamCoef {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  int64_t step = 1;  // 1-based step count used for bias correction
+};
+
+// Status values written by the checking kernels (int32 per matrix/tensor, device memory).
+enum StepStatus : int32_t { kStatusOk = 0, kStatusNonFinite = 1 };
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual Device device() const = 0;
+  virtual std::string name() const = 0;  // e.g. "cpu (OpenBLAS 0.3.21, 2 threads)"
+
+  // ---- memory -------------------------------------------------------------------------------
+  virtual Buffer alloc(size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // device to device
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
+  virtual void fill_zero(void* dst, size_t bytes) = 0;
+  // Waits until every operation issued so far has completed.
+  virtual void synchronize() = 0;
+
+  // ---- matrix products ----------------------------------------------------------------------
+  // C = alpha * op(A) op(B) + beta * Cin, batched. Cin may alias C or be null (beta ignored).
+  virtual void gemm(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha,
+                    double beta, const BatchRef* c_in, const BatchRef& c) = 0;
+  // Same contract, but the caller guarantees the product is symmetric (X X^T, or a product of
+  // two commuting symmetric matrices). Only one triangle is computed and then mirrored, so
+  // the result is exactly symmetric. Cin must be symmetric as well.
+  virtual void gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
+                              double alpha, double beta, const BatchRef* c_in,
+                              const BatchRef& c) = 0;
+
+  // ---- small batched helpers ----------------------------------------------------------------
+  // out = alpha * a + beta * b + diag * I (b may be null; diag needs square matrices).
+  virtual void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
+                       const BatchRef& out) = 0;
+  // norms[i] = ||a_i||_F as float (accumulated in double so that huge inputs do not overflow
+  // before the square root). Non-finite entries make the norm NaN/Inf.
+  virtual void frob_norm(const BatchRef& a, float* norms) = 0;
+  // dst_i = factor_i * op(src_i) rounded to dst's dtype (transpose: dst is src^T).
+  virtual void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                          const BatchRef& dst) = 0;
+
+  // ---- fused Muon elementwise passes ---------------------------------------------------------
+  // Pass 1 (reads only): with U = G + mu * (mu * B + G) (nesterov) or mu * B + G, writes
+  // norms[i] = ||U_i||_F and status[i] = kStatusNonFinite if G_i or U_i has NaN/Inf.
+  virtual void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                                  float* norms, int32_t* status) = 0;
+  // Pass 2: for slots whose status is ok, B <- mu * B + G and x_i = factor_i * U_i (transposed
+  // when `transpose`), rounded to x's dtype, with factor_i from `scale` (normally the norms of
+  // pass 1). Skipped slots keep B and get x_i = 0.
+  virtual void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                                   const int32_t* status, const ScaleSpec& scale, bool transpose,
+                                   const BatchRef& x) = 0;
+  // Pass 3: for slots whose status is ok, W <- decay * W - step * O_i (O_i^T when transpose).
+  virtual void muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
+                           const int32_t* status, const BatchRef& o, bool transpose) = 0;
+
+  // ---- AdamW for the non-matrix parameters ---------------------------------------------------
+  // status[i] = kStatusNonFinite if grad i has NaN/Inf.
+  virtual void adamw_check(std::span<const AdamSlot> slots, int32_t* status) = 0;
+  // Decoupled weight decay + bias-corrected Adam for slots whose status is ok (status may be
+  // null: all ok).
+  virtual void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                            const int32_t* status) = 0;
+
+  // counter[0] += number of non-zero entries of status[0..n) (device memory, int64 counter), so
+  // that skip counts accumulate without a host synchronisation.
+  virtual void count_status(const int32_t* status, int64_t n, int64_t* counter) = 0;
+};
+
+// Creates the backend for `kind` ("cpu" or "cuda"); throws with a clear message when the build
+// or the machine does not support it.
+std::unique_ptr<Backend> make_backend(const std::string& kind);
+
+// True when this build has the CUDA backend and a CUDA device is visible.
+bool cuda_available();
+
+}  // namespace distmuon

@@ -1,0 +1,23 @@
+// Argument checks shared by every backend, so that a misuse fails with the same message on the
+// CPU and on the GPU.
+#pragma once
+
+#include <span>
+
+#include "distmuon/backend.h"
+
+namespace distmuon {
+
+struct GemmDims {
+  int64_t m, n, k;  // C (m x n) = op(A) (m x k) op(B) (k x n)
+};
+
+// Validates a batched product and returns its dimensions.
+GemmDims check_gemm(const char* what, Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
+                    const BatchRef* c_in, const BatchRef& c);
+// Validates that x can hold the slots' matrices (transposed when `transpose`).
+void check_slots(const char* what, std::span<const MuonSlot> slots, const BatchRef& x,
+                 bool transpose);
+void check_same_shape(const char* what, const BatchRef& a, const BatchRef& b);
+
+}  // namespace distmuon

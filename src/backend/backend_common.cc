@@ -1,0 +1,95 @@
+// Backend-independent pieces: Buffer, argument checks and the backend factory.
+#include "backend/backend_checks.h"
+#include "backend/cpu/cpu_backend.h"
+#include "distmuon/error.h"
+
+namespace distmuon {
+
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    release_ = std::move(o.release_);
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+void Buffer::reset() {
+  if (ptr_ && release_) release_(ptr_);
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
+
+namespace {
+void check_layout(const char* what, const char* arg, const BatchRef& x) {
+  DM_CHECK(x.rows >= 0 && x.cols >= 0 && x.count >= 0, what, ": ", arg, " has a negative size");
+  DM_CHECK(x.ld >= x.cols, what, ": ", arg, " has ld ", x.ld, " < cols ", x.cols);
+  DM_CHECK(x.count <= 1 || x.stride >= x.rows * x.ld || x.stride >= x.rows * x.cols, what, ": ",
+           arg, " matrices overlap (stride ", x.stride, ")");
+  DM_CHECK(x.data != nullptr || x.count * x.rows * x.cols == 0, what, ": ", arg, " is null");
+}
+}  // namespace
+
+GemmDims check_gemm(const char* what, Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
+                    const BatchRef* c_in, const BatchRef& c) {
+  check_layout(what, "A", a);
+  check_layout(what, "B", b);
+  check_layout(what, "C", c);
+  int64_t m = op_a == Op::kN ? a.rows : a.cols;
+  int64_t k = op_a == Op::kN ? a.cols : a.rows;
+  int64_t kb = op_b == Op::kN ? b.rows : b.cols;
+  int64_t n = op_b == Op::kN ? b.cols : b.rows;
+  DM_CHECK(k == kb, what, ": inner dimensions differ (", m, "x", k, " times ", kb, "x", n, ")");
+  DM_CHECK(c.rows == m && c.cols == n, what, ": C is ", c.rows, "x", c.cols, ", expected ", m,
+           "x", n);
+  DM_CHECK(a.count == c.count && b.count == c.count, what, ": batch counts differ (", a.count,
+           ", ", b.count, ", ", c.count, ")");
+  if (c_in) {
+    check_layout(what, "Cin", *c_in);
+    DM_CHECK(c_in->rows == m && c_in->cols == n && c_in->count == c.count, what,
+             ": Cin shape differs from C");
+  }
+  return {m, n, k};
+}
+
+void check_same_shape(const char* what, const BatchRef& a, const BatchRef& b) {
+  DM_CHECK(a.count == b.count && a.rows == b.rows && a.cols == b.cols, what, ": shapes differ (",
+           a.count, "x", a.rows, "x", a.cols, " vs ", b.count, "x", b.rows, "x", b.cols, ")");
+}
+
+void check_slots(const char* what, std::span<const MuonSlot> slots, const BatchRef& x,
+                 bool transpose) {
+  DM_CHECK(static_cast<int64_t>(slots.size()) <= x.count, what, ": ", slots.size(),
+           " matrices but room for ", x.count);
+  for (const MuonSlot& s : slots) {
+    int64_t r = transpose ? x.cols : x.rows, c = transpose ? x.rows : x.cols;
+    DM_CHECK(s.grad.rows == r && s.grad.cols == c, what, ": gradient is ", s.grad.rows, "x",
+             s.grad.cols, ", expected ", r, "x", c);
+    DM_CHECK(s.momentum.rows == r && s.momentum.cols == c && s.weight.rows == r &&
+                 s.weight.cols == c,
+             what, ": momentum/weight shape differs from the gradient");
+  }
+}
+
+#ifndef DISTMUON_HAVE_CUDA
+bool cuda_available() { return false; }
+#endif
+
+std::unique_ptr<Backend> make_cuda_backend();  // backend/cuda (only with CUDA)
+
+std::unique_ptr<Backend> make_backend(const std::string& kind) {
+  if (kind == "cpu") return std::make_unique<CpuBackend>();
+  if (kind == "cuda") {
+#ifdef DISTMUON_HAVE_CUDA
+    return make_cuda_backend();
+#else
+    DM_FAIL("this build of distmuon has no CUDA backend (nvcc was not found at configure time)");
+#endif
+  }
+  DM_FAIL("unknown backend '", kind, "' (expected cpu or cuda)");
+}
+
+}  // namespace distmuon

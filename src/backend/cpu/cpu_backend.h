@@ -1,0 +1,49 @@
+// The CPU backend: the numerical reference of every Backend operation, and a usable backend
+// for CPU training. Products run on OpenBLAS; half-precision buffers are stored as real
+// bf16/fp16 bits and multiplied in fp32, so the GPU's rounding can be emulated exactly.
+#pragma once
+
+#include "distmuon/backend.h"
+
+namespace distmuon {
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend();
+
+  Device device() const override { return Device{DeviceKind::kCPU, 0}; }
+  std::string name() const override;
+
+  Buffer alloc(size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
+  void fill_zero(void* dst, size_t bytes) override;
+  void synchronize() override {}
+
+  void gemm(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha, double beta,
+            const BatchRef* c_in, const BatchRef& c) override;
+  void gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha,
+                      double beta, const BatchRef* c_in, const BatchRef& c) override;
+
+  void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
+               const BatchRef& out) override;
+  void frob_norm(const BatchRef& a, float* norms) override;
+  void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                  const BatchRef& dst) override;
+
+  void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, float* norms,
+                          int32_t* status) override;
+  void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                           const int32_t* status, const ScaleSpec& scale, bool transpose,
+                           const BatchRef& x) override;
+  void muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
+                   const int32_t* status, const BatchRef& o, bool transpose) override;
+
+  void adamw_check(std::span<const AdamSlot> slots, int32_t* status) override;
+  void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                    const int32_t* status) override;
+  void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
+};
+
+}  // namespace distmuon

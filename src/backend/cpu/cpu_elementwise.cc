@@ -1,0 +1,298 @@
+// Elementwise and reduction operations of the CPU backend: the readable reference for the
+// fused CUDA kernels. Loops are parallelised over rows with OpenMP.
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "backend/backend_checks.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_dtype.h"
+#include "distmuon/env.h"
+
+extern "C" char* openblas_get_config(void);
+extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
+
+namespace distmuon {
+
+using cpu::dispatch;
+using cpu::from_float;
+using cpu::to_float;
+
+CpuBackend::CpuBackend() {
+  int64_t threads = env::get_int("DISTMUON_NUM_THREADS");
+  if (threads > 0) openblas_set_num_threads(static_cast<int>(threads));
+}
+
+std::string CpuBackend::name() const {
+  return std::string("cpu (") + openblas_get_config() + ", " +
+         std::to_string(openblas_get_num_threads()) + " threads)";
+}
+
+Buffer CpuBackend::alloc(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  size_t rounded = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, rounded);
+  DM_CHECK(p != nullptr, "cpu: out of memory allocating ", bytes, " bytes");
+  return Buffer(p, bytes, [](void* q) { std::free(q); });
+}
+
+void CpuBackend::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes) std::memmove(dst, src, bytes);
+}
+void CpuBackend::copy_to_host(void* dst, const void* src, size_t bytes) { copy(dst, src, bytes); }
+void CpuBackend::copy_from_host(void* dst, const void* src, size_t bytes) {
+  copy(dst, src, bytes);
+}
+void CpuBackend::fill_zero(void* dst, size_t bytes) {
+  if (bytes) std::memset(dst, 0, bytes);
+}
+
+void CpuBackend::lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b,
+                         double diag, const BatchRef& out) {
+  check_same_shape("lincomb", a, out);
+  if (b) check_same_shape("lincomb", *b, out);
+  DM_CHECK(diag == 0.0f || out.rows == out.cols, "lincomb: identity term needs square matrices");
+  for (int64_t i = 0; i < out.count; ++i) {
+    MatRef ma = a.matrix(i), mo = out.matrix(i);
+    MatRef mb = b ? b->matrix(i) : MatRef{};
+    dispatch(ma.dtype, [&](auto ta) {
+      dispatch(mo.dtype, [&](auto to) {
+        using A = decltype(ta);
+        using O = decltype(to);
+        using C = cpu::compute_t<O>;
+        const A* pa = static_cast<const A*>(ma.data);
+        O* po = static_cast<O*>(mo.data);
+        auto bval = [&](int64_t r, int64_t c) -> C {
+          if (!b) return 0;
+          return dispatch(mb.dtype, [&](auto tb) -> C {
+            using B = decltype(tb);
+            return static_cast<C>(to_float(static_cast<const B*>(mb.data)[r * mb.ld + c]));
+          });
+        };
+        for (int64_t r = 0; r < mo.rows; ++r)
+          for (int64_t c = 0; c < mo.cols; ++c) {
+            C v = C(alpha) * C(to_float(pa[r * ma.ld + c]));
+            if (b) v += C(beta) * bval(r, c);
+            if (r == c) v += C(diag);
+            po[r * mo.ld + c] = from_float<O>(v);
+          }
+      });
+    });
+  }
+}
+
+void CpuBackend::frob_norm(const BatchRef& a, float* norms) {
+  for (int64_t i = 0; i < a.count; ++i) {
+    MatRef m = a.matrix(i);
+    double sum = 0;
+    dispatch(m.dtype, [&](auto tag) {
+      using S = decltype(tag);
+      const S* p = static_cast<const S*>(m.data);
+      for (int64_t r = 0; r < m.rows; ++r)
+        for (int64_t c = 0; c < m.cols; ++c) {
+          double v = to_float(p[r * m.ld + c]);
+          sum += v * v;
+        }
+    });
+    norms[i] = static_cast<float>(std::sqrt(sum));
+  }
+}
+
+namespace {
+double scale_factor(const ScaleSpec& s, int64_t i) {
+  if (!s.norms) return s.alpha;
+  return static_cast<double>(s.alpha) /
+         (static_cast<double>(s.norm_mul) * static_cast<double>(s.norms[i]) + s.eps);
+}
+}  // namespace
+
+void CpuBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                            const BatchRef& dst) {
+  DM_CHECK(src.count == dst.count, "scale_copy: batch counts differ");
+  DM_CHECK(transpose ? (dst.rows == src.cols && dst.cols == src.rows)
+                     : (dst.rows == src.rows && dst.cols == src.cols),
+           "scale_copy: destination is ", dst.rows, "x", dst.cols, " for a ", src.rows, "x",
+           src.cols, " source", transpose ? " (transposed)" : "");
+  for (int64_t i = 0; i < src.count; ++i) {
+    MatRef ms = src.matrix(i), md = dst.matrix(i);
+    double f = scale_factor(scale, i);
+    dispatch(ms.dtype, [&](auto ts) {
+      dispatch(md.dtype, [&](auto td) {
+        using S = decltype(ts);
+        using D = decltype(td);
+        using C = cpu::compute_t<D>;
+        const S* ps = static_cast<const S*>(ms.data);
+        D* pd = static_cast<D*>(md.data);
+        C cf = static_cast<C>(f);
+#pragma omp parallel for if (ms.rows * ms.cols > (1 << 16))
+        for (int64_t r = 0; r < ms.rows; ++r)
+          for (int64_t c = 0; c < ms.cols; ++c) {
+            C v = cf * static_cast<C>(to_float(ps[r * ms.ld + c]));
+            int64_t at = transpose ? c * md.ld + r : r * md.ld + c;
+            pd[at] = from_float<D>(v);
+          }
+      });
+    });
+  }
+}
+
+// ---- fused Muon passes ------------------------------------------------------------------------
+
+namespace {
+// Calls f(grad*, momentum*, weight*) with the slot's storage types resolved.
+template <typename F>
+void with_slot(const MuonSlot& s, F&& f) {
+  dispatch(s.grad.dtype, [&](auto tg) {
+    dispatch(s.momentum.dtype, [&](auto tm) {
+      dispatch(s.weight.dtype, [&](auto tw) {
+        f(static_cast<decltype(tg)*>(s.grad.data), static_cast<decltype(tm)*>(s.momentum.data),
+          static_cast<decltype(tw)*>(s.weight.data));
+      });
+    });
+  });
+}
+
+inline float nesterov_input(float g, float b_new, float mu, bool nesterov) {
+  return nesterov ? g + mu * b_new : b_new;
+}
+}  // namespace
+
+void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                                    float* norms, int32_t* status) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const MuonSlot& s = slots[i];
+    double sum = 0;
+    bool finite = true;
+    with_slot(s, [&](auto* g, auto* b, auto*) {
+#pragma omp parallel for reduction(+ : sum) reduction(&& : finite) if (s.grad.rows * s.grad.cols > (1 << 16))
+      for (int64_t r = 0; r < s.grad.rows; ++r)
+        for (int64_t c = 0; c < s.grad.cols; ++c) {
+          float gv = to_float(g[r * s.grad.ld + c]);
+          float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+          float u = nesterov_input(gv, bn, mu, nesterov);
+          finite = finite && std::isfinite(gv) && std::isfinite(u);
+          sum += static_cast<double>(u) * u;
+        }
+    });
+    norms[i] = static_cast<float>(std::sqrt(sum));
+    status[i] = finite && std::isfinite(norms[i]) ? kStatusOk : kStatusNonFinite;
+  }
+}
+
+void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                                     const int32_t* status, const ScaleSpec& scale,
+                                     bool transpose, const BatchRef& x) {
+  check_slots("muon_momentum_apply", slots, x, transpose);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const MuonSlot& s = slots[i];
+    MatRef mx = x.matrix(static_cast<int64_t>(i));
+    const bool ok = status[i] == kStatusOk;
+    const float f = ok ? static_cast<float>(scale_factor(scale, static_cast<int64_t>(i))) : 0.0f;
+    with_slot(s, [&](auto* g, auto* b, auto*) {
+      using B = std::remove_pointer_t<decltype(b)>;
+      dispatch(mx.dtype, [&](auto tx) {
+        using X = decltype(tx);
+        X* px = static_cast<X*>(mx.data);
+#pragma omp parallel for if (s.grad.rows * s.grad.cols > (1 << 16))
+        for (int64_t r = 0; r < s.grad.rows; ++r)
+          for (int64_t c = 0; c < s.grad.cols; ++c) {
+            float u = 0.0f;
+            if (ok) {
+              float gv = to_float(g[r * s.grad.ld + c]);
+              float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+              b[r * s.momentum.ld + c] = from_float<B>(bn);
+              u = nesterov_input(gv, bn, mu, nesterov) * f;
+            }
+            px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(u);
+          }
+      });
+    });
+  }
+}
+
+void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
+                             const int32_t* status, const BatchRef& o, bool transpose) {
+  check_slots("muon_update", slots, o, transpose);
+  DM_CHECK(coef.size() == slots.size(), "muon_update: ", coef.size(), " coefficients for ",
+           slots.size(), " matrices");
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (status && status[i] != kStatusOk) continue;
+    const MuonSlot& s = slots[i];
+    MatRef mo = o.matrix(static_cast<int64_t>(i));
+    with_slot(s, [&](auto*, auto*, auto* w) {
+      using W = std::remove_pointer_t<decltype(w)>;
+      using C = cpu::compute_t<W>;
+      dispatch(mo.dtype, [&](auto to) {
+        using O = decltype(to);
+        const O* po = static_cast<const O*>(mo.data);
+        const C decay = coef[i].decay, step = coef[i].step;
+#pragma omp parallel for if (s.weight.rows * s.weight.cols > (1 << 16))
+        for (int64_t r = 0; r < s.weight.rows; ++r)
+          for (int64_t c = 0; c < s.weight.cols; ++c) {
+            C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
+            C wv = to_float(w[r * s.weight.ld + c]);
+            w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
+          }
+      });
+    });
+  }
+}
+
+// ---- AdamW ------------------------------------------------------------------------------------
+
+void CpuBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
+  for (size_t i = 0; i < slots.size(); ++i) {
+    bool finite = true;
+    dispatch(slots[i].grad_dtype, [&](auto tg) {
+      const auto* g = static_cast<const decltype(tg)*>(slots[i].grad);
+#pragma omp parallel for reduction(&& : finite) if (slots[i].numel > (1 << 16))
+      for (int64_t j = 0; j < slots[i].numel; ++j) finite = finite && std::isfinite(to_float(g[j]));
+    });
+    status[i] = finite ? kStatusOk : kStatusNonFinite;
+  }
+}
+
+void CpuBackend::adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                              const int32_t* status) {
+  DM_CHECK(coef.size() == slots.size(), "adamw_update: coefficient count differs");
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (status && status[i] != kStatusOk) continue;
+    const AdamSlot& s = slots[i];
+    const AdamCoef& k = coef[i];
+    DM_CHECK(k.step >= 1, "adamw_update: step must be >= 1");
+    const float bc1 = 1.0f - std::pow(k.beta1, static_cast<float>(k.step));
+    const float bc2 = 1.0f - std::pow(k.beta2, static_cast<float>(k.step));
+    const float step_size = k.lr / bc1, bc2_sqrt = std::sqrt(bc2);
+    const float decay = 1.0f - k.lr * k.weight_decay;
+    float* m = static_cast<float*>(s.exp_avg);
+    float* v = static_cast<float*>(s.exp_avg_sq);
+    dispatch(s.grad_dtype, [&](auto tg) {
+      dispatch(s.param_dtype, [&](auto tp) {
+        using P = decltype(tp);
+        const auto* g = static_cast<const decltype(tg)*>(s.grad);
+        P* p = static_cast<P*>(s.param);
+#pragma omp parallel for if (s.numel > (1 << 16))
+        for (int64_t j = 0; j < s.numel; ++j) {
+          float gv = to_float(g[j]);
+          float mj = k.beta1 * m[j] + (1.0f - k.beta1) * gv;
+          float vj = k.beta2 * v[j] + (1.0f - k.beta2) * gv * gv;
+          m[j] = mj;
+          v[j] = vj;
+          float pv = static_cast<float>(to_float(p[j])) * decay;
+          pv -= step_size * mj / (std::sqrt(vj) / bc2_sqrt + k.eps);
+          p[j] = from_float<P>(pv);
+        }
+      });
+    });
+  }
+}
+
+void CpuBackend::count_status(const int32_t* status, int64_t n, int64_t* counter) {
+  for (int64_t i = 0; i < n; ++i) counter[0] += status[i] != kStatusOk ? 1 : 0;
+}
+
+}  // namespace distmuon

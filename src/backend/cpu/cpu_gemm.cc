@@ -1,0 +1,140 @@
+// Batched products of the CPU backend on OpenBLAS. Operands whose storage type differs from the
+// arithmetic type (bf16/fp16, or mixed) are widened into scratch, multiplied in fp32 (fp64 when
+// any operand is fp64) and rounded once into C, which is what the GPU's tensor cores do.
+#include <cblas.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backend/backend_checks.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cpu/cpu_dtype.h"
+
+namespace distmuon {
+namespace {
+
+using cpu::compute_t;
+using cpu::dispatch;
+
+// A matrix as a pointer to arithmetic type T: the original storage when it already is T, or a
+// widened dense copy.
+template <typename T>
+struct Staged {
+  std::vector<T> copy;
+  const T* ptr = nullptr;
+  int64_t ld = 0;
+
+  Staged(const MatRef& m) {
+    if (m.dtype == (std::is_same_v<T, double> ? DType::kF64 : DType::kF32)) {
+      ptr = static_cast<const T*>(m.data);
+      ld = m.ld;
+      return;
+    }
+    copy.resize(static_cast<size_t>(m.rows * m.cols));
+    dispatch(m.dtype, [&](auto tag) {
+      using S = decltype(tag);
+      const S* src = static_cast<const S*>(m.data);
+      for (int64_t i = 0; i < m.rows; ++i)
+        for (int64_t j = 0; j < m.cols; ++j) copy[i * m.cols + j] = cpu::to_float(src[i * m.ld + j]);
+    });
+    ptr = copy.data();
+    ld = m.cols;
+  }
+};
+
+void blas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha,
+               const float* a, int64_t lda, const float* b, int64_t ldb, float beta, float* c,
+               int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+void blas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, double alpha,
+               const double* a, int64_t lda, const double* b, int64_t ldb, double beta, double* c,
+               int64_t ldc) {
+  cblas_dgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
+              m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+// Rows [r0, r1) x cols [0, ncols) of C = alpha op(A) op(B) + beta Cin, into the m x n T scratch.
+template <typename T>
+void product_block(bool ta, bool tb, const Staged<T>& a, const Staged<T>& b, int64_t k, T alpha,
+                   T beta, int64_t r0, int64_t r1, int64_t ncols, T* c, int64_t ldc) {
+  if (r1 <= r0 || ncols == 0) return;
+  // Row r of op(A) starts at a + r*lda (as stored) or a + r (transposed storage).
+  const T* a_rows = ta ? a.ptr + r0 : a.ptr + r0 * a.ld;
+  if (k == 0) {
+    for (int64_t i = r0; i < r1; ++i)
+      for (int64_t j = 0; j < ncols; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : c[i * ldc + j] * beta;
+    return;
+  }
+  blas_gemm(ta, tb, r1 - r0, ncols, k, alpha, a_rows, a.ld, b.ptr, b.ld, beta, c + r0 * ldc, ldc);
+}
+
+template <typename T>
+void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
+                  double alpha, double beta, const BatchRef* c_in, const BatchRef& c, GemmDims d) {
+  const bool ta = op_a == Op::kT, tb = op_b == Op::kT;
+  std::vector<T> acc(static_cast<size_t>(d.m * d.n));
+  for (int64_t i = 0; i < c.count; ++i) {
+    Staged<T> sa(a.matrix(i)), sb(b.matrix(i));
+    T eff_beta = 0;
+    if (c_in && beta != 0.0) {
+      Staged<T> sc(c_in->matrix(i));
+      for (int64_t r = 0; r < d.m; ++r)
+        std::copy(sc.ptr + r * sc.ld, sc.ptr + r * sc.ld + d.n, acc.data() + r * d.n);
+      eff_beta = static_cast<T>(beta);
+    }
+    if (!symmetric) {
+      product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, 0, d.m, d.n, acc.data(), d.n);
+    } else {
+      // Lower triangle in row blocks: block [r0, r1) needs columns [0, r1) only, which halves the
+      // work; the upper triangle is then mirrored so the result is exactly symmetric.
+      constexpr int64_t kBlock = 128;
+      for (int64_t r0 = 0; r0 < d.m; r0 += kBlock) {
+        int64_t r1 = std::min(d.m, r0 + kBlock);
+        product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, r0, r1, r1, acc.data(), d.n);
+      }
+    }
+    MatRef out = c.matrix(i);
+    dispatch(out.dtype, [&](auto tag) {
+      using S = decltype(tag);
+      S* dst = static_cast<S*>(out.data);
+      for (int64_t r = 0; r < d.m; ++r) {
+        int64_t cols = symmetric ? r + 1 : d.n;
+        for (int64_t j = 0; j < cols; ++j) dst[r * out.ld + j] = cpu::from_float<S>(acc[r * d.n + j]);
+      }
+      if (symmetric)
+        for (int64_t r = 0; r < d.m; ++r)
+          for (int64_t j = r + 1; j < d.n; ++j) dst[r * out.ld + j] = dst[j * out.ld + r];
+    });
+  }
+}
+
+bool any_f64(const BatchRef& a, const BatchRef& b, const BatchRef* c_in, const BatchRef& c) {
+  return a.dtype == DType::kF64 || b.dtype == DType::kF64 || c.dtype == DType::kF64 ||
+         (c_in && c_in->dtype == DType::kF64);
+}
+
+}  // namespace
+
+void CpuBackend::gemm(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha,
+                      double beta, const BatchRef* c_in, const BatchRef& c) {
+  GemmDims d = check_gemm("gemm", op_a, a, op_b, b, c_in, c);
+  if (any_f64(a, b, c_in, c))
+    run_products<double>(false, op_a, a, op_b, b, alpha, beta, c_in, c, d);
+  else
+    run_products<float>(false, op_a, a, op_b, b, alpha, beta, c_in, c, d);
+}
+
+void CpuBackend::gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
+                                double alpha, double beta, const BatchRef* c_in,
+                                const BatchRef& c) {
+  GemmDims d = check_gemm("gemm_symmetric", op_a, a, op_b, b, c_in, c);
+  DM_CHECK(d.m == d.n, "gemm_symmetric: the product is ", d.m, "x", d.n, ", not square");
+  if (any_f64(a, b, c_in, c))
+    run_products<double>(true, op_a, a, op_b, b, alpha, beta, c_in, c, d);
+  else
+    run_products<float>(true, op_a, a, op_b, b, alpha, beta, c_in, c, d);
+}
+
+}  // namespace distmuon

@@ -1,0 +1,88 @@
+#include "distmuon/env.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include "distmuon/error.h"
+
+extern char** environ;
+
+namespace distmuon::env {
+
+const std::vector<Knob>& knobs() {
+  static const std::vector<Knob> table = {
+      {"DISTMUON_LOG_LEVEL", "warn", "error | warn | info | debug"},
+      {"DISTMUON_NUM_THREADS", "0", "BLAS threads of the CPU backend (0: library default)"},
+      {"DISTMUON_COMM_TIMEOUT_S", "300",
+       "seconds a collective may wait before it fails with a timeout naming the operation"},
+      {"DISTMUON_TUNE_CACHE", "",
+       "autotuner cache file (default: $XDG_CACHE_HOME or ~/.cache, distmuon/tune.json)"},
+      {"DISTMUON_COST_CACHE", "",
+       "planner cost-table cache (default: $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)"},
+      {"DISTMUON_DEBUG_SYNC", "0", "synchronise and check errors after every backend operation"},
+      {"DISTMUON_WORKLOAD_DIR", "", "extra directory searched for workload JSON files"},
+  };
+  return table;
+}
+
+namespace {
+const Knob& find(const char* name) {
+  for (const Knob& k : knobs())
+    if (std::strcmp(k.name, name) == 0) return k;
+  DM_FAIL("environment knob ", name, " is not declared in src/common/env.cc");
+}
+}  // namespace
+
+std::string get(const char* name) {
+  const Knob& k = find(name);
+  const char* v = std::getenv(name);
+  return v ? std::string(v) : std::string(k.default_value);
+}
+
+int64_t get_int(const char* name) {
+  std::string v = get(name);
+  try {
+    size_t used = 0;
+    int64_t r = std::stoll(v, &used);
+    DM_CHECK(used == v.size(), "trailing characters");
+    return r;
+  } catch (const std::exception&) {
+    DM_FAIL(name, "='", v, "' is not an integer");
+  }
+}
+
+double get_double(const char* name) {
+  std::string v = get(name);
+  try {
+    size_t used = 0;
+    double r = std::stod(v, &used);
+    DM_CHECK(used == v.size(), "trailing characters");
+    return r;
+  } catch (const std::exception&) {
+    DM_FAIL(name, "='", v, "' is not a number");
+  }
+}
+
+bool get_bool(const char* name) {
+  std::string v = get(name);
+  std::transform(v.begin(), v.end(), v.begin(), ::tolower);
+  if (v == "1" || v == "true" || v == "yes" || v == "on") return true;
+  if (v == "0" || v == "false" || v == "no" || v == "off" || v.empty()) return false;
+  DM_FAIL(name, "='", v, "' is not a boolean (use 0 or 1)");
+}
+
+std::vector<std::string> unknown_variables() {
+  std::vector<std::string> out;
+  for (char** e = environ; e && *e; ++e) {
+    std::string kv(*e);
+    if (kv.rfind("DISTMUON_", 0) != 0) continue;
+    std::string key = kv.substr(0, kv.find('='));
+    bool known = std::any_of(knobs().begin(), knobs().end(),
+                             [&](const Knob& k) { return key == k.name; });
+    if (!known) out.push_back(key);
+  }
+  return out;
+}
+
+}  // namespace distmuon::env

@@ -1,0 +1,263 @@
+// The single-process optimizer: the Muon update rule against hand-computed values, AdamW in the
+// same optimizer, parameter groups, 3D/4D layouts, and bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "backend/cpu/cpu_backend.h"
+#include "distmuon/engine.h"
+#include "distmuon/error.h"
+#include "test_util.h"
+
+namespace distmuon {
+namespace {
+
+using test::Mat;
+using test::random_matrix;
+
+std::vector<float> to_vec(const Mat& m) {
+  std::vector<float> v(static_cast<size_t>(m.size()));
+  for (int64_t i = 0; i < m.rows(); ++i)
+    for (int64_t j = 0; j < m.cols(); ++j) v[i * m.cols() + j] = static_cast<float>(m(i, j));
+  return v;
+}
+
+GroupOptions muon_group(float lr, float wd = 0.0f, bool nesterov = true) {
+  GroupOptions g;
+  g.kind = ParamKind::kMuon;
+  g.muon.lr = lr;
+  g.muon.weight_decay = wd;
+  g.muon.nesterov = nesterov;
+  g.muon.ortho.iteration = Iteration::kStandardDense;
+  return g;
+}
+
+// The Jordan quintic on a 1 x n matrix acts on its single singular value s.
+double ns_scalar(double s) {
+  for (int i = 0; i < 5; ++i) s = 3.4445 * s - 4.7750 * s * s * s + 2.0315 * std::pow(s, 5);
+  return s;
+}
+
+TEST(Engine, MuonUpdateRuleMatchesHandComputation) {
+  CpuBackend be;
+  Engine eng(be);
+  const float lr = 0.1f, wd = 0.5f, mu = 0.95f;
+  eng.add_group(muon_group(lr, wd));
+  eng.add_param({"w", 0, {1, 4}, DType::kF32});
+  std::vector<float> w = {1.0f, -1.0f, 0.5f, 2.0f};
+  std::vector<float> g1 = {3.0f, 0.0f, 4.0f, 0.0f};  // |g1| = 5
+  std::vector<float> w0 = w;
+  ParamData d{w.data(), g1.data(), DType::kF32, {}};
+  eng.step({&d, 1});
+  // Step 1: B = g1, U = g1 + mu B = 1.95 g1, X = U / (|U| + 1e-7), O = ns(|X|) * g1 / 5.
+  // Scale "original" for 1 x 4: sqrt(max(1, 1/4)) = 1.
+  const double s1 = ns_scalar(1.95 * 5 / (1.95 * 5 + 1e-7));
+  for (int j = 0; j < 4; ++j) {
+    double want = w0[j] * (1 - lr * wd) - lr * s1 * g1[j] / 5.0;
+    EXPECT_NEAR(w[j], want, 1e-5) << j;
+  }
+  TensorView mom = eng.state(0, "momentum_buffer");
+  const float* b = static_cast<const float*>(mom.data);
+  for (int j = 0; j < 4; ++j) EXPECT_FLOAT_EQ(b[j], g1[j]);
+
+  // Step 2 with a different gradient: B = mu g1 + g2, U = g2 + mu B.
+  std::vector<float> g2 = {0.0f, 1.0f, 0.0f, 0.0f};
+  std::vector<float> w1 = w;
+  d.grad = g2.data();
+  eng.step({&d, 1});
+  std::vector<double> bn(4), u(4);
+  double un = 0;
+  for (int j = 0; j < 4; ++j) {
+    bn[j] = mu * g1[j] + g2[j];
+    u[j] = g2[j] + mu * bn[j];
+    un += u[j] * u[j];
+  }
+  un = std::sqrt(un);
+  const double s2 = ns_scalar(un / (un + 1e-7));
+  for (int j = 0; j < 4; ++j) {
+    EXPECT_NEAR(b[j], bn[j], 1e-6);
+    EXPECT_NEAR(w[j], w1[j] * (1 - lr * wd) - lr * s2 * u[j] / un, 1e-5);
+  }
+  EXPECT_EQ(eng.param_step(0), 2);
+}
+
+TEST(Engine, ScaleModesAndTallMatrices) {
+  for (ScaleMode mode : {ScaleMode::kOriginal, ScaleMode::kMatchRmsAdamW, ScaleMode::kSpectral}) {
+    for (auto [r, c] : {std::pair{12, 4}, std::pair{4, 12}}) {
+      CpuBackend be;
+      Engine eng(be);
+      GroupOptions g = muon_group(0.01f);
+      g.muon.scale = mode;
+      g.muon.nesterov = false;
+      g.muon.ortho.work_dtype = DType::kF64;
+      eng.add_group(g);
+      eng.add_param({"w", 0, {r, c}, DType::kF32});
+      Mat gm = random_matrix(r, c);
+      std::vector<float> w(r * c, 0.0f), grad = to_vec(gm);
+      ParamData d{w.data(), grad.data(), DType::kF32, {}};
+      eng.step({&d, 1});
+      // Without Nesterov the first U is the gradient itself.
+      Mat o = test::reference_ns(gm.cast<float>().cast<double>(), Coefficients::kJordan, 5);
+      const double scale = shape_scale(mode, r, c);
+      for (int64_t i = 0; i < r; ++i)
+        for (int64_t j = 0; j < c; ++j) EXPECT_NEAR(w[i * c + j], -0.01 * scale * o(i, j), 1e-6);
+    }
+  }
+  EXPECT_DOUBLE_EQ(shape_scale(ScaleMode::kOriginal, 3072, 768), 2.0);
+  EXPECT_DOUBLE_EQ(shape_scale(ScaleMode::kMatchRmsAdamW, 768, 3072), 0.2 * std::sqrt(3072.0));
+  EXPECT_DOUBLE_EQ(shape_scale(ScaleMode::kSpectral, 768, 3072), 0.5);
+}
+
+TEST(Engine, BatchOf3DAndConvLayoutsEqualSeparateMatrices) {
+  // A (3, 8, 20) parameter is three 8 x 20 matrices; a (6, 2, 3, 3) conv is one 6 x 18 matrix.
+  CpuBackend be;
+  Engine stacked(be), separate(be);
+  for (Engine* e : {&stacked, &separate}) e->add_group(muon_group(0.05f));
+  stacked.add_param({"experts", 0, {3, 8, 20}, DType::kF32});
+  stacked.add_param({"conv", 0, {6, 2, 3, 3}, DType::kF32});
+  for (int i = 0; i < 3; ++i) separate.add_param({"e" + std::to_string(i), 0, {8, 20}, DType::kF32});
+  separate.add_param({"conv2d", 0, {6, 18}, DType::kF32});
+  std::vector<float> we(3 * 160), ge = to_vec(random_matrix(1, 480)), wc(108), gc = to_vec(random_matrix(1, 108));
+  std::vector<float> we2 = we, wc2 = wc;
+  std::vector<ParamData> ds = {{we.data(), ge.data(), DType::kF32, {}}, {wc.data(), gc.data(), DType::kF32, {}}};
+  std::vector<ParamData> dp;
+  for (int i = 0; i < 3; ++i) dp.push_back({we2.data() + 160 * i, ge.data() + 160 * i, DType::kF32, {}});
+  dp.push_back({wc2.data(), gc.data(), DType::kF32, {}});
+  for (int s = 0; s < 2; ++s) {
+    stacked.step(ds);
+    separate.step(dp);
+  }
+  EXPECT_EQ(we, we2);
+  EXPECT_EQ(wc, wc2);
+}
+
+TEST(Engine, AdamwGroupsAndMissingGradients) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(muon_group(0.02f));
+  GroupOptions a;
+  a.kind = ParamKind::kAdamW;
+  a.adamw.lr = 0.1f;
+  a.adamw.weight_decay = 0.0f;
+  eng.add_group(a);
+  eng.add_param({"w", 0, {4, 6}, DType::kF32});
+  eng.add_param({"bias", 1, {6}, DType::kF32});
+  eng.add_param({"unused", 0, {4, 6}, DType::kF32});
+  std::vector<float> w(24, 1.0f), gw = to_vec(random_matrix(4, 6)), bias(6, 0.0f), gb = {1, -2, 3, -4, 5, -6};
+  std::vector<float> unused(24, 7.0f);
+  std::vector<ParamData> d = {{w.data(), gw.data(), DType::kF32, {}},
+                              {bias.data(), gb.data(), DType::kF32, {}},
+                              {unused.data(), nullptr, DType::kF32, {}}};
+  eng.step(d);
+  for (int j = 0; j < 6; ++j) EXPECT_NEAR(bias[j], -0.1 * (gb[j] > 0 ? 1 : -1), 1e-6);  // first Adam step
+  for (float v : unused) EXPECT_EQ(v, 7.0f);  // no gradient: untouched
+  EXPECT_EQ(eng.param_step(2), 0);
+  EXPECT_EQ(eng.param_step(1), 1);
+  // Schedulers change the learning rate between steps.
+  eng.group(1).adamw.lr = 0.0f;
+  std::vector<float> before = bias;
+  eng.step(d);
+  EXPECT_EQ(bias, before);
+}
+
+TEST(Engine, NonFiniteGradientIsSkippedAndCounted) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(muon_group(0.02f));
+  eng.add_param({"good", 0, {4, 8}, DType::kF32});
+  eng.add_param({"bad", 0, {4, 8}, DType::kF32});
+  std::vector<float> w1(32, 1.0f), w2(32, 1.0f), g1 = to_vec(random_matrix(4, 8)), g2 = g1;
+  g2[5] = std::numeric_limits<float>::infinity();
+  std::vector<ParamData> d = {{w1.data(), g1.data(), DType::kF32, {}}, {w2.data(), g2.data(), DType::kF32, {}}};
+  eng.step(d);
+  EXPECT_NE(w1, std::vector<float>(32, 1.0f));
+  EXPECT_EQ(w2, std::vector<float>(32, 1.0f));
+  const float* mom = static_cast<const float*>(eng.state(1, "momentum_buffer").data);
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(mom[i], 0.0f);
+  EXPECT_EQ(eng.stats().nonfinite_skips, 1);
+}
+
+TEST(Engine, RaisePolicyThrowsBeforeTouchingState) {
+  CpuBackend be;
+  Engine eng(be, EngineOptions{NonFinitePolicy::kRaise});
+  eng.add_group(muon_group(0.02f));
+  eng.add_param({"layer.weight", 0, {4, 8}, DType::kF32});
+  eng.add_param({"other", 0, {4, 8}, DType::kF32});
+  std::vector<float> w1(32, 1.0f), w2(32, 1.0f), g1 = to_vec(random_matrix(4, 8)), g2 = g1;
+  g2[0] = std::nanf("");
+  std::vector<ParamData> d = {{w1.data(), g1.data(), DType::kF32, {}}, {w2.data(), g2.data(), DType::kF32, {}}};
+  try {
+    eng.step(d);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'other'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(w1, std::vector<float>(32, 1.0f));  // not even the good matrix moved
+  const float* mom = static_cast<const float*>(eng.state(0, "momentum_buffer").data);
+  for (int i = 0; i < 32; ++i) EXPECT_EQ(mom[i], 0.0f);
+}
+
+TEST(Engine, ZeroGradientGivesZeroUpdate) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(muon_group(0.02f));
+  eng.add_param({"w", 0, {8, 8}, DType::kF32});
+  std::vector<float> w(64, 0.25f), g(64, 0.0f);
+  ParamData d{w.data(), g.data(), DType::kF32, {}};
+  eng.step({&d, 1});
+  for (float v : w) EXPECT_EQ(v, 0.25f);
+}
+
+TEST(Engine, ClearErrorsForBadParameters) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(muon_group(0.02f));
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([&] { eng.add_param({"norm.weight", 0, {768}, DType::kF32}); }).find("norm.weight"),
+            std::string::npos);
+  EXPECT_NE(message([&] { eng.add_param({"empty", 0, {0, 4}, DType::kF32}); }).find("empty"),
+            std::string::npos);
+  EXPECT_THROW(eng.add_param({"w", 3, {4, 4}, DType::kF32}), Error);  // no such group
+  eng.add_param({"proj", 0, {4, 6}, DType::kF32});
+  std::vector<float> w(24), g(24);
+  std::vector<int64_t> wrong = {6, 4};
+  ParamData d{w.data(), g.data(), DType::kF32, wrong};
+  std::string msg = message([&] { eng.step({&d, 1}); });
+  EXPECT_NE(msg.find("'proj'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("[6, 4]"), std::string::npos) << msg;
+  GroupOptions bad = muon_group(0.02f);
+  bad.muon.momentum = 1.5f;
+  EXPECT_THROW(eng.add_group(bad), Error);
+}
+
+TEST(Engine, HalfPrecisionParametersAndGradients) {
+  // bf16 weights and gradients work and follow the fp32 result within bf16 rounding.
+  CpuBackend be;
+  Engine e32(be), e16(be);
+  for (Engine* e : {&e32, &e16}) e->add_group(muon_group(0.05f));
+  e32.add_param({"w", 0, {16, 40}, DType::kF32});
+  e16.add_param({"w", 0, {16, 40}, DType::kBF16});
+  test::HostBatch w16(DType::kBF16, 1, 16, 40), g16(DType::kBF16, 1, 16, 40);
+  Mat w0 = random_matrix(16, 40), g0 = random_matrix(16, 40);
+  w16.set(0, w0);
+  g16.set(0, g0);
+  std::vector<float> w32 = to_vec(w16.get(0)), g32 = to_vec(g16.get(0));
+  ParamData d32{w32.data(), g32.data(), DType::kF32, {}};
+  ParamData d16{w16.ref.data, g16.ref.data, DType::kBF16, {}};
+  e32.step({&d32, 1});
+  e16.step({&d16, 1});
+  Mat a = w16.get(0), b(16, 40);
+  for (int i = 0; i < 640; ++i) b(i / 40, i % 40) = w32[i];
+  EXPECT_LT(test::rel_err(a, b), 1e-2);
+}
+
+}  // namespace
+}  // namespace distmuon

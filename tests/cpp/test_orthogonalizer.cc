@@ -1,0 +1,220 @@
+// Every orthogonalization algorithm against the float64 reference of the same iteration, on
+// fresh random wide, tall, square, one-row and zero inputs; Gram NS against standard NS; a
+// converging schedule against the SVD polar factor; FLOP counts against ALGORITHMS.md.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "backend/cpu/cpu_backend.h"
+#include "distmuon/error.h"
+#include "distmuon/ortho.h"
+#include "test_util.h"
+
+namespace distmuon {
+namespace {
+
+using test::HostBatch;
+using test::Mat;
+using test::random_matrix;
+using test::reference_ns;
+using test::rel_err;
+
+// Runs the orthogonalizer on `inputs` (all the same shape) and returns its outputs (f64 read-back).
+std::vector<Mat> run_ortho(const OrthoConfig& cfg, const std::vector<Mat>& inputs,
+                           DType io_dtype = DType::kF64, OrthoStats* stats = nullptr) {
+  CpuBackend be;
+  Orthogonalizer ortho(be);
+  const int64_t count = static_cast<int64_t>(inputs.size());
+  HostBatch u(io_dtype, count, inputs[0].rows(), inputs[0].cols());
+  HostBatch out(io_dtype, count, inputs[0].rows(), inputs[0].cols());
+  for (int64_t i = 0; i < count; ++i) u.set(i, inputs[i]);
+  out.poison();
+  ortho.orthogonalize(cfg, u.ref, out.ref, stats);
+  std::vector<Mat> r;
+  for (int64_t i = 0; i < count; ++i) r.push_back(out.get(i));
+  return r;
+}
+
+struct Shape {
+  int64_t rows, cols;
+  bool zero;
+};
+
+const Shape kShapes[] = {{24, 80, false}, {80, 24, false}, {40, 40, false},
+                         {1, 64, false},  {64, 1, false},  {16, 48, true}};
+
+const Iteration kIterations[] = {Iteration::kStandardDense, Iteration::kStandardSym,
+                                 Iteration::kGram, Iteration::kAuto};
+const Coefficients kCoeffs[] = {Coefficients::kJordan, Coefficients::kPolarExpress,
+                                Coefficients::kPolarExpress105, Coefficients::kYou};
+
+TEST(Orthogonalizer, EveryAlgorithmMatchesFloat64ReferenceOfTheSameIteration) {
+  for (Iteration it : kIterations)
+    for (Coefficients co : kCoeffs)
+      for (const Shape& s : kShapes) {
+        OrthoConfig cfg;
+        cfg.iteration = it;
+        cfg.coefficients = co;
+        cfg.work_dtype = DType::kF64;
+        std::vector<Mat> in;
+        for (int i = 0; i < 3; ++i)
+          in.push_back(s.zero ? Mat(Mat::Zero(s.rows, s.cols)) : random_matrix(s.rows, s.cols, 0.1 + i));
+        std::vector<Mat> out = run_ortho(cfg, in);
+        for (size_t i = 0; i < in.size(); ++i) {
+          Mat want = reference_ns(in[i], co, cfg.steps);
+          SCOPED_TRACE(iteration_name(it) + ":" + coefficients_name(co) + " " +
+                       std::to_string(s.rows) + "x" + std::to_string(s.cols));
+          ASSERT_FALSE(out[i].hasNaN());
+          if (s.zero) {
+            EXPECT_EQ(out[i].norm(), 0.0);  // a zero input gives a zero output, never NaN
+          } else {
+            EXPECT_LT(rel_err(out[i], want), 1e-10);
+          }
+        }
+      }
+}
+
+TEST(Orthogonalizer, GramEqualsStandardInFloat64WithAndWithoutRestarts) {
+  for (std::vector<int> restarts : {std::vector<int>{}, std::vector<int>{2}, std::vector<int>{1, 3}}) {
+    for (Coefficients co : kCoeffs) {
+      std::vector<Mat> in = {random_matrix(32, 96), random_matrix(96, 32), random_matrix(20, 200)};
+      for (const Mat& u : in) {
+        OrthoConfig g;
+        g.iteration = Iteration::kGram;
+        g.coefficients = co;
+        g.restarts = restarts;
+        g.work_dtype = DType::kF64;
+        OrthoConfig s = g;
+        s.iteration = Iteration::kStandardDense;
+        Mat a = run_ortho(g, {u})[0], b = run_ortho(s, {u})[0];
+        EXPECT_LT(rel_err(a, b), 1e-8) << coefficients_name(co) << " restarts " << restarts.size();
+      }
+    }
+  }
+}
+
+TEST(Orthogonalizer, ConvergingScheduleApproachesSvdPolarFactor) {
+  // Polar Express with ten steps converges for well-conditioned random inputs.
+  OrthoConfig cfg;
+  cfg.iteration = Iteration::kGram;
+  cfg.coefficients = Coefficients::kPolarExpress;
+  cfg.steps = 10;
+  cfg.work_dtype = DType::kF64;
+  for (auto [r, c] : {std::pair{48, 160}, std::pair{160, 48}}) {
+    Mat u = random_matrix(r, c);
+    Mat o = run_ortho(cfg, {u})[0];
+    EXPECT_LT(rel_err(o, test::polar_factor(u)), 1e-3);
+  }
+  // Keller Jordan's quintic deliberately does not converge (singular values in ~[0.68, 1.15]).
+  OrthoConfig jordan;
+  jordan.work_dtype = DType::kF64;
+  Mat u = random_matrix(48, 160);
+  double e = rel_err(run_ortho(jordan, {u})[0], test::polar_factor(u));
+  EXPECT_GT(e, 0.02);
+  EXPECT_LT(e, 0.4);
+}
+
+TEST(Orthogonalizer, Float32AndHalfPrecisionStayCloseToReference) {
+  struct Case {
+    Iteration it;
+    DType work;
+    double tol;
+  };
+  // fp32 lands near 1e-5; bf16 standard NS and fp16 Gram NS (with the default restart) near 1e-2.
+  for (Case k : {Case{Iteration::kStandardDense, DType::kF32, 2e-5}, Case{Iteration::kGram, DType::kF32, 2e-5},
+                 Case{Iteration::kStandardSym, DType::kBF16, 3e-2}, Case{Iteration::kGram, DType::kF16, 3e-2}}) {
+    OrthoConfig cfg;
+    cfg.iteration = k.it;
+    cfg.work_dtype = k.work;
+    cfg.gram_work_dtype = k.work;
+    for (auto [r, c] : {std::pair{64, 256}, std::pair{256, 64}, std::pair{96, 96}}) {
+      Mat u = random_matrix(r, c);
+      Mat o = run_ortho(cfg, {u}, DType::kF32)[0];
+      EXPECT_LT(rel_err(o, reference_ns(u, cfg.coefficients, cfg.steps)), k.tol)
+          << iteration_name(k.it) << " " << dtype_name(k.work) << " " << r << "x" << c;
+    }
+  }
+}
+
+TEST(Orthogonalizer, NoNaNOnTinyOrHugeInputs) {
+  for (double scale : {1e-30, 1e-12, 1e12, 1e30}) {
+    for (Iteration it : {Iteration::kStandardSym, Iteration::kGram}) {
+      OrthoConfig cfg;
+      cfg.iteration = it;
+      Mat u = random_matrix(16, 48, scale);
+      Mat o = run_ortho(cfg, {u}, DType::kF32)[0];
+      ASSERT_FALSE(o.hasNaN()) << scale;
+      // Same eps semantics as the reference (tiny inputs are not blown up to unit norm).
+      Mat ref = reference_ns(u.cast<float>().cast<double>(), cfg.coefficients, cfg.steps);
+      EXPECT_LT(rel_err(o, ref), 1e-4) << scale;
+    }
+  }
+}
+
+TEST(Orthogonalizer, FlopCountsMatchTheClosedForms) {
+  // ALGORITHMS.md section 4, in units of m^3 with alpha = n / m.
+  const int64_t m = 512, n = 2048;
+  const double a = double(n) / m, m3 = double(m) * m * m;
+  OrthoConfig c;
+  c.iteration = Iteration::kStandardDense;
+  EXPECT_NEAR(ortho_flops(c, m, n) / m3, 2 * 5 * (2 * a + 1), 1e-9);
+  c.iteration = Iteration::kStandardSym;
+  EXPECT_NEAR(ortho_flops(c, m, n) / m3, 5 * (3 * a + 1), 0.05);  // one triangle counts m(m+1)k
+  c.iteration = Iteration::kGram;
+  EXPECT_NEAR(ortho_flops(c, m, n) / m3, 4 * 5 + 6 * a - 6, 0.05);
+  EXPECT_EQ(ortho_flops(c, n, m), ortho_flops(c, m, n));  // tall = wide transposed
+  // The run counts what it does.
+  OrthoStats stats;
+  OrthoConfig f64 = c;
+  f64.work_dtype = DType::kF64;
+  run_ortho(f64, {random_matrix(40, 100), random_matrix(40, 100)}, DType::kF64, &stats);
+  EXPECT_DOUBLE_EQ(stats.flops, 2 * ortho_flops(c, 40, 100));
+  EXPECT_EQ(stats.matrices, 2);
+}
+
+TEST(Orthogonalizer, AutoPicksGramOnlyForElongatedShapes) {
+  EXPECT_EQ(choose_iteration(768, 768), Iteration::kStandardSym);
+  EXPECT_EQ(choose_iteration(768, 1024), Iteration::kStandardSym);
+  EXPECT_EQ(choose_iteration(768, 2304), Iteration::kGram);
+  EXPECT_EQ(choose_iteration(3072, 768), Iteration::kGram);
+}
+
+TEST(Orthogonalizer, AlgorithmSpecsParseAndPrint) {
+  OrthoConfig c = parse_algorithm("ns5");
+  EXPECT_EQ(c.iteration, Iteration::kStandardDense);
+  EXPECT_EQ(c.steps, 5);
+  c = parse_algorithm("gram-ns:polar-express-1.05");
+  EXPECT_EQ(c.iteration, Iteration::kGram);
+  EXPECT_EQ(c.coefficients, Coefficients::kPolarExpress105);
+  c = parse_algorithm("auto:you:6");
+  EXPECT_EQ(c.steps, 6);
+  EXPECT_EQ(algorithm_name(c), "auto:you:6");
+  EXPECT_EQ(algorithm_name(parse_algorithm("ns7-sym")), "ns7-sym");
+  EXPECT_THROW(parse_algorithm("svd"), Error);
+  EXPECT_THROW(parse_algorithm("ns5:magic"), Error);
+  EXPECT_THROW(parse_algorithm("gram-ns:jordan:0"), Error);
+}
+
+TEST(Orthogonalizer, PolarExpressSafetyFactorsAreApplied) {
+  auto pe = coefficient_schedule(Coefficients::kPolarExpress, 5);
+  EXPECT_NEAR(pe[0].a, 8.28721201814563 / 1.01, 1e-12);
+  EXPECT_NEAR(pe[0].c, 17.300387312530933 / std::pow(1.01, 5), 1e-12);
+  EXPECT_NEAR(pe[4].a, 2.300652019954817, 1e-15);  // the last step has no safety factor
+  auto dm = coefficient_schedule(Coefficients::kPolarExpress105, 7);
+  EXPECT_NEAR(dm[0].a, 8.28721201814563 / 1.05, 1e-9);  // published rows = base / 1.05
+  EXPECT_NEAR(dm[6].a, 1.8750014808534479, 1e-15);      // past the list: converged base rows
+}
+
+TEST(Orthogonalizer, RejectsWrongInputs) {
+  CpuBackend be;
+  Orthogonalizer o(be);
+  HostBatch tall(DType::kF32, 1, 8, 4), out(DType::kF32, 1, 8, 4);
+  OrthoConfig cfg;
+  EXPECT_THROW(o.run(cfg, tall.ref, out.ref, nullptr, 0), Error);  // not wide
+  HostBatch wide(DType::kBF16, 1, 4, 8), wout(DType::kBF16, 1, 4, 8);
+  cfg.work_dtype = DType::kF32;
+  EXPECT_THROW(o.run(cfg, wide.ref, wout.ref, nullptr, 0), Error);  // dtype differs from config
+}
+
+}  // namespace
+}  // namespace distmuon

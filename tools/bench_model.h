@@ -1,0 +1,51 @@
+// The synthetic model distmuon-bench steps: every tensor of a workload allocated on a backend,
+// with random weights and gradients.
+#pragma once
+
+#include <random>
+#include <vector>
+
+#include "distmuon/backend.h"
+#include "distmuon/engine.h"
+#include "distmuon/workload.h"
+
+namespace distmuon::bench {
+
+struct Tensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool muon = false;
+  Buffer weight, grad;
+  int64_t numel() const;
+};
+
+class BenchModel {
+ public:
+  // Allocates and fills every tensor of `w` (Muon entries first); with include_adamw false the
+  // AdamW tensors are left out.
+  BenchModel(Backend& be, const Workload& w, DType param_dtype, bool include_adamw, uint64_t seed);
+
+  // Registers the tensors with an engine: group 0 Muon with `muon`, group 1 AdamW.
+  void register_with(Engine& engine, const MuonOptions& muon, const AdamWOptions& adamw) const;
+  std::vector<ParamData> step_data() const;
+  // Replaces the gradients with fresh random values (same distribution).
+  void refresh_gradients();
+  // g <- g + eps * ||g||/sqrt(numel) * noise for every Muon gradient (a slowly drifting stream).
+  void drift_gradients(double eps);
+
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+  int64_t muon_params() const;
+  int64_t adamw_params() const;
+  int64_t muon_matrices() const;
+  DType dtype() const { return dtype_; }
+
+ private:
+  void fill_random(void* dst, int64_t numel, double scale);
+  Backend& be_;
+  DType dtype_;
+  std::vector<Tensor> tensors_;
+  std::vector<float> pool_;  // random values reused at random offsets (fast fills)
+  std::mt19937_64 rng_;
+};
+
+}  // namespace distmuon::bench
