@@ -1,0 +1,65 @@
+# distmuon — the two commands a newcomer runs are `make demo` and `make test`.
+# Both install what is missing (Debian packages with apt-get, Python packages with pip),
+# build, and run. Every target is idempotent.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+JOBS ?= $(shell nproc)
+BUILD_DIR ?= build
+CMAKE_PRESET ?= release
+
+APT_PACKAGES := cmake pkg-config g++ make libopenblas-dev openmpi-bin libopenmpi-dev \
+                coinor-libcbc-dev nlohmann-json3-dev libeigen3-dev libgtest-dev
+PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core matplotlib
+
+.PHONY: all deps deps-apt deps-pip build test test-cpp test-python demo format tidy clean help
+
+all: build
+
+help:
+	@echo "make demo    install what is missing, build, run the benchmark and the training example (CPU)"
+	@echo "make test    install what is missing, build, run every test (ctest: gtest + MPI; pytest)"
+	@echo "make build   configure and build Release into $(BUILD_DIR)/ (executables in $(BUILD_DIR)/bin)"
+	@echo "make deps    only install the Debian and Python dependencies"
+	@echo "make format  clang-format the C++ sources; make tidy runs clang-tidy"
+
+deps: deps-apt deps-pip
+
+# Installs only the Debian packages that are missing (no prompts).
+deps-apt:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "[deps] apt-get install $$missing"; \
+	  if [ "$$(id -u)" != 0 ]; then SUDO=sudo; fi; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "[deps] Debian packages present"; fi
+
+# Installs only the Python packages that cannot be imported.
+deps-pip:
+	@missing=$$(for p in $(PIP_PACKAGES); do m=$${p//-/_}; $(PYTHON) -c "import $$m" >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "[deps] pip install $$missing"; \
+	  $(PYTHON) -m pip install -q --disable-pip-version-check $$missing; \
+	else echo "[deps] Python packages present"; fi
+
+build:
+	@cmake --preset $(CMAKE_PRESET) -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) >/dev/null
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: deps build test-cpp
+
+test-cpp:
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+demo: deps build
+	$(BUILD_DIR)/bin/distmuon-bench --workload gpt2-small --backend cpu --algo ns5,auto --steps 2 --layers 4
+
+format:
+	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
+
+tidy: build
+	clang-tidy -p $(BUILD_DIR) $$(git ls-files 'src/*.cc' 'tools/*.cc')
+
+clean:
+	rm -rf $(BUILD_DIR)
