@@ -1,0 +1,58 @@
+// The baseline plan and the plan hash.
+#include <map>
+#include <tuple>
+
+#include "distmuon/error.h"
+#include "distmuon/plan.h"
+#include "distmuon/ortho.h"
+
+namespace distmuon {
+
+uint64_t plan_hash(const Plan& plan) {
+  // FNV-1a over the owner list and the batch structure: stable across runs and machines.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  };
+  mix(plan.owner.size());
+  for (int o : plan.owner) mix(static_cast<uint64_t>(o));
+  for (const auto& owner_batches : plan.batches) {
+    mix(owner_batches.size());
+    for (const auto& b : owner_batches) {
+      mix(b.size());
+      for (int m : b) mix(static_cast<uint64_t>(m));
+    }
+  }
+  return h;
+}
+
+Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& topo) {
+  DM_CHECK(topo.world_size >= 1, "world size must be >= 1 (got ", topo.world_size, ")");
+  Plan p;
+  p.solver = "round-robin";
+  p.owner.resize(matrices.size());
+  p.batches.assign(topo.world_size, {});
+  p.owner_load.assign(topo.world_size, 0.0);
+  std::vector<std::map<std::pair<int64_t, int64_t>, size_t>> batch_of(topo.world_size);
+  for (size_t i = 0; i < matrices.size(); ++i) {
+    const int o = static_cast<int>(i % topo.world_size);
+    p.owner[i] = o;
+    auto key = std::make_pair(matrices[i].rows, matrices[i].cols);
+    auto it = batch_of[o].find(key);
+    if (it == batch_of[o].end()) {
+      it = batch_of[o].emplace(key, p.batches[o].size()).first;
+      p.batches[o].emplace_back();
+    }
+    p.batches[o][it->second].push_back(static_cast<int>(i));
+    // Load in FLOPs of the default algorithm until a cost table is given.
+    p.owner_load[o] += ortho_flops(OrthoConfig{}, matrices[i].rows, matrices[i].cols);
+  }
+  for (double l : p.owner_load) p.makespan = std::max(p.makespan, l);
+  p.hash = plan_hash(p);
+  return p;
+}
+
+}  // namespace distmuon
