@@ -55,6 +55,17 @@ void blas_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, doub
               m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+void blas_syrk(bool trans, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+               float beta, float* c, int64_t ldc) {
+  cblas_ssyrk(CblasRowMajor, CblasLower, trans ? CblasTrans : CblasNoTrans, n, k, alpha, a, lda,
+              beta, c, ldc);
+}
+void blas_syrk(bool trans, int64_t n, int64_t k, double alpha, const double* a, int64_t lda,
+               double beta, double* c, int64_t ldc) {
+  cblas_dsyrk(CblasRowMajor, CblasLower, trans ? CblasTrans : CblasNoTrans, n, k, alpha, a, lda,
+              beta, c, ldc);
+}
+
 // Rows [r0, r1) x cols [0, ncols) of C = alpha op(A) op(B) + beta Cin, into the m x n T scratch.
 template <typename T>
 void product_block(bool ta, bool tb, const Staged<T>& a, const Staged<T>& b, int64_t k, T alpha,
@@ -86,6 +97,9 @@ void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const Bat
     }
     if (!symmetric) {
       product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, 0, d.m, d.n, acc.data(), d.n);
+    } else if (a.matrix(i).data == b.matrix(i).data && ta != tb && d.k > 0) {
+      // X X^T or X^T X of one operand: BLAS's rank-k update computes the lower triangle.
+      blas_syrk(ta, d.m, d.k, static_cast<T>(alpha), sa.ptr, sa.ld, eff_beta, acc.data(), d.n);
     } else {
       // Lower triangle in row blocks: block [r0, r1) needs columns [0, r1) only, which halves the
       // work; the upper triangle is then mirrored so the result is exactly symmetric.
