@@ -1,0 +1,266 @@
+// distmuon-cuda-bench: the H200 measurements of issue 6 in one process, side by side.
+//  1. ceilings: dense bf16 GEMM rate (8192^3, cuBLASLt) and device copy bandwidth;
+//  2. X X^T of a 4096 x 16384 bf16 input: each lower-triangle kernel vs cuBLASLt's dense product;
+//  3. per workload: the autotuner per shape class, then whole optimizer steps (Muon matrices,
+//     fp32 parameters, random gradients) timed eagerly and as a replayed CUDA graph, and the
+//     floor (counted FLOPs of the cheapest algorithm over the GEMM rate + 20 bytes per parameter
+//     over the copy bandwidth).
+// Writes one JSON file; bench/make_report.py merges it with the torch baselines.
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "backend/cuda/cuda_handles.h"
+#include "backend/cuda/launch/launchers.h"
+#include "backend/cuda/tune/autotune.h"
+#include "distmuon/cuda_backend.h"
+#include "distmuon/engine.h"
+#include "distmuon/workload.h"
+
+namespace distmuon::bench {
+namespace {
+
+using nlohmann::json;
+using cuda::time_ms;
+
+struct Opts {
+  std::vector<std::string> workloads = {"gpt2-small", "gpt2-large", "pi0", "qwen2.5-7b:8"};
+  std::string json_path = "cuda_bench.json";
+  int steps = 10;
+  bool micro = true, tune = true;
+};
+
+BatchRef dev_batch(Backend& be, std::vector<Buffer>& keep, DType t, int64_t c, int64_t r, int64_t k,
+                   uint64_t seed, float scale) {
+  BatchRef b = BatchRef::packed(nullptr, t, c, r, k);
+  keep.push_back(be.alloc(b.bytes()));
+  b.data = keep.back().data();
+  cuda::launch_fill_normal(b.data, t, c * r * k, seed, scale, static_cast<CudaBackend&>(be).stream());
+  return b;
+}
+
+json micro(CudaBackend& be, double& tflops, double& tbps) {
+  json j;
+  std::vector<Buffer> keep;
+  {
+    const int64_t n = 8192;
+    BatchRef a = dev_batch(be, keep, DType::kBF16, 1, n, n, 1, 1.0f);
+    BatchRef b = dev_batch(be, keep, DType::kBF16, 1, n, n, 2, 1.0f);
+    BatchRef c = dev_batch(be, keep, DType::kBF16, 1, n, n, 3, 1.0f);
+    const double ms = time_ms(be, 20, [&] { be.gemm(Op::kN, a, Op::kN, b, 1.0, 0.0, nullptr, c); });
+    tflops = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
+    j["gemm_8192_ms"] = ms;
+    std::fprintf(stderr, "[micro] dense bf16 8192^3: %.3f ms, %.0f TFLOP/s\n", ms, tflops);
+  }
+  {
+    const size_t bytes = size_t{4} << 30;
+    Buffer s = be.alloc(bytes), d = be.alloc(bytes);
+    be.fill_zero(s.data(), bytes);
+    const double ms = time_ms(be, 10, [&] { be.copy(d.data(), s.data(), bytes); });
+    tbps = 2.0 * bytes / (ms * 1e-3) / 1e12;
+    j["copy_4gib_ms"] = ms;
+    std::fprintf(stderr, "[micro] device copy 4 GiB: %.3f ms, %.2f TB/s (read + write)\n", ms, tbps);
+  }
+  keep.clear();
+  {
+    const int64_t m = 4096, k = 16384;
+    BatchRef x = dev_batch(be, keep, DType::kBF16, 1, m, k, 4, 1.0f / 128);
+    BatchRef c = dev_batch(be, keep, DType::kBF16, 1, m, m, 5, 1.0f);
+    const double dense = time_ms(be, 20, [&] { be.gemm(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, c); });
+    json v;
+    double best = 1e30;
+    std::string best_name;
+    for (SymKernel s : {SymKernel::kDenseMirror, SymKernel::kTri128, SymKernel::kTri256x128,
+                        SymKernel::kTri128Cluster2}) {
+      be.set_sym_kernel(s);
+      const double ms = time_ms(be, 20, [&] {
+        be.gemm_symmetric(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, c);
+      });
+      v[sym_kernel_name(s)] = ms;
+      std::fprintf(stderr, "[micro] X X^T 4096x16384 bf16 %-12s %.3f ms (%.3f of dense %.3f ms)\n",
+                   sym_kernel_name(s), ms, ms / dense, dense);
+      if (ms < best) {
+        best = ms;
+        best_name = sym_kernel_name(s);
+      }
+    }
+    be.set_sym_kernel(SymKernel::kAuto);
+    j["syrk_4096x16384"] = {{"dense_ms", dense}, {"variants_ms", v}, {"best", best_name},
+                            {"best_ms", best}};
+    j["syrk_over_dense"] = best / dense;
+  }
+  return j;
+}
+
+struct ShapeClass {
+  int64_t rows, cols, count;
+};
+
+std::vector<ShapeClass> classes_of(const Workload& w) {
+  std::vector<ShapeClass> out;
+  for (const WorkloadEntry& e : w.muon) {
+    int64_t r = e.shape[0], c = 1, per = 1;
+    if (e.shape.size() == 2) c = e.shape[1];
+    if (e.shape.size() == 3) { per = e.shape[0]; r = e.shape[1]; c = e.shape[2]; }
+    if (e.shape.size() == 4) c = e.shape[1] * e.shape[2] * e.shape[3];
+    bool found = false;
+    for (ShapeClass& s : out)
+      if (s.rows == r && s.cols == c) { s.count += e.count * per; found = true; }
+    if (!found) out.push_back({r, c, e.count * per});
+  }
+  return out;
+}
+
+json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, double tflops, double tbps) {
+  std::string name = spec;
+  int64_t layers = 0;
+  if (auto p = spec.find(':'); p != std::string::npos) {
+    name = spec.substr(0, p);
+    layers = std::stoll(spec.substr(p + 1));
+  }
+  Workload w = load_workload(name);
+  if (layers > 0) w = w.first_layers(layers);
+  std::fprintf(stderr, "[bench] %s%s: %lld Muon matrices, %lld parameters\n", name.c_str(),
+               layers ? (" (" + std::to_string(layers) + " layers)").c_str() : "",
+               (long long)w.muon_matrices(), (long long)w.muon_params());
+  const OrthoConfig base = [] { OrthoConfig c; c.work_dtype = DType::kBF16; return c; }();
+  std::vector<ShapeClass> cls = classes_of(w);
+  json jc = json::array();
+  std::vector<cuda::SymChoice> syms;
+  std::vector<cuda::AlgoChoice> algos;
+  double floor_flops = 0, floor_bytes = 0;
+  Engine engine(be);
+  std::vector<OrthoConfig> cfgs;
+  for (const ShapeClass& s : cls) {
+    const int64_t m = std::min(s.rows, s.cols), n = std::max(s.rows, s.cols);
+    OrthoConfig ns = base, gram = base;
+    ns.iteration = Iteration::kStandardSym;
+    gram.iteration = Iteration::kGram;
+    floor_flops += s.count * std::min(ortho_flops(ns, s.rows, s.cols), ortho_flops(gram, s.rows, s.cols));
+    floor_bytes += 20.0 * s.rows * s.cols * s.count;
+    OrthoConfig chosen = base;
+    json e = {{"rows", s.rows}, {"cols", s.cols}, {"count", s.count}};
+    if (o.tune) {
+      cuda::TuneOptions to;
+      to.repeats = 5;
+      json ks;
+      for (DType t : {DType::kBF16, DType::kF16})
+        for (int64_t k : {n, m}) {
+          syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
+          ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(syms.back().kernel);
+        }
+      algos.push_back(cuda::tune_algorithm(be, s.rows, s.cols, s.count, base, to));
+      chosen = cuda::config_of(algos.back(), base);
+      e["sym_kernels"] = ks;
+      e["algorithm"] = algos.back().algorithm;
+      e["restarts"] = algos.back().restarts;
+      e["algo_ms"] = algos.back().ms;
+      e["rel_err_vs_fp32"] = algos.back().rel_err;
+    } else {
+      chosen.iteration = choose_iteration(m, n);
+      e["algorithm"] = iteration_name(chosen.iteration);
+    }
+    cfgs.push_back(chosen);
+    jc.push_back(e);
+  }
+  if (o.tune) cuda::save_choices(cuda::TuneKey::current(be.device_name()), syms, algos);
+  // The model: one Muon group per shape class (its tuned algorithm), fp32 weights and grads.
+  std::vector<Buffer> keep;
+  std::vector<ParamData> data;
+  std::vector<std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < cls.size(); ++i) {
+    GroupOptions g;
+    g.muon.ortho = cfgs[i];
+    engine.add_group(g);
+  }
+  for (const WorkloadEntry& e : w.muon)
+    for (int64_t l = 0; l < e.count; ++l) shapes.push_back(e.shape);
+  uint64_t seed = 100;
+  for (const auto& sh : shapes) {
+    int64_t r = sh[0], c = 1, numel = 1;
+    for (int64_t d : sh) numel *= d;
+    if (sh.size() == 2) c = sh[1];
+    if (sh.size() == 3) { r = sh[1]; c = sh[2]; }
+    if (sh.size() == 4) c = sh[1] * sh[2] * sh[3];
+    int gi = 0;
+    for (size_t i = 0; i < cls.size(); ++i)
+      if (cls[i].rows == r && cls[i].cols == c) gi = static_cast<int>(i);
+    engine.add_param({"p" + std::to_string(shapes.size()), gi, sh, DType::kF32});
+    BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
+    BatchRef gr = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 1e-3f);
+    data.push_back({wt.data, gr.data, DType::kF32, {}});
+  }
+  engine.step(data);  // allocates the per-class buffers
+  be.synchronize();
+  const double eager = time_ms(be, o.steps, [&] { engine.step(data); });
+  cudaGraph_t graph = nullptr;
+  be.synchronize();
+  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
+  engine.step(data);
+  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
+  cuda::Graph gg(graph);
+  cudaGraphExec_t exec = nullptr;
+  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cuda::GraphExec ge(exec);
+  const double replay = time_ms(be, o.steps, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream())); });
+  const double floor_ms = floor_flops / (tflops * 1e12) * 1e3 + floor_bytes / (tbps * 1e12) * 1e3;
+  std::fprintf(stderr, "[bench] %s: eager %.2f ms, graph %.2f ms, floor %.2f ms (%.1f GFLOP, %.2f GB)\n",
+               spec.c_str(), eager, replay, floor_ms, floor_flops / 1e9, floor_bytes / 1e9);
+  return {{"name", name + (layers ? "-" + std::to_string(layers) + "-layers" : "")},
+          {"muon_params", w.muon_params()}, {"matrices", w.muon_matrices()},
+          {"distmuon_eager_ms", eager}, {"distmuon_graph_ms", replay}, {"floor_ms", floor_ms},
+          {"floor_flops", floor_flops}, {"floor_bytes", floor_bytes}, {"classes", jc}};
+}
+
+int run(int argc, char** argv) {
+  Opts o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      DM_CHECK(i + 1 < argc, a, " needs a value");
+      return argv[++i];
+    };
+    if (a == "--json") o.json_path = next();
+    else if (a == "--steps") o.steps = std::stoi(next());
+    else if (a == "--no-micro") o.micro = false;
+    else if (a == "--no-tune") o.tune = false;
+    else if (a == "--workloads") {
+      o.workloads.clear();
+      std::stringstream ss(next());
+      for (std::string p; std::getline(ss, p, ',');) if (!p.empty()) o.workloads.push_back(p);
+    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune)");
+  }
+  CudaBackend be;
+  std::fprintf(stderr, "[bench] %s\n", be.name().c_str());
+  json out;
+  out["device"] = be.name();
+  double tflops = 760, tbps = 4.2;
+  if (o.micro) {
+    json m = micro(be, tflops, tbps);
+    out["micro"] = m;
+    out["syrk_over_dense"] = m["syrk_over_dense"];
+  }
+  out["gemm_tflops"] = tflops;
+  out["copy_tbps"] = tbps;
+  out["workloads"] = json::array();
+  for (const std::string& w : o.workloads) {
+    out["workloads"].push_back(run_workload(be, w, o, tflops, tbps));
+    std::ofstream(o.json_path) << out.dump(2) << "\n";  // partial results survive a timeout
+  }
+  std::ofstream f(o.json_path);
+  f << out.dump(2) << "\n";
+  return 0;
+}
+
+}  // namespace
+}  // namespace distmuon::bench
+
+int main(int argc, char** argv) {
+  try {
+    return distmuon::bench::run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "distmuon-cuda-bench: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# One whole H200 run of issue 6: binaries, every GPU correctness test, the ceilings, the
+# autotuner, the optimizer-step benchmarks, the torch baselines, and the report.
+#   bench/run_h200.sh quick   tests + ceilings + X X^T + gpt2-small only
+#   bench/run_h200.sh full    everything (the recorded results)
+# Binaries: the carried bundle .gpubin/bundle.tar.xz (bench/stage_gpu.sh builds it on the CPU
+# machine, where the dependencies are), else a Release build here (cmake, ninja, -j16).
+# Output under $OUT (at most 8 files come back): run.log, cuda_bench.json, torch.json,
+# tune.json, report.json, report.md, tools.tgz.
+set -o pipefail
+MODE=${1:-full}
+export PYTHONUNBUFFERED=1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/out}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+cd "$ROOT"
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+
+if [ -f .gpubin/bundle.tar.xz ]; then
+  say "unpacking the prebuilt bundle"
+  mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm
+  BIN=/tmp/dm/bin
+  CUBLAS_DIRS=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib 2>/dev/null | tr '\n' ':')
+  export LD_LIBRARY_PATH=/tmp/dm/lib:$CUBLAS_DIRS${LD_LIBRARY_PATH:-}
+else
+  say "building (Release, CUDA on, -j16)"
+  cmake --preset release -G Ninja -DDISTMUON_WITH_CUDA=ON 2>&1 | tail -5 | tee -a "$LOG"
+  cmake --build build -j 16 2>&1 | tail -5 | tee -a "$LOG" || exit 1
+  BIN=build/bin
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
+ldd $BIN/distmuon-cuda-bench | grep -E "not found|cublas" | tee -a "$LOG"
+
+say "correctness: every CUDA kernel against the CPU / float64 references"
+fail=0
+for t in test_cuda_backend test_cuda_muon; do
+  $BIN/$t --gtest_brief=1 2>&1 | tee -a "$LOG" | grep -E "^\[measure\]|PASSED|FAILED|SKIPPED|Failure|error" | head -80
+  [ "${PIPESTATUS[0]}" = 0 ] || fail=1
+done
+say "tests: $([ $fail = 0 ] && echo all passed || echo FAILURES)"
+
+export DISTMUON_TUNE_CACHE="$OUT/tune.json"
+if [ "$MODE" = quick ]; then
+  WL="gpt2-small"
+else
+  WL="gpt2-small,gpt2-large,pi0,qwen2.5-7b:8"
+fi
+say "ceilings, X X^T, autotuner and steps ($WL)"
+$BIN/distmuon-cuda-bench --json "$OUT/cuda_bench.json" --workloads "$WL" 2>&1 | tee -a "$LOG" \
+  | grep -vE "^\[tune\]" | tail -40
+
+say "distmuon-bench (the CLI, eager steps, algo auto)"
+mkdir -p /tmp/tools
+for spec in ${WL//,/ }; do
+  name=${spec%%:*}; layers=0; [ "$name" != "$spec" ] && layers=${spec##*:}
+  $BIN/distmuon-bench --backend cuda --algo ns5,auto --workload "$name" --layers "$layers" \
+    --no-adamw --steps 5 --warmup 2 --json "/tmp/tools/$name.json" 2>&1 | tail -6 | tee -a "$LOG"
+done
+tar czf "$OUT/tools.tgz" -C /tmp/tools .
+
+say "torch baselines"
+python3 bench/torch_baselines.py --workloads "$WL" --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
+
+say "report"
+python3 bench/make_report.py --cuda "$OUT/cuda_bench.json" --torch "$OUT/torch.json" \
+  --tool /tmp/tools/*.json --out-dir /tmp/report --command "bench/run_h200.sh $MODE" 2>&1 | tee -a "$LOG"
+cp /tmp/report/*-h200.json "$OUT/report.json" 2>/dev/null
+cp /tmp/report/*-h200.md "$OUT/report.md" 2>/dev/null
+say "done (tests $([ $fail = 0 ] && echo passed || echo FAILED))"

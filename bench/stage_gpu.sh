@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries HERE (the GPU machine has no OpenBLAS, CBC, gtest or Eigen) and packs
+# them with the shared libraries the GPU image lacks into .gpubin/bundle.tar.xz (git-ignored),
+# which the device tool carries (carry: [".gpubin"]); bench/run_h200.sh unpacks it there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+targets="test_cuda_backend test_cuda_muon distmuon-cuda-bench distmuon-bench"
+cmake --preset release -DDISTMUON_WITH_CUDA=ON >/dev/null
+cmake --build build -j "${JOBS:-2}" --target $targets
+stage=$(mktemp -d)
+mkdir -p "$stage/bin" "$stage/lib" .gpubin
+for t in $targets; do cp build/bin/$t "$stage/bin/"; strip "$stage/bin/$t"; done
+# Non-CUDA shared libraries outside glibc/libstdc++ (CUDA's own come from the GPU image).
+for lib in $(ldd build/bin/distmuon-bench build/bin/test_cuda_muon | awk '/=>/ {print $3}' | sort -u); do
+  case "$(basename "$lib")" in
+    libopenblas*|libgfortran*|libquadmath*|libgomp*) cp -L "$lib" "$stage/lib/" ;;
+  esac
+done
+tar cJf .gpubin/bundle.tar.xz -C "$stage" .
+rm -rf "$stage"
+ls -la .gpubin/bundle.tar.xz

@@ -1,0 +1,114 @@
+// The CUDA backend (NVIDIA Hopper, sm_90a): every Backend operation on one device, batched over
+// same-shape matrices, issued on a caller-given stream, with a caller-visible workspace.
+//
+// - Dense products: cuBLASLt (bf16/fp16/fp32/fp64 inputs, fp32 accumulation for half types).
+// - Symmetric products: a CUTLASS sm90 warp-specialized kernel whose tile scheduler visits
+//   only the lower-triangle tiles, followed by a mirror kernel (or, as a fallback, a dense
+//   cuBLASLt product and the mirror). Result exactly symmetric.
+// - Fused elementwise passes: multi-tensor kernels whose pointer tables travel by value as
+//   kernel parameters, so a whole step can be captured in a CUDA graph and replayed.
+// Nothing in a step synchronises with the host or allocates memory: scratch lives in the
+// workspace (owned by the backend unless the caller provides one) sized at construction.
+// This header keeps CUDA's own headers out: cudaStream_t is declared as CUDA declares it.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "distmuon/backend.h"
+
+typedef struct CUstream_st* cudaStream_t;  // identical to the CUDA runtime's declaration
+
+namespace distmuon {
+
+// Which kernel computes a symmetric product. kAuto: the tuning cache, else a shape heuristic.
+enum class SymKernel : int {
+  kAuto = 0,
+  kDenseMirror = 1,    // cuBLASLt dense product + mirror (any dtype, any layout)
+  kTri128 = 2,         // CUTLASS sm90 cooperative, 128x128x64 tiles, lower tiles only
+  kTri256x128 = 3,     // CUTLASS sm90 cooperative, 256x128x64 tiles, lower tiles only
+  kTri128Cluster2 = 4  // CUTLASS sm90 cooperative, 128x128x64 tiles, 2x1 cluster (multicast B)
+};
+const char* sym_kernel_name(SymKernel k);
+SymKernel parse_sym_kernel(const std::string& s);
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Workspace the backend allocates for itself at construction (0: recommended size). Ignored
+  // once set_workspace() hands it caller memory.
+  size_t workspace_bytes = 0;
+  // Read kernel choices from the autotuner cache (DISTMUON_TUNE_CACHE) at construction.
+  bool use_tune_cache = true;
+};
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(CudaBackendOptions options = {});
+  ~CudaBackend() override;
+
+  // ---- stream and workspace ------------------------------------------------------------------
+  // Every later operation is issued on `stream` (nullptr: the backend's own non-blocking
+  // stream). The workspace is used in stream order: switching streams while work is in flight
+  // is the caller's ordering problem.
+  void set_stream(cudaStream_t stream);
+  cudaStream_t stream() const;
+  // Bytes of scratch the backend needs: cuBLASLt's workspace plus reduction partials.
+  static size_t recommended_workspace_bytes();
+  size_t workspace_bytes() const;
+  // Use caller-owned device memory (at least 1 MiB; recommended_workspace_bytes() for full
+  // speed) instead of the backend's own; nullptr returns to the backend's own.
+  void set_workspace(void* ptr, size_t bytes);
+
+  // ---- kernel choice -------------------------------------------------------------------------
+  // Forces one symmetric-product kernel (kAuto: cache, then heuristic). Variants that cannot run
+  // a given product (dtype, alignment, layout) fall back to kDenseMirror.
+  void set_sym_kernel(SymKernel k);
+  SymKernel sym_kernel() const;
+  // The kernel a symmetric product of `count` m x m outputs with inner size k would use now.
+  SymKernel resolve_sym_kernel(int64_t m, int64_t k, int64_t count, DType dtype) const;
+  // Records a per-shape choice (the autotuner's result) for kAuto.
+  void set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel choice);
+  bool has_sm90_kernels() const;  // built with CUTLASS and running on compute capability 9.0
+
+  std::string device_name() const;
+  int sm_count() const;
+
+  // ---- Backend -------------------------------------------------------------------------------
+  Device device() const override;
+  std::string name() const override;
+  Buffer alloc(size_t bytes) override;
+  void copy(void* dst, const void* src, size_t bytes) override;
+  void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
+  void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
+  void fill_zero(void* dst, size_t bytes) override;
+  void synchronize() override;
+
+  void gemm(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha, double beta,
+            const BatchRef* c_in, const BatchRef& c) override;
+  void gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha,
+                      double beta, const BatchRef* c_in, const BatchRef& c) override;
+  void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
+               const BatchRef& out) override;
+  void frob_norm(const BatchRef& a, float* norms) override;
+  void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                  const BatchRef& dst) override;
+  void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, float* norms,
+                          int32_t* status) override;
+  void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                           const int32_t* status, const ScaleSpec& scale, bool transpose,
+                           const BatchRef& x) override;
+  void muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
+                   const int32_t* status, const BatchRef& o, bool transpose) override;
+  void adamw_check(std::span<const AdamSlot> slots, int32_t* status) override;
+  void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                    const int32_t* status) override;
+  void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
+
+  struct Impl;  // src/backend/cuda/launch/cuda_backend_impl.h
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace distmuon

@@ -1,0 +1,132 @@
+// Batched helpers of the Backend interface on strided batches of same-shape matrices:
+// lincomb (out = alpha a + beta b + diag I), frob_norm and scale_copy (optionally transposed).
+// Compute type C is float, or double when any operand is fp64.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/kernels/dtype.cuh"
+#include "backend/cuda/kernels/reduce.cuh"
+
+namespace distmuon::cuda {
+
+struct BatchArg {
+  const void* data;
+  int64_t stride, ld;
+  int dt;
+};
+
+namespace dev {
+
+__device__ __forceinline__ int elem_bytes(int dt) { return dt == kF32 ? 4 : dt == kF64 ? 8 : 2; }
+__device__ __forceinline__ const void* mat_ptr(const BatchArg& a, int64_t i) {
+  return static_cast<const char*>(a.data) + i * a.stride * elem_bytes(a.dt);
+}
+
+// grid (blocks per matrix, count). VEC: every operand packed (ld == cols) and 16-byte aligned.
+template <typename C, bool VEC>
+__global__ void __launch_bounds__(256) lincomb_kernel(int64_t rows, int64_t cols, C alpha, BatchArg a,
+                                                      C beta, BatchArg b, bool has_b, C diag,
+                                                      BatchArg out) {
+  const int64_t m = blockIdx.y, numel = rows * cols;
+  const void* pa = mat_ptr(a, m);
+  const void* pb = has_b ? mat_ptr(b, m) : nullptr;
+  void* po = const_cast<void*>(mat_ptr(out, m));
+  if constexpr (VEC && sizeof(C) == 4) {
+    for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
+      F8 va = load8(pa, a.dt, i), r;
+      F8 vb;
+      if (has_b) vb = load8(pb, b.dt, i);
+      int64_t row = i / cols, col = i - row * cols;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        float v = alpha * va.v[k];
+        if (has_b) v += beta * vb.v[k];
+        if (row == col) v += diag;
+        r.v[k] = v;
+        if (++col == cols) { col = 0; ++row; }
+      }
+      store8(po, out.dt, i, r);
+    }
+  } else {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t r = i / cols, c = i - r * cols;
+      C v = alpha * static_cast<C>(load1d(pa, a.dt, r * a.ld + c));
+      if (has_b) v += beta * static_cast<C>(load1d(pb, b.dt, r * b.ld + c));
+      if (r == c) v += diag;
+      store1d(po, out.dt, r * out.ld + c, static_cast<double>(v));
+    }
+  }
+}
+
+// norms[i] = ||a_i||_F (double accumulation). grid (blocks per matrix, count).
+__global__ void __launch_bounds__(256) frob_norm_kernel(int64_t rows, int64_t cols, BatchArg a,
+                                                        float* norms, double* partials,
+                                                        unsigned* counters, int first) {
+  const int64_t m = blockIdx.y;
+  const void* pa = mat_ptr(a, first + m);
+  double acc = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    const double v = load1d(pa, a.dt, r * a.ld + c);
+    acc += v * v;
+  }
+  const double total = block_sum(acc);
+  group_sum_last(total, partials + m * gridDim.x, counters + m, gridDim.x, blockIdx.x,
+                 [&](double sum) { norms[first + m] = static_cast<float>(sqrt(sum)); });
+}
+
+__device__ __forceinline__ double copy_factor(const float* norms, double norm_mul, double eps,
+                                              double alpha, int64_t i) {
+  return norms ? alpha / (norm_mul * static_cast<double>(norms[i]) + eps) : alpha;
+}
+
+// dst_i = factor_i * src_i. grid (blocks per matrix, count).
+template <typename C>
+__global__ void __launch_bounds__(256) scale_copy_kernel(int64_t rows, int64_t cols, BatchArg src,
+                                                         BatchArg dst, const float* norms,
+                                                         double norm_mul, double eps, double alpha) {
+  const int64_t m = blockIdx.y;
+  const C f = static_cast<C>(copy_factor(norms, norm_mul, eps, alpha, m));
+  const void* ps = mat_ptr(src, m);
+  void* pd = const_cast<void*>(mat_ptr(dst, m));
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    store1d(pd, dst.dt, r * dst.ld + c, static_cast<double>(f * static_cast<C>(load1d(ps, src.dt, r * src.ld + c))));
+  }
+}
+
+// dst_i (cols x rows) = factor_i * src_i^T. grid (ceil(cols/32), ceil(rows/32), count),
+// block (32, 8).
+template <typename C>
+__global__ void __launch_bounds__(256) scale_copy_t_kernel(int64_t rows, int64_t cols, BatchArg src,
+                                                           BatchArg dst, const float* norms,
+                                                           double norm_mul, double eps,
+                                                           double alpha) {
+  __shared__ C tile[32][33];
+  const int64_t m = blockIdx.z;
+  const C f = static_cast<C>(copy_factor(norms, norm_mul, eps, alpha, m));
+  const void* ps = mat_ptr(src, m);
+  void* pd = const_cast<void*>(mat_ptr(dst, m));
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t r = r0 + threadIdx.y + 8 * k, c = c0 + threadIdx.x;
+    tile[threadIdx.y + 8 * k][threadIdx.x] =
+        (r < rows && c < cols) ? f * static_cast<C>(load1d(ps, src.dt, r * src.ld + c)) : C(0);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t c = c0 + threadIdx.y + 8 * k, r = r0 + threadIdx.x;
+    if (c < cols && r < rows)
+      store1d(pd, dst.dt, c * dst.ld + r, static_cast<double>(tile[threadIdx.x][threadIdx.y + 8 * k]));
+  }
+}
+
+}  // namespace dev
+}  // namespace distmuon::cuda

@@ -1,0 +1,226 @@
+// The fused Muon passes (ALGORITHMS.md section 1), multi-tensor: one launch serves up to
+// kMaxMuonSlots matrices whose pointers travel by value in the kernel parameters.
+//   pass 1  muon_norm:   ||U||_F with U = G + mu (mu B + G) (or mu B + G), status on NaN/Inf
+//   pass 2  muon_apply:  B <- mu B + G, X = U / (norm_mul ||U|| + eps) cast (and transposed)
+//   pass 3  muon_update: W <- decay W - step O (O read transposed for tall matrices)
+// Flat kernels move 8 elements per thread step with 16-byte accesses; transposing kernels go
+// through 32x32 shared-memory tiles so that both the read and the write are coalesced.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/kernels/dtype.cuh"
+#include "backend/cuda/kernels/reduce.cuh"
+
+namespace distmuon::cuda {
+
+constexpr int kMaxMuonSlots = 40;
+
+struct MuonTable {
+  const void* g[kMaxMuonSlots];
+  void* b[kMaxMuonSlots];
+  void* w[kMaxMuonSlots];
+  float decay[kMaxMuonSlots];
+  float step[kMaxMuonSlots];
+  int8_t g_dt[kMaxMuonSlots], b_dt[kMaxMuonSlots], w_dt[kMaxMuonSlots];
+  int64_t rows, cols;  // every slot of a launch has this shape (checked on the host)
+  int64_t ld_g, ld_b, ld_w;
+  int n;
+  int first;  // index of slot 0 of this launch within the caller's list (norms, status, x)
+};
+
+// Where pass 2 writes X and pass 3 reads O: matrix i at data + (first + i) * stride.
+struct MatOut {
+  void* data;
+  int64_t stride, ld;
+  int dt;
+};
+
+struct ScaleArgs {
+  const float* norms;  // null: factor = alpha
+  double norm_mul, eps, alpha;
+};
+
+namespace dev {
+
+__device__ __forceinline__ float momentum_input(float g, float bn, float mu, bool nesterov) {
+  return nesterov ? g + mu * bn : bn;
+}
+
+__device__ __forceinline__ float scale_factor(const ScaleArgs& s, int i) {
+  if (!s.norms) return static_cast<float>(s.alpha);
+  return static_cast<float>(s.alpha / (s.norm_mul * static_cast<double>(s.norms[i]) + s.eps));
+}
+
+// Pass 1. grid (blocks per matrix, n). Flat (ld == cols) when VEC.
+template <bool VEC>
+__global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, float mu, bool nesterov,
+                                                        float* norms, int32_t* status,
+                                                        double* partials, unsigned* counters) {
+  const int s = blockIdx.y;
+  const int64_t numel = t.rows * t.cols;
+  double acc = 0;
+  if constexpr (VEC) {
+    for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
+      F8 g = load8(t.g[s], t.g_dt[s], i), b = load8(t.b[s], t.b_dt[s], i);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float u = momentum_input(g.v[k], mu * b.v[k] + g.v[k], mu, nesterov);
+        acc += static_cast<double>(u) * u;
+      }
+    }
+  } else {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t r = i / t.cols, c = i % t.cols;
+      const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
+      const float b = load1(t.b[s], t.b_dt[s], r * t.ld_b + c);
+      const float u = momentum_input(g, mu * b + g, mu, nesterov);
+      acc += static_cast<double>(u) * u;
+    }
+  }
+  const double total = block_sum(acc);
+  const int slot = t.first + s;
+  group_sum_last(total, partials + static_cast<int64_t>(s) * gridDim.x, counters + s, gridDim.x,
+                 blockIdx.x, [&](double sum) {
+                   const float nrm = static_cast<float>(sqrt(sum));
+                   norms[slot] = nrm;
+                   status[slot] = isfinite(sum) && isfinite(nrm) ? 0 : 1;
+                 });
+}
+
+// Pass 2, flat. grid (blocks per matrix, n).
+template <bool VEC>
+__global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, bool nesterov,
+                                                         const int32_t* status, ScaleArgs sc,
+                                                         MatOut x) {
+  const int s = blockIdx.y, slot = t.first + s;
+  const bool ok = status[slot] == 0;
+  const float f = ok ? scale_factor(sc, slot) : 0.0f;
+  void* xs = static_cast<char*>(x.data) +
+             slot * x.stride * (x.dt == kF32 ? 4 : x.dt == kF64 ? 8 : 2);
+  const int64_t numel = t.rows * t.cols;
+  if constexpr (VEC) {
+    for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
+      F8 out;
+      if (ok) {
+        F8 g = load8(t.g[s], t.g_dt[s], i), b = load8(t.b[s], t.b_dt[s], i);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          b.v[k] = mu * b.v[k] + g.v[k];
+          out.v[k] = momentum_input(g.v[k], b.v[k], mu, nesterov) * f;
+        }
+        store8(t.b[s], t.b_dt[s], i, b);
+      } else {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) out.v[k] = 0.0f;
+      }
+      store8(xs, x.dt, i, out);
+    }
+  } else {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t r = i / t.cols, c = i % t.cols;
+      float out = 0.0f;
+      if (ok) {
+        const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
+        const float bn = mu * load1(t.b[s], t.b_dt[s], r * t.ld_b + c) + g;
+        store1(t.b[s], t.b_dt[s], r * t.ld_b + c, bn);
+        out = momentum_input(g, bn, mu, nesterov) * f;
+      }
+      store1(xs, x.dt, r * x.ld + c, out);
+    }
+  }
+}
+
+// Pass 2, transposing: X (cols x rows) = scaled U^T. grid (ceil(cols/32), ceil(rows/32), n),
+// block (32, 8).
+__global__ void __launch_bounds__(256) muon_apply_t_kernel(MuonTable t, float mu, bool nesterov,
+                                                           const int32_t* status, ScaleArgs sc,
+                                                           MatOut x) {
+  __shared__ float tile[32][33];
+  const int s = blockIdx.z, slot = t.first + s;
+  const bool ok = status[slot] == 0;
+  const float f = ok ? scale_factor(sc, slot) : 0.0f;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t r = r0 + threadIdx.y + 8 * k, c = c0 + threadIdx.x;
+    float out = 0.0f;
+    if (ok && r < t.rows && c < t.cols) {
+      const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
+      const float bn = mu * load1(t.b[s], t.b_dt[s], r * t.ld_b + c) + g;
+      store1(t.b[s], t.b_dt[s], r * t.ld_b + c, bn);
+      out = momentum_input(g, bn, mu, nesterov) * f;
+    }
+    tile[threadIdx.y + 8 * k][threadIdx.x] = out;
+  }
+  __syncthreads();
+  void* xs = static_cast<char*>(x.data) +
+             slot * x.stride * (x.dt == kF32 ? 4 : x.dt == kF64 ? 8 : 2);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t c = c0 + threadIdx.y + 8 * k, r = r0 + threadIdx.x;
+    if (c < t.cols && r < t.rows) store1(xs, x.dt, c * x.ld + r, tile[threadIdx.x][threadIdx.y + 8 * k]);
+  }
+}
+
+// Pass 3, flat. status may be null (all ok).
+template <bool VEC>
+__global__ void __launch_bounds__(256) muon_update_kernel(MuonTable t, const int32_t* status,
+                                                          MatOut o) {
+  const int s = blockIdx.y, slot = t.first + s;
+  if (status && status[slot] != 0) return;
+  const float decay = t.decay[s], step = t.step[s];
+  const void* os = static_cast<const char*>(o.data) +
+                   slot * o.stride * (o.dt == kF32 ? 4 : o.dt == kF64 ? 8 : 2);
+  const int64_t numel = t.rows * t.cols;
+  if constexpr (VEC) {
+    for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x * 8) {
+      F8 w = load8(t.w[s], t.w_dt[s], i), ov = load8(os, o.dt, i);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) w.v[k] = decay * w.v[k] - step * ov.v[k];
+      store8(t.w[s], t.w_dt[s], i, w);
+    }
+  } else {
+    for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+      const int64_t r = i / t.cols, c = i % t.cols;
+      const float w = load1(t.w[s], t.w_dt[s], r * t.ld_w + c);
+      store1(t.w[s], t.w_dt[s], r * t.ld_w + c, decay * w - step * load1(os, o.dt, r * o.ld + c));
+    }
+  }
+}
+
+// Pass 3, transposing: O is cols x rows (the wide orientation). grid (ceil(cols/32),
+// ceil(rows/32), n), block (32, 8).
+__global__ void __launch_bounds__(256) muon_update_t_kernel(MuonTable t, const int32_t* status,
+                                                            MatOut o) {
+  __shared__ float tile[32][33];
+  const int s = blockIdx.z, slot = t.first + s;
+  if (status && status[slot] != 0) return;
+  const float decay = t.decay[s], step = t.step[s];
+  const void* os = static_cast<const char*>(o.data) +
+                   slot * o.stride * (o.dt == kF32 ? 4 : o.dt == kF64 ? 8 : 2);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t c = c0 + threadIdx.y + 8 * k, r = r0 + threadIdx.x;
+    tile[threadIdx.y + 8 * k][threadIdx.x] = (c < t.cols && r < t.rows) ? load1(os, o.dt, c * o.ld + r) : 0.0f;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int64_t r = r0 + threadIdx.y + 8 * k, c = c0 + threadIdx.x;
+    if (r < t.rows && c < t.cols) {
+      const float w = load1(t.w[s], t.w_dt[s], r * t.ld_w + c);
+      store1(t.w[s], t.w_dt[s], r * t.ld_w + c, decay * w - step * tile[threadIdx.x][threadIdx.y + 8 * k]);
+    }
+  }
+}
+
+}  // namespace dev
+}  // namespace distmuon::cuda

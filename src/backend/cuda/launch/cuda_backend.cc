@@ -1,0 +1,240 @@
+// CudaBackend: device, stream, workspace, memory operations, and the dispatch of the fused
+// passes to their launchers. The products live in cuda_gemm.cc.
+#include <cstring>
+#include <sstream>
+
+#include "backend/backend_checks.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/launch/cuda_backend_impl.h"
+#include "backend/cuda/launch/sym_gemm.h"
+#include "backend/cuda/tune/tune_cache.h"
+#include "common/log.h"
+
+namespace distmuon {
+
+namespace cuda {
+const char* cublas_status_name(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    default: return "CUBLAS_STATUS_UNKNOWN";
+  }
+}
+}  // namespace cuda
+
+bool cuda_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return n > 0;
+}
+
+std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+
+const char* sym_kernel_name(SymKernel k) {
+  switch (k) {
+    case SymKernel::kAuto: return "auto";
+    case SymKernel::kDenseMirror: return "dense+mirror";
+    case SymKernel::kTri128: return "tri128";
+    case SymKernel::kTri256x128: return "tri256x128";
+    case SymKernel::kTri128Cluster2: return "tri128c2";
+  }
+  return "?";
+}
+
+SymKernel parse_sym_kernel(const std::string& s) {
+  for (SymKernel k : {SymKernel::kAuto, SymKernel::kDenseMirror, SymKernel::kTri128,
+                      SymKernel::kTri256x128, SymKernel::kTri128Cluster2})
+    if (s == sym_kernel_name(k)) return k;
+  DM_FAIL("unknown symmetric kernel '", s, "' (auto, dense+mirror, tri128, tri256x128, tri128c2)");
+}
+
+LtPlan::~LtPlan() {
+  if (a) cublasLtMatrixLayoutDestroy(a);
+  if (b) cublasLtMatrixLayoutDestroy(b);
+  if (c) cublasLtMatrixLayoutDestroy(c);
+  if (d) cublasLtMatrixLayoutDestroy(d);
+  if (op) cublasLtMatmulDescDestroy(op);
+}
+
+void CudaBackend::Impl::use_workspace(char* ptr, size_t bytes) {
+  DM_CHECK(bytes >= (1u << 20), "cuda: workspace of ", bytes, " bytes is below the 1 MiB minimum");
+  workspace = ptr;
+  workspace_bytes = bytes;
+  // cuBLASLt gets up to 32 MiB (NVIDIA's recommendation for Hopper), at most half.
+  lt_bytes = std::min<size_t>(size_t{32} << 20, bytes / 2) / 256 * 256;
+}
+
+cuda::Scratch CudaBackend::Impl::scratch() const {
+  cuda::Scratch s;
+  s.partials = reinterpret_cast<double*>(workspace + lt_bytes);
+  s.partial_count = (workspace_bytes - lt_bytes) / sizeof(double);
+  s.counters = static_cast<unsigned*>(counters.get());
+  s.counter_count = kCounters;
+  return s;
+}
+
+size_t CudaBackend::recommended_workspace_bytes() { return size_t{48} << 20; }
+
+CudaBackend::CudaBackend(CudaBackendOptions options) : impl_(std::make_unique<Impl>()) {
+  Impl& s = *impl_;
+  int n = 0;
+  DM_CHECK(cudaGetDeviceCount(&n) == cudaSuccess && n > 0,
+           "cuda backend: no CUDA device is visible (", cudaGetErrorString(cudaGetLastError()), ")");
+  DM_CHECK(options.device >= 0 && options.device < n, "cuda backend: device ", options.device,
+           " does not exist (", n, " visible)");
+  s.device = options.device;
+  DM_CHECK_CUDA(cudaSetDevice(s.device));
+  cudaDeviceProp p{};
+  DM_CHECK_CUDA(cudaGetDeviceProperties(&p, s.device));
+  s.name = p.name;
+  s.sm_count = p.multiProcessorCount;
+  s.cc_major = p.major;
+  s.cc_minor = p.minor;
+  s.own_stream = cuda::make_stream();
+  s.stream = s.own_stream.get();
+  cublasLtHandle_t lt = nullptr;
+  DM_CHECK_CUBLAS(cublasLtCreate(&lt));
+  s.lt = cuda::LtHandle(lt);
+  const size_t ws = options.workspace_bytes ? options.workspace_bytes : recommended_workspace_bytes();
+  s.own_workspace = cuda::device_alloc(ws);
+  s.use_workspace(static_cast<char*>(s.own_workspace.get()), ws);
+  s.counters = cuda::device_alloc(sizeof(unsigned) * Impl::kCounters);
+  DM_CHECK_CUDA(cudaMemset(s.counters.get(), 0, sizeof(unsigned) * Impl::kCounters));
+  if (options.use_tune_cache) {
+    for (const auto& e : cuda::load_sym_choices(cuda::TuneKey::current(s.name)))
+      s.sym_choices[{e.m, e.k, e.count, static_cast<int>(e.dtype)}] = e.kernel;
+  }
+}
+
+CudaBackend::~CudaBackend() {
+  if (impl_) cudaStreamSynchronize(impl_->stream);  // release nothing still in use
+}
+
+void CudaBackend::set_stream(cudaStream_t stream) {
+  impl_->stream = stream ? stream : impl_->own_stream.get();
+}
+cudaStream_t CudaBackend::stream() const { return impl_->stream; }
+size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
+
+void CudaBackend::set_workspace(void* ptr, size_t bytes) {
+  if (!ptr) {
+    const size_t own = impl_->own_workspace ? recommended_workspace_bytes() : 0;
+    if (!impl_->own_workspace) impl_->own_workspace = cuda::device_alloc(own);
+    impl_->use_workspace(static_cast<char*>(impl_->own_workspace.get()), own);
+    return;
+  }
+  impl_->use_workspace(static_cast<char*>(ptr), bytes);
+  impl_->own_workspace.reset();
+}
+
+void CudaBackend::set_sym_kernel(SymKernel k) { impl_->forced = k; }
+SymKernel CudaBackend::sym_kernel() const { return impl_->forced; }
+void CudaBackend::set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel c) {
+  impl_->sym_choices[{m, k, count, static_cast<int>(dtype)}] = c;
+}
+bool CudaBackend::has_sm90_kernels() const {
+  return cuda::sym_sm90_built() && impl_->cc_major == 9 && impl_->cc_minor == 0;
+}
+
+SymKernel CudaBackend::resolve_sym_kernel(int64_t m, int64_t k, int64_t count, DType dtype) const {
+  const bool half = dtype == DType::kBF16 || dtype == DType::kF16;
+  if (!half || !has_sm90_kernels()) return SymKernel::kDenseMirror;
+  if (impl_->forced != SymKernel::kAuto) return impl_->forced;
+  auto it = impl_->sym_choices.find({m, k, count, static_cast<int>(dtype)});
+  if (it != impl_->sym_choices.end()) return it->second;
+  return cuda::heuristic_sym_kernel(m, k, count, impl_->sm_count, true);
+}
+
+std::string CudaBackend::device_name() const { return impl_->name; }
+int CudaBackend::sm_count() const { return impl_->sm_count; }
+Device CudaBackend::device() const { return Device{DeviceKind::kCUDA, impl_->device}; }
+
+std::string CudaBackend::name() const {
+  int rt = 0, drv = 0;
+  cudaRuntimeGetVersion(&rt);
+  cudaDriverGetVersion(&drv);
+  std::ostringstream os;
+  os << "cuda (" << impl_->name << ", sm_" << impl_->cc_major << impl_->cc_minor << ", "
+     << impl_->sm_count << " SMs, runtime " << rt / 1000 << "." << (rt % 1000) / 10 << ", cuBLASLt "
+     << cublasLtGetVersion() << (has_sm90_kernels() ? ", sm90 symmetric kernels" : "") << ")";
+  return os.str();
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+Buffer CudaBackend::alloc(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  void* p = nullptr;
+  DM_CHECK_CUDA(cudaMalloc(&p, bytes));
+  return Buffer(p, bytes, [](void* q) { cudaFree(q); });
+}
+
+void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes) DM_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, impl_->stream));
+}
+void CudaBackend::copy_to_host(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  DM_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, impl_->stream));
+  DM_CHECK_CUDA(cudaStreamSynchronize(impl_->stream));
+}
+void CudaBackend::copy_from_host(void* dst, const void* src, size_t bytes) {
+  if (!bytes) return;
+  DM_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, impl_->stream));
+  DM_CHECK_CUDA(cudaStreamSynchronize(impl_->stream));  // the host buffer may die on return
+}
+void CudaBackend::fill_zero(void* dst, size_t bytes) {
+  if (bytes) DM_CHECK_CUDA(cudaMemsetAsync(dst, 0, bytes, impl_->stream));
+}
+void CudaBackend::synchronize() { DM_CHECK_CUDA(cudaStreamSynchronize(impl_->stream)); }
+
+// ---- elementwise -----------------------------------------------------------------------------
+
+void CudaBackend::lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b,
+                          double diag, const BatchRef& out) {
+  cuda::launch_lincomb(alpha, a, beta, b, diag, out, impl_->sm_count, impl_->stream);
+}
+void CudaBackend::frob_norm(const BatchRef& a, float* norms) {
+  cuda::launch_frob_norm(a, norms, impl_->scratch(), impl_->sm_count, impl_->stream);
+}
+void CudaBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                             const BatchRef& dst) {
+  cuda::launch_scale_copy(src, transpose, scale, dst, impl_->sm_count, impl_->stream);
+}
+void CudaBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                                     float* norms, int32_t* status) {
+  cuda::launch_muon_norm(slots, mu, nesterov, norms, status, impl_->scratch(), impl_->sm_count,
+                         impl_->stream);
+}
+void CudaBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                                      const int32_t* status, const ScaleSpec& scale,
+                                      bool transpose, const BatchRef& x) {
+  cuda::launch_muon_apply(slots, mu, nesterov, status, scale, transpose, x, impl_->sm_count,
+                          impl_->stream);
+}
+void CudaBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
+                              const int32_t* status, const BatchRef& o, bool transpose) {
+  cuda::launch_muon_update(slots, coef, status, o, transpose, impl_->sm_count, impl_->stream);
+}
+void CudaBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
+  cuda::launch_adamw_check(slots, status, impl_->sm_count, impl_->stream);
+}
+void CudaBackend::adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                               const int32_t* status) {
+  cuda::launch_adamw_update(slots, coef, status, impl_->sm_count, impl_->stream);
+}
+void CudaBackend::count_status(const int32_t* status, int64_t n, int64_t* counter) {
+  cuda::launch_count_status(status, n, counter, impl_->stream);
+}
+
+}  // namespace distmuon

@@ -1,0 +1,59 @@
+// The state behind CudaBackend: device properties, the current stream, the workspace split
+// (cuBLASLt's part and the reduction partials), the self-resetting reduction tickets, cached
+// cuBLASLt plans and the per-shape symmetric-kernel choices.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "backend/cuda/cuda_handles.h"
+#include "backend/cuda/launch/launchers.h"
+#include "distmuon/cuda_backend.h"
+
+namespace distmuon {
+
+// A cuBLASLt matmul ready to run: descriptors and the algorithm chosen by the heuristic.
+struct LtPlan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool f64 = false;
+  ~LtPlan();
+};
+
+using SymKey = std::tuple<int64_t, int64_t, int64_t, int>;  // m, k, count, dtype
+
+struct CudaBackend::Impl {
+  int device = 0;
+  std::string name;
+  int sm_count = 0;
+  int cc_major = 0, cc_minor = 0;
+  cuda::Stream own_stream;
+  cudaStream_t stream = nullptr;
+  cuda::LtHandle lt;
+  cuda::DevicePtr own_workspace;
+  char* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  size_t lt_bytes = 0;  // first part of the workspace, for cuBLASLt
+  cuda::DevicePtr counters;
+  static constexpr int kCounters = 4096;
+  SymKernel forced = SymKernel::kAuto;
+  std::map<SymKey, SymKernel> sym_choices;
+  std::map<std::string, std::unique_ptr<LtPlan>> plans;
+  std::mutex plans_mu;
+
+  void use_workspace(char* ptr, size_t bytes);
+  cuda::Scratch scratch() const;
+  void* lt_workspace() const { return workspace; }
+  // The scratch after cuBLASLt's part, for CUTLASS kernels that ask for a workspace.
+  void* tail_workspace() const { return workspace + lt_bytes; }
+  size_t tail_bytes() const { return workspace_bytes - lt_bytes; }
+};
+
+}  // namespace distmuon

@@ -1,0 +1,192 @@
+// Launchers of the batched helpers and AdamW (kernels/batch_kernels.cuh, adamw_kernels.cuh).
+#include <algorithm>
+#include <cmath>
+
+#include "backend/backend_checks.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels/adamw_kernels.cuh"
+#include "backend/cuda/kernels/batch_kernels.cuh"
+#include "backend/cuda/launch/launchers.h"
+
+namespace distmuon::cuda {
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+BatchArg arg(const BatchRef& b) {
+  return BatchArg{b.data, b.stride, b.ld, static_cast<int>(b.dtype)};
+}
+
+// Packed, 16-byte aligned and every matrix start 16-byte aligned: the 8-wide vector path.
+bool vec_ok(const BatchRef& b) {
+  const int64_t es = static_cast<int64_t>(dtype_size(b.dtype));
+  return b.ld == b.cols && aligned16(b.data) && (b.stride * es) % 16 == 0 &&
+         (b.rows * b.cols) % 8 == 0 && b.dtype != DType::kF64;
+}
+
+// Grid for (blocks per matrix, matrices) in chunks of 65535 matrices (gridDim.y limit).
+template <typename F>
+void for_batch_chunks(int64_t count, F&& f) {
+  for (int64_t first = 0; first < count; first += 65535) f(first, std::min<int64_t>(65535, count - first));
+}
+
+}  // namespace
+
+void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
+                    const BatchRef& out, int sm_count, cudaStream_t stream) {
+  check_same_shape("lincomb", a, out);
+  if (b) check_same_shape("lincomb", *b, out);
+  DM_CHECK(diag == 0.0 || out.rows == out.cols, "lincomb: identity term needs square matrices");
+  if (out.count == 0 || out.rows * out.cols == 0) return;
+  const bool f64 = a.dtype == DType::kF64 || out.dtype == DType::kF64 || (b && b->dtype == DType::kF64);
+  const bool vec = vec_ok(a) && vec_ok(out) && (!b || vec_ok(*b));
+  for_batch_chunks(out.count, [&](int64_t first, int64_t n) {
+    BatchRef sa = a.slice(first, n), so = out.slice(first, n);
+    BatchRef sb = b ? b->slice(first, n) : BatchRef{};
+    dim3 grid(blocks_per_matrix(out.rows * out.cols, n, sm_count), static_cast<unsigned>(n));
+    if (f64)
+      dev::lincomb_kernel<double, false><<<grid, 256, 0, stream>>>(
+          out.rows, out.cols, alpha, arg(sa), beta, arg(sb), b != nullptr, diag, arg(so));
+    else if (vec)
+      dev::lincomb_kernel<float, true><<<grid, 256, 0, stream>>>(
+          out.rows, out.cols, static_cast<float>(alpha), arg(sa), static_cast<float>(beta), arg(sb),
+          b != nullptr, static_cast<float>(diag), arg(so));
+    else
+      dev::lincomb_kernel<float, false><<<grid, 256, 0, stream>>>(
+          out.rows, out.cols, static_cast<float>(alpha), arg(sa), static_cast<float>(beta), arg(sb),
+          b != nullptr, static_cast<float>(diag), arg(so));
+    DM_CHECK_LAUNCH();
+  });
+}
+
+void launch_frob_norm(const BatchRef& a, float* norms, const Scratch& scratch, int sm_count,
+                      cudaStream_t stream) {
+  if (a.count == 0) return;
+  if (a.rows * a.cols == 0) {
+    DM_CHECK_CUDA(cudaMemsetAsync(norms, 0, sizeof(float) * a.count, stream));
+    return;
+  }
+  const int64_t per = std::min<int64_t>(a.count, scratch.counter_count);
+  for (int64_t first = 0; first < a.count; first += per) {
+    const int64_t n = std::min(per, a.count - first);
+    int bpm = blocks_per_matrix(a.rows * a.cols, n, sm_count);
+    bpm = std::min<int>(bpm, static_cast<int>(scratch.partial_count / n));
+    DM_CHECK(bpm >= 1, "cuda frob_norm: workspace too small");
+    dev::frob_norm_kernel<<<dim3(bpm, static_cast<unsigned>(n)), 256, 0, stream>>>(
+        a.rows, a.cols, arg(a), norms, scratch.partials, scratch.counters, static_cast<int>(first));
+    DM_CHECK_LAUNCH();
+  }
+}
+
+void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                       const BatchRef& dst, int sm_count, cudaStream_t stream) {
+  DM_CHECK(src.count == dst.count, "scale_copy: batch counts differ");
+  DM_CHECK(transpose ? (dst.rows == src.cols && dst.cols == src.rows)
+                     : (dst.rows == src.rows && dst.cols == src.cols),
+           "scale_copy: destination is ", dst.rows, "x", dst.cols, " for a ", src.rows, "x",
+           src.cols, " source", transpose ? " (transposed)" : "");
+  if (src.count == 0 || src.rows * src.cols == 0) return;
+  const bool f64 = src.dtype == DType::kF64 || dst.dtype == DType::kF64;
+  for_batch_chunks(src.count, [&](int64_t first, int64_t n) {
+    BatchRef s = src.slice(first, n), d = dst.slice(first, n);
+    const float* norms = scale.norms ? scale.norms + first : nullptr;
+    if (transpose) {
+      dim3 grid((src.cols + 31) / 32, (src.rows + 31) / 32, static_cast<unsigned>(n));
+      if (f64)
+        dev::scale_copy_t_kernel<double><<<grid, dim3(32, 8), 0, stream>>>(
+            src.rows, src.cols, arg(s), arg(d), norms, scale.norm_mul, scale.eps, scale.alpha);
+      else
+        dev::scale_copy_t_kernel<float><<<grid, dim3(32, 8), 0, stream>>>(
+            src.rows, src.cols, arg(s), arg(d), norms, scale.norm_mul, scale.eps, scale.alpha);
+    } else {
+      dim3 grid(blocks_per_matrix(src.rows * src.cols, n, sm_count), static_cast<unsigned>(n));
+      if (f64)
+        dev::scale_copy_kernel<double><<<grid, 256, 0, stream>>>(src.rows, src.cols, arg(s), arg(d), norms,
+                                                                 scale.norm_mul, scale.eps, scale.alpha);
+      else
+        dev::scale_copy_kernel<float><<<grid, 256, 0, stream>>>(src.rows, src.cols, arg(s), arg(d), norms,
+                                                                scale.norm_mul, scale.eps, scale.alpha);
+    }
+    DM_CHECK_LAUNCH();
+  });
+}
+
+namespace {
+int64_t max_numel(std::span<const AdamSlot> slots, size_t first, int n) {
+  int64_t m = 0;
+  for (int i = 0; i < n; ++i) m = std::max(m, slots[first + i].numel);
+  return m;
+}
+}  // namespace
+
+void launch_adamw_check(std::span<const AdamSlot> slots, int32_t* status, int sm_count,
+                        cudaStream_t stream) {
+  if (slots.empty()) return;
+  DM_CHECK_CUDA(cudaMemsetAsync(status, 0, sizeof(int32_t) * slots.size(), stream));
+  for (size_t first = 0; first < slots.size(); first += kMaxAdamSlots) {
+    const int n = static_cast<int>(std::min<size_t>(kMaxAdamSlots, slots.size() - first));
+    AdamTable t{};
+    t.n = n;
+    t.first = static_cast<int>(first);
+    for (int i = 0; i < n; ++i) {
+      const AdamSlot& s = slots[first + i];
+      t.g[i] = s.grad;
+      t.numel[i] = s.numel;
+      t.g_dt[i] = static_cast<int8_t>(s.grad_dtype);
+    }
+    const int64_t mx = max_numel(slots, first, n);
+    if (mx == 0) continue;
+    dim3 grid(blocks_per_matrix(mx, n, sm_count), n);
+    dev::adamw_check_kernel<<<grid, 256, 0, stream>>>(t, status);
+    DM_CHECK_LAUNCH();
+  }
+}
+
+void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                         const int32_t* status, int sm_count, cudaStream_t stream) {
+  DM_CHECK(coef.size() == slots.size(), "adamw_update: coefficient count differs");
+  for (size_t first = 0; first < slots.size(); first += kMaxAdamSlots) {
+    const int n = static_cast<int>(std::min<size_t>(kMaxAdamSlots, slots.size() - first));
+    AdamTable t{};
+    t.n = n;
+    t.first = static_cast<int>(first);
+    for (int i = 0; i < n; ++i) {
+      const AdamSlot& s = slots[first + i];
+      const AdamCoef& k = coef[first + i];
+      DM_CHECK(k.step >= 1, "adamw_update: step must be >= 1");
+      // Same float arithmetic as the CPU reference.
+      const float bc1 = 1.0f - std::pow(k.beta1, static_cast<float>(k.step));
+      const float bc2 = 1.0f - std::pow(k.beta2, static_cast<float>(k.step));
+      t.p[i] = s.param;
+      t.g[i] = s.grad;
+      t.m[i] = static_cast<float*>(s.exp_avg);
+      t.v[i] = static_cast<float*>(s.exp_avg_sq);
+      t.numel[i] = s.numel;
+      t.beta1[i] = k.beta1;
+      t.beta2[i] = k.beta2;
+      t.eps[i] = k.eps;
+      t.step_size[i] = k.lr / bc1;
+      t.bc2_sqrt[i] = std::sqrt(bc2);
+      t.decay[i] = 1.0f - k.lr * k.weight_decay;
+      t.p_dt[i] = static_cast<int8_t>(s.param_dtype);
+      t.g_dt[i] = static_cast<int8_t>(s.grad_dtype);
+      t.vec[i] = s.numel % 8 == 0 && aligned16(s.param) && aligned16(s.grad) &&
+                 aligned16(s.exp_avg) && aligned16(s.exp_avg_sq) &&
+                 s.param_dtype != DType::kF64 && s.grad_dtype != DType::kF64;
+    }
+    const int64_t mx = max_numel(slots, first, n);
+    if (mx == 0) continue;
+    dim3 grid(blocks_per_matrix(mx, n, sm_count), n);
+    dev::adamw_update_kernel<<<grid, 256, 0, stream>>>(t, status);
+    DM_CHECK_LAUNCH();
+  }
+}
+
+void launch_count_status(const int32_t* status, int64_t n, int64_t* counter, cudaStream_t stream) {
+  if (n <= 0) return;
+  dev::count_status_kernel<<<1, 256, 0, stream>>>(status, n,
+                                                  reinterpret_cast<unsigned long long*>(counter));
+  DM_CHECK_LAUNCH();
+}
+
+}  // namespace distmuon::cuda

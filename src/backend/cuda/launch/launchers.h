@@ -1,0 +1,58 @@
+// Host-side launchers of the CUDA backend's own kernels (kernels/ holds the device code). Each
+// validates its arguments, splits long slot lists into launches of the kernels' table size, and
+// checks the launch. Nothing here allocates or synchronises.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <span>
+
+#include "distmuon/backend.h"
+
+namespace distmuon::cuda {
+
+// Scratch memory for grid-wide reductions, in stream order.
+struct Scratch {
+  double* partials = nullptr;
+  size_t partial_count = 0;       // doubles available
+  unsigned* counters = nullptr;   // self-resetting tickets, zero between launches
+  int counter_count = 0;
+};
+
+// Blocks per matrix for a memory-bound pass over `numel` elements (pure heuristic): enough
+// blocks to keep every SM busy with several resident blocks, each block moving at least 16K
+// elements so that the per-block reduction and launch costs stay small.
+int blocks_per_matrix(int64_t numel, int64_t matrices, int sm_count);
+
+void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, float* norms,
+                      int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream);
+void launch_muon_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+                       const int32_t* status, const ScaleSpec& scale, bool transpose,
+                       const BatchRef& x, int sm_count, cudaStream_t stream);
+void launch_muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
+                        const int32_t* status, const BatchRef& o, bool transpose, int sm_count,
+                        cudaStream_t stream);
+
+void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
+                    const BatchRef& out, int sm_count, cudaStream_t stream);
+void launch_frob_norm(const BatchRef& a, float* norms, const Scratch& scratch, int sm_count,
+                      cudaStream_t stream);
+void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
+                       const BatchRef& dst, int sm_count, cudaStream_t stream);
+
+void launch_adamw_check(std::span<const AdamSlot> slots, int32_t* status, int sm_count,
+                        cudaStream_t stream);
+void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
+                         const int32_t* status, int sm_count, cudaStream_t stream);
+void launch_count_status(const int32_t* status, int64_t n, int64_t* counter, cudaStream_t stream);
+
+// Copies the strict lower triangle of every square matrix of `c` onto its upper triangle.
+void launch_mirror(const BatchRef& c, cudaStream_t stream);
+
+}  // namespace distmuon::cuda
+
+namespace distmuon::cuda {
+// Fills n elements with independent N(0, scale^2) values (counter-based: same seed, same data).
+void launch_fill_normal(void* data, DType dtype, int64_t n, uint64_t seed, float scale,
+                        cudaStream_t stream);
+}  // namespace distmuon::cuda

@@ -1,0 +1,70 @@
+// Host side of the lower-triangle CUTLASS kernels: builds the arguments, checks that the kernel
+// can run them (alignment, shared memory), and launches on the caller's stream. Included by
+// sym_gemm_sm90_bf16.cu and sym_gemm_sm90_f16.cu, one element type each.
+#pragma once
+
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels/sym_gemm_sm90.cuh"
+#include "backend/cuda/launch/sym_gemm.h"
+
+namespace distmuon::cuda::sm90 {
+
+template <typename Element, class TileShape, class ClusterShape>
+bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspace_bytes,
+             cudaStream_t stream) {
+  using Gemm = typename SymGemm<Element, TileShape, ClusterShape>::Gemm;
+  using Kernel = typename Gemm::GemmKernel;
+  using StrideA = typename Kernel::StrideA;
+  using StrideB = typename Kernel::StrideB;
+  using StrideC = typename Kernel::StrideC;
+  using StrideD = typename Kernel::StrideD;
+  const int m = static_cast<int>(g.m), k = static_cast<int>(g.k), l = static_cast<int>(g.count);
+  StrideA sa = cute::make_stride(g.lda, cute::Int<1>{}, g.stride_a);
+  StrideB sb = cute::make_stride(g.ldb, cute::Int<1>{}, g.stride_b);
+  StrideC sc = cute::make_stride(g.ldc, cute::Int<1>{}, g.stride_c);
+  StrideD sd = cute::make_stride(g.ldd, cute::Int<1>{}, g.stride_d);
+  cutlass::KernelHardwareInfo hw;
+  DM_CHECK_CUDA(cudaGetDevice(&hw.device_id));
+  hw.sm_count = sm_count;
+  typename Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kGemm,
+      {m, m, k, l},
+      {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.b), sb},
+      {{g.alpha, g.beta}, static_cast<const Element*>(g.c ? g.c : g.d), sc,
+       static_cast<Element*>(g.d), sd},
+      hw};
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
+  if (Gemm::get_workspace_size(args) > workspace_bytes) return false;
+  cutlass::Status st = gemm.initialize(args, workspace, stream);
+  DM_CHECK(st == cutlass::Status::kSuccess, "sm90 symmetric kernel: initialize failed (",
+           cutlassGetStatusString(st), ")");
+  st = gemm.run(stream);
+  DM_CHECK(st == cutlass::Status::kSuccess, "sm90 symmetric kernel: launch failed (",
+           cutlassGetStatusString(st), ")");
+  DM_CHECK_LAUNCH();
+  return true;
+}
+
+template <typename Element>
+bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws, size_t ws_bytes,
+                 cudaStream_t stream) {
+  using namespace cute;
+  // TMA: 16-byte aligned bases, leading dimensions and batch strides.
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  if (!al(g.a) || !al(g.b) || !al(g.d) || (g.c && !al(g.c))) return false;
+  for (int64_t v : {g.lda, g.ldb, g.ldc, g.ldd, g.stride_a, g.stride_b, g.stride_c, g.stride_d})
+    if (v % 8 != 0) return false;
+  if (g.m > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30)) return false;
+  switch (variant) {
+    case SymKernel::kTri128:
+      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+    case SymKernel::kTri256x128:
+      return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+    case SymKernel::kTri128Cluster2:
+      return run_sym<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+    default: return false;
+  }
+}
+
+}  // namespace distmuon::cuda::sm90

@@ -1,0 +1,73 @@
+// Pure shape heuristics for the symmetric products, and the stubs used when the build has no
+// CUTLASS headers.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/launch/sym_gemm.h"
+
+namespace distmuon::cuda {
+
+namespace {
+struct TileCfg {
+  int bm, bn, cm;
+  double efficiency;  // expected fraction of the dense bf16 rate on full tiles (a prior; the
+                      // autotuner replaces it with measurements)
+};
+TileCfg cfg(SymKernel v) {
+  switch (v) {
+    case SymKernel::kTri128: return {128, 128, 1, 0.80};
+    case SymKernel::kTri256x128: return {256, 128, 1, 0.92};
+    case SymKernel::kTri128Cluster2: return {128, 128, 2, 0.88};
+    default: return {128, 128, 1, 1.0};
+  }
+}
+}  // namespace
+
+int64_t sym_tiles(SymKernel v, int64_t m) {
+  const TileCfg c = cfg(v);
+  if (v == SymKernel::kDenseMirror || v == SymKernel::kAuto) {
+    const int64_t t = (m + 127) / 128;
+    return t * t;
+  }
+  const int64_t q = int64_t(c.cm) * c.bm / c.bn;
+  const int64_t rows = (m + int64_t(c.cm) * c.bm - 1) / (int64_t(c.cm) * c.bm);
+  const int64_t tiles_n = (m + c.bn - 1) / c.bn;
+  const int64_t cluster_tiles = q * rows * (rows - 1) / 2 + std::min(q * rows, tiles_n);
+  return cluster_tiles * c.cm;
+}
+
+SymKernel heuristic_sym_kernel(int64_t m, int64_t k, int64_t count, int sm_count, bool sm90) {
+  if (!sm90 || !sym_sm90_built()) return SymKernel::kDenseMirror;
+  // Time in units of one 128x128xk tile at the dense rate on one SM.
+  auto waves_time = [&](SymKernel v) {
+    const TileCfg c = cfg(v);
+    const double tiles = static_cast<double>(sym_tiles(v, m)) * count;
+    const double waves = std::ceil(tiles / sm_count);
+    return waves * (double(c.bm) * c.bn / (128.0 * 128.0)) / c.efficiency;
+  };
+  const double t128 = (m + 127) / 128;
+  // Dense: cuBLAS with near-perfect load balance on the full square, then the mirror (about
+  // 2 m^2 bytes against k m^2 FLOPs: negligible unless k is small, counted as 3% here).
+  const double dense = t128 * t128 * count / sm_count * 1.03 + 0.5;
+  SymKernel best = SymKernel::kDenseMirror;
+  double best_t = dense;
+  for (SymKernel v : {SymKernel::kTri256x128, SymKernel::kTri128Cluster2, SymKernel::kTri128}) {
+    const double t = waves_time(v);
+    if (t < best_t) {
+      best = v;
+      best_t = t;
+    }
+  }
+  (void)k;
+  return best;
+}
+
+#ifndef DISTMUON_HAVE_CUTLASS
+bool sym_sm90_built() { return false; }
+bool run_sym_sm90_bf16(SymKernel, const SymGemmArgs&, int, void*, size_t, cudaStream_t) { return false; }
+bool run_sym_sm90_f16(SymKernel, const SymGemmArgs&, int, void*, size_t, cudaStream_t) { return false; }
+#else
+bool sym_sm90_built() { return true; }
+#endif
+
+}  // namespace distmuon::cuda

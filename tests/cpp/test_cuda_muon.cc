@@ -1,0 +1,269 @@
+// The fused Muon passes, the orthogonalizer and whole engine steps on the GPU against the CPU
+// reference and the float64 iteration; NaN/zero/tiny/huge inputs; CUDA-graph capture and replay
+// of a whole step. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_handles.h"
+#include "distmuon/engine.h"
+#include "test_cuda_util.h"
+
+namespace distmuon {
+namespace {
+
+using test::DeviceBatch;
+using test::HostBatch;
+using test::Mat;
+using test::random_matrix;
+using test::rel_err;
+
+struct Slots {
+  std::vector<HostBatch> host;  // g, b, w per matrix
+  std::vector<DeviceBatch> dev;
+};
+
+// Runs the three passes on both backends for `count` rows x cols matrices; `scale` multiplies
+// the gradients (zero, tiny, huge), matrix 1's gradient gets a NaN when `nan`.
+void check_passes(int64_t count, int64_t rows, int64_t cols, double scale, bool nan) {
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  const bool tall = rows > cols;
+  const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
+  std::vector<HostBatch> hg, hb, hw;
+  std::vector<DeviceBatch> dg, db, dw;
+  std::vector<MuonSlot> gs, cs;
+  std::vector<MuonUpdateCoef> coef;
+  for (int64_t i = 0; i < count; ++i) {
+    hg.emplace_back(DType::kF32, 1, rows, cols);
+    hb.emplace_back(DType::kF32, 1, rows, cols);
+    hw.emplace_back(DType::kF32, 1, rows, cols);
+    Mat g = random_matrix(rows, cols, 1.0) * scale;
+    if (nan && i == 1) g(rows / 2, cols / 3) = NAN;
+    hg.back().set(0, g);
+    hb.back().set(0, random_matrix(rows, cols, 0.5) * scale);
+    hw.back().set(0, random_matrix(rows, cols, 0.02));
+    coef.push_back({0.99f, 0.02f});
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    dg.emplace_back(be, hg[i]);
+    db.emplace_back(be, hb[i]);
+    dw.emplace_back(be, hw[i]);
+    gs.push_back({dg[i].ref.matrix(0), db[i].ref.matrix(0), dw[i].ref.matrix(0)});
+    cs.push_back({hg[i].ref.matrix(0), hb[i].ref.matrix(0), hw[i].ref.matrix(0)});
+  }
+  Buffer norms = be.alloc(sizeof(float) * count), status = be.alloc(sizeof(int32_t) * count);
+  std::vector<float> cn(count);
+  std::vector<int32_t> cst(count);
+  be.muon_momentum_norm(gs, 0.95f, true, norms.as<float>(), status.as<int32_t>());
+  cpu.muon_momentum_norm(cs, 0.95f, true, cn.data(), cst.data());
+  std::vector<float> gn(count);
+  std::vector<int32_t> gst(count);
+  be.copy_to_host(gn.data(), norms.data(), sizeof(float) * count);
+  be.copy_to_host(gst.data(), status.data(), sizeof(int32_t) * count);
+  for (int64_t i = 0; i < count; ++i) {
+    EXPECT_EQ(gst[i], cst[i]) << "matrix " << i;
+    if (cst[i] == 0) EXPECT_NEAR(gn[i], cn[i], 1e-5 * cn[i] + 1e-30) << "matrix " << i;
+  }
+  HostBatch x(DType::kBF16, count, m, n), xc(DType::kBF16, count, m, n);
+  x.poison();
+  DeviceBatch dx(be, x);
+  be.muon_momentum_apply(gs, 0.95f, true, status.as<int32_t>(), {norms.as<float>(), 1.0, 1e-7, 1.0},
+                         tall, dx.ref);
+  cpu.muon_momentum_apply(cs, 0.95f, true, cst.data(), {cn.data(), 1.0, 1e-7, 1.0}, tall, xc.ref);
+  dx.download(be, x);
+  for (int64_t i = 0; i < count; ++i) {
+    Mat got = x.get(i);
+    ASSERT_FALSE(got.hasNaN()) << "NaN in X of matrix " << i << " (scale " << scale << ")";
+    if (cst[i] == 0 && xc.get(i).norm() > 0) EXPECT_LT(rel_err(got, xc.get(i)), 1e-2) << i;
+    if (cst[i] != 0) EXPECT_EQ(got.norm(), 0.0);
+    HostBatch bb(DType::kF32, 1, rows, cols);
+    db[i].download(be, bb);
+    EXPECT_LT(rel_err(bb.get(0), hb[i].get(0)), 1e-6) << "momentum of matrix " << i;
+  }
+  // Pass 3 reads the (bf16) X as O.
+  be.muon_update(gs, coef, status.as<int32_t>(), dx.ref, tall);
+  cpu.muon_update(cs, coef, cst.data(), xc.ref, tall);
+  for (int64_t i = 0; i < count; ++i) {
+    HostBatch ww(DType::kF32, 1, rows, cols);
+    dw[i].download(be, ww);
+    EXPECT_LT(rel_err(ww.get(0), hw[i].get(0)), 2e-3) << "weight of matrix " << i;
+  }
+}
+
+TEST(CudaMuon, PassesMatchCpuWide) { DM_SKIP_WITHOUT_CUDA(); check_passes(5, 96, 320, 1.0, false); }
+TEST(CudaMuon, PassesMatchCpuTallWithNaN) { DM_SKIP_WITHOUT_CUDA(); check_passes(4, 330, 70, 1.0, true); }
+TEST(CudaMuon, PassesOddShape) { DM_SKIP_WITHOUT_CUDA(); check_passes(3, 37, 53, 1.0, true); }
+TEST(CudaMuon, ZeroTinyHugeGiveNoNaN) {
+  DM_SKIP_WITHOUT_CUDA();
+  for (double s : {0.0, 1e-30, 1e30}) check_passes(2, 64, 256, s, false);
+}
+TEST(CudaMuon, ManySlotsSplitIntoLaunches) { DM_SKIP_WITHOUT_CUDA(); check_passes(90, 16, 48, 1.0, true); }
+
+// The orthogonalizer on the GPU against the float64 reference iteration.
+struct OrthoCase {
+  const char* algo;
+  int64_t rows, cols, count;
+  double tol;
+};
+
+class CudaOrtho : public ::testing::TestWithParam<OrthoCase> {};
+
+TEST_P(CudaOrtho, MatchesFloat64Iteration) {
+  DM_SKIP_WITHOUT_CUDA();
+  const OrthoCase c = GetParam();
+  CudaBackend& be = test::cuda_backend();
+  OrthoConfig cfg = parse_algorithm(c.algo);
+  cfg.work_dtype = DType::kBF16;
+  HostBatch u(DType::kF32, c.count, c.rows, c.cols), out(DType::kF32, c.count, c.rows, c.cols);
+  std::vector<Mat> want;
+  for (int64_t i = 0; i < c.count; ++i) {
+    u.set(i, random_matrix(c.rows, c.cols));
+    want.push_back(test::reference_ns(u.get(i), cfg.coefficients, cfg.steps));
+  }
+  out.poison();
+  DeviceBatch du(be, u), dout(be, out);
+  Orthogonalizer(be).orthogonalize(cfg, du.ref, dout.ref);
+  dout.download(be, out);
+  for (int64_t i = 0; i < c.count; ++i) {
+    const double e = rel_err(out.get(i), want[i]);
+    std::printf("[measure] %s %lldx%lld: rel err %.3e vs float64 iteration\n", c.algo,
+                (long long)c.rows, (long long)c.cols, e);
+    EXPECT_LT(e, c.tol) << c.algo << " matrix " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Algorithms, CudaOrtho,
+    ::testing::Values(OrthoCase{"ns5", 256, 768, 2, 2e-2}, OrthoCase{"ns5-sym", 256, 768, 2, 2e-2},
+                      OrthoCase{"ns5-sym", 384, 384, 2, 2e-2}, OrthoCase{"gram-ns", 256, 1024, 2, 2e-2},
+                      OrthoCase{"gram-ns", 1024, 256, 2, 2e-2},
+                      OrthoCase{"gram-ns:polar-express-1.05", 384, 1536, 2, 2e-2},
+                      OrthoCase{"ns5-sym:polar-express", 300, 520, 2, 2e-2}));
+
+// A small model: wide, tall and square matrices plus AdamW tensors.
+struct Model {
+  std::vector<std::vector<int64_t>> shapes = {{64, 192}, {192, 64}, {96, 96}, {64, 192}, {300}, {1024}};
+  std::vector<Buffer> w, g;
+  std::vector<std::vector<float>> w0;
+  Model(Backend& be) {
+    for (auto& s : shapes) {
+      int64_t n = 1;
+      for (int64_t d : s) n *= d;
+      std::vector<float> wh(n), gh(n);
+      std::normal_distribution<float> nd;
+      for (float& v : wh) v = 0.02f * nd(test::rng());
+      for (float& v : gh) v = nd(test::rng());
+      w.push_back(be.alloc(n * 4));
+      g.push_back(be.alloc(n * 4));
+      be.copy_from_host(w.back().data(), wh.data(), n * 4);
+      be.copy_from_host(g.back().data(), gh.data(), n * 4);
+      w0.push_back(wh);
+    }
+  }
+  void add_to(Engine& e, const char* algo) {
+    GroupOptions gm;
+    gm.muon.ortho = parse_algorithm(algo);
+    gm.muon.ortho.work_dtype = DType::kBF16;
+    gm.muon.weight_decay = 0.1f;
+    e.add_group(gm);
+    GroupOptions ga;
+    ga.kind = ParamKind::kAdamW;
+    e.add_group(ga);
+    for (size_t i = 0; i < shapes.size(); ++i)
+      e.add_param({"p" + std::to_string(i), shapes[i].size() == 2 ? 0 : 1, shapes[i], DType::kF32});
+  }
+  std::vector<ParamData> data() {
+    std::vector<ParamData> d;
+    for (size_t i = 0; i < shapes.size(); ++i) d.push_back({w[i].data(), g[i].data(), DType::kF32, {}});
+    return d;
+  }
+  std::vector<float> weights(Backend& be, size_t i) {
+    std::vector<float> h(w0[i].size());
+    be.copy_to_host(h.data(), w[i].data(), h.size() * 4);
+    return h;
+  }
+};
+
+// Eager steps and a captured-then-replayed step give bitwise identical weights.
+TEST(CudaEngine, GraphReplayEqualsEagerStep) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  Model a(be);
+  Model b(be);
+  for (size_t i = 0; i < a.shapes.size(); ++i) {  // same initial state
+    be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
+    be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
+  }
+  Engine ea(be), eb(be);
+  a.add_to(ea, "auto");
+  b.add_to(eb, "auto");
+  auto da = a.data(), db = b.data();
+  ea.step(da);
+  ea.step(da);
+  ea.step(da);
+  eb.step(db);  // first step allocates; the captured one must not
+  be.synchronize();
+  cudaGraph_t graph = nullptr;
+  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
+  eb.step(db);
+  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
+  cuda::Graph g(graph);
+  cudaGraphExec_t exec = nullptr;
+  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cuda::GraphExec ge(exec);
+  DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
+  DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
+  be.synchronize();
+  for (size_t i = 0; i < a.shapes.size(); ++i) {
+    auto wa = a.weights(be, i), wb = b.weights(be, i);
+    ASSERT_EQ(wa, wb) << "parameter " << i << " differs between eager and graph replay";
+    EXPECT_NE(wa, a.w0[i]) << "parameter " << i << " was not updated";
+  }
+}
+
+// The GPU engine follows the CPU engine (fp32 reference iteration) within bf16 tolerance.
+TEST(CudaEngine, StepsFollowCpuEngine) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  Model gm(be);
+  Model cm(cpu);
+  for (size_t i = 0; i < gm.shapes.size(); ++i) {
+    std::vector<float> h(gm.w0[i].size());
+    be.copy_to_host(h.data(), gm.g[i].data(), h.size() * 4);
+    cpu.copy_from_host(cm.g[i].data(), h.data(), h.size() * 4);
+    cpu.copy_from_host(cm.w[i].data(), gm.w0[i].data(), h.size() * 4);
+  }
+  Engine eg(be), ec(cpu);
+  gm.add_to(eg, "auto");
+  GroupOptions g0;
+  g0.muon.ortho = parse_algorithm("ns5");
+  g0.muon.weight_decay = 0.1f;
+  ec.add_group(g0);
+  GroupOptions g1;
+  g1.kind = ParamKind::kAdamW;
+  ec.add_group(g1);
+  for (size_t i = 0; i < cm.shapes.size(); ++i)
+    ec.add_param({"p" + std::to_string(i), cm.shapes[i].size() == 2 ? 0 : 1, cm.shapes[i], DType::kF32});
+  auto dg = gm.data(), dc = cm.data();
+  for (int s = 0; s < 2; ++s) {
+    eg.step(dg);
+    ec.step(dc);
+  }
+  for (size_t i = 0; i < gm.shapes.size(); ++i) {
+    auto wg = gm.weights(be, i), wc = cm.weights(cpu, i);
+    double num = 0, den = 0;
+    for (size_t j = 0; j < wg.size(); ++j) {
+      const double d0 = double(wg[j]) - gm.w0[i][j], d1 = double(wc[j]) - gm.w0[i][j];
+      num += (d0 - d1) * (d0 - d1);
+      den += d1 * d1;
+    }
+    EXPECT_LT(std::sqrt(num / den), 3e-2) << "update of parameter " << i;
+  }
+}
+
+}  // namespace
+}  // namespace distmuon
