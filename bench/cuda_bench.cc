@@ -40,6 +40,75 @@ BatchRef dev_batch(Backend& be, std::vector<Buffer>& keep, DType t, int64_t c, i
   return b;
 }
 
+// GPU time of one call of f: `reps` calls captured in one CUDA graph, replayed, divided.
+template <typename F>
+double graph_ms(CudaBackend& be, int reps, F&& f) {
+  f();
+  be.synchronize();
+  cudaGraph_t graph = nullptr;
+  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
+  for (int i = 0; i < reps; ++i) f();
+  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
+  cuda::Graph g(graph);
+  cudaGraphExec_t exec = nullptr;
+  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  cuda::GraphExec ge(exec);
+  return time_ms(be, 5, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream())); }) / reps;
+}
+
+// Per-operation GPU times on gpt2-small's shapes (12 matrices, m = 768), graph-replayed so that
+// launch gaps do not count: where a small-matrix step spends its time.
+json breakdown(CudaBackend& be) {
+  json j;
+  std::vector<Buffer> keep;
+  const int64_t c = 12, m = 768, n = 2304;
+  BatchRef x = dev_batch(be, keep, DType::kF16, c, m, n, 11, 1.0f / 48);
+  BatchRef r = dev_batch(be, keep, DType::kF16, c, m, m, 12, 1.0f / 28);
+  BatchRef z = dev_batch(be, keep, DType::kF16, c, m, m, 13, 1.0f);
+  BatchRef o = dev_batch(be, keep, DType::kF16, c, m, m, 14, 1.0f);
+  BatchRef y = dev_batch(be, keep, DType::kF16, c, m, n, 15, 1.0f);
+  be.gemm_symmetric(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, r);  // symmetric R
+  be.gemm_symmetric(Op::kN, r, Op::kN, r, 1.0, 0.0, nullptr, z);  // symmetric Z
+  for (SymKernel s : {SymKernel::kDenseMirror, SymKernel::kTri128, SymKernel::kTri256x128,
+                      SymKernel::kTri128Cluster2, SymKernel::kTri128Pingpong}) {
+    be.set_sym_kernel(s);
+    j[std::string("sym_768x768x768_") + sym_kernel_name(s)] =
+        graph_ms(be, 20, [&] { be.gemm_symmetric(Op::kN, r, Op::kN, z, 1.0, 0.5, &r, o); });
+    j[std::string("sym_768x768x2304_") + sym_kernel_name(s)] =
+        graph_ms(be, 20, [&] { be.gemm_symmetric(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, o); });
+  }
+  be.set_sym_kernel(SymKernel::kAuto);
+  j["dense_768x768x768"] = graph_ms(be, 20, [&] { be.gemm(Op::kN, r, Op::kN, z, 1.0, 0.5, &r, o); });
+  j["dense_QX_768x2304x768"] = graph_ms(be, 20, [&] { be.gemm(Op::kN, r, Op::kN, x, 1.0, 0.0, nullptr, y); });
+  j["mirror_768"] = graph_ms(be, 20, [&] { cuda::launch_mirror(o, be.stream()); });
+  j["lincomb_768"] = graph_ms(be, 20, [&] { be.lincomb(1.0, z, 0.0, nullptr, 3.4, o); });
+  // Fused passes on 12 fp32 768 x 2304 matrices (tall: the transposing kernels).
+  std::vector<MuonSlot> slots;
+  std::vector<MuonUpdateCoef> coef(c, {0.99f, 0.01f});
+  for (int64_t i = 0; i < c; ++i) {
+    BatchRef g = dev_batch(be, keep, DType::kF32, 1, n, m, 20 + i, 1e-3f);
+    BatchRef b = dev_batch(be, keep, DType::kF32, 1, n, m, 40 + i, 1e-3f);
+    BatchRef w = dev_batch(be, keep, DType::kF32, 1, n, m, 60 + i, 0.02f);
+    slots.push_back({g.matrix(0), b.matrix(0), w.matrix(0)});
+  }
+  Buffer nb = be.alloc(sizeof(float) * c), sb = be.alloc(sizeof(int32_t) * c);
+  BatchRef xb = dev_batch(be, keep, DType::kBF16, c, m, n, 99, 1.0f);
+  const double bytes = double(c) * m * n;
+  const double t1 = graph_ms(be, 10, [&] { be.muon_momentum_norm(slots, 0.95f, true, nb.as<float>(), sb.as<int32_t>()); });
+  const double t2 = graph_ms(be, 10, [&] {
+    be.muon_momentum_apply(slots, 0.95f, true, sb.as<int32_t>(), {nb.as<float>(), 1.0, 1e-7, 1.0}, true, xb);
+  });
+  const double t3 = graph_ms(be, 10, [&] { be.muon_update(slots, coef, sb.as<int32_t>(), xb, true); });
+  j["muon_norm_ms"] = t1;
+  j["muon_apply_t_ms"] = t2;
+  j["muon_update_t_ms"] = t3;
+  j["muon_norm_tbps"] = 8 * bytes / (t1 * 1e-3) / 1e12;
+  j["muon_apply_t_tbps"] = 14 * bytes / (t2 * 1e-3) / 1e12;
+  j["muon_update_t_tbps"] = 10 * bytes / (t3 * 1e-3) / 1e12;
+  for (auto& [k, v] : j.items()) std::fprintf(stderr, "[breakdown] %-32s %.4f\n", k.c_str(), v.get<double>());
+  return j;
+}
+
 json micro(CudaBackend& be, double& tflops, double& tbps) {
   json j;
   std::vector<Buffer> keep;
@@ -72,7 +141,7 @@ json micro(CudaBackend& be, double& tflops, double& tbps) {
     double best = 1e30;
     std::string best_name;
     for (SymKernel s : {SymKernel::kDenseMirror, SymKernel::kTri128, SymKernel::kTri256x128,
-                        SymKernel::kTri128Cluster2}) {
+                        SymKernel::kTri128Cluster2, SymKernel::kTri128Pingpong}) {
       be.set_sym_kernel(s);
       const double ms = time_ms(be, 20, [&] {
         be.gemm_symmetric(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, c);
@@ -240,6 +309,7 @@ int run(int argc, char** argv) {
     json m = micro(be, tflops, tbps);
     out["micro"] = m;
     out["syrk_over_dense"] = m["syrk_over_dense"];
+    out["breakdown_gpt2_small"] = breakdown(be);
   }
   out["gemm_tflops"] = tflops;
   out["copy_tbps"] = tbps;

@@ -28,7 +28,8 @@ enum class SymKernel : int {
   kDenseMirror = 1,    // cuBLASLt dense product + mirror (any dtype, any layout)
   kTri128 = 2,         // CUTLASS sm90 cooperative, 128x128x64 tiles, lower tiles only
   kTri256x128 = 3,     // CUTLASS sm90 cooperative, 256x128x64 tiles, lower tiles only
-  kTri128Cluster2 = 4  // CUTLASS sm90 cooperative, 128x128x64 tiles, 2x1 cluster (multicast B)
+  kTri128Cluster2 = 4,  // CUTLASS sm90 cooperative, 128x128x64 tiles, 2x1 cluster (multicast B)
+  kTri128Pingpong = 5   // CUTLASS sm90 ping-pong (two consumer warpgroups, one tile each)
 };
 const char* sym_kernel_name(SymKernel k);
 SymKernel parse_sym_kernel(const std::string& s);

@@ -98,7 +98,8 @@ INSTANTIATE_TEST_SUITE_P(
     Variants, CudaSym,
     ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
                        ::testing::Values(SymKernel::kDenseMirror, SymKernel::kTri128,
-                                         SymKernel::kTri256x128, SymKernel::kTri128Cluster2),
+                                         SymKernel::kTri256x128, SymKernel::kTri128Cluster2,
+                                         SymKernel::kTri128Pingpong),
                        ::testing::Values(40, 256, 392)));
 
 TEST(CudaBackend, SymmetricFp32FallsBackToDense) {

@@ -9,6 +9,8 @@
 // Linear order: batch-major, then row by row; CTAs stride over it (a static persistent grid).
 #pragma once
 
+#include <type_traits>
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -137,8 +139,13 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
 };
 
 // D = alpha * A B^T + beta * C, A and B row-major m x k (k contiguous), C and D row-major.
-template <typename Element, class TileShape, class ClusterShape>
+// PingPong: two consumer warpgroups alternate on whole tiles (else they split one tile).
+template <typename Element, class TileShape, class ClusterShape, bool PingPong = false>
 struct SymGemm {
+  using MainloopSchedule = std::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                                              cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
+  using EpilogueSchedule = std::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
+                                              cutlass::epilogue::TmaWarpSpecializedCooperative>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;  // B as k x n column-major = n x k row-major
   using LayoutC = cutlass::layout::RowMajor;
@@ -147,14 +154,14 @@ struct SymGemm {
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlign,
-      Element, LayoutC, kAlign, cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
+      Element, LayoutC, kAlign, EpilogueSchedule>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
       LayoutB, kAlign, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
+      MainloopSchedule>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>,
                                                       CollectiveMainloop, CollectiveEpilogue,

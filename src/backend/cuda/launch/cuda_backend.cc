@@ -48,15 +48,16 @@ const char* sym_kernel_name(SymKernel k) {
     case SymKernel::kTri128: return "tri128";
     case SymKernel::kTri256x128: return "tri256x128";
     case SymKernel::kTri128Cluster2: return "tri128c2";
+    case SymKernel::kTri128Pingpong: return "tri128pp";
   }
   return "?";
 }
 
 SymKernel parse_sym_kernel(const std::string& s) {
   for (SymKernel k : {SymKernel::kAuto, SymKernel::kDenseMirror, SymKernel::kTri128,
-                      SymKernel::kTri256x128, SymKernel::kTri128Cluster2})
+                      SymKernel::kTri256x128, SymKernel::kTri128Cluster2, SymKernel::kTri128Pingpong})
     if (s == sym_kernel_name(k)) return k;
-  DM_FAIL("unknown symmetric kernel '", s, "' (auto, dense+mirror, tri128, tri256x128, tri128c2)");
+  DM_FAIL("unknown symmetric kernel '", s, "' (auto, dense+mirror, tri128, tri256x128, tri128c2, tri128pp)");
 }
 
 LtPlan::~LtPlan() {

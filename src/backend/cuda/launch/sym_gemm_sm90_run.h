@@ -9,10 +9,10 @@
 
 namespace distmuon::cuda::sm90 {
 
-template <typename Element, class TileShape, class ClusterShape>
+template <typename Element, class TileShape, class ClusterShape, bool PingPong = false>
 bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspace_bytes,
              cudaStream_t stream) {
-  using Gemm = typename SymGemm<Element, TileShape, ClusterShape>::Gemm;
+  using Gemm = typename SymGemm<Element, TileShape, ClusterShape, PingPong>::Gemm;
   using Kernel = typename Gemm::GemmKernel;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
@@ -63,6 +63,8 @@ bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws
       return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri128Cluster2:
       return run_sym<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+    case SymKernel::kTri128Pingpong:
+      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, true>(g, sm_count, ws, ws_bytes, stream);
     default: return false;
   }
 }

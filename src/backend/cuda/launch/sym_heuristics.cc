@@ -18,6 +18,7 @@ TileCfg cfg(SymKernel v) {
     case SymKernel::kTri128: return {128, 128, 1, 0.80};
     case SymKernel::kTri256x128: return {256, 128, 1, 0.92};
     case SymKernel::kTri128Cluster2: return {128, 128, 2, 0.88};
+    case SymKernel::kTri128Pingpong: return {128, 128, 1, 0.85};
     default: return {128, 128, 1, 1.0};
   }
 }

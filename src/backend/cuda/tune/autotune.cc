@@ -77,7 +77,8 @@ SymChoice tune_sym(CudaBackend& be, int64_t m, int64_t k, int64_t count, DType d
   std::snprintf(buf, sizeof(buf), "dense+mirror %.3f ms", best.dense_ms);
   line = buf;
   if (be.has_sm90_kernels()) {
-    for (SymKernel v : {SymKernel::kTri128, SymKernel::kTri256x128, SymKernel::kTri128Cluster2}) {
+    for (SymKernel v : {SymKernel::kTri128, SymKernel::kTri256x128, SymKernel::kTri128Cluster2,
+                        SymKernel::kTri128Pingpong}) {
       be.set_sym_kernel(v);
       DM_CHECK_CUDA(cudaMemsetAsync(out.data, 0xff, out.bytes(), be.stream()));  // NaN poison
       be.gemm_symmetric(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, out);
