@@ -30,8 +30,8 @@ void declare(cli::Args& a) {
   a.option("gpus-per-node", "8", "GPUs per node");
   a.option("replicate", "1", "HSDP replicate degree (owner slots span replicate x shard)");
   a.option("solver", "milp,lpt,round-robin", "comma list of milp | lpt | round-robin");
-  a.option("time-limit", "4", "seconds CBC may search (wall clock; the node limit is the "
-           "deterministic one)");
+  a.option("time-limit", "4", "CPU seconds the MILP may take (a guard: node limits keep plans "
+           "deterministic)");
   a.option("max-nodes", "20000", "branch-and-bound nodes CBC may explore");
   a.option("gap", "5e-4", "relative optimality gap at which CBC stops");
   a.option("formulation", "auto", "MILP formulation: auto | patterns | columns | owners");

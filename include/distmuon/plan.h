@@ -81,8 +81,9 @@ struct PlanOptions {
   double comm_weight = 1e-3;
   double comm_bytes_per_s = 50e9;
   int64_t comm_elem_bytes = 2;  // bytes per element on the wire (bf16 gradients and updates)
-  // MILP limits. The node limit is deterministic; the time limit is a wall-clock guard, and a
-  // plan stopped by it may differ between runs (Plan::status says so).
+  // MILP limits. The node limits are deterministic; the time limit (CPU seconds of the planning
+  // process, so that load on the machine does not change the plan) is a guard, and a plan
+  // stopped by it may differ between machines (Plan::status then says "time limit").
   double time_limit_s = 4.0;
   int64_t max_nodes = 20000;
   double relative_gap = 5e-4;     // stop when within this fraction of the proven lower bound

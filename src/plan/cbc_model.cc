@@ -3,6 +3,7 @@
 #include <coin/Cbc_C_Interface.h>
 
 #include <algorithm>
+#include <ctime>
 #include <string>
 
 #include "common/log.h"
@@ -12,6 +13,8 @@ namespace distmuon::plan_detail {
 namespace {
 Cbc_Model* as_cbc(void* p) { return static_cast<Cbc_Model*>(p); }
 }  // namespace
+
+double cpu_seconds() { return static_cast<double>(std::clock()) / CLOCKS_PER_SEC; }
 
 CbcModel::CbcModel() : model_(Cbc_newModel()) {
   DM_CHECK(model_ != nullptr, "CBC: Cbc_newModel failed");
@@ -84,15 +87,16 @@ CbcResult CbcModel::solve(const CbcLimits& limits) {
   }
 
   // Same inputs, same answer: fixed seeds for CLP and CBC, no threads, and a node limit that
-  // stops the search at the same point on every run. The time limit counts elapsed time because
-  // the planner's budget is wall clock (CBC's default counts CPU time).
+  // stops the search at the same point on every run. The time limit counts CPU time (CBC's
+  // default), like the planner's budget: a busy machine then slows the plan down but does not
+  // change it.
   // CBC's own log at DISTMUON_LOG_LEVEL=debug; silent otherwise.
   Cbc_setLogLevel(m, log::level() >= log::kDebug ? 1 : 0);
   Cbc_setParameter(m, "slogLevel", "0");
   Cbc_setParameter(m, "threads", "0");
   Cbc_setParameter(m, "randomSeed", std::to_string(std::max<int64_t>(1, limits.seed)).c_str());
   Cbc_setParameter(m, "randomCbcSeed", std::to_string(std::max<int64_t>(1, limits.seed)).c_str());
-  Cbc_setParameter(m, "timeMode", "elapsed");
+  Cbc_setParameter(m, "timeMode", "cpu");
   Cbc_setMaximumSeconds(m, std::max(0.01, limits.seconds));
   Cbc_setMaximumNodes(m, static_cast<int>(std::min<int64_t>(limits.max_nodes, 2000000000)));
   Cbc_setAllowableFractionGap(m, std::max(0.0, limits.relative_gap));

@@ -13,7 +13,7 @@
 namespace distmuon::plan_detail {
 
 struct CbcLimits {
-  double seconds = 4.0;        // wall clock (CBC's elapsed-time mode)
+  double seconds = 4.0;        // CPU seconds of this process
   int64_t max_nodes = 20000;   // deterministic effort limit
   double relative_gap = 1e-4;  // stop when (incumbent - bound) / incumbent is below this
   int64_t seed = 7;
@@ -31,6 +31,9 @@ struct CbcResult {
   double bound = 0;            // best possible objective
   int64_t nodes = 0;
 };
+
+// CPU seconds this process has used (all threads): the planner's time budget counts these.
+double cpu_seconds();
 
 class CbcModel {
  public:

@@ -100,12 +100,13 @@ Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
   limits.max_nodes = opts.max_nodes;
   limits.relative_gap = opts.relative_gap;
   limits.seed = opts.seed;
-  auto budget = [&] { return opts.time_limit_s - seconds_since(t0); };
+  const double cpu0 = cpu_seconds();
+  auto budget = [&] { return opts.time_limit_s - (cpu_seconds() - cpu0); };
   double proven = lower;  // a lower bound on the makespan
   std::optional<MilpOutcome> outcome;
   std::string skipped;
   std::optional<std::vector<std::vector<int>>> patterns;
-  if (form == "patterns" || (form == "auto" && lpt))
+  if (form == "patterns" || form == "auto")
     patterns = enumerate_patterns(inst, t_ub, form == "patterns" ? INT64_MAX / 64 : opts.pattern_limit);
   if (form == "auto" && lpt && opts.comm_weight <= 0 && t_ub <= lower * (1 + 1e-12)) {
     skipped = "optimal (lpt meets the lower bound)";
@@ -131,13 +132,8 @@ Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
   }
 
   const bool milp_ok = outcome && outcome->counts && valid(inst, *outcome->counts);
-  if (!lpt && !milp_ok) {
-    if (outcome && !outcome->result.infeasible) {
-      DM_FAIL(lpt_error->what(), " (the MILP found no assignment either: ",
-              outcome->result.stopped_by, ")");
-    }
-    throw *lpt_error;
-  }
+  // Neither found an assignment: LPT's error names the matrix that did not fit.
+  if (!lpt && !milp_ok) throw *lpt_error;
   // The better of the MILP incumbent and LPT: by makespan, then by the full objective.
   bool use_milp = milp_ok;
   if (milp_ok && lpt) {

@@ -12,7 +12,8 @@
 // smallest busiest-owner traffic (the secondary objective, lexicographic). Every cover(...)
 // stops at its first integer solution: any cover with at most P owners answers the question.
 #include <algorithm>
-#include <chrono>
+#include <cmath>
+#include <limits>
 
 #include "common/log.h"
 #include "distmuon/error.h"
@@ -79,11 +80,8 @@ double max_comm(const Instance& inst, const Counts& counts) {
 MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<int>>& patterns,
                            const Counts& start, double proven_lower, const CbcLimits& limits,
                            bool complete) {
-  const auto t0 = std::chrono::steady_clock::now();
-  auto left = [&] {
-    return limits.seconds -
-           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  };
+  const double cpu0 = cpu_seconds();
+  auto left = [&] { return limits.seconds - (cpu_seconds() - cpu0); };
   CbcLimits lim = limits;
   lim.first_solution = true;
   lim.root_cut_passes = 5;  // the LP is the configuration LP already; cuts barely move it
@@ -100,9 +98,10 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
   out.formulation = complete ? "patterns" : "columns";
   out.vars = out.integers = static_cast<int>(patterns.size());
   out.rows = static_cast<int>(inst.classes.size()) + 1;
-  out.counts = start;
   out.bound_seconds = proven_lower;
-  double best = inst.makespan(start);
+  // Without a start (LPT failed under a memory cap) every load is a candidate.
+  double best = start.empty() ? std::numeric_limits<double>::infinity() : inst.makespan(start);
+  if (!start.empty()) out.counts = start;
   bool decided = true;
   std::string stopped;
 
@@ -115,7 +114,11 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
     values.erase(std::unique(values.begin(), values.end()), values.end());
     size_t lo = 0, hi = values.size();
     auto open_floor = [&] { return lo < values.size() ? std::max(values[lo], floor) : current(); };
-    while (lo < hi && current() - open_floor() > limits.relative_gap * current()) {
+    auto open = [&] {
+      return !std::isfinite(current()) ||
+             current() - open_floor() > limits.relative_gap * current();
+    };
+    while (lo < hi && open()) {
       const size_t mid = lo + (hi - lo) / 2;
       lim.seconds = left();
       if (lim.seconds <= 0.05) {
@@ -154,7 +157,7 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
   });
   const bool makespan_decided = decided;
 
-  if (inst.opts.comm_weight > 0) {
+  if (inst.opts.comm_weight > 0 && out.counts) {
     // Secondary: the least busiest-owner traffic among plans of makespan `best`.
     double best_comm = max_comm(inst, *out.counts);
     std::vector<double> lower;
@@ -169,7 +172,7 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
       return c;
     });
   }
-  out.result.has_solution = true;
+  out.result.has_solution = out.counts.has_value();
   out.result.objective = best;
   // With every pattern present a decided bisection is a proof of optimality (within the gap);
   // over a generated pool it only says that no combination of its patterns does better.
