@@ -30,7 +30,8 @@ void declare(cli::Args& a) {
   a.option("gpus-per-node", "8", "GPUs per node");
   a.option("replicate", "1", "HSDP replicate degree (owner slots span replicate x shard)");
   a.option("solver", "milp,lpt,round-robin", "comma list of milp | lpt | round-robin");
-  a.option("time-limit", "4", "CPU seconds the MILP may take (a guard: node limits keep plans "
+  a.option("time-limit", "4",
+           "CPU seconds the MILP may take (a guard: node limits keep plans "
            "deterministic)");
   a.option("max-nodes", "20000", "branch-and-bound nodes CBC may explore");
   a.option("gap", "5e-4", "relative optimality gap at which CBC stops");
@@ -47,7 +48,8 @@ void declare(cli::Args& a) {
   a.option("analytic", "0", "analytic costs from --tflops, --hbm-tbs, --launch-us (default)", true);
   a.option("measure", "0", "measure costs on --backend, cached in --cache", true);
   a.option("backend", "cpu", "backend measured by --measure (cpu | cuda)");
-  a.option("cache", "", "cost cache (default: DISTMUON_COST_CACHE or ~/.cache/distmuon/costs.json)");
+  a.option("cache", "",
+           "cost cache (default: DISTMUON_COST_CACHE or ~/.cache/distmuon/costs.json)");
   a.option("profile-ks", "1,2,4,8", "batch sizes timed per shape by --measure");
   a.option("profile-reps", "3", "timed repetitions per point (median kept)");
   a.option("algo", "auto", "algorithm costed (see distmuon-bench --help)");
@@ -73,8 +75,8 @@ CostTable load_costs(const cli::Args& a, const std::vector<PlanMatrix>& mats, Or
   DM_CHECK(sources <= 1, "choose one of --costs FILE, --analytic and --measure");
   const std::string wd = a.str("work-dtype");
   if (a.given("costs")) {
-    CostTable t = select_cost_table(read_cost_file(a.str("costs")), a.str("device"),
-                                    a.str("costs"));
+    CostTable t =
+        select_cost_table(read_cost_file(a.str("costs")), a.str("device"), a.str("costs"));
     cfg = parse_algorithm(t.algorithm);
     cfg.work_dtype = parse_dtype(t.work_dtype);
     return t;
@@ -104,11 +106,16 @@ CostTable load_costs(const cli::Args& a, const std::vector<PlanMatrix>& mats, Or
 nlohmann::json plan_json(const Plan& p) {
   double max_comm = 0;
   for (double b : p.owner_comm_bytes) max_comm = std::max(max_comm, b);
-  return {{"solver", p.solver},           {"makespan", p.makespan},
-          {"imbalance", p.imbalance},     {"solve_seconds", p.solve_seconds},
-          {"owner_loads", p.owner_load},  {"hash", hex(p.hash)},
-          {"status", p.status},           {"formulation", p.formulation},
-          {"lower_bound", p.lower_bound}, {"max_owner_comm_bytes", max_comm},
+  return {{"solver", p.solver},
+          {"makespan", p.makespan},
+          {"imbalance", p.imbalance},
+          {"solve_seconds", p.solve_seconds},
+          {"owner_loads", p.owner_load},
+          {"hash", hex(p.hash)},
+          {"status", p.status},
+          {"formulation", p.formulation},
+          {"lower_bound", p.lower_bound},
+          {"max_owner_comm_bytes", max_comm},
           {"layer_collisions", p.layer_collisions}};
 }
 
@@ -120,8 +127,8 @@ int run(int argc, char** argv) {
   Workload w = load_workload(a.str("workload"));
   if (a.integer("layers") > 0) w = w.first_layers(a.integer("layers"));
   const std::vector<PlanMatrix> mats = plan_matrices(w, a.integer("state-bytes"));
-  DM_CHECK(a.integer("world-size") >= 1, "--world-size must be >= 1 (got ",
-           a.str("world-size"), ")");
+  DM_CHECK(a.integer("world-size") >= 1, "--world-size must be >= 1 (got ", a.str("world-size"),
+           ")");
   Topology topo;
   topo.world_size = static_cast<int>(a.integer("world-size"));
   topo.gpus_per_node = static_cast<int>(a.integer("gpus-per-node"));
@@ -149,16 +156,16 @@ int run(int argc, char** argv) {
   std::printf("costs: %s\n\n", costs.describe().c_str());
   std::vector<Plan> plans;
   for (const std::string& s : solvers) plans.push_back(make_plan(s, mats, topo, costs, opts));
-  std::printf("%-12s %12s %10s %10s %12s %9s %11s  %-16s %s\n", "solver", "makespan ms",
-              "mean ms", "imbalance", "max comm MB", "solve s", "collisions", "hash", "status");
+  std::printf("%-12s %12s %10s %10s %12s %9s %11s  %-16s %s\n", "solver", "makespan ms", "mean ms",
+              "imbalance", "max comm MB", "solve s", "collisions", "hash", "status");
   for (const Plan& p : plans) {
     double mean = 0, comm = 0;
     for (double l : p.owner_load) mean += l / p.owner_load.size();
     for (double b : p.owner_comm_bytes) comm = std::max(comm, b);
-    std::printf("%-12s %12.4f %10.4f %10.4f %12.1f %9.3f %11lld  %-16s %s%s%s\n",
-                p.solver.c_str(), p.makespan * 1e3, mean * 1e3, p.imbalance, comm / 1e6,
-                p.solve_seconds, static_cast<long long>(p.layer_collisions), hex(p.hash).c_str(),
-                p.status.c_str(), p.formulation.empty() ? "" : ", ", p.formulation.c_str());
+    std::printf("%-12s %12.4f %10.4f %10.4f %12.1f %9.3f %11lld  %-16s %s%s%s\n", p.solver.c_str(),
+                p.makespan * 1e3, mean * 1e3, p.imbalance, comm / 1e6, p.solve_seconds,
+                static_cast<long long>(p.layer_collisions), hex(p.hash).c_str(), p.status.c_str(),
+                p.formulation.empty() ? "" : ", ", p.formulation.c_str());
   }
   if (a.flag("owners")) {
     for (const Plan& p : plans) {
@@ -175,8 +182,11 @@ int run(int argc, char** argv) {
   j["world_size"] = topo.world_size;
   j["gpus_per_node"] = topo.gpus_per_node;
   j["replicate"] = topo.replicate;
-  j["costs"] = {{"source", costs.source}, {"device", costs.device}, {"version", costs.version},
-                {"algorithm", costs.algorithm}, {"work_dtype", costs.work_dtype}};
+  j["costs"] = {{"source", costs.source},
+                {"device", costs.device},
+                {"version", costs.version},
+                {"algorithm", costs.algorithm},
+                {"work_dtype", costs.work_dtype}};
   j["solvers"] = nlohmann::json::array();
   for (const Plan& p : plans) j["solvers"].push_back(plan_json(p));
 
@@ -202,12 +212,17 @@ int run(int argc, char** argv) {
                   p.makespan * 1e3, p.imbalance, p.gather() * 1e3, p.gather_comm * 1e3,
                   p.sharded() * 1e3, p.sharded_comm * 1e3, p.dedicated() * 1e3,
                   p.gather() / p.sharded(), p.gather() / p.dedicated());
-      j["simulate"]["points"].push_back(
-          {{"world", p.world}, {"makespan", p.makespan}, {"imbalance", p.imbalance},
-           {"gather", p.gather()}, {"gather_comm", p.gather_comm}, {"sharded", p.sharded()},
-           {"sharded_comm", p.sharded_comm}, {"dedicated", p.dedicated()},
-           {"dedicated_comm", p.dedicated_comm}, {"speedup_sharded", p.gather() / p.sharded()},
-           {"speedup_dedicated", p.gather() / p.dedicated()}});
+      j["simulate"]["points"].push_back({{"world", p.world},
+                                         {"makespan", p.makespan},
+                                         {"imbalance", p.imbalance},
+                                         {"gather", p.gather()},
+                                         {"gather_comm", p.gather_comm},
+                                         {"sharded", p.sharded()},
+                                         {"sharded_comm", p.sharded_comm},
+                                         {"dedicated", p.dedicated()},
+                                         {"dedicated_comm", p.dedicated_comm},
+                                         {"speedup_sharded", p.gather() / p.sharded()},
+                                         {"speedup_dedicated", p.gather() / p.dedicated()}});
     }
   }
   if (!a.str("json").empty()) {

@@ -38,21 +38,21 @@ struct Topology {
 };
 
 struct Plan {
-  std::string solver;                          // "milp", "lpt", "round-robin"
-  std::vector<int> owner;                      // owner rank per matrix
+  std::string solver;                                  // "milp", "lpt", "round-robin"
+  std::vector<int> owner;                              // owner rank per matrix
   std::vector<std::vector<std::vector<int>>> batches;  // per owner: batches of same-shape matrices
-  std::vector<double> owner_load;              // predicted seconds per owner
-  double makespan = 0;                         // max owner load
+  std::vector<double> owner_load;                      // predicted seconds per owner
+  double makespan = 0;                                 // max owner load
   double solve_seconds = 0;
-  uint64_t hash = 0;                           // plan_hash(*this)
+  uint64_t hash = 0;  // plan_hash(*this)
 
   // Added by the planner (not part of the hash).
-  double imbalance = 0;                 // makespan / mean owner load (1 = perfect)
-  std::vector<double> owner_comm_bytes;  // bytes of the matrices each owner receives and sends
+  double imbalance = 0;                    // makespan / mean owner load (1 = perfect)
+  std::vector<double> owner_comm_bytes;    // bytes of the matrices each owner receives and sends
   std::vector<double> owner_memory_bytes;  // state + largest batch's working memory per owner
-  double lower_bound = 0;     // proven lower bound on the makespan (MILP), else 0
-  std::string status;         // "optimal", "time limit", "node limit", "heuristic", ...
-  std::string formulation;    // how the MILP was posed ("patterns", "owners"), or empty
+  double lower_bound = 0;                  // proven lower bound on the makespan (MILP), else 0
+  std::string status;            // "optimal", "time limit", "node limit", "heuristic", ...
+  std::string formulation;       // how the MILP was posed ("patterns", "owners"), or empty
   int64_t layer_collisions = 0;  // matrices sharing an owner with more of their layer than needed
 };
 
@@ -93,7 +93,7 @@ struct PlanOptions {
   // "auto", or force one: "patterns" (all owner patterns enumerated), "columns" (patterns from
   // column generation), "owners" (owner-indexed). Forcing is for tests and comparisons.
   std::string formulation = "auto";
-  int64_t seed = 7;               // CBC random seed (fixed: same inputs, same plan)
+  int64_t seed = 7;  // CBC random seed (fixed: same inputs, same plan)
 };
 
 // Round-robin with loads from the cost table.
@@ -101,8 +101,8 @@ Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& t
                       const CostTable& costs, const PlanOptions& opts = {});
 // Longest processing time first: matrices by decreasing single cost, each to the owner whose
 // load grows least (batching makes the marginal cost of a shape fall with the owner's count).
-Plan plan_lpt(const std::vector<PlanMatrix>& matrices, const Topology& topo,
-              const CostTable& costs, const PlanOptions& opts = {});
+Plan plan_lpt(const std::vector<PlanMatrix>& matrices, const Topology& topo, const CostTable& costs,
+              const PlanOptions& opts = {});
 // Makespan-optimal assignment and batching as a MILP solved by COIN-OR CBC; returns the better
 // of the MILP incumbent and LPT when the solver stops early or the instance is too large.
 Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,

@@ -18,7 +18,7 @@ struct CommModel {
   double inter_bytes_per_s = 50e9;
   double intra_latency_s = 3e-6;
   double inter_latency_s = 6e-6;
-  int64_t wire_elem_bytes = 2;  // bf16 gradients and updates on the wire
+  int64_t wire_elem_bytes = 2;   // bf16 gradients and updates on the wire
   std::string describe() const;  // the assumptions, several lines
 };
 
@@ -37,8 +37,8 @@ double alltoall_seconds(double send_bytes, double recv_bytes, int world, const C
 
 struct SimPoint {
   int world = 1;
-  std::string solver;     // the planner that placed the owners
-  double makespan = 0;    // owner-mode compute: the plan's slowest owner
+  std::string solver;   // the planner that placed the owners
+  double makespan = 0;  // owner-mode compute: the plan's slowest owner
   double imbalance = 1;
   double gather_compute = 0, gather_comm = 0;
   double sharded_comm = 0;

@@ -33,8 +33,7 @@ int CbcModel::add_var(double lower, double upper, double objective, bool integer
   return static_cast<int>(lower_.size()) - 1;
 }
 
-void CbcModel::add_row(std::span<const std::pair<int, double>> terms, double lower,
-                       double upper) {
+void CbcModel::add_row(std::span<const std::pair<int, double>> terms, double lower, double upper) {
   const int row = rows();
   for (const auto& [var, coef] : terms) {
     DM_CHECK(var >= 0 && var < vars(), "internal: CBC row refers to variable ", var);

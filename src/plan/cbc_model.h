@@ -23,12 +23,12 @@ struct CbcLimits {
 
 struct CbcResult {
   bool has_solution = false;
-  bool optimal = false;        // search completed (within the gap)
-  bool infeasible = false;     // proven: no solution exists
-  std::string stopped_by;      // "optimal", "gap", "time limit", "node limit", "infeasible", ...
-  std::vector<double> x;       // the incumbent, one value per variable
+  bool optimal = false;     // search completed (within the gap)
+  bool infeasible = false;  // proven: no solution exists
+  std::string stopped_by;   // "optimal", "gap", "time limit", "node limit", "infeasible", ...
+  std::vector<double> x;    // the incumbent, one value per variable
   double objective = 0;
-  double bound = 0;            // best possible objective
+  double bound = 0;  // best possible objective
   int64_t nodes = 0;
 };
 

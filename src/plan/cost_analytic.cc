@@ -33,9 +33,9 @@ Traffic walk(const OrthoConfig& cfg, int64_t rows, int64_t cols) {
   };
   if (r.iteration != Iteration::kGram) {
     for (int i = 0; i < r.steps; ++i) {
-      product(mn, mm);           // A = X X^T
-      product(mm, mm);           // B = b A + c A A
-      product(mm + mn, mn);      // X = a X + B X
+      product(mn, mm);       // A = X X^T
+      product(mm, mm);       // B = b A + c A A
+      product(mm + mn, mn);  // X = a X + B X
     }
     return t;
   }
@@ -50,8 +50,8 @@ Traffic walk(const OrthoConfig& cfg, int64_t rows, int64_t cols) {
       product(mn, mm);       // R = X X^T
       have_q = false;
     }
-    product(mm, mm);                       // Z = b R + c R R
-    product(have_q ? 2 * mm : mm, mm);     // Q = Z + a I, or Q Z + a Q
+    product(mm, mm);                    // Z = b R + c R R
+    product(have_q ? 2 * mm : mm, mm);  // Q = Z + a I, or Q Z + a Q
     have_q = true;
     if (i + 1 < r.steps && !restarts_at(i + 1)) {
       product(2 * mm, mm);  // T = R Z + a R

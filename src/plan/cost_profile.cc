@@ -77,8 +77,8 @@ double time_batch(Backend& be, const OrthoConfig& cfg, int64_t m, int64_t n, int
   std::vector<double> times;
   for (int rep = 0; rep < opts.warmup + opts.reps; ++rep) {
     // The iteration overwrites its input: restore a fresh normalised batch, untimed.
-    be.scale_copy(u, false, ScaleSpec{norms.as<float>(), norm_multiplier(r.coefficients), r.eps, 1.0},
-                  xb);
+    be.scale_copy(u, false,
+                  ScaleSpec{norms.as<float>(), norm_multiplier(r.coefficients), r.eps, 1.0}, xb);
     be.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     ortho.run(r, xb, xb, ws.data(), ws_bytes);

@@ -32,8 +32,8 @@ void CostTable::set(int64_t rows, int64_t cols, std::vector<CostPoint> points) {
   for (size_t i = 0; i < points.size(); ++i) {
     DM_CHECK(points[i].k >= 1, "cost table: shape ", rows, "x", cols, " has batch size ",
              points[i].k);
-    DM_CHECK(points[i].seconds > 0 && std::isfinite(points[i].seconds), "cost table: shape ",
-             rows, "x", cols, " k=", points[i].k, " has time ", points[i].seconds);
+    DM_CHECK(points[i].seconds > 0 && std::isfinite(points[i].seconds), "cost table: shape ", rows,
+             "x", cols, " k=", points[i].k, " has time ", points[i].seconds);
     DM_CHECK(i == 0 || points[i].k != points[i - 1].k, "cost table: shape ", rows, "x", cols,
              " has batch size ", points[i].k, " twice");
   }
@@ -59,7 +59,8 @@ double CostTable::batch_seconds(int64_t rows, int64_t cols, int64_t k) const {
   }
   for (size_t i = 1; i < p.size(); ++i) {
     if (k <= p[i].k) {
-      const double f = static_cast<double>(k - p[i - 1].k) / static_cast<double>(p[i].k - p[i - 1].k);
+      const double f =
+          static_cast<double>(k - p[i - 1].k) / static_cast<double>(p[i].k - p[i - 1].k);
       return p[i - 1].seconds + f * (p[i].seconds - p[i - 1].seconds);
     }
   }
@@ -91,8 +92,8 @@ std::string cost_table_json(const std::vector<CostTable>& tables) {
   j["format_version"] = kFormatVersion;
   j["tables"] = nlohmann::json::array();
   for (const CostTable& t : tables) {
-    nlohmann::json jt = {{"source", t.source},       {"device", t.device},
-                         {"version", t.version},     {"algorithm", t.algorithm},
+    nlohmann::json jt = {{"source", t.source},         {"device", t.device},
+                         {"version", t.version},       {"algorithm", t.algorithm},
                          {"work_dtype", t.work_dtype}, {"shapes", nlohmann::json::array()}};
     for (const auto& [key, sc] : t.shapes()) {
       nlohmann::json pts = nlohmann::json::array();
@@ -196,7 +197,8 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
   }
   DM_CHECK(!versions.empty(), "cost file ", origin, " has no table for device '", want, "'");
   DM_FAIL("cost file ", origin, " has tables for '", want, "' from distmuon", versions,
-          " only; this is distmuon ", DISTMUON_VERSION, ": re-measure (kernels change between "
+          " only; this is distmuon ", DISTMUON_VERSION,
+          ": re-measure (kernels change between "
           "versions)");
 }
 

@@ -135,8 +135,8 @@ Instance build_instance(const std::vector<PlanMatrix>& matrices, const Topology&
              "x", pm.cols);
     DM_CHECK(pm.elem_bytes >= 1, "planner: matrix '", pm.name, "' has element size ",
              pm.elem_bytes);
-    auto key = std::make_tuple(std::min(pm.rows, pm.cols), std::max(pm.rows, pm.cols),
-                               pm.elem_bytes);
+    auto key =
+        std::make_tuple(std::min(pm.rows, pm.cols), std::max(pm.rows, pm.cols), pm.elem_bytes);
     auto it = class_of.find(key);
     if (it == class_of.end()) {
       it = class_of.emplace(key, static_cast<int>(inst.classes.size())).first;
@@ -152,8 +152,8 @@ Instance build_instance(const std::vector<PlanMatrix>& matrices, const Topology&
     DM_CHECK(costs.find(c.m, c.n) != nullptr, "planner: the cost table (", costs.describe(),
              ") has no entry for shape ", c.m, "x", c.n, " (matrix '", first.name, "')");
     const int count = c.count();
-    const int cap = opts.max_batch > 0 ? static_cast<int>(std::min<int64_t>(opts.max_batch, count))
-                                       : count;
+    const int cap =
+        opts.max_batch > 0 ? static_cast<int>(std::min<int64_t>(opts.max_batch, count)) : count;
     const OrthoConfig cfg = resolve(opts.ortho, c.m, c.n);
     const double iter_bytes = static_cast<double>(dtype_size(iteration_dtype(cfg)));
     std::vector<double> batch(cap + 1, 0.0), batch_work(cap + 1, 0.0);
@@ -187,8 +187,8 @@ Instance build_instance(const std::vector<PlanMatrix>& matrices, const Topology&
     if (opts.memory_cap_bytes > 0) {
       const double need = c.state_bytes + c.work_bytes[1];
       DM_CHECK(need <= opts.memory_cap_bytes, "planner: memory cap of ",
-               opts.memory_cap_bytes / (1 << 20), " MiB per owner cannot hold matrix '",
-               first.name, "' (", first.rows, "x", first.cols, "): it needs ", need / (1 << 20),
+               opts.memory_cap_bytes / (1 << 20), " MiB per owner cannot hold matrix '", first.name,
+               "' (", first.rows, "x", first.cols, "): it needs ", need / (1 << 20),
                " MiB (momentum ", c.state_bytes / (1 << 20), " MiB + working memory ",
                c.work_bytes[1] / (1 << 20), " MiB)");
     }

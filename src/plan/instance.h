@@ -16,10 +16,10 @@ namespace distmuon::plan_detail {
 // Matrices that are interchangeable for the planner: same wide shape and state element size.
 struct ShapeClass {
   int64_t m = 0, n = 0, elem_bytes = 4;
-  std::vector<int> members;        // matrix indices in registration order
+  std::vector<int> members;  // matrix indices in registration order
   // Indexed by k = 0..count: the cheapest way to run k members on one owner (split into batches
   // of at most max_batch), its first batch size, and the working memory of its largest batch.
-  std::vector<double> load;        // seconds
+  std::vector<double> load;  // seconds
   std::vector<int> first_batch;
   std::vector<double> work_bytes;
   double comm_bytes = 0;   // per matrix: what the owner receives (gradient) and sends (update)

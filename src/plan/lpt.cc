@@ -39,8 +39,8 @@ Counts lpt_counts(const Instance& inst) {
           least = least < 0 ? inst.memory(counts[o]) : std::min(least, inst.memory(counts[o]));
         const PlanMatrix& pm = (*inst.matrices)[cl.members[j]];
         DM_FAIL("planner: no assignment meets the memory cap of ",
-                inst.opts.memory_cap_bytes / (1 << 20), " MiB per owner: matrix '", pm.name,
-                "' (", pm.rows, "x", pm.cols, ", momentum ", cl.state_bytes / (1 << 20),
+                inst.opts.memory_cap_bytes / (1 << 20), " MiB per owner: matrix '", pm.name, "' (",
+                pm.rows, "x", pm.cols, ", momentum ", cl.state_bytes / (1 << 20),
                 " MiB) does not fit on any of the ", P, " owners (the emptiest already holds ",
                 least / (1 << 20), " MiB)");
       }
@@ -53,14 +53,13 @@ Counts lpt_counts(const Instance& inst) {
 
 }  // namespace plan_detail
 
-Plan plan_lpt(const std::vector<PlanMatrix>& matrices, const Topology& topo,
-              const CostTable& costs, const PlanOptions& opts) {
+Plan plan_lpt(const std::vector<PlanMatrix>& matrices, const Topology& topo, const CostTable& costs,
+              const PlanOptions& opts) {
   const auto t0 = std::chrono::steady_clock::now();
   plan_detail::Instance inst = plan_detail::build_instance(matrices, topo, costs, opts);
   Plan p = plan_detail::realise(inst, plan_detail::lpt_counts(inst), "lpt");
   p.status = "heuristic";
-  p.solve_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  p.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return p;
 }
 

@@ -88,8 +88,7 @@ Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
   if (lpt) {
     t_ub = inst.makespan(*lpt);
   } else {
-    for (const auto& cl : inst.classes)
-      t_ub += *std::max_element(cl.load.begin(), cl.load.end());
+    for (const auto& cl : inst.classes) t_ub += *std::max_element(cl.load.begin(), cl.load.end());
   }
   const Counts start = lpt ? *lpt : Counts{};
 
@@ -107,7 +106,8 @@ Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
   std::string skipped;
   std::optional<std::vector<std::vector<int>>> patterns;
   if (form == "patterns" || form == "auto")
-    patterns = enumerate_patterns(inst, t_ub, form == "patterns" ? INT64_MAX / 64 : opts.pattern_limit);
+    patterns =
+        enumerate_patterns(inst, t_ub, form == "patterns" ? INT64_MAX / 64 : opts.pattern_limit);
   if (form == "auto" && lpt && opts.comm_weight <= 0 && t_ub <= lower * (1 + 1e-12)) {
     skipped = "optimal (lpt meets the lower bound)";
     proven = t_ub;
@@ -121,14 +121,15 @@ Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
     ColumnPool pool = generate_columns(inst, *lpt, lower, t_ub);
     proven = std::max(proven, pool.lower_bound);
     limits.seconds = budget();
-    outcome = solve_patterns(inst, pool.patterns, pool.dived ? *pool.dived : start, proven,
-                             limits, /*complete=*/false);
+    outcome = solve_patterns(inst, pool.patterns, pool.dived ? *pool.dived : start, proven, limits,
+                             /*complete=*/false);
   } else if (form == "owners" || owner_model_binaries(inst) <= opts.max_binaries) {
     limits.seconds = budget();
     outcome = solve_owners(inst, start, t_ub, limits);
   } else {
-    skipped = "lpt (instance too large for the milp: " +
-              std::to_string(owner_model_binaries(inst)) + " binaries)";
+    skipped =
+        "lpt (instance too large for the milp: " + std::to_string(owner_model_binaries(inst)) +
+        " binaries)";
   }
 
   const bool milp_ok = outcome && outcome->counts && valid(inst, *outcome->counts);

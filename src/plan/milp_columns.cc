@@ -202,8 +202,7 @@ class Generator {
       fixed.push_back(p);
       keep(p);
     }
-    if (std::any_of(demand.begin(), demand.end(), [](int v) { return v > 0; }))
-      return std::nullopt;
+    if (std::any_of(demand.begin(), demand.end(), [](int v) { return v > 0; })) return std::nullopt;
     while (static_cast<int>(fixed.size()) < inst_.owners()) fixed.emplace_back(S, 0);
     return fixed;
   }

@@ -12,7 +12,7 @@
 namespace distmuon::plan_detail {
 
 struct MilpOutcome {
-  std::string formulation;       // "patterns", "columns" or "owners"
+  std::string formulation;  // "patterns", "columns" or "owners"
   CbcResult result;
   std::optional<Counts> counts;  // the incumbent, when CBC found one
   double bound_seconds = 0;      // a proven lower bound on the makespan, in seconds
@@ -22,7 +22,7 @@ struct MilpOutcome {
 // Shared scaling: CBC sees loads in units of t_ub / 1000 so that its absolute tolerances mean
 // the same thing for microsecond and second-scale instances.
 struct Scale {
-  double unit = 1;          // seconds per model unit
+  double unit = 1;           // seconds per model unit
   double comm_per_byte = 0;  // objective units per byte on the busiest owner (0: no comm term)
 };
 Scale make_scale(const Instance& inst, double t_ub);

@@ -28,7 +28,7 @@ namespace distmuon::plan_detail {
 namespace {
 
 struct Segment {
-  int lo = 1, hi = 1;          // counts lo..hi
+  int lo = 1, hi = 1;           // counts lo..hi
   double fixed = 0, slope = 0;  // g(k) = fixed + slope * k on the segment
   double work0 = 0, work1 = 0;  // working memory <= work0 + work1 * k on the segment
 };
@@ -93,7 +93,8 @@ MilpOutcome solve_owners(const Instance& inst, const Counts& start, double t_ub,
   const int C = sc.comm_per_byte > 0 ? model.add_var(0, CbcModel::kInf, 1.0, false) : -1;
 
   std::vector<std::vector<Segment>> seg(S);
-  for (size_t s = 0; s < S; ++s) seg[s] = segments(inst.classes[s], max_count(inst, inst.classes[s]));
+  for (size_t s = 0; s < S; ++s)
+    seg[s] = segments(inst.classes[s], max_count(inst, inst.classes[s]));
   // w[o][s][j], x[o][s][j]: variable indices.
   using Idx = std::vector<std::vector<std::vector<int>>>;
   Idx w(P, std::vector<std::vector<int>>(S)), x = w;

@@ -108,8 +108,7 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
   // Bisection over sorted distinct values below the current best: values[..lo) are proven
   // infeasible, values[hi..) feasible. Stops when the best is within the relative gap of the
   // smallest open value, which it returns (a lower bound when the search was decided).
-  auto bisect = [&](std::vector<double> values, double floor, auto&& current,
-                    auto&& feasible_at) {
+  auto bisect = [&](std::vector<double> values, double floor, auto&& current, auto&& feasible_at) {
     std::sort(values.begin(), values.end());
     values.erase(std::unique(values.begin(), values.end()), values.end());
     size_t lo = 0, hi = values.size();
@@ -147,14 +146,16 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
   std::vector<double> below;
   for (size_t p = 0; p < patterns.size(); ++p)
     if (load[p] < best && load[p] >= proven_lower * (1 - 1e-12)) below.push_back(load[p]);
-  const double makespan_floor = bisect(below, proven_lower, [&] { return best; }, [&](double T) {
-    Cover c = cover(inst, patterns, load, comm, T, CbcModel::kInf, complete, lim);
-    if (c.counts && inst.makespan(*c.counts) < best) {
-      best = inst.makespan(*c.counts);
-      out.counts = c.counts;
-    }
-    return c;
-  });
+  const double makespan_floor = bisect(
+      below, proven_lower, [&] { return best; },
+      [&](double T) {
+        Cover c = cover(inst, patterns, load, comm, T, CbcModel::kInf, complete, lim);
+        if (c.counts && inst.makespan(*c.counts) < best) {
+          best = inst.makespan(*c.counts);
+          out.counts = c.counts;
+        }
+        return c;
+      });
   const bool makespan_decided = decided;
 
   if (inst.opts.comm_weight > 0 && out.counts) {
@@ -163,14 +164,17 @@ MilpOutcome solve_patterns(const Instance& inst, const std::vector<std::vector<i
     std::vector<double> lower;
     for (size_t p = 0; p < patterns.size(); ++p)
       if (load[p] <= best && comm[p] < best_comm) lower.push_back(comm[p]);
-    bisect(lower, 0.0, [&] { return best_comm; }, [&](double C) {
-      Cover c = cover(inst, patterns, load, comm, best, C, complete, lim);
-      if (c.counts && inst.makespan(*c.counts) <= best && max_comm(inst, *c.counts) < best_comm) {
-        best_comm = max_comm(inst, *c.counts);
-        out.counts = c.counts;
-      }
-      return c;
-    });
+    bisect(
+        lower, 0.0, [&] { return best_comm; },
+        [&](double C) {
+          Cover c = cover(inst, patterns, load, comm, best, C, complete, lim);
+          if (c.counts && inst.makespan(*c.counts) <= best &&
+              max_comm(inst, *c.counts) < best_comm) {
+            best_comm = max_comm(inst, *c.counts);
+            out.counts = c.counts;
+          }
+          return c;
+        });
   }
   out.result.has_solution = out.counts.has_value();
   out.result.objective = best;

@@ -18,9 +18,8 @@ std::vector<int> place_on_nodes(const Instance& inst, const Counts& counts) {
   const int nodes = (P + g - 1) / g;
   std::vector<int> order(P);
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
-    return inst.comm(counts[a]) > inst.comm(counts[b]);
-  });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int a, int b) { return inst.comm(counts[a]) > inst.comm(counts[b]); });
   std::vector<int> rank_of(P);
   for (int i = 0; i < P; ++i) {
     const int round = i / nodes, pos = i % nodes;

@@ -75,8 +75,7 @@ Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& t
                " MiB (use lpt or milp)");
     }
   }
-  p.solve_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  p.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return p;
 }
 

@@ -110,8 +110,7 @@ TEST(CostTable, FileRoundTripKeepsEveryField) {
   const std::string msg = error_of([&] { select_cost_table(back, "gpu B", path); });
   EXPECT_NE(msg.find("0.0.1"), std::string::npos) << msg;
   EXPECT_NE(msg.find(DISTMUON_VERSION), std::string::npos) << msg;
-  EXPECT_NE(error_of([&] { select_cost_table(back, "tpu", path); }).find("tpu"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { select_cost_table(back, "tpu", path); }).find("tpu"), std::string::npos);
 }
 
 TEST(CostTable, CorruptAndForeignFilesAreClearErrors) {

@@ -48,7 +48,7 @@ TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
       EXPECT_DOUBLE_EQ(p.gather_compute, pts[0].gather_compute);  // gather never divides work
       EXPECT_LE(p.makespan, pts[i - 1].makespan * (1 + 1e-12));   // owners never add work
       EXPECT_LT(p.makespan, p.gather_compute);
-      EXPECT_GE(p.gather_comm, pts[i - 1].gather_comm);           // ring volume grows with D
+      EXPECT_GE(p.gather_comm, pts[i - 1].gather_comm);  // ring volume grows with D
       EXPECT_LT(p.sharded(), p.gather());
       EXPECT_LT(p.dedicated(), p.gather());
       EXPECT_GE(p.dedicated_comm, 0.0);
