@@ -135,6 +135,12 @@ int run(int argc, char** argv) {
   topo.replicate = static_cast<int>(a.integer("replicate"));
   topo.validate();
 
+  const std::vector<std::string> solvers = a.list("solver");
+  DM_CHECK(!solvers.empty(), "--solver needs at least one of milp, lpt, round-robin");
+  for (const std::string& s : solvers)
+    DM_CHECK(s == "milp" || s == "lpt" || s == "round-robin", "unknown solver '", s,
+             "' in --solver (milp, lpt, round-robin)");
+
   PlanOptions opts;
   const CostTable costs = load_costs(a, mats, opts.ortho);
   opts.time_limit_s = a.number("time-limit");
@@ -146,8 +152,6 @@ int run(int argc, char** argv) {
   opts.spread_layers = !a.flag("no-spread");
   opts.symmetry_breaking = !a.flag("no-symmetry-breaking");
   opts.formulation = a.str("formulation");
-  const std::vector<std::string> solvers = a.list("solver");
-  DM_CHECK(!solvers.empty(), "--solver needs at least one of milp, lpt, round-robin");
 
   std::printf("%s: %zu Muon matrices, %zu shapes; world %d (%d node%s x %d GPUs, replicate %d)\n",
               w.name.c_str(), mats.size(), costs.shapes().size(), topo.world_size, topo.nodes(),

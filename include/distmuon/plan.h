@@ -77,7 +77,9 @@ struct PlanOptions {
   bool spread_layers = true;    // matrices of one layer go to different owners where possible
   int64_t max_batch = 0;        // largest batch an owner runs at once (0: no limit)
   OrthoConfig ortho;            // the algorithm run (for workspace bytes)
-  // Secondary objective: comm_weight * (max owner bytes / comm_bytes_per_s), in seconds.
+  // Secondary objective: the busiest owner's bytes. The pattern models minimise it
+  // lexicographically after the makespan whenever comm_weight > 0; the owner-indexed model adds
+  // comm_weight * (max owner bytes / comm_bytes_per_s) seconds to the makespan. 0: ignored.
   double comm_weight = 1e-3;
   double comm_bytes_per_s = 50e9;
   int64_t comm_elem_bytes = 2;  // bytes per element on the wire (bf16 gradients and updates)
@@ -86,7 +88,7 @@ struct PlanOptions {
   // stopped by it may differ between machines (Plan::status then says "time limit").
   double time_limit_s = 4.0;
   int64_t max_nodes = 20000;
-  double relative_gap = 5e-4;     // stop when within this fraction of the proven lower bound
+  double relative_gap = 5e-4;     // stop within this fraction of the best possible makespan
   int64_t pattern_limit = 20000;  // owner patterns enumerated before switching formulations
   int64_t max_binaries = 250000;  // larger owner-indexed models go straight to LPT
   bool symmetry_breaking = true;  // order owners by load in the owner-indexed model

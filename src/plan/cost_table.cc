@@ -111,7 +111,7 @@ std::vector<CostTable> parse_cost_tables(const std::string& text, const std::str
     j = nlohmann::json::parse(text);
   } catch (const std::exception& e) {
     DM_FAIL("cost file ", origin, " is corrupt (not JSON: ", e.what(),
-            "); delete it or point DISTMUON_COST_CACHE elsewhere");
+            "); re-create it with distmuon-plan --measure or use another file");
   }
   DM_CHECK(j.is_object() && j.contains("format") && j["format"] == kFormat, "cost file ", origin,
            " is not a distmuon cost table (no \"format\": \"", kFormat, "\")");
