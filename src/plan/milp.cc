@@ -15,6 +15,7 @@
 #include <climits>
 #include <optional>
 
+#include "common/log.h"
 #include "distmuon/error.h"
 #include "milp_internal.h"
 
@@ -125,6 +126,7 @@ Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
              "planner: the column formulation needs an LPT start and no memory cap");
     ColumnPool pool = generate_columns(inst, *lpt, lower, t_ub);
     proven = std::max(proven, pool.lower_bound);
+    DM_LOG(kDebug, "planner: column generation took ", cpu_seconds() - cpu0, " CPU s");
     limits.seconds = budget();
     outcome = solve_patterns(inst, pool.patterns, pool.dived ? *pool.dived : start, proven, limits,
                              /*complete=*/false);

@@ -1,5 +1,6 @@
 // Column generation for the pattern model when its patterns are too many to enumerate (few
-// owners and many classes: Pi0 on 8 ranks has ~10^11 patterns within the LPT makespan).
+// owners and many classes: Pi0 on 8 ranks has far more than 20000 patterns within the LPT
+// makespan).
 //
 // For a trial makespan T the configuration LP  min sum_p l[p]  s.t.  sum_p p_s l[p] >= count_s,
 // l >= 0, over patterns p with load(p) <= T, is the tightest classical relaxation of the
@@ -10,7 +11,9 @@
 // Farley's bound z / max(1, best price) is valid at every iteration, so infeasibility can be
 // declared before the LP converges. A bisection on T between the trivial bound and the LPT
 // makespan yields a proven lower bound, and every column priced on the way goes into the pool
-// from which the pattern MILP then picks the plan (price-and-branch).
+// from which the pattern MILP then picks the plan (price-and-branch). Its start is the best of
+// LPT and a few "dives": round the LP by giving one owner its most used column, re-solve for the
+// rest, repeat, at makespans stepped up from the LP-feasible one.
 #include <coin/Clp_C_Interface.h>
 
 #include <algorithm>
@@ -25,7 +28,7 @@
 namespace distmuon::plan_detail {
 namespace {
 
-constexpr int kResolution = 2000;  // pricing grid: T / 2000, 0.05 % of the makespan
+constexpr int kResolution = 4000;  // pricing grid: T / 4000; the bound loses at most S / 4000
 constexpr int kMaxPricingRounds = 300;
 constexpr int kMaxBisections = 14;
 constexpr int kMaxDives = 8;
