@@ -51,8 +51,8 @@ struct Plan {
   std::vector<double> owner_comm_bytes;    // bytes of the matrices each owner receives and sends
   std::vector<double> owner_memory_bytes;  // state + largest batch's working memory per owner
   double lower_bound = 0;                  // proven lower bound on the makespan (MILP), else 0
-  std::string status;            // "optimal", "time limit", "node limit", "heuristic", ...
-  std::string formulation;       // how the MILP was posed ("patterns", "owners"), or empty
+  std::string status;       // "optimal", "time limit", "node limit", "heuristic", ...
+  std::string formulation;  // how the MILP was posed: "patterns", "columns", "owners", or empty
   int64_t layer_collisions = 0;  // matrices sharing an owner with more of their layer than needed
 };
 

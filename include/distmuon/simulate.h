@@ -57,6 +57,7 @@ struct SimPoint {
 //   ring collectives move (D-1)/D G, so the step pays the owner makespan plus twice the
 //   difference, taken as not hidden (zero when owner bytes are balanced).
 // Elementwise passes (momentum, update) and FSDP's own collectives are outside all three.
+// World sizes that are not a whole number of nodes are left out of the result.
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
                                const std::vector<int>& worlds, int gpus_per_node,
                                const CommModel& cm, const std::string& solver,

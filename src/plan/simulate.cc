@@ -96,6 +96,7 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
     Topology topo;
     topo.world_size = d;
     topo.gpus_per_node = gpus_per_node;
+    if (d > gpus_per_node && d % gpus_per_node != 0) continue;  // not a whole number of nodes
     const Plan plan = make_plan(solver, matrices, topo, costs, opts);
     SimPoint sp;
     sp.world = d;
