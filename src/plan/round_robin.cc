@@ -1,10 +1,12 @@
 // The baseline plan and the plan hash.
+#include <chrono>
 #include <map>
 #include <tuple>
 
 #include "distmuon/error.h"
-#include "distmuon/plan.h"
 #include "distmuon/ortho.h"
+#include "distmuon/plan.h"
+#include "instance.h"
 
 namespace distmuon {
 
@@ -52,6 +54,28 @@ Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& t
   }
   for (double l : p.owner_load) p.makespan = std::max(p.makespan, l);
   p.hash = plan_hash(p);
+  return p;
+}
+
+Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& topo,
+                      const CostTable& costs, const PlanOptions& opts) {
+  const auto t0 = std::chrono::steady_clock::now();
+  plan_detail::Instance inst = plan_detail::build_instance(matrices, topo, costs, opts);
+  Plan p;
+  p.solver = "round-robin";
+  p.status = "heuristic";
+  p.owner.resize(matrices.size());
+  for (size_t i = 0; i < matrices.size(); ++i) p.owner[i] = static_cast<int>(i % topo.world_size);
+  plan_detail::finish(inst, p);
+  if (opts.memory_cap_bytes > 0) {
+    for (int o = 0; o < topo.world_size; ++o) {
+      DM_CHECK(p.owner_memory_bytes[o] <= opts.memory_cap_bytes, "planner: round-robin puts ",
+               p.owner_memory_bytes[o] / (1 << 20), " MiB on owner ", o,
+               ", over the memory cap of ", opts.memory_cap_bytes / (1 << 20),
+               " MiB (use lpt or milp)");
+    }
+  }
+  p.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return p;
 }
 

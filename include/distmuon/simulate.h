@@ -1,0 +1,66 @@
+// A cluster simulator for the Muon optimizer step: the compute of a plan (from the cost table)
+// plus the communication of each mode under an alpha-beta model, for world sizes one does not
+// have. Later measurements on real multi-GPU runs are compared with these predictions.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "distmuon/plan.h"
+
+namespace distmuon {
+
+// Alpha-beta model: a message of b bytes costs alpha + b / beta. Defaults: NVLink 4 on H100 /
+// H200 class nodes (900 GB/s bidirectional, 450 GB/s per direction per GPU) inside a node, and
+// one InfiniBand NDR 400 Gb/s NIC per GPU (50 GB/s) between nodes; latencies of a few us.
+struct CommModel {
+  double intra_bytes_per_s = 450e9;
+  double inter_bytes_per_s = 50e9;
+  double intra_latency_s = 3e-6;
+  double inter_latency_s = 6e-6;
+  int64_t wire_elem_bytes = 2;   // bf16 gradients and updates on the wire
+  std::string describe() const;  // the assumptions, several lines
+};
+
+// Collective formulas used (D ranks, n GPUs per node; a ring crossing nodes runs at the
+// inter-node bandwidth, since every GPU's ring edge to the next node is its own NIC):
+// ring all-gather / reduce-scatter of `total` bytes: (D-1) alpha + (D-1)/D * total / beta.
+double ring_allgather_seconds(double total_bytes, int world, const CommModel& cm, int per_node);
+// Pipelined ring (chain) broadcasts or reduces, many at once with different roots, where the
+// busiest rank forwards `bytes` in all: (D-1) alpha + bytes / beta.
+double chain_seconds(double bytes, int world, const CommModel& cm, int per_node);
+// Pairwise all-to-all where one rank sends `send` and receives `recv` bytes spread evenly over
+// its peers: (D-1) alpha + max(intra part / intra beta, inter part / inter beta), the intra part
+// being the (n-1)/(D-1) share that stays on the node.
+double alltoall_seconds(double send_bytes, double recv_bytes, int world, const CommModel& cm,
+                        int per_node);
+
+struct SimPoint {
+  int world = 1;
+  std::string solver;   // the planner that placed the owners
+  double makespan = 0;  // owner-mode compute: the plan's slowest owner
+  double imbalance = 1;
+  double gather_compute = 0, gather_comm = 0;
+  double sharded_comm = 0;
+  double dedicated_comm = 0;
+  double max_owner_bytes = 0;  // on the wire, the busiest owner
+  double gather() const { return gather_compute + gather_comm; }
+  double sharded() const { return makespan + sharded_comm; }
+  double dedicated() const { return makespan + dedicated_comm; }
+};
+
+// Predicted optimizer step time of the three modes at every world size in `worlds`:
+// - gather: all-gather every full gradient (ring), every rank orthogonalizes everything;
+// - sharded: all-to-all row shards to owners, owners compute, all-to-all updates back;
+// - dedicated: reduce-to-owner and broadcast replace FSDP's reduce-scatter and all-gather inside
+//   backward and forward. A rank forwards every matrix it does not own (G - B_o bytes) where the
+//   ring collectives move (D-1)/D G, so the step pays the owner makespan plus twice the
+//   difference, taken as not hidden (zero when owner bytes are balanced).
+// Elementwise passes (momentum, update) and FSDP's own collectives are outside all three.
+// World sizes that are not a whole number of nodes are left out of the result.
+std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
+                               const std::vector<int>& worlds, int gpus_per_node,
+                               const CommModel& cm, const std::string& solver,
+                               const PlanOptions& opts = {});
+
+}  // namespace distmuon

@@ -1,0 +1,214 @@
+// The cost table: lookup with interpolation, and its JSON file format.
+#include "distmuon/cost_table.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "distmuon/env.h"
+#include "distmuon/error.h"
+
+namespace distmuon {
+namespace {
+
+constexpr const char* kFormat = "distmuon-cost-table";
+constexpr int kFormatVersion = 1;
+
+std::pair<int64_t, int64_t> wide(int64_t rows, int64_t cols) {
+  return {std::min(rows, cols), std::max(rows, cols)};
+}
+
+}  // namespace
+
+void CostTable::set(int64_t rows, int64_t cols, std::vector<CostPoint> points) {
+  DM_CHECK(rows >= 1 && cols >= 1, "cost table: shape ", rows, "x", cols, " is not a matrix");
+  DM_CHECK(!points.empty(), "cost table: shape ", rows, "x", cols, " has no points");
+  std::sort(points.begin(), points.end(),
+            [](const CostPoint& a, const CostPoint& b) { return a.k < b.k; });
+  for (size_t i = 0; i < points.size(); ++i) {
+    DM_CHECK(points[i].k >= 1, "cost table: shape ", rows, "x", cols, " has batch size ",
+             points[i].k);
+    DM_CHECK(points[i].seconds > 0 && std::isfinite(points[i].seconds), "cost table: shape ", rows,
+             "x", cols, " k=", points[i].k, " has time ", points[i].seconds);
+    DM_CHECK(i == 0 || points[i].k != points[i - 1].k, "cost table: shape ", rows, "x", cols,
+             " has batch size ", points[i].k, " twice");
+  }
+  auto key = wide(rows, cols);
+  shapes_[key] = ShapeCost{key.first, key.second, std::move(points)};
+}
+
+const ShapeCost* CostTable::find(int64_t rows, int64_t cols) const {
+  auto it = shapes_.find(wide(rows, cols));
+  return it == shapes_.end() ? nullptr : &it->second;
+}
+
+double CostTable::batch_seconds(int64_t rows, int64_t cols, int64_t k) const {
+  const ShapeCost* sc = find(rows, cols);
+  DM_CHECK(sc != nullptr, "cost table (", describe(), ") has no entry for shape ",
+           wide(rows, cols).first, "x", wide(rows, cols).second);
+  DM_CHECK(k >= 1, "cost table: batch size must be >= 1 (got ", k, ")");
+  const auto& p = sc->points;
+  if (p.size() == 1 || k <= p.front().k) {
+    // Below the first point, or a single point: proportional to k (no overhead is assumed that
+    // was not measured).
+    return p.front().seconds * static_cast<double>(k) / static_cast<double>(p.front().k);
+  }
+  for (size_t i = 1; i < p.size(); ++i) {
+    if (k <= p[i].k) {
+      const double f =
+          static_cast<double>(k - p[i - 1].k) / static_cast<double>(p[i].k - p[i - 1].k);
+      return p[i - 1].seconds + f * (p[i].seconds - p[i - 1].seconds);
+    }
+  }
+  // Past the last point: the last segment's per-matrix slope, never below zero growth (a
+  // measured dip must not make huge batches free).
+  const CostPoint& a = p[p.size() - 2];
+  const CostPoint& b = p.back();
+  double slope = (b.seconds - a.seconds) / static_cast<double>(b.k - a.k);
+  slope = std::max(slope, 0.0);
+  if (slope == 0.0) slope = b.seconds / static_cast<double>(b.k);
+  return b.seconds + slope * static_cast<double>(k - b.k);
+}
+
+bool CostTable::same_key(const CostTable& o) const {
+  return device == o.device && version == o.version && algorithm == o.algorithm &&
+         work_dtype == o.work_dtype;
+}
+
+std::string CostTable::describe() const {
+  std::ostringstream os;
+  os << (source.empty() ? "unnamed" : source) << " costs of " << algorithm << "/" << work_dtype
+     << " on " << device << " (distmuon " << version << ", " << shapes_.size() << " shapes)";
+  return os.str();
+}
+
+std::string cost_table_json(const std::vector<CostTable>& tables) {
+  nlohmann::json j;
+  j["format"] = kFormat;
+  j["format_version"] = kFormatVersion;
+  j["tables"] = nlohmann::json::array();
+  for (const CostTable& t : tables) {
+    nlohmann::json jt = {{"source", t.source},         {"device", t.device},
+                         {"version", t.version},       {"algorithm", t.algorithm},
+                         {"work_dtype", t.work_dtype}, {"shapes", nlohmann::json::array()}};
+    for (const auto& [key, sc] : t.shapes()) {
+      nlohmann::json pts = nlohmann::json::array();
+      for (const CostPoint& p : sc.points) pts.push_back({p.k, p.seconds});
+      jt["shapes"].push_back({{"m", sc.m}, {"n", sc.n}, {"points", pts}});
+    }
+    j["tables"].push_back(std::move(jt));
+  }
+  return j.dump(1);
+}
+
+std::vector<CostTable> parse_cost_tables(const std::string& text, const std::string& origin) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const std::exception& e) {
+    DM_FAIL("cost file ", origin, " is corrupt (not JSON: ", e.what(),
+            "); re-create it with distmuon-plan --measure or use another file");
+  }
+  DM_CHECK(j.is_object() && j.contains("format") && j["format"] == kFormat, "cost file ", origin,
+           " is not a distmuon cost table (no \"format\": \"", kFormat, "\")");
+  DM_CHECK(j.contains("format_version") && j["format_version"].is_number_integer(), "cost file ",
+           origin, " has no integer format_version");
+  const int fv = j["format_version"].get<int>();
+  DM_CHECK(fv == kFormatVersion, "cost file ", origin, " has format version ", fv,
+           "; this build reads version ", kFormatVersion);
+  std::vector<CostTable> out;
+  try {
+    for (const auto& jt : j.at("tables")) {
+      CostTable t;
+      t.source = jt.at("source").get<std::string>();
+      t.device = jt.at("device").get<std::string>();
+      t.version = jt.at("version").get<std::string>();
+      t.algorithm = jt.at("algorithm").get<std::string>();
+      t.work_dtype = jt.at("work_dtype").get<std::string>();
+      for (const auto& js : jt.at("shapes")) {
+        std::vector<CostPoint> pts;
+        for (const auto& jp : js.at("points"))
+          pts.push_back({jp.at(0).get<int64_t>(), jp.at(1).get<double>()});
+        t.set(js.at("m").get<int64_t>(), js.at("n").get<int64_t>(), std::move(pts));
+      }
+      out.push_back(std::move(t));
+    }
+  } catch (const Error& e) {
+    DM_FAIL("cost file ", origin, " is corrupt: ", e.what());
+  } catch (const std::exception& e) {
+    DM_FAIL("cost file ", origin, " is corrupt (missing or mistyped field: ", e.what(), ")");
+  }
+  return out;
+}
+
+std::vector<CostTable> read_cost_file(const std::string& path) {
+  std::ifstream f(path);
+  DM_CHECK(f.good(), "cannot read cost file ", path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return parse_cost_tables(ss.str(), path);
+}
+
+void write_cost_file(const std::string& path, const std::vector<CostTable>& tables) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  if (p.has_parent_path()) {
+    std::error_code ec;
+    fs::create_directories(p.parent_path(), ec);
+    DM_CHECK(!ec, "cannot create directory ", p.parent_path().string(), ": ", ec.message());
+  }
+  // Write next to the target and rename, so that a crash never leaves a half-written cache.
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    DM_CHECK(f.good(), "cannot write cost file ", tmp);
+    f << cost_table_json(tables) << "\n";
+    DM_CHECK(f.good(), "cannot write cost file ", tmp);
+  }
+  std::error_code ec;
+  fs::rename(tmp, p, ec);
+  DM_CHECK(!ec, "cannot move ", tmp, " to ", path, ": ", ec.message());
+}
+
+CostTable select_cost_table(const std::vector<CostTable>& tables, const std::string& device,
+                            const std::string& origin) {
+  DM_CHECK(!tables.empty(), "cost file ", origin, " holds no tables");
+  std::set<std::string> devices;
+  for (const auto& t : tables) devices.insert(t.device);
+  std::string want = device;
+  if (want.empty()) {
+    if (devices.size() != 1) {
+      std::string list;
+      for (const auto& d : devices) list += "\n  " + d;
+      DM_FAIL("cost file ", origin, " holds tables of ", devices.size(),
+              " devices; choose one with --device:", list);
+    }
+    want = *devices.begin();
+  }
+  std::string versions;
+  for (const auto& t : tables) {
+    if (t.device != want) continue;
+    if (t.version == DISTMUON_VERSION) return t;
+    versions += " " + t.version;
+  }
+  DM_CHECK(!versions.empty(), "cost file ", origin, " has no table for device '", want, "'");
+  DM_FAIL("cost file ", origin, " has tables for '", want, "' from distmuon", versions,
+          " only; this is distmuon ", DISTMUON_VERSION,
+          ": re-measure (kernels change between "
+          "versions)");
+}
+
+std::string default_cost_cache_path() {
+  const std::string knob = env::get("DISTMUON_COST_CACHE");
+  if (!knob.empty()) return knob;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return std::string(xdg) + "/distmuon/costs.json";
+  const char* home = std::getenv("HOME");
+  return std::string(home && *home ? home : ".") + "/.cache/distmuon/costs.json";
+}
+
+}  // namespace distmuon
