@@ -32,7 +32,7 @@ def main():
         t = tb.get(w["name"], {})
         best = min(w["distmuon_graph_ms"], w["distmuon_eager_ms"])
         e = {"name": w["name"], "distmuon_ms": best, "distmuon_eager_ms": w["distmuon_eager_ms"],
-             "distmuon_graph_ms": w["distmuon_graph_ms"], "floor_ms": w["floor_ms"],
+             "distmuon_graph_ms": w["distmuon_graph_ms"], "floor_ms": w["floor_ms"], "floor_tuned_ms": w.get("floor_tuned_ms"),
              "torch_muon_ms": t.get("torch_muon_ms"), "adamw_ms": t.get("adamw_ms"),
              "adamw_full_model_ms": t.get("adamw_full_model_ms"), "cache_hit_over_fresh": None,
              "distmuon_bench_ms": tool.get(w["name"]), "classes": w["classes"]}

@@ -95,6 +95,7 @@ void check_passes(int64_t count, int64_t rows, int64_t cols, double scale, bool 
 
 TEST(CudaMuon, PassesMatchCpuWide) { DM_SKIP_WITHOUT_CUDA(); check_passes(5, 96, 320, 1.0, false); }
 TEST(CudaMuon, PassesMatchCpuTallWithNaN) { DM_SKIP_WITHOUT_CUDA(); check_passes(4, 330, 70, 1.0, true); }
+TEST(CudaMuon, PassesTallVectorTiles) { DM_SKIP_WITHOUT_CUDA(); check_passes(3, 200, 72, 1.0, true); }
 TEST(CudaMuon, PassesOddShape) { DM_SKIP_WITHOUT_CUDA(); check_passes(3, 37, 53, 1.0, true); }
 TEST(CudaMuon, ZeroTinyHugeGiveNoNaN) {
   DM_SKIP_WITHOUT_CUDA();

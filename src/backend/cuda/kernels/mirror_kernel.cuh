@@ -37,3 +37,53 @@ __global__ void __launch_bounds__(256) mirror_kernel(E* data, int64_t n, int64_t
 }
 
 }  // namespace distmuon::cuda::dev
+
+namespace distmuon::cuda::dev {
+
+// The mirror for 16-bit elements with 16-byte accesses: 64x64 tiles, 256 threads. The source
+// lower tile is read in rows of eight 16-byte vectors, staged in shared memory, and written as
+// rows of the upper tile gathered down the staged columns. Needs n, ld and stride multiples of
+// 8 and a 16-byte aligned base (the launcher checks). Diagonal tiles write element by element
+// above the diagonal only.
+__global__ void __launch_bounds__(256) mirror16_kernel(uint16_t* data, int64_t n, int64_t ld,
+                                                       int64_t stride) {
+  __shared__ uint16_t tile[64][64 + 2];  // +2: column reads hit distinct banks
+  const int64_t p = blockIdx.x;
+  int64_t tj = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(p) + 1.0) - 1.0) * 0.5);
+  while (tj * (tj + 1) / 2 > p) --tj;
+  while ((tj + 1) * (tj + 2) / 2 <= p) ++tj;
+  const int64_t ti = p - tj * (tj + 1) / 2;  // ti <= tj
+  uint16_t* base = data + static_cast<int64_t>(blockIdx.y) * stride;
+  const int vec = threadIdx.x & 7, row = threadIdx.x >> 3;  // 8 vectors per 64-element row
+  // Source: rows tj*64.., cols ti*64.. (lower triangle), 32 rows per pass.
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int lr = row + 32 * pass;
+    const int64_t r = tj * 64 + lr, c = ti * 64 + vec * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < n && c < n) v = *reinterpret_cast<const uint4*>(base + r * ld + c);
+    const uint16_t* e = reinterpret_cast<const uint16_t*>(&v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile[lr][vec * 8 + k] = e[k];
+  }
+  __syncthreads();
+  // Destination: rows ti*64.. (= source columns), cols tj*64.. (= source rows).
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int lr = row + 32 * pass;  // destination row within the tile = source column
+    const int64_t r = ti * 64 + lr, c0 = tj * 64 + vec * 8;
+    if (r >= n || c0 >= n) continue;
+    uint16_t e[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) e[k] = tile[vec * 8 + k][lr];
+    if (ti != tj) {
+      *reinterpret_cast<uint4*>(base + r * ld + c0) = *reinterpret_cast<const uint4*>(e);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        if (c0 + k > r && c0 + k < n) base[r * ld + c0 + k] = e[k];
+    }
+  }
+}
+
+}  // namespace distmuon::cuda::dev

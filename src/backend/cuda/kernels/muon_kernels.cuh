@@ -222,5 +222,100 @@ __global__ void __launch_bounds__(256) muon_update_t_kernel(MuonTable t, const i
   }
 }
 
+
+// Vector forms of the transposing passes for fp32 G, B, W: 64x64 tiles, 256 threads, 16-byte
+// accesses on both sides (float4 along the rows of G/B/W, 8-element vectors along the rows of
+// X/O). Need rows % 8 == 0, cols % 4 == 0 and 16-byte aligned rows (checked on the host).
+__global__ void __launch_bounds__(256) muon_apply_t64_kernel(MuonTable t, float mu, bool nesterov,
+                                                             const int32_t* status, ScaleArgs sc,
+                                                             MatOut x) {
+  __shared__ float tile[64][65];  // [c][r]
+  const int s = blockIdx.z, slot = t.first + s;
+  const bool ok = status[slot] == 0;
+  const float f = ok ? scale_factor(sc, slot) : 0.0f;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 64, c0 = static_cast<int64_t>(blockIdx.x) * 64;
+  const int q = threadIdx.x & 15, rr = threadIdx.x >> 4;
+  const float* g = static_cast<const float*>(t.g[s]);
+  float* b = static_cast<float*>(t.b[s]);
+#pragma unroll
+  for (int pass = 0; pass < 4; ++pass) {
+    const int lr = rr + 16 * pass;
+    const int64_t r = r0 + lr, c = c0 + 4 * q;
+    float u[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (ok && r < t.rows && c < t.cols) {
+      const float4 gv = __ldcs(reinterpret_cast<const float4*>(g + r * t.ld_g + c));
+      float4 bv = *reinterpret_cast<const float4*>(b + r * t.ld_b + c);
+      bv.x = mu * bv.x + gv.x;
+      bv.y = mu * bv.y + gv.y;
+      bv.z = mu * bv.z + gv.z;
+      bv.w = mu * bv.w + gv.w;
+      *reinterpret_cast<float4*>(b + r * t.ld_b + c) = bv;
+      u[0] = momentum_input(gv.x, bv.x, mu, nesterov) * f;
+      u[1] = momentum_input(gv.y, bv.y, mu, nesterov) * f;
+      u[2] = momentum_input(gv.z, bv.z, mu, nesterov) * f;
+      u[3] = momentum_input(gv.w, bv.w, mu, nesterov) * f;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) tile[4 * q + k][lr] = u[k];
+  }
+  __syncthreads();
+  void* xs = static_cast<char*>(x.data) +
+             slot * x.stride * (x.dt == kF32 ? 4 : x.dt == kF64 ? 8 : 2);
+  const int v = threadIdx.x & 7, cr = threadIdx.x >> 3;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int lc = cr + 32 * pass;
+    const int64_t c = c0 + lc, r = r0 + 8 * v;
+    if (c < t.cols && r < t.rows) {
+      F8 o;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) o.v[k] = tile[lc][8 * v + k];
+      store8(xs, x.dt, c * x.ld + r, o);
+    }
+  }
+}
+
+__global__ void __launch_bounds__(256) muon_update_t64_kernel(MuonTable t, const int32_t* status,
+                                                              MatOut o) {
+  __shared__ float tile[64][65];  // [c][r] = O[c][r]
+  const int s = blockIdx.z, slot = t.first + s;
+  if (status && status[slot] != 0) return;
+  const float decay = t.decay[s], step = t.step[s];
+  const void* os = static_cast<const char*>(o.data) +
+                   slot * o.stride * (o.dt == kF32 ? 4 : o.dt == kF64 ? 8 : 2);
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 64, c0 = static_cast<int64_t>(blockIdx.x) * 64;
+  const int v = threadIdx.x & 7, cr = threadIdx.x >> 3;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int lc = cr + 32 * pass;
+    const int64_t c = c0 + lc, r = r0 + 8 * v;
+    F8 ov;
+    if (c < t.cols && r < t.rows) {
+      ov = load8(os, o.dt, c * o.ld + r);
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) ov.v[k] = 0.0f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) tile[lc][8 * v + k] = ov.v[k];
+  }
+  __syncthreads();
+  float* w = static_cast<float*>(t.w[s]);
+  const int q = threadIdx.x & 15, rr = threadIdx.x >> 4;
+#pragma unroll
+  for (int pass = 0; pass < 4; ++pass) {
+    const int lr = rr + 16 * pass;
+    const int64_t r = r0 + lr, c = c0 + 4 * q;
+    if (r < t.rows && c < t.cols) {
+      float4 wv = *reinterpret_cast<const float4*>(w + r * t.ld_w + c);
+      wv.x = decay * wv.x - step * tile[4 * q + 0][lr];
+      wv.y = decay * wv.y - step * tile[4 * q + 1][lr];
+      wv.z = decay * wv.z - step * tile[4 * q + 2][lr];
+      wv.w = decay * wv.w - step * tile[4 * q + 3][lr];
+      *reinterpret_cast<float4*>(w + r * t.ld_w + c) = wv;
+    }
+  }
+}
+
 }  // namespace dev
 }  // namespace distmuon::cuda

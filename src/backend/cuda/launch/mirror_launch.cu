@@ -8,6 +8,19 @@ namespace distmuon::cuda {
 void launch_mirror(const BatchRef& c, cudaStream_t stream) {
   DM_CHECK(c.rows == c.cols, "mirror: matrices are ", c.rows, "x", c.cols, ", not square");
   if (c.count == 0 || c.rows <= 1) return;
+  const bool vec16 = dtype_size(c.dtype) == 2 && c.rows % 8 == 0 && c.ld % 8 == 0 &&
+                     c.stride % 8 == 0 && (reinterpret_cast<uintptr_t>(c.data) & 15u) == 0;
+  if (vec16) {
+    const int64_t t64 = (c.rows + 63) / 64, pairs64 = t64 * (t64 + 1) / 2;
+    for (int64_t first = 0; first < c.count; first += 65535) {
+      const int64_t n = std::min<int64_t>(65535, c.count - first);
+      BatchRef s = c.slice(first, n);
+      dev::mirror16_kernel<<<dim3(static_cast<unsigned>(pairs64), static_cast<unsigned>(n)), 256, 0,
+                             stream>>>(static_cast<uint16_t*>(s.data), s.rows, s.ld, s.stride);
+      DM_CHECK_LAUNCH();
+    }
+    return;
+  }
   const int64_t tiles = (c.rows + 31) / 32;
   const int64_t pairs = tiles * (tiles + 1) / 2;
   DM_CHECK(pairs < (1LL << 31), "mirror: matrix too large");

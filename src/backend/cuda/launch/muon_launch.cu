@@ -55,6 +55,22 @@ bool fill_table(MuonTable& t, std::span<const MuonSlot> slots, size_t first, int
   return vec;
 }
 
+// The 64x64 vector transposing kernels: fp32 G, B, W with 16-byte aligned rows, rows % 8 == 0,
+// cols % 4 == 0; X/O rows (length `rows`) 16-byte aligned.
+bool t64_ok(std::span<const MuonSlot> slots, size_t first, int n, const MuonTable& t,
+            const BatchRef& x) {
+  if (t.rows % 8 != 0 || t.cols % 4 != 0 || t.ld_g % 4 != 0 || t.ld_b % 4 != 0 || t.ld_w % 4 != 0)
+    return false;
+  for (int i = 0; i < n; ++i) {
+    const MuonSlot& s = slots[first + i];
+    if (s.grad.dtype != DType::kF32 || s.momentum.dtype != DType::kF32 || s.weight.dtype != DType::kF32)
+      return false;
+    if (!aligned16(s.grad.data) || !aligned16(s.momentum.data) || !aligned16(s.weight.data)) return false;
+  }
+  const int64_t es = static_cast<int64_t>(dtype_size(x.dtype));
+  return x.dtype != DType::kF64 && x.ld % 8 == 0 && aligned16(x.data) && (x.stride * es) % 16 == 0;
+}
+
 MatOut mat_out(const BatchRef& x) {
   return MatOut{x.data, x.stride, x.ld, static_cast<int>(x.dtype)};
 }
@@ -101,7 +117,10 @@ void launch_muon_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
     MuonTable t{};
     const bool vec = fill_table(t, slots, first, n);
     if (t.rows * t.cols == 0) continue;
-    if (transpose) {
+    if (transpose && t64_ok(slots, first, n, t, x)) {
+      dim3 grid((t.cols + 63) / 64, (t.rows + 63) / 64, n);
+      dev::muon_apply_t64_kernel<<<grid, 256, 0, stream>>>(t, mu, nesterov, status, sc, mat_out(x));
+    } else if (transpose) {
       dim3 grid((t.cols + 31) / 32, (t.rows + 31) / 32, n);
       dev::muon_apply_t_kernel<<<grid, dim3(32, 8), 0, stream>>>(t, mu, nesterov, status, sc, mat_out(x));
     } else {
@@ -130,7 +149,10 @@ void launch_muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpd
       t.step[i] = coef[first + i].step;
     }
     if (t.rows * t.cols == 0) continue;
-    if (transpose) {
+    if (transpose && t64_ok(slots, first, n, t, o)) {
+      dim3 grid((t.cols + 63) / 64, (t.rows + 63) / 64, n);
+      dev::muon_update_t64_kernel<<<grid, 256, 0, stream>>>(t, status, mat_out(o));
+    } else if (transpose) {
       dim3 grid((t.cols + 31) / 32, (t.rows + 31) / 32, n);
       dev::muon_update_t_kernel<<<grid, dim3(32, 8), 0, stream>>>(t, status, mat_out(o));
     } else {
