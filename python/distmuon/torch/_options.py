@@ -203,6 +203,11 @@ def adamw_options(group: dict[str, Any], where: str) -> Any:
     if not isinstance(betas, Sequence) or len(betas) != 2:
         raise ValueError(f"{where}: betas must be a pair (got {betas!r})")
     b1, b2 = (float(b.item() if isinstance(b, torch.Tensor) else b) for b in betas)
+    if "momentum" in group:
+        # OneCycleLR / CyclicLR cycle "momentum" on every group of an optimizer whose defaults
+        # have no "betas" (ours: Muon groups have momentum). For AdamW that value is beta1, which
+        # is what those schedulers set on torch.optim.AdamW.
+        b1 = _scalar(group, "momentum", where)
     if lr < 0:
         raise ValueError(f"{where}: lr must be >= 0 (got {lr})")
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
@@ -220,7 +225,7 @@ def adamw_options(group: dict[str, Any], where: str) -> Any:
 
 def group_signature(group: dict[str, Any]) -> tuple[Any, ...]:
     """The values of a group's options, to notice changes (schedulers) between steps."""
-    keys = MUON_KEYS if group["use_muon"] else ADAMW_KEYS
+    keys = MUON_KEYS if group["use_muon"] else ADAMW_KEYS + (("momentum",) if "momentum" in group else ())
     out = []
     for k in keys:
         v = group[k]

@@ -52,6 +52,10 @@ class _Slot:
         return self.param
 
 
+def _float(v: Any) -> float:
+    return float(v.item() if isinstance(v, torch.Tensor) else v)
+
+
 def _is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor"
 
@@ -141,6 +145,7 @@ class Muon(torch.optim.Optimizer):
         self._engine: _C.Engine | None = None
         self._slots: list[_Slot] = []
         self._signatures: list[tuple[Any, ...] | None] = []
+        self._buffer_momentum: list[float] = []  # per group: the mu its momentum buffers assume
         self._unnamed_warned = False
         if isinstance(params, nn.Module):
             self._infos = module_param_infos(params)
@@ -199,7 +204,7 @@ class Muon(torch.optim.Optimizer):
             g["params"] = chosen if names else [p for _, p in chosen]
             super().add_param_group(g)
             added = self.param_groups[-1]
-            keep = set(opt.MUON_KEYS if kind else opt.ADAMW_KEYS) | {"params", "param_names", "use_muon"}
+            keep = set(opt.MUON_KEYS if kind else opt.ADAMW_KEYS) | {"params", "param_names", "use_muon", "initial_lr"}
             for k in [k for k in added if k not in keep]:
                 del added[k]  # defaults of the other kind that torch's add_param_group filled in
         if self._engine is not None:
@@ -268,7 +273,7 @@ class Muon(torch.optim.Optimizer):
             "cannot be recognised and every matrix gets Muon; pass the model, "
             "model.named_parameters(), or muon_filter",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,  # the caller of Muon(...)
         )
 
     # ---- the engine -------------------------------------------------------------------------
@@ -313,7 +318,15 @@ class Muon(torch.optim.Optimizer):
         old = {id(s.param): s for s in self._slots}
         old_engine = self._engine
         self._engine, self._slots, self._device = engine, slots, device
-        self._signatures = [opt.group_signature(g) for g in self.param_groups]
+        # Groups that existed keep their last pushed signature and buffer momentum, so that an
+        # option changed since the last step is still noticed (and the buffers rescaled) by it.
+        sigs, mus = self._signatures, self._buffer_momentum
+        self._signatures = [
+            sigs[i] if i < len(sigs) else opt.group_signature(g) for i, g in enumerate(self.param_groups)
+        ]
+        self._buffer_momentum = [
+            mus[i] if i < len(mus) else _float(g.get("momentum", 0.0)) for i, g in enumerate(self.param_groups)
+        ]
         for s in slots:
             prev = old.get(id(s.param))
             if prev is not None and old_engine is not None and prev.use_muon == s.use_muon:
@@ -340,10 +353,24 @@ class Muon(torch.optim.Optimizer):
             options = self._group_options(gi, self._device.type)  # validates before any change
             live = self._engine.group(gi)
             if g["use_muon"]:
+                self._rescale_momentum(gi, _float(g["momentum"]))
                 live.muon = options.muon
             else:
                 live.adamw = options.adamw
             self._signatures[gi] = sig
+
+    def _rescale_momentum(self, gi: int, mu: float) -> None:
+        """Keeps the sum-form buffer B equal to E / (1 - mu) when mu changes (momentum warm-up,
+        OneCycleLR), E being torch.optim.Muon's EMA buffer, so that the updates stay those of
+        torch.optim.Muon for any momentum schedule. With a constant mu this never runs."""
+        old = self._buffer_momentum[gi]
+        if mu == old:
+            return
+        factor = (1.0 - old) / (1.0 - mu)
+        for s in self._slots:
+            if s.group == gi:
+                self.state[s.param]["momentum_buffer"].mul_(factor)
+        self._buffer_momentum[gi] = mu
 
     def _step_inputs(self) -> tuple[list[Any], list[Any]]:
         """DLPack capsules of every parameter and gradient, checked before the engine touches
@@ -405,6 +432,12 @@ class Muon(torch.optim.Optimizer):
         """torch's format: per parameter index 'step' and 'momentum_buffer' (Muon) or
         'exp_avg'/'exp_avg_sq' (AdamW); tensors alias the engine's live state like torch's do."""
         assert self._engine is not None
+        # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
+        # changed it since the last step): bring them up to date, as the next step would.
+        for gi, g in enumerate(self.param_groups):
+            mu = _float(g.get("momentum", 0.0))
+            if g["use_muon"] and 0.0 <= mu < 1.0:
+                self._rescale_momentum(gi, mu)
         for s in self._slots:
             self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
         return super().state_dict()
@@ -455,6 +488,7 @@ class Muon(torch.optim.Optimizer):
             self._engine.set_param_step(s.index, 0 if entry is None else int(entry.get("step", 0)))
             self.state[s.param] = views
             self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
+        self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
