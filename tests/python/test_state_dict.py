@@ -149,3 +149,33 @@ def test_bf16_momentum_round_trip() -> None:
     opt2 = make(clone(model), momentum_dtype=torch.bfloat16)
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"], sd["state"][0]["momentum_buffer"])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_torch_distributed_checkpoint_round_trip_in_one_process(tmp_path: object) -> None:
+    """torch.distributed.checkpoint (FQN-keyed optimizer state) saves and restores exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    torch.manual_seed(2)
+    model = TinyGPT()
+    opt = make(model)
+    train(model, [opt], 3)
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    assert "qkv.weight" in sd["optim"]["state"]
+    dcp.save(sd, checkpoint_id=str(tmp_path))
+    train(model, [opt], 3, first_step=3)
+
+    model2 = TinyGPT()
+    opt2 = make(model2)
+    sd2 = {"model": get_model_state_dict(model2), "optim": get_optimizer_state_dict(model2, opt2)}
+    dcp.load(sd2, checkpoint_id=str(tmp_path))
+    set_model_state_dict(model2, sd2["model"])
+    set_optimizer_state_dict(model2, opt2, sd2["optim"])
+    train(model2, [opt2], 3, first_step=3)
+    assert max_param_diff(model, model2) == 0.0
