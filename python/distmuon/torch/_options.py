@@ -235,3 +235,55 @@ def group_signature(group: dict[str, Any]) -> tuple[Any, ...]:
             v = repr(v)
         out.append(v)
     return tuple(out)
+
+
+# ---- user groups -> complete groups ------------------------------------------------------------
+
+
+def check_group_keys(group: dict[str, Any], use_muon: bool | None, where: str) -> None:
+    """Unknown keys are errors (a typo would otherwise be a silently ignored option)."""
+    if use_muon is True:
+        allowed = set(MUON_KEYS)
+    elif use_muon is False:
+        allowed = set(ADAMW_KEYS) | set(ADAMW_ALIASES)
+    else:
+        allowed = set(MUON_KEYS) | set(ADAMW_ALIASES) | {"betas"}
+    allowed |= {"initial_lr"} if use_muon is not None else set()
+    unknown = sorted(set(group) - allowed)
+    if unknown:
+        kind = {True: "a Muon group", False: "an AdamW group", None: "a mixed group"}[use_muon]
+        raise ValueError(f"{where}: unknown option(s) {unknown} for {kind} (allowed: {sorted(allowed)})")
+
+
+def muon_group(group: dict[str, Any], use_muon: bool | None, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The complete Muon group for a user group (its keys over the constructor's defaults)."""
+    out = {k: group.get(k, defaults[k]) for k in MUON_KEYS}
+    if out["ns_dtype"] is not None:
+        out["ns_dtype"] = torch_dtype_name(out["ns_dtype"])
+    if use_muon is not None and "initial_lr" in group:
+        out["initial_lr"] = group["initial_lr"]
+    out["use_muon"] = True
+    return out
+
+
+def adamw_group(
+    group: dict[str, Any], use_muon: bool | None, muon_defaults: dict[str, Any], adamw_defaults: dict[str, Any]
+) -> dict[str, Any]:
+    """The complete AdamW group for a user group: adamw_* keys, or the plain AdamW keys of a
+    use_muon=False group, over the constructor's adamw_* defaults."""
+    out: dict[str, Any] = {}
+    for k in ADAMW_KEYS:
+        alias = f"adamw_{k}"
+        if alias in group:
+            out[k] = group[alias]
+        elif k in group and (use_muon is False or k == "betas"):
+            out[k] = group[k]
+        elif adamw_defaults[k] is not None:
+            out[k] = adamw_defaults[k]
+        else:  # adamw_lr=None: the AdamW part follows the group's lr
+            out[k] = group.get("lr", muon_defaults["lr"])
+    out["betas"] = tuple(out["betas"]) if isinstance(out["betas"], list) else out["betas"]
+    if use_muon is not None and "initial_lr" in group:
+        out["initial_lr"] = group["initial_lr"]
+    out["use_muon"] = False
+    return out

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from distmuon import _C
+from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
 from distmuon.torch._device import common_device, make_engine, ordered_with_torch, to_dlpack
 from distmuon.torch._params import (
@@ -173,7 +174,7 @@ class Muon(torch.optim.Optimizer):
         if names is None and given_names is not None:
             names = list(given_names)
         use_muon = group.pop("use_muon", None)
-        self._check_keys(group, use_muon, where)
+        opt.check_group_keys(group, use_muon, where)
 
         first = sum(len(g["params"]) for g in self.param_groups)
         infos = [self._param_info(p, names[i] if names else None, first + i) for i, p in enumerate(params)]
@@ -196,9 +197,9 @@ class Muon(torch.optim.Optimizer):
 
         parts = []
         if any(muon_mask):
-            parts.append((True, self._muon_group(group, use_muon)))
+            parts.append((True, opt.muon_group(group, use_muon, self._muon_defaults)))
         if not all(muon_mask):
-            parts.append((False, self._adamw_group(group, use_muon)))
+            parts.append((False, opt.adamw_group(group, use_muon, self._muon_defaults, self._adamw_defaults)))
         for kind, g in parts:
             chosen = [(info.name, p) for p, info, m in zip(params, infos, muon_mask) if m == kind]
             g["params"] = chosen if names else [p for _, p in chosen]
@@ -209,46 +210,6 @@ class Muon(torch.optim.Optimizer):
                 del added[k]  # defaults of the other kind that torch's add_param_group filled in
         if self._engine is not None:
             self._build_engine()
-
-    def _check_keys(self, group: dict[str, Any], use_muon: bool | None, where: str) -> None:
-        if use_muon is True:
-            allowed = set(opt.MUON_KEYS)
-        elif use_muon is False:
-            allowed = set(opt.ADAMW_KEYS) | set(opt.ADAMW_ALIASES)
-        else:
-            allowed = set(opt.MUON_KEYS) | set(opt.ADAMW_ALIASES) | {"betas"}
-        allowed |= {"initial_lr"} if use_muon is not None else set()
-        unknown = sorted(set(group) - allowed)
-        if unknown:
-            kind = {True: "a Muon group", False: "an AdamW group", None: "a mixed group"}[use_muon]
-            raise ValueError(f"{where}: unknown option(s) {unknown} for {kind} (allowed: {sorted(allowed)})")
-
-    def _muon_group(self, group: dict[str, Any], use_muon: bool | None) -> dict[str, Any]:
-        out = {k: group.get(k, self._muon_defaults[k]) for k in opt.MUON_KEYS}
-        if out["ns_dtype"] is not None:
-            out["ns_dtype"] = opt.torch_dtype_name(out["ns_dtype"])
-        if use_muon is not None and "initial_lr" in group:
-            out["initial_lr"] = group["initial_lr"]
-        out["use_muon"] = True
-        return out
-
-    def _adamw_group(self, group: dict[str, Any], use_muon: bool | None) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k in opt.ADAMW_KEYS:
-            alias = f"adamw_{k}"
-            if alias in group:
-                out[k] = group[alias]
-            elif k in group and (use_muon is False or k == "betas"):
-                out[k] = group[k]
-            elif self._adamw_defaults[k] is not None:
-                out[k] = self._adamw_defaults[k]
-            else:  # adamw_lr=None: the AdamW part follows the group's lr
-                out[k] = group.get("lr", self._muon_defaults["lr"])
-        out["betas"] = tuple(out["betas"]) if isinstance(out["betas"], list) else out["betas"]
-        if use_muon is not None and "initial_lr" in group:
-            out["initial_lr"] = group["initial_lr"]
-        out["use_muon"] = False
-        return out
 
     def _param_info(self, p: torch.Tensor, name: str | None, index: int) -> ParamInfo:
         info = self._infos.get(id(p))
@@ -451,29 +412,17 @@ class Muon(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        saved_groups = state_dict["param_groups"]
-        saved_state = state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer "
-                f"{len(self.param_groups)}"
-            )
-        for gi, (g, sg) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(g["params"]) != len(sg["params"]):
-                raise ValueError(f"parameter group {gi} has {len(g['params'])} parameters, the loaded one {len(sg['params'])}")
-            if sg.get("use_muon", g["use_muon"]) != g["use_muon"]:
-                raise ValueError(f"parameter group {gi} is {'Muon' if g['use_muon'] else 'AdamW'} here but not in the loaded state dict")
-        saved_ids = list(chain.from_iterable(sg["params"] for sg in saved_groups))
-        plan = [(s, self._checked_entry(s, saved_state.get(pid))) for s, pid in zip(self._slots, saved_ids)]
-        new_groups = []
-        for g, sg in zip(self.param_groups, saved_groups):
-            ng = dict(g)
-            ng.update({k: v for k, v in sg.items() if k != "params"})
-            new_groups.append(ng)
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        ckpt.check_saved_groups(self.param_groups, saved_groups)
+        saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
+        plan = [
+            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._engine.state_names(s.index), saved_state.get(i)))
+            for s, i in zip(self._slots, saved_ids)
+        ]
         old_groups = self.param_groups
-        self.param_groups = new_groups
+        self.param_groups = ckpt.merged_groups(old_groups, saved_groups)
         try:
-            for gi in range(len(new_groups)):
+            for gi in range(len(self.param_groups)):
                 self._group_options(gi, self._device.type)  # validates the loaded options
         except Exception:
             self.param_groups = old_groups
@@ -485,32 +434,9 @@ class Muon(torch.optim.Optimizer):
                     view.zero_()
                 else:
                     view.copy_(entry[name].reshape(view.shape))
-            self._engine.set_param_step(s.index, 0 if entry is None else int(entry.get("step", 0)))
+            self._engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
             self.state[s.param] = views
             self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
         self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _checked_entry(self, s: _Slot, entry: dict[str, Any] | None) -> dict[str, Any] | None:
-        assert self._engine is not None
-        if entry is None:
-            return None
-        for name in self._engine.state_names(s.index):
-            value = entry.get(name)
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(
-                    f"loaded state of parameter '{s.name}' has no tensor '{name}' "
-                    f"(keys: {sorted(entry)}); is it a {'Muon' if s.use_muon else 'AdamW'} parameter there?"
-                )
-            if value.numel() != s.param.numel():
-                raise ValueError(
-                    f"loaded '{name}' of parameter '{s.name}' has shape {tuple(value.shape)}, the "
-                    f"parameter {tuple(s.full_shape)}"
-                )
-            if value.is_complex() or not value.is_floating_point():
-                raise ValueError(f"loaded '{name}' of parameter '{s.name}' has dtype {value.dtype}")
-        step = entry.get("step", 0)
-        if float(step) < 0 or float(step) != int(float(step)):
-            raise ValueError(f"loaded step of parameter '{s.name}' is {step}")
-        return entry
