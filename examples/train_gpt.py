@@ -272,12 +272,15 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in results:
+    styles = [("-", "o"), ("--", "s"), (":", "^")]  # distinguishable where curves coincide
+    for i, r in enumerate(results):
+        ls, marker = styles[i % len(styles)]
         k = max(1, len(r.train_losses) // 50)
-        smooth = [sum(r.train_losses[max(0, i - k) : i + 1]) / len(r.train_losses[max(0, i - k) : i + 1]) for i in range(len(r.train_losses))]
-        line = ax.plot(range(1, len(smooth) + 1), smooth, alpha=0.6, label=f"{r.optimizer} train")[0]
+        window = [r.train_losses[max(0, j - k) : j + 1] for j in range(len(r.train_losses))]
+        smooth = [sum(w) / len(w) for w in window]
+        line = ax.plot(range(1, len(smooth) + 1), smooth, ls, alpha=0.5, label=f"{r.optimizer} train")[0]
         steps, vals = zip(*r.val_points)
-        ax.plot(steps, vals, "o-", color=line.get_color(), label=f"{r.optimizer} val ({r.final_val_loss:.3f})")
+        ax.plot(steps, vals, ls, marker=marker, color=line.get_color(), label=f"{r.optimizer} val ({r.final_val_loss:.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/char)")
     ax.set_title(title)

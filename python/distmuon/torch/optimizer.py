@@ -88,7 +88,10 @@ class Muon(torch.optim.Optimizer):
             untouched in that step and counted) or 'raise' (nothing is updated; error).
 
     The momentum buffer is kept in the sum form ``B = mu B + G`` (as torch.optim.SGD);
-    torch.optim.Muon keeps the EMA form, which is ``(1 - mu)`` times it. Updates are identical.
+    torch.optim.Muon keeps the EMA form, which is ``(1 - mu)`` times it; when a scheduler changes
+    ``mu`` the buffers are rescaled so that the updates stay torch.optim.Muon's. The input of the
+    iteration is ``U / (||U|| + eps)`` where torch uses ``U / max(||U||, eps)`` (a relative
+    difference of eps / ||U||).
     """
 
     def __init__(
