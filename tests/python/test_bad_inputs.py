@@ -10,6 +10,11 @@ from distmuon.torch import Muon
 from helpers import TinyGPT, clone, gpt_loss, max_param_diff, train
 
 
+needs_grad_dtype = pytest.mark.skipif(
+    not hasattr(torch.Tensor, "grad_dtype"), reason="this torch ties a gradient's dtype to its parameter's"
+)
+
+
 def make(model: nn.Module, **kw: object) -> Muon:
     return Muon(model, **{"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3, **kw})  # type: ignore[arg-type]
 
@@ -122,6 +127,7 @@ def test_mismatched_gradient_shape_is_an_error_before_any_update() -> None:
     assert_untouched(model, before, opt, state)
 
 
+@needs_grad_dtype
 def test_wrong_dtype_gradient_is_an_error_before_any_update() -> None:
     model = TinyGPT()
     opt = make(model)
@@ -134,6 +140,7 @@ def test_wrong_dtype_gradient_is_an_error_before_any_update() -> None:
     assert_untouched(model, before, opt, state)
 
 
+@needs_grad_dtype
 def test_gradients_of_another_float_dtype_are_used_as_they_are() -> None:
     """bf16 gradients of fp32 parameters (grad_dtype=None): the engine reads them directly."""
     torch.manual_seed(0)
