@@ -215,7 +215,10 @@ class RunResult:
 def evaluate(model: nn.Module, data: CharData, args: argparse.Namespace) -> float:
     model.eval()
     gen = torch.Generator().manual_seed(1234)  # the same validation batches every time
-    losses = [model(*data.batch("val", args.batch_size, args.block_size, gen)).item() for _ in range(args.eval_iters)]
+    losses = []
+    for _ in range(args.eval_iters):
+        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            losses.append(model(*data.batch("val", args.batch_size, args.block_size, gen)).item())
     model.train()
     return sum(losses) / len(losses)
 
@@ -235,7 +238,8 @@ def train_one(kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, data: Ch
         x, y = data.batch("train", args.batch_size, args.block_size, gen)
         sync()
         t0 = time.perf_counter()
-        loss = model(x, y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = model(x, y)
         loss.backward()
         sync()
         t1 = time.perf_counter()
@@ -314,6 +318,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--eval-every", type=int, help="steps between validation evaluations")
     ap.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
     ap.add_argument("--cache-gamma", type=float, help="CacheMuon residual threshold (distmuon only)")
+    ap.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast in forward (default: on CUDA)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", type=Path, default=REPO / "data" / "tinyshakespeare.txt")
@@ -324,6 +329,8 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    if args.amp is None:
+        args.amp = args.device.startswith("cuda")
     args.eval_every = args.eval_every or max(1, args.steps // 10)
     kinds = [k.strip() for k in args.optimizer.split(",") if k.strip()]
     bad = [k for k in kinds if k not in OPTIMIZERS]
@@ -350,7 +357,8 @@ def main() -> int:
     n_params = sum(v.numel() for v in init.values())
     print(
         f"GPT {cfg.n_layer} layers x {cfg.n_embd} dims, {n_params / 1e6:.2f} M parameters; batch {args.batch_size} x "
-        f"{cfg.block_size} chars; {args.steps} steps on {device} ({torch.get_num_threads()} CPU threads)"
+        f"{cfg.block_size} chars; {args.steps} steps on {device} ({torch.get_num_threads()} CPU threads"
+        f"{', bf16 autocast' if args.amp else ''})"
     )
     results = []
     for kind in args.optimizers:
