@@ -12,14 +12,15 @@ APT_PACKAGES := cmake pkg-config g++ make libopenblas-dev openmpi-bin libopenmpi
                 coinor-libcbc-dev nlohmann-json3-dev libeigen3-dev libgtest-dev
 PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core matplotlib
 
-.PHONY: all deps deps-apt deps-pip build test test-cpp test-python demo format tidy clean help
+.PHONY: all deps deps-apt deps-pip build build-cpp python test test-cpp test-python demo format tidy clean help
 
 all: build
 
 help:
 	@echo "make demo    install what is missing, build, run the benchmark and the training example (CPU)"
 	@echo "make test    install what is missing, build, run every test (ctest: gtest + MPI; pytest)"
-	@echo "make build   configure and build Release into $(BUILD_DIR)/ (executables in $(BUILD_DIR)/bin)"
+	@echo "make build   configure and build Release into $(BUILD_DIR)/ (executables in $(BUILD_DIR)/bin), pip-install the Python package"
+	@echo "make python  only (re)install the Python package distmuon when its sources changed"
 	@echo "make deps    only install the Debian and Python dependencies"
 	@echo "make format  clang-format the C++ sources; make tidy runs clang-tidy"
 
@@ -43,17 +44,38 @@ deps-pip:
 	  $(PYTHON) -m pip install -q --disable-pip-version-check $$missing; \
 	else echo "[deps] Python packages present"; fi
 
-build:
+build: build-cpp python
+
+build-cpp:
 	@cmake --preset $(CMAKE_PRESET) -DPython3_EXECUTABLE=$$(command -v $(PYTHON)) >/dev/null
 	@cmake --build $(BUILD_DIR) -j $(JOBS)
 
-test: deps build test-cpp
+# The Python package (scikit-build-core + nanobind, no network: --no-build-isolation), reinstalled
+# only when a source it is built from changed since the last install (stamp file).
+PY_STAMP := $(BUILD_DIR)/.python-installed
+PY_SOURCES := pyproject.toml CMakeLists.txt $(wildcard cmake/*) \
+              $(shell find python src include -type f \( -name '*.py' -o -name '*.cc' -o -name '*.h' \
+                -o -name '*.cu' -o -name '*.cuh' -o -name 'CMakeLists.txt' \) 2>/dev/null)
+
+python: $(PY_STAMP)
+
+$(PY_STAMP): $(PY_SOURCES)
+	@echo "[python] pip install . (distmuon)"
+	@$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-build-isolation --no-deps .
+	@mkdir -p $(BUILD_DIR) && touch $@
+
+test: deps build test-cpp test-python
 
 test-cpp:
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
 
+# Passive OpenMP waiting: torch's pool, the engine's loops and OpenBLAS share few cores.
+test-python: python
+	OMP_WAIT_POLICY=passive $(PYTHON) -m pytest tests/python -q
+
 demo: deps build
 	$(BUILD_DIR)/bin/distmuon-bench --workload gpt2-small --backend cpu --algo ns5,auto --steps 2 --layers 4
+	$(PYTHON) examples/train_gpt.py --optimizer distmuon
 
 format:
 	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')
@@ -62,4 +84,4 @@ tidy: build
 	clang-tidy -p $(BUILD_DIR) $$(git ls-files 'src/*.cc' 'tools/*.cc')
 
 clean:
-	rm -rf $(BUILD_DIR)
+	rm -rf $(BUILD_DIR) build-py

@@ -28,6 +28,11 @@ enum class Coefficients : int {
   kPolarExpress = 1,     // reference code: safety 1.01 on all but the last step, norm * 1.01
   kPolarExpress105 = 2,  // Gram-NS / DMuon code: safety 1.05 on the first five rows
   kYou = 3,              // You's five-step set
+  kCustom = 4,           // OrthoConfig::custom_coefficients (e.g. torch.optim.Muon's ns_coefficients)
+};
+
+struct QuinticCoef {
+  double a, b, c;
 };
 
 struct OrthoConfig {
@@ -40,6 +45,8 @@ struct OrthoConfig {
   // dtype is bf16. Leave unset to use work_dtype for both.
   std::optional<DType> gram_work_dtype;
   float eps = 1e-7f;
+  // Used when coefficients == kCustom: row i on step i, the last row repeating after the end.
+  std::vector<QuinticCoef> custom_coefficients;
 };
 
 // Parses an algorithm spec: "ns5" | "ns" | "ns5-sym" | "ns-sym" | "gram-ns" | "auto", optionally
@@ -50,11 +57,10 @@ std::string iteration_name(Iteration it);
 std::string coefficients_name(Coefficients c);
 std::string algorithm_name(const OrthoConfig& cfg);  // inverse of parse_algorithm
 
-struct QuinticCoef {
-  double a, b, c;
-};
-// The (a, b, c) of every step, safety factors applied.
+// The (a, b, c) of every step, safety factors applied. The first form cannot express kCustom
+// (it throws); the second reads the config's steps and custom rows.
 std::vector<QuinticCoef> coefficient_schedule(Coefficients c, int steps);
+std::vector<QuinticCoef> coefficient_schedule(const OrthoConfig& cfg);
 // The factor the input norm is multiplied by before dividing (1.01 for kPolarExpress, else 1).
 double norm_multiplier(Coefficients c);
 

@@ -67,8 +67,24 @@ std::vector<QuinticCoef> coefficient_schedule(Coefficients c, int steps) {
         out.push_back(i < 5 ? kPolarExpress105[i] : row(kPolarExpressBase, i));
         break;
       case Coefficients::kYou: out.push_back(row(kYou, i)); break;
+      case Coefficients::kCustom:
+        DM_FAIL("custom coefficients live in OrthoConfig::custom_coefficients: call "
+                "coefficient_schedule(const OrthoConfig&)");
     }
   }
+  return out;
+}
+
+std::vector<QuinticCoef> coefficient_schedule(const OrthoConfig& cfg) {
+  if (cfg.coefficients != Coefficients::kCustom) return coefficient_schedule(cfg.coefficients, cfg.steps);
+  DM_CHECK(cfg.steps >= 1, "orthogonalization needs at least one step (got ", cfg.steps, ")");
+  const auto& rows = cfg.custom_coefficients;
+  DM_CHECK(!rows.empty(), "custom coefficients selected but none given");
+  for (const QuinticCoef& k : rows)
+    DM_CHECK(std::isfinite(k.a) && std::isfinite(k.b) && std::isfinite(k.c),
+             "custom coefficients must be finite (got ", k.a, ", ", k.b, ", ", k.c, ")");
+  std::vector<QuinticCoef> out;
+  for (int i = 0; i < cfg.steps; ++i) out.push_back(rows[std::min<size_t>(i, rows.size() - 1)]);
   return out;
 }
 
@@ -90,6 +106,7 @@ std::string coefficients_name(Coefficients c) {
     case Coefficients::kPolarExpress: return "polar-express";
     case Coefficients::kPolarExpress105: return "polar-express-1.05";
     case Coefficients::kYou: return "you";
+    case Coefficients::kCustom: return "custom";
   }
   return "?";
 }
@@ -136,6 +153,7 @@ OrthoConfig parse_algorithm(const std::string& spec, OrthoConfig base) {
     else if (c == "polar-express" || c == "pe") cfg.coefficients = Coefficients::kPolarExpress;
     else if (c == "polar-express-1.05" || c == "pe105") cfg.coefficients = Coefficients::kPolarExpress105;
     else if (c == "you") cfg.coefficients = Coefficients::kYou;
+    else if (c == "custom") DM_FAIL("custom coefficients are set through OrthoConfig::custom_coefficients, not in '", spec, "'");
     else DM_FAIL("unknown coefficient set '", c, "' in '", spec, "'");
   }
   if (parts.size() >= 3) {

@@ -74,7 +74,7 @@ void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const B
   BatchRef A = ws.take(x.dtype, c, m, m), B = ws.take(x.dtype, c, m, m);
   BatchRef other = ws.take(x.dtype, c, m, n);
   BatchRef cur = x;
-  auto coef = coefficient_schedule(cfg.coefficients, cfg.steps);
+  auto coef = coefficient_schedule(cfg);
   for (int i = 0; i < cfg.steps; ++i) {
     const auto [a, b, cc] = coef[i];
     if (symmetric) {
@@ -101,7 +101,7 @@ void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const Ba
   BatchRef R = ws.take(t, c, m, m), Z = ws.take(t, c, m, m), T = ws.take(t, c, m, m);
   BatchRef Q = ws.take(t, c, m, m), Qn = ws.take(t, c, m, m);
   BatchRef other = ws.take(t, c, m, n);
-  auto coef = coefficient_schedule(cfg.coefficients, cfg.steps);
+  auto coef = coefficient_schedule(cfg);
   auto restarts_at = [&](int i) {
     return i > 0 && std::find(cfg.restarts.begin(), cfg.restarts.end(), i) != cfg.restarts.end();
   };

@@ -86,7 +86,7 @@ int Engine::add_group(const GroupOptions& o) {
     DM_CHECK(m.weight_decay >= 0, "Muon weight_decay must be >= 0 (got ", m.weight_decay, ")");
     DM_CHECK(m.momentum_dtype == DType::kF32 || m.momentum_dtype == DType::kBF16,
              "momentum dtype must be f32 or bf16");
-    coefficient_schedule(m.ortho.coefficients, m.ortho.steps);  // validates steps
+    coefficient_schedule(m.ortho);  // validates steps and custom rows
   } else {
     const AdamWOptions& a = o.adamw;
     DM_CHECK(a.lr >= 0, "AdamW lr must be >= 0 (got ", a.lr, ")");

@@ -205,6 +205,34 @@ TEST(Orthogonalizer, PolarExpressSafetyFactorsAreApplied) {
   EXPECT_NEAR(dm[6].a, 1.8750014808534479, 1e-15);      // past the list: converged base rows
 }
 
+TEST(Orthogonalizer, CustomCoefficientsReproduceTheNamedSchedules) {
+  // One custom row equal to Jordan's repeats on every step: bit-identical to kJordan.
+  OrthoConfig jordan;
+  jordan.iteration = Iteration::kGram;
+  OrthoConfig custom = jordan;
+  custom.coefficients = Coefficients::kCustom;
+  custom.custom_coefficients = {{3.4445, -4.7750, 2.0315}};
+  std::vector<Mat> in = {random_matrix(24, 80), random_matrix(80, 24)};
+  std::vector<Mat> a = run_ortho(jordan, in), b = run_ortho(custom, in);
+  for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(rel_err(b[i], a[i]), 0.0);
+  // Per-step rows, the last repeating past the end.
+  OrthoConfig pe = jordan;
+  pe.coefficients = Coefficients::kPolarExpress105;
+  pe.steps = 7;
+  custom.steps = 7;
+  custom.custom_coefficients = coefficient_schedule(Coefficients::kPolarExpress105, 6);
+  auto sched = coefficient_schedule(custom);
+  ASSERT_EQ(sched.size(), 7u);
+  EXPECT_EQ(sched[6].a, sched[5].a);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(sched[i].b, coefficient_schedule(pe)[i].b) << i;
+  EXPECT_EQ(coefficients_name(Coefficients::kCustom), "custom");
+  EXPECT_THROW(coefficient_schedule(Coefficients::kCustom, 5), Error);
+  custom.custom_coefficients.clear();
+  EXPECT_THROW(coefficient_schedule(custom), Error);
+  custom.custom_coefficients = {{1.0, std::nan(""), 0.0}};
+  EXPECT_THROW(coefficient_schedule(custom), Error);
+}
+
 TEST(Orthogonalizer, RejectsWrongInputs) {
   CpuBackend be;
   Orthogonalizer o(be);

@@ -1,0 +1,402 @@
+#!/usr/bin/env python3
+"""Character-level GPT on tinyshakespeare with distmuon.torch.Muon, torch.optim.AdamW or
+torch.optim.Muon, timing forward+backward and the optimizer step separately.
+
+    python examples/train_gpt.py                              # distmuon, CPU preset (~2 min, 2 cores)
+    python examples/train_gpt.py --optimizer distmuon,adamw,torch-muon   # all three, one plot
+    python examples/train_gpt.py --device cuda                # GPU preset
+
+Every optimizer starts from the same initial weights and sees the same batches. Muon (both
+implementations) updates the hidden matrices; embeddings, the output head, norms and biases get
+AdamW with the same settings as the AdamW run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+# On the CPU, torch's OpenMP pool, the engine's OpenMP loops and OpenBLAS's threads take turns
+# on the same few cores; busy-waiting pools would steal them from each other between phases.
+# (Read by libgomp when torch loads, so it must come first.)
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+OPTIMIZERS = ("distmuon", "adamw", "torch-muon")
+
+
+# ---- model ------------------------------------------------------------------------------------
+
+
+@dataclass
+class GPTConfig:
+    vocab: int
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.attn_out = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp_in = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.mlp_out = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab, bias=False)
+        for name, p in self.named_parameters():
+            if p.ndim == 2:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith(("attn_out.weight", "mlp_out.weight")) else 0.02
+                nn.init.normal_(p, std=std)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+# ---- data -------------------------------------------------------------------------------------
+
+
+class CharData:
+    """tinyshakespeare as character ids, 90 % train / 10 % validation."""
+
+    def __init__(self, path: Path, device: torch.device) -> None:
+        text = path.read_text(encoding="utf-8")
+        chars = sorted(set(text))
+        self.vocab = len(chars)
+        lut = {c: i for i, c in enumerate(chars)}
+        ids = torch.tensor([lut[c] for c in text], dtype=torch.long)
+        n = int(0.9 * len(ids))
+        self.train, self.val = ids[:n], ids[n:]
+        self.device = device
+
+    def batch(self, split: str, batch_size: int, block: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        data = self.train if split == "train" else self.val
+        starts = torch.randint(0, len(data) - block - 1, (batch_size,), generator=gen)
+        x = torch.stack([data[s : s + block] for s in starts.tolist()])
+        y = torch.stack([data[s + 1 : s + 1 + block] for s in starts.tolist()])
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
+# ---- optimizers -------------------------------------------------------------------------------
+
+
+@dataclass
+class HParams:
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_weight_decay: float = 0.0
+    adamw_lr: float = 3e-3
+    adamw_betas: tuple[float, float] = (0.9, 0.95)
+    adamw_weight_decay: float = 0.0
+
+
+def build_optimizers(kind: str, model: nn.Module, hp: HParams, cache_gamma: float | None) -> list[torch.optim.Optimizer]:
+    from distmuon.torch import Muon, default_muon_filter
+
+    fused = next(model.parameters()).is_cuda
+    if kind == "distmuon":
+        return [
+            Muon(
+                model,
+                lr=hp.muon_lr,
+                momentum=hp.muon_momentum,
+                weight_decay=hp.muon_weight_decay,
+                cache_gamma=cache_gamma,
+                adamw_lr=hp.adamw_lr,
+                adamw_betas=hp.adamw_betas,
+                adamw_weight_decay=hp.adamw_weight_decay,
+            )
+        ]
+    if kind == "adamw":
+        return [
+            torch.optim.AdamW(
+                model.parameters(), lr=hp.adamw_lr, betas=hp.adamw_betas, weight_decay=hp.adamw_weight_decay, fused=fused
+            )
+        ]
+    # torch.optim.Muon on the same matrices distmuon picks, AdamW on the rest
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    hidden = [p for n, p in model.named_parameters() if id(p) not in embeddings and default_muon_filter(n, p)]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [
+        torch.optim.Muon(hidden, lr=hp.muon_lr, momentum=hp.muon_momentum, weight_decay=hp.muon_weight_decay),
+        torch.optim.AdamW(rest, lr=hp.adamw_lr, betas=hp.adamw_betas, weight_decay=hp.adamw_weight_decay, fused=fused),
+    ]
+
+
+def warmup_cosine(steps: int, warmup: int) -> Callable[[int], float]:
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+
+    return factor
+
+
+# ---- progress ---------------------------------------------------------------------------------
+
+
+def progress(total: int, desc: str) -> tuple[Iterator[int], Callable[[str], None]]:
+    """tqdm when installed, else a one-line counter; returns (iterator, set_postfix)."""
+    try:
+        from tqdm import tqdm
+
+        bar = tqdm(range(total), desc=desc, dynamic_ncols=True, file=sys.stdout)
+        return iter(bar), lambda s: bar.set_postfix_str(s, refresh=False)
+    except ImportError:
+        state = {"postfix": ""}
+
+        def gen() -> Iterator[int]:
+            width = 30
+            for i in range(total):
+                yield i
+                done = int(width * (i + 1) / total)
+                print(f"\r{desc} [{'#' * done}{'.' * (width - done)}] {i + 1}/{total} {state['postfix']}", end="", flush=True)
+            print()
+
+        return gen(), lambda s: state.__setitem__("postfix", s)
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    optimizer: str
+    steps: int
+    final_val_loss: float = float("nan")
+    train_losses: list[float] = field(default_factory=list)
+    val_points: list[tuple[int, float]] = field(default_factory=list)
+    fwd_bwd_ms: list[float] = field(default_factory=list)
+    opt_ms: list[float] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: CharData, args: argparse.Namespace) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)  # the same validation batches every time
+    losses = []
+    for _ in range(args.eval_iters):
+        with torch.autocast(data.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            losses.append(model(*data.batch("val", args.batch_size, args.block_size, gen)).item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_one(kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, data: CharData, args: argparse.Namespace) -> RunResult:
+    device = torch.device(args.device)
+    model = GPT(cfg).to(device)
+    model.load_state_dict(init)
+    opts = build_optimizers(kind, model, HParams(), args.cache_gamma)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(args.steps, args.warmup)) for o in opts]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gen = torch.Generator().manual_seed(0)  # the same training batches for every optimizer
+    res = RunResult(kind, args.steps)
+    it, postfix = progress(args.steps, f"{kind:>10}")
+    start = time.perf_counter()
+    for step in it:
+        x, y = data.batch("train", args.batch_size, args.block_size, gen)
+        sync()
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = model(x, y)
+        loss.backward()
+        sync()
+        t1 = time.perf_counter()
+        for o in opts:
+            o.step()
+        sync()
+        t2 = time.perf_counter()
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        for s in scheds:
+            s.step()
+        res.train_losses.append(loss.item())
+        res.fwd_bwd_ms.append((t1 - t0) * 1e3)
+        res.opt_ms.append((t2 - t1) * 1e3)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            res.val_points.append((step + 1, evaluate(model, data, args)))
+        if step % 10 == 0 or step + 1 == args.steps:
+            val = f" val {res.val_points[-1][1]:.3f}" if res.val_points else ""
+            postfix(f"loss {loss.item():.3f}{val} fwd+bwd {res.fwd_bwd_ms[-1]:.1f} ms opt {res.opt_ms[-1]:.1f} ms")
+    res.wall_s = time.perf_counter() - start
+    res.final_val_loss = res.val_points[-1][1]
+    return res
+
+
+def median_after_warmup(xs: list[float]) -> float:
+    tail = xs[min(len(xs) // 5, 10) :] or xs
+    return statistics.median(tail)
+
+
+def plot(results: list[RunResult], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = [("-", "o"), ("--", "s"), (":", "^")]  # distinguishable where curves coincide
+    for i, r in enumerate(results):
+        ls, marker = styles[i % len(styles)]
+        k = max(1, len(r.train_losses) // 50)
+        window = [r.train_losses[max(0, j - k) : j + 1] for j in range(len(r.train_losses))]
+        smooth = [sum(w) / len(w) for w in window]
+        line = ax.plot(range(1, len(smooth) + 1), smooth, ls, alpha=0.5, label=f"{r.optimizer} train")[0]
+        steps, vals = zip(*r.val_points)
+        ax.plot(steps, vals, ls, marker=marker, color=line.get_color(), label=f"{r.optimizer} val ({r.final_val_loss:.3f})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+PRESETS = {
+    # about two minutes per optimizer on 2 CPU cores
+    "cpu": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 16, "steps": 600},
+    # a few minutes on one H200
+    "gpu": {"n_layer": 8, "n_head": 8, "n_embd": 512, "block_size": 256, "batch_size": 64, "steps": 2000},
+}
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--optimizer", default="distmuon", help=f"one or a comma list of {', '.join(OPTIMIZERS)}")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="model/batch/steps preset (default: by device)")
+    ap.add_argument("--steps", type=int, help="training steps")
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--block-size", type=int)
+    ap.add_argument("--n-layer", type=int)
+    ap.add_argument("--n-head", type=int)
+    ap.add_argument("--n-embd", type=int)
+    ap.add_argument("--warmup", type=int, help="LR warm-up steps (default: 5%% of the steps)")
+    ap.add_argument("--eval-every", type=int, help="steps between validation evaluations")
+    ap.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
+    ap.add_argument("--cache-gamma", type=float, help="CacheMuon residual threshold (distmuon only)")
+    ap.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast in forward (default: on CUDA)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", type=Path, default=REPO / "data" / "tinyshakespeare.txt")
+    ap.add_argument("--out", type=Path, default=REPO / "out" / "train_gpt.png", help="loss-curve PNG (a .json summary is written beside it)")
+    args = ap.parse_args()
+    preset = PRESETS[args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")]
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    if args.amp is None:
+        args.amp = args.device.startswith("cuda")
+    args.eval_every = args.eval_every or max(1, args.steps // 10)
+    kinds = [k.strip() for k in args.optimizer.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in OPTIMIZERS]
+    if bad or not kinds:
+        ap.error(f"unknown optimizer(s) {bad}; choose from {', '.join(OPTIMIZERS)}")
+    args.optimizers = kinds
+    if args.cache_gamma is not None and "distmuon" not in kinds:
+        ap.error("--cache-gamma applies to --optimizer distmuon")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no GPU", file=sys.stderr)
+        return 2
+    data = CharData(args.data, device)
+    cfg = GPTConfig(data.vocab, args.block_size, args.n_layer, args.n_head, args.n_embd)
+    torch.manual_seed(args.seed)
+    init = {k: v.clone() for k, v in GPT(cfg).state_dict().items()}
+    n_params = sum(v.numel() for v in init.values())
+    print(
+        f"GPT {cfg.n_layer} layers x {cfg.n_embd} dims, {n_params / 1e6:.2f} M parameters; batch {args.batch_size} x "
+        f"{cfg.block_size} chars; {args.steps} steps on {device} ({torch.get_num_threads()} CPU threads"
+        f"{', bf16 autocast' if args.amp else ''})"
+    )
+    results = []
+    for kind in args.optimizers:
+        try:
+            results.append(train_one(kind, init, cfg, data, args))
+        except NotImplementedError as e:  # e.g. --cache-gamma before CacheMuon is in the build
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    print(f"\n{'optimizer':>10} | {'val loss':>8} | {'fwd+bwd ms':>10} | {'optimizer ms':>12} | {'opt share':>9} | {'wall s':>7}")
+    print("-" * 72)
+    for r in results:
+        fb, op = median_after_warmup(r.fwd_bwd_ms), median_after_warmup(r.opt_ms)
+        print(f"{r.optimizer:>10} | {r.final_val_loss:8.4f} | {fb:10.2f} | {op:12.2f} | {op / (fb + op):8.1%} | {r.wall_s:7.1f}")
+    print("(step times: medians after warm-up; the device is synchronised around each part)")
+    title = f"char GPT {cfg.n_layer}x{cfg.n_embd} on tinyshakespeare, {args.steps} steps, {device}"
+    plot(results, args.out, title)
+    summary = {
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "config": asdict(cfg),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "device": str(device),
+        "torch": torch.__version__,
+        "results": [
+            {
+                "optimizer": r.optimizer,
+                "final_val_loss": r.final_val_loss,
+                "val_points": r.val_points,
+                "fwd_bwd_ms_median": median_after_warmup(r.fwd_bwd_ms),
+                "optimizer_ms_median": median_after_warmup(r.opt_ms),
+                "wall_s": r.wall_s,
+            }
+            for r in results
+        ],
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    print(f"loss curves: {args.out}\nsummary: {args.out.with_suffix('.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""distmuon.torch.Muon: Muon for the hidden matrices and AdamW for everything else, in one
+torch.optim.Optimizer whose arithmetic runs in the C++ engine.
+
+The parameters, gradients and optimizer state are exchanged with the engine through DLPack
+without copies: the engine updates the parameters in place, and ``optimizer.state[p]`` holds
+views of the engine's own state buffers.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import nn
+
+from distmuon import _C
+from distmuon.torch import _checkpoint as ckpt
+from distmuon.torch import _options as opt
+from distmuon.torch._device import common_device, make_engine, ordered_with_torch, to_dlpack
+from distmuon.torch._params import (
+    MuonFilter,
+    ParamInfo,
+    check_tensor_param,
+    default_muon_filter,
+    matrix_shape,
+    module_param_infos,
+    split_named,
+)
+
+
+@dataclass
+class _Slot:
+    """One parameter as the engine sees it.
+
+    ``full_shape`` is the logical shape of the whole parameter; ``local()`` is the part of it this
+    process holds. They coincide in a single process; under FSDP2 (DTensor) the local part is a
+    row shard and the engine's sharded mode maps it to the owner of the full matrix.
+    """
+
+    index: int
+    group: int
+    name: str
+    param: torch.Tensor
+    use_muon: bool
+    engine_shape: list[int]
+    full_shape: torch.Size
+    dtype: torch.dtype
+
+    def local(self) -> torch.Tensor:
+        return self.param
+
+
+def _float(v: Any) -> float:
+    return float(v.item() if isinstance(v, torch.Tensor) else v)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (orthogonalized momentum) for matrices, AdamW for the other parameters.
+
+    Args:
+        params: an ``nn.Module`` (names and module types decide who gets Muon), named
+            parameters (``model.named_parameters()``), plain parameters, or parameter groups
+            (dicts). A group with ``use_muon=True``/``False`` is used as given; a group without
+            it is split into a Muon group and an AdamW group.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
+            as in ``torch.optim.Muon`` (same defaults). ``ns_coefficients`` may also be a list
+            of (a, b, c) rows (one per step) or a name: 'jordan', 'polar-express',
+            'polar-express-1.05', 'you'. ``adjust_lr_fn`` also accepts 'spectral'.
+        algorithm: the orthogonalization: 'auto' (per shape: Gram Newton-Schulz for
+            rectangular matrices, symmetric-product Newton-Schulz for square ones), 'ns'
+            (dense products, as torch.optim.Muon), 'ns-sym' or 'gram-ns'.
+        ns_dtype: dtype the iteration runs in; None picks bfloat16 on CUDA (as
+            torch.optim.Muon) and float32 on the CPU.
+        cache_gamma: CacheMuon's residual threshold (not available in this build: must be None).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (``adamw_lr=None``
+            uses ``lr``).
+        muon_filter: ``(name, param) -> bool`` that replaces the default choice of Muon
+            parameters (matrices that are not embeddings or the output head).
+        momentum_dtype: torch.float32 (default) or torch.bfloat16.
+        nonfinite: 'skip' (default: a matrix or tensor whose gradient has NaN/Inf is left
+            untouched in that step and counted) or 'raise' (nothing is updated; error).
+
+    The momentum buffer is kept in the sum form ``B = mu B + G`` (as torch.optim.SGD);
+    torch.optim.Muon keeps the EMA form, which is ``(1 - mu)`` times it; when a scheduler changes
+    ``mu`` the buffers are rescaled so that the updates stay torch.optim.Muon's. The input of the
+    iteration is ``U / (||U|| + eps)`` where torch uses ``U / max(||U||, eps)`` (a relative
+    difference of eps / ||U||).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: Any = opt.JORDAN_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        algorithm: str = "auto",
+        ns_dtype: torch.dtype | str | None = None,
+        cache_gamma: float | None = None,
+        adamw_lr: float | None = None,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+        muon_filter: MuonFilter | None = None,
+        momentum_dtype: torch.dtype = torch.float32,
+        nonfinite: str = "skip",
+    ) -> None:
+        if momentum_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"momentum_dtype must be torch.float32 or torch.bfloat16 (got {momentum_dtype})")
+        if nonfinite not in ("skip", "raise"):
+            raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
+        if muon_filter is not None and not callable(muon_filter):
+            raise TypeError("muon_filter must be a callable (name, param) -> bool")
+        self._muon_defaults: dict[str, Any] = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "algorithm": algorithm,
+            "ns_dtype": None if ns_dtype is None else opt.torch_dtype_name(ns_dtype),
+            "cache_gamma": cache_gamma,
+        }
+        self._adamw_defaults: dict[str, Any] = {
+            "lr": adamw_lr,
+            "betas": tuple(adamw_betas),
+            "eps": adamw_eps,
+            "weight_decay": adamw_weight_decay,
+        }
+        self._muon_filter = muon_filter
+        self._momentum_dtype = momentum_dtype
+        self._nonfinite = nonfinite
+        self._infos: dict[int, ParamInfo] = {}
+        self._engine: _C.Engine | None = None
+        self._slots: list[_Slot] = []
+        self._signatures: list[tuple[Any, ...] | None] = []
+        self._buffer_momentum: list[float] = []  # per group: the mu its momentum buffers assume
+        self._unnamed_warned = False
+        if isinstance(params, nn.Module):
+            self._infos = module_param_infos(params)
+            params = list(params.named_parameters())
+        defaults = dict(self._muon_defaults)
+        defaults.update({f"adamw_{k}": v for k, v in self._adamw_defaults.items()})
+        super().__init__(params, defaults)
+        self._build_engine()
+
+    # ---- parameter groups -----------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Adds a group; without ``use_muon`` it is split into a Muon and an AdamW group."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
+        group = dict(param_group)
+        where = f"parameter group {len(self.param_groups)}"
+        raw = group.pop("params")
+        if isinstance(raw, torch.Tensor):
+            raw = [raw]
+        elif isinstance(raw, set):
+            raise TypeError("parameters must be given in an ordered collection (a list), not a set")
+        params, names = split_named(raw)
+        given_names = group.pop("param_names", None)
+        if names is None and given_names is not None:
+            names = list(given_names)
+        use_muon = group.pop("use_muon", None)
+        opt.check_group_keys(group, use_muon, where)
+
+        first = sum(len(g["params"]) for g in self.param_groups)
+        infos = [self._param_info(p, names[i] if names else None, first + i) for i, p in enumerate(params)]
+        for p, info in zip(params, infos):
+            check_tensor_param(p, info.name)
+        if use_muon is None:
+            muon_mask = [self._wants_muon(p, info) for p, info in zip(params, infos)]
+        else:
+            if not isinstance(use_muon, bool):
+                raise TypeError(f"{where}: use_muon must be a bool (got {use_muon!r})")
+            muon_mask = [use_muon] * len(params)
+        for p, info, m in zip(params, infos, muon_mask):
+            if m and p.ndim < 2:
+                raise ValueError(
+                    f"{where}: parameter '{info.name}' has shape {tuple(p.shape)}; Muon needs a "
+                    "matrix (2D), a batch of matrices (3D) or a convolution kernel; give it AdamW"
+                )
+        if use_muon is None and names is None and any(muon_mask) and self._muon_filter is None:
+            self._warn_unnamed()
+
+        parts = []
+        if any(muon_mask):
+            parts.append((True, opt.muon_group(group, use_muon, self._muon_defaults)))
+        if not all(muon_mask):
+            parts.append((False, opt.adamw_group(group, use_muon, self._muon_defaults, self._adamw_defaults)))
+        for kind, g in parts:
+            chosen = [(info.name, p) for p, info, m in zip(params, infos, muon_mask) if m == kind]
+            g["params"] = chosen if names else [p for _, p in chosen]
+            super().add_param_group(g)
+            added = self.param_groups[-1]
+            keep = set(opt.MUON_KEYS if kind else opt.ADAMW_KEYS) | {"params", "param_names", "use_muon", "initial_lr"}
+            for k in [k for k in added if k not in keep]:
+                del added[k]  # defaults of the other kind that torch's add_param_group filled in
+        if self._engine is not None:
+            self._build_engine()
+
+    def _param_info(self, p: torch.Tensor, name: str | None, index: int) -> ParamInfo:
+        info = self._infos.get(id(p))
+        if name is None:
+            return info if info is not None else ParamInfo(f"param{index}", named=False)
+        base = info or ParamInfo(name, True)
+        return ParamInfo(name, True, base.embedding, base.conv)
+
+    def _wants_muon(self, p: torch.Tensor, info: ParamInfo) -> bool:
+        if self._muon_filter is not None:
+            return bool(self._muon_filter(info.name, p))
+        if not info.named:
+            return p.ndim >= 2 and min(matrix_shape(p, False)[-2:]) > 1
+        return default_muon_filter(info.name, p, info)
+
+    def _warn_unnamed(self) -> None:
+        if self._unnamed_warned:
+            return
+        self._unnamed_warned = True
+        warnings.warn(
+            "distmuon.torch.Muon got parameters without names, so embeddings and the output head "
+            "cannot be recognised and every matrix gets Muon; pass the model, "
+            "model.named_parameters(), or muon_filter",
+            UserWarning,
+            stacklevel=5,  # the caller of Muon(...)
+        )
+
+    # ---- the engine -------------------------------------------------------------------------
+
+    def _make_slots(self) -> list[_Slot]:
+        slots = []
+        index = 0
+        for gi, g in enumerate(self.param_groups):
+            names = g.get("param_names")
+            for j, p in enumerate(g["params"]):
+                name = names[j] if names else self._param_info(p, None, index).name
+                if _is_dtensor(p):
+                    raise NotImplementedError(
+                        f"parameter '{name}' is a DTensor (FSDP2); the sharded engine mode is not "
+                        "in this build of distmuon.torch yet"
+                    )
+                info = self._param_info(p, name if names else None, index)
+                shape = matrix_shape(p, info.conv) if g["use_muon"] else list(p.shape)
+                slots.append(_Slot(index, gi, name, p, g["use_muon"], shape, p.shape, p.dtype))
+                index += 1
+        return slots
+
+    def _group_options(self, gi: int, device_type: str) -> Any:
+        g = self.param_groups[gi]
+        where = f"parameter group {gi} ({'Muon' if g['use_muon'] else 'AdamW'})"
+        if g["use_muon"]:
+            return opt.muon_options(g, device_type, opt.engine_dtype(self._momentum_dtype), where)
+        return opt.adamw_options(g, where)
+
+    def _build_engine(self) -> None:
+        """(Re)creates the engine for the current groups, carrying over existing state."""
+        slots = self._make_slots()
+        if not slots:
+            raise ValueError("optimizer got an empty parameter list")
+        device = common_device([s.param for s in slots], [s.name for s in slots])
+        options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
+        engine = make_engine(device, self._nonfinite)
+        for o in options:
+            engine.add_group(o)
+        for s in slots:
+            engine.add_param(s.name, s.group, s.engine_shape, opt.engine_dtype(s.dtype))
+        old = {id(s.param): s for s in self._slots}
+        old_engine = self._engine
+        self._engine, self._slots, self._device = engine, slots, device
+        # Groups that existed keep their last pushed signature and buffer momentum, so that an
+        # option changed since the last step is still noticed (and the buffers rescaled) by it.
+        sigs, mus = self._signatures, self._buffer_momentum
+        self._signatures = [
+            sigs[i] if i < len(sigs) else opt.group_signature(g) for i, g in enumerate(self.param_groups)
+        ]
+        self._buffer_momentum = [
+            mus[i] if i < len(mus) else _float(g.get("momentum", 0.0)) for i, g in enumerate(self.param_groups)
+        ]
+        for s in slots:
+            prev = old.get(id(s.param))
+            if prev is not None and old_engine is not None and prev.use_muon == s.use_muon:
+                for name, view in self._engine_views(s).items():
+                    view.copy_(self.state[s.param][name])
+                engine.set_param_step(s.index, old_engine.param_step(prev.index))
+            self.state[s.param] = self._engine_views(s)
+            self.state[s.param]["step"] = torch.tensor(float(engine.param_step(s.index)))
+
+    def _engine_views(self, s: _Slot) -> dict[str, torch.Tensor]:
+        assert self._engine is not None
+        return {
+            name: torch.from_dlpack(self._engine.state(s.index, name)).view(s.full_shape)
+            for name in self._engine.state_names(s.index)
+        }
+
+    def _push_options(self) -> None:
+        """Sends changed group options (LR schedulers, user edits) to the engine."""
+        assert self._engine is not None
+        for gi, g in enumerate(self.param_groups):
+            sig = opt.group_signature(g)
+            if sig == self._signatures[gi]:
+                continue
+            options = self._group_options(gi, self._device.type)  # validates before any change
+            live = self._engine.group(gi)
+            if g["use_muon"]:
+                self._rescale_momentum(gi, _float(g["momentum"]))
+                live.muon = options.muon
+            else:
+                live.adamw = options.adamw
+            self._signatures[gi] = sig
+
+    def _rescale_momentum(self, gi: int, mu: float) -> None:
+        """Keeps the sum-form buffer B equal to E / (1 - mu) when mu changes (momentum warm-up,
+        OneCycleLR), E being torch.optim.Muon's EMA buffer, so that the updates stay those of
+        torch.optim.Muon for any momentum schedule. With a constant mu this never runs."""
+        old = self._buffer_momentum[gi]
+        if mu == old:
+            return
+        factor = (1.0 - old) / (1.0 - mu)
+        for s in self._slots:
+            if s.group == gi:
+                self.state[s.param]["momentum_buffer"].mul_(factor)
+        self._buffer_momentum[gi] = mu
+
+    def _step_inputs(self) -> tuple[list[Any], list[Any]]:
+        """DLPack capsules of every parameter and gradient, checked before the engine touches
+        anything. The binding checks device, dtype and layout against the registration (naming
+        the parameter); the checks here are the ones it cannot make."""
+        params: list[Any] = []
+        grads: list[Any] = []
+        for s in self._slots:
+            p = s.param
+            if p.shape != s.full_shape:
+                raise RuntimeError(
+                    f"parameter '{s.name}' now has shape {tuple(p.shape)}, but the optimizer was "
+                    f"built for {tuple(s.full_shape)}; create the optimizer after changing the model"
+                )
+            g = p.grad
+            if g is not None and (g.layout != torch.strided or g.shape != s.full_shape or not g.is_contiguous()):
+                g = self._check_grad(s, g)
+            params.append(to_dlpack(p))
+            grads.append(None if g is None else to_dlpack(g))
+        return params, grads
+
+    @staticmethod
+    def _check_grad(s: _Slot, g: torch.Tensor) -> torch.Tensor:
+        if g.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter '{s.name}' has a sparse gradient ({g.layout}); distmuon needs dense gradients"
+            )
+        if g.shape != s.full_shape:
+            raise ValueError(
+                f"gradient of parameter '{s.name}' has shape {tuple(g.shape)}, the parameter "
+                f"{tuple(s.full_shape)}"
+            )
+        return g.contiguous()  # the engine reads dense row-major memory
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One optimizer step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._engine is None or sum(len(g["params"]) for g in self.param_groups) != len(self._slots):
+            self._build_engine()
+        assert self._engine is not None
+        self._push_options()
+        params, grads = self._step_inputs()
+        with ordered_with_torch(self._engine, self._device):
+            self._engine.step(params, grads)
+        return loss
+
+    def engine_stats(self) -> dict[str, Any]:
+        """Counters of the engine: steps, non-finite skips, orthogonalization FLOPs, sizes."""
+        assert self._engine is not None
+        return self._engine.stats()
+
+    # ---- checkpoints --------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format: per parameter index 'step' and 'momentum_buffer' (Muon) or
+        'exp_avg'/'exp_avg_sq' (AdamW); tensors alias the engine's live state like torch's do."""
+        assert self._engine is not None
+        # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
+        # changed it since the last step): bring them up to date, as the next step would.
+        for gi, g in enumerate(self.param_groups):
+            mu = _float(g.get("momentum", 0.0))
+            if g["use_muon"] and 0.0 <= mu < 1.0:
+                self._rescale_momentum(gi, mu)
+        for s in self._slots:
+            self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads a state_dict() of an optimizer with the same groups; nothing changes unless
+        every entry checks out."""
+        assert self._engine is not None
+        state_dict = state_dict.copy()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+        ckpt.check_saved_groups(self.param_groups, saved_groups)
+        saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
+        plan = [
+            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._engine.state_names(s.index), saved_state.get(i)))
+            for s, i in zip(self._slots, saved_ids)
+        ]
+        old_groups = self.param_groups
+        self.param_groups = ckpt.merged_groups(old_groups, saved_groups)
+        try:
+            for gi in range(len(self.param_groups)):
+                self._group_options(gi, self._device.type)  # validates the loaded options
+        except Exception:
+            self.param_groups = old_groups
+            raise
+        for s, entry in plan:
+            views = self._engine_views(s)
+            for name, view in views.items():
+                if entry is None:
+                    view.zero_()
+                else:
+                    view.copy_(entry[name].reshape(view.shape))
+            self._engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
+            self.state[s.param] = views
+            self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
+        self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)

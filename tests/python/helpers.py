@@ -1,0 +1,97 @@
+"""Test helpers: small models, a training loop that drives any set of optimizers, and
+torch.optim.Muon's Newton-Schulz in float32 (torch always iterates in bfloat16)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+
+def newton_schulz_fp32(
+    grad: torch.Tensor, ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float
+) -> torch.Tensor:
+    """torch.optim.Muon's iteration (same normalisation and orientation) in float32."""
+    a, b, c = ns_coefficients
+    x = grad.to(torch.float32, copy=True)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(ns_steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * (gram @ gram)) @ x
+    return x.T if tall else x
+
+
+class TinyGPT(nn.Module):
+    """Embedding, attention-like and MLP matrices (wide and tall), norms, biases and a head."""
+
+    def __init__(self, vocab: int = 23, dim: int = 16, ctx: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(ctx, dim)
+        self.ln = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(3 * dim, dim, bias=False)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out_proj = nn.Linear(4 * dim, dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        h = self.wte(idx) + self.wpe(pos)
+        h = h + self.proj(torch.tanh(self.qkv(self.ln(h))))
+        h = h + self.out_proj(torch.nn.functional.gelu(self.fc(h)))
+        return self.lm_head(h)
+
+
+def make_batch(seed: int, vocab: int = 23, ctx: int = 8, batch: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (batch, ctx + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def gpt_loss(model: nn.Module, step: int) -> torch.Tensor:
+    x, y = make_batch(step)
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def train(
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    steps: int,
+    loss_fn: Callable[[nn.Module, int], torch.Tensor] = gpt_loss,
+    schedulers: Sequence[object] = (),
+    first_step: int = 0,
+) -> list[float]:
+    losses = []
+    for step in range(first_step, first_step + steps):
+        for o in optimizers:
+            o.zero_grad()
+        loss = loss_fn(model, step)
+        loss.backward()
+        for o in optimizers:
+            o.step()
+        for s in schedulers:
+            s.step()  # type: ignore[attr-defined]
+        losses.append(loss.item())
+    return losses
+
+
+def muon_and_adamw_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """The default split of distmuon.torch.Muon, written out for the torch reference."""
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and not n.startswith(("wte", "wpe", "lm_head"))]
+    ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in ids]
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

@@ -1,0 +1,92 @@
+"""CUDA: the backend follows the parameters' device. Skipped without a GPU (and, for the
+numerical tests, without distmuon's CUDA backend)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import distmuon
+from distmuon.torch import Muon
+from helpers import TinyGPT, clone, gpt_loss, make_batch, max_param_diff, muon_and_adamw_params
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+needs_backend = pytest.mark.skipif(not distmuon.cuda_available(), reason="distmuon built without CUDA")
+
+STEPS = 10
+
+
+def gpt_loss_on(model: torch.nn.Module, step: int, device: str) -> torch.Tensor:
+    """helpers.gpt_loss with the batch and positions on `device`."""
+    x, y = make_batch(step)
+    x, y = x.to(device), y.to(device)
+    pos = torch.arange(x.shape[1], device=device)
+    h = model.wte(x) + model.wpe(pos)
+    h = h + model.proj(torch.tanh(model.qkv(model.ln(h))))
+    h = h + model.out_proj(torch.nn.functional.gelu(model.fc(h)))
+    logits = model.lm_head(h)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def run(model: torch.nn.Module, opts: list[torch.optim.Optimizer], device: str, stream: bool = False) -> None:
+    s = torch.cuda.Stream() if stream else torch.cuda.current_stream()
+    with torch.cuda.stream(s):
+        for step in range(STEPS):
+            for o in opts:
+                o.zero_grad()
+            gpt_loss_on(model, step, device).backward()
+            for o in opts:
+                o.step()
+    torch.cuda.synchronize()
+
+
+def test_cuda_parameters_without_cuda_backend_are_refused_clearly() -> None:
+    if distmuon.cuda_available():
+        pytest.skip("this build has the CUDA backend")
+    with pytest.raises(RuntimeError, match="no CUDA backend"):
+        Muon(TinyGPT().cuda())
+
+
+@needs_backend
+def test_cuda_fp32_iteration_equals_cpu() -> None:
+    torch.manual_seed(0)
+    cpu = TinyGPT()
+    gpu = copy.deepcopy(cpu).cuda()
+    kw = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3, "ns_dtype": torch.float32}
+    opt_cpu = Muon(cpu, **kw)
+    for step in range(STEPS):
+        opt_cpu.zero_grad()
+        gpt_loss(cpu, step).backward()
+        opt_cpu.step()
+    run(gpu, [Muon(gpu, **kw)], "cuda")
+    assert max_param_diff(cpu, gpu.cpu()) < 1e-4  # fp32 products on different hardware (TF32 off)
+
+
+@needs_backend
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_cuda_bf16_close_to_torch_muon(side_stream: bool) -> None:
+    torch.manual_seed(1)
+    model = TinyGPT().cuda()
+    ref = clone(model)
+    hidden, rest = muon_and_adamw_params(ref)
+    ref_opts = [
+        torch.optim.Muon(hidden, lr=0.02, weight_decay=0.1),
+        torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.01),
+    ]
+    run(ref, ref_opts, "cuda")
+    run(model, [Muon(model, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, algorithm="ns")], "cuda", side_stream)
+    assert max_param_diff(model, ref) < 5e-3  # both iterate in bf16 (see test_equivalence.py)
+
+
+@needs_backend
+def test_cuda_state_lives_on_the_device_and_round_trips() -> None:
+    model = TinyGPT().cuda()
+    opt = Muon(model, lr=0.02)
+    run(model, [opt], "cuda")
+    sd = copy.deepcopy(opt.state_dict())
+    assert sd["state"][0]["momentum_buffer"].is_cuda
+    opt2 = Muon(clone(model), lr=0.02)
+    opt2.load_state_dict(sd)
+    assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"], sd["state"][0]["momentum_buffer"])
