@@ -45,15 +45,18 @@ def main():
              f"Command: `{args.command}`. Device: {res['device']}.", "",
              f"Dense bf16 GEMM {res['gemm_tflops']:.0f} TFLOP/s, copy {res['copy_tbps']:.2f} TB/s, "
              f"X X^T 4096x16384 bf16 / cuBLAS dense = {res['syrk_over_dense']:.3f}.", "",
-             "| workload | distmuon ms (graph / eager) | floor ms | x floor | torch.optim.Muon ms | "
-             "x faster | AdamW fused ms (same matrices / whole model) | x AdamW |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| workload | distmuon ms (graph / eager) | distmuon-bench auto ms | floor ms | x floor | "
+             "floor, tuned algos | torch.optim.Muon ms | x faster | AdamW fused ms (same matrices / "
+             "whole model) | x AdamW |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for e in res["workloads"]:
         d = e["distmuon_ms"]
         tm, aw, awf = e["torch_muon_ms"], e["adamw_ms"], e["adamw_full_model_ms"]
         f = lambda v, fmt="{:.2f}": "-" if v is None else fmt.format(v)
+        cli = (e.get("distmuon_bench_ms") or {}).get("auto")
         lines.append(f"| {e['name']} | {e['distmuon_graph_ms']:.2f} / {e['distmuon_eager_ms']:.2f} | "
-                     f"{e['floor_ms']:.2f} | {d / e['floor_ms']:.2f} | {f(tm)} | "
+                     f"{f(cli)} | {e['floor_ms']:.2f} | {d / e['floor_ms']:.2f} | "
+                     f"{f(e.get('floor_tuned_ms'))} | {f(tm)} | "
                      f"{f(None if tm is None else tm / d, '{:.1f}')} | {f(aw)} / {f(awf)} | "
                      f"{f(None if aw is None else d / aw)} / {f(None if awf is None else d / awf)} |")
     lines += ["", "Autotuner choices (per shape class: algorithm, symmetric kernels):", ""]
