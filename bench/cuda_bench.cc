@@ -216,8 +216,14 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
       json ks;
       for (DType t : {DType::kBF16, DType::kF16})
         for (int64_t k : {n, m}) {
-          syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
-          ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(syms.back().kernel);
+          const cuda::SymChoice* done = nullptr;
+          for (const cuda::SymChoice& c : syms)
+            if (c.m == m && c.k == k && c.count == s.count && c.dtype == t) done = &c;
+          if (!done) {
+            syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
+            done = &syms.back();
+          }
+          ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(done->kernel);
         }
       algos.push_back(cuda::tune_algorithm(be, s.rows, s.cols, s.count, base, to));
       chosen = cuda::config_of(algos.back(), base);

@@ -2,6 +2,7 @@
 // random inputs, outputs poisoned with NaN beforehand. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 
 #include "backend/cpu/cpu_backend.h"
@@ -46,7 +47,11 @@ TEST_P(CudaGemm, DenseMatchesFloat64) {
 INSTANTIATE_TEST_SUITE_P(AllLayouts, CudaGemm,
                          ::testing::Combine(::testing::Values(DType::kF64, DType::kF32, DType::kBF16,
                                                               DType::kF16),
-                                            ::testing::Values(0, 1), ::testing::Values(0, 1)));
+                                            ::testing::Values(0, 1), ::testing::Values(0, 1)),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_T" : "_N") + (std::get<2>(info.param) ? "T" : "N");
+                         });
 
 // Symmetric products for every kernel variant: X X^T with and without beta Cin, and the
 // product of two commuting symmetric matrices (N, N) as Gram NS issues it.
@@ -100,7 +105,13 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(SymKernel::kDenseMirror, SymKernel::kTri128,
                                          SymKernel::kTri256x128, SymKernel::kTri128Cluster2,
                                          SymKernel::kTri128Pingpong),
-                       ::testing::Values(40, 256, 392)));
+                       ::testing::Values(40, 256, 392)),
+    [](const auto& info) {
+      std::string n = std::string(dtype_name(std::get<0>(info.param))) + "_" +
+                      sym_kernel_name(std::get<1>(info.param)) + "_m" + std::to_string(std::get<2>(info.param));
+      for (char& ch : n) if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
 
 TEST(CudaBackend, SymmetricFp32FallsBackToDense) {
   DM_SKIP_WITHOUT_CUDA();

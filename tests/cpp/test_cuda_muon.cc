@@ -3,6 +3,7 @@
 // of a whole step. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 
@@ -142,7 +143,13 @@ INSTANTIATE_TEST_SUITE_P(
                       OrthoCase{"ns5-sym", 384, 384, 2, 2e-2}, OrthoCase{"gram-ns", 256, 1024, 2, 2e-2},
                       OrthoCase{"gram-ns", 1024, 256, 2, 2e-2},
                       OrthoCase{"gram-ns:polar-express-1.05", 384, 1536, 2, 2e-2},
-                      OrthoCase{"ns5-sym:polar-express", 300, 520, 2, 2e-2}));
+                      OrthoCase{"ns5-sym:polar-express", 300, 520, 2, 2e-2}),
+    [](const auto& info) {
+      std::string n = std::string(info.param.algo) + "_" + std::to_string(info.param.rows) + "x" +
+                      std::to_string(info.param.cols);
+      for (char& ch : n) if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
 
 // A small model: wide, tall and square matrices plus AdamW tensors.
 struct Model {

@@ -109,6 +109,7 @@ CudaBackend::CudaBackend(CudaBackendOptions options) : impl_(std::make_unique<Im
   s.lt = cuda::LtHandle(lt);
   const size_t ws = options.workspace_bytes ? options.workspace_bytes : recommended_workspace_bytes();
   s.own_workspace = cuda::device_alloc(ws);
+  s.own_bytes = ws;
   s.use_workspace(static_cast<char*>(s.own_workspace.get()), ws);
   s.counters = cuda::device_alloc(sizeof(unsigned) * Impl::kCounters);
   DM_CHECK_CUDA(cudaMemset(s.counters.get(), 0, sizeof(unsigned) * Impl::kCounters));
@@ -129,10 +130,9 @@ cudaStream_t CudaBackend::stream() const { return impl_->stream; }
 size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
 
 void CudaBackend::set_workspace(void* ptr, size_t bytes) {
-  if (!ptr) {
-    const size_t own = impl_->own_workspace ? recommended_workspace_bytes() : 0;
-    if (!impl_->own_workspace) impl_->own_workspace = cuda::device_alloc(own);
-    impl_->use_workspace(static_cast<char*>(impl_->own_workspace.get()), own);
+  if (!ptr) {  // back to the backend's own (allocated again if a caller's replaced it)
+    if (!impl_->own_workspace) impl_->own_workspace = cuda::device_alloc(impl_->own_bytes);
+    impl_->use_workspace(static_cast<char*>(impl_->own_workspace.get()), impl_->own_bytes);
     return;
   }
   impl_->use_workspace(static_cast<char*>(ptr), bytes);

@@ -38,6 +38,7 @@ struct CudaBackend::Impl {
   cudaStream_t stream = nullptr;
   cuda::LtHandle lt;
   cuda::DevicePtr own_workspace;
+  size_t own_bytes = 0;
   char* workspace = nullptr;
   size_t workspace_bytes = 0;
   size_t lt_bytes = 0;  // first part of the workspace, for cuBLASLt

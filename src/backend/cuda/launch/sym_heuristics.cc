@@ -10,22 +10,27 @@ namespace distmuon::cuda {
 namespace {
 struct TileCfg {
   int bm, bn, cm;
-  double efficiency;  // expected fraction of the dense bf16 rate on full tiles (a prior; the
-                      // autotuner replaces it with measurements)
+  double efficiency;  // expected fraction of the dense bf16 rate on full tiles
 };
-TileCfg cfg(SymKernel v) {
+// Priors read off the H200 measurements of 2026-11-29 (bench/results): 128x128 tiles keep up
+// with 256x128 ones while k is a few thousand (their epilogue share is what limits both), but
+// fall to ~60% at k >= 8K where their operand traffic per FLOP (twice that of 256x128) hits
+// the L2 and shared-memory bandwidth; the 2x1 cluster halves B's traffic and sits between. The
+// autotuner replaces these with measurements per shape.
+TileCfg cfg(SymKernel v, int64_t k) {
+  const bool long_k = k >= 8192;
   switch (v) {
-    case SymKernel::kTri128: return {128, 128, 1, 0.80};
+    case SymKernel::kTri128: return {128, 128, 1, long_k ? 0.60 : 0.84};
     case SymKernel::kTri256x128: return {256, 128, 1, 0.92};
-    case SymKernel::kTri128Cluster2: return {128, 128, 2, 0.88};
-    case SymKernel::kTri128Pingpong: return {128, 128, 1, 0.85};
+    case SymKernel::kTri128Cluster2: return {128, 128, 2, long_k ? 0.78 : 0.84};
+    case SymKernel::kTri128Pingpong: return {128, 128, 1, long_k ? 0.60 : 0.86};
     default: return {128, 128, 1, 1.0};
   }
 }
 }  // namespace
 
 int64_t sym_tiles(SymKernel v, int64_t m) {
-  const TileCfg c = cfg(v);
+  const TileCfg c = cfg(v, 0);
   if (v == SymKernel::kDenseMirror || v == SymKernel::kAuto) {
     const int64_t t = (m + 127) / 128;
     return t * t;
@@ -41,10 +46,13 @@ SymKernel heuristic_sym_kernel(int64_t m, int64_t k, int64_t count, int sm_count
   if (!sm90 || !sym_sm90_built()) return SymKernel::kDenseMirror;
   // Time in units of one 128x128xk tile at the dense rate on one SM.
   auto waves_time = [&](SymKernel v) {
-    const TileCfg c = cfg(v);
+    const TileCfg c = cfg(v, k);
     const double tiles = static_cast<double>(sym_tiles(v, m)) * count;
-    const double waves = std::ceil(tiles / sm_count);
-    return waves * (double(c.bm) * c.bn / (128.0 * 128.0)) / c.efficiency;
+    // Ping-pong keeps two tiles per SM in flight, each at half the SM's rate.
+    const double slots = v == SymKernel::kTri128Pingpong ? 2.0 * sm_count : sm_count;
+    const double per_tile = v == SymKernel::kTri128Pingpong ? 2.0 : 1.0;
+    const double waves = std::ceil(tiles / slots);
+    return waves * per_tile * (double(c.bm) * c.bn / (128.0 * 128.0)) / c.efficiency;
   };
   const double t128 = (m + 127) / 128;
   // Dense: cuBLAS with near-perfect load balance on the full square, then the mirror (about
@@ -52,14 +60,14 @@ SymKernel heuristic_sym_kernel(int64_t m, int64_t k, int64_t count, int sm_count
   const double dense = t128 * t128 * count / sm_count * 1.03 + 0.5;
   SymKernel best = SymKernel::kDenseMirror;
   double best_t = dense;
-  for (SymKernel v : {SymKernel::kTri256x128, SymKernel::kTri128Cluster2, SymKernel::kTri128}) {
+  for (SymKernel v : {SymKernel::kTri256x128, SymKernel::kTri128Cluster2, SymKernel::kTri128,
+                      SymKernel::kTri128Pingpong}) {
     const double t = waves_time(v);
     if (t < best_t) {
       best = v;
       best_t = t;
     }
   }
-  (void)k;
   return best;
 }
 
