@@ -2,6 +2,9 @@
 // that a deadline turns a hang into a TimeoutError. A background thread tests the requests in
 // flight, because Open MPI only advances non-blocking collectives inside MPI calls: without it
 // the next bucket's transfer would wait for the current bucket's compute to finish.
+// Only the C API: Open MPI's deprecated C++ bindings would need libmpi_cxx.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <algorithm>

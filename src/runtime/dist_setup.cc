@@ -142,8 +142,8 @@ void Engine::Impl::dist_setup() {
     std::vector<char> texts = host_all_gather_v(*world, backend, text, text_len);
     const std::vector<std::string> ref = lines(texts.data(), text_len[0]);
     std::ostringstream os;
-    os << "ranks registered different parameters (" << mode << " mode needs the same names, "
-       << "shapes, dtypes and groups in the same order everywhere):";
+    os << "ranks registered different parameters or options (every rank needs the same "
+       << "options, groups, names, shapes and dtypes, in the same order):";
     int64_t off = text_len[0];
     for (int q = 1; q < world_size; ++q) {
       const std::vector<std::string> mine = lines(texts.data() + off, text_len[q]);
