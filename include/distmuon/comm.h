@@ -161,9 +161,9 @@ class Communicator {
                                                        std::span<const int64_t> recv_displs,
                                                        CommType type) = 0;
   virtual std::unique_ptr<CommRequest> do_all_to_all_v(
-      const void* send, std::span<const int64_t> send_counts,
-      std::span<const int64_t> send_displs, void* recv, std::span<const int64_t> recv_counts,
-      std::span<const int64_t> recv_displs, CommType type) = 0;
+      const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
+      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+      CommType type) = 0;
   virtual std::unique_ptr<CommRequest> do_barrier() = 0;
   virtual std::unique_ptr<Communicator> do_split(int color, int key) = 0;
 

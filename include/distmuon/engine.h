@@ -51,7 +51,8 @@ enum class DistMode : int {
   // are broadcast (across replicas first, then inside the shard group).
   kDedicated = 3,
 };
-DistMode parse_dist_mode(const std::string& s);  // "gather" | "replicated" | "sharded" | "dedicated"
+// "gather" | "replicated" | "sharded" | "dedicated"
+DistMode parse_dist_mode(const std::string& s);
 const char* dist_mode_name(DistMode m);
 
 struct DistOptions {
@@ -88,10 +89,10 @@ struct ShardSpec {
 
 struct ParamSpec {
   std::string name;
-  int group = 0;                // index returned by Engine::add_group
-  std::vector<int64_t> shape;   // full logical shape
-  DType dtype = DType::kF32;    // parameter dtype (the gradient may differ)
-  ShardSpec shard = {};         // distributed sharded/gather modes: the local rows of dim 0
+  int group = 0;               // index returned by Engine::add_group
+  std::vector<int64_t> shape;  // full logical shape
+  DType dtype = DType::kF32;   // parameter dtype (the gradient may differ)
+  ShardSpec shard = {};        // distributed sharded/gather modes: the local rows of dim 0
 };
 
 // The buffers of one parameter for one step. grad == nullptr: the parameter has no gradient in

@@ -13,45 +13,66 @@ namespace distmuon {
 
 CommType comm_type(DType t) {
   switch (t) {
-    case DType::kF64: return CommType::kF64;
-    case DType::kF32: return CommType::kF32;
-    case DType::kBF16: return CommType::kBF16;
-    case DType::kF16: return CommType::kF16;
+    case DType::kF64:
+      return CommType::kF64;
+    case DType::kF32:
+      return CommType::kF32;
+    case DType::kBF16:
+      return CommType::kBF16;
+    case DType::kF16:
+      return CommType::kF16;
   }
   DM_FAIL("comm_type: unknown dtype ", static_cast<int>(t));
 }
 
 size_t comm_type_size(CommType t) {
   switch (t) {
-    case CommType::kF64: return 8;
-    case CommType::kF32: return 4;
-    case CommType::kBF16: return 2;
-    case CommType::kF16: return 2;
-    case CommType::kI32: return 4;
-    case CommType::kI64: return 8;
-    case CommType::kU8: return 1;
+    case CommType::kF64:
+      return 8;
+    case CommType::kF32:
+      return 4;
+    case CommType::kBF16:
+      return 2;
+    case CommType::kF16:
+      return 2;
+    case CommType::kI32:
+      return 4;
+    case CommType::kI64:
+      return 8;
+    case CommType::kU8:
+      return 1;
   }
   DM_FAIL("comm_type_size: unknown type ", static_cast<int>(t));
 }
 
 const char* comm_type_name(CommType t) {
   switch (t) {
-    case CommType::kF64: return "f64";
-    case CommType::kF32: return "f32";
-    case CommType::kBF16: return "bf16";
-    case CommType::kF16: return "f16";
-    case CommType::kI32: return "i32";
-    case CommType::kI64: return "i64";
-    case CommType::kU8: return "u8";
+    case CommType::kF64:
+      return "f64";
+    case CommType::kF32:
+      return "f32";
+    case CommType::kBF16:
+      return "bf16";
+    case CommType::kF16:
+      return "f16";
+    case CommType::kI32:
+      return "i32";
+    case CommType::kI64:
+      return "i64";
+    case CommType::kU8:
+      return "u8";
   }
   return "?";
 }
 
 const char* reduce_op_name(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
   }
   return "?";
 }
@@ -163,8 +184,8 @@ void check_count(const std::string& what, int64_t n) {
 }
 }  // namespace
 
-CommHandle Communicator::all_reduce(const void* send, void* recv, int64_t count_,
-                                    CommType type, ReduceOp op) {
+CommHandle Communicator::all_reduce(const void* send, void* recv, int64_t count_, CommType type,
+                                    ReduceOp op) {
   check_count(describe("all_reduce"), count_);
   const int64_t moved = size_ > 1 ? 2 * (size_ - 1) * count_ / size_ : 0;
   count(moved, moved, type);
@@ -184,8 +205,7 @@ CommHandle Communicator::reduce(const void* send, void* recv, int64_t count_, Co
 
 CommHandle Communicator::broadcast(void* buf, int64_t count_, CommType type, int root) {
   check_count(describe("broadcast"), count_);
-  DM_CHECK(root >= 0 && root < size_, describe("broadcast"), ": root ", root,
-           " is not a member");
+  DM_CHECK(root >= 0 && root < size_, describe("broadcast"), ": root ", root, " is not a member");
   if (rank_ == root)
     count((size_ - 1) * count_, 0, type);
   else
@@ -213,8 +233,7 @@ CommHandle Communicator::all_gather_v(const void* send, int64_t send_count, void
   return issue(do_all_gather_v(send, send_count, recv, recv_counts, recv_displs, type));
 }
 
-CommHandle Communicator::all_gather(const void* send, void* recv, int64_t count_,
-                                    CommType type) {
+CommHandle Communicator::all_gather(const void* send, void* recv, int64_t count_, CommType type) {
   std::vector<int64_t> counts(size_, count_), displs(size_);
   for (int q = 0; q < size_; ++q) displs[q] = q * count_;
   return all_gather_v(send, count_, recv, counts, displs, type);
@@ -243,8 +262,8 @@ CommHandle Communicator::all_to_all_v(const void* send, std::span<const int64_t>
     received += recv_counts[q];
   }
   count(sent, received, type);
-  return issue(do_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs,
-                               type));
+  return issue(
+      do_all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs, type));
 }
 
 CommHandle Communicator::barrier() {

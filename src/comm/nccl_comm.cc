@@ -20,19 +20,19 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-#define DM_CHECK_CUDA(call, ...)                                                         \
-  do {                                                                                   \
-    cudaError_t dm_e_ = (call);                                                          \
-    DM_CHECK(dm_e_ == cudaSuccess, __VA_ARGS__, ": ", #call, " failed: ",                \
-             cudaGetErrorString(dm_e_));                                                 \
+#define DM_CHECK_CUDA(call, ...)                             \
+  do {                                                       \
+    cudaError_t dm_e_ = (call);                              \
+    DM_CHECK(dm_e_ == cudaSuccess, __VA_ARGS__, ": ", #call, \
+             " failed: ", cudaGetErrorString(dm_e_));        \
   } while (0)
 
 // ncclInProgress is the normal answer of a non-blocking communicator: the call was accepted.
-#define DM_CHECK_NCCL(call, ...)                                                         \
-  do {                                                                                   \
-    ncclResult_t dm_r_ = (call);                                                         \
-    DM_CHECK(dm_r_ == ncclSuccess || dm_r_ == ncclInProgress, __VA_ARGS__, ": ", #call,  \
-             " failed: ", ncclGetErrorString(dm_r_));                                    \
+#define DM_CHECK_NCCL(call, ...)                                                        \
+  do {                                                                                  \
+    ncclResult_t dm_r_ = (call);                                                        \
+    DM_CHECK(dm_r_ == ncclSuccess || dm_r_ == ncclInProgress, __VA_ARGS__, ": ", #call, \
+             " failed: ", ncclGetErrorString(dm_r_));                                   \
   } while (0)
 
 class DeviceGuard {
@@ -177,22 +177,32 @@ class NcclRequest final : public CommRequest {
 
 ncclDataType_t nccl_type(CommType t) {
   switch (t) {
-    case CommType::kF64: return ncclFloat64;
-    case CommType::kF32: return ncclFloat32;
-    case CommType::kBF16: return ncclBfloat16;
-    case CommType::kF16: return ncclFloat16;
-    case CommType::kI32: return ncclInt32;
-    case CommType::kI64: return ncclInt64;
-    case CommType::kU8: return ncclUint8;
+    case CommType::kF64:
+      return ncclFloat64;
+    case CommType::kF32:
+      return ncclFloat32;
+    case CommType::kBF16:
+      return ncclBfloat16;
+    case CommType::kF16:
+      return ncclFloat16;
+    case CommType::kI32:
+      return ncclInt32;
+    case CommType::kI64:
+      return ncclInt64;
+    case CommType::kU8:
+      return ncclUint8;
   }
   DM_FAIL("nccl: unknown element type");
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
   switch (op) {
-    case ReduceOp::kSum: return ncclSum;
-    case ReduceOp::kMax: return ncclMax;
-    case ReduceOp::kMin: return ncclMin;
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
   }
   DM_FAIL("nccl: unknown reduction");
 }
@@ -206,8 +216,8 @@ const char* at(const void* p, int64_t elems, CommType t) {
 
 class NcclComm final : public Communicator {
  public:
-  NcclComm(std::shared_ptr<Shared> sh, int rank, int size, std::vector<int> world_ranks,
-           int device, cudaStream_t user)
+  NcclComm(std::shared_ptr<Shared> sh, int rank, int size, std::vector<int> world_ranks, int device,
+           cudaStream_t user)
       : Communicator(rank, size, sh->name, std::move(world_ranks)),
         sh_(std::move(sh)),
         device_(device),
@@ -231,13 +241,13 @@ class NcclComm final : public Communicator {
   std::unique_ptr<CommRequest> do_all_reduce(const void* send, void* recv, int64_t count,
                                              CommType type, ReduceOp op) override {
     return launch("all_reduce", [&] {
-      DM_CHECK_NCCL(ncclAllReduce(send, recv, count, nccl_type(type), nccl_op(op), sh_->comm,
-                                  stream_.get()),
-                    describe("all_reduce"));
+      DM_CHECK_NCCL(
+          ncclAllReduce(send, recv, count, nccl_type(type), nccl_op(op), sh_->comm, stream_.get()),
+          describe("all_reduce"));
     });
   }
-  std::unique_ptr<CommRequest> do_reduce(const void* send, void* recv, int64_t count,
-                                         CommType type, ReduceOp op, int root) override {
+  std::unique_ptr<CommRequest> do_reduce(const void* send, void* recv, int64_t count, CommType type,
+                                         ReduceOp op, int root) override {
     return launch("reduce", [&] {
       DM_CHECK_NCCL(ncclReduce(send, recv, count, nccl_type(type), nccl_op(op), root, sh_->comm,
                                stream_.get()),
@@ -247,9 +257,8 @@ class NcclComm final : public Communicator {
   std::unique_ptr<CommRequest> do_broadcast(void* buf, int64_t count, CommType type,
                                             int root) override {
     return launch("broadcast", [&] {
-      DM_CHECK_NCCL(
-          ncclBroadcast(buf, buf, count, nccl_type(type), root, sh_->comm, stream_.get()),
-          describe("broadcast"));
+      DM_CHECK_NCCL(ncclBroadcast(buf, buf, count, nccl_type(type), root, sh_->comm, stream_.get()),
+                    describe("broadcast"));
     });
   }
   std::unique_ptr<CommRequest> do_all_gather_v(const void* send, int64_t send_count, void* recv,
@@ -264,9 +273,9 @@ class NcclComm final : public Communicator {
         if (recv_counts[q] == 0) continue;
         void* dst = at(recv, recv_displs[q], type);
         const void* src = q == rank() ? send : dst;
-        DM_CHECK_NCCL(ncclBroadcast(src, dst, recv_counts[q], nccl_type(type), q, sh_->comm,
-                                    stream_.get()),
-                      describe("all_gather_v"));
+        DM_CHECK_NCCL(
+            ncclBroadcast(src, dst, recv_counts[q], nccl_type(type), q, sh_->comm, stream_.get()),
+            describe("all_gather_v"));
       }
       DM_CHECK_NCCL(ncclGroupEnd(), describe("all_gather_v"));
     });
@@ -280,21 +289,21 @@ class NcclComm final : public Communicator {
     return launch("all_to_all_v", [&] {
       const int me = rank();
       if (send_counts[me] > 0)
-        DM_CHECK_CUDA(cudaMemcpyAsync(at(recv, recv_displs[me], type),
-                                      at(send, send_displs[me], type),
-                                      send_counts[me] * comm_type_size(type),
-                                      cudaMemcpyDeviceToDevice, stream_.get()),
-                      describe("all_to_all_v"));
+        DM_CHECK_CUDA(
+            cudaMemcpyAsync(at(recv, recv_displs[me], type), at(send, send_displs[me], type),
+                            send_counts[me] * comm_type_size(type), cudaMemcpyDeviceToDevice,
+                            stream_.get()),
+            describe("all_to_all_v"));
       DM_CHECK_NCCL(ncclGroupStart(), describe("all_to_all_v"));
       for (int q = 0; q < size(); ++q) {
         if (q == me) continue;
         if (send_counts[q] > 0)
-          DM_CHECK_NCCL(ncclSend(at(send, send_displs[q], type), send_counts[q],
-                                 nccl_type(type), q, sh_->comm, stream_.get()),
+          DM_CHECK_NCCL(ncclSend(at(send, send_displs[q], type), send_counts[q], nccl_type(type), q,
+                                 sh_->comm, stream_.get()),
                         describe("all_to_all_v"));
         if (recv_counts[q] > 0)
-          DM_CHECK_NCCL(ncclRecv(at(recv, recv_displs[q], type), recv_counts[q],
-                                 nccl_type(type), q, sh_->comm, stream_.get()),
+          DM_CHECK_NCCL(ncclRecv(at(recv, recv_displs[q], type), recv_counts[q], nccl_type(type), q,
+                                 sh_->comm, stream_.get()),
                         describe("all_to_all_v"));
       }
       DM_CHECK_NCCL(ncclGroupEnd(), describe("all_to_all_v"));
@@ -302,8 +311,8 @@ class NcclComm final : public Communicator {
   }
   std::unique_ptr<CommRequest> do_barrier() override {
     return launch("barrier", [&] {
-      DM_CHECK_NCCL(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclInt64, ncclSum,
-                                  sh_->comm, stream_.get()),
+      DM_CHECK_NCCL(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclInt64, ncclSum, sh_->comm,
+                                  stream_.get()),
                     describe("barrier"));
     });
   }
@@ -314,9 +323,9 @@ class NcclComm final : public Communicator {
     // all-gather's timeout also catches members that never arrive.
     std::vector<int64_t> all(2 * static_cast<size_t>(size()));
     int64_t mine[2] = {color, key};
-    DM_CHECK_CUDA(cudaMemcpy(scratch_.get() + 2 * rank(), mine, sizeof(mine),
-                             cudaMemcpyHostToDevice),
-                  describe("split"));
+    DM_CHECK_CUDA(
+        cudaMemcpy(scratch_.get() + 2 * rank(), mine, sizeof(mine), cudaMemcpyHostToDevice),
+        describe("split"));
     all_gather(scratch_.get() + 2 * rank(), scratch_.get(), 2, CommType::kI64).wait();
     DM_CHECK_CUDA(cudaMemcpy(all.data(), scratch_.get(), all.size() * sizeof(int64_t),
                              cudaMemcpyDeviceToHost),
@@ -324,9 +333,9 @@ class NcclComm final : public Communicator {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t sub = nullptr;
-    DM_CHECK_NCCL(ncclCommSplit(sh_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub,
-                                &config),
-                  describe("split"));
+    DM_CHECK_NCCL(
+        ncclCommSplit(sh_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &config),
+        describe("split"));
     sh_->wait_ready(describe("split"), timeout_s());
     if (color < 0) return nullptr;
     std::vector<std::pair<int64_t, int>> members;

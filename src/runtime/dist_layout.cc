@@ -58,9 +58,9 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
   for (size_t j = 0; j < mats.size(); ++j) {
     DistMatrix& m = mats[j];
     const int64_t mb = m.numel() * static_cast<int64_t>(dtype_size(m.wire));
-    const bool split = !buckets.empty() &&
-                       ((dist.bucket_bytes > 0 && bytes + mb > dist.bucket_bytes) ||
-                        mats[buckets.back().mats[0]].wire != m.wire);
+    const bool split =
+        !buckets.empty() && ((dist.bucket_bytes > 0 && bytes + mb > dist.bucket_bytes) ||
+                             mats[buckets.back().mats[0]].wire != m.wire);
     if (buckets.empty() || split) {
       buckets.emplace_back();
       bytes = 0;

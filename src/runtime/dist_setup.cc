@@ -81,16 +81,15 @@ void Engine::Impl::dist_setup() {
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupOptions& o = groups[g];
     common << "group " << g << " "
-           << (o.kind == ParamKind::kMuon
-                   ? "muon " + algorithm_name(o.muon.ortho) + " momentum " +
-                         dtype_name(o.muon.momentum_dtype)
-                   : std::string("adamw"))
+           << (o.kind == ParamKind::kMuon ? "muon " + algorithm_name(o.muon.ortho) + " momentum " +
+                                                dtype_name(o.muon.momentum_dtype)
+                                          : std::string("adamw"))
            << "\n";
   }
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& s = params[i].spec;
-    common << "parameter " << i << " '" << s.name << "' shape " << join_shape(s.shape)
-           << " dtype " << dtype_name(s.dtype) << " group " << s.group << "\n";
+    common << "parameter " << i << " '" << s.name << "' shape " << join_shape(s.shape) << " dtype "
+           << dtype_name(s.dtype) << " group " << s.group << "\n";
   }
   const std::string text = common.str();
 
@@ -112,10 +111,9 @@ void Engine::Impl::dist_setup() {
   if (local_error.empty()) plan = make_runtime_plan(pm, topo);
 
   // 4. Exchange a fixed-size header, then details only where something differs.
-  const std::vector<int64_t> hdr = {static_cast<int64_t>(fnv1a(text)),
-                                    static_cast<int64_t>(text.size()),
-                                    static_cast<int64_t>(plan.hash),
-                                    static_cast<int64_t>(local_error.size())};
+  const std::vector<int64_t> hdr = {
+      static_cast<int64_t>(fnv1a(text)), static_cast<int64_t>(text.size()),
+      static_cast<int64_t>(plan.hash), static_cast<int64_t>(local_error.size())};
   const std::vector<int64_t> all = host_all_gather(*world, backend, hdr);
   auto field = [&](int q, int f) { return all[static_cast<size_t>(q) * hdr.size() + f]; };
   std::vector<int64_t> err_len(world_size), text_len(world_size);
@@ -192,8 +190,8 @@ void Engine::Impl::dist_setup() {
                    " where row ", next, " was expected (overlap or gap)");
           next = b + count(wr, i);
         }
-        DM_CHECK(next == p.dim0, "parameter '", p.spec.name, "': the shards cover rows [0, ",
-                 next, ") of dim 0 = ", p.dim0);
+        DM_CHECK(next == p.dim0, "parameter '", p.spec.name, "': the shards cover rows [0, ", next,
+                 ") of dim 0 = ", p.dim0);
       }
     }
     // 6. Where each matrix's rows live, per shard position (replica 0's ranks stand for all).
@@ -202,8 +200,10 @@ void Engine::Impl::dist_setup() {
     build_matrices(nullptr);
   }
   for (int q = 0; q < world_size && plans_differ; ++q)
-    DM_CHECK(field(q, 2) == field(0, 2), "ranks computed different plans from the same "
-             "registration: hash ", static_cast<uint64_t>(field(0, 2)), " on rank 0 but ",
+    DM_CHECK(field(q, 2) == field(0, 2),
+             "ranks computed different plans from the same "
+             "registration: hash ",
+             static_cast<uint64_t>(field(0, 2)), " on rank 0 but ",
              static_cast<uint64_t>(field(q, 2)), " on rank ", q,
              "; the planner must be a deterministic function of its inputs");
 
@@ -217,10 +217,18 @@ void Engine::Impl::dist_setup() {
 
   allocate_state();
   switch (dist.mode) {
-    case DistMode::kGather: runner = make_gather_runner(*this); break;
-    case DistMode::kReplicated: runner = make_replicated_runner(*this); break;
-    case DistMode::kSharded: runner = make_sharded_runner(*this); break;
-    case DistMode::kDedicated: runner = make_dedicated_runner(*this); break;
+    case DistMode::kGather:
+      runner = make_gather_runner(*this);
+      break;
+    case DistMode::kReplicated:
+      runner = make_replicated_runner(*this);
+      break;
+    case DistMode::kSharded:
+      runner = make_sharded_runner(*this);
+      break;
+    case DistMode::kDedicated:
+      runner = make_dedicated_runner(*this);
+      break;
   }
   runner->setup();
   built = true;

@@ -62,7 +62,8 @@ void Engine::Impl::vote(StepContext& ctx) {
     mine[i] = sharded && params[i].local_numel == 0 ? 2 : (ctx.has_local[i] ? 1 : 0);
   const std::vector<int64_t> all = host_all_gather(*world, backend, mine);
   std::ostringstream os;
-  os << "ranks disagree on which parameters have a gradient in this step (" << dist_mode_name(dist.mode)
+  os << "ranks disagree on which parameters have a gradient in this step ("
+     << dist_mode_name(dist.mode)
      << " mode expects reduced gradients: pass each one on every rank or on none):";
   for (size_t i : bad) {
     std::vector<int> with, without;
@@ -148,8 +149,8 @@ void Engine::Impl::adam_check(StepContext& ctx) {
       adam_slots.push_back({z, z, z, z, DType::kF32, DType::kF32, 0});
       continue;
     }
-    AdamSlot s{d.param, d.grad, p.state0.data(), p.state1.data(), p.spec.dtype, d.grad_dtype,
-               p.local_numel};
+    AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
+               p.spec.dtype, d.grad_dtype, p.local_numel};
     if (dedicated) {
       s.grad = adam_stage.as<char>() + adam_offset[k];
       s.grad_dtype = p.spec.dtype;
@@ -164,8 +165,9 @@ void Engine::Impl::adam_check(StepContext& ctx) {
   backend.adamw_check(adam_slots, status);
   // Shard holders must skip a tensor whose rows are non-finite anywhere.
   if (!ctx.raise && is_sharded_mode(dist.mode))
-    shard->all_reduce(status, status, static_cast<int64_t>(adam_params.size()), CommType::kI32,
-                      ReduceOp::kMax)
+    shard
+        ->all_reduce(status, status, static_cast<int64_t>(adam_params.size()), CommType::kI32,
+                     ReduceOp::kMax)
         .wait();
 }
 

@@ -29,10 +29,14 @@ DistMode parse_dist_mode(const std::string& s) {
 
 const char* dist_mode_name(DistMode m) {
   switch (m) {
-    case DistMode::kGather: return "gather";
-    case DistMode::kReplicated: return "replicated";
-    case DistMode::kSharded: return "sharded";
-    case DistMode::kDedicated: return "dedicated";
+    case DistMode::kGather:
+      return "gather";
+    case DistMode::kReplicated:
+      return "replicated";
+    case DistMode::kSharded:
+      return "sharded";
+    case DistMode::kDedicated:
+      return "dedicated";
   }
   return "?";
 }
@@ -70,8 +74,8 @@ int Engine::add_group(const GroupOptions& o) {
   if (o.kind == ParamKind::kMuon) {
     const MuonOptions& m = o.muon;
     DM_CHECK(m.lr >= 0, "Muon lr must be >= 0 (got ", m.lr, ")");
-    DM_CHECK(m.momentum >= 0 && m.momentum < 1, "Muon momentum must be in [0, 1) (got ",
-             m.momentum, ")");
+    DM_CHECK(m.momentum >= 0 && m.momentum < 1, "Muon momentum must be in [0, 1) (got ", m.momentum,
+             ")");
     DM_CHECK(m.weight_decay >= 0, "Muon weight_decay must be >= 0 (got ", m.weight_decay, ")");
     DM_CHECK(m.momentum_dtype == DType::kF32 || m.momentum_dtype == DType::kBF16,
              "momentum dtype must be f32 or bf16");
@@ -101,15 +105,13 @@ const ParamSpec& Engine::param(int i) const {
 Backend& Engine::backend() { return impl_->backend; }
 bool Engine::distributed() const { return impl_->world != nullptr; }
 const DistOptions& Engine::dist_options() const { return impl_->dist; }
-const Plan* Engine::plan() const {
-  return impl_->world && impl_->built ? &impl_->plan : nullptr;
-}
+const Plan* Engine::plan() const { return impl_->world && impl_->built ? &impl_->plan : nullptr; }
 
 int Engine::add_param(const ParamSpec& spec) {
   Impl& s = *impl_;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  DM_CHECK(spec.group >= 0 && spec.group < num_groups(), "parameter '", spec.name,
-           "' names group ", spec.group, " but only ", num_groups(), " exist");
+  DM_CHECK(spec.group >= 0 && spec.group < num_groups(), "parameter '", spec.name, "' names group ",
+           spec.group, " but only ", num_groups(), " exist");
   Param p;
   p.spec = spec;
   p.numel = 1;
@@ -125,8 +127,8 @@ int Engine::add_param(const ParamSpec& spec) {
   if (sh.sharded()) {
     DM_CHECK(s.world != nullptr, "parameter '", spec.name,
              "' has a shard but the engine is not distributed");
-    DM_CHECK(sh.row_begin >= 0 && sh.row_begin + sh.row_count <= p.dim0, "parameter '",
-             spec.name, "': shard rows [", sh.row_begin, ", ", sh.row_begin + sh.row_count,
+    DM_CHECK(sh.row_begin >= 0 && sh.row_begin + sh.row_count <= p.dim0, "parameter '", spec.name,
+             "': shard rows [", sh.row_begin, ", ", sh.row_begin + sh.row_count,
              ") are outside dim 0 of size ", p.dim0);
   }
   p.local_rows = sh.sharded() ? sh.row_count : p.dim0;
@@ -143,8 +145,8 @@ int Engine::add_param(const ParamSpec& spec) {
   // A distributed engine allocates state in setup(), once the owners are known.
   if (!s.world) {
     const size_t n = static_cast<size_t>(p.numel);
-    p.state0 = s.backend.alloc(n * dtype_size(g.kind == ParamKind::kMuon ? p.state0_dtype
-                                                                          : DType::kF32));
+    p.state0 =
+        s.backend.alloc(n * dtype_size(g.kind == ParamKind::kMuon ? p.state0_dtype : DType::kF32));
     s.backend.fill_zero(p.state0.data(), p.state0.bytes());
     if (g.kind == ParamKind::kAdamW) {
       p.state1 = s.backend.alloc(n * sizeof(float));
@@ -156,14 +158,14 @@ int Engine::add_param(const ParamSpec& spec) {
 }
 
 void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
-  DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ",
-           params.size(), " are registered");
+  DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ", params.size(),
+           " are registered");
   for (size_t i = 0; i < data.size(); ++i) {
     const ParamData& d = data[i];
     const Param& p = params[i];
     const std::string where = world ? detail::concat(" (rank ", rank, ")") : std::string();
-    DM_CHECK(d.param != nullptr || p.local_numel == 0, "parameter '", p.spec.name,
-             "' has no data", where);
+    DM_CHECK(d.param != nullptr || p.local_numel == 0, "parameter '", p.spec.name, "' has no data",
+             where);
     if (!d.grad || d.grad_shape.empty()) continue;
     std::vector<int64_t> want = p.spec.shape;
     want[0] = p.local_rows;
@@ -223,7 +225,8 @@ TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
   const int64_t off = slice * p.layout.rows * p.layout.cols;
   if (!impl_->world || impl_->dist.mode == DistMode::kGather) {
     // Single process: the whole parameter; gather: only a whole-matrix local shard qualifies.
-    if (impl_->world && (p.local_numel != p.numel)) return TensorView{nullptr, shape, {}, p.state0_dtype, dev};
+    if (impl_->world && (p.local_numel != p.numel))
+      return TensorView{nullptr, shape, {}, p.state0_dtype, dev};
     return TensorView::contiguous(p.state0.as<char>() + off * es, shape, p.state0_dtype, dev);
   }
   DM_CHECK(impl_->built, "distributed state exists after setup()");

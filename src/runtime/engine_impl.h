@@ -50,8 +50,8 @@ struct DistMatrix {
   int64_t slice = 0;
   int64_t rows = 0, cols = 0;
   int group = 0;
-  DType wire = DType::kF32;  // dtype on the wire: the parameter's
-  int owner = 0;             // world rank
+  DType wire = DType::kF32;      // dtype on the wire: the parameter's
+  int owner = 0;                 // world rank
   int owner_r = 0, owner_s = 0;  // HSDP coordinates of the owner (replica, shard position)
   int bucket = 0;
   // Rows [lo[q], hi[q]) of the matrix are held by shard position q (sharded and gather).
@@ -64,7 +64,7 @@ struct DistMatrix {
 };
 
 struct Bucket {
-  std::vector<int> mats;  // matrices, sorted by (owner, group, shape) (gather: by group, shape)
+  std::vector<int> mats;      // matrices, sorted by (owner, group, shape) (gather: by group, shape)
   int64_t status_offset = 0;  // first entry of this bucket in Impl::step_status / step_norms
   // Per step: the matrices that have a gradient, in `mats` order, and their runs (maximal
   // segments of one owner, group and shape; gather ignores owners).

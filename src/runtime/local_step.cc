@@ -94,7 +94,8 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       };
       MuonSlot slot;
       slot.grad = MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, c.rows, c.cols);
-      slot.momentum = MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, c.rows, c.cols);
+      slot.momentum =
+          MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, c.rows, c.cols);
       slot.weight = MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, c.rows, c.cols);
       slots[ci].push_back(slot);
       slot_params[ci].push_back(pi);
@@ -120,10 +121,12 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     const MuonOptions& opt = s.groups[s.classes[ci].group].muon;
     if (slots[ci].empty()) continue;
     s.backend.muon_momentum_norm(slots[ci], opt.momentum, opt.nesterov,
-                                 s.classes[ci].norms.as<float>(), s.classes[ci].status.as<int32_t>());
+                                 s.classes[ci].norms.as<float>(),
+                                 s.classes[ci].status.as<int32_t>());
   }
   if (!adam_slots.empty()) s.backend.adamw_check(adam_slots, s.adam_status.as<int32_t>());
-  if (s.options.nonfinite == NonFinitePolicy::kRaise) s.raise_if_nonfinite(slot_params, adam_params);
+  if (s.options.nonfinite == NonFinitePolicy::kRaise)
+    s.raise_if_nonfinite(slot_params, adam_params);
 
   for (size_t ci = 0; ci < s.classes.size(); ++ci) {
     ShapeClass& c = s.classes[ci];
@@ -131,7 +134,8 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     const MuonOptions& opt = s.groups[c.group].muon;
     const int64_t n = static_cast<int64_t>(slots[ci].size());
     BatchRef x = BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), n, c.m(), c.n());
-    ScaleSpec norm{c.norms.as<float>(), norm_multiplier(c.resolved.coefficients), c.resolved.eps, 1.0};
+    ScaleSpec norm{c.norms.as<float>(), norm_multiplier(c.resolved.coefficients), c.resolved.eps,
+                   1.0};
     s.backend.muon_momentum_apply(slots[ci], opt.momentum, opt.nesterov, c.status.as<int32_t>(),
                                   norm, c.tall(), x);
     s.ortho.run(c.resolved, x, x, c.workspace.data(), c.workspace_bytes, &s.stats.ortho);

@@ -36,8 +36,7 @@ void ModeRunner::owner_pass1(const Bucket& b, const Bucket::Run& run,
   const DistMatrix& m0 = e_.mats[b.act[run.begin]];
   const MuonOptions& opt = e_.groups[m0.group].muon;
   const int64_t pos = b.status_offset + run.begin;
-  e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov,
-                                e_.step_norms.as<float>() + pos,
+  e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, e_.step_norms.as<float>() + pos,
                                 e_.step_status.as<int32_t>() + pos);
 }
 
@@ -111,10 +110,10 @@ class ReplicatedRunner final : public ModeRunner {
       const DistMatrix& m = e_.mats[bk.act[k]];
       const ParamData& d = ctx.data[m.param];
       const Param& p = e_.params[m.param];
-      out.push_back({MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows,
-                                m.cols),
-                     MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols),
-                     MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
+      out.push_back(
+          {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols),
+           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
     }
     return out;
   }

@@ -33,8 +33,8 @@ class DedicatedRunner final : public ModeRunner {
         c += m.numel();
       }
       const DType w = e_.mats[bk.mats[0]].wire;
-      bufs_[b].gstage = e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) *
-                                         dtype_size(w));
+      bufs_[b].gstage =
+          e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
       conv_elems_.push_back(c);
     }
   }
@@ -46,8 +46,7 @@ class DedicatedRunner final : public ModeRunner {
     wait_all(bufs_[b].h1);
     scale(bk);
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank)
-        owner_pass1(bk, run, slots(bk, run, ctx));
+      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
@@ -155,8 +154,7 @@ class DedicatedRunner final : public ModeRunner {
       const int j = bk.act[k];
       const DistMatrix& m = e_.mats[j];
       out.push_back({MatRef::of(gstage(j), m.wire, m.rows, m.cols),
-                     MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows,
-                                m.cols),
+                     MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
                      MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols)});
     }
     return out;

@@ -46,8 +46,9 @@ class GatherRunner final : public ModeRunner {
       const Bucket& bk = e_.buckets[b];
       // Every holder must skip a matrix whose rows are non-finite anywhere.
       if (!bk.act.empty())
-        e_.shard->all_reduce(status_at(bk, 0), status_at(bk, 0),
-                             static_cast<int64_t>(bk.act.size()), CommType::kI32, ReduceOp::kMax)
+        e_.shard
+            ->all_reduce(status_at(bk, 0), status_at(bk, 0), static_cast<int64_t>(bk.act.size()),
+                         CommType::kI32, ReduceOp::kMax)
             .wait();
       gather(b, ctx);
     } else {
@@ -154,15 +155,15 @@ class GatherRunner final : public ModeRunner {
       const DistMatrix& m0 = e_.mats[bk.act[run.begin]];
       const MuonOptions& opt = e_.groups[m0.group].muon;
       const int64_t count = run.end - run.begin, pos = bk.status_offset + run.begin;
-      BatchRef u = BatchRef::packed(at(s.ustage.data(), uofs[run.begin], w), w, count, m0.rows,
-                                    m0.cols);
+      BatchRef u =
+          BatchRef::packed(at(s.ustage.data(), uofs[run.begin], w), w, count, m0.rows, m0.cols);
       float* norms = e_.step_norms.as<float>() + pos;
       e_.backend.frob_norm(u, norms);
       OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
       e_.ensure_scratch(r, count, m0.m(), m0.n());
       BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
-      e_.backend.scale_copy(u, m0.tall(), ScaleSpec{norms, norm_multiplier(r.coefficients), r.eps, 1.0},
-                            x);
+      e_.backend.scale_copy(u, m0.tall(),
+                            ScaleSpec{norms, norm_multiplier(r.coefficients), r.eps, 1.0}, x);
       e_.ortho.run(r, x, x, e_.workspace.data(), e_.workspace_size, &e_.stats.ortho);
       for (int k = run.begin; k < run.end; ++k) {
         const DistMatrix& m = e_.mats[bk.act[k]];
@@ -170,11 +171,20 @@ class GatherRunner final : public ModeRunner {
         const int64_t lo = m.lo[e_.my_s], rows = m.hi[e_.my_s] - lo;
         MatRef xk = x.matrix(k - run.begin);
         // My rows of the update: rows of X (wide), or columns of X (tall, X = O^T).
-        BatchRef o = m.tall()
-                         ? BatchRef{at(xk.data, lo, xk.dtype), xk.dtype, 1, m.cols, rows, xk.ld,
-                                    m.cols * xk.ld}
-                         : BatchRef{at(xk.data, lo * xk.ld, xk.dtype), xk.dtype, 1, rows, m.cols,
-                                    xk.ld, rows * xk.ld};
+        BatchRef o = m.tall() ? BatchRef{at(xk.data, lo, xk.dtype),
+                                         xk.dtype,
+                                         1,
+                                         m.cols,
+                                         rows,
+                                         xk.ld,
+                                         m.cols * xk.ld}
+                              : BatchRef{at(xk.data, lo * xk.ld, xk.dtype),
+                                         xk.dtype,
+                                         1,
+                                         rows,
+                                         m.cols,
+                                         xk.ld,
+                                         rows * xk.ld};
         MuonSlot slot = local_slot(m, ctx);
         slot.grad = slot.momentum = slot.weight;
         MuonUpdateCoef coef = ctx.coef[bk.act[k]];

@@ -15,9 +15,9 @@ namespace distmuon {
 
 // What one distributed step knows beyond the registry.
 struct StepContext {
-  std::vector<ParamData> data;  // a copy: deferred stages outlive the caller's array
-  std::vector<char> active;     // per parameter: stepped on every rank in this step
-  std::vector<char> has_local;  // per parameter: this rank passed a gradient
+  std::vector<ParamData> data;       // a copy: deferred stages outlive the caller's array
+  std::vector<char> active;          // per parameter: stepped on every rank in this step
+  std::vector<char> has_local;       // per parameter: this rank passed a gradient
   std::vector<MuonUpdateCoef> coef;  // per Muon matrix (index into Impl::mats)
   bool raise = false;                // NonFinitePolicy::kRaise
 };
@@ -61,8 +61,7 @@ class ModeRunner {
   // Element offset of matrix j in its (unsharded) parameter.
   static int64_t full_offset(const DistMatrix& m) { return m.slice * m.rows * m.cols; }
   // Copies (converting dtype when needed) a rows x cols block.
-  void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows,
-                  int64_t cols);
+  void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows, int64_t cols);
 
   Engine::Impl& e_;
 };

@@ -62,17 +62,25 @@ class ShardedRunner final : public ModeRunner {
 
   void run_stage(int stage, int b, StepContext& ctx) override {
     switch (stage) {
-      case 0: collect(b, ctx); break;
-      case 1: compute(b, ctx); break;
-      case 2: relay(b); break;
-      case 3: apply(b, ctx); break;
+      case 0:
+        collect(b, ctx);
+        break;
+      case 1:
+        compute(b, ctx);
+        break;
+      case 2:
+        relay(b);
+        break;
+      case 3:
+        apply(b, ctx);
+        break;
     }
   }
 
  private:
   struct B {
     Buffer send_g, recv_g, gstage, ostage, send_o, recv_o;
-    std::vector<int64_t> sc, sd, rc, rd;  // gradient all-to-all, per shard position
+    std::vector<int64_t> sc, sd, rc, rd;      // gradient all-to-all, per shard position
     std::vector<int64_t> osc, osd, orc, ord;  // update all-to-all
     CommHandle collect, ret, status;
     std::vector<CommHandle> bcast;
@@ -156,9 +164,9 @@ class ShardedRunner final : public ModeRunner {
     }
     // Shards apply the update, so they must learn whether the owner skipped the matrix.
     if (!ctx.raise && !bk.act.empty())
-      s.status = e_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
-                                      static_cast<int64_t>(bk.act.size()), CommType::kI32,
-                                      ReduceOp::kMax);
+      s.status =
+          e_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
+                               static_cast<int64_t>(bk.act.size()), CommType::kI32, ReduceOp::kMax);
     for (size_t r = 0; r < bk.runs.size(); ++r) {
       if (run_slots[r].empty()) continue;
       const Bucket::Run& run = bk.runs[r];
@@ -224,10 +232,9 @@ class ShardedRunner final : public ModeRunner {
                                  m.wire, rows, m.cols);
         MuonSlot slot{wref, wref, wref};
         MuonUpdateCoef coef = ctx.coef[bk.act[k]];
-        e_.backend.muon_update({&slot, 1}, {&coef, 1}, status_at(bk, static_cast<int>(k)),
-                               BatchRef::packed(at(s.recv_o.data(), cur, m.wire), m.wire, 1,
-                                                rows, m.cols),
-                               false);
+        e_.backend.muon_update(
+            {&slot, 1}, {&coef, 1}, status_at(bk, static_cast<int>(k)),
+            BatchRef::packed(at(s.recv_o.data(), cur, m.wire), m.wire, 1, rows, m.cols), false);
         cur += piece(m, me);
       }
     }

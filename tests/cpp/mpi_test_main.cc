@@ -1,6 +1,8 @@
 // main() of the MPI tests: every rank runs the whole suite. Rank 0 prints the usual gtest
 // output; the other ranks print only their failures, prefixed with their rank. The exit code is
 // the same on every rank: non-zero when any rank failed.
+#include "mpi_test_main.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -8,7 +10,6 @@
 #include <string>
 
 #include "distmuon/env.h"
-#include "mpi_test_main.h"
 
 namespace distmuon::test {
 namespace {

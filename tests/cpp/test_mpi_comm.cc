@@ -167,8 +167,8 @@ TEST(MpiComm, OutstandingOperationsCompleteInAnyOrder) {
   std::vector<CommHandle> hs;
   for (int k = 0; k < 8; ++k) {
     for (auto& x : bufs[k]) x = r + k;
-    hs.push_back(c.all_reduce(bufs[k].data(), bufs[k].data(), 1000, CommType::kI64,
-                              ReduceOp::kSum));
+    hs.push_back(
+        c.all_reduce(bufs[k].data(), bufs[k].data(), 1000, CommType::kI64, ReduceOp::kSum));
   }
   for (int k = 7; k >= 0; --k) hs[k].wait();  // newest first
   for (int k = 0; k < 8; ++k)
@@ -219,9 +219,9 @@ TEST(MpiComm, BadArgumentsAreRejectedBeforeAnythingMoves) {
   Communicator& c = world();
   std::vector<int64_t> short_list(c.size() + 1, 0);
   float x = 0;
-  EXPECT_THROW(c.all_to_all_v(&x, short_list, short_list, &x, short_list, short_list,
-                              CommType::kF32),
-               Error);
+  EXPECT_THROW(
+      c.all_to_all_v(&x, short_list, short_list, &x, short_list, short_list, CommType::kF32),
+      Error);
   EXPECT_THROW(c.broadcast(&x, 1, CommType::kF32, c.size()), Error);
   EXPECT_THROW(c.reduce(&x, &x, -1, CommType::kF32, ReduceOp::kSum, 0), Error);
 }

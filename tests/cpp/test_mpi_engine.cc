@@ -35,9 +35,9 @@ struct PDef {
 
 const std::vector<PDef>& model() {
   static const std::vector<PDef> defs = {
-      {"a", 0, {12, 20}},   {"a2", 0, {12, 20}},      {"b", 0, {30, 8}},
-      {"c", 0, {5, 16}},    {"e", 0, {3, 6, 10}},     {"k", 0, {6, 2, 3, 3}},
-      {"d", 1, {16, 16}},   {"bias", 2, {7}},         {"emb", 2, {9, 4}}};
+      {"a", 0, {12, 20}}, {"a2", 0, {12, 20}},  {"b", 0, {30, 8}},
+      {"c", 0, {5, 16}},  {"e", 0, {3, 6, 10}}, {"k", 0, {6, 2, 3, 3}},
+      {"d", 1, {16, 16}}, {"bias", 2, {7}},     {"emb", 2, {9, 4}}};
   return defs;
 }
 void add_groups(Engine& e) {
@@ -141,8 +141,8 @@ Snapshot run_reference(const Scenario& sc, int world_size, const std::vector<int
     std::vector<ParamData> data;
     for (size_t p = 0; p < model().size(); ++p) {
       g[p] = reduced_grad(sc, step, static_cast<int>(p), world_size);
-      data.push_back({s.weight[p].data(), has_any(step, p) ? g[p].data() : nullptr,
-                      DType::kF32, {}});
+      data.push_back(
+          {s.weight[p].data(), has_any(step, p) ? g[p].data() : nullptr, DType::kF32, {}});
     }
     e.step(data);
   }
@@ -158,7 +158,8 @@ Snapshot run_reference(const Scenario& sc, int world_size, const std::vector<int
       continue;
     }
     const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1;
-    for (int64_t m = 0; m < count; ++m) s.momentum[p].push_back(read(e.matrix_state(p, m, "momentum_buffer")));
+    for (int64_t m = 0; m < count; ++m)
+      s.momentum[p].push_back(read(e.matrix_state(p, m, "momentum_buffer")));
   }
   s.stats = e.stats();
   return s;
@@ -167,7 +168,7 @@ Snapshot run_reference(const Scenario& sc, int world_size, const std::vector<int
 // One distributed run; returns this rank's view: full weights in replicated/dedicated mode,
 // only the local rows elsewhere (the rest left empty), and the momentum it holds.
 struct DistRun {
-  std::vector<std::vector<float>> weight;  // local rows (sharded/gather) or full
+  std::vector<std::vector<float>> weight;         // local rows (sharded/gather) or full
   std::vector<std::pair<int64_t, int64_t>> rows;  // local dim-0 rows per parameter
   std::unique_ptr<CpuBackend> be;
   std::unique_ptr<Engine> e;
@@ -218,8 +219,8 @@ void dist_step(DistRun& run, const Scenario& sc, int step) {
       std::copy(full.begin() + b * d.inner(), full.begin() + (b + n) * d.inner(), g[p].begin());
     }
     const bool has = has_local(sc, step, static_cast<int>(p), c.rank());
-    data.push_back({n ? run.weight[p].data() : nullptr, has && n ? g[p].data() : nullptr,
-                    DType::kF32, {}});
+    data.push_back(
+        {n ? run.weight[p].data() : nullptr, has && n ? g[p].data() : nullptr, DType::kF32, {}});
   }
   run.e->step(data);
   run.e->wait_published();
@@ -276,8 +277,7 @@ void check_scenario(const Scenario& sc) {
   std::vector<double> f = {st.ortho.flops, static_cast<double>(st.owned_matrices),
                            static_cast<double>(st.nonfinite_skips)};
   c.all_reduce(f.data(), f.data(), 3, CommType::kF64, ReduceOp::kSum).wait();
-  const int copies = sc.mode == DistMode::kGather ? c.size() / sc.replicate
-                                                   : 1;
+  const int copies = sc.mode == DistMode::kGather ? c.size() / sc.replicate : 1;
   const int replicas = sc.mode == DistMode::kGather ? sc.replicate : 1;
   EXPECT_DOUBLE_EQ(f[0], ref.stats.ortho.flops * copies * replicas);
   EXPECT_EQ(f[1], static_cast<double>(ref.stats.muon_matrices * copies * replicas));
@@ -288,14 +288,14 @@ void check_scenario(const Scenario& sc) {
 std::vector<Scenario> scenarios() {
   std::vector<Scenario> out;
   const int p = world().size();
-  for (DistMode m : {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded,
-                     DistMode::kDedicated}) {
+  for (DistMode m :
+       {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
     out.push_back({m});
     out.push_back({m, 1, 600});  // many small buckets: the pipeline runs several deep
     out.push_back({m, 1, 32ll << 20, false, 1});  // a NaN gradient is skipped everywhere
     if (p % 2 == 0 && m != DistMode::kReplicated) {
-      out.push_back({m, 2, 600});              // HSDP (2 x 2 at four ranks)
-      out.push_back({m, 2, 1200, true});       // HSDP with the publication left in flight
+      out.push_back({m, 2, 600});         // HSDP (2 x 2 at four ranks)
+      out.push_back({m, 2, 1200, true});  // HSDP with the publication left in flight
     }
   }
   return out;
@@ -307,8 +307,8 @@ TEST(MpiEngine, EveryModeEqualsTheSingleProcessEngine) {
 
 TEST(MpiEngine, RaisePolicyThrowsOnEveryRankAndChangesNothing) {
   Communicator& c = world();
-  for (DistMode m : {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded,
-                     DistMode::kDedicated}) {
+  for (DistMode m :
+       {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
     Scenario sc{m};
     sc.policy = NonFinitePolicy::kRaise;
     sc.nan_step = 1;
@@ -343,7 +343,8 @@ TEST(MpiEngine, RanksThatOwnNothingWork) {
     GroupOptions g;
     for (Engine* x : {&e, &ref}) x->add_group(g);
     const bool sharded = m == DistMode::kSharded;
-    const auto rows = sharded ? chunk(8, c.size(), c.rank()) : std::make_pair(int64_t{0}, int64_t{8});
+    const auto rows =
+        sharded ? chunk(8, c.size(), c.rank()) : std::make_pair(int64_t{0}, int64_t{8});
     std::vector<std::vector<float>> w(2), gr(2), wr(2), grr(2);
     for (int p = 0; p < 2; ++p) {
       ParamSpec spec{"w" + std::to_string(p), 0, {8, 6}, DType::kF32};
@@ -357,7 +358,8 @@ TEST(MpiEngine, RanksThatOwnNothingWork) {
         grr[p][i] = dyadic(4, p, i, 0);
       }
       w[p].assign(wr[p].begin() + rows.first * 6, wr[p].begin() + (rows.first + rows.second) * 6);
-      gr[p].assign(grr[p].begin() + rows.first * 6, grr[p].begin() + (rows.first + rows.second) * 6);
+      gr[p].assign(grr[p].begin() + rows.first * 6,
+                   grr[p].begin() + (rows.first + rows.second) * 6);
       // Dedicated: rank 0 holds the whole gradient, the others zeros (the mean is exact
       // when P is a power of two; other sizes get the same float multiplication below).
       if (m == DistMode::kDedicated) {

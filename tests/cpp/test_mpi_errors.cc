@@ -28,8 +28,7 @@ std::string error_everywhere(const std::function<void()>& f) {
     const size_t at = msg.rfind(" [");
     if (at != std::string::npos && msg.find(".cc:", at) != std::string::npos) msg.resize(at);
   }
-  std::vector<int64_t> h = {static_cast<int64_t>(std::hash<std::string>{}(msg) >> 1)},
-                       lo = h;
+  std::vector<int64_t> h = {static_cast<int64_t>(std::hash<std::string>{}(msg) >> 1)}, lo = h;
   world().all_reduce(h.data(), h.data(), 1, CommType::kI64, ReduceOp::kMax).wait();
   world().all_reduce(lo.data(), lo.data(), 1, CommType::kI64, ReduceOp::kMin).wait();
   EXPECT_EQ(h[0], lo[0]) << "ranks raised different errors; rank " << world().rank()

@@ -112,8 +112,8 @@ TEST_F(NcclComm, EngineModesEqualTheSingleProcessEngine) {
   if (!cuda_available()) GTEST_SKIP() << "this build has no CUDA backend";
   // The communicator follows the legacy default stream; the CUDA backend's stream must
   // synchronise with it (a blocking stream) for this world-size-1 check.
-  for (DistMode mode : {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded,
-                        DistMode::kDedicated}) {
+  for (DistMode mode :
+       {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
     auto be = make_backend("cuda");
     Engine ref(*be), dist(*be, *comm_, DistOptions{mode});
     GroupOptions g;
