@@ -55,7 +55,8 @@ void Engine::Impl::dist_setup() {
 
   // 1. Local checks, reported through the exchange so that every rank fails together.
   std::ostringstream err;
-  if (R < 1 || world_size % R != 0)
+  for (const std::string& e : registration_errors) err << (err.tellp() > 0 ? "; " : "") << e;
+  if (err.tellp() == 0 && (R < 1 || world_size % R != 0))
     err << "replicate degree " << dist.replicate << " does not divide the world size "
         << world_size;
   for (const Param& p : params) {
@@ -95,7 +96,7 @@ void Engine::Impl::dist_setup() {
 
   // 3. The plan, from the registration only (identical inputs give identical plans).
   std::vector<PlanMatrix> pm;
-  for (size_t i = 0; i < params.size(); ++i) {
+  for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
     Param& p = params[i];
     if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
     for (int64_t s = 0; s < p.layout.count; ++s) {

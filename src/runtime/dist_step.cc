@@ -33,15 +33,25 @@ std::string rank_list(const std::vector<int>& r) {
 
 // A parameter steps on every rank or on none. Sharded modes: ranks whose shard is empty do not
 // vote. Dedicated mode: a rank without a gradient contributes zeros (as DDP treats unused
-// parameters); other modes hold reduced gradients, so a partial set is an error.
+// parameters); other modes hold reduced gradients, so a partial set is an error. The vote also
+// carries whether a rank's inputs failed their checks, so that every rank raises that error.
 void Engine::Impl::vote(StepContext& ctx) {
   const size_t n = params.size();
   const bool sharded = is_sharded_mode(dist.mode);
+  std::string input_error;
+  try {
+    check_inputs(ctx.data);
+  } catch (const Error& e) {
+    if (!dist.check_grad_presence) throw;  // no vote to carry it
+    input_error = e.what();
+    if (input_error.rfind("distmuon: ", 0) == 0) input_error.erase(0, 10);
+  }
   ctx.active.assign(n, 0);
   ctx.has_local.assign(n, 0);
-  std::vector<int32_t> v(2 * n);
+  std::vector<int32_t> v(2 * n + 1);
+  v[2 * n] = input_error.empty() ? 0 : 1;
   for (size_t i = 0; i < n; ++i) {
-    const bool has = ctx.data[i].grad != nullptr;
+    const bool has = input_error.empty() && ctx.data[i].grad != nullptr;
     const bool voter = !sharded || params[i].local_numel > 0;
     ctx.has_local[i] = has;
     v[2 * i] = has && voter;
@@ -50,6 +60,19 @@ void Engine::Impl::vote(StepContext& ctx) {
   }
   if (!dist.check_grad_presence) return;
   host_all_reduce(*world, backend, v, ReduceOp::kSum);
+  if (v[2 * n] > 0) {
+    const std::vector<int64_t> len =
+        host_all_gather(*world, backend, {static_cast<int64_t>(input_error.size())});
+    const std::vector<char> all = host_all_gather_v(*world, backend, input_error, len);
+    std::ostringstream os;
+    os << "step inputs failed their checks on " << v[2 * n] << " rank(s); nothing was changed:";
+    int64_t off = 0;
+    for (int q = 0; q < world_size; ++q) {
+      if (len[q]) os << "\n  rank " << q << ": " << std::string(&all[off], len[q]);
+      off += len[q];
+    }
+    DM_FAIL(os.str());
+  }
   std::vector<size_t> bad;
   for (size_t i = 0; i < n; ++i) {
     const int32_t with = v[2 * i], voters = v[2 * i + 1];

@@ -107,11 +107,12 @@ bool Engine::distributed() const { return impl_->world != nullptr; }
 const DistOptions& Engine::dist_options() const { return impl_->dist; }
 const Plan* Engine::plan() const { return impl_->world && impl_->built ? &impl_->plan : nullptr; }
 
-int Engine::add_param(const ParamSpec& spec) {
-  Impl& s = *impl_;
+int Engine::Impl::add_param(const ParamSpec& spec) {
+  Impl& s = *this;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  DM_CHECK(spec.group >= 0 && spec.group < num_groups(), "parameter '", spec.name, "' names group ",
-           spec.group, " but only ", num_groups(), " exist");
+  DM_CHECK(spec.group >= 0 && spec.group < static_cast<int>(s.groups.size()), "parameter '",
+           spec.name, "' names group ", spec.group, " but only ", static_cast<int>(s.groups.size()),
+           " exist");
   Param p;
   p.spec = spec;
   p.numel = 1;
@@ -157,6 +158,25 @@ int Engine::add_param(const ParamSpec& spec) {
   return static_cast<int>(s.params.size()) - 1;
 }
 
+int Engine::add_param(const ParamSpec& spec) {
+  Impl& s = *impl_;
+  DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
+  if (!s.world) return s.add_param(spec);
+  // Distributed: an error on one rank must reach every rank (setup() reports it everywhere);
+  // thrown here it would leave the other ranks waiting for this one until the timeout.
+  try {
+    return s.add_param(spec);
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    if (msg.rfind("distmuon: ", 0) == 0) msg.erase(0, 10);
+    s.registration_errors.push_back(msg);
+    Param p;
+    p.spec = spec;
+    s.params.push_back(std::move(p));
+    return static_cast<int>(s.params.size()) - 1;
+  }
+}
+
 void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
   DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ", params.size(),
            " are registered");
@@ -189,11 +209,12 @@ void Engine::setup() {
 void Engine::step(std::span<const ParamData> data) {
   Impl& s = *impl_;
   if (!s.built) setup();
+  if (s.world) {
+    s.dist_step(data);  // checks the inputs and shares any error with every rank
+    return;
+  }
   s.check_inputs(data);
-  if (s.world)
-    s.dist_step(data);
-  else
-    s.local_step(data);
+  s.local_step(data);
 }
 
 void Engine::wait_published() {

@@ -122,6 +122,8 @@ struct Engine::Impl {
   ~Impl();
 
   // registry / single process (engine.cc, local_step.cc)
+  int add_param(const ParamSpec& spec);
+  std::vector<std::string> registration_errors;  // distributed: reported by setup() everywhere
   void build_classes();
   void ensure_class_buffers(ShapeClass& c);
   void local_step(std::span<const ParamData> data);

@@ -144,5 +144,34 @@ TEST_F(MpiErrors, AGradientOnSomeRanksOnlyNamesThem) {
   }
 }
 
+TEST_F(MpiErrors, ARegistrationErrorOnOneRankReachesEveryRank) {
+  // Rank 1's shard lies outside dim 0: add_param cannot throw there alone, or the other ranks
+  // would wait for it in set-up.
+  Reg r;
+  if (odd_one()) r.shard_shift = 100;
+  expect_has(error_everywhere([&] { setup_with(DistMode::kSharded, r); }),
+             {"rank 1: parameter 'w'", "outside dim 0"});
+}
+
+TEST_F(MpiErrors, BadStepInputsOnOneRankReachEveryRank) {
+  CpuBackend be;
+  DistOptions opt;
+  opt.mode = DistMode::kReplicated;
+  Engine e(be, world(), opt);
+  e.add_group(GroupOptions{});
+  e.add_param({"w", 0, {4, 6}, DType::kF32});
+  std::vector<float> w(24, 1.0f), g(24, 0.5f);
+  std::vector<int64_t> good = {4, 6}, bad = {6, 4};
+  ParamData d{w.data(), g.data(), DType::kF32, odd_one() ? bad : good};
+  expect_has(error_everywhere([&] {
+               e.step({&d, 1});
+             }),
+             {"rank 1: ", "'w' has shape [4, 6] but its gradient has shape [6, 4]"});
+  EXPECT_EQ(w, std::vector<float>(24, 1.0f));
+  d.grad_shape = good;
+  e.step({&d, 1});  // the engine is still usable
+  EXPECT_NE(w, std::vector<float>(24, 1.0f));
+}
+
 }  // namespace
 }  // namespace distmuon
