@@ -8,6 +8,7 @@
 // gather and sharded therefore include the FSDP2 gradient reduce-scatter before the optimizer
 // and the weight all-gather after it, replicated the DDP all-reduce; dedicated reduces and
 // broadcasts inside the engine. The engine's own share (time and bytes) is reported beside.
+// The modes take turns step by step, so that a machine shared with other work slows them alike.
 #include "bench_dist.h"
 
 #include <omp.h>
@@ -134,13 +135,29 @@ class Comparison {
     }
   }
 
-  ModeResult run(DistMode mode, const std::string& algo) {
+  // One mode's engine and what its steps accumulate.
+  struct Run {
+    DistMode mode;
+    std::string algo;
+    std::unique_ptr<Engine> engine;
+    std::unique_ptr<Communicator> fsdp;  // the FSDP2 / DDP traffic around the optimizer
+    std::vector<ParamData> data;
+    std::vector<double> step_ms, engine_ms;
+    EngineStats s0;
+    CommStats f0;
+  };
+
+  std::unique_ptr<Run> prepare(DistMode mode, const std::string& algo) {
     const bool sharded = mode == DistMode::kSharded || mode == DistMode::kGather;
     const int p = comm_.size(), me = comm_.rank();
+    auto run = std::make_unique<Run>();
+    run->mode = mode;
+    run->algo = algo;
     DistOptions opt;
     opt.mode = mode;
     opt.bucket_bytes = static_cast<int64_t>(args_.number("bucket-mb") * (1 << 20));
-    Engine engine(be_, comm_, opt);
+    run->engine = std::make_unique<Engine>(be_, comm_, opt);
+    Engine& engine = *run->engine;
     GroupOptions gm;
     gm.muon.ortho = parse_algorithm(algo);
     const std::string wd = args_.str("work-dtype");
@@ -159,92 +176,99 @@ class Comparison {
       engine.add_param(s);
     }
     engine.setup();
-    // The FSDP2 / DDP traffic around the optimizer goes over its own communicator, so that the
-    // engine's bytes can be told apart.
-    std::unique_ptr<Communicator> fsdp = comm_.split(0, me);
-    const CommType ct = comm_type(dtype_);
-    std::vector<ParamData> data;
+    // A communicator of its own, so that the engine's bytes can be told apart.
+    run->fsdp = comm_.split(0, me);
     for (DTensor& t : tensors_) {
       const bool empty = sharded && chunk(t.dim0, p, me).second == 0;
       if (sharded)
-        data.push_back(
+        run->data.push_back(
             {empty ? nullptr : t.w_shard.data(), empty ? nullptr : t.g_shard.data(), dtype_, {}});
       else
-        data.push_back({t.w.data(), t.g.data(), dtype_, {}});
+        run->data.push_back({t.w.data(), t.g.data(), dtype_, {}});
     }
+    return run;
+  }
+
+  // One timed (or warm-up) step of one mode. The modes take turns step by step, so that a
+  // machine shared with other work slows them alike.
+  void step(Run& run, int64_t i) {
+    const DistMode mode = run.mode;
+    const bool sharded = mode == DistMode::kSharded || mode == DistMode::kGather;
+    const int p = comm_.size(), me = comm_.rank();
     const int64_t warmup = args_.integer("warmup"), steps = args_.integer("steps");
-    std::vector<double> step_ms, engine_ms;
-    EngineStats s0;
-    CommStats f0;
-    for (int64_t i = 0; i < warmup + steps; ++i) {
-      if (i == warmup) {
-        s0 = engine.stats();
-        f0 = fsdp->stats();
-      }
-      be_.synchronize();
-      mpi_.barrier().wait();
-      const auto t0 = Clock::now();
-      std::vector<CommHandle> hs;
-      for (DTensor& t : tensors_) {
-        if (mode == DistMode::kReplicated) {  // DDP: gradients all-reduced before the step
-          hs.push_back(fsdp->all_reduce(t.g.data(), t.g.data(), t.numel, ct, ReduceOp::kSum));
-        } else if (sharded) {  // FSDP2: reduce-scatter of the gradient into dim-0 shards
-          for (int q = 0; q < p; ++q) {
-            auto [b, n] = chunk(t.dim0, p, q);
-            if (n == 0) continue;
-            hs.push_back(fsdp->reduce(t.g.as<char>() + b * t.inner * dtype_size(dtype_),
-                                      q == me ? t.g_shard.data() : nullptr, n * t.inner, ct,
-                                      ReduceOp::kSum, q));
-          }
+    const CommType ct = comm_type(dtype_);
+    Communicator& fsdp = *run.fsdp;
+    if (i == warmup) {
+      run.s0 = run.engine->stats();
+      run.f0 = fsdp.stats();
+    }
+    be_.synchronize();
+    mpi_.barrier().wait();
+    const auto t0 = Clock::now();
+    std::vector<CommHandle> hs;
+    for (DTensor& t : tensors_) {
+      if (mode == DistMode::kReplicated) {  // DDP: gradients all-reduced before the step
+        hs.push_back(fsdp.all_reduce(t.g.data(), t.g.data(), t.numel, ct, ReduceOp::kSum));
+      } else if (sharded) {  // FSDP2: reduce-scatter of the gradient into dim-0 shards
+        for (int q = 0; q < p; ++q) {
+          auto [b, n] = chunk(t.dim0, p, q);
+          if (n == 0) continue;
+          hs.push_back(fsdp.reduce(t.g.as<char>() + b * t.inner * dtype_size(dtype_),
+                                   q == me ? t.g_shard.data() : nullptr, n * t.inner, ct,
+                                   ReduceOp::kSum, q));
         }
+      }
+    }
+    wait_all(hs);
+    be_.synchronize();
+    const auto t1 = Clock::now();
+    run.engine->step(run.data);
+    run.engine->wait_published();
+    be_.synchronize();
+    const auto t2 = Clock::now();
+    if (sharded) {  // the next forward all-gathers the updated shards
+      for (DTensor& t : tensors_) {
+        std::vector<int64_t> cnt(p), dsp(p);
+        for (int q = 0; q < p; ++q) {
+          auto [b, n] = chunk(t.dim0, p, q);
+          cnt[q] = n * t.inner;
+          dsp[q] = b * t.inner;
+        }
+        hs.push_back(fsdp.all_gather_v(t.w_shard.data(), cnt[me], t.w.data(), cnt, dsp, ct));
       }
       wait_all(hs);
-      be_.synchronize();
-      const auto t1 = Clock::now();
-      engine.step(data);
-      engine.wait_published();
-      be_.synchronize();
-      const auto t2 = Clock::now();
-      if (sharded) {  // the next forward all-gathers the updated shards
-        for (DTensor& t : tensors_) {
-          std::vector<int64_t> cnt(p), dsp(p);
-          for (int q = 0; q < p; ++q) {
-            auto [b, n] = chunk(t.dim0, p, q);
-            cnt[q] = n * t.inner;
-            dsp[q] = b * t.inner;
-          }
-          hs.push_back(fsdp->all_gather_v(t.w_shard.data(), cnt[me], t.w.data(), cnt, dsp, ct));
-        }
-        wait_all(hs);
-      }
-      be_.synchronize();
-      const auto t3 = Clock::now();
-      auto ms = [](auto a, auto b) {
-        return std::chrono::duration<double, std::milli>(b - a).count();
-      };
-      if (i >= warmup) {
-        step_ms.push_back(ms(t0, t3));
-        engine_ms.push_back(ms(t1, t2));
-      }
-      if (me == 0)
-        std::fprintf(stderr, "  %-10s %-8s %s %lld/%lld  %.1f ms (rank 0)\n", dist_mode_name(mode),
-                     algo.c_str(), i < warmup ? "warmup" : "step  ",
-                     static_cast<long long>(i < warmup ? i + 1 : i - warmup + 1),
-                     static_cast<long long>(i < warmup ? warmup : steps), ms(t0, t3));
     }
-    const EngineStats s1 = engine.stats();
-    const CommStats f1 = fsdp->stats();
+    be_.synchronize();
+    const auto t3 = Clock::now();
+    auto ms = [](auto a, auto b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    if (i >= warmup) {
+      run.step_ms.push_back(ms(t0, t3));
+      run.engine_ms.push_back(ms(t1, t2));
+    }
+    if (me == 0)
+      std::fprintf(stderr, "  %-10s %-8s %s %lld/%lld  %.1f ms (rank 0)\n", dist_mode_name(mode),
+                   run.algo.c_str(), i < warmup ? "warmup" : "step  ",
+                   static_cast<long long>(i < warmup ? i + 1 : i - warmup + 1),
+                   static_cast<long long>(i < warmup ? warmup : steps), ms(t0, t3));
+  }
+
+  ModeResult result(Run& run) {
+    const int p = comm_.size();
+    const EngineStats s1 = run.engine->stats();
+    const CommStats f1 = run.fsdp->stats();
     ModeResult r;
-    r.mode = dist_mode_name(mode);
-    r.algo = algo;
+    r.mode = dist_mode_name(run.mode);
+    r.algo = run.algo;
     // A step takes as long as its slowest rank.
-    r.step_ms = cli::summarize(over_ranks(mpi_, step_ms, ReduceOp::kMax));
-    r.engine_ms = cli::summarize(over_ranks(mpi_, engine_ms, ReduceOp::kMax));
-    const double n = static_cast<double>(steps);
-    const CommStats e = s1.comm - s0.comm, f = f1 - f0;
+    r.step_ms = cli::summarize(over_ranks(mpi_, run.step_ms, ReduceOp::kMax));
+    r.engine_ms = cli::summarize(over_ranks(mpi_, run.engine_ms, ReduceOp::kMax));
+    const double n = static_cast<double>(args_.integer("steps"));
+    const CommStats e = s1.comm - run.s0.comm, f = f1 - run.f0;
     const double bytes = (e.bytes_sent + e.bytes_received + f.bytes_sent + f.bytes_received) / n;
     const double ebytes = (e.bytes_sent + e.bytes_received) / n;
-    const double flops = (s1.ortho.flops - s0.ortho.flops) / n;
+    const double flops = (s1.ortho.flops - run.s0.ortho.flops) / n;
     std::vector<double> mx = over_ranks(
         mpi_, {bytes, ebytes, flops, static_cast<double>(s1.owned_matrices)}, ReduceOp::kMax);
     std::vector<double> sum = over_ranks(mpi_, {bytes, flops}, ReduceOp::kSum);
@@ -326,8 +350,14 @@ int run_distributed(const cli::Args& args) {
                  be->name().c_str(),
                  threads ? (", " + std::to_string(threads) + " threads per rank").c_str() : "");
   std::vector<ModeResult> results;
-  for (const std::string& algo : algos)
-    for (DistMode m : modes) results.push_back(cmp.run(m, algo));
+  const int64_t total = args.integer("warmup") + args.integer("steps");
+  for (const std::string& algo : algos) {
+    std::vector<std::unique_ptr<Comparison::Run>> runs;
+    for (DistMode m : modes) runs.push_back(cmp.prepare(m, algo));
+    for (int64_t i = 0; i < total; ++i)
+      for (auto& r : runs) cmp.step(*r, i);
+    for (auto& r : runs) results.push_back(cmp.result(*r));
+  }
   if (rank != 0) return 0;
 
   auto gather_of = [&](const ModeResult& r) -> const ModeResult* {

@@ -248,6 +248,8 @@ class NcclComm final : public Communicator {
   }
   std::unique_ptr<CommRequest> do_reduce(const void* send, void* recv, int64_t count, CommType type,
                                          ReduceOp op, int root) override {
+    // Only the root writes recv; elsewhere it may be null, which NCCL's checks would reject.
+    if (!recv) recv = const_cast<void*>(send);
     return launch("reduce", [&] {
       DM_CHECK_NCCL(ncclReduce(send, recv, count, nccl_type(type), nccl_op(op), root, sh_->comm,
                                stream_.get()),
