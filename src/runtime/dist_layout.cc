@@ -51,6 +51,21 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
     }
   }
 
+  // The plan's batches: each matrix in exactly one batch of its owner.
+  std::vector<int> seen(mats.size(), 0);
+  for (size_t o = 0; o < plan.batches.size(); ++o)
+    for (size_t k = 0; k < plan.batches[o].size(); ++k)
+      for (int j : plan.batches[o][k]) {
+        DM_CHECK(
+            j >= 0 && j < static_cast<int>(mats.size()) && mats[j].owner == static_cast<int>(o),
+            "the plan batches matrix ", j, " on rank ", o, " which does not own it");
+        mats[j].batch = static_cast<int>(k);
+        seen[j] += 1;
+      }
+  for (size_t j = 0; j < mats.size(); ++j)
+    DM_CHECK(seen[j] == 1, "the plan puts matrix '", matrix_name(static_cast<int>(j)), "' in ",
+             seen[j], " batches instead of one");
+
   // Buckets of consecutive matrices (registration order follows the layers) of one wire dtype,
   // each holding about bucket_bytes of full matrices.
   buckets.clear();
@@ -69,16 +84,18 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
     m.bucket = static_cast<int>(buckets.size()) - 1;
     bytes += mb;
   }
-  // Runs of one owner (gather: of everyone), group and shape are contiguous after sorting, so
-  // each is one batched launch and one status range.
+  // Runs of one owner, plan batch, group and shape (gather: group and shape) are contiguous
+  // after sorting, so each is one batched launch and one status range.
   const bool by_owner = dist.mode != DistMode::kGather;
   int64_t offset = 0;
   for (Bucket& b : buckets) {
     std::sort(b.mats.begin(), b.mats.end(), [&](int x, int y) {
       const DistMatrix& a = mats[x];
       const DistMatrix& c = mats[y];
-      return std::make_tuple(by_owner ? a.owner : 0, a.group, a.rows, a.cols, x) <
-             std::make_tuple(by_owner ? c.owner : 0, c.group, c.rows, c.cols, y);
+      return std::make_tuple(by_owner ? a.owner : 0, by_owner ? a.batch : 0, a.group, a.rows,
+                             a.cols, x) < std::make_tuple(by_owner ? c.owner : 0,
+                                                          by_owner ? c.batch : 0, c.group, c.rows,
+                                                          c.cols, y);
     });
     b.status_offset = offset;
     offset += static_cast<int64_t>(b.mats.size());

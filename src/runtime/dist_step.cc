@@ -113,8 +113,8 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
       bool same = false;
       if (k > 0) {
         const DistMatrix& p = mats[b.act[k - 1]];
-        same = (!by_owner || p.owner == m.owner) && p.group == m.group && p.rows == m.rows &&
-               p.cols == m.cols;
+        same = (!by_owner || (p.owner == m.owner && p.batch == m.batch)) && p.group == m.group &&
+               p.rows == m.rows && p.cols == m.cols;
       }
       if (same)
         b.runs.back().end = k + 1;

@@ -54,6 +54,8 @@ struct DistMatrix {
   int owner = 0;                 // world rank
   int owner_r = 0, owner_s = 0;  // HSDP coordinates of the owner (replica, shard position)
   int bucket = 0;
+  int batch =
+      0;  // the plan's batch of its owner: matrices of one batch are orthogonalized together
   // Rows [lo[q], hi[q]) of the matrix are held by shard position q (sharded and gather).
   std::vector<int64_t> lo, hi;
   Buffer momentum;  // owner modes: on the owner only
