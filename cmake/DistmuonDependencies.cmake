@@ -50,3 +50,29 @@ if(DISTMUON_WITH_CUDA)
     message(STATUS "distmuon: nvcc not found, CUDA backend disabled")
   endif()
 endif()
+
+# NCCL for the GPU communicator: the CUDA toolkit's copy, NCCL_ROOT, or the nvidia-nccl wheel
+# of a Python environment (where the GPU machine has it).
+set(DISTMUON_HAVE_NCCL OFF)
+if(DISTMUON_HAVE_CUDA)
+  set(_nccl_hints $ENV{NCCL_ROOT} ${NCCL_ROOT} ${CUDAToolkit_LIBRARY_ROOT} ${CUDAToolkit_TARGET_DIR})
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_Interpreter_FOUND)
+    execute_process(
+      COMMAND ${Python3_EXECUTABLE} -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])"
+      OUTPUT_VARIABLE _nccl_wheel OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(_nccl_wheel)
+      list(APPEND _nccl_hints ${_nccl_wheel})
+    endif()
+  endif()
+  find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS}
+            PATH_SUFFIXES include)
+  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
+               PATH_SUFFIXES lib lib64)
+  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
+    set(DISTMUON_HAVE_NCCL ON)
+    message(STATUS "distmuon: NCCL communicator enabled (${NCCL_LIBRARY})")
+  else()
+    message(STATUS "distmuon: NCCL not found (set NCCL_ROOT), NCCL communicator disabled")
+  endif()
+endif()

@@ -6,6 +6,7 @@
 #include <iostream>
 #include <nlohmann/json.hpp>
 
+#include "bench_dist.h"
 #include "bench_model.h"
 #include "cli.h"
 #include "distmuon/backend.h"
@@ -67,7 +68,9 @@ int run(int argc, char** argv) {
   args.option("work-dtype", "auto", "dtype of the iteration (auto: bf16 on cuda, f32 on cpu)");
   args.option("no-adamw", "0", "leave the AdamW tensors out of the step", true);
   args.option("json", "", "write the results as JSON to this path");
+  declare_distributed_options(args);
   if (!args.parse(argc, argv)) return 0;
+  if (wants_distributed(args)) return run_distributed(args);
   DM_CHECK(args.integer("steps") >= 1, "--steps must be >= 1");
   DM_CHECK(args.integer("warmup") >= 0, "--warmup must be >= 0");
 

@@ -1,6 +1,14 @@
 // The Engine: registry of parameters and their optimizer state, the step pipeline
 // (collect -> compute -> publish) and its statistics. In a single process it is the whole
 // optimizer; distributed modes plug a Communicator and a Plan into the same pipeline.
+//
+// Distributed use (every rank runs the same calls in the same order):
+//   Engine e(backend, world_comm, DistOptions{.mode = DistMode::kSharded});
+//   e.add_group(...); e.add_param({name, group, full_shape, dtype, ShardSpec{begin, rows}});
+//   e.setup();                  // optional: checks the registration across ranks now
+//   e.step(local_buffers);      // collective
+// Every mode produces the weights the single-process optimizer computes from the (mean)
+// gradient, with momentum kept only by each matrix's owner (gather: by the shard holders).
 #pragma once
 
 #include <cstdint>
@@ -10,8 +18,10 @@
 #include <vector>
 
 #include "distmuon/backend.h"
+#include "distmuon/comm.h"
 #include "distmuon/optimizer.h"
 #include "distmuon/ortho.h"
+#include "distmuon/plan.h"
 
 namespace distmuon {
 
@@ -24,15 +34,70 @@ struct EngineOptions {
   NonFinitePolicy nonfinite = NonFinitePolicy::kSkip;
 };
 
+// Distributed modes (DESIGN.md "Engine"); what each expects in ParamData.
+enum class DistMode : int {
+  // Dim-0 shards of reduced gradients and weights (FSDP2). Every rank all-gathers every
+  // matrix, orthogonalizes all of them and keeps its rows: the naive baseline.
+  kGather = 0,
+  // Full reduced gradients identical on every rank, full weights (DDP, one GPU per replica).
+  // Each matrix's owner computes; updated weights are broadcast from it.
+  kReplicated = 1,
+  // Dim-0 shards of reduced gradients and weights (FSDP2, uneven and empty shards allowed).
+  // All-to-all moves the rows to each matrix's owner, the owner computes, all-to-all moves the
+  // update's rows back. HSDP: shards are identical across replicas.
+  kSharded = 2,
+  // Full local (unreduced) gradients and full weights. Gradients are reduced to the owner (in
+  // HSDP inside the shard group first, then across replicas), the owner steps, updated weights
+  // are broadcast (across replicas first, then inside the shard group).
+  kDedicated = 3,
+};
+// "gather" | "replicated" | "sharded" | "dedicated"
+DistMode parse_dist_mode(const std::string& s);
+const char* dist_mode_name(DistMode m);
+
+struct DistOptions {
+  DistMode mode = DistMode::kSharded;
+  // HSDP replicate degree: world = replicate x shard, world rank = r * shard + s. Shards of
+  // sharded/gather parameters are split over the shard group; owners span all ranks.
+  // Replicated mode treats the world as flat.
+  int replicate = 1;
+  // Full-matrix bytes per bucket: buckets are moved while the previous one computes. <= 0: one
+  // bucket.
+  int64_t bucket_bytes = 32ll << 20;
+  // Dedicated mode reduces local gradients: true divides the sum by the world size (the mean,
+  // as DDP does); false keeps the sum.
+  bool grad_mean = true;
+  // Leave the publication of the last buckets (HSDP: the broadcast to the other replicas and
+  // what follows it) in flight when step() returns; wait_published() or the next step()
+  // completes it. Weights must not be read before.
+  bool defer_publish = false;
+  // Ranks vote on which parameters have a gradient in each step (one small all-reduce), so that
+  // a parameter is stepped on all ranks or on none. Disable only if the caller guarantees it.
+  bool check_grad_presence = true;
+  int gpus_per_node = 8;  // topology hint for the planner
+};
+
+// The part of dim 0 this rank holds of a parameter (a Shard(0) local tensor): rows
+// [row_begin, row_begin + row_count). row_count < 0: the whole parameter (not sharded). In
+// sharded and gather modes every parameter is sharded and the shards of the ranks of one shard
+// group tile dim 0 (empty shards allowed).
+struct ShardSpec {
+  int64_t row_begin = 0;
+  int64_t row_count = -1;
+  bool sharded() const { return row_count >= 0; }
+};
+
 struct ParamSpec {
   std::string name;
-  int group = 0;                // index returned by Engine::add_group
-  std::vector<int64_t> shape;   // full logical shape
-  DType dtype = DType::kF32;    // parameter dtype (the gradient may differ)
+  int group = 0;               // index returned by Engine::add_group
+  std::vector<int64_t> shape;  // full logical shape
+  DType dtype = DType::kF32;   // parameter dtype (the gradient may differ)
+  ShardSpec shard = {};        // distributed sharded/gather modes: the local rows of dim 0
 };
 
 // The buffers of one parameter for one step. grad == nullptr: the parameter has no gradient in
-// this step and is left alone (as torch.optim does).
+// this step and is left alone (as torch.optim does). In sharded and gather modes param and grad
+// hold the local shard (row_count x the other dims, contiguous; null when the shard is empty).
 struct ParamData {
   void* param = nullptr;
   const void* grad = nullptr;
@@ -47,11 +112,18 @@ struct EngineStats {
   int64_t muon_matrices = 0;    // registered Muon matrices (3D params count once per slice)
   int64_t muon_params = 0;      // elements in Muon parameters
   int64_t adamw_params = 0;     // elements in AdamW parameters
+  int64_t owned_matrices = 0;   // Muon matrices this rank orthogonalizes per step (all of them
+                                // in a single process and in gather mode)
+  CommStats comm;               // bytes moved by this rank during step(), all communicators
 };
 
 class Engine {
  public:
+  // Single process: the whole optimizer.
   Engine(Backend& backend, EngineOptions options = {});
+  // Distributed: `world` must outlive the engine and hold buffers where the backend does.
+  Engine(Backend& backend, Communicator& world, const DistOptions& dist,
+         EngineOptions options = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -64,13 +136,34 @@ class Engine {
   int num_params() const;
   const ParamSpec& param(int index) const;
 
+  // Freezes the registration; in distributed modes checks it across ranks (names, shapes,
+  // dtypes, groups, shards, plan hash; any difference throws the same error on every rank
+  // before data moves), plans owners and allocates state. Collective. The first step() calls
+  // it when the caller did not.
+  void setup();
   // One optimizer step over every registered parameter; data[i] belongs to parameter i.
+  // Collective in distributed modes.
   void step(std::span<const ParamData> data);
+  // Completes a publication left in flight by DistOptions::defer_publish (no-op otherwise).
+  void wait_published();
+
+  bool distributed() const;
+  const DistOptions& dist_options() const;
+  // The plan of the Muon matrices (distributed, after setup); nullptr in a single process.
+  const Plan* plan() const;
+  // World rank that orthogonalizes matrix `slice` of a Muon parameter (0 in a single process).
+  int owner(int param, int64_t slice = 0) const;
 
   // Optimizer state of a parameter, in backend memory, shaped like the parameter (fp32 unless
   // the group asks for bf16 momentum). Names: "momentum_buffer" (Muon), "exp_avg",
   // "exp_avg_sq" (AdamW). The view stays valid for the engine's lifetime.
+  // Distributed: AdamW state and gather-mode momentum are shaped like the local shard; in owner
+  // modes the momentum exists on the owner only (data == nullptr elsewhere) and a 3D parameter
+  // whose matrices have several owners is read per matrix with matrix_state().
   TensorView state(int param, const std::string& name);
+  // The momentum of matrix `slice` of a Muon parameter (rows x cols; data == nullptr when this
+  // rank does not hold it).
+  TensorView matrix_state(int param, int64_t slice, const std::string& name);
   std::vector<std::string> state_names(int param) const;
   int64_t param_step(int param) const;  // steps taken by this parameter (AdamW bias correction)
   void set_param_step(int param, int64_t step);
@@ -79,8 +172,9 @@ class Engine {
   EngineStats stats();
   Backend& backend();
 
+  struct Impl;  // opaque; public only so the runtime's internal files can name it
+
  private:
-  struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 

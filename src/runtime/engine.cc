@@ -1,41 +1,15 @@
-// The single-process step pipeline: registry, state, batching of same-shape matrices into
-// classes, and the fused passes momentum -> orthogonalize -> update (ALGORITHMS.md section 1).
+// The Engine's public API: registry of groups and parameters, optimizer state, statistics. The
+// step itself lives in local_step.cc (single process) and dist_step.cc (distributed).
 #include "distmuon/engine.h"
 
 #include <algorithm>
-#include <map>
 #include <sstream>
 
 #include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+#include "runtime/mode_runner.h"
 
 namespace distmuon {
-
-namespace {
-
-struct Param {
-  ParamSpec spec;
-  int64_t numel = 0;
-  MatrixLayout layout;  // Muon only
-  Buffer state0;        // momentum_buffer (Muon) or exp_avg (AdamW)
-  Buffer state1;        // exp_avg_sq (AdamW)
-  DType state0_dtype = DType::kF32;
-  int64_t step = 0;
-};
-
-// Muon matrices of one group and one shape: their momentum passes run as one launch list and
-// their orthogonalization as one batch.
-struct ShapeClass {
-  int group = 0;
-  int64_t rows = 0, cols = 0;
-  std::vector<std::pair<int, int64_t>> members;  // (param index, slice within a 3D parameter)
-  OrthoConfig resolved;
-  Buffer x, workspace, norms, status;
-  size_t workspace_bytes = 0;
-
-  bool tall() const { return rows > cols; }
-  int64_t m() const { return std::min(rows, cols); }
-  int64_t n() const { return std::max(rows, cols); }
-};
 
 std::string join_shape(std::span<const int64_t> s) {
   std::ostringstream os;
@@ -45,35 +19,54 @@ std::string join_shape(std::span<const int64_t> s) {
   return os.str();
 }
 
-}  // namespace
+DistMode parse_dist_mode(const std::string& s) {
+  if (s == "gather") return DistMode::kGather;
+  if (s == "replicated") return DistMode::kReplicated;
+  if (s == "sharded") return DistMode::kSharded;
+  if (s == "dedicated") return DistMode::kDedicated;
+  DM_FAIL("unknown distributed mode '", s, "' (expected gather, replicated, sharded or dedicated)");
+}
 
-struct Engine::Impl {
-  Backend& backend;
-  EngineOptions options;
-  std::vector<GroupOptions> groups;
-  std::vector<Param> params;
-  std::vector<ShapeClass> classes;
-  bool built = false;
-  Orthogonalizer ortho;
-  EngineStats stats;
-  Buffer skip_counter;  // int64 on the device
-  Buffer adam_status;
-
-  Impl(Backend& be, EngineOptions opt) : backend(be), options(opt), ortho(be) {
-    skip_counter = backend.alloc(sizeof(int64_t));
-    backend.fill_zero(skip_counter.data(), sizeof(int64_t));
+const char* dist_mode_name(DistMode m) {
+  switch (m) {
+    case DistMode::kGather:
+      return "gather";
+    case DistMode::kReplicated:
+      return "replicated";
+    case DistMode::kSharded:
+      return "sharded";
+    case DistMode::kDedicated:
+      return "dedicated";
   }
+  return "?";
+}
 
-  void build_classes();
-  void ensure_class_buffers(ShapeClass& c);
-  void step(std::span<const ParamData> data);
-  void check_inputs(std::span<const ParamData> data) const;
-  void raise_if_nonfinite(const std::vector<std::vector<int>>& slot_params,
-                          const std::vector<int>& adam_params);
-};
+Engine::Impl::Impl(Backend& be, EngineOptions opt) : backend(be), options(opt), ortho(be) {
+  skip_counter = backend.alloc(sizeof(int64_t));
+  backend.fill_zero(skip_counter.data(), sizeof(int64_t));
+}
+
+Engine::Impl::~Impl() {
+  // A publication left in flight must land before the buffers it writes are released.
+  try {
+    if (publish_pending) finish_publish();
+  } catch (...) {
+  }
+}
 
 Engine::Engine(Backend& backend, EngineOptions options)
     : impl_(std::make_unique<Impl>(backend, options)) {}
+
+Engine::Engine(Backend& backend, Communicator& world, const DistOptions& dist,
+               EngineOptions options)
+    : impl_(std::make_unique<Impl>(backend, options)) {
+  DM_CHECK(world.device().kind == backend.device().kind, "the communicator ", world.name(),
+           " moves ", world.device().kind == DeviceKind::kCPU ? "host" : "CUDA",
+           " memory but the backend ", backend.name(), " computes elsewhere");
+  impl_->world = &world;
+  impl_->dist = dist;
+}
+
 Engine::~Engine() = default;
 
 int Engine::add_group(const GroupOptions& o) {
@@ -81,8 +74,8 @@ int Engine::add_group(const GroupOptions& o) {
   if (o.kind == ParamKind::kMuon) {
     const MuonOptions& m = o.muon;
     DM_CHECK(m.lr >= 0, "Muon lr must be >= 0 (got ", m.lr, ")");
-    DM_CHECK(m.momentum >= 0 && m.momentum < 1, "Muon momentum must be in [0, 1) (got ",
-             m.momentum, ")");
+    DM_CHECK(m.momentum >= 0 && m.momentum < 1, "Muon momentum must be in [0, 1) (got ", m.momentum,
+             ")");
     DM_CHECK(m.weight_decay >= 0, "Muon weight_decay must be >= 0 (got ", m.weight_decay, ")");
     DM_CHECK(m.momentum_dtype == DType::kF32 || m.momentum_dtype == DType::kBF16,
              "momentum dtype must be f32 or bf16");
@@ -110,12 +103,16 @@ const ParamSpec& Engine::param(int i) const {
   return impl_->params[i].spec;
 }
 Backend& Engine::backend() { return impl_->backend; }
+bool Engine::distributed() const { return impl_->world != nullptr; }
+const DistOptions& Engine::dist_options() const { return impl_->dist; }
+const Plan* Engine::plan() const { return impl_->world && impl_->built ? &impl_->plan : nullptr; }
 
-int Engine::add_param(const ParamSpec& spec) {
-  Impl& s = *impl_;
+int Engine::Impl::add_param(const ParamSpec& spec) {
+  Impl& s = *this;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  DM_CHECK(spec.group >= 0 && spec.group < num_groups(), "parameter '", spec.name,
-           "' names group ", spec.group, " but only ", num_groups(), " exist");
+  DM_CHECK(spec.group >= 0 && spec.group < static_cast<int>(s.groups.size()), "parameter '",
+           spec.name, "' names group ", spec.group, " but only ", static_cast<int>(s.groups.size()),
+           " exist");
   Param p;
   p.spec = spec;
   p.numel = 1;
@@ -124,200 +121,169 @@ int Engine::add_param(const ParamSpec& spec) {
              ": empty parameters cannot be optimized");
     p.numel *= d;
   }
+  DM_CHECK(!spec.shape.empty(), "parameter '", spec.name, "' is a scalar; give it shape [1]");
+  p.dim0 = spec.shape[0];
+  p.inner = p.numel / p.dim0;
+  const ShardSpec& sh = spec.shard;
+  if (sh.sharded()) {
+    DM_CHECK(s.world != nullptr, "parameter '", spec.name,
+             "' has a shard but the engine is not distributed");
+    DM_CHECK(sh.row_begin >= 0 && sh.row_begin + sh.row_count <= p.dim0, "parameter '", spec.name,
+             "': shard rows [", sh.row_begin, ", ", sh.row_begin + sh.row_count,
+             ") are outside dim 0 of size ", p.dim0);
+  }
+  p.local_rows = sh.sharded() ? sh.row_count : p.dim0;
+  p.local_numel = p.local_rows * p.inner;
   const GroupOptions& g = s.groups[spec.group];
   if (g.kind == ParamKind::kMuon) {
     p.layout = matrix_layout(spec.name, spec.shape);
     p.state0_dtype = g.muon.momentum_dtype;
-    p.state0 = s.backend.alloc(static_cast<size_t>(p.numel) * dtype_size(p.state0_dtype));
-    s.backend.fill_zero(p.state0.data(), p.state0.bytes());
     s.stats.muon_matrices += p.layout.count;
     s.stats.muon_params += p.numel;
   } else {
-    p.state0 = s.backend.alloc(static_cast<size_t>(p.numel) * sizeof(float));
-    p.state1 = s.backend.alloc(static_cast<size_t>(p.numel) * sizeof(float));
-    s.backend.fill_zero(p.state0.data(), p.state0.bytes());
-    s.backend.fill_zero(p.state1.data(), p.state1.bytes());
     s.stats.adamw_params += p.numel;
+  }
+  // A distributed engine allocates state in setup(), once the owners are known.
+  if (!s.world) {
+    const size_t n = static_cast<size_t>(p.numel);
+    p.state0 =
+        s.backend.alloc(n * dtype_size(g.kind == ParamKind::kMuon ? p.state0_dtype : DType::kF32));
+    s.backend.fill_zero(p.state0.data(), p.state0.bytes());
+    if (g.kind == ParamKind::kAdamW) {
+      p.state1 = s.backend.alloc(n * sizeof(float));
+      s.backend.fill_zero(p.state1.data(), p.state1.bytes());
+    }
   }
   s.params.push_back(std::move(p));
   return static_cast<int>(s.params.size()) - 1;
 }
 
-void Engine::Impl::build_classes() {
-  std::map<std::tuple<int, int64_t, int64_t>, size_t> index;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
-    auto key = std::make_tuple(p.spec.group, p.layout.rows, p.layout.cols);
-    auto it = index.find(key);
-    if (it == index.end()) {
-      it = index.emplace(key, classes.size()).first;
-      ShapeClass c;
-      c.group = p.spec.group;
-      c.rows = p.layout.rows;
-      c.cols = p.layout.cols;
-      classes.push_back(std::move(c));
-    }
-    for (int64_t s = 0; s < p.layout.count; ++s)
-      classes[it->second].members.emplace_back(static_cast<int>(i), s);
+int Engine::add_param(const ParamSpec& spec) {
+  Impl& s = *impl_;
+  DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
+  if (!s.world) return s.add_param(spec);
+  // Distributed: an error on one rank must reach every rank (setup() reports it everywhere);
+  // thrown here it would leave the other ranks waiting for this one until the timeout.
+  try {
+    return s.add_param(spec);
+  } catch (const Error& e) {
+    std::string msg = e.what();
+    if (msg.rfind("distmuon: ", 0) == 0) msg.erase(0, 10);
+    s.registration_errors.push_back(msg);
+    Param p;
+    p.spec = spec;
+    s.params.push_back(std::move(p));
+    return static_cast<int>(s.params.size()) - 1;
   }
-  adam_status = backend.alloc(sizeof(int32_t) * std::max<size_t>(1, params.size()));
-  built = true;
-}
-
-// (Re)allocates a class's buffers when its resolved algorithm or work dtype changed.
-void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
-  OrthoConfig r = resolve(groups[c.group].muon.ortho, c.m(), c.n());
-  const int64_t count = static_cast<int64_t>(c.members.size());
-  const bool same = c.x && r.iteration == c.resolved.iteration &&
-                    iteration_dtype(r) == iteration_dtype(c.resolved) &&
-                    r.steps == c.resolved.steps && r.restarts == c.resolved.restarts;
-  c.resolved = r;
-  if (same) return;
-  c.x = backend.alloc(static_cast<size_t>(count * c.m() * c.n()) * dtype_size(iteration_dtype(r)));
-  c.workspace_bytes = Orthogonalizer::workspace_bytes(r, count, c.m(), c.n());
-  c.workspace = backend.alloc(c.workspace_bytes);
-  if (!c.norms) c.norms = backend.alloc(sizeof(float) * count);
-  if (!c.status) c.status = backend.alloc(sizeof(int32_t) * count);
 }
 
 void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
-  DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ",
-           params.size(), " are registered");
+  DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ", params.size(),
+           " are registered");
   for (size_t i = 0; i < data.size(); ++i) {
     const ParamData& d = data[i];
-    const ParamSpec& spec = params[i].spec;
-    DM_CHECK(d.param != nullptr, "parameter '", spec.name, "' has no data");
-    if (!d.grad) continue;
-    if (!d.grad_shape.empty()) {
-      bool same = d.grad_shape.size() == spec.shape.size() &&
-                  std::equal(d.grad_shape.begin(), d.grad_shape.end(), spec.shape.begin());
-      DM_CHECK(same, "parameter '", spec.name, "' has shape ", join_shape(spec.shape),
-               " but its gradient has shape ", join_shape(d.grad_shape));
-    }
+    const Param& p = params[i];
+    const std::string where = world ? detail::concat(" (rank ", rank, ")") : std::string();
+    DM_CHECK(d.param != nullptr || p.local_numel == 0, "parameter '", p.spec.name, "' has no data",
+             where);
+    if (!d.grad || d.grad_shape.empty()) continue;
+    std::vector<int64_t> want = p.spec.shape;
+    want[0] = p.local_rows;
+    bool same = d.grad_shape.size() == want.size() &&
+                std::equal(d.grad_shape.begin(), d.grad_shape.end(), want.begin());
+    DM_CHECK(same, "parameter '", p.spec.name, "' has ",
+             p.spec.shard.sharded() ? "local shard shape " : "shape ", join_shape(want),
+             " but its gradient has shape ", join_shape(d.grad_shape), where);
   }
 }
 
-void Engine::Impl::raise_if_nonfinite(const std::vector<std::vector<int>>& slot_params,
-                                      const std::vector<int>& adam_params) {
-  backend.synchronize();
-  std::vector<std::string> bad;
-  for (size_t ci = 0; ci < classes.size(); ++ci) {
-    std::vector<int32_t> st(slot_params[ci].size());
-    backend.copy_to_host(st.data(), classes[ci].status.data(), st.size() * sizeof(int32_t));
-    for (size_t k = 0; k < st.size(); ++k) {
-      const std::string& name = params[slot_params[ci][k]].spec.name;
-      if (st[k] != kStatusOk && (bad.empty() || bad.back() != name)) bad.push_back(name);
-    }
-  }
-  if (!adam_params.empty()) {
-    std::vector<int32_t> st(adam_params.size());
-    backend.copy_to_host(st.data(), adam_status.data(), st.size() * sizeof(int32_t));
-    for (size_t k = 0; k < st.size(); ++k)
-      if (st[k] != kStatusOk) bad.push_back(params[adam_params[k]].spec.name);
-  }
-  if (bad.empty()) return;
-  std::ostringstream os;
-  for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
-  DM_FAIL("non-finite gradient (NaN or Inf) in ", os.str(),
-          "; the step was not applied (weights and optimizer state unchanged)");
+void Engine::setup() {
+  Impl& s = *impl_;
+  if (s.built) return;
+  if (s.world)
+    s.dist_setup();
+  else
+    s.build_classes();
 }
 
 void Engine::step(std::span<const ParamData> data) {
   Impl& s = *impl_;
+  if (!s.built) setup();
+  if (s.world) {
+    s.dist_step(data);  // checks the inputs and shares any error with every rank
+    return;
+  }
   s.check_inputs(data);
-  if (!s.built) s.build_classes();
+  s.local_step(data);
+}
 
-  // Collect the slots that have a gradient in this step, per shape class.
-  std::vector<std::vector<MuonSlot>> slots(s.classes.size());
-  std::vector<std::vector<MuonUpdateCoef>> coefs(s.classes.size());
-  std::vector<std::vector<int>> slot_params(s.classes.size());
-  for (size_t ci = 0; ci < s.classes.size(); ++ci) {
-    ShapeClass& c = s.classes[ci];
-    s.ensure_class_buffers(c);
-    const MuonOptions& opt = s.groups[c.group].muon;
-    const double scale = shape_scale(opt.scale, c.rows, c.cols);
-    for (auto [pi, slice] : c.members) {
-      const Param& p = s.params[pi];
-      const ParamData& d = data[pi];
-      if (!d.grad) continue;
-      const int64_t off = slice * c.rows * c.cols;
-      auto at = [&](const void* base, DType t) {
-        return const_cast<char*>(static_cast<const char*>(base)) + off * dtype_size(t);
-      };
-      MuonSlot slot;
-      slot.grad = MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, c.rows, c.cols);
-      slot.momentum = MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, c.rows, c.cols);
-      slot.weight = MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, c.rows, c.cols);
-      slots[ci].push_back(slot);
-      slot_params[ci].push_back(pi);
-      coefs[ci].push_back({1.0f - opt.lr * opt.weight_decay, static_cast<float>(opt.lr * scale)});
-    }
-  }
-  std::vector<int> adam_params;
-  std::vector<AdamSlot> adam_slots;
-  std::vector<AdamCoef> adam_coefs;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    Param& p = s.params[i];
-    const GroupOptions& g = s.groups[p.spec.group];
-    if (g.kind != ParamKind::kAdamW || !data[i].grad) continue;
-    adam_params.push_back(static_cast<int>(i));
-    adam_slots.push_back({data[i].param, data[i].grad, p.state0.data(), p.state1.data(),
-                          p.spec.dtype, data[i].grad_dtype, p.numel});
-    const AdamWOptions& a = g.adamw;
-    adam_coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, p.step + 1});
-  }
+void Engine::wait_published() {
+  if (impl_->publish_pending) impl_->finish_publish();
+}
 
-  // Pass 1 everywhere first, so that the raise policy can stop before any state changes.
-  for (size_t ci = 0; ci < s.classes.size(); ++ci) {
-    const MuonOptions& opt = s.groups[s.classes[ci].group].muon;
-    if (slots[ci].empty()) continue;
-    s.backend.muon_momentum_norm(slots[ci], opt.momentum, opt.nesterov,
-                                 s.classes[ci].norms.as<float>(), s.classes[ci].status.as<int32_t>());
-  }
-  if (!adam_slots.empty()) s.backend.adamw_check(adam_slots, s.adam_status.as<int32_t>());
-  if (s.options.nonfinite == NonFinitePolicy::kRaise) s.raise_if_nonfinite(slot_params, adam_params);
+int Engine::owner(int param, int64_t slice) const {
+  DM_CHECK(param >= 0 && param < num_params(), "no parameter ", param);
+  const Param& p = impl_->params[param];
+  DM_CHECK(impl_->groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
+           "' is not a Muon parameter");
+  DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
+           p.layout.count, " matrices, not ", slice + 1);
+  if (!impl_->world) return 0;
+  DM_CHECK(impl_->built, "owners are known after setup()");
+  return impl_->mats[p.matrices[slice]].owner;
+}
 
-  for (size_t ci = 0; ci < s.classes.size(); ++ci) {
-    ShapeClass& c = s.classes[ci];
-    if (slots[ci].empty()) continue;
-    const MuonOptions& opt = s.groups[c.group].muon;
-    const int64_t n = static_cast<int64_t>(slots[ci].size());
-    BatchRef x = BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), n, c.m(), c.n());
-    ScaleSpec norm{c.norms.as<float>(), norm_multiplier(c.resolved.coefficients), c.resolved.eps, 1.0};
-    s.backend.muon_momentum_apply(slots[ci], opt.momentum, opt.nesterov, c.status.as<int32_t>(),
-                                  norm, c.tall(), x);
-    s.ortho.run(c.resolved, x, x, c.workspace.data(), c.workspace_bytes, &s.stats.ortho);
-    s.backend.muon_update(slots[ci], coefs[ci], c.status.as<int32_t>(), x, c.tall());
-    s.backend.count_status(c.status.as<int32_t>(), n, s.skip_counter.as<int64_t>());
+TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
+  DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
+  Param& p = impl_->params[i];
+  DM_CHECK(impl_->groups[p.spec.group].kind == ParamKind::kMuon && name == "momentum_buffer",
+           "parameter '", p.spec.name, "' has no matrix state '", name, "'");
+  DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
+           p.layout.count, " matrices, not ", slice + 1);
+  const Device dev = impl_->backend.device();
+  const std::vector<int64_t> shape = {p.layout.rows, p.layout.cols};
+  const size_t es = dtype_size(p.state0_dtype);
+  const int64_t off = slice * p.layout.rows * p.layout.cols;
+  if (!impl_->world || impl_->dist.mode == DistMode::kGather) {
+    // Single process: the whole parameter; gather: only a whole-matrix local shard qualifies.
+    if (impl_->world && (p.local_numel != p.numel))
+      return TensorView{nullptr, shape, {}, p.state0_dtype, dev};
+    return TensorView::contiguous(p.state0.as<char>() + off * es, shape, p.state0_dtype, dev);
   }
-  if (!adam_slots.empty()) {
-    s.backend.adamw_update(adam_slots, adam_coefs, s.adam_status.as<int32_t>());
-    s.backend.count_status(s.adam_status.as<int32_t>(), static_cast<int64_t>(adam_slots.size()),
-                           s.skip_counter.as<int64_t>());
-  }
-  for (size_t i = 0; i < s.params.size(); ++i)
-    if (data[i].grad) s.params[i].step += 1;
-  s.stats.steps += 1;
+  DM_CHECK(impl_->built, "distributed state exists after setup()");
+  const DistMatrix& m = impl_->mats[p.matrices[slice]];
+  return TensorView::contiguous(m.momentum.data(), shape, p.state0_dtype, dev);
 }
 
 TensorView Engine::state(int i, const std::string& name) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  Param& p = impl_->params[i];
-  const bool muon = impl_->groups[p.spec.group].kind == ParamKind::kMuon;
-  Device dev = impl_->backend.device();
-  if (muon && name == "momentum_buffer")
-    return TensorView::contiguous(p.state0.data(), p.spec.shape, p.state0_dtype, dev);
+  Impl& s = *impl_;
+  Param& p = s.params[i];
+  const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
+  const Device dev = s.backend.device();
+  DM_CHECK(!s.world || s.built, "distributed state exists after setup()");
+  std::vector<int64_t> local = p.spec.shape;
+  local[0] = p.local_rows;
+  if (muon && name == "momentum_buffer") {
+    if (s.world && s.dist.mode != DistMode::kGather) {
+      DM_CHECK(p.layout.count == 1, "parameter '", p.spec.name, "' holds ", p.layout.count,
+               " matrices with their own owners: read them with matrix_state()");
+      const DistMatrix& m = s.mats[p.matrices[0]];
+      return TensorView::contiguous(m.momentum.data(), p.spec.shape, p.state0_dtype, dev);
+    }
+    return TensorView::contiguous(p.state0.data(), local, p.state0_dtype, dev);
+  }
   if (!muon && name == "exp_avg")
-    return TensorView::contiguous(p.state0.data(), p.spec.shape, DType::kF32, dev);
+    return TensorView::contiguous(p.state0.data(), local, DType::kF32, dev);
   if (!muon && name == "exp_avg_sq")
-    return TensorView::contiguous(p.state1.data(), p.spec.shape, DType::kF32, dev);
+    return TensorView::contiguous(p.state1.data(), local, DType::kF32, dev);
   DM_FAIL("parameter '", p.spec.name, "' has no state '", name, "'");
 }
 
 std::vector<std::string> Engine::state_names(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon) return {"momentum_buffer"};
+  if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon)
+    return {"momentum_buffer"};
   return {"exp_avg", "exp_avg_sq"};
 }
 
@@ -332,9 +298,11 @@ void Engine::set_param_step(int i, int64_t step) {
 }
 
 EngineStats Engine::stats() {
-  impl_->backend.synchronize();
-  EngineStats st = impl_->stats;
-  impl_->backend.copy_to_host(&st.nonfinite_skips, impl_->skip_counter.data(), sizeof(int64_t));
+  Impl& s = *impl_;
+  s.backend.synchronize();
+  EngineStats st = s.stats;
+  s.backend.copy_to_host(&st.nonfinite_skips, s.skip_counter.data(), sizeof(int64_t));
+  if (!s.world) st.owned_matrices = st.muon_matrices;
   return st;
 }
 

@@ -17,9 +17,12 @@ ScaleMode parse_scale_mode(const std::string& s) {
 
 const char* scale_mode_name(ScaleMode m) {
   switch (m) {
-    case ScaleMode::kOriginal: return "original";
-    case ScaleMode::kMatchRmsAdamW: return "match_rms_adamw";
-    case ScaleMode::kSpectral: return "spectral";
+    case ScaleMode::kOriginal:
+      return "original";
+    case ScaleMode::kMatchRmsAdamW:
+      return "match_rms_adamw";
+    case ScaleMode::kSpectral:
+      return "spectral";
   }
   return "?";
 }
@@ -27,9 +30,12 @@ const char* scale_mode_name(ScaleMode m) {
 double shape_scale(ScaleMode mode, int64_t rows, int64_t cols) {
   const double r = static_cast<double>(rows), c = static_cast<double>(cols);
   switch (mode) {
-    case ScaleMode::kOriginal: return std::sqrt(std::max(1.0, r / c));
-    case ScaleMode::kMatchRmsAdamW: return 0.2 * std::sqrt(std::max(r, c));
-    case ScaleMode::kSpectral: return std::sqrt(r / c);
+    case ScaleMode::kOriginal:
+      return std::sqrt(std::max(1.0, r / c));
+    case ScaleMode::kMatchRmsAdamW:
+      return 0.2 * std::sqrt(std::max(r, c));
+    case ScaleMode::kSpectral:
+      return std::sqrt(r / c);
   }
   return 1.0;
 }
@@ -49,9 +55,12 @@ MatrixLayout matrix_layout(const std::string& name, const std::vector<int64_t>& 
     DM_CHECK(d > 0, "parameter '", name, "' has shape ", shape_str(shape),
              ": empty parameters cannot be optimized");
   switch (shape.size()) {
-    case 2: return {1, shape[0], shape[1]};
-    case 3: return {shape[0], shape[1], shape[2]};  // a batch of matrices
-    case 4: return {1, shape[0], shape[1] * shape[2] * shape[3]};  // conv: out x (in*kh*kw)
+    case 2:
+      return {1, shape[0], shape[1]};
+    case 3:
+      return {shape[0], shape[1], shape[2]};  // a batch of matrices
+    case 4:
+      return {1, shape[0], shape[1] * shape[2] * shape[3]};  // conv: out x (in*kh*kw)
     default:
       DM_FAIL("parameter '", name, "' has shape ", shape_str(shape),
               ": Muon needs a matrix (2D), a batch of matrices (3D) or a conv kernel (4D); "

@@ -1,0 +1,208 @@
+// The Communicator: the collectives the distributed engine needs, on raw buffers in one device's
+// memory, with asynchronous handles, timeouts and byte counters. Implementations: MPI (host
+// memory; src/comm/mpi_comm.cc), NCCL (CUDA memory, own stream; src/comm/nccl_comm.cc) and, in
+// the PyTorch front, one over torch.distributed. No MPI or NCCL type appears here, so a third
+// implementation only subclasses Communicator and fills in the protected do_* methods.
+//
+// Contract shared by every operation
+// - Collective: every member calls the same operations in the same order, with matching counts
+//   and types. A mismatch is undefined in MPI and NCCL; the engine checks its own metadata
+//   before any data moves so that users never reach that state.
+// - Asynchronous: each call returns a CommHandle. The buffers must stay valid and unmodified
+//   (inputs) or untouched (outputs) until the handle completes. Count and displacement spans
+//   are only read during the call.
+// - Ordering on devices with streams: an operation sees everything issued on the stream the
+//   communicator was bound to before the call; after wait() returns, results are visible on
+//   that stream and on the host.
+// - Timeouts: CommHandle::wait() throws distmuon::TimeoutError naming the operation, the
+//   communicator and its members when the operation does not complete in time
+//   (DISTMUON_COMM_TIMEOUT_S by default). An NCCL communicator is aborted after a timeout.
+// - Counts and displacements are in elements of the given type.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "distmuon/types.h"
+
+namespace distmuon {
+
+// Element types a communicator moves: the float types of DType plus the integer types that
+// metadata, status flags and votes use.
+enum class CommType : int { kF64 = 0, kF32 = 1, kBF16 = 2, kF16 = 3, kI32 = 4, kI64 = 5, kU8 = 6 };
+CommType comm_type(DType t);
+size_t comm_type_size(CommType t);
+const char* comm_type_name(CommType t);
+
+enum class ReduceOp : int { kSum = 0, kMax = 1, kMin = 2 };
+const char* reduce_op_name(ReduceOp op);
+
+// One operation in flight, as an implementation tracks it.
+class CommRequest {
+ public:
+  virtual ~CommRequest() = default;
+  // True once the operation completed. Never blocks; throws distmuon::Error if it failed.
+  virtual bool test() = 0;
+  // Blocks until completion. After timeout_s seconds throws TimeoutError (the operation may
+  // still be pending; waiting again is allowed unless the communicator was aborted).
+  virtual void wait(double timeout_s) = 0;
+};
+
+// Owning handle of one asynchronous operation (RAII: move-only; the destructor waits, because
+// the buffers of a pending operation are still in use, and logs instead of throwing).
+class CommHandle {
+ public:
+  CommHandle() = default;  // an empty handle is complete
+  CommHandle(std::unique_ptr<CommRequest> request, double timeout_s);
+  CommHandle(CommHandle&&) noexcept = default;
+  CommHandle& operator=(CommHandle&& o) noexcept;
+  CommHandle(const CommHandle&) = delete;
+  CommHandle& operator=(const CommHandle&) = delete;
+  ~CommHandle();
+
+  bool test();                  // true when complete (then the handle becomes empty)
+  void wait();                  // with the communicator's timeout at issue time
+  void wait(double timeout_s);  // throws TimeoutError
+  bool pending() const { return request_ != nullptr; }
+
+ private:
+  void finish_quietly() noexcept;
+
+  std::unique_ptr<CommRequest> request_;
+  double timeout_s_ = 0;
+};
+
+// Waits for every handle in order (the first failure propagates; the rest wait in their
+// destructors).
+void wait_all(std::vector<CommHandle>& handles);
+
+// Bytes this member moved, counted as direct point-to-point payload (each element once where
+// it leaves its source and once where it arrives, self-copies excluded), whatever algorithm the
+// library runs underneath:
+//   reduce:        non-root sends n;            root receives (P-1) n
+//   broadcast:     root sends (P-1) n;          non-root receives n
+//   all_reduce:    sends and receives 2 (P-1)/P n (as reduce-scatter + all-gather)
+//   all_gather_v:  sends (P-1) own;              receives total - own
+//   all_to_all_v:  sends / receives the counts addressed to / from other members
+// With one owner per matrix, reduce-to-owner over all matrices then equals a reduce-scatter
+// and broadcast-from-owner an all-gather, so modes compare on the same scale.
+struct CommStats {
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t ops = 0;
+  CommStats& operator+=(const CommStats& o);
+  CommStats operator-(const CommStats& o) const;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // A name for messages, e.g. "mpi:world" or "nccl:world/split(1)".
+  const std::string& name() const { return name_; }
+  // The world ranks of the members, in member order (for messages).
+  const std::vector<int>& world_ranks() const { return world_ranks_; }
+  // Where buffers must live: host memory (kCPU) or the CUDA device of the communicator.
+  virtual Device device() const = 0;
+
+  double timeout_s() const { return timeout_s_; }
+  void set_timeout(double seconds);
+
+  // recv = op over members of send (count elements). send == recv: in place.
+  CommHandle all_reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op);
+  // The root's recv = op over members of send; recv is ignored elsewhere. send == recv on the
+  // root: in place.
+  CommHandle reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+                    int root);
+  // buf on every member = buf on root.
+  CommHandle broadcast(void* buf, int64_t count, CommType type, int root);
+  // recv[recv_displs[q] ...] = member q's send (recv_counts[q] elements). send_count must
+  // equal recv_counts[rank()]; send may alias its own slot of recv.
+  CommHandle all_gather_v(const void* send, int64_t send_count, void* recv,
+                          std::span<const int64_t> recv_counts,
+                          std::span<const int64_t> recv_displs, CommType type);
+  // Uniform all-gather: recv holds size() * count elements, member q's at q * count.
+  CommHandle all_gather(const void* send, void* recv, int64_t count, CommType type);
+  // Member q receives send[send_displs[q] ...] (send_counts[q] elements) from every member;
+  // what arrives from member q goes to recv[recv_displs[q] ...] (recv_counts[q] elements).
+  // Counts may be uneven and zero; recv_counts[q] must equal member q's send_counts[rank()].
+  CommHandle all_to_all_v(const void* send, std::span<const int64_t> send_counts,
+                          std::span<const int64_t> send_displs, void* recv,
+                          std::span<const int64_t> recv_counts,
+                          std::span<const int64_t> recv_displs, CommType type);
+  CommHandle barrier();
+  // Collective over this communicator: members with the same color form a new communicator,
+  // ordered by (key, rank). color < 0 takes no part and gets nullptr.
+  std::unique_ptr<Communicator> split(int color, int key);
+
+  CommStats stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+
+ protected:
+  Communicator(int rank, int size, std::string name, std::vector<int> world_ranks);
+
+  // Implementations: arguments are validated and counted before these are called.
+  virtual std::unique_ptr<CommRequest> do_all_reduce(const void* send, void* recv, int64_t count,
+                                                     CommType type, ReduceOp op) = 0;
+  virtual std::unique_ptr<CommRequest> do_reduce(const void* send, void* recv, int64_t count,
+                                                 CommType type, ReduceOp op, int root) = 0;
+  virtual std::unique_ptr<CommRequest> do_broadcast(void* buf, int64_t count, CommType type,
+                                                    int root) = 0;
+  virtual std::unique_ptr<CommRequest> do_all_gather_v(const void* send, int64_t send_count,
+                                                       void* recv,
+                                                       std::span<const int64_t> recv_counts,
+                                                       std::span<const int64_t> recv_displs,
+                                                       CommType type) = 0;
+  virtual std::unique_ptr<CommRequest> do_all_to_all_v(
+      const void* send, std::span<const int64_t> send_counts, std::span<const int64_t> send_displs,
+      void* recv, std::span<const int64_t> recv_counts, std::span<const int64_t> recv_displs,
+      CommType type) = 0;
+  virtual std::unique_ptr<CommRequest> do_barrier() = 0;
+  virtual std::unique_ptr<Communicator> do_split(int color, int key) = 0;
+
+  // "all_to_all_v on mpi:world (rank 2 of 4, world ranks 0,1,2,3)": for error messages.
+  std::string describe(const char* op) const;
+
+ private:
+  void count(int64_t sent_elems, int64_t recv_elems, CommType type);
+  CommHandle issue(std::unique_ptr<CommRequest> r);
+
+  int rank_, size_;
+  std::string name_;
+  std::vector<int> world_ranks_;
+  double timeout_s_;
+  CommStats stats_;
+};
+
+// ---- MPI (host memory) ------------------------------------------------------------------------
+// True when this build has the MPI communicator.
+bool mpi_available();
+// A communicator over a duplicate of MPI_COMM_WORLD. Initialises MPI (thread level
+// MPI_THREAD_MULTIPLE) when nobody did, and then finalises it at exit. Non-blocking operations
+// are driven by a progress thread (DISTMUON_MPI_PROGRESS_THREAD) so that they advance while
+// the host computes.
+std::unique_ptr<Communicator> make_mpi_world();
+
+// ---- NCCL (CUDA memory) -----------------------------------------------------------------------
+struct NcclUniqueId {
+  char bytes[128] = {};
+};
+// True when this build has the NCCL communicator.
+bool nccl_available();
+// Rank 0 creates the id and shares it with the others out of band (MPI, torch.distributed).
+NcclUniqueId nccl_unique_id();
+// A communicator of `size` members on the current CUDA device. `stream` is the cudaStream_t the
+// caller's compute runs on (nullptr: the legacy default stream): operations start after the
+// work issued on it and wait() makes it wait for their results. Collectives run on the
+// communicator's own stream. Initialisation is bounded by the timeout as well.
+std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int rank, int size,
+                                                     void* stream = nullptr);
+
+}  // namespace distmuon

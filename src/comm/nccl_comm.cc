@@ -1,0 +1,424 @@
+// The NCCL communicator: collectives on CUDA memory, issued on the communicator's own stream
+// after the caller's stream (event), completed by polling an event so that a deadline or an
+// asynchronous NCCL error aborts the communicator instead of hanging the process. The
+// communicator is non-blocking (ncclConfig_t.blocking = 0), so initialisation and split are
+// bounded by the timeout too.
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common/log.h"
+#include "distmuon/comm.h"
+#include "distmuon/error.h"
+
+namespace distmuon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+#define DM_CHECK_CUDA(call, ...)                             \
+  do {                                                       \
+    cudaError_t dm_e_ = (call);                              \
+    DM_CHECK(dm_e_ == cudaSuccess, __VA_ARGS__, ": ", #call, \
+             " failed: ", cudaGetErrorString(dm_e_));        \
+  } while (0)
+
+// ncclInProgress is the normal answer of a non-blocking communicator: the call was accepted.
+#define DM_CHECK_NCCL(call, ...)                                                        \
+  do {                                                                                  \
+    ncclResult_t dm_r_ = (call);                                                        \
+    DM_CHECK(dm_r_ == ncclSuccess || dm_r_ == ncclInProgress, __VA_ARGS__, ": ", #call, \
+             " failed: ", ncclGetErrorString(dm_r_));                                   \
+  } while (0)
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cudaGetDevice(&previous_);
+    if (previous_ != device) cudaSetDevice(device);
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+
+ private:
+  int previous_ = 0;
+};
+
+class Event {  // RAII cudaEvent_t without timing (cheaper to record and query)
+ public:
+  Event() { DM_CHECK_CUDA(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "nccl"); }
+  ~Event() {
+    if (e_) cudaEventDestroy(e_);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  cudaEvent_t get() const { return e_; }
+
+ private:
+  cudaEvent_t e_ = nullptr;
+};
+
+class Stream {  // RAII non-blocking stream: no implicit ordering with the legacy stream
+ public:
+  Stream() { DM_CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "nccl"); }
+  ~Stream() {
+    if (s_) cudaStreamDestroy(s_);
+  }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+  cudaStream_t get() const { return s_; }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
+class DeviceInts {  // a few int64 in device memory for barrier and split exchanges
+ public:
+  explicit DeviceInts(size_t n) { DM_CHECK_CUDA(cudaMalloc(&p_, n * sizeof(int64_t)), "nccl"); }
+  ~DeviceInts() {
+    if (p_) cudaFree(p_);
+  }
+  DeviceInts(const DeviceInts&) = delete;
+  DeviceInts& operator=(const DeviceInts&) = delete;
+  int64_t* get() const { return static_cast<int64_t*>(p_); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// The NCCL handle and its abort state, shared with the requests so a request can abort it.
+struct Shared {
+  ncclComm_t comm = nullptr;
+  bool aborted = false;
+  std::string name;
+  void abort() {
+    if (aborted || !comm) return;
+    aborted = true;
+    ncclCommAbort(comm);  // unblocks kernels stuck waiting for peers
+  }
+  // Throws if NCCL reported an asynchronous error (aborting first).
+  void check_async(const std::string& what) {
+    DM_CHECK(!aborted, what, ": the communicator ", name, " was aborted after an earlier error");
+    ncclResult_t r = ncclSuccess;
+    ncclCommGetAsyncError(comm, &r);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      abort();
+      DM_FAIL(what, " failed: ", ncclGetErrorString(r), " (", ncclGetLastError(comm), ")");
+    }
+  }
+  // Waits until a non-blocking call has been accepted (state leaves ncclInProgress).
+  void wait_ready(const std::string& what, double timeout_s) {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+    for (;;) {
+      ncclResult_t r = ncclSuccess;
+      ncclCommGetAsyncError(comm, &r);
+      if (r == ncclSuccess) return;
+      if (r != ncclInProgress) {
+        abort();
+        DM_FAIL(what, " failed: ", ncclGetErrorString(r));
+      }
+      if (Clock::now() >= deadline) {
+        abort();
+        throw TimeoutError(detail::concat(what, " was not accepted within ", timeout_s,
+                                          " s; the communicator was aborted"),
+                           __FILE__, __LINE__);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+};
+
+class NcclRequest final : public CommRequest {
+ public:
+  NcclRequest(std::shared_ptr<Shared> sh, int device, cudaStream_t user, std::string what)
+      : sh_(std::move(sh)), device_(device), user_(user), what_(std::move(what)) {}
+  cudaEvent_t event() const { return done_.get(); }
+
+  bool test() override {
+    if (finished_) return true;
+    DeviceGuard g(device_);
+    sh_->check_async(what_);
+    cudaError_t q = cudaEventQuery(done_.get());
+    if (q == cudaErrorNotReady) return false;
+    DM_CHECK_CUDA(q, what_);
+    // Results become visible to the caller's stream without a host round trip.
+    DM_CHECK_CUDA(cudaStreamWaitEvent(user_, done_.get(), 0), what_);
+    finished_ = true;
+    return true;
+  }
+  void wait(double timeout_s) override {
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+    auto backoff = std::chrono::microseconds(2);
+    while (!test()) {
+      if (Clock::now() >= deadline) {
+        sh_->abort();
+        throw TimeoutError(detail::concat(what_, " did not complete within ", timeout_s,
+                                          " s (DISTMUON_COMM_TIMEOUT_S); the NCCL communicator "
+                                          "was aborted: a member is slow, has died, or called "
+                                          "a different collective"),
+                           __FILE__, __LINE__);
+      }
+      std::this_thread::sleep_for(backoff);
+      backoff = std::min(backoff * 2, std::chrono::microseconds(500));
+    }
+  }
+
+ private:
+  std::shared_ptr<Shared> sh_;
+  int device_;
+  cudaStream_t user_;
+  std::string what_;
+  Event done_;
+  bool finished_ = false;
+};
+
+ncclDataType_t nccl_type(CommType t) {
+  switch (t) {
+    case CommType::kF64:
+      return ncclFloat64;
+    case CommType::kF32:
+      return ncclFloat32;
+    case CommType::kBF16:
+      return ncclBfloat16;
+    case CommType::kF16:
+      return ncclFloat16;
+    case CommType::kI32:
+      return ncclInt32;
+    case CommType::kI64:
+      return ncclInt64;
+    case CommType::kU8:
+      return ncclUint8;
+  }
+  DM_FAIL("nccl: unknown element type");
+}
+
+ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
+  }
+  DM_FAIL("nccl: unknown reduction");
+}
+
+char* at(void* p, int64_t elems, CommType t) {
+  return static_cast<char*>(p) + elems * static_cast<int64_t>(comm_type_size(t));
+}
+const char* at(const void* p, int64_t elems, CommType t) {
+  return static_cast<const char*>(p) + elems * static_cast<int64_t>(comm_type_size(t));
+}
+
+class NcclComm final : public Communicator {
+ public:
+  NcclComm(std::shared_ptr<Shared> sh, int rank, int size, std::vector<int> world_ranks, int device,
+           cudaStream_t user)
+      : Communicator(rank, size, sh->name, std::move(world_ranks)),
+        sh_(std::move(sh)),
+        device_(device),
+        user_(user),
+        scratch_(2 * static_cast<size_t>(size)) {}
+  ~NcclComm() override {
+    DeviceGuard g(device_);
+    if (sh_->aborted) return;  // ncclCommAbort already released the communicator
+    cudaStreamSynchronize(stream_.get());
+    ncclCommFinalize(sh_->comm);  // flushes outstanding work; completes asynchronously
+    try {
+      sh_->wait_ready("finalize of " + name(), timeout_s());
+    } catch (const std::exception& e) {
+      DM_LOG(kError, e.what());  // wait_ready aborted the communicator
+    }
+    if (!sh_->aborted) ncclCommDestroy(sh_->comm);
+  }
+  Device device() const override { return Device{DeviceKind::kCUDA, device_}; }
+
+ protected:
+  std::unique_ptr<CommRequest> do_all_reduce(const void* send, void* recv, int64_t count,
+                                             CommType type, ReduceOp op) override {
+    return launch("all_reduce", [&] {
+      DM_CHECK_NCCL(
+          ncclAllReduce(send, recv, count, nccl_type(type), nccl_op(op), sh_->comm, stream_.get()),
+          describe("all_reduce"));
+    });
+  }
+  std::unique_ptr<CommRequest> do_reduce(const void* send, void* recv, int64_t count, CommType type,
+                                         ReduceOp op, int root) override {
+    // Only the root writes recv; elsewhere it may be null, which NCCL's checks would reject.
+    if (!recv) recv = const_cast<void*>(send);
+    return launch("reduce", [&] {
+      DM_CHECK_NCCL(ncclReduce(send, recv, count, nccl_type(type), nccl_op(op), root, sh_->comm,
+                               stream_.get()),
+                    describe("reduce"));
+    });
+  }
+  std::unique_ptr<CommRequest> do_broadcast(void* buf, int64_t count, CommType type,
+                                            int root) override {
+    return launch("broadcast", [&] {
+      DM_CHECK_NCCL(ncclBroadcast(buf, buf, count, nccl_type(type), root, sh_->comm, stream_.get()),
+                    describe("broadcast"));
+    });
+  }
+  std::unique_ptr<CommRequest> do_all_gather_v(const void* send, int64_t send_count, void* recv,
+                                               std::span<const int64_t> recv_counts,
+                                               std::span<const int64_t> recv_displs,
+                                               CommType type) override {
+    (void)send_count;
+    // One broadcast per member in a group: NCCL's all-gather needs equal counts.
+    return launch("all_gather_v", [&] {
+      DM_CHECK_NCCL(ncclGroupStart(), describe("all_gather_v"));
+      for (int q = 0; q < size(); ++q) {
+        if (recv_counts[q] == 0) continue;
+        void* dst = at(recv, recv_displs[q], type);
+        const void* src = q == rank() ? send : dst;
+        DM_CHECK_NCCL(
+            ncclBroadcast(src, dst, recv_counts[q], nccl_type(type), q, sh_->comm, stream_.get()),
+            describe("all_gather_v"));
+      }
+      DM_CHECK_NCCL(ncclGroupEnd(), describe("all_gather_v"));
+    });
+  }
+  std::unique_ptr<CommRequest> do_all_to_all_v(const void* send,
+                                               std::span<const int64_t> send_counts,
+                                               std::span<const int64_t> send_displs, void* recv,
+                                               std::span<const int64_t> recv_counts,
+                                               std::span<const int64_t> recv_displs,
+                                               CommType type) override {
+    return launch("all_to_all_v", [&] {
+      const int me = rank();
+      if (send_counts[me] > 0)
+        DM_CHECK_CUDA(
+            cudaMemcpyAsync(at(recv, recv_displs[me], type), at(send, send_displs[me], type),
+                            send_counts[me] * comm_type_size(type), cudaMemcpyDeviceToDevice,
+                            stream_.get()),
+            describe("all_to_all_v"));
+      DM_CHECK_NCCL(ncclGroupStart(), describe("all_to_all_v"));
+      for (int q = 0; q < size(); ++q) {
+        if (q == me) continue;
+        if (send_counts[q] > 0)
+          DM_CHECK_NCCL(ncclSend(at(send, send_displs[q], type), send_counts[q], nccl_type(type), q,
+                                 sh_->comm, stream_.get()),
+                        describe("all_to_all_v"));
+        if (recv_counts[q] > 0)
+          DM_CHECK_NCCL(ncclRecv(at(recv, recv_displs[q], type), recv_counts[q], nccl_type(type), q,
+                                 sh_->comm, stream_.get()),
+                        describe("all_to_all_v"));
+      }
+      DM_CHECK_NCCL(ncclGroupEnd(), describe("all_to_all_v"));
+    });
+  }
+  std::unique_ptr<CommRequest> do_barrier() override {
+    return launch("barrier", [&] {
+      DM_CHECK_NCCL(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclInt64, ncclSum, sh_->comm,
+                                  stream_.get()),
+                    describe("barrier"));
+    });
+  }
+
+  std::unique_ptr<Communicator> do_split(int color, int key) override {
+    DeviceGuard g(device_);
+    // Learn every member's (color, key) first, for the new communicator's world ranks; the
+    // all-gather's timeout also catches members that never arrive.
+    std::vector<int64_t> all(2 * static_cast<size_t>(size()));
+    int64_t mine[2] = {color, key};
+    DM_CHECK_CUDA(
+        cudaMemcpy(scratch_.get() + 2 * rank(), mine, sizeof(mine), cudaMemcpyHostToDevice),
+        describe("split"));
+    all_gather(scratch_.get() + 2 * rank(), scratch_.get(), 2, CommType::kI64).wait();
+    DM_CHECK_CUDA(cudaMemcpy(all.data(), scratch_.get(), all.size() * sizeof(int64_t),
+                             cudaMemcpyDeviceToHost),
+                  describe("split"));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t sub = nullptr;
+    DM_CHECK_NCCL(
+        ncclCommSplit(sh_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &config),
+        describe("split"));
+    sh_->wait_ready(describe("split"), timeout_s());
+    if (color < 0) return nullptr;
+    std::vector<std::pair<int64_t, int>> members;
+    for (int q = 0; q < size(); ++q)
+      if (all[2 * q] == color) members.emplace_back(all[2 * q + 1], q);
+    std::sort(members.begin(), members.end());
+    std::vector<int> wr;
+    int my_rank = 0;
+    for (size_t i = 0; i < members.size(); ++i) {
+      wr.push_back(world_ranks()[members[i].second]);
+      if (members[i].second == rank()) my_rank = static_cast<int>(i);
+    }
+    auto sh = std::make_shared<Shared>();
+    sh->comm = sub;
+    sh->name = name() + "/split(" + std::to_string(color) + ")";
+    sh->wait_ready("initialisation of " + sh->name, timeout_s());
+    return std::make_unique<NcclComm>(std::move(sh), my_rank, static_cast<int>(members.size()),
+                                      std::move(wr), device_, user_);
+  }
+
+ private:
+  template <typename F>
+  std::unique_ptr<CommRequest> launch(const char* op, F&& issue) {
+    DeviceGuard g(device_);
+    const std::string what = describe(op);
+    sh_->check_async(what);
+    auto req = std::make_unique<NcclRequest>(sh_, device_, user_, what);
+    // Start after everything the caller issued on its stream (the inputs are ready then).
+    DM_CHECK_CUDA(cudaEventRecord(ready_.get(), user_), what);
+    DM_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), ready_.get(), 0), what);
+    issue();
+    sh_->wait_ready(what, timeout_s());
+    DM_CHECK_CUDA(cudaEventRecord(req->event(), stream_.get()), what);
+    return req;
+  }
+
+  std::shared_ptr<Shared> sh_;
+  int device_;
+  cudaStream_t user_;
+  Stream stream_;
+  Event ready_;
+  DeviceInts scratch_;
+};
+
+}  // namespace
+
+bool nccl_available() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+NcclUniqueId nccl_unique_id() {
+  ncclUniqueId id;
+  DM_CHECK_NCCL(ncclGetUniqueId(&id), "nccl");
+  NcclUniqueId out;
+  static_assert(sizeof(out.bytes) == sizeof(id.internal), "NCCL unique id size changed");
+  std::memcpy(out.bytes, id.internal, sizeof(out.bytes));
+  return out;
+}
+
+std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& uid, int rank, int size,
+                                                     void* stream) {
+  DM_CHECK(size >= 1 && rank >= 0 && rank < size, "nccl: rank ", rank, " of ", size,
+           " is not valid");
+  int device = 0;
+  DM_CHECK_CUDA(cudaGetDevice(&device), "nccl: no CUDA device");
+  ncclUniqueId id;
+  std::memcpy(id.internal, uid.bytes, sizeof(id.internal));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  auto sh = std::make_shared<Shared>();
+  sh->name = "nccl:world";
+  DM_CHECK_NCCL(ncclCommInitRankConfig(&sh->comm, size, id, rank, &config),
+                "nccl: initialisation of rank ", rank, " of ", size);
+  // The first communicator's timeout is the environment's (set_timeout applies afterwards).
+  auto comm = std::make_unique<NcclComm>(sh, rank, size, std::vector<int>{}, device,
+                                         static_cast<cudaStream_t>(stream));
+  sh->wait_ready(detail::concat("nccl: initialisation of rank ", rank, " of ", size,
+                                " (all members must call make_nccl_communicator with one id)"),
+                 comm->timeout_s());
+  return comm;
+}
+
+}  // namespace distmuon

@@ -1,0 +1,149 @@
+// Layout of a distributed engine: one DistMatrix per Muon matrix with its owner and the rows each
+// shard position holds, buckets in registration order, and the state each rank keeps.
+#include <algorithm>
+#include <tuple>
+
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+
+namespace distmuon {
+
+void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
+  mats.clear();
+  adam_params.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    Param& p = params[i];
+    if (groups[p.spec.group].kind != ParamKind::kMuon) {
+      p.adam_index = static_cast<int>(adam_params.size());
+      adam_params.push_back(static_cast<int>(i));
+      continue;
+    }
+    for (int64_t s = 0; s < p.layout.count; ++s) {
+      DistMatrix m;
+      m.param = static_cast<int>(i);
+      m.slice = s;
+      m.rows = p.layout.rows;
+      m.cols = p.layout.cols;
+      m.group = p.spec.group;
+      m.wire = p.spec.dtype;
+      const int j = static_cast<int>(mats.size());
+      m.owner = plan.owner.at(j);
+      DM_CHECK(m.owner >= 0 && m.owner < world_size, "the plan gives matrix '", p.spec.name,
+               "' to rank ", m.owner, " of a world of ", world_size);
+      m.owner_r = m.owner / shard_size;
+      m.owner_s = m.owner % shard_size;
+      // A dim-0 shard is a contiguous range of the flattened parameter whose ends fall on row
+      // boundaries of every matrix (dim-0 rows hold whole matrix rows: 2D and conv kernels, or
+      // whole matrices: 3D), so its intersection with a matrix is a range of rows.
+      m.lo.assign(shard_size, 0);
+      m.hi.assign(shard_size, 0);
+      const int64_t first = s * m.rows * m.cols, last = first + m.rows * m.cols;
+      for (int q = 0; q < shard_size; ++q) {
+        auto [b, n] = shard_of ? shard_of(q, i) : std::pair<int64_t, int64_t>(0, p.dim0);
+        const int64_t start = std::max(b * p.inner, first);
+        const int64_t end = std::min((b + n) * p.inner, last);
+        if (end <= start) continue;
+        m.lo[q] = (start - first) / m.cols;
+        m.hi[q] = (end - first) / m.cols;
+      }
+      p.matrices.push_back(j);
+      mats.push_back(std::move(m));
+    }
+  }
+
+  // The plan's batches: each matrix in exactly one batch of its owner.
+  std::vector<int> seen(mats.size(), 0);
+  for (size_t o = 0; o < plan.batches.size(); ++o)
+    for (size_t k = 0; k < plan.batches[o].size(); ++k)
+      for (int j : plan.batches[o][k]) {
+        DM_CHECK(
+            j >= 0 && j < static_cast<int>(mats.size()) && mats[j].owner == static_cast<int>(o),
+            "the plan batches matrix ", j, " on rank ", o, " which does not own it");
+        mats[j].batch = static_cast<int>(k);
+        seen[j] += 1;
+      }
+  for (size_t j = 0; j < mats.size(); ++j)
+    DM_CHECK(seen[j] == 1, "the plan puts matrix '", matrix_name(static_cast<int>(j)), "' in ",
+             seen[j], " batches instead of one");
+
+  // Buckets of consecutive matrices (registration order follows the layers) of one wire dtype,
+  // each holding about bucket_bytes of full matrices.
+  buckets.clear();
+  int64_t bytes = 0;
+  for (size_t j = 0; j < mats.size(); ++j) {
+    DistMatrix& m = mats[j];
+    const int64_t mb = m.numel() * static_cast<int64_t>(dtype_size(m.wire));
+    const bool split =
+        !buckets.empty() && ((dist.bucket_bytes > 0 && bytes + mb > dist.bucket_bytes) ||
+                             mats[buckets.back().mats[0]].wire != m.wire);
+    if (buckets.empty() || split) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().mats.push_back(static_cast<int>(j));
+    m.bucket = static_cast<int>(buckets.size()) - 1;
+    bytes += mb;
+  }
+  // Runs of one owner, plan batch, group and shape (gather: group and shape) are contiguous
+  // after sorting, so each is one batched launch and one status range.
+  const bool by_owner = dist.mode != DistMode::kGather;
+  int64_t offset = 0;
+  for (Bucket& b : buckets) {
+    std::sort(b.mats.begin(), b.mats.end(), [&](int x, int y) {
+      const DistMatrix& a = mats[x];
+      const DistMatrix& c = mats[y];
+      return std::make_tuple(by_owner ? a.owner : 0, by_owner ? a.batch : 0, a.group, a.rows,
+                             a.cols, x) < std::make_tuple(by_owner ? c.owner : 0,
+                                                          by_owner ? c.batch : 0, c.group, c.rows,
+                                                          c.cols, y);
+    });
+    b.status_offset = offset;
+    offset += static_cast<int64_t>(b.mats.size());
+  }
+  n_status = offset + static_cast<int64_t>(adam_params.size());
+}
+
+void Engine::Impl::allocate_state() {
+  stats.owned_matrices = 0;
+  for (DistMatrix& m : mats) {
+    if (dist.mode == DistMode::kGather) {
+      stats.owned_matrices += 1;
+    } else if (m.owner == rank) {
+      const DType t = params[m.param].state0_dtype;
+      m.momentum = backend.alloc(static_cast<size_t>(m.numel()) * dtype_size(t));
+      backend.fill_zero(m.momentum.data(), m.momentum.bytes());
+      stats.owned_matrices += 1;
+    }
+  }
+  for (Param& p : params) {
+    const bool muon = groups[p.spec.group].kind == ParamKind::kMuon;
+    if (muon && dist.mode != DistMode::kGather) continue;  // momentum lives with the owner
+    const size_t n = static_cast<size_t>(std::max<int64_t>(p.local_numel, 1));
+    p.state0 = backend.alloc(n * dtype_size(muon ? p.state0_dtype : DType::kF32));
+    backend.fill_zero(p.state0.data(), p.state0.bytes());
+    if (!muon) {
+      p.state1 = backend.alloc(n * sizeof(float));
+      backend.fill_zero(p.state1.data(), p.state1.bytes());
+    }
+  }
+  const size_t ns = static_cast<size_t>(std::max<int64_t>(n_status, 1));
+  step_status = backend.alloc(ns * sizeof(int32_t));
+  step_norms = backend.alloc(ns * sizeof(float));
+  adam_status = backend.alloc(ns * sizeof(int32_t));
+}
+
+CommStats Engine::Impl::comm_stats() const {
+  CommStats s;
+  if (world) s += world->stats();
+  if (shard && shard != world) s += shard->stats();
+  if (replica) s += replica->stats();
+  return s;
+}
+
+std::string Engine::Impl::matrix_name(int j) const {
+  const DistMatrix& m = mats[j];
+  const Param& p = params[m.param];
+  return p.layout.count > 1 ? p.spec.name + "[" + std::to_string(m.slice) + "]" : p.spec.name;
+}
+
+}  // namespace distmuon

@@ -1,0 +1,238 @@
+// Distributed set-up: the registration is checked across ranks before any data moves (every
+// rank reaches the same verdict from the same exchanged metadata, so an error is raised on all
+// of them and nobody is left waiting in a collective), then owners are planned, rows of shards
+// located, buckets formed and state allocated.
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+#include "runtime/mode_runner.h"
+
+namespace distmuon {
+
+Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo) {
+  return plan_round_robin(matrices, topo);
+}
+
+namespace {
+
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+std::vector<std::string> lines(const char* p, int64_t n) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] == '\n') {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += p[i];
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+bool is_sharded_mode(DistMode m) { return m == DistMode::kSharded || m == DistMode::kGather; }
+
+}  // namespace
+
+void Engine::Impl::dist_setup() {
+  rank = world->rank();
+  world_size = world->size();
+  const std::string mode = dist_mode_name(dist.mode);
+  // Replicated mode has no shards: its world is flat whatever the replicate degree.
+  const int R = dist.mode == DistMode::kReplicated ? 1 : dist.replicate;
+
+  // 1. Local checks, reported through the exchange so that every rank fails together.
+  std::ostringstream err;
+  for (const std::string& e : registration_errors) err << (err.tellp() > 0 ? "; " : "") << e;
+  if (err.tellp() == 0 && (R < 1 || world_size % R != 0))
+    err << "replicate degree " << dist.replicate << " does not divide the world size "
+        << world_size;
+  for (const Param& p : params) {
+    if (!err.str().empty()) break;
+    if (is_sharded_mode(dist.mode) && !p.spec.shard.sharded())
+      err << "parameter '" << p.spec.name << "' has no shard: " << mode
+          << " mode needs the local dim-0 rows of every parameter (ShardSpec)";
+    else if (!is_sharded_mode(dist.mode) && p.spec.shard.sharded())
+      err << "parameter '" << p.spec.name << "' has a shard, but " << mode
+          << " mode takes full parameters";
+  }
+  const std::string local_error = err.str();
+  shard_size = local_error.empty() ? world_size / R : world_size;
+  my_r = rank / shard_size;
+  my_s = rank % shard_size;
+
+  // 2. What must be identical on every rank.
+  std::ostringstream common;
+  common << "mode " << mode << ", replicate " << dist.replicate << ", bucket_bytes "
+         << dist.bucket_bytes << ", grad_mean " << dist.grad_mean << ", check_grad_presence "
+         << dist.check_grad_presence << ", nonfinite " << static_cast<int>(options.nonfinite)
+         << "\n";
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const GroupOptions& o = groups[g];
+    common << "group " << g << " "
+           << (o.kind == ParamKind::kMuon ? "muon " + algorithm_name(o.muon.ortho) + " momentum " +
+                                                dtype_name(o.muon.momentum_dtype)
+                                          : std::string("adamw"))
+           << "\n";
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& s = params[i].spec;
+    common << "parameter " << i << " '" << s.name << "' shape " << join_shape(s.shape) << " dtype "
+           << dtype_name(s.dtype) << " group " << s.group << "\n";
+  }
+  const std::string text = common.str();
+
+  // 3. The plan, from the registration only (identical inputs give identical plans).
+  std::vector<PlanMatrix> pm;
+  for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
+    Param& p = params[i];
+    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
+    for (int64_t s = 0; s < p.layout.count; ++s) {
+      PlanMatrix m;
+      m.name = p.layout.count > 1 ? p.spec.name + "[" + std::to_string(s) + "]" : p.spec.name;
+      m.rows = p.layout.rows;
+      m.cols = p.layout.cols;
+      m.elem_bytes = static_cast<int64_t>(dtype_size(p.state0_dtype));
+      pm.push_back(m);
+    }
+  }
+  Topology topo{world_size, dist.gpus_per_node, R};
+  if (local_error.empty()) plan = make_runtime_plan(pm, topo);
+
+  // 4. Exchange a fixed-size header, then details only where something differs.
+  const std::vector<int64_t> hdr = {
+      static_cast<int64_t>(fnv1a(text)), static_cast<int64_t>(text.size()),
+      static_cast<int64_t>(plan.hash), static_cast<int64_t>(local_error.size())};
+  const std::vector<int64_t> all = host_all_gather(*world, backend, hdr);
+  auto field = [&](int q, int f) { return all[static_cast<size_t>(q) * hdr.size() + f]; };
+  std::vector<int64_t> err_len(world_size), text_len(world_size);
+  bool any_error = false, differ = false, plans_differ = false;
+  for (int q = 0; q < world_size; ++q) {
+    err_len[q] = field(q, 3);
+    text_len[q] = field(q, 1);
+    any_error |= err_len[q] > 0;
+    differ |= field(q, 0) != field(0, 0) || field(q, 1) != field(0, 1);
+    plans_differ |= field(q, 2) != field(0, 2);
+  }
+  if (any_error) {
+    std::vector<char> msgs = host_all_gather_v(*world, backend, local_error, err_len);
+    std::ostringstream os;
+    os << "distributed set-up failed before any data moved:";
+    int64_t off = 0;
+    for (int q = 0; q < world_size; ++q) {
+      if (err_len[q]) os << "\n  rank " << q << ": " << std::string(&msgs[off], err_len[q]);
+      off += err_len[q];
+    }
+    DM_FAIL(os.str());
+  }
+  if (differ) {
+    std::vector<char> texts = host_all_gather_v(*world, backend, text, text_len);
+    const std::vector<std::string> ref = lines(texts.data(), text_len[0]);
+    std::ostringstream os;
+    os << "ranks registered different parameters or options (every rank needs the same "
+       << "options, groups, names, shapes and dtypes, in the same order):";
+    int64_t off = text_len[0];
+    for (int q = 1; q < world_size; ++q) {
+      const std::vector<std::string> mine = lines(texts.data() + off, text_len[q]);
+      off += text_len[q];
+      for (size_t l = 0; l < std::max(ref.size(), mine.size()); ++l) {
+        const std::string a = l < ref.size() ? ref[l] : "(nothing)";
+        const std::string b = l < mine.size() ? mine[l] : "(nothing)";
+        if (a == b) continue;
+        os << "\n  rank 0 has `" << a << "` but rank " << q << " has `" << b << "`";
+        break;
+      }
+    }
+    DM_FAIL(os.str());
+  }
+
+  // 5. Shards: every shard group must tile dim 0, and replicas must hold the same rows.
+  const size_t np = params.size();
+  for (Param& p : params) p.matrices.clear();
+  if (is_sharded_mode(dist.mode)) {
+    std::vector<int64_t> mine(2 * np);
+    for (size_t i = 0; i < np; ++i) {
+      mine[2 * i] = params[i].spec.shard.row_begin;
+      mine[2 * i + 1] = params[i].spec.shard.row_count;
+    }
+    const std::vector<int64_t> sh = host_all_gather(*world, backend, mine);
+    auto begin = [&](int q, size_t i) { return sh[q * 2 * np + 2 * i]; };
+    auto count = [&](int q, size_t i) { return sh[q * 2 * np + 2 * i + 1]; };
+    for (size_t i = 0; i < np; ++i) {
+      const Param& p = params[i];
+      for (int r = 0; r < R; ++r) {
+        std::vector<std::pair<int64_t, int>> parts;  // (begin, world rank) of non-empty shards
+        for (int q = 0; q < shard_size; ++q) {
+          const int wr = r * shard_size + q;
+          DM_CHECK(begin(wr, i) == begin(q, i) && count(wr, i) == count(q, i), "parameter '",
+                   p.spec.name, "': rank ", wr, " holds rows [", begin(wr, i), ", ",
+                   begin(wr, i) + count(wr, i), ") but rank ", q,
+                   " at the same shard position of replica 0 holds [", begin(q, i), ", ",
+                   begin(q, i) + count(q, i), "); replicas must hold identical shards");
+          if (count(wr, i) > 0) parts.emplace_back(begin(wr, i), wr);
+        }
+        std::sort(parts.begin(), parts.end());
+        int64_t next = 0;
+        for (auto [b, wr] : parts) {
+          DM_CHECK(b == next, "parameter '", p.spec.name, "' (dim 0 = ", p.dim0,
+                   "): the shards do not tile dim 0: rank ", wr, " starts at row ", b,
+                   " where row ", next, " was expected (overlap or gap)");
+          next = b + count(wr, i);
+        }
+        DM_CHECK(next == p.dim0, "parameter '", p.spec.name, "': the shards cover rows [0, ", next,
+                 ") of dim 0 = ", p.dim0);
+      }
+    }
+    // 6. Where each matrix's rows live, per shard position (replica 0's ranks stand for all).
+    build_matrices([&](int q, size_t i) { return std::make_pair(begin(q, i), count(q, i)); });
+  } else {
+    build_matrices(nullptr);
+  }
+  for (int q = 0; q < world_size && plans_differ; ++q)
+    DM_CHECK(field(q, 2) == field(0, 2),
+             "ranks computed different plans from the same "
+             "registration: hash ",
+             static_cast<uint64_t>(field(0, 2)), " on rank 0 but ",
+             static_cast<uint64_t>(field(q, 2)), " on rank ", q,
+             "; the planner must be a deterministic function of its inputs");
+
+  // 7. Sub-communicators for HSDP (collective over the world, same order everywhere).
+  if (R > 1) {
+    shard_owned = world->split(my_r, my_s);
+    replica_owned = world->split(my_s, my_r);
+  }
+  shard = R > 1 ? shard_owned.get() : world;
+  replica = R > 1 ? replica_owned.get() : nullptr;
+
+  allocate_state();
+  switch (dist.mode) {
+    case DistMode::kGather:
+      runner = make_gather_runner(*this);
+      break;
+    case DistMode::kReplicated:
+      runner = make_replicated_runner(*this);
+      break;
+    case DistMode::kSharded:
+      runner = make_sharded_runner(*this);
+      break;
+    case DistMode::kDedicated:
+      runner = make_dedicated_runner(*this);
+      break;
+  }
+  runner->setup();
+  built = true;
+}
+
+}  // namespace distmuon

@@ -1,0 +1,289 @@
+// The distributed step: ranks agree on which parameters step, buckets go through the mode's
+// stages software-pipelined (the next bucket's communication overlaps the current bucket's
+// compute), and AdamW parameters are updated beside them.
+#include <algorithm>
+#include <sstream>
+
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+#include "runtime/mode_runner.h"
+
+namespace distmuon {
+namespace {
+
+bool is_sharded_mode(DistMode m) { return m == DistMode::kSharded || m == DistMode::kGather; }
+
+void convert(Backend& be, const void* src, DType st, void* dst, DType dt, int64_t n) {
+  if (n == 0) return;
+  if (st == dt) {
+    be.copy(dst, src, static_cast<size_t>(n) * dtype_size(st));
+    return;
+  }
+  be.scale_copy(BatchRef::packed(const_cast<void*>(src), st, 1, 1, n), false, ScaleSpec{},
+                BatchRef::packed(dst, dt, 1, 1, n));
+}
+
+std::string rank_list(const std::vector<int>& r) {
+  std::ostringstream os;
+  for (size_t i = 0; i < r.size(); ++i) os << (i ? ", " : "") << r[i];
+  return os.str();
+}
+
+}  // namespace
+
+// A parameter steps on every rank or on none. Sharded modes: ranks whose shard is empty do not
+// vote. Dedicated mode: a rank without a gradient contributes zeros (as DDP treats unused
+// parameters); other modes hold reduced gradients, so a partial set is an error. The vote also
+// carries whether a rank's inputs failed their checks, so that every rank raises that error.
+void Engine::Impl::vote(StepContext& ctx) {
+  const size_t n = params.size();
+  const bool sharded = is_sharded_mode(dist.mode);
+  std::string input_error;
+  try {
+    check_inputs(ctx.data);
+  } catch (const Error& e) {
+    if (!dist.check_grad_presence) throw;  // no vote to carry it
+    input_error = e.what();
+    if (input_error.rfind("distmuon: ", 0) == 0) input_error.erase(0, 10);
+  }
+  ctx.active.assign(n, 0);
+  ctx.has_local.assign(n, 0);
+  std::vector<int32_t> v(2 * n + 1);
+  v[2 * n] = input_error.empty() ? 0 : 1;
+  for (size_t i = 0; i < n; ++i) {
+    const bool has = input_error.empty() && ctx.data[i].grad != nullptr;
+    const bool voter = !sharded || params[i].local_numel > 0;
+    ctx.has_local[i] = has;
+    v[2 * i] = has && voter;
+    v[2 * i + 1] = voter;
+    ctx.active[i] = has || !voter;
+  }
+  if (!dist.check_grad_presence) return;
+  host_all_reduce(*world, backend, v, ReduceOp::kSum);
+  if (v[2 * n] > 0) {
+    const std::vector<int64_t> len =
+        host_all_gather(*world, backend, {static_cast<int64_t>(input_error.size())});
+    const std::vector<char> all = host_all_gather_v(*world, backend, input_error, len);
+    std::ostringstream os;
+    os << "step inputs failed their checks on " << v[2 * n] << " rank(s); nothing was changed:";
+    int64_t off = 0;
+    for (int q = 0; q < world_size; ++q) {
+      if (len[q]) os << "\n  rank " << q << ": " << std::string(&all[off], len[q]);
+      off += len[q];
+    }
+    DM_FAIL(os.str());
+  }
+  std::vector<size_t> bad;
+  for (size_t i = 0; i < n; ++i) {
+    const int32_t with = v[2 * i], voters = v[2 * i + 1];
+    ctx.active[i] = with > 0 && (dist.mode == DistMode::kDedicated || with == voters);
+    if (with > 0 && !ctx.active[i]) bad.push_back(i);
+  }
+  if (bad.empty()) return;
+  std::vector<int64_t> mine(n);
+  for (size_t i = 0; i < n; ++i)  // 1: has one, 0: has none, 2: empty shard (no vote)
+    mine[i] = sharded && params[i].local_numel == 0 ? 2 : (ctx.has_local[i] ? 1 : 0);
+  const std::vector<int64_t> all = host_all_gather(*world, backend, mine);
+  std::ostringstream os;
+  os << "ranks disagree on which parameters have a gradient in this step ("
+     << dist_mode_name(dist.mode)
+     << " mode expects reduced gradients: pass each one on every rank or on none):";
+  for (size_t i : bad) {
+    std::vector<int> with, without;
+    for (int q = 0; q < world_size; ++q) {
+      const int64_t f = all[static_cast<size_t>(q) * n + i];
+      if (f == 1) with.push_back(q);
+      if (f == 0) without.push_back(q);
+    }
+    os << "\n  parameter '" << params[i].spec.name << "' has one on ranks " << rank_list(with)
+       << " but not on ranks " << rank_list(without);
+  }
+  DM_FAIL(os.str());
+}
+
+void Engine::Impl::prepare_buckets(StepContext& ctx) {
+  const bool by_owner = dist.mode != DistMode::kGather;
+  for (Bucket& b : buckets) {
+    b.act.clear();
+    b.runs.clear();
+    for (int j : b.mats)
+      if (ctx.active[mats[j].param]) b.act.push_back(j);
+    for (int k = 0; k < static_cast<int>(b.act.size()); ++k) {
+      const DistMatrix& m = mats[b.act[k]];
+      bool same = false;
+      if (k > 0) {
+        const DistMatrix& p = mats[b.act[k - 1]];
+        same = (!by_owner || (p.owner == m.owner && p.batch == m.batch)) && p.group == m.group &&
+               p.rows == m.rows && p.cols == m.cols;
+      }
+      if (same)
+        b.runs.back().end = k + 1;
+      else
+        b.runs.push_back({k, k + 1});
+    }
+  }
+  ctx.coef.resize(mats.size());
+  for (size_t j = 0; j < mats.size(); ++j) {
+    const MuonOptions& opt = groups[mats[j].group].muon;
+    const double scale = shape_scale(opt.scale, mats[j].rows, mats[j].cols);
+    ctx.coef[j] = {1.0f - opt.lr * opt.weight_decay, static_cast<float>(opt.lr * scale)};
+  }
+}
+
+void Engine::Impl::adam_begin(StepContext& ctx) {
+  if (adam_params.empty()) return;
+  if (!adam_dummy) adam_dummy = backend.alloc(64);
+  if (dist.mode != DistMode::kDedicated) return;
+  if (!adam_stage) {
+    size_t bytes = 0;
+    for (int i : adam_params) {
+      adam_offset.push_back(static_cast<int64_t>(bytes));
+      bytes += static_cast<size_t>(params[i].numel) * dtype_size(params[i].spec.dtype);
+    }
+    adam_stage = backend.alloc(std::max<size_t>(bytes, 1));
+  }
+  for (size_t k = 0; k < adam_params.size(); ++k) {
+    const int i = adam_params[k];
+    if (!ctx.active[i]) continue;
+    const Param& p = params[i];
+    void* dst = adam_stage.as<char>() + adam_offset[k];
+    if (ctx.has_local[i])
+      convert(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, p.numel);
+    else
+      backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
+    adam_handles.push_back(
+        world->all_reduce(dst, dst, p.numel, comm_type(p.spec.dtype), ReduceOp::kSum));
+  }
+}
+
+void Engine::Impl::adam_check(StepContext& ctx) {
+  if (adam_params.empty()) return;
+  wait_all(adam_handles);
+  const bool dedicated = dist.mode == DistMode::kDedicated;
+  adam_slots.clear();
+  for (size_t k = 0; k < adam_params.size(); ++k) {
+    const int i = adam_params[k];
+    const Param& p = params[i];
+    const ParamData& d = ctx.data[i];
+    // Every AdamW parameter keeps its slot (empty when idle here), so statuses line up on
+    // every rank.
+    if (!ctx.active[i] || p.local_numel == 0) {
+      void* z = adam_dummy.data();
+      adam_slots.push_back({z, z, z, z, DType::kF32, DType::kF32, 0});
+      continue;
+    }
+    AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
+               p.spec.dtype, d.grad_dtype, p.local_numel};
+    if (dedicated) {
+      s.grad = adam_stage.as<char>() + adam_offset[k];
+      s.grad_dtype = p.spec.dtype;
+      if (dist.grad_mean && world_size > 1) {
+        BatchRef g = BatchRef::packed(const_cast<void*>(s.grad), s.grad_dtype, 1, 1, p.numel);
+        backend.lincomb(1.0 / world_size, g, 0.0, nullptr, 0.0, g);
+      }
+    }
+    adam_slots.push_back(s);
+  }
+  int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
+  backend.adamw_check(adam_slots, status);
+  // Shard holders must skip a tensor whose rows are non-finite anywhere.
+  if (!ctx.raise && is_sharded_mode(dist.mode))
+    shard
+        ->all_reduce(status, status, static_cast<int64_t>(adam_params.size()), CommType::kI32,
+                     ReduceOp::kMax)
+        .wait();
+}
+
+void Engine::Impl::adam_update(StepContext& ctx) {
+  if (adam_params.empty()) return;
+  std::vector<AdamCoef> coefs;
+  for (int i : adam_params) {
+    const AdamWOptions& a = groups[params[i].spec.group].adamw;
+    coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, params[i].step + 1});
+  }
+  int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
+  backend.adamw_update(adam_slots, coefs, status);
+  backend.count_status(status, static_cast<int64_t>(adam_params.size()),
+                       skip_counter.as<int64_t>());
+  (void)ctx;
+}
+
+// Raise policy: every rank sees every status before anything changes, so all raise together.
+void Engine::Impl::raise_check() {
+  backend.synchronize();
+  std::vector<int32_t> st(static_cast<size_t>(n_status));
+  backend.copy_to_host(st.data(), step_status.data(), st.size() * sizeof(int32_t));
+  host_all_reduce(*world, backend, st, ReduceOp::kMax);
+  std::vector<std::string> bad;
+  for (const Bucket& b : buckets)
+    for (size_t k = 0; k < b.act.size(); ++k)
+      if (st[b.status_offset + k] != kStatusOk) bad.push_back(matrix_name(b.act[k]));
+  const size_t first_adam = static_cast<size_t>(n_status) - adam_params.size();
+  for (size_t k = 0; k < adam_params.size(); ++k)
+    if (st[first_adam + k] != kStatusOk) bad.push_back(params[adam_params[k]].spec.name);
+  if (bad.empty()) return;
+  std::ostringstream os;
+  for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
+  DM_FAIL("non-finite gradient (NaN or Inf) in ", os.str(),
+          "; the step was not applied on any rank (weights and optimizer state unchanged)");
+}
+
+void Engine::Impl::dist_step(std::span<const ParamData> data) {
+  if (publish_pending) finish_publish();
+  const CommStats before = comm_stats();
+  auto ctx = std::make_unique<StepContext>();
+  ctx->data.assign(data.begin(), data.end());
+  ctx->raise = options.nonfinite == NonFinitePolicy::kRaise;
+  vote(*ctx);
+  prepare_buckets(*ctx);
+  backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
+  adam_begin(*ctx);
+
+  const int stages = runner->num_stages(), compute = runner->compute_stage();
+  const int n = static_cast<int>(buckets.size());
+  int first = 0;
+  if (ctx->raise) {
+    for (int s = 0; s < compute; ++s)
+      for (int b = 0; b < n; ++b) runner->run_stage(s, b, *ctx);
+    for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
+    adam_check(*ctx);
+    raise_check();
+    first = compute;
+  }
+  // Slot t runs stage `first` of bucket t, then the next stage of bucket t-1, and so on: the
+  // next bucket's transfer is in flight while the current one computes.
+  const int span = stages - first;
+  const int last_compute_slot = (n - 1) + (compute - first);
+  for (int t = 0; t < n + span - 1; ++t) {
+    for (int s = first; s < stages; ++s) {
+      const int b = t - (s - first);
+      if (b < 0 || b >= n) continue;
+      if (dist.defer_publish && t > last_compute_slot)
+        deferred.emplace_back(s, b);
+      else
+        runner->run_stage(s, b, *ctx);
+    }
+  }
+  if (!ctx->raise) adam_check(*ctx);
+  adam_update(*ctx);
+  for (size_t i = 0; i < params.size(); ++i)
+    if (ctx->active[i]) params[i].step += 1;
+  stats.steps += 1;
+  if (!deferred.empty()) {
+    pending_ctx = std::move(ctx);
+    publish_pending = true;
+  }
+  stats.comm += comm_stats() - before;
+}
+
+void Engine::Impl::finish_publish() {
+  const CommStats before = comm_stats();
+  std::vector<std::pair<int, int>> items;
+  items.swap(deferred);
+  publish_pending = false;
+  std::unique_ptr<StepContext> ctx = std::move(pending_ctx);
+  for (auto [s, b] : items) runner->run_stage(s, b, *ctx);
+  stats.comm += comm_stats() - before;
+}
+
+}  // namespace distmuon

@@ -1,0 +1,173 @@
+// Dedicated mode (the DMuon runtime): every rank holds full weights and its local, unreduced
+// gradients. Each matrix's gradient is reduced to its owner (HSDP: inside the shard group to the
+// owner's shard position first, then across replicas to the owner), the owner steps its weights,
+// and the updated weights are broadcast (HSDP: across replicas first, then inside each shard
+// group). Only the owner keeps momentum.
+//
+// Stages of a bucket: 0 reduce in the shard group; 1 reduce across replicas; 2 owner step and
+// broadcast across replicas (flat: to everyone); 3 broadcast in the shard group; 4 wait.
+#include "distmuon/error.h"
+#include "runtime/mode_runner.h"
+
+namespace distmuon {
+namespace {
+
+class DedicatedRunner final : public ModeRunner {
+ public:
+  using ModeRunner::ModeRunner;
+
+  void setup() override {
+    gofs_.assign(e_.mats.size(), -1);
+    cofs_.assign(e_.mats.size(), -1);
+    bufs_.resize(e_.buckets.size());
+    for (size_t b = 0; b < e_.buckets.size(); ++b) {
+      const Bucket& bk = e_.buckets[b];
+      int64_t g = 0, c = 0;
+      for (int j : bk.mats) {
+        const DistMatrix& m = e_.mats[j];
+        if (m.owner_s == e_.my_s) {  // reduced here (the owner, or the relay of its replica)
+          gofs_[j] = g;
+          g += m.numel();
+        }
+        cofs_[j] = c;
+        c += m.numel();
+      }
+      const DType w = e_.mats[bk.mats[0]].wire;
+      bufs_[b].gstage =
+          e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
+      conv_elems_.push_back(c);
+    }
+  }
+  int num_stages() const override { return 5; }
+  int compute_stage() const override { return 2; }
+
+  void pass1(int b, StepContext& ctx) override {
+    const Bucket& bk = e_.buckets[b];
+    wait_all(bufs_[b].h1);
+    scale(bk);
+    for (const Bucket::Run& run : bk.runs)
+      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
+  }
+
+  void run_stage(int stage, int b, StepContext& ctx) override {
+    const Bucket& bk = e_.buckets[b];
+    B& s = bufs_[b];
+    switch (stage) {
+      case 0:
+        for (int j : bk.act) {
+          const DistMatrix& m = e_.mats[j];
+          void* recv = m.owner_s == e_.my_s ? gstage(j) : nullptr;
+          s.h0.push_back(e_.shard->reduce(source(b, j, ctx), recv, m.numel(), comm_type(m.wire),
+                                          ReduceOp::kSum, m.owner_s));
+        }
+        break;
+      case 1:
+        wait_all(s.h0);
+        if (!e_.replica) break;
+        for (int j : bk.act) {
+          const DistMatrix& m = e_.mats[j];
+          if (m.owner_s != e_.my_s) continue;
+          s.h1.push_back(e_.replica->reduce(gstage(j), gstage(j), m.numel(), comm_type(m.wire),
+                                            ReduceOp::kSum, m.owner_r));
+        }
+        break;
+      case 2:
+        wait_all(s.h1);
+        if (!ctx.raise) scale(bk);
+        for (const Bucket::Run& run : bk.runs) {
+          if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
+          std::vector<MuonSlot> sl = slots(bk, run, ctx);
+          if (!ctx.raise) owner_pass1(bk, run, sl);
+          owner_rest(bk, run, sl, ctx, nullptr);
+        }
+        for (int j : bk.act) {
+          const DistMatrix& m = e_.mats[j];
+          void* w = weight(j, ctx);
+          if (e_.replica) {
+            if (m.owner_s == e_.my_s)
+              s.h2.push_back(e_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+          } else {
+            s.h2.push_back(e_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+          }
+        }
+        break;
+      case 3:
+        if (!e_.replica) break;
+        wait_all(s.h2);
+        for (int j : bk.act) {
+          const DistMatrix& m = e_.mats[j];
+          s.h3.push_back(
+              e_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
+        }
+        break;
+      case 4:
+        wait_all(s.h2);
+        wait_all(s.h3);
+        break;
+    }
+  }
+
+ private:
+  struct B {
+    Buffer gstage, conv;
+    std::vector<CommHandle> h0, h1, h2, h3;
+  };
+
+  void* gstage(int j) {
+    const DistMatrix& m = e_.mats[j];
+    return at(bufs_[m.bucket].gstage.data(), gofs_[j], m.wire);
+  }
+  void* weight(int j, const StepContext& ctx) {
+    const DistMatrix& m = e_.mats[j];
+    return at(ctx.data[m.param].param, full_offset(m), m.wire);
+  }
+  // This rank's contribution: the caller's gradient when it already has the wire dtype, else a
+  // converted copy, or zeros when this rank computed no gradient for the matrix.
+  const void* source(int b, int j, const StepContext& ctx) {
+    const DistMatrix& m = e_.mats[j];
+    const ParamData& d = ctx.data[m.param];
+    if (ctx.has_local[m.param] && d.grad_dtype == m.wire) return at(d.grad, full_offset(m), m.wire);
+    B& s = bufs_[b];
+    if (!s.conv)
+      s.conv = e_.backend.alloc(static_cast<size_t>(conv_elems_[b]) * dtype_size(m.wire));
+    void* dst = at(s.conv.data(), cofs_[j], m.wire);
+    if (ctx.has_local[m.param])
+      copy_block(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, dst, m.wire, m.rows,
+                 m.cols);
+    else
+      e_.backend.fill_zero(dst, static_cast<size_t>(m.numel()) * dtype_size(m.wire));
+    return dst;
+  }
+  // The owner turns the sum of the local gradients into their mean (DDP semantics).
+  void scale(const Bucket& bk) {
+    if (!e_.dist.grad_mean || e_.world_size == 1) return;
+    for (int j : bk.act) {
+      const DistMatrix& m = e_.mats[j];
+      if (m.owner != e_.rank) continue;
+      BatchRef g = BatchRef::packed(gstage(j), m.wire, 1, m.rows, m.cols);
+      e_.backend.lincomb(1.0 / e_.world_size, g, 0.0, nullptr, 0.0, g);
+    }
+  }
+  std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run, const StepContext& ctx) {
+    std::vector<MuonSlot> out;
+    for (int k = run.begin; k < run.end; ++k) {
+      const int j = bk.act[k];
+      const DistMatrix& m = e_.mats[j];
+      out.push_back({MatRef::of(gstage(j), m.wire, m.rows, m.cols),
+                     MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
+                     MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols)});
+    }
+    return out;
+  }
+
+  std::vector<B> bufs_;
+  std::vector<int64_t> gofs_, cofs_, conv_elems_;
+};
+
+}  // namespace
+
+std::unique_ptr<ModeRunner> make_dedicated_runner(Engine::Impl& e) {
+  return std::make_unique<DedicatedRunner>(e);
+}
+
+}  // namespace distmuon

@@ -1,0 +1,145 @@
+// The NCCL communicator on the GPU machine (world size 1 there): every collective on device
+// memory, the in-place forms, split, counters, the timeout that aborts the communicator, and the
+// distributed engine over NCCL against the single-process engine on the CUDA backend. Skips
+// cleanly where no CUDA device is visible.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "common/half.h"
+#include "distmuon/comm.h"
+#include "distmuon/engine.h"
+#include "distmuon/error.h"
+
+namespace distmuon {
+namespace {
+
+class DeviceVec {  // a few values in CUDA memory (RAII)
+ public:
+  template <typename T>
+  explicit DeviceVec(const std::vector<T>& host) : bytes_(host.size() * sizeof(T)) {
+    EXPECT_EQ(cudaMalloc(&p_, std::max<size_t>(bytes_, 1)), cudaSuccess);
+    cudaMemcpy(p_, host.data(), bytes_, cudaMemcpyHostToDevice);
+  }
+  ~DeviceVec() { cudaFree(p_); }
+  template <typename T>
+  std::vector<T> get() const {
+    std::vector<T> out(bytes_ / sizeof(T));
+    cudaDeviceSynchronize();
+    cudaMemcpy(out.data(), p_, bytes_, cudaMemcpyDeviceToHost);
+    return out;
+  }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  void* p_ = nullptr;
+  size_t bytes_;
+};
+
+class NcclComm : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!nccl_available()) GTEST_SKIP() << "no NCCL build or no CUDA device";
+    comm_ = make_nccl_communicator(nccl_unique_id(), 0, 1);
+  }
+  std::unique_ptr<Communicator> comm_;
+};
+
+TEST_F(NcclComm, CollectivesOnOneRank) {
+  Communicator& c = *comm_;
+  EXPECT_EQ(c.size(), 1);
+  EXPECT_EQ(c.device().kind, DeviceKind::kCUDA);
+  DeviceVec a(std::vector<float>{1, 2, 3}), b(std::vector<float>{0, 0, 0});
+  c.all_reduce(a.as<float>(), b.as<float>(), 3, CommType::kF32, ReduceOp::kSum).wait();
+  EXPECT_EQ(b.get<float>(), (std::vector<float>{1, 2, 3}));
+  c.reduce(a.as<float>(), a.as<float>(), 3, CommType::kF32, ReduceOp::kMax, 0).wait();
+  EXPECT_EQ(a.get<float>(), (std::vector<float>{1, 2, 3}));
+  DeviceVec h(std::vector<uint16_t>{float_to_bf16(1.5f), float_to_bf16(-2.0f)});
+  c.all_reduce(h.as<uint16_t>(), h.as<uint16_t>(), 2, CommType::kBF16, ReduceOp::kSum).wait();
+  EXPECT_EQ(bf16_to_float(h.get<uint16_t>()[0]), 1.5f);
+  DeviceVec l(std::vector<int64_t>{42});
+  c.broadcast(l.as<int64_t>(), 1, CommType::kI64, 0).wait();
+  EXPECT_EQ(l.get<int64_t>()[0], 42);
+  // all_gather_v and all_to_all_v: the self part is a copy.
+  DeviceVec g(std::vector<double>{0, 0, 7, 8}), s(std::vector<double>{7, 8});
+  std::vector<int64_t> cnt = {2}, dsp = {2}, zero = {0};
+  c.all_gather_v(s.as<double>(), 2, g.as<double>(), cnt, dsp, CommType::kF64).wait();
+  EXPECT_EQ(g.get<double>(), (std::vector<double>{0, 0, 7, 8}));
+  DeviceVec r(std::vector<double>{0, 0, 0});
+  std::vector<int64_t> rd = {1};
+  c.all_to_all_v(s.as<double>(), cnt, zero, r.as<double>(), cnt, rd, CommType::kF64).wait();
+  EXPECT_EQ(r.get<double>(), (std::vector<double>{0, 7, 8}));
+  c.barrier().wait();
+  EXPECT_EQ(c.stats().bytes_sent, 0);  // one member: nothing leaves it
+  EXPECT_EQ(c.stats().ops, 7);
+  std::unique_ptr<Communicator> sub = c.split(0, 0);
+  ASSERT_NE(sub, nullptr);
+  EXPECT_EQ(sub->size(), 1);
+  DeviceVec x(std::vector<int32_t>{5});
+  sub->all_reduce(x.as<int32_t>(), x.as<int32_t>(), 1, CommType::kI32, ReduceOp::kMin).wait();
+  EXPECT_EQ(x.get<int32_t>()[0], 5);
+}
+
+void CUDART_CB sleep_host(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(1500)); }
+
+TEST_F(NcclComm, TimeoutAbortsAndNamesTheOperation) {
+  // The collective starts after the caller's stream, which a host function keeps busy.
+  cudaStream_t user = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&user), cudaSuccess);
+  auto c = make_nccl_communicator(nccl_unique_id(), 0, 1, user);
+  DeviceVec a(std::vector<float>{1});
+  ASSERT_EQ(cudaLaunchHostFunc(user, sleep_host, nullptr), cudaSuccess);
+  CommHandle h = c->all_reduce(a.as<float>(), a.as<float>(), 1, CommType::kF32, ReduceOp::kSum);
+  try {
+    h.wait(0.3);
+    ADD_FAILURE() << "expected a timeout";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("all_reduce on nccl:world"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(c->barrier(), Error);  // aborted: later calls fail instead of hanging
+  cudaStreamSynchronize(user);
+  cudaStreamDestroy(user);
+}
+
+TEST_F(NcclComm, EngineModesEqualTheSingleProcessEngine) {
+  if (!cuda_available()) GTEST_SKIP() << "this build has no CUDA backend";
+  // The communicator follows the legacy default stream; the CUDA backend's stream must
+  // synchronise with it (a blocking stream) for this world-size-1 check.
+  for (DistMode mode :
+       {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
+    auto be = make_backend("cuda");
+    Engine ref(*be), dist(*be, *comm_, DistOptions{mode});
+    GroupOptions g;
+    g.muon.ortho.work_dtype = DType::kF32;
+    for (Engine* e : {&ref, &dist}) e->add_group(g);
+    const bool sharded = mode == DistMode::kSharded || mode == DistMode::kGather;
+    ParamSpec spec{"w", 0, {24, 40}, DType::kF32};
+    ref.add_param(spec);
+    if (sharded) spec.shard = {0, 24};
+    dist.add_param(spec);
+    std::vector<float> w(960), gr(960);
+    for (int i = 0; i < 960; ++i) {
+      w[i] = static_cast<float>((i * 37) % 17 - 8) / 16.0f;
+      gr[i] = static_cast<float>((i * 11) % 13 - 6) / 32.0f;
+    }
+    DeviceVec w1(w), w2(w), g1(gr);
+    ParamData d1{w1.as<float>(), g1.as<float>(), DType::kF32, {}};
+    ParamData d2{w2.as<float>(), g1.as<float>(), DType::kF32, {}};
+    for (int s = 0; s < 3; ++s) {
+      ref.step({&d1, 1});
+      dist.step({&d2, 1});
+    }
+    be->synchronize();
+    EXPECT_EQ(w1.get<float>(), w2.get<float>()) << dist_mode_name(mode);
+  }
+}
+
+}  // namespace
+}  // namespace distmuon
