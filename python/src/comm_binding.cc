@@ -110,6 +110,17 @@ int64_t extent(std::span<const int64_t> counts, std::span<const int64_t> displs)
 
 std::vector<int64_t> vec(std::span<const int64_t> s) { return {s.begin(), s.end()}; }
 
+CommType array_comm_type(const Array& a) {
+  if (!is_contiguous(a)) throw nb::value_error("communicator buffers must be contiguous");
+  const nb::dlpack::dtype t = a.dtype();
+  for (CommType c : {CommType::kF64, CommType::kF32, CommType::kBF16, CommType::kF16,
+                     CommType::kI32, CommType::kI64, CommType::kU8}) {
+    const nb::dlpack::dtype d = comm_dlpack_dtype(c);
+    if (d.code == t.code && d.bits == t.bits && d.lanes == t.lanes) return c;
+  }
+  throw nb::value_error("unsupported dtype for a communicator buffer");
+}
+
 class PythonCommunicator final : public Communicator {
  public:
   PythonCommunicator(nb::object impl, int rank, int size, std::string name,
@@ -204,7 +215,7 @@ class PythonCommunicator final : public Communicator {
 }  // namespace
 
 void bind_comm(nb::module_& m) {
-  nb::class_<PyComm>(m, "Communicator",
+  auto comm = nb::class_<PyComm>(m, "Communicator",
                      "A distmuon communicator (NCCL, or collectives run by a Python object).")
       .def_prop_ro("rank", [](PyComm& c) { return c.comm->rank(); })
       .def_prop_ro("size", [](PyComm& c) { return c.comm->size(); })
@@ -223,6 +234,56 @@ void bind_comm(nb::module_& m) {
             return d;
           },
           "Bytes moved and operations issued by this member so far.");
+
+  // A few collectives on DLPack arrays, for tests and measurements of a communicator from
+  // Python (the engine calls the C++ methods directly). Each waits for completion.
+  comm.def(
+          "all_reduce",
+          [](PyComm& c, Array a, int op) {
+            const CommType t = array_comm_type(a);
+            void* p = a.data();
+            const int64_t n = static_cast<int64_t>(a.size());
+            nb::gil_scoped_release release;
+            c.comm->all_reduce(p, p, n, t, static_cast<ReduceOp>(op)).wait();
+          },
+          nb::arg("array"), nb::arg("op") = 0, "In place; op 0 sum, 1 max, 2 min.")
+      .def(
+          "broadcast",
+          [](PyComm& c, Array a, int root) {
+            const CommType t = array_comm_type(a);
+            void* p = a.data();
+            const int64_t n = static_cast<int64_t>(a.size());
+            nb::gil_scoped_release release;
+            c.comm->broadcast(p, n, t, root).wait();
+          },
+          nb::arg("array"), nb::arg("root"))
+      .def(
+          "all_to_all_v",
+          [](PyComm& c, Array send, const std::vector<int64_t>& send_counts,
+             const std::vector<int64_t>& send_displs, Array recv,
+             const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_displs) {
+            const CommType t = array_comm_type(send);
+            const void* sp = send.data();
+            void* rp = recv.data();
+            nb::gil_scoped_release release;
+            c.comm->all_to_all_v(sp, send_counts, send_displs, rp, recv_counts, recv_displs, t)
+                .wait();
+          },
+          nb::arg("send"), nb::arg("send_counts"), nb::arg("send_displs"), nb::arg("recv"),
+          nb::arg("recv_counts"), nb::arg("recv_displs"))
+      .def("barrier", [](PyComm& c) {
+        nb::gil_scoped_release release;
+        c.comm->barrier().wait();
+      });
+
+  m.def("mpi_available", &mpi_available, "True when this build has the MPI communicator.");
+  m.def(
+      "make_mpi_world",
+      []() {
+        nb::gil_scoped_release release;
+        return PyComm{make_mpi_world()};
+      },
+      "A communicator over MPI_COMM_WORLD (host memory; the process must run under mpirun).");
 
   m.def(
       "make_python_communicator",

@@ -58,15 +58,40 @@ def _stream(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
 
 
-def make_communicator(topo: Topology, device: torch.device) -> _C.Communicator:
-    """CUDA with NCCL in the build: the engine's NCCL communicator on torch's current stream,
-    its id made by member 0 and shared over the topology's process group. Otherwise the
-    collectives run over that torch.distributed group (gloo on the CPU)."""
-    if device.type == "cuda" and _C.nccl_available():
+COMMUNICATORS = ("auto", "torch", "nccl", "mpi")
+
+
+def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") -> _C.Communicator:
+    """The engine's communicator for `topo`.
+
+    - 'nccl' ('auto' on CUDA when the build has NCCL): the engine's NCCL communicator on torch's
+      current stream, its id made by member 0 and shared over the topology's process group.
+    - 'torch' ('auto' otherwise): the collectives run over that torch.distributed group (gloo on
+      the CPU) through TorchCollectives.
+    - 'mpi': the engine's MPI communicator over MPI_COMM_WORLD (CPU; launched by mpirun, with the
+      torch ranks equal to the MPI ranks).
+    """
+    if kind not in COMMUNICATORS:
+        raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
+    if kind == "auto":
+        kind = "nccl" if device.type == "cuda" and _C.nccl_available() else "torch"
+    if kind == "nccl":
+        if device.type != "cuda" or not _C.nccl_available():
+            raise ValueError("communicator='nccl' needs CUDA parameters and a build with NCCL")
         with torch.cuda.device(device):
             uid = [_C.nccl_unique_id() if topo.member == 0 else None]
             dist.broadcast_object_list(uid, src=topo.ranks[0], group=topo.group)
             return _C.make_nccl_communicator(uid[0], topo.member, topo.size, _stream(device))
+    if kind == "mpi":
+        if device.type != "cpu" or not _C.mpi_available():
+            raise ValueError("communicator='mpi' needs CPU parameters and a build with MPI (DISTMUON_WITH_MPI=ON)")
+        comm = _C.make_mpi_world()
+        if comm.size != topo.size or list(topo.ranks) != list(range(topo.size)):
+            raise ValueError(
+                f"communicator='mpi' needs the optimizer's ranks {list(topo.ranks)} to be the MPI world "
+                f"(size {comm.size}) in rank order"
+            )
+        return comm
     impl = TorchCollectives(topo.group, device, topo.mesh_groups)
     name = f"torch-{dist.get_backend(topo.group)}:{topo.mode}"
     index = device.index or 0

@@ -16,6 +16,7 @@ exported as views of the engine's memory, as torch's optimizers export their liv
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,23 @@ from distmuon.torch._dist import Topology, chunk_rows, is_dtensor
 from distmuon.torch._redistribute import Block, Move, move_rows
 
 MOMENTUM = "momentum_buffer"
+# State shaped like its parameter (in the parameter's placement in a checkpoint).
+PARAM_SHAPED = (MOMENTUM, "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class MatrixState:
+    """Per-matrix state kept by each matrix's owner and not shaped like the parameter."""
+
+    shape: Callable[[int, int], tuple[int, ...]]  # (rows, cols) of the matrix -> its shape
+    dtype: torch.dtype = torch.float32
+
+
+# The hook for CacheMuon's entries (branch `cache`): an engine state name registered here is
+# saved as one full tensor (matrices, *shape) on every rank, which DCP writes once and any world
+# size reads back; on load each owner takes its matrices. Example:
+#   MATRIX_STATE["cache_q"] = MatrixState(lambda r, c: (min(r, c), min(r, c)))
+MATRIX_STATE: dict[str, MatrixState] = {}
 
 
 @dataclass
@@ -148,6 +166,13 @@ def export_state(
     device = None
     for i, s in enumerate(slots):
         for name in engine.state_names(s.index):
+            if name not in PARAM_SHAPED:
+                if gather_momentum:
+                    mine, move = _matrix_state_move(engine, topo, s, name, export=True)
+                    moves.setdefault(MATRIX_STATE[name].dtype, []).append(move)
+                    device = s.local().device
+                    out[i][name] = mine
+                continue
             if owner_held(topo, s, name):
                 if not gather_momentum:
                     continue
@@ -164,6 +189,45 @@ def export_state(
     for dtype, ms in sorted(moves.items(), key=lambda kv: str(kv[0])):
         move_rows(topo, ms, dtype, device)
     return out
+
+
+def expected_numel(s: Slot, name: str) -> int:
+    """Elements of state `name` of slot `s` in a state dict."""
+    if name in PARAM_SHAPED:
+        return s.full_shape.numel()
+    rows, cols = s.engine_shape[-2:]
+    return len(s.matrices()) * math.prod(_matrix_state(s, name).shape(rows, cols))
+
+
+def _matrix_state(s: Slot, name: str) -> MatrixState:
+    if name not in MATRIX_STATE:
+        raise NotImplementedError(
+            f"the engine keeps state '{name}' for '{s.name}', which distmuon.torch does not know how "
+            "to save; register its layout in distmuon.torch._state.MATRIX_STATE"
+        )
+    return MATRIX_STATE[name]
+
+
+def _matrix_state_move(
+    engine: _C.Engine, topo: Topology, s: Slot, name: str, export: bool, loaded: torch.Tensor | None = None
+) -> tuple[torch.Tensor, Move]:
+    """Per-matrix state: owners hold matrix k as row k of a (matrices, numel) tensor that every
+    member holds whole in a checkpoint. Returns this member's whole tensor and the move."""
+    if topo.mode == "gather":
+        raise NotImplementedError(f"per-matrix state '{name}' in gather mode")
+    ms = _matrix_state(s, name)
+    rows, cols = s.engine_shape[-2:]
+    shape = ms.shape(rows, cols)
+    n, inner = len(s.matrices()), math.prod(shape)
+    owners = []
+    for k in range(n):
+        a = engine.matrix_state(s.index, k, name)
+        t = None if a is None else torch.from_dlpack(a).view(1, inner)
+        owners.append(Block(engine.owner(s.index, k), k, k + 1, t))
+    device = s.local().device
+    mine = torch.empty((n, *shape), dtype=ms.dtype, device=device) if loaded is None else loaded
+    whole = [Block(m, 0, n, mine.view(n, inner) if m == topo.member else None) for m in range(topo.size)]
+    return mine, Move(f"{s.name}:{name}", inner, owners, whole) if export else Move(f"{s.name}:{name}", inner, whole, owners)
 
 
 def _momentum_dtype(engine: _C.Engine, s: Slot) -> torch.dtype:
@@ -199,6 +263,21 @@ def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: 
     device = None
     for s, entry in zip(slots, entries):
         for name in engine.state_names(s.index):
+            if name not in PARAM_SHAPED:
+                if entry is None:
+                    for k in range(len(s.matrices())):
+                        a = engine.matrix_state(s.index, k, name)
+                        if a is not None:
+                            torch.from_dlpack(a).zero_()
+                    continue
+                value = entry[name]
+                value = value.full_tensor() if is_dtensor(value) else value
+                ms = _matrix_state(s, name)
+                loaded = value.to(device=s.local().device, dtype=ms.dtype).contiguous()
+                _, move = _matrix_state_move(engine, topo, s, name, export=False, loaded=loaded)
+                moves.setdefault(ms.dtype, []).append(move)
+                device = s.local().device
+                continue
             if owner_held(topo, s, name):
                 held = held_momentum(engine, topo, s)
                 if entry is None:

@@ -29,7 +29,7 @@ from distmuon.torch._params import (
     module_param_infos,
     split_named,
 )
-from distmuon.torch._state import Slot, export_state, held_momentum, import_state, owner_held
+from distmuon.torch._state import Slot, expected_numel, export_state, held_momentum, import_state, owner_held
 
 
 def _float(v: Any) -> float:
@@ -68,6 +68,9 @@ class Muon(torch.optim.Optimizer):
         process_group: the group of the replicated mode (default: the whole world).
         bucket_mb: megabytes of full matrices moved per bucket in the distributed modes (the
             next bucket travels while the current one computes).
+        communicator: how the engine's collectives travel: 'auto' (NCCL for CUDA parameters
+            when the build has it, else 'torch'), 'torch' (over the torch.distributed process
+            group: gloo on the CPU), 'nccl', or 'mpi' (CPU, under mpirun, in a build with MPI).
 
     Distributed: every rank builds the optimizer and steps it together (the step is
     collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
@@ -105,6 +108,7 @@ class Muon(torch.optim.Optimizer):
         dist_mode: str = "auto",
         process_group: Any = None,
         bucket_mb: float = 32.0,
+        communicator: str = "auto",
     ) -> None:
         if momentum_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"momentum_dtype must be torch.float32 or torch.bfloat16 (got {momentum_dtype})")
@@ -139,6 +143,7 @@ class Muon(torch.optim.Optimizer):
         self._dist_mode = dist_mode
         self._process_group = process_group
         self._bucket_mb = bucket_mb
+        self._communicator = communicator
         self._topo: Topology | None = None
         self._comm: _C.Communicator | None = None
         self._order: StreamOrder | None = None
@@ -286,7 +291,7 @@ class Muon(torch.optim.Optimizer):
             error = str(e)
         agree(topo, error, "building distmuon.torch.Muon")
         if topo.distributed and self._comm is None:
-            self._comm = make_communicator(topo, device)
+            self._comm = make_communicator(topo, device, self._communicator)
         engine = make_engine(device, self._nonfinite, topo, self._comm, self._bucket_mb)
         for o in options:
             engine.add_group(o)
@@ -491,6 +496,10 @@ class Muon(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
+    def _state_numel(self, s: Slot) -> dict[str, int]:
+        assert self._engine is not None
+        return {name: expected_numel(s, name) for name in self._engine.state_names(s.index)}
+
     def _checked_load(self, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[Slot, Any]]]:
         """The merged groups and per slot the checked saved entry (None: fresh state)."""
         assert self._engine is not None
@@ -498,7 +507,7 @@ class Muon(torch.optim.Optimizer):
         ckpt.check_saved_groups(self.param_groups, saved_groups)
         saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
         plan = [
-            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._engine.state_names(s.index), saved_state.get(i)))
+            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i)))
             for s, i in zip(self._slots, saved_ids)
         ]
         old_groups = self.param_groups
