@@ -110,7 +110,7 @@ def step_times(world: int, kinds: list[str], steps: int, cfg_kw: dict[str, int],
         for step in range(steps + 3):
             idx = torch.randint(0, cfg.vocab, (batch if kind != "single" else batch * world, cfg.block_size + 1), generator=gen)
             opt.zero_grad()
-            model(idx[:, :-1], idx[:, 1:]).backward()
+            model(idx[:, :-1].contiguous(), idx[:, 1:].contiguous()).backward()
             if kind != "single":
                 dist.barrier()
             t0 = time.perf_counter()
