@@ -28,6 +28,14 @@ def is_dtensor(t: object) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+def local_tensor(t: Any) -> torch.Tensor:
+    """The local part of a DTensor without autograd bookkeeping: DTensor's own attribute costs
+    0.04 us where ``to_local()`` costs about 4 us, which adds up over hundreds of parameters
+    and gradients per step."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
+
+
 @dataclass(frozen=True)
 class Topology:
     """The engine's world as this process sees it."""

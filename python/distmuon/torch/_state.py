@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from distmuon import _C
-from distmuon.torch._dist import Topology, chunk_rows, is_dtensor
+from distmuon.torch._dist import Topology, chunk_rows, is_dtensor, local_tensor
 from distmuon.torch._redistribute import Block, Move, move_rows
 
 MOMENTUM = "momentum_buffer"
@@ -66,7 +66,7 @@ class Slot:
     rows: tuple[int, int] | None = None
 
     def local(self) -> torch.Tensor:
-        return self.param.to_local() if self.rows is not None else self.param  # type: ignore[attr-defined]
+        return local_tensor(self.param) if self.rows is not None else self.param
 
     @property
     def local_shape(self) -> torch.Size:

@@ -19,7 +19,7 @@ from distmuon import _C
 from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
 from distmuon.torch._device import StreamOrder, common_device, make_communicator, make_engine, to_dlpack
-from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows
+from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows, local_tensor
 from distmuon.torch._params import (
     MuonFilter,
     ParamInfo,
@@ -399,7 +399,7 @@ class Muon(torch.optim.Optimizer):
                 f"gradient of parameter '{s.name}' has placements {tuple(g.placements)}, the "  # type: ignore[attr-defined]
                 f"parameter {tuple(p.placements)}"
             )
-        return g.to_local()  # type: ignore[attr-defined]
+        return local_tensor(g)
 
     @staticmethod
     def _check_grad(s: Slot, g: torch.Tensor) -> torch.Tensor:
