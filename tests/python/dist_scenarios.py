@@ -221,6 +221,37 @@ def run_fqn_api(rank: int, world: int) -> dict[str, Any]:
     return {"keys": keys, "same": same}
 
 
+def run_collectives(rank: int, world: int) -> dict[str, Any]:
+    """The torch communicator's collectives as the engine calls them, including counts with
+    gaps in the displacements (staged through contiguous buffers)."""
+    from distmuon import _C
+    from distmuon.torch._torch_comm import TorchCollectives
+
+    comm = _C.make_python_communicator(
+        TorchCollectives(dist.group.WORLD, torch.device("cpu")), rank, world, "test", list(range(world))
+    )
+    out: dict[str, Any] = {}
+    t = torch.tensor([float(rank), -float(rank)])
+    comm.all_reduce(t, 1)  # max
+    out["max"] = t.tolist()
+    b = torch.full((3,), float(rank))
+    comm.broadcast(b, world - 1)
+    out["broadcast"] = b.tolist()
+    # member q sends counts[q][p] elements to member p, from displacements in reverse order
+    counts = [[2, 3], [1, 4]]
+    send = torch.arange(10, dtype=torch.float32) + 100 * rank
+    send_counts = counts[rank]
+    send_displs = [5, 0]
+    recv_counts = [counts[0][rank], counts[1][rank]]
+    recv_displs = [6, 1]  # gaps at 0 and between the pieces
+    recv = torch.full((12,), -1.0)
+    comm.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs)
+    out["a2a"] = recv.tolist()
+    comm.barrier()
+    out["stats"] = comm.stats()
+    return out
+
+
 # ---- what each launch runs --------------------------------------------------------------------
 
 
@@ -235,6 +266,7 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "mismatch_missing": guarded(lambda: run_mismatch(rank, world, "missing")),
         "mismatch_shape": guarded(lambda: run_mismatch(rank, world, "shape")),
         "fqn_api": guarded(lambda: run_fqn_api(rank, world)),
+        "collectives": guarded(lambda: run_collectives(rank, world)),
     }
 
 

@@ -188,3 +188,18 @@ def test_parameter_sets_that_differ_across_ranks_fail_on_every_rank(world2: list
         assert "error" in res, "built an optimizer over different parameter sets"
         assert "ranks registered different parameters" in res["error"]
         assert "fc.weight" in res["error"]
+
+
+def test_torch_communicator_collectives(world2: list[dict[str, Any]]) -> None:
+    counts = [[2, 3], [1, 4]]
+    for rank, r in enumerate(world2):
+        res = ok(r["collectives"])
+        assert res["max"] == [1.0, 0.0]
+        assert res["broadcast"] == [1.0, 1.0, 1.0]
+        want = [-1.0] * 12
+        for src, displ in ((0, 6), (1, 1)):
+            first = 5 if rank == 0 else 0  # the sender's displacement for this receiver
+            n = counts[src][rank]
+            want[displ : displ + n] = [100.0 * src + first + k for k in range(n)]
+        assert res["a2a"] == want
+        assert res["stats"]["ops"] == 4

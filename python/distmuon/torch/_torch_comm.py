@@ -151,17 +151,19 @@ class TorchCollectives:
             inp = s[: sum(send_counts)]
         else:
             inp = torch.cat([s[d : d + c] for c, d in zip(send_counts, send_displs)])
-        finish = None
+        finish: Callable[[], None] | None = None
         if _packed(recv_counts, recv_displs):
             out = r[: sum(recv_counts)]
         else:
             out = torch.empty(sum(recv_counts), dtype=r.dtype, device=self.device)
 
-            def finish() -> None:
+            def unpack() -> None:
                 offset = 0
                 for c, d in zip(recv_counts, recv_displs):
                     r[d : d + c].copy_(out[offset : offset + c])
                     offset += c
+
+            finish = unpack
 
         work = dist.all_to_all_single(out, inp, list(recv_counts), list(send_counts), group=self.group, async_op=True)
         return Pending(work, finish, keep=(inp, out))
