@@ -22,6 +22,7 @@ say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 PY=${PYTHON:-python3}
 status=0
 
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 say "sysroot from .gpubin/debs"
 SR=/tmp/sysroot
 rm -rf "$SR" && mkdir -p "$SR"
