@@ -51,7 +51,7 @@ CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install --no-build-isolation --no-deps 
   --disable-pip-version-check -q . >>"$LOG" 2>&1 || { say "BUILD FAILED"; tail -40 "$LOG"; exit 1; }
 say "built in $(( $(date +%s) - t0 )) s"
 (cd /tmp && $PY -c "
-import distmuon, distmuon._C as C, glob, os
+import torch, distmuon, distmuon._C as C, glob, os
 print('distmuon', distmuon.__version__, 'cuda', C.cuda_available(), 'nccl', C.nccl_available())
 so = glob.glob(os.path.join(os.path.dirname(distmuon.__file__), '_C*.so'))[0]
 os.system('ldd ' + so + ' | grep -E \"not found|cublas|nccl|openblas\"')
