@@ -134,6 +134,7 @@ def run_train(rank: int, world: int, kind: str, ckpt: str | None = None, dist_mo
         "losses": losses,
         "params": full_params(model),
         "saved_state": saved,
+        "final_state": full_state(opt),
         "owned": opt.engine_stats()["owned_matrices"],
     }
 

@@ -53,7 +53,7 @@ def single() -> dict[str, Any]:
     model = sc.make_model()
     opt = Muon(model, **sc.OPT_KW)
     losses = sc.train(model, opt, range(sc.STEPS), 0, 1)
-    return {"losses": losses, "params": sc.full_params(model), "mode": opt.dist_mode}
+    return {"losses": losses, "params": sc.full_params(model), "mode": opt.dist_mode, "state": sc.full_state(opt)}
 
 
 def ok(result: dict[str, Any]) -> dict[str, Any]:
@@ -73,6 +73,23 @@ def assert_matches_single(ranks: list[dict[str, Any]], key: str, single: dict[st
         assert res["losses"] == pytest.approx(single["losses"], abs=LOSS_TOL, rel=0)
         assert max_diff(res["params"], single["params"]) < PARAM_TOL
     assert single["losses"][-1] < single["losses"][0]  # it trains
+
+
+@pytest.mark.parametrize("launch, key", [(2, "fsdp"), (2, "ddp"), (2, "gather"), (4, "fsdp"), (4, "hsdp")])
+def test_state_dict_equals_single_process_state(
+    world2: list[dict[str, Any]], world4: list[dict[str, Any]], single: dict[str, Any], launch: int, key: str
+) -> None:
+    """Momentum gathered from its owners (or shards) and AdamW moments, in the parameter's
+    placement, equal the single-process optimizer's state (same rounding gap as the weights)."""
+    want = single["state"]
+    for r in world2 if launch == 2 else world4:
+        got = ok(r[key])["final_state"]
+        assert got.keys() == want.keys()
+        for i in want:
+            assert got[i].keys() == want[i].keys()
+            for k in want[i]:
+                assert got[i][k].shape == want[i][k].shape
+                torch.testing.assert_close(got[i][k], want[i][k], atol=PARAM_TOL, rtol=1e-5)
 
 
 def test_single_process_reference_is_local(single: dict[str, Any]) -> None:
