@@ -12,7 +12,9 @@ except ImportError as e:
     # copies); elsewhere they must be on the loader's path.
     if "cannot open shared object file" not in str(e):
         raise
-    import torch  # noqa: F401
+    import torch
+
+    del torch  # only its libraries were wanted
 
     from distmuon._C import Error, TimeoutError, __version__, cuda_available
 
