@@ -12,7 +12,11 @@
 #include <vector>
 
 #include "distmuon/engine.h"
+#include "comm_binding.h"
 #include "dlpack.h"
+#ifdef DISTMUON_HAVE_CUDA
+#include "distmuon/cuda_backend.h"
+#endif
 
 namespace distmuon::py {
 
@@ -38,13 +42,33 @@ class PyEngine {
   PyEngine(const std::string& device, NonFinitePolicy nonfinite)
       : backend_(make_backend(device)),
         engine_(std::make_unique<Engine>(*backend_, EngineOptions{nonfinite})) {}
+  // Distributed: `comm` is kept alive by the Python object (keep_alive in the binding).
+  PyEngine(const std::string& device, NonFinitePolicy nonfinite, PyComm& comm,
+           const DistOptions& dist, uintptr_t stream)
+      : backend_(make_backend(device)) {
+    set_stream(stream);  // the communicator's stream, before the engine issues anything
+    engine_ = std::make_unique<Engine>(*backend_, *comm.comm, dist,
+                                       EngineOptions{nonfinite});
+  }
 
   Engine& engine() { return *engine_; }
   Backend& backend() { return *backend_; }
 
   int add_param(const std::string& name, int group, const std::vector<int64_t>& shape,
-                DType dtype) {
-    return engine_->add_param(ParamSpec{name, group, shape, dtype});
+                DType dtype, int64_t row_begin, int64_t row_count) {
+    return engine_->add_param(ParamSpec{name, group, shape, dtype, ShardSpec{row_begin, row_count}});
+  }
+
+  // The CUDA backend issues its work on `stream` (a cudaStream_t as an integer; 0: its own).
+  void set_stream(uintptr_t stream) {
+#ifdef DISTMUON_HAVE_CUDA
+    if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get())) {
+      cuda->set_stream(reinterpret_cast<cudaStream_t>(stream));
+      return;
+    }
+#endif
+    if (stream != 0)
+      value_error("set_stream: the " + backend_->name() + " backend has no streams");
   }
 
   // Checks that `a` can stand for parameter i's memory (or its gradient) without a copy.
@@ -61,9 +85,11 @@ class PyEngine {
       value_error(what + " is " + dtype_name(t) + " but was registered as " +
                   dtype_name(spec.dtype));
     if (!is_contiguous(a)) value_error(what + " is not contiguous");
-    if (numel(shape_of(a)) != numel(spec.shape))
+    std::vector<int64_t> local = spec.shape;
+    if (spec.shard.sharded()) local[0] = spec.shard.row_count;
+    if (numel(shape_of(a)) != numel(local))
       value_error(what + " has shape " + shape_str(shape_of(a)) + " but the engine holds " +
-                  shape_str(spec.shape));
+                  (spec.shard.sharded() ? "a local shard of shape " : "") + shape_str(local));
   }
 
   void step(const std::vector<Array>& params, const std::vector<std::optional<Array>>& grads) {
@@ -86,6 +112,15 @@ class PyEngine {
     engine_->step(data);
   }
 
+  void setup() {
+    nb::gil_scoped_release release;  // collective: Python communicators take the GIL
+    engine_->setup();
+  }
+  void wait_published() {
+    nb::gil_scoped_release release;
+    engine_->wait_published();
+  }
+
   nb::dict stats() {
     EngineStats s = engine_->stats();
     nb::dict d;
@@ -97,6 +132,10 @@ class PyEngine {
     d["muon_matrices"] = s.muon_matrices;
     d["muon_params"] = s.muon_params;
     d["adamw_params"] = s.adamw_params;
+    d["owned_matrices"] = s.owned_matrices;
+    d["comm_bytes_sent"] = s.comm.bytes_sent;
+    d["comm_bytes_received"] = s.comm.bytes_received;
+    d["comm_ops"] = s.comm.ops;
     return d;
   }
 
@@ -112,13 +151,36 @@ void bind_engine(nb::module_& m) {
       .def_ro("name", &ParamSpec::name)
       .def_ro("group", &ParamSpec::group)
       .def_ro("shape", &ParamSpec::shape)
-      .def_ro("dtype", &ParamSpec::dtype);
+      .def_ro("dtype", &ParamSpec::dtype)
+      .def_prop_ro("row_begin", [](const ParamSpec& p) { return p.shard.row_begin; })
+      .def_prop_ro("row_count", [](const ParamSpec& p) { return p.shard.row_count; });
+
+  nb::enum_<DistMode>(m, "DistMode")
+      .value("gather", DistMode::kGather)
+      .value("replicated", DistMode::kReplicated)
+      .value("sharded", DistMode::kSharded)
+      .value("dedicated", DistMode::kDedicated);
+
+  nb::class_<DistOptions>(m, "DistOptions")
+      .def(nb::init<>())
+      .def_rw("mode", &DistOptions::mode)
+      .def_rw("replicate", &DistOptions::replicate)
+      .def_rw("bucket_bytes", &DistOptions::bucket_bytes)
+      .def_rw("grad_mean", &DistOptions::grad_mean)
+      .def_rw("defer_publish", &DistOptions::defer_publish)
+      .def_rw("check_grad_presence", &DistOptions::check_grad_presence)
+      .def_rw("gpus_per_node", &DistOptions::gpus_per_node);
 
   nb::class_<PyEngine>(m, "Engine",
                        "The C++ optimizer engine on one backend ('cpu' or 'cuda'). Register "
                        "groups and parameters, then call step() with DLPack arrays.")
       .def(nb::init<const std::string&, NonFinitePolicy>(), nb::arg("device") = "cpu",
            nb::arg("nonfinite") = NonFinitePolicy::kSkip)
+      .def(nb::init<const std::string&, NonFinitePolicy, PyComm&, const DistOptions&, uintptr_t>(),
+           nb::arg("device"), nb::arg("nonfinite"), nb::arg("comm"), nb::arg("dist"),
+           nb::arg("stream") = 0, nb::keep_alive<1, 4>(),
+           "A distributed engine over `comm` (kept alive by the engine); on CUDA its backend "
+           "issues work on `stream`, which must be the stream `comm` was made for.")
       .def("add_group", [](PyEngine& e, const GroupOptions& g) { return e.engine().add_group(g); },
            nb::arg("options"))
       .def("group", [](PyEngine& e, int i) -> GroupOptions& { return e.engine().group(i); },
@@ -126,7 +188,29 @@ void bind_engine(nb::module_& m) {
            "The live options of group `index` (assign fields between steps, e.g. for schedulers).")
       .def_prop_ro("num_groups", [](PyEngine& e) { return e.engine().num_groups(); })
       .def("add_param", &PyEngine::add_param, nb::arg("name"), nb::arg("group"), nb::arg("shape"),
-           nb::arg("dtype"))
+           nb::arg("dtype"), nb::arg("row_begin") = 0, nb::arg("row_count") = -1,
+           "Registers a parameter (full shape); row_count >= 0: this rank holds dim-0 rows "
+           "[row_begin, row_begin + row_count) (sharded and gather modes).")
+      .def("setup", &PyEngine::setup,
+           "Freezes the registration (distributed: checks it across ranks, plans owners, "
+           "allocates state). Collective; the first step() calls it otherwise.")
+      .def("wait_published", &PyEngine::wait_published)
+      .def("set_stream", &PyEngine::set_stream, nb::arg("stream"),
+           "CUDA: issue the backend's work on this cudaStream_t (an integer).")
+      .def_prop_ro("distributed", [](PyEngine& e) { return e.engine().distributed(); })
+      .def("owner", [](PyEngine& e, int i, int64_t slice) { return e.engine().owner(i, slice); },
+           nb::arg("index"), nb::arg("slice") = 0,
+           "World rank that orthogonalizes matrix `slice` of Muon parameter `index`.")
+      .def(
+          "matrix_state",
+          [](PyEngine& e, int i, int64_t slice, const std::string& name) -> nb::object {
+            const TensorView v = e.engine().matrix_state(i, slice, name);
+            if (v.data == nullptr) return nb::none();
+            return nb::cast(view_of(v, nb::find(e)));
+          },
+          nb::arg("index"), nb::arg("slice"), nb::arg("name") = "momentum_buffer",
+          "A DLPack view of the state of matrix `slice` of a Muon parameter, or None where "
+          "this rank does not hold it.")
       .def_prop_ro("num_params", [](PyEngine& e) { return e.engine().num_params(); })
       .def("param", [](PyEngine& e, int i) { return e.engine().param(i); }, nb::arg("index"))
       .def("step", &PyEngine::step, nb::arg("params"), nb::arg("grads"),
@@ -134,11 +218,14 @@ void bind_engine(nb::module_& m) {
            "used in place through DLPack, never copied.")
       .def(
           "state",
-          [](PyEngine& e, int i, const std::string& name) {
-            return view_of(e.engine().state(i, name), nb::find(e));
+          [](PyEngine& e, int i, const std::string& name) -> nb::object {
+            const TensorView v = e.engine().state(i, name);
+            if (v.data == nullptr) return nb::none();
+            return nb::cast(view_of(v, nb::find(e)));
           },
           nb::arg("index"), nb::arg("name"),
-          "A DLPack view of parameter `index`'s state `name` in backend memory (no copy).")
+          "A DLPack view of parameter `index`'s state `name` in backend memory (no copy); None "
+          "where this rank holds none of it (distributed momentum lives on its owner).")
       .def("state_names", [](PyEngine& e, int i) { return e.engine().state_names(i); },
            nb::arg("index"))
       .def("param_step", [](PyEngine& e, int i) { return e.engine().param_step(i); },

@@ -16,6 +16,7 @@ using namespace distmuon;
 
 namespace distmuon::py {
 void bind_engine(nb::module_& m);
+void bind_comm(nb::module_& m);
 }
 
 namespace {
@@ -123,6 +124,7 @@ NB_MODULE(_C, m) {
   nb::exception<TimeoutError>(m, "TimeoutError", error);
   bind_enums(m);
   bind_options(m);
+  distmuon::py::bind_comm(m);
   distmuon::py::bind_engine(m);
   bind_functions(m);
 }

@@ -226,15 +226,3 @@ def test_zero_gradient_only_decays() -> None:
     w = model.qkv.weight.detach().clone()
     opt.step()
     torch.testing.assert_close(model.qkv.weight.detach(), w * (1 - 0.02 * 0.5), rtol=0, atol=1e-7)
-
-
-def test_dtensor_parameters_are_not_taken_silently() -> None:
-    from distmuon.torch import optimizer as mod
-
-    class DTensor(torch.Tensor):  # stands in for torch.distributed.tensor.DTensor by name
-        pass
-
-    p = torch.zeros(4, 4).as_subclass(DTensor).requires_grad_()
-    assert mod._is_dtensor(p)
-    with pytest.raises(NotImplementedError, match="DTensor"):
-        Muon([("w", p)])

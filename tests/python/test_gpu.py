@@ -90,3 +90,75 @@ def test_cuda_state_lives_on_the_device_and_round_trips() -> None:
     opt2 = Muon(clone(model), lr=0.02)
     opt2.load_state_dict(sd)
     assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"], sd["state"][0]["momentum_buffer"])
+
+
+# ---- distributed on one GPU: the NCCL communicator through the front ----------------------------
+
+
+@pytest.fixture
+def nccl_world_of_one() -> object:
+    """torch.distributed over NCCL with one rank (the GPU machine has one GPU)."""
+    import torch.distributed as dist
+
+    from dist_harness import free_port
+
+    if not distmuon._C.nccl_available():
+        pytest.skip("distmuon built without NCCL")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+class DeviceGPT(TinyGPT):
+    """TinyGPT whose forward makes its positions on the input's device (FSDP2 needs the
+    module's own forward: its hooks gather the parameters)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        h = h + self.proj(torch.tanh(self.qkv(self.ln(h))))
+        h = h + self.out_proj(torch.nn.functional.gelu(self.fc(h)))
+        return self.lm_head(h)
+
+
+def train_cuda(model: torch.nn.Module, opt: torch.optim.Optimizer, side_stream: bool) -> None:
+    s = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+    with torch.cuda.stream(s):
+        for step in range(STEPS):
+            opt.zero_grad()
+            x, y = (t.cuda() for t in make_batch(step))
+            logits = model(x)
+            torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+            opt.step()
+    torch.cuda.synchronize()
+
+
+@needs_backend
+@pytest.mark.parametrize("kind", ["fsdp2", "ddp"])
+def test_nccl_world_of_one_equals_single_gpu(nccl_world_of_one: object, kind: str) -> None:
+    """The sharded (FSDP2) and replicated (DDP) modes over the engine's NCCL communicator, with
+    the steps issued on a side stream (the communicator stays on the stream it was made for;
+    events order the two), give the single-GPU optimizer's weights."""
+    torch.manual_seed(6)
+    base = DeviceGPT().cuda()
+    kw = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3, "ns_dtype": torch.float32}
+    ref = clone(base)
+    train_cuda(ref, Muon(ref, **kw), side_stream=False)
+    model = clone(base)
+    if kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(model, mesh=init_device_mesh("cuda", (1,)))
+        opt = Muon(model, **kw)
+        assert opt.dist_mode == "sharded"
+    else:
+        opt = Muon(model, dist_mode="replicated", **kw)
+        assert opt.dist_mode == "replicated"
+    assert opt._comm is not None and opt._comm.name.startswith("nccl")
+    train_cuda(model, opt, side_stream=True)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    diff = max((full[n] - q.detach()).abs().max().item() for n, q in ref.named_parameters())
+    assert diff < 1e-5
+    sd = opt.state_dict()  # momentum gathered from its owner over NCCL
+    assert all(torch.isfinite(torch.as_tensor(st["step"])) for st in sd["state"].values())

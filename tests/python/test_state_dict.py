@@ -179,3 +179,44 @@ def test_torch_distributed_checkpoint_round_trip_in_one_process(tmp_path: object
     set_optimizer_state_dict(model2, opt2, sd2["optim"])
     train(model2, [opt2], 3, first_step=3)
     assert max_param_diff(model, model2) == 0.0
+
+
+def test_per_matrix_state_hook_round_trips(monkeypatch: pytest.MonkeyPatch) -> None:
+    """State kept per matrix by its owner and not shaped like the parameter (CacheMuon's Gram
+    transform, branch `cache`) is saved through the MATRIX_STATE hook as one (matrices, *shape)
+    tensor and loaded back into each matrix's slot."""
+    from distmuon.torch import _state
+    from distmuon.torch._dist import Topology
+
+    monkeypatch.setitem(_state.MATRIX_STATE, "cache_q", _state.MatrixState(lambda r, c: (min(r, c), min(r, c))))
+
+    class FakeEngine:  # the engine methods export/import use, with one extra per-matrix state
+        def __init__(self) -> None:
+            self.q = [torch.randn(4, 4) for _ in range(2)]
+            self.m = torch.zeros(2, 4, 6)
+
+        def state_names(self, i: int) -> list[str]:
+            return ["momentum_buffer", "cache_q"]
+
+        def state(self, i: int, name: str) -> torch.Tensor:
+            return self.m
+
+        def matrix_state(self, i: int, k: int, name: str) -> torch.Tensor:
+            return self.q[k]
+
+        def owner(self, i: int, k: int) -> int:
+            return 0
+
+    p = torch.nn.Parameter(torch.zeros(2, 4, 6))
+    slot = _state.Slot(0, 0, "experts", p, True, [2, 4, 6], p.shape, p.dtype)
+    src, dst = FakeEngine(), FakeEngine()
+    topo = Topology("local")
+    saved = _state.export_state(src, topo, [slot])[0]  # type: ignore[arg-type]
+    assert saved["cache_q"].shape == (2, 4, 4)
+    assert _state.expected_numel(slot, "cache_q") == 32
+    _state.import_state(dst, topo, [slot], [saved])  # type: ignore[arg-type]
+    for k in range(2):
+        assert torch.equal(dst.q[k], src.q[k])
+    with pytest.raises(NotImplementedError, match="MATRIX_STATE"):
+        monkeypatch.delitem(_state.MATRIX_STATE, "cache_q")
+        _state.export_state(src, topo, [slot])  # type: ignore[arg-type]

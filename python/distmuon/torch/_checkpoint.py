@@ -32,12 +32,13 @@ def merged_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any
 
 
 def checked_entry(
-    name: str, use_muon: bool, shape: torch.Size, state_names: list[str], entry: dict[str, Any] | None
+    name: str, use_muon: bool, shape: torch.Size, state_numel: dict[str, int], entry: dict[str, Any] | None
 ) -> dict[str, Any] | None:
-    """A parameter's saved state, checked against what the engine holds for it (None: fresh)."""
+    """A parameter's saved state, checked against what the engine holds for it (None: fresh).
+    `state_numel` maps each state name to its number of elements."""
     if entry is None:
         return None
-    for key in state_names:
+    for key, numel in state_numel.items():
         value = entry.get(key)
         if not isinstance(value, torch.Tensor):
             kind = "Muon" if use_muon else "AdamW"
@@ -45,7 +46,7 @@ def checked_entry(
                 f"loaded state of parameter '{name}' has no tensor '{key}' (keys: {sorted(entry)}); "
                 f"is it a {kind} parameter there?"
             )
-        if value.numel() != shape.numel():
+        if value.numel() != numel:
             raise ValueError(f"loaded '{key}' of parameter '{name}' has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
         if value.is_complex() or not value.is_floating_point():
             raise ValueError(f"loaded '{key}' of parameter '{name}' has dtype {value.dtype}")

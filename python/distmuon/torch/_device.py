@@ -1,16 +1,19 @@
-"""The engine's backend follows the parameters' device; ordering against torch's CUDA stream."""
+"""The engine's backend follows the parameters' device; its communicator follows the topology;
+its CUDA work is ordered with torch's streams without host synchronisation."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
-
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from distmuon import _C
+from distmuon.torch._dist import Topology
+from distmuon.torch._torch_comm import TorchCollectives
 
 try:
     from torch.utils.dlpack import to_dlpack as _to_dlpack
@@ -20,10 +23,14 @@ except ImportError:  # a torch without the legacy exporter: the tensor's own pro
         return t.detach()
 
 
-def common_device(params: Sequence[torch.Tensor], names: Sequence[str]) -> torch.device:
-    """The one device every parameter lives on (CPU or one CUDA device)."""
-    device = params[0].device
-    for p, name in zip(params, names):
+_POLICY = {"skip": _C.NonFinitePolicy.skip, "raise": _C.NonFinitePolicy.raise_}
+_MODES = {"replicated": _C.DistMode.replicated, "sharded": _C.DistMode.sharded, "gather": _C.DistMode.gather}
+
+
+def common_device(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> torch.device:
+    """The one device every (local part of a) parameter lives on (CPU or one CUDA device)."""
+    device = tensors[0].device
+    for p, name in zip(tensors, names):
         if p.device != device:
             raise ValueError(
                 f"parameters live on several devices ('{names[0]}' on {device}, '{name}' on "
@@ -39,39 +46,118 @@ def common_device(params: Sequence[torch.Tensor], names: Sequence[str]) -> torch
     return device
 
 
-def make_engine(device: torch.device, nonfinite: str) -> _C.Engine:
-    policy = {"skip": _C.NonFinitePolicy.skip, "raise": _C.NonFinitePolicy.raise_}
-    if nonfinite not in policy:
-        raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
-    if device.type == "cuda":
-        # The CUDA backend binds to the current device when it is created.
-        with torch.cuda.device(device):
-            return _C.Engine("cuda", policy[nonfinite])
+def _cpu_threads() -> None:
     # OpenBLAS's worker threads keep spinning after each product and take the cores from
     # torch's forward/backward that follows (measured on 2 cores: fwd+bwd 179 -> 90 ms and the
     # optimizer step 56 -> 27 ms with one BLAS thread). Inside a torch training loop the
     # CPU backend therefore multiplies on one thread unless DISTMUON_NUM_THREADS says otherwise.
     os.environ.setdefault("DISTMUON_NUM_THREADS", "1")
-    return _C.Engine("cpu", policy[nonfinite])
 
 
-@contextlib.contextmanager
-def ordered_with_torch(engine: _C.Engine, device: torch.device) -> Iterator[None]:
-    """Makes the engine's work ordered after the gradients torch produced and before torch's
-    next use of the parameters.
+def _stream(device: torch.device) -> int:
+    return int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
 
-    Stream hook: the CUDA backend runs on a caller-given stream. Once its Backend accepts one,
-    pass ``torch.cuda.current_stream(device).cuda_stream`` to it here and drop both
-    synchronisations; until then, the host waits for torch's stream before the step and for the
-    engine after it, which is correct for any stream the backend uses.
+
+COMMUNICATORS = ("auto", "torch", "nccl", "mpi")
+
+
+def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") -> _C.Communicator:
+    """The engine's communicator for `topo`.
+
+    - 'nccl' ('auto' on CUDA when the build has NCCL): the engine's NCCL communicator on torch's
+      current stream, its id made by member 0 and shared over the topology's process group.
+    - 'torch' ('auto' otherwise): the collectives run over that torch.distributed group (gloo on
+      the CPU) through TorchCollectives.
+    - 'mpi': the engine's MPI communicator over MPI_COMM_WORLD (CPU; launched by mpirun, with the
+      torch ranks equal to the MPI ranks).
     """
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device):
-        torch.cuda.current_stream(device).synchronize()
-        yield
-        engine.synchronize()
+    if kind not in COMMUNICATORS:
+        raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
+    if kind == "auto":
+        kind = "nccl" if device.type == "cuda" and _C.nccl_available() else "torch"
+    if kind == "nccl":
+        if device.type != "cuda" or not _C.nccl_available():
+            raise ValueError("communicator='nccl' needs CUDA parameters and a build with NCCL")
+        with torch.cuda.device(device):
+            uid = [_C.nccl_unique_id() if topo.member == 0 else None]
+            dist.broadcast_object_list(uid, src=topo.ranks[0], group=topo.group)
+            return _C.make_nccl_communicator(uid[0], topo.member, topo.size, _stream(device))
+    if kind == "mpi":
+        if device.type != "cpu" or not _C.mpi_available():
+            raise ValueError("communicator='mpi' needs CPU parameters and a build with MPI (DISTMUON_WITH_MPI=ON)")
+        comm = _C.make_mpi_world()
+        if comm.size != topo.size or list(topo.ranks) != list(range(topo.size)):
+            raise ValueError(
+                f"communicator='mpi' needs the optimizer's ranks {list(topo.ranks)} to be the MPI world "
+                f"(size {comm.size}) in rank order"
+            )
+        return comm
+    impl = TorchCollectives(topo.group, device, topo.mesh_groups)
+    name = f"torch-{dist.get_backend(topo.group)}:{topo.mode}"
+    index = device.index or 0
+    return _C.make_python_communicator(impl, topo.member, topo.size, name, list(topo.ranks), device.type, index)
+
+
+def make_engine(
+    device: torch.device, nonfinite: str, topo: Topology, comm: _C.Communicator | None, bucket_mb: float
+) -> _C.Engine:
+    if nonfinite not in _POLICY:
+        raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
+    if device.type == "cpu":
+        _cpu_threads()
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if comm is None:
+            engine = _C.Engine(device.type, _POLICY[nonfinite])
+            # State is zeroed when parameters are registered: on torch's stream, like the steps.
+            if device.type == "cuda":
+                engine.set_stream(_stream(device))
+            return engine
+        opts = _C.DistOptions()
+        opts.mode = _MODES[topo.mode]
+        opts.replicate = topo.replicate
+        opts.bucket_bytes = int(bucket_mb * (1 << 20))
+        opts.check_grad_presence = True
+        if device.type == "cuda":
+            opts.gpus_per_node = max(1, torch.cuda.device_count())
+        return _C.Engine(device.type, _POLICY[nonfinite], comm, opts, _stream(device))
+
+
+class StreamOrder:
+    """Orders the engine's CUDA work with torch's current stream, without host synchronisation.
+
+    A single-process engine simply issues on torch's current stream of each step (after an
+    event wait when the stream changed since the last step, because the engine's workspace and
+    state were last used there). A distributed engine stays on the stream its NCCL communicator
+    was made for; when torch's current stream is another, the two wait for each other through
+    events before and after the step.
+    """
+
+    def __init__(self, engine: _C.Engine, device: torch.device, fixed: bool) -> None:
+        self.engine = engine
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.fixed = torch.cuda.current_stream(device) if (self.cuda and fixed) else None
+        self.last = torch.cuda.current_stream(device) if self.cuda else None
+
+    def before(self) -> None:
+        if not self.cuda:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        if self.fixed is not None:
+            if cur != self.fixed:
+                self.fixed.wait_stream(cur)
+            return
+        if cur != self.last:
+            cur.wait_stream(self.last)  # type: ignore[arg-type]
+            self.engine.set_stream(int(cur.cuda_stream))
+            self.last = cur
+
+    def after(self) -> None:
+        if self.fixed is None:
+            return
+        cur = torch.cuda.current_stream(self.device)
+        if cur != self.fixed:
+            cur.wait_stream(self.fixed)
 
 
 def to_dlpack(t: torch.Tensor) -> Any:
@@ -79,10 +165,3 @@ def to_dlpack(t: torch.Tensor) -> Any:
     tensor against about 2.5 us for ``t.__dlpack__()``, which matters at a few hundred tensors
     per step; it also exports parameters that require grad without a detach."""
     return _to_dlpack(t)
-
-
-def current_stream_handle(device: torch.device) -> int:
-    """The raw cudaStream_t of torch's current stream on `device` (0 on CPU)."""
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.current_stream(device).cuda_stream)

@@ -9,7 +9,6 @@ views of the engine's own state buffers.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -19,7 +18,8 @@ from torch import nn
 from distmuon import _C
 from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
-from distmuon.torch._device import common_device, make_engine, ordered_with_torch, to_dlpack
+from distmuon.torch._device import StreamOrder, common_device, make_communicator, make_engine, to_dlpack
+from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows, local_tensor
 from distmuon.torch._params import (
     MuonFilter,
     ParamInfo,
@@ -29,36 +29,11 @@ from distmuon.torch._params import (
     module_param_infos,
     split_named,
 )
-
-
-@dataclass
-class _Slot:
-    """One parameter as the engine sees it.
-
-    ``full_shape`` is the logical shape of the whole parameter; ``local()`` is the part of it this
-    process holds. They coincide in a single process; under FSDP2 (DTensor) the local part is a
-    row shard and the engine's sharded mode maps it to the owner of the full matrix.
-    """
-
-    index: int
-    group: int
-    name: str
-    param: torch.Tensor
-    use_muon: bool
-    engine_shape: list[int]
-    full_shape: torch.Size
-    dtype: torch.dtype
-
-    def local(self) -> torch.Tensor:
-        return self.param
+from distmuon.torch._state import Slot, expected_numel, export_state, held_momentum, import_state, owner_held
 
 
 def _float(v: Any) -> float:
     return float(v.item() if isinstance(v, torch.Tensor) else v)
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "DTensor"
 
 
 class Muon(torch.optim.Optimizer):
@@ -86,6 +61,20 @@ class Muon(torch.optim.Optimizer):
         momentum_dtype: torch.float32 (default) or torch.bfloat16.
         nonfinite: 'skip' (default: a matrix or tensor whose gradient has NaN/Inf is left
             untouched in that step and counted) or 'raise' (nothing is updated; error).
+        dist_mode: 'auto' (default) detects the setting: DTensor parameters (FSDP2
+            ``fully_shard``, HSDP) -> 'sharded' over their device mesh; plain parameters with
+            torch.distributed initialised over more than one process (DDP) -> 'replicated';
+            else 'local'. 'gather' is the naive baseline for DTensor parameters.
+        process_group: the group of the replicated mode (default: the whole world).
+        bucket_mb: megabytes of full matrices moved per bucket in the distributed modes (the
+            next bucket travels while the current one computes).
+        communicator: how the engine's collectives travel: 'auto' (NCCL for CUDA parameters
+            when the build has it, else 'torch'), 'torch' (over the torch.distributed process
+            group: gloo on the CPU), 'nccl', or 'mpi' (CPU, under mpirun, in a build with MPI).
+
+    Distributed: every rank builds the optimizer and steps it together (the step is
+    collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
+    each matrix's owner (the 'replicated' and 'sharded' modes).
 
     The momentum buffer is kept in the sum form ``B = mu B + G`` (as torch.optim.SGD);
     torch.optim.Muon keeps the EMA form, which is ``(1 - mu)`` times it; when a scheduler changes
@@ -116,6 +105,10 @@ class Muon(torch.optim.Optimizer):
         muon_filter: MuonFilter | None = None,
         momentum_dtype: torch.dtype = torch.float32,
         nonfinite: str = "skip",
+        dist_mode: str = "auto",
+        process_group: Any = None,
+        bucket_mb: float = 32.0,
+        communicator: str = "auto",
     ) -> None:
         if momentum_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"momentum_dtype must be torch.float32 or torch.bfloat16 (got {momentum_dtype})")
@@ -143,11 +136,20 @@ class Muon(torch.optim.Optimizer):
             "weight_decay": adamw_weight_decay,
         }
         self._muon_filter = muon_filter
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0 (got {bucket_mb})")
         self._momentum_dtype = momentum_dtype
         self._nonfinite = nonfinite
+        self._dist_mode = dist_mode
+        self._process_group = process_group
+        self._bucket_mb = bucket_mb
+        self._communicator = communicator
+        self._topo: Topology | None = None
+        self._comm: _C.Communicator | None = None
+        self._order: StreamOrder | None = None
         self._infos: dict[int, ParamInfo] = {}
         self._engine: _C.Engine | None = None
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         self._signatures: list[tuple[Any, ...] | None] = []
         self._buffer_momentum: list[float] = []  # per group: the mu its momentum buffers assume
         self._unnamed_warned = False
@@ -242,22 +244,24 @@ class Muon(torch.optim.Optimizer):
 
     # ---- the engine -------------------------------------------------------------------------
 
-    def _make_slots(self) -> list[_Slot]:
-        slots = []
-        index = 0
+    def _named_params(self) -> list[tuple[int, str, torch.Tensor, ParamInfo]]:
+        """(group index, name, parameter, info) of every parameter, in state_dict order."""
+        out = []
         for gi, g in enumerate(self.param_groups):
             names = g.get("param_names")
             for j, p in enumerate(g["params"]):
+                index = len(out)
                 name = names[j] if names else self._param_info(p, None, index).name
-                if _is_dtensor(p):
-                    raise NotImplementedError(
-                        f"parameter '{name}' is a DTensor (FSDP2); the sharded engine mode is not "
-                        "in this build of distmuon.torch yet"
-                    )
-                info = self._param_info(p, name if names else None, index)
-                shape = matrix_shape(p, info.conv) if g["use_muon"] else list(p.shape)
-                slots.append(_Slot(index, gi, name, p, g["use_muon"], shape, p.shape, p.dtype))
-                index += 1
+                out.append((gi, name, p, self._param_info(p, name if names else None, index)))
+        return out
+
+    def _make_slots(self) -> list[Slot]:
+        slots = []
+        for index, (gi, name, p, info) in enumerate(self._named_params()):
+            use_muon = self.param_groups[gi]["use_muon"]
+            shape = matrix_shape(p, info.conv) if use_muon else list(p.shape)
+            rows = local_rows(name, p) if is_dtensor(p) else None
+            slots.append(Slot(index, gi, name, p, use_muon, shape, p.shape, p.dtype, rows))
         return slots
 
     def _group_options(self, gi: int, device_type: str) -> Any:
@@ -268,20 +272,47 @@ class Muon(torch.optim.Optimizer):
         return opt.adamw_options(g, where)
 
     def _build_engine(self) -> None:
-        """(Re)creates the engine for the current groups, carrying over existing state."""
-        slots = self._make_slots()
-        if not slots:
+        """(Re)creates the engine for the current groups, carrying over existing state.
+        Collective in distributed modes."""
+        named = self._named_params()
+        if not named:
             raise ValueError("optimizer got an empty parameter list")
-        device = common_device([s.param for s in slots], [s.name for s in slots])
-        options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
-        engine = make_engine(device, self._nonfinite)
+        topo = detect([p for _, _, p, _ in named], [n for _, n, _, _ in named], self._dist_mode, self._process_group)
+        if self._topo is not None and topo.mode != self._topo.mode:
+            raise ValueError(f"the new parameters need the {topo.mode} mode, the optimizer runs in {self._topo.mode}")
+        try:
+            slots = self._make_slots()
+            device = common_device([s.local() for s in slots], [s.name for s in slots])
+            options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
+            error = None
+        except (ValueError, TypeError, RuntimeError) as e:
+            if not topo.distributed:
+                raise
+            error = str(e)
+        agree(topo, error, "building distmuon.torch.Muon")
+        if topo.distributed and self._comm is None:
+            self._comm = make_communicator(topo, device, self._communicator)
+        engine = make_engine(device, self._nonfinite, topo, self._comm, self._bucket_mb)
         for o in options:
             engine.add_group(o)
         for s in slots:
-            engine.add_param(s.name, s.group, s.engine_shape, opt.engine_dtype(s.dtype))
-        old = {id(s.param): s for s in self._slots}
-        old_engine = self._engine
-        self._engine, self._slots, self._device = engine, slots, device
+            begin, count = s.rows if s.rows is not None else (0, -1)
+            engine.add_param(s.name, s.group, s.engine_shape, opt.engine_dtype(s.dtype), begin, count)
+        engine.setup()  # distributed: checks the registration on every rank, plans the owners
+        old_engine, old_slots = self._engine, self._slots
+        carried: list[dict[str, Any] | None] = [None] * len(slots)
+        if old_engine is not None and self._topo is not None:
+            exported = export_state(old_engine, self._topo, old_slots)
+            old = {id(s.param): s for s in old_slots}
+            for s in slots:
+                prev = old.get(id(s.param))
+                if prev is not None and prev.use_muon == s.use_muon:
+                    carried[s.index] = exported[prev.index]
+                    engine.set_param_step(s.index, old_engine.param_step(prev.index))
+        self._engine, self._slots, self._device, self._topo = engine, slots, device, topo
+        self._order = StreamOrder(engine, device, fixed=topo.distributed and device.type == "cuda")
+        if old_engine is not None:
+            import_state(engine, topo, slots, carried)
         # Groups that existed keep their last pushed signature and buffer momentum, so that an
         # option changed since the last step is still noticed (and the buffers rescaled) by it.
         sigs, mus = self._signatures, self._buffer_momentum
@@ -291,21 +322,18 @@ class Muon(torch.optim.Optimizer):
         self._buffer_momentum = [
             mus[i] if i < len(mus) else _float(g.get("momentum", 0.0)) for i, g in enumerate(self.param_groups)
         ]
-        for s in slots:
-            prev = old.get(id(s.param))
-            if prev is not None and old_engine is not None and prev.use_muon == s.use_muon:
-                for name, view in self._engine_views(s).items():
-                    view.copy_(self.state[s.param][name])
-                engine.set_param_step(s.index, old_engine.param_step(prev.index))
-            self.state[s.param] = self._engine_views(s)
-            self.state[s.param]["step"] = torch.tensor(float(engine.param_step(s.index)))
+        self._refresh_state()
 
-    def _engine_views(self, s: _Slot) -> dict[str, torch.Tensor]:
-        assert self._engine is not None
-        return {
-            name: torch.from_dlpack(self._engine.state(s.index, name)).view(s.full_shape)
-            for name in self._engine.state_names(s.index)
-        }
+    def _refresh_state(self) -> None:
+        """``self.state[p]``: the step and the state this process holds in the parameter's
+        placement (views of the engine's memory). Momentum kept with owners is not in it (it is
+        not in the parameter's placement); ``state_dict()`` gathers it."""
+        assert self._engine is not None and self._topo is not None
+        exported = export_state(self._engine, self._topo, self._slots, gather_momentum=False)
+        for s, entry in zip(self._slots, exported):
+            st = {k: v for k, v in entry.items() if not owner_held(self._topo, s, k)}
+            st["step"] = torch.tensor(float(self._engine.param_step(s.index)))
+            self.state[s.param] = st
 
     def _push_options(self) -> None:
         """Sends changed group options (LR schedulers, user edits) to the engine."""
@@ -331,15 +359,18 @@ class Muon(torch.optim.Optimizer):
         if mu == old:
             return
         factor = (1.0 - old) / (1.0 - mu)
+        assert self._engine is not None and self._topo is not None
         for s in self._slots:
             if s.group == gi:
-                self.state[s.param]["momentum_buffer"].mul_(factor)
+                for v in held_momentum(self._engine, self._topo, s):
+                    v.mul_(factor)
         self._buffer_momentum[gi] = mu
 
     def _step_inputs(self) -> tuple[list[Any], list[Any]]:
-        """DLPack capsules of every parameter and gradient, checked before the engine touches
-        anything. The binding checks device, dtype and layout against the registration (naming
-        the parameter); the checks here are the ones it cannot make."""
+        """DLPack capsules of every parameter and gradient (their local parts under FSDP2),
+        checked before the engine touches anything. The binding checks device, dtype and layout
+        against the registration (naming the parameter); the checks here are the ones it
+        cannot make."""
         params: list[Any] = []
         grads: list[Any] = []
         for s in self._slots:
@@ -350,40 +381,63 @@ class Muon(torch.optim.Optimizer):
                     f"built for {tuple(s.full_shape)}; create the optimizer after changing the model"
                 )
             g = p.grad
-            if g is not None and (g.layout != torch.strided or g.shape != s.full_shape or not g.is_contiguous()):
+            if g is not None and s.rows is not None:
+                g = self._local_grad(s, g)
+            if g is not None and (g.layout != torch.strided or g.shape != s.local_shape or not g.is_contiguous()):
                 g = self._check_grad(s, g)
-            params.append(to_dlpack(p))
+            params.append(to_dlpack(s.local()))
             grads.append(None if g is None else to_dlpack(g))
         return params, grads
 
     @staticmethod
-    def _check_grad(s: _Slot, g: torch.Tensor) -> torch.Tensor:
+    def _local_grad(s: Slot, g: torch.Tensor) -> torch.Tensor:
+        if not is_dtensor(g):
+            raise ValueError(f"parameter '{s.name}' is a DTensor but its gradient is a plain tensor")
+        p: Any = s.param
+        if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+            raise ValueError(
+                f"gradient of parameter '{s.name}' has placements {tuple(g.placements)}, the "  # type: ignore[attr-defined]
+                f"parameter {tuple(p.placements)}"
+            )
+        return local_tensor(g)
+
+    @staticmethod
+    def _check_grad(s: Slot, g: torch.Tensor) -> torch.Tensor:
         if g.layout != torch.strided:
             raise RuntimeError(
                 f"parameter '{s.name}' has a sparse gradient ({g.layout}); distmuon needs dense gradients"
             )
-        if g.shape != s.full_shape:
+        if g.shape != s.local_shape:
+            what = "local shard shape" if s.rows is not None else "shape"
             raise ValueError(
-                f"gradient of parameter '{s.name}' has shape {tuple(g.shape)}, the parameter "
-                f"{tuple(s.full_shape)}"
+                f"gradient of parameter '{s.name}' has {what} {tuple(g.shape)}, the parameter "
+                f"{tuple(s.local_shape)}"
             )
         return g.contiguous()  # the engine reads dense row-major memory
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """One optimizer step over every parameter that has a gradient."""
+        """One optimizer step over every parameter that has a gradient (collective when
+        distributed: a parameter steps on every rank or on none)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._engine is None or sum(len(g["params"]) for g in self.param_groups) != len(self._slots):
             self._build_engine()
-        assert self._engine is not None
+        assert self._engine is not None and self._order is not None
         self._push_options()
         params, grads = self._step_inputs()
-        with ordered_with_torch(self._engine, self._device):
-            self._engine.step(params, grads)
+        self._order.before()
+        self._engine.step(params, grads)
+        self._order.after()
         return loss
+
+    @property
+    def dist_mode(self) -> str:
+        """The engine's setting: 'local', 'replicated', 'sharded' or 'gather'."""
+        assert self._topo is not None
+        return self._topo.mode
 
     def engine_stats(self) -> dict[str, Any]:
         """Counters of the engine: steps, non-finite skips, orthogonalization FLOPs, sizes."""
@@ -394,32 +448,66 @@ class Muon(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format: per parameter index 'step' and 'momentum_buffer' (Muon) or
-        'exp_avg'/'exp_avg_sq' (AdamW); tensors alias the engine's live state like torch's do."""
-        assert self._engine is not None
+        'exp_avg'/'exp_avg_sq' (AdamW), each shaped like its parameter: a DTensor with the
+        parameter's placements under FSDP2, a full tensor otherwise, so that
+        torch.distributed.checkpoint can load it at another world size. Tensors alias the
+        engine's live state where it is kept in that placement (as torch's do); momentum kept
+        with each matrix's owner is gathered into new tensors (collective)."""
+        assert self._engine is not None and self._topo is not None
         # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
         # changed it since the last step): bring them up to date, as the next step would.
         for gi, g in enumerate(self.param_groups):
             mu = _float(g.get("momentum", 0.0))
             if g["use_muon"] and 0.0 <= mu < 1.0:
                 self._rescale_momentum(gi, mu)
-        for s in self._slots:
-            self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
-        return super().state_dict()
+        self._refresh_state()
+        sd = super().state_dict()
+        for s, entry in zip(self._slots, export_state(self._engine, self._topo, self._slots)):
+            entry["step"] = torch.tensor(float(self._engine.param_step(s.index)))
+            sd["state"][s.index] = entry
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict() of an optimizer with the same groups; nothing changes unless
-        every entry checks out."""
-        assert self._engine is not None
+        """Loads a state_dict() of an optimizer with the same groups, saved at any world size
+        (DTensor entries in any placement of this mesh, or full tensors); nothing changes unless
+        every entry checks out on every rank. Collective when distributed."""
+        assert self._engine is not None and self._topo is not None
+        topo = self._topo
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        try:
+            merged, plan = self._checked_load(state_dict)
+            error = None
+        except (ValueError, TypeError, KeyError) as e:
+            if not topo.distributed:
+                raise
+            merged, plan, error = [], [], f"{type(e).__name__}: {e}"
+        presence = "".join("0" if e is None else "1" for _, e in plan)
+        agree(topo, error, "load_state_dict", fingerprint=f"entries {presence}" if error is None else "")
+        self.param_groups = merged
+        import_state(self._engine, topo, self._slots, [e for _, e in plan])
+        for s, entry in plan:
+            self._engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
+        self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
+        self._refresh_state()
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _state_numel(self, s: Slot) -> dict[str, int]:
+        assert self._engine is not None
+        return {name: expected_numel(s, name) for name in self._engine.state_names(s.index)}
+
+    def _checked_load(self, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[Slot, Any]]]:
+        """The merged groups and per slot the checked saved entry (None: fresh state)."""
+        assert self._engine is not None
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         ckpt.check_saved_groups(self.param_groups, saved_groups)
         saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
         plan = [
-            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._engine.state_names(s.index), saved_state.get(i)))
+            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i)))
             for s, i in zip(self._slots, saved_ids)
         ]
         old_groups = self.param_groups
@@ -427,19 +515,6 @@ class Muon(torch.optim.Optimizer):
         try:
             for gi in range(len(self.param_groups)):
                 self._group_options(gi, self._device.type)  # validates the loaded options
-        except Exception:
+            return self.param_groups, plan
+        finally:
             self.param_groups = old_groups
-            raise
-        for s, entry in plan:
-            views = self._engine_views(s)
-            for name, view in views.items():
-                if entry is None:
-                    view.zero_()
-                else:
-                    view.copy_(entry[name].reshape(view.shape))
-            self._engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
-            self.state[s.param] = views
-            self.state[s.param]["step"] = torch.tensor(float(self._engine.param_step(s.index)))
-        self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The PyTorch front on the GPU machine: builds and installs the extension there (Python 3.12),
+# runs the GPU pytest subset, the NCCL communicator test at world size 1, and the training
+# example with distmuon, fused AdamW and torch.optim.Muon (step time split into forward+backward
+# and optimizer; final validation losses).
+#
+#   bench/h200_front.sh            the recorded run (example at its GPU preset)
+#   STEPS=300 bench/h200_front.sh  a shorter example run (validation of the script)
+#
+# Needs .gpubin/ from bench/stage_front_gpu.sh (device tool: carry [".gpubin"]). The Debian
+# packages are unpacked into /tmp/sysroot (never into /) and CMake, pkg-config and the linker
+# are pointed at it. Output under $OUT: run.log, pytest.log, train_gpt.json, train_gpt.png,
+# summary.txt.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/out/h200_front}
+mkdir -p "$OUT"
+LOG="$OUT/run.log"
+cd "$ROOT"
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+PY=${PYTHON:-python3}
+status=0
+
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+say "sysroot from .gpubin/debs"
+SR=/tmp/sysroot
+rm -rf "$SR" && mkdir -p "$SR"
+for d in .gpubin/debs/*.deb; do dpkg -x "$d" "$SR"; done
+LIB=$SR/usr/lib/x86_64-linux-gnu
+export CMAKE_PREFIX_PATH=$SR/usr
+export CMAKE_LIBRARY_PATH=$LIB/openblas-pthread:$LIB
+export LIBRARY_PATH=$LIB/openblas-pthread:$LIB${LIBRARY_PATH:+:$LIBRARY_PATH}
+export PKG_CONFIG_LIBDIR=$LIB/pkgconfig:$SR/usr/share/pkgconfig
+export PKG_CONFIG_SYSROOT_DIR=$SR
+command -v pkg-config >/dev/null || export PKG_CONFIG=$SR/usr/bin/pkgconf
+# Python processes find only OpenBLAS & co. here: CUDA, cuBLAS and NCCL are the copies torch
+# loads from its own wheels (the extension's NEEDED entries bind to those). The C++ test binary
+# gets the toolkit's and the NCCL wheel's directories on top (CXX_LD_PATH).
+export LD_LIBRARY_PATH=$LIB/openblas-pthread:$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+NCCL_LIB=$($PY -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+CUDA_LIBS=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib 2>/dev/null | tr '\n' ':')
+CXX_LD_PATH=$LD_LIBRARY_PATH:${NCCL_LIB:+$NCCL_LIB:}$CUDA_LIBS
+[ -f .cutlass/include/cute/tensor.hpp ] || { mkdir -p .cutlass && tar xJf .gpubin/cutlass-include.tar.xz -C .cutlass; }
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee -a "$LOG"
+$PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)" 2>&1 | tee -a "$LOG"
+
+say "build + install the extension (pip --no-build-isolation, CUDA on, -j16)"
+t0=$(date +%s)
+CMAKE_BUILD_PARALLEL_LEVEL=16 $PY -m pip install --no-build-isolation --no-deps --root-user-action=ignore \
+  --disable-pip-version-check -q . >>"$LOG" 2>&1 || { say "BUILD FAILED"; tail -40 "$LOG"; exit 1; }
+say "built in $(( $(date +%s) - t0 )) s"
+(cd /tmp && $PY -c "
+import torch, distmuon, distmuon._C as C, glob, os
+print('distmuon', distmuon.__version__, 'cuda', C.cuda_available(), 'nccl', C.nccl_available())
+so = glob.glob(os.path.join(os.path.dirname(distmuon.__file__), '_C*.so'))[0]
+os.system('ldd ' + so + ' | grep -E \"not found|cublas|nccl|openblas\"')
+") 2>&1 | tee -a "$LOG"
+
+say "smoke: a CUDA engine inside a torch process"
+SMOKE='import torch
+torch.zeros(1, device="cuda")
+import distmuon._C as C
+e = C.Engine("cuda")
+e.set_stream(torch.cuda.current_stream().cuda_stream)
+print("cuda engine ok:", e.backend_name)'
+echo "$SMOKE" > /tmp/dm_smoke.py
+printf 'import distmuon._C\n%s\n' "$SMOKE" > /tmp/dm_smoke_first.py
+$PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -8 | tee -a "$LOG"
+smoke=${PIPESTATUS[0]}
+if [ "$smoke" != 0 ]; then
+  status=1
+  say "smoke FAILED: native backtrace and the libraries loaded (cuda-gdb)"
+  cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args $PY /tmp/dm_smoke.py 2>&1 \
+    | grep -vE "^\[(New|Thread|Detaching)" | tail -90 | tee -a "$LOG"
+  say "variant: distmuon imported before torch"
+  $PY -X faulthandler /tmp/dm_smoke_first.py 2>&1 | tail -4 | tee -a "$LOG"
+  say "variant: the toolkit's and the NCCL wheel's libraries first"
+  LD_LIBRARY_PATH=$CXX_LD_PATH $PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -4 | tee -a "$LOG"
+  say "variant: no tune cache lookup"
+  DISTMUON_TUNE_CACHE=/nonexistent/tune.json $PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -4 | tee -a "$LOG"
+fi
+
+say "NCCL communicator test, world size 1"
+if [ -x .gpubin/front/test_nccl_comm ]; then
+  LD_LIBRARY_PATH=$CXX_LD_PATH .gpubin/front/test_nccl_comm --gtest_brief=1 2>&1 | tail -15 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+else
+  say "missing .gpubin/front/test_nccl_comm (run bench/stage_front_gpu.sh)"; status=1
+fi
+
+if [ "$smoke" = 0 ]; then
+  say "GPU pytest subset (tests/python/test_gpu.py)"
+  $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q --no-index --find-links .gpubin/wheels \
+    --root-user-action=ignore pytest >>"$LOG" 2>&1
+  OMP_WAIT_POLICY=passive $PY -m pytest tests/python/test_gpu.py -v -rs 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+  say "example: distmuon, adamw (fused), torch-muon${STEPS:+ ($STEPS steps)}"
+  $PY examples/train_gpt.py --device cuda --optimizer distmuon,adamw,torch-muon ${STEPS:+--steps $STEPS} \
+    --out "$OUT/train_gpt.png" 2>&1 | grep -vE "^\s*(distmuon|adamw|torch-muon)\s*[\[|:]" | tee -a "$LOG" | tail -12
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  $PY - "$OUT/train_gpt.json" <<'EOF' | tee "$OUT/summary.txt" | tee -a "$LOG"
+import json, sys
+d = json.load(open(sys.argv[1]))
+c = d["config"]
+print(f"char GPT {c['n_layer']}x{c['n_embd']}, block {c['block_size']}, batch {d['args']['batch_size']}, "
+        f"{d['args']['steps']} steps, bf16 autocast {d['args']['amp']}, torch {d['torch']}")
+print(f"{'optimizer':>10} {'fwd+bwd ms':>10} {'optimizer ms':>12} {'final val loss':>14}")
+for r in d["results"]:
+    print(f"{r['optimizer']:>10} {r['fwd_bwd_ms_median']:10.2f} {r['optimizer_ms_median']:12.2f} {r['final_val_loss']:14.4f}")
+EOF
+else
+  say "GPU pytest and the example skipped: a CUDA engine cannot be made in a torch process (above)"
+fi
+say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"
+exit $status

@@ -1,0 +1,65 @@
+"""Launching real ranks for the distributed tests: processes started with torch.multiprocessing
+(spawn), a gloo process group over TCP on localhost, results returned through files.
+
+A rank that raises records the exception (type and message) as its result instead of dying, so
+that tests can assert on errors raised on every rank. A launch that does not finish within its
+deadline is killed and reported (never a hung test run).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+Scenario = Callable[..., dict[str, Any]]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(rank: int, world: int, port: int, out: str, target: Scenario, args: tuple[Any, ...]) -> None:
+    import torch.distributed as dist
+
+    os.environ["DISTMUON_COMM_TIMEOUT_S"] = "60"  # a divergence fails in a minute, not five
+    torch.set_num_threads(1)  # ranks share 2 cores
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=90),
+    )
+    try:
+        result: dict[str, Any] = target(rank, world, *args)
+    except BaseException as e:  # noqa: BLE001 - reported to the test, which decides
+        result = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    torch.save(result, Path(out) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(world: int, target: Scenario, *args: Any, timeout_s: float = 300) -> list[dict[str, Any]]:
+    """Runs target(rank, world, *args) on `world` ranks; returns each rank's result dict."""
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.start_processes(
+            _child, args=(world, free_port(), out, target, args), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
+        try:
+            while not ctx.join(timeout=1.0):
+                if datetime.datetime.now() > deadline:
+                    raise TimeoutError(f"{target.__name__} on {world} ranks did not finish in {timeout_s} s")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]

@@ -1,0 +1,281 @@
+"""What the ranks of the distributed tests run (test_distributed.py launches them).
+
+Every scenario trains the same small model on the same global batch: with W ranks each rank
+takes 1/W of it, so that the mean gradient FSDP2/DDP produce equals the single-process one.
+The model has a 3-row matrix (an empty FSDP2 shard at 4 ranks) and a 3D parameter of 2 matrices
+(empty shards at 4 ranks, one owner per matrix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distmuon.torch import Muon
+from helpers import TinyGPT, make_batch
+
+GLOBAL_BATCH = 8
+STEPS = 10
+CKPT_AT = 5
+OPT_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
+
+
+class DistGPT(TinyGPT):
+    """TinyGPT plus a 3-row gate and a stack of two expert matrices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 3)
+        self.experts = nn.Parameter(torch.randn(2, 16, 16) * 0.1)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        h = self.wte(idx) + self.wpe(pos)
+        h = h + self.proj(torch.tanh(self.qkv(self.ln(h))))
+        h = h + self.out_proj(torch.nn.functional.gelu(self.fc(h)))
+        h = h + 0.1 * torch.einsum("btd,edf->btf", h, self.experts) + self.gate(h).mean(-1, keepdim=True)
+        return self.lm_head(h)
+
+
+def make_model() -> DistGPT:
+    torch.manual_seed(0)
+    return DistGPT()
+
+
+def local_loss(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    x, y = make_batch(step, batch=GLOBAL_BATCH)
+    per = GLOBAL_BATCH // world
+    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def train(fwd: nn.Module, opt: Muon, steps: range, rank: int, world: int) -> list[float]:
+    """Global mean loss of each step."""
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        loss = local_loss(fwd, step, rank, world)
+        loss.backward()
+        opt.step()
+        value = loss.detach().clone()
+        if distributed():
+            dist.all_reduce(value)
+            value /= world
+        out.append(value.item())
+    return out
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone()  # type: ignore[operator]
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
+    """Every state tensor as a full tensor (collective)."""
+    sd = opt.state_dict()
+    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
+
+
+def wrap(model: nn.Module, kind: str, world: int) -> nn.Module:
+    """The module to call forward on: FSDP2 / HSDP shard `model` in place, DDP wraps it."""
+    if kind in ("fsdp", "hsdp"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if kind == "fsdp":
+            mesh = init_device_mesh("cpu", (world,))
+        else:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh)
+        return model
+    if kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A sub-scenario's result, or the error it raised (so one failure does not hide the rest)."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+# ---- sub-scenarios ------------------------------------------------------------------------------
+
+
+def run_train(rank: int, world: int, kind: str, ckpt: str | None = None, dist_mode: str = "auto") -> dict[str, Any]:
+    """STEPS steps; with `ckpt`, a DCP checkpoint after CKPT_AT steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model()
+    fwd = wrap(model, kind, world)
+    opt = Muon(model, dist_mode=dist_mode, **OPT_KW)
+    losses = train(fwd, opt, range(CKPT_AT), rank, world)
+    saved = None
+    if ckpt is not None:
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+        saved = full_state(opt)
+    losses += train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
+    return {
+        "mode": opt.dist_mode,
+        "losses": losses,
+        "params": full_params(model),
+        "saved_state": saved,
+        "final_state": full_state(opt),
+        "owned": opt.engine_stats()["owned_matrices"],
+    }
+
+
+def run_resume(rank: int, world: int, kind: str, ckpt: str) -> dict[str, Any]:
+    """Loads the checkpoint into a fresh model and optimizer and trains the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model()
+    fwd = wrap(model, kind, world)
+    opt = Muon(model, **OPT_KW)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    loaded = full_state(opt)
+    losses = train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
+    return {"loaded_state": loaded, "losses": losses, "params": full_params(model)}
+
+
+def run_grad_none(rank: int, world: int, kind: str, none_ranks: tuple[int, ...]) -> dict[str, Any]:
+    """gate.weight without a gradient on every rank, then only on `none_ranks`, then a normal step."""
+    model = make_model()
+    fwd = wrap(model, kind, world)
+    opt = Muon(model, **OPT_KW)
+    train(fwd, opt, range(2), rank, world)
+
+    def backward(drop: bool) -> None:
+        opt.zero_grad()
+        local_loss(fwd, 2, rank, world).backward()
+        if drop:
+            model.gate.weight.grad = None
+
+    out: dict[str, Any] = {}
+    before = full_params(model)
+    backward(drop=True)
+    opt.step()
+    after_all = full_params(model)
+    out["all_none_gate_unchanged"] = torch.equal(before["gate.weight"], after_all["gate.weight"])
+    out["all_none_others_changed"] = not torch.equal(before["fc.weight"], after_all["fc.weight"])
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    steps = opt.state_dict()["state"]
+    out["gate_step"] = float(steps[index[id(model.gate.weight)]]["step"])
+    out["fc_step"] = float(steps[index[id(model.fc.weight)]]["step"])
+    backward(drop=rank in none_ranks)
+    try:
+        opt.step()
+        out["some_none_error"] = None
+    except RuntimeError as e:
+        out["some_none_error"] = str(e)
+    after_some = full_params(model)
+    out["some_none_unchanged"] = all(torch.equal(after_all[n], after_some[n]) for n in after_all)
+    backward(drop=False)
+    opt.step()
+    out["recovered"] = not torch.equal(after_some["gate.weight"], full_params(model)["gate.weight"])
+    return out
+
+
+def run_mismatch(rank: int, world: int, what: str) -> dict[str, Any]:
+    """Rank 1 builds the optimizer over a different parameter set."""
+    model = make_model()
+    named = list(model.named_parameters())
+    if rank == 1 and what == "missing":
+        named = [(n, p) for n, p in named if n != "fc.weight"]
+    if rank == 1 and what == "shape":
+        named = [(n, nn.Parameter(torch.zeros(65, 16)) if n == "fc.weight" else p) for n, p in named]
+    Muon(named, dist_mode="replicated", **OPT_KW)
+    return {"built": True}
+
+
+def run_fqn_api(rank: int, world: int) -> dict[str, Any]:
+    """torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict round trip."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = make_model()
+    fwd = wrap(model, "fsdp", world)
+    opt = Muon(model, **OPT_KW)
+    train(fwd, opt, range(3), rank, world)
+    before = full_state(opt)
+    osd = get_optimizer_state_dict(model, opt)
+    keys = sorted(osd["state"])
+    set_optimizer_state_dict(model, opt, osd)
+    after = full_state(opt)
+    same = all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
+    return {"keys": keys, "same": same}
+
+
+def run_collectives(rank: int, world: int) -> dict[str, Any]:
+    """The torch communicator's collectives as the engine calls them, including counts with
+    gaps in the displacements (staged through contiguous buffers)."""
+    from distmuon import _C
+    from distmuon.torch._torch_comm import TorchCollectives
+
+    comm = _C.make_python_communicator(
+        TorchCollectives(dist.group.WORLD, torch.device("cpu")), rank, world, "test", list(range(world))
+    )
+    out: dict[str, Any] = {}
+    t = torch.tensor([float(rank), -float(rank)])
+    comm.all_reduce(t, 1)  # max
+    out["max"] = t.tolist()
+    b = torch.full((3,), float(rank))
+    comm.broadcast(b, world - 1)
+    out["broadcast"] = b.tolist()
+    # member q sends counts[q][p] elements to member p, from displacements in reverse order
+    counts = [[2, 3], [1, 4]]
+    send = torch.arange(10, dtype=torch.float32) + 100 * rank
+    send_counts = counts[rank]
+    send_displs = [5, 0]
+    recv_counts = [counts[0][rank], counts[1][rank]]
+    recv_displs = [6, 1]  # gaps at 0 and between the pieces
+    recv = torch.full((12,), -1.0)
+    comm.all_to_all_v(send, send_counts, send_displs, recv, recv_counts, recv_displs)
+    out["a2a"] = recv.tolist()
+    comm.barrier()
+    out["stats"] = comm.stats()
+    return out
+
+
+# ---- what each launch runs --------------------------------------------------------------------
+
+
+def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    return {
+        "fsdp": guarded(lambda: run_train(rank, world, "fsdp", ckpt)),
+        "resume2": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+        "gather": guarded(lambda: run_train(rank, world, "fsdp", dist_mode="gather")),
+        "ddp": guarded(lambda: run_train(rank, world, "ddp")),
+        "grad_none_fsdp": guarded(lambda: run_grad_none(rank, world, "fsdp", (1,))),
+        "grad_none_ddp": guarded(lambda: run_grad_none(rank, world, "ddp", (0,))),
+        "mismatch_missing": guarded(lambda: run_mismatch(rank, world, "missing")),
+        "mismatch_shape": guarded(lambda: run_mismatch(rank, world, "shape")),
+        "fqn_api": guarded(lambda: run_fqn_api(rank, world)),
+        "collectives": guarded(lambda: run_collectives(rank, world)),
+    }
+
+
+def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    return {
+        "fsdp": guarded(lambda: run_train(rank, world, "fsdp")),
+        "hsdp": guarded(lambda: run_train(rank, world, "hsdp")),
+        "resume4": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+        # rank 3 holds empty shards of gate.weight: no gradient there is no disagreement
+        "grad_none_empty_shard": guarded(lambda: run_grad_none(rank, world, "fsdp", (3,))),
+    }
