@@ -43,7 +43,9 @@ struct ParamData {
 struct EngineStats {
   int64_t steps = 0;
   int64_t nonfinite_skips = 0;  // matrices/tensors skipped because of NaN/Inf gradients
-  OrthoStats ortho;             // orthogonalization work done by this process
+  OrthoStats ortho;             // orthogonalization work done by this process (CacheMuon
+                                // classes count what an ideal device does, see CacheStats)
+  CacheStats cache;             // CacheMuon, summed over the shape classes that use it
   int64_t muon_matrices = 0;    // registered Muon matrices (3D params count once per slice)
   int64_t muon_params = 0;      // elements in Muon parameters
   int64_t adamw_params = 0;     // elements in AdamW parameters
@@ -70,6 +72,10 @@ class Engine {
   // Optimizer state of a parameter, in backend memory, shaped like the parameter (fp32 unless
   // the group asks for bf16 momentum). Names: "momentum_buffer" (Muon), "exp_avg",
   // "exp_avg_sq" (AdamW). The view stays valid for the engine's lifetime.
+  // With CacheMuon on a Gram-NS shape also "cache_q", "cache_age", "cache_key" (see
+  // TransformCache::state; leading shape [] for a matrix, [e] for a 3D parameter). Reading them
+  // freezes the parameter list (as a first step does); they stay valid until the group's cache
+  // dtype, layout or algorithm changes.
   TensorView state(int param, const std::string& name);
   std::vector<std::string> state_names(int param) const;
   int64_t param_step(int param) const;  // steps taken by this parameter (AdamW bias correction)

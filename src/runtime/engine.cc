@@ -20,6 +20,8 @@ struct Param {
   Buffer state1;        // exp_avg_sq (AdamW)
   DType state0_dtype = DType::kF32;
   int64_t step = 0;
+  int cls = -1;            // Muon: its shape class
+  int64_t first_member = 0;  // Muon: index of its first matrix in the class (cache entry)
 };
 
 // Muon matrices of one group and one shape: their momentum passes run as one launch list and
@@ -31,6 +33,8 @@ struct ShapeClass {
   OrthoConfig resolved;
   Buffer x, workspace, norms, status;
   size_t workspace_bytes = 0;
+  std::unique_ptr<TransformCache> cache;  // CacheMuon entries, one per member
+  bool use_cache = false;                 // this step: cache enabled and the shape is Gram NS
 
   bool tall() const { return rows > cols; }
   int64_t m() const { return std::min(rows, cols); }
@@ -70,7 +74,34 @@ struct Engine::Impl {
   void check_inputs(std::span<const ParamData> data) const;
   void raise_if_nonfinite(const std::vector<std::vector<int>>& slot_params,
                           const std::vector<int>& adam_params);
+  void run_cached(ShapeClass& c, const BatchRef& x, const std::vector<int64_t>& members);
+  ShapeClass* cache_class(int param);
 };
+
+// Runs CacheMuon over the slots of a class. Slot k uses cache entry members[k]; parameters
+// without a gradient leave gaps, so the batch goes in runs of consecutive entries.
+void Engine::Impl::run_cached(ShapeClass& c, const BatchRef& x,
+                              const std::vector<int64_t>& members) {
+  const int32_t* status = c.status.as<int32_t>();
+  for (size_t k0 = 0, k1; k0 < members.size(); k0 = k1) {
+    for (k1 = k0 + 1; k1 < members.size() && members[k1] == members[k1 - 1] + 1;) ++k1;
+    const int64_t len = static_cast<int64_t>(k1 - k0);
+    BatchRef part = x.slice(static_cast<int64_t>(k0), len);
+    ortho.run_cached(c.resolved, *c.cache, members[k0], part, part, status + k0,
+                     c.workspace.data(), c.workspace_bytes, &stats.ortho);
+  }
+}
+
+// The class holding a Muon parameter's cache entries, or null when it has none. Builds the
+// classes (freezing the parameter list) so that a checkpoint can be restored before step 1.
+ShapeClass* Engine::Impl::cache_class(int i) {
+  Param& p = params[i];
+  if (groups[p.spec.group].kind != ParamKind::kMuon) return nullptr;
+  if (!built) build_classes();
+  ShapeClass& c = classes[p.cls];
+  ensure_class_buffers(c);
+  return c.use_cache ? &c : nullptr;
+}
 
 Engine::Engine(Backend& backend, EngineOptions options)
     : impl_(std::make_unique<Impl>(backend, options)) {}
@@ -86,6 +117,7 @@ int Engine::add_group(const GroupOptions& o) {
     DM_CHECK(m.weight_decay >= 0, "Muon weight_decay must be >= 0 (got ", m.weight_decay, ")");
     DM_CHECK(m.momentum_dtype == DType::kF32 || m.momentum_dtype == DType::kBF16,
              "momentum dtype must be f32 or bf16");
+    validate(m.cache, "Muon group cache options");
     coefficient_schedule(m.ortho.coefficients, m.ortho.steps);  // validates steps
   } else {
     const AdamWOptions& a = o.adamw;
@@ -158,6 +190,8 @@ void Engine::Impl::build_classes() {
       c.cols = p.layout.cols;
       classes.push_back(std::move(c));
     }
+    params[i].cls = static_cast<int>(it->second);
+    params[i].first_member = static_cast<int64_t>(classes[it->second].members.size());
     for (int64_t s = 0; s < p.layout.count; ++s)
       classes[it->second].members.emplace_back(static_cast<int>(i), s);
   }
@@ -173,12 +207,27 @@ void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
                     iteration_dtype(r) == iteration_dtype(c.resolved) &&
                     r.steps == c.resolved.steps && r.restarts == c.resolved.restarts;
   c.resolved = r;
-  if (same) return;
-  c.x = backend.alloc(static_cast<size_t>(count * c.m() * c.n()) * dtype_size(iteration_dtype(r)));
-  c.workspace_bytes = Orthogonalizer::workspace_bytes(r, count, c.m(), c.n());
-  c.workspace = backend.alloc(c.workspace_bytes);
-  if (!c.norms) c.norms = backend.alloc(sizeof(float) * count);
-  if (!c.status) c.status = backend.alloc(sizeof(int32_t) * count);
+  if (!same) {
+    c.x = backend.alloc(static_cast<size_t>(count * c.m() * c.n()) *
+                        dtype_size(iteration_dtype(r)));
+    c.workspace_bytes = Orthogonalizer::workspace_bytes(r, count, c.m(), c.n());
+    c.workspace = backend.alloc(c.workspace_bytes);
+    if (!c.norms) c.norms = backend.alloc(sizeof(float) * count);
+    if (!c.status) c.status = backend.alloc(sizeof(int32_t) * count);
+  }
+  // CacheMuon: its options may change between steps; prepare() keeps the entries unless the
+  // shape, dtype or algorithm changed.
+  const CacheOptions& co = groups[c.group].muon.cache;
+  c.use_cache = co.enabled && r.iteration == Iteration::kGram;
+  if (!c.use_cache) return;
+  if (!c.cache) c.cache = std::make_unique<TransformCache>(backend, co);
+  c.cache->set_options(co);
+  c.cache->prepare(r, count, c.m(), c.n());
+  const size_t need = Orthogonalizer::cached_workspace_bytes(r, co, count, c.m(), c.n());
+  if (need > c.workspace_bytes) {
+    c.workspace_bytes = need;
+    c.workspace = backend.alloc(need);
+  }
 }
 
 void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
@@ -232,15 +281,18 @@ void Engine::step(std::span<const ParamData> data) {
   std::vector<std::vector<MuonSlot>> slots(s.classes.size());
   std::vector<std::vector<MuonUpdateCoef>> coefs(s.classes.size());
   std::vector<std::vector<int>> slot_params(s.classes.size());
+  std::vector<std::vector<int64_t>> slot_member(s.classes.size());  // cache entry of each slot
   for (size_t ci = 0; ci < s.classes.size(); ++ci) {
     ShapeClass& c = s.classes[ci];
     s.ensure_class_buffers(c);
     const MuonOptions& opt = s.groups[c.group].muon;
     const double scale = shape_scale(opt.scale, c.rows, c.cols);
-    for (auto [pi, slice] : c.members) {
+    for (size_t mi = 0; mi < c.members.size(); ++mi) {
+      const auto [pi, slice] = c.members[mi];
       const Param& p = s.params[pi];
       const ParamData& d = data[pi];
       if (!d.grad) continue;
+      slot_member[ci].push_back(static_cast<int64_t>(mi));
       const int64_t off = slice * c.rows * c.cols;
       auto at = [&](const void* base, DType t) {
         return const_cast<char*>(static_cast<const char*>(base)) + off * dtype_size(t);
@@ -287,7 +339,10 @@ void Engine::step(std::span<const ParamData> data) {
     ScaleSpec norm{c.norms.as<float>(), norm_multiplier(c.resolved.coefficients), c.resolved.eps, 1.0};
     s.backend.muon_momentum_apply(slots[ci], opt.momentum, opt.nesterov, c.status.as<int32_t>(),
                                   norm, c.tall(), x);
-    s.ortho.run(c.resolved, x, x, c.workspace.data(), c.workspace_bytes, &s.stats.ortho);
+    if (c.use_cache)
+      s.run_cached(c, x, slot_member[ci]);
+    else
+      s.ortho.run(c.resolved, x, x, c.workspace.data(), c.workspace_bytes, &s.stats.ortho);
     s.backend.muon_update(slots[ci], coefs[ci], c.status.as<int32_t>(), x, c.tall());
     s.backend.count_status(c.status.as<int32_t>(), n, s.skip_counter.as<int64_t>());
   }
@@ -308,6 +363,14 @@ TensorView Engine::state(int i, const std::string& name) {
   Device dev = impl_->backend.device();
   if (muon && name == "momentum_buffer")
     return TensorView::contiguous(p.state0.data(), p.spec.shape, p.state0_dtype, dev);
+  if (muon && name.rfind("cache_", 0) == 0) {
+    ShapeClass* c = impl_->cache_class(i);
+    DM_CHECK(c, "parameter '", p.spec.name, "' has no CacheMuon state (cache off or ",
+             p.layout.rows, "x", p.layout.cols, " is not orthogonalized with Gram NS)");
+    std::vector<int64_t> lead;
+    if (p.spec.shape.size() == 3) lead.push_back(p.layout.count);
+    return c->cache->state(name, p.first_member, p.layout.count, lead);
+  }
   if (!muon && name == "exp_avg")
     return TensorView::contiguous(p.state0.data(), p.spec.shape, DType::kF32, dev);
   if (!muon && name == "exp_avg_sq")
@@ -317,7 +380,12 @@ TensorView Engine::state(int i, const std::string& name) {
 
 std::vector<std::string> Engine::state_names(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon) return {"momentum_buffer"};
+  if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon) {
+    std::vector<std::string> names = {"momentum_buffer"};
+    if (impl_->cache_class(i))
+      for (const std::string& n : TransformCache::state_names()) names.push_back(n);
+    return names;
+  }
   return {"exp_avg", "exp_avg_sq"};
 }
 
@@ -335,6 +403,18 @@ EngineStats Engine::stats() {
   impl_->backend.synchronize();
   EngineStats st = impl_->stats;
   impl_->backend.copy_to_host(&st.nonfinite_skips, impl_->skip_counter.data(), sizeof(int64_t));
+  for (ShapeClass& c : impl_->classes) {
+    if (!c.cache) continue;
+    std::vector<std::string> names;
+    for (auto [pi, slice] : c.members) {
+      const Param& p = impl_->params[pi];
+      names.push_back(p.layout.count > 1 ? p.spec.name + "[" + std::to_string(slice) + "]"
+                                         : p.spec.name);
+    }
+    CacheStats cs = c.cache->stats(names);
+    st.ortho.flops += cs.flops;  // run_cached leaves its FLOPs to the cache's accounting
+    st.cache.merge(cs);
+  }
   return st;
 }
 
