@@ -315,6 +315,7 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   g.stats = ci.stats_at(first);
 
   BackendExec e{backend_, nullptr};
+  ci.dirty = true;
   if (o.shadow)
     shadow_flow(e, s, call, b, x, out, ci, first);
   else

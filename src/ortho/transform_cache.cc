@@ -54,14 +54,20 @@ double hist_quantile(const std::array<double, kCacheHistBins>& h, double q) {
   return cache_ref::hist_lower_edge(kCacheHistBins - 1);
 }
 
+// Quantiles from the histogram, clamped to the exact extremes (a bin is a quarter decade wide,
+// so interpolation alone can land outside the observed range).
+void set_quantiles(CacheResidualSummary& r) {
+  r.p50 = std::clamp(hist_quantile(r.histogram, 0.5), r.min, r.max);
+  r.p90 = std::clamp(hist_quantile(r.histogram, 0.9), r.min, r.max);
+}
+
 void fill_summary(CacheResidualSummary& r, const double* f) {
   r.count = static_cast<int64_t>(f[kCacheStatChecks]);
   r.mean = r.count ? f[kCacheStatResSum] / r.count : 0;
   r.min = r.count ? f[kCacheStatResMin] : 0;
   r.max = r.count ? f[kCacheStatResMax] : 0;
   for (int b = 0; b < kCacheHistBins; ++b) r.histogram[b] = f[kCacheStatHist + b];
-  r.p50 = hist_quantile(r.histogram, 0.5);
-  r.p90 = hist_quantile(r.histogram, 0.9);
+  set_quantiles(r);
 }
 
 uint64_t fnv(uint64_t h, const void* p, size_t n) {
@@ -122,8 +128,7 @@ void CacheStats::merge(const CacheStats& o) {
     residual.mean = (residual.mean * n0 + o.residual.mean * n1) / (n0 + n1);
     residual.count += o.residual.count;
     for (int b = 0; b < kCacheHistBins; ++b) residual.histogram[b] += o.residual.histogram[b];
-    residual.p50 = hist_quantile(residual.histogram, 0.5);
-    residual.p90 = hist_quantile(residual.histogram, 0.9);
+    set_quantiles(residual);
   }
   if (c1 > 0) {
     update_error_mean = (update_error_mean * c0 + o.update_error_mean * c1) / (c0 + c1);
@@ -164,7 +169,8 @@ void TransformCache::Impl::reset_device_stats() {
 }
 
 void TransformCache::Impl::fold() {
-  if (!prepared || count == 0) return;
+  if (!prepared || count == 0 || !dirty) return;
+  dirty = false;
   std::vector<double> dev(stats_init.size());
   be.synchronize();
   be.copy_to_host(dev.data(), dstats.data(), dev.size() * sizeof(double));
