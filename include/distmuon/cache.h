@@ -36,8 +36,8 @@ struct CacheOptions {
   bool enabled = false;  // off: every step runs the fresh solve and no cache memory is held
   double gamma = 2.0;    // accept while the residual is <= gamma (0 accepts nothing in practice)
   CacheResidual residual = CacheResidual::kExact;
-  int probes = 8;         // k, for kProbe
-  int max_staleness = 0;  // S: an entry serves at most S steps after its refresh (0: no limit)
+  int probes = 8;             // k, for kProbe
+  int max_staleness = 0;      // S: an entry serves at most S steps after its refresh (0: no limit)
   DType dtype = DType::kF32;  // storage precision of Q (f32, f16, bf16; f64 for references)
   CacheLayout layout = CacheLayout::kProduct;
   bool per_matrix_stats = false;  // CacheStats::per_matrix is filled

@@ -31,7 +31,8 @@ void Backend::gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const 
     if (f[i] != mask.value) continue;
     BatchRef ci = c_in ? one(*c_in, i) : BatchRef{};
     if (symmetric)
-      gemm_symmetric(op_a, one(a, i), op_b, one(b, i), alpha, beta, c_in ? &ci : nullptr, one(c, i));
+      gemm_symmetric(op_a, one(a, i), op_b, one(b, i), alpha, beta, c_in ? &ci : nullptr,
+                     one(c, i));
     else
       gemm(op_a, one(a, i), op_b, one(b, i), alpha, beta, c_in ? &ci : nullptr, one(c, i));
   }

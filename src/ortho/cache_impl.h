@@ -22,7 +22,7 @@ struct TransformCache::Impl {
   DType qtype = DType::kF32;
   CacheLayout layout = CacheLayout::kProduct;
   double key = 0;
-  Buffer q, age, keys, dstats;  // device: Q, f32 age, f64 key, stats (count x fields)
+  Buffer q, age, keys, dstats;     // device: Q, f32 age, f64 key, stats (count x fields)
   std::vector<double> stats_init;  // device stats after a reset: zeros, +inf minima
   uint64_t probe_counter = 0;
   bool dirty = false;  // calls issued since the last fold (device counters may be non-zero)
@@ -49,14 +49,11 @@ struct TransformCache::Impl {
 
   explicit Impl(Backend& b, const CacheOptions& o) : be(b), opt(o) {}
 
-  size_t q_bytes_per_entry() const {
-    return static_cast<size_t>(segs * m * m) * dtype_size(qtype);
-  }
+  size_t q_bytes_per_entry() const { return static_cast<size_t>(segs * m * m) * dtype_size(qtype); }
   // Segment s of entries [first, first + c) as a batch of m x m matrices.
   BatchRef q_segment(int64_t first, int64_t c, int s) const {
-    auto* base = static_cast<char*>(q.data()) +
-                 (static_cast<size_t>(first) * segs + s) * static_cast<size_t>(m * m) *
-                     dtype_size(qtype);
+    auto* base = static_cast<char*>(q.data()) + (static_cast<size_t>(first) * segs + s) *
+                                                    static_cast<size_t>(m * m) * dtype_size(qtype);
     return BatchRef{base, qtype, c, m, m, m, segs * m * m};
   }
   // Entries [first, first + c) each seen as one (segs m) x m matrix (for norms).
@@ -68,8 +65,8 @@ struct TransformCache::Impl {
   double* key_at(int64_t first) const { return keys.as<double>() + first; }
   double* stats_at(int64_t first) const { return dstats.as<double>() + first * kCacheStatFields; }
 
-  void fold();                                // synchronises; device counters -> acc
-  void charge(double hit, double refresh);    // sets the constants, folding on a change
+  void fold();                              // synchronises; device counters -> acc
+  void charge(double hit, double refresh);  // sets the constants, folding on a change
   void reset_device_stats();
 };
 

@@ -21,11 +21,11 @@ using namespace ortho_detail;
 
 struct CachedBuffers {
   GramBuffers g;
-  BatchRef P, P2;             // running product of segment transforms (kProduct, restarts)
-  BatchRef qw_all;            // cached Q converted to the work dtype (when dtypes differ)
-  std::vector<BatchRef> qw;   // per segment: the transforms the gate and the hits use
-  BatchRef W, A, B, U;        // probes: W, two m x k scratch, U = X^T V (n x k)
-  BatchRef cand, cand2;       // shadow: candidate for every matrix
+  BatchRef P, P2;            // running product of segment transforms (kProduct, restarts)
+  BatchRef qw_all;           // cached Q converted to the work dtype (when dtypes differ)
+  std::vector<BatchRef> qw;  // per segment: the transforms the gate and the hits use
+  BatchRef W, A, B, U;       // probes: W, two m x k scratch, U = X^T V (n x k)
+  BatchRef cand, cand2;      // shadow: candidate for every matrix
   float *res = nullptr, *res_exact = nullptr, *qnorm = nullptr;
   float *fresh_norm = nullptr, *diff_norm = nullptr;
   int32_t* decision = nullptr;
@@ -50,8 +50,7 @@ CachedBuffers carve_cached(Carver& ws, const Setup& s, DType t, int64_t c, int64
     b.qw_all = ws.take(t, c, s.segs * m, m);
     for (int k = 0; k < s.segs; ++k) {
       BatchRef v{nullptr, t, c, m, m, m, s.segs * m * m};
-      if (b.qw_all.data)
-        v.data = static_cast<char*>(b.qw_all.data) + k * m * m * dtype_size(t);
+      if (b.qw_all.data) v.data = static_cast<char*>(b.qw_all.data) + k * m * m * dtype_size(t);
       b.qw.push_back(v);
     }
   }
@@ -80,7 +79,7 @@ template <typename Exec>
 void exact_residual(Exec& e, const CachedBuffers& b, float* raw) {
   BatchRef M = b.g.R;
   for (const BatchRef& q : b.qw) {
-    e.dense(Op::kN, q, Op::kN, M, 1.0, 0.0, nullptr, b.g.Z);     // Z = Q_s M
+    e.dense(Op::kN, q, Op::kN, M, 1.0, 0.0, nullptr, b.g.Z);    // Z = Q_s M
     e.sym(Op::kN, b.g.Z, Op::kT, q, 1.0, 0.0, nullptr, b.g.T);  // T = Q_s M Q_s^T
     M = b.g.T;
   }
@@ -191,9 +190,8 @@ void shadow_flow(BackendExec& e, const Setup& s, const Call& call, const CachedB
   e.gate(gate);
   apply_chain(e, b.qw, x, b.cand, b.g.other, b.cand2);  // x stays intact
   const BatchMask refresh{b.decision, kCacheRefresh}, hit{b.decision, kCacheHit};
-  fresh_solve(e, s, b, x, out, call.q_seg, [&](const BatchRef& src, const BatchRef& dst) {
-    be.copy_masked(refresh, src, dst);
-  });
+  fresh_solve(e, s, b, x, out, call.q_seg,
+              [&](const BatchRef& src, const BatchRef& dst) { be.copy_masked(refresh, src, dst); });
   e.norm(out, b.fresh_norm);
   be.lincomb(1.0, b.cand, -1.0, &out, 0.0, b.cand2);
   e.norm(b.cand2, b.diff_norm);
@@ -252,14 +250,15 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   DM_CHECK(out.rows == m && out.cols == n && out.count == c,
            "run_cached: output shape differs from the input");
   OrthoConfig r = resolve(cfg, m, n);
-  DM_CHECK(r.iteration == Iteration::kGram, "CacheMuon reuses the Gram-NS transform, but ", m,
-           "x", n, " resolves to ", algorithm_name(r));
+  DM_CHECK(r.iteration == Iteration::kGram, "CacheMuon reuses the Gram-NS transform, but ", m, "x",
+           n, " resolves to ", algorithm_name(r));
   const DType t = iteration_dtype(r);
   DM_CHECK(x.dtype == t, "run_cached: input is ", dtype_name(x.dtype), " but ", algorithm_name(r),
            " iterates in ", dtype_name(t));
-  DM_CHECK(ci.prepared && ci.m == m && ci.n == n && ci.key == cache_key(r, m, n, ci.qtype, ci.layout),
-           "run_cached: the cache is not prepared for ", algorithm_name(r), " on ", m, "x", n,
-           " in ", dtype_name(t), " (call TransformCache::prepare)");
+  DM_CHECK(
+      ci.prepared && ci.m == m && ci.n == n && ci.key == cache_key(r, m, n, ci.qtype, ci.layout),
+      "run_cached: the cache is not prepared for ", algorithm_name(r), " on ", m, "x", n, " in ",
+      dtype_name(t), " (call TransformCache::prepare)");
   DM_CHECK(first >= 0 && first + c <= ci.count, "run_cached: entries [", first, ", ", first + c,
            ") outside the cache's ", ci.count);
   validate(ci.opt, "cache");

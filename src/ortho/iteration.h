@@ -218,17 +218,21 @@ void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const Ba
 }
 
 template <typename Exec>
-void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
-             Carver& ws) {
+void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, Carver& ws) {
   switch (cfg.iteration) {
-    case Iteration::kStandardDense: standard_iteration(e, cfg, false, x, out, ws); break;
-    case Iteration::kStandardSym: standard_iteration(e, cfg, true, x, out, ws); break;
+    case Iteration::kStandardDense:
+      standard_iteration(e, cfg, false, x, out, ws);
+      break;
+    case Iteration::kStandardSym:
+      standard_iteration(e, cfg, true, x, out, ws);
+      break;
     case Iteration::kGram: {
       GramBuffers b = carve_gram(ws, x.dtype, x.count, x.rows, x.cols);
       gram_iteration(e, cfg, x, out, b, false, [](int, const BatchRef&) {});
       break;
     }
-    case Iteration::kAuto: DM_FAIL("internal: unresolved auto iteration");
+    case Iteration::kAuto:
+      DM_FAIL("internal: unresolved auto iteration");
   }
 }
 

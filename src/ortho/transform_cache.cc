@@ -151,7 +151,8 @@ double cache_key(const OrthoConfig& r, int64_t m, int64_t n, DType qtype, CacheL
   h = fnv(h, ints, sizeof(ints));
   h = fnv(h, &m, sizeof(m));
   h = fnv(h, &n, sizeof(n));
-  for (const QuinticCoef& k : coefficient_schedule(r.coefficients, r.steps)) h = fnv(h, &k, sizeof(k));
+  for (const QuinticCoef& k : coefficient_schedule(r.coefficients, r.steps))
+    h = fnv(h, &k, sizeof(k));
   for (int i = 1; i < r.steps; ++i) {
     const char at = ortho_detail::restarts_at(r, i) ? 1 : 0;
     h = fnv(h, &at, 1);
@@ -219,8 +220,8 @@ void TransformCache::prepare(const OrthoConfig& resolved, int64_t count, int64_t
   const int segs = layout == CacheLayout::kProduct ? 1 : ortho_detail::gram_segments(resolved);
   const DType qtype = s.opt.dtype;
   const double key = cache_key(resolved, m, n, qtype, layout);
-  const bool same_storage = s.prepared && s.count == count && s.m == m && s.segs == segs &&
-                            s.qtype == qtype;
+  const bool same_storage =
+      s.prepared && s.count == count && s.m == m && s.segs == segs && s.qtype == qtype;
   if (!same_storage) {
     // Retire the old entries' statistics, then start from empty entries.
     s.fold();
@@ -242,7 +243,8 @@ void TransformCache::prepare(const OrthoConfig& resolved, int64_t count, int64_t
     s.be.fill_zero(s.age.data(), s.age.bytes());
     s.be.fill_zero(s.keys.data(), s.keys.bytes());  // key 0: empty
     s.stats_init.assign(static_cast<size_t>(std::max<int64_t>(count, 1)) * kCacheStatFields, 0.0);
-    for (size_t i = 0; i < s.stats_init.size(); i += kCacheStatFields) init_fields(&s.stats_init[i]);
+    for (size_t i = 0; i < s.stats_init.size(); i += kCacheStatFields)
+      init_fields(&s.stats_init[i]);
     s.acc = s.stats_init;
     s.acc.resize(static_cast<size_t>(count) * kCacheStatFields);
     s.sh_sum.assign(count, 0.0);
@@ -338,7 +340,8 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
     sh_n += s.sh_n[i];
     if (!s.opt.per_matrix_stats) continue;
     CacheMatrixStats pm;
-    pm.name = i < static_cast<int64_t>(names.size()) ? names[i] : std::string("#").append(std::to_string(i));
+    pm.name = i < static_cast<int64_t>(names.size()) ? names[i]
+                                                     : std::string("#").append(std::to_string(i));
     pm.hits = static_cast<int64_t>(f[kCacheStatHits]);
     pm.refreshes = static_cast<int64_t>(f[kCacheStatRefreshes]);
     pm.forced = static_cast<int64_t>(f[kCacheStatForced]);

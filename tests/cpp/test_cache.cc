@@ -45,7 +45,12 @@ struct Rig {
   Buffer ws;
 
   Rig(const CacheOptions& opt, int64_t c, int64_t rows, int64_t cols, DType work = DType::kF64)
-      : cache(be, opt), count(c), m(rows), n(cols), x(work, c, rows, cols), out(work, c, rows, cols) {
+      : cache(be, opt),
+        count(c),
+        m(rows),
+        n(cols),
+        x(work, c, rows, cols),
+        out(work, c, rows, cols) {
     cfg.iteration = Iteration::kGram;
     cfg.work_dtype = work;
     cfg.gram_work_dtype = work;
@@ -74,8 +79,9 @@ struct Rig {
 
 std::vector<Mat> drifted(const std::vector<Mat>& base, double eps) {
   std::vector<Mat> r;
-  for (const Mat& b : base) r.push_back(b + eps * b.norm() / std::sqrt(double(b.size())) *
-                                               random_matrix(b.rows(), b.cols()));
+  for (const Mat& b : base)
+    r.push_back(b +
+                eps * b.norm() / std::sqrt(double(b.size())) * random_matrix(b.rows(), b.cols()));
   return r;
 }
 
@@ -94,7 +100,8 @@ TEST(CacheMuon, TransformCandidateAndResidualMatchFloat64Reference) {
     opt.layout = layout;
     opt.per_matrix_stats = true;
     Rig rig(opt, 3, 24, 80);
-    std::vector<Mat> u0 = {random_matrix(24, 80), random_matrix(24, 80, 3.0), random_matrix(24, 80)};
+    std::vector<Mat> u0 = {random_matrix(24, 80), random_matrix(24, 80, 3.0),
+                           random_matrix(24, 80)};
     std::vector<Mat> o0 = rig.step(u0);  // every entry empty: fresh solves fill the cache
     for (int64_t i = 0; i < 3; ++i) {
       Mat x0 = normalised(u0[i]);
@@ -198,7 +205,7 @@ TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   Rig rig(opt, 2, m, n);
   const double fresh = ortho_flops(rig.cfg, m, n);
   std::vector<Mat> u = {random_matrix(m, n), random_matrix(m, n)};
-  rig.step(u);                  // 2 refreshes
+  rig.step(u);                 // 2 refreshes
   rig.step(drifted(u, 0.01));  // 2 hits
   CacheStats st = rig.cache.stats();
   ASSERT_EQ(st.hits, 2);
@@ -237,7 +244,7 @@ TEST(CacheMuon, ReprepareWithOtherAlgorithmOrShapeInvalidatesEntries) {
   CacheStats st = rig.cache.stats();
   EXPECT_EQ(st.hits, 2);
   EXPECT_EQ(st.forced_refreshes, 4);  // 2 empty + 2 filled under the old key
-  rig.cfg.restarts = {};  // restarts change the transform too
+  rig.cfg.restarts = {};              // restarts change the transform too
   rig.prepare();
   rig.step(u);
   EXPECT_EQ(rig.cache.stats().forced_refreshes, 6);

@@ -196,7 +196,7 @@ TEST(CacheEngine, NonFiniteGradientLeavesCacheStateUntouched) {
   EXPECT_FALSE(std::equal(w2.begin() + 360, w2.end(), m.w2.begin() + 360));
   CacheStats st = eng.stats().cache;
   EXPECT_EQ(st.skips, 1);
-  EXPECT_EQ(st.hits, 5);  // the wide matrix and slice 1 still hit
+  EXPECT_EQ(st.hits, 5);               // the wide matrix and slice 1 still hit
   EXPECT_EQ(st.per_matrix[1].age, 1);  // unchanged by the skipped step
   m.g2[7] = 0.5f;
   eng.step(m.data());
@@ -236,8 +236,8 @@ TEST(CacheEngine, CacheStateRoundTripsThroughCheckpoints) {
     ma.drift(0.05);
   }
   // Restore into b before its first step, as a PyTorch load_state_dict would.
-  EXPECT_EQ(b.state_names(1), (std::vector<std::string>{"momentum_buffer", "cache_q", "cache_age",
-                                                        "cache_key"}));
+  EXPECT_EQ(b.state_names(1),
+            (std::vector<std::string>{"momentum_buffer", "cache_q", "cache_age", "cache_key"}));
   for (int p = 0; p < 2; ++p)
     for (const std::string& n : a.state_names(p)) {
       TensorView src = a.state(p, n), dst = b.state(p, n);

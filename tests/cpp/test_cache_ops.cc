@@ -89,16 +89,16 @@ TEST(CacheOps, GateFollowsItsContractOnEveryCase) {
   const float nan = std::nanf(""), inf = INFINITY;
   // gamma 2, residual_scale 0.5, max_age 3
   const GateCase cases[] = {
-      {2.0f, 1.0f, 0, kStatusOk, key, kCacheHit, 1, true, false},          // r = 1 <= 2
-      {4.0f, 1.0f, 2, kStatusOk, key, kCacheHit, 3, true, false},          // r = 2: boundary
-      {4.2f, 1.0f, 2, kStatusOk, key, kCacheRefresh, 0, true, false},      // r = 2.1 > gamma
-      {1.0f, 1.0f, 3, kStatusOk, key, kCacheRefresh, 0, true, true},       // stale (age 3)
-      {1.0f, 1.0f, 0, kStatusOk, 0, kCacheRefresh, 0, false, true},        // empty entry
-      {1.0f, 1.0f, 0, kStatusOk, 99, kCacheRefresh, 0, false, true},       // other key
-      {1.0f, nan, 0, kStatusOk, key, kCacheRefresh, 0, false, true},       // non-finite Q
-      {1.0f, inf, 0, kStatusOk, key, kCacheRefresh, 0, false, true},       // non-finite Q
-      {nan, 1.0f, 0, kStatusOk, key, kCacheRefresh, 0, false, true},       // non-finite residual
-      {1.0f, 1.0f, 1, kStatusNonFinite, key, kCacheSkip, 1, false, false}, // skipped step
+      {2.0f, 1.0f, 0, kStatusOk, key, kCacheHit, 1, true, false},           // r = 1 <= 2
+      {4.0f, 1.0f, 2, kStatusOk, key, kCacheHit, 3, true, false},           // r = 2: boundary
+      {4.2f, 1.0f, 2, kStatusOk, key, kCacheRefresh, 0, true, false},       // r = 2.1 > gamma
+      {1.0f, 1.0f, 3, kStatusOk, key, kCacheRefresh, 0, true, true},        // stale (age 3)
+      {1.0f, 1.0f, 0, kStatusOk, 0, kCacheRefresh, 0, false, true},         // empty entry
+      {1.0f, 1.0f, 0, kStatusOk, 99, kCacheRefresh, 0, false, true},        // other key
+      {1.0f, nan, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite Q
+      {1.0f, inf, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite Q
+      {nan, 1.0f, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite residual
+      {1.0f, 1.0f, 1, kStatusNonFinite, key, kCacheSkip, 1, false, false},  // skipped step
   };
   const int n = static_cast<int>(std::size(cases));
   for (int variant = 0; variant < 2; ++variant) {
@@ -116,8 +116,8 @@ TEST(CacheOps, GateFollowsItsContractOnEveryCase) {
       keys[i] = cases[i].entry_key;
       stats[i * kCacheStatFields + kCacheStatResMin] = kInf;
     }
-    CacheGateArgs g{n, res.data(), 0.5, qn.data(), st.data(), key, keys.data(), age.data(), 3,
-                    2.0, dec.data(), stats.data()};
+    CacheGateArgs g{n,           res.data(), 0.5, qn.data(), st.data(),  key,
+                    keys.data(), age.data(), 3,   2.0,       dec.data(), stats.data()};
     be.cache_gate(g);
     for (int i = 0; i < n; ++i) {
       SCOPED_TRACE("case " + std::to_string(i) + (variant ? " (fallback)" : ""));

@@ -32,8 +32,8 @@ void CpuBackend::copy_masked(const BatchMask& mask, const BatchRef& src, const B
 }
 
 void CpuBackend::cache_gate(const CacheGateArgs& args) {
-  DM_CHECK(args.count == 0 || (args.residual && args.q_norm && args.entry_key && args.age &&
-                               args.decision),
+  DM_CHECK(args.count == 0 ||
+               (args.residual && args.q_norm && args.entry_key && args.age && args.decision),
            "cache_gate: missing buffers");
   DM_CHECK(args.key != 0, "cache_gate: key 0 is reserved for empty entries");
   for (int64_t i = 0; i < args.count; ++i) cache_ref::gate_one(args, i);
@@ -48,8 +48,8 @@ void CpuBackend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counte
       S* p = static_cast<S*>(m.data);
       for (int64_t r = 0; r < m.rows; ++r)
         for (int64_t c = 0; c < m.cols; ++c)
-          p[r * m.ld + c] =
-              from_float<S>(cache_ref::normal_sample(seed, base + static_cast<uint64_t>(r * m.cols + c)));
+          p[r * m.ld + c] = from_float<S>(
+              cache_ref::normal_sample(seed, base + static_cast<uint64_t>(r * m.cols + c)));
     });
   }
 }
