@@ -220,7 +220,10 @@ class Backend {
 
   // ---- masked and CacheMuon operations ---------------------------------------------------------
   // The defaults below are correct on any backend but synchronise and round-trip through host
-  // memory; a device backend overrides them with kernels that read flags on the device.
+  // memory; a device backend overrides them with kernels that read flags on the device. A
+  // masked product can skip work without the host knowing the count, e.g. a batched kernel
+  // whose thread blocks read flags[batch index] and return, or a grouped GEMM whose per-group
+  // problem sizes live in device memory and are set to zero for inactive matrices.
 
   // gemm (symmetric = false) or gemm_symmetric (true) for the matrices `mask` selects; C (and
   // the reading of A, B, Cin) of the others is skipped. Selected matrices get exactly the bits
