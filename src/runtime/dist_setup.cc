@@ -217,6 +217,7 @@ void Engine::Impl::dist_setup() {
   replica = R > 1 ? replica_owned.get() : nullptr;
 
   allocate_state();
+  assign_cache_entries();
   switch (dist.mode) {
     case DistMode::kGather:
       runner = make_gather_runner(*this);
