@@ -151,8 +151,7 @@ double cache_key(const OrthoConfig& r, int64_t m, int64_t n, DType qtype, CacheL
   h = fnv(h, ints, sizeof(ints));
   h = fnv(h, &m, sizeof(m));
   h = fnv(h, &n, sizeof(n));
-  for (const QuinticCoef& k : coefficient_schedule(r))
-    h = fnv(h, &k, sizeof(k));
+  for (const QuinticCoef& k : coefficient_schedule(r)) h = fnv(h, &k, sizeof(k));
   for (int i = 1; i < r.steps; ++i) {
     const char at = ortho_detail::restarts_at(r, i) ? 1 : 0;
     h = fnv(h, &at, 1);

@@ -57,8 +57,8 @@ void Engine::Impl::orthogonalize(int cache, const OrthoConfig& resolved, const B
   for (size_t k0 = 0, k1; k0 < entries.size(); k0 = k1) {
     for (k1 = k0 + 1; k1 < entries.size() && entries[k1] == entries[k1 - 1] + 1;) ++k1;
     BatchRef part = x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(k1 - k0));
-    ortho.run_cached(resolved, tc, entries[k0], part, part, status + k0, workspace,
-                     workspace_bytes, &stats.ortho);
+    ortho.run_cached(resolved, tc, entries[k0], part, part, status + k0, workspace, workspace_bytes,
+                     &stats.ortho);
   }
 }
 

@@ -8,8 +8,8 @@
 
 namespace distmuon {
 
-void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m,
-                                  int64_t n, size_t workspace_bytes) {
+void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
+                                  size_t workspace_bytes) {
   const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
   if (xb > x_bytes) {
     x = backend.alloc(xb);
@@ -71,8 +71,8 @@ void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
   for_each_orientation(run, [&](int k0, int len, bool tall) {
     ScaleSpec norm{e_.step_norms.as<float>() + pos + k0, norm_multiplier(r.coefficients), r.eps,
                    1.0};
-    e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov,
-                                   status + k0, norm, tall, x.slice(k0, len));
+    e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
+                                   norm, tall, x.slice(k0, len));
   });
   e_.orthogonalize(cached ? m0.cache : -1, r, x, entries, status, e_.workspace.data(),
                    e_.workspace_size);

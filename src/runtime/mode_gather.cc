@@ -170,12 +170,12 @@ class GatherRunner final : public ModeRunner {
       // U is staged in the weights' orientation: normalise each orientation's slice into X.
       for_each_orientation(run, [&](int k0, int len, bool tall) {
         const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
-        BatchRef u = BatchRef::packed(at(s.ustage.data(), uofs[run.begin + k0], w), w, len, rows,
-                                      cols);
+        BatchRef u =
+            BatchRef::packed(at(s.ustage.data(), uofs[run.begin + k0], w), w, len, rows, cols);
         e_.backend.frob_norm(u, norms + k0);
-        e_.backend.scale_copy(
-            u, tall, ScaleSpec{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0},
-            x.slice(k0, len));
+        e_.backend.scale_copy(u, tall,
+                              ScaleSpec{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0},
+                              x.slice(k0, len));
       });
       e_.orthogonalize(cached ? m0.cache : -1, r, x, entries, status_at(bk, run.begin),
                        e_.workspace.data(), e_.workspace_size);
