@@ -75,6 +75,14 @@ struct DistOptions {
   // a parameter is stepped on all ranks or on none. Disable only if the caller guarantees it.
   bool check_grad_presence = true;
   int gpus_per_node = 8;  // topology hint for the planner
+  // Owner planner (distmuon/plan.h): "milp" (LPT for very large instances), "lpt" or
+  // "round-robin". Layers, which the planner spreads over owners, are parsed from the parameter
+  // names ("h.3.mlp.c_fc.weight" is layer 3 of "h").
+  std::string planner = "milp";
+  // Costs the planner balances: empty for analytic costs (counted FLOPs and bytes, with an
+  // H200's rates on CUDA and a CPU's on the CPU backend), or a cost file written by
+  // `distmuon-plan --measure` holding a table for this backend's device (Backend::name()).
+  std::string plan_costs;
 };
 
 // The part of dim 0 this rank holds of a parameter (a Shard(0) local tensor): rows

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -212,7 +213,19 @@ void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& valu
 
 std::string join_shape(std::span<const int64_t> s);
 
-// The plan call site: one function, so that the planner can replace the baseline here.
-Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo);
+// What the start-up plan is made from.
+struct RuntimePlanSpec {
+  std::string solver = "milp";           // milp | lpt | round-robin
+  OrthoConfig ortho;                     // the algorithm costed
+  DeviceKind device = DeviceKind::kCPU;  // picks the analytic rates
+  std::string cost_file;                 // measured costs instead (distmuon-plan --measure)
+  std::string device_name;               // whose table cost_file must hold (Backend::name())
+};
+// The plan call site: the solver on analytic (or measured) costs, with a CPU-time guard on the
+// MILP and LPT for instances too large to solve at start-up.
+Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
+                       const RuntimePlanSpec& spec);
+// The layer index parsed from a parameter name (see dist_setup.cc), -1 when it has none.
+int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids);
 
 }  // namespace distmuon
