@@ -13,16 +13,14 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
-#include <map>
-#include <tuple>
 
 #include "backend/cpu/cpu_backend.h"
 #include "common/half.h"
 #include "distmuon/engine.h"
 #include "distmuon/error.h"
 #include "mpi_test_main.h"
-#include "runtime/engine_impl.h"
 
 namespace distmuon {
 namespace {
@@ -473,79 +471,69 @@ TEST(MpiEngine, RaisePolicyThrowsOnEveryRankAndChangesNothing) {
     }
 }
 
-TEST(MpiEngine, LayersAreParsedFromParameterNames) {
-  std::map<std::string, int64_t> ids;
-  const int64_t h3 = layer_of("transformer.h.3.mlp.c_fc.weight", ids);
-  EXPECT_GE(h3, 0);
-  EXPECT_EQ(layer_of("transformer.h.3.attn.c_attn.weight", ids), h3);
-  EXPECT_NE(layer_of("transformer.h.4.attn.c_attn.weight", ids), h3);
-  EXPECT_NE(layer_of("vision.layers.3.fc.weight", ids), h3);  // another stack's layer 3
-  EXPECT_EQ(layer_of("blocks.12", ids), 3);                   // ids in first-seen order
-  EXPECT_EQ(layer_of("lm_head.weight", ids), -1);
-  EXPECT_EQ(layer_of("enc.b12.w", ids), -1);  // digits inside a component are not a layer index
+// Writes bytes saved by cache_bytes() back through matrix_state (where this rank holds them).
+void load_cache(Engine& e, int p, int64_t m, const std::vector<uint8_t>& bytes) {
+  size_t off = 0;
+  for (const char* n : {"cache_q", "cache_age", "cache_key"}) {
+    TensorView v = e.matrix_state(p, m, n);
+    const size_t len = static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+    if (v.data) std::memcpy(v.data, bytes.data() + off, len);
+    off += len;
+  }
+  EXPECT_EQ(off, bytes.size());
 }
 
-TEST(MpiEngine, OwnersComeFromThePlanner) {
-  // Four layers of an MLP block (wide up, tall down, square attention): the MILP's plan on
-  // analytic costs is never worse than round-robin's on the same costs, and the engine follows
-  // it; every mode still equals the single process (EveryModeEqualsTheSingleProcessEngine).
+TEST(MpiEngine, CheckpointOfOneProcessRestoresOnTheOwners) {
+  // State saved by a single process after two steps (weights, momentum and cache entries per
+  // matrix, AdamW moments, step counts) is loaded into a distributed engine before its first
+  // step, each piece on the rank that holds it; two more steps then equal four steps of the
+  // single process, cache decisions included (the restored entries are reused, not refilled).
   Communicator& c = world();
-  std::vector<const Plan*> plans;
-  std::vector<std::unique_ptr<Engine>> engines;
-  CpuBackend be;
-  for (const char* planner : {"milp", "lpt", "round-robin"}) {
-    DistOptions opt;
-    opt.mode = DistMode::kReplicated;
-    opt.planner = planner;
-    auto e = std::make_unique<Engine>(be, c, opt);
-    e->add_group(GroupOptions{});
-    for (int l = 0; l < 4; ++l)
-      for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
-        e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
-    e->setup();
-    plans.push_back(e->plan());
-    engines.push_back(std::move(e));
-  }
-  EXPECT_EQ(plans[0]->solver, "milp");
-  EXPECT_EQ(plans[1]->solver, "lpt");
-  EXPECT_EQ(plans[2]->solver, "round-robin");
-  EXPECT_LE(plans[0]->makespan, plans[2]->makespan * (1 + 1e-12));
-  EXPECT_LE(plans[0]->makespan, plans[1]->makespan * (1 + 1e-12));
-  for (int i = 0; i < engines[0]->num_params(); ++i)
-    EXPECT_EQ(engines[0]->owner(i), plans[0]->owner[i]) << engines[0]->param(i).name;
-
-  // Measured costs from a file: here every launch costs a second, so no owner runs two
-  // batches where it can be avoided, and up and down (one 8 x 20 class) batch together.
-  const std::string path =
-      ::testing::TempDir() + "distmuon_costs_rank" + std::to_string(c.rank()) + ".json";
-  AnalyticRates slow_launch;
-  slow_launch.launch_s = 1.0;
-  CostTable table = analytic_cost_table({{8, 20, 8}, {8, 8, 4}}, OrthoConfig{}, slow_launch);
-  table.device = be.name();
-  write_cost_file(path, {table});
-  DistOptions opt;
-  opt.mode = DistMode::kDedicated;
-  opt.plan_costs = path;
-  Engine e(be, c, opt);
-  e.add_group(GroupOptions{});
-  for (int l = 0; l < 4; ++l)
-    for (const char* name : {"up", "down", "attn"})
-      e.add_param({"h." + std::to_string(l) + "." + name, 0,
-                   name[0] == 'a' ? std::vector<int64_t>{8, 8}
-                                  : (name[0] == 'u' ? std::vector<int64_t>{8, 20}
-                                                    : std::vector<int64_t>{20, 8}),
-                   DType::kF32});
-  e.setup();
-  for (int o = 0; o < c.size(); ++o)
-    EXPECT_LE(e.plan()->batches[o].size(), c.size() > 1 ? 1u : 2u) << "owner " << o;
-  if (c.size() <= 2) {  // the 8 x 20 class fits one owner: tall and wide in one batch
-    for (int i = 0; i < e.num_params(); ++i) {
-      if (i % 3 != 2) {
-        EXPECT_EQ(e.owner(i), e.owner(0)) << e.param(i).name;
+  for (DistMode m :
+       {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
+    Scenario sc{m, 1, 600, false, -1, NonFinitePolicy::kSkip, 4, true};
+    SCOPED_TRACE(describe(sc));
+    const Snapshot ref = run_reference(sc, c.size(), {});
+    Scenario half = sc;
+    half.steps = 2;
+    const Snapshot saved = run_reference(half, c.size(), {});
+    DistRun run = make_dist(sc);
+    Engine& e = *run.e;
+    e.setup();
+    for (size_t p = 0; p < model().size(); ++p) {
+      const PDef& d = model()[p];
+      const auto [b, n] = run.rows[p];
+      auto rows_of = [&](const std::vector<float>& full) {
+        return std::vector<float>(full.begin() + b * d.inner(), full.begin() + (b + n) * d.inner());
+      };
+      auto put = [](const TensorView& v, const std::vector<float>& x) {
+        if (v.data) std::memcpy(v.data, x.data(), x.size() * sizeof(float));
+      };
+      run.weight[p] = rows_of(saved.weight[p]);
+      e.set_param_step(static_cast<int>(p), saved.steps[p]);
+      if (d.group == 2) {
+        put(e.state(p, "exp_avg"), rows_of(saved.exp_avg[p]));
+        put(e.state(p, "exp_avg_sq"), rows_of(saved.exp_avg_sq[p]));
+        continue;
+      }
+      std::vector<float> full;
+      for (const auto& mm : saved.momentum[p]) full.insert(full.end(), mm.begin(), mm.end());
+      if (m == DistMode::kGather) put(e.state(p, "momentum_buffer"), rows_of(full));
+      for (size_t k = 0; k < saved.momentum[p].size(); ++k) {
+        if (m != DistMode::kGather)
+          put(e.matrix_state(p, k, "momentum_buffer"), saved.momentum[p][k]);
+        if (!saved.cache[p][k].empty()) load_cache(e, static_cast<int>(p), k, saved.cache[p][k]);
       }
     }
+    for (int step = 2; step < sc.steps; ++step) dist_step(run, sc, step);
+    expect_equal(run, ref, sc);
+    // The restored entries served: as many hits over the last two steps as in the reference's.
+    std::vector<double> hits = {static_cast<double>(e.stats().cache.hits)};
+    c.all_reduce(hits.data(), hits.data(), 1, CommType::kF64, ReduceOp::kSum).wait();
+    const int copies = m == DistMode::kGather ? c.size() : 1;
+    EXPECT_EQ(hits[0],
+              static_cast<double>((ref.stats.cache.hits - saved.stats.cache.hits) * copies));
   }
-  std::remove(path.c_str());
 }
 
 TEST(MpiEngine, RanksThatOwnNothingWork) {
