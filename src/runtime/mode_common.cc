@@ -49,6 +49,21 @@ void ModeRunner::for_each_orientation(const Bucket::Run& run,
   if (run.end > run.tall_begin) f(run.tall_begin - run.begin, run.end - run.tall_begin, true);
 }
 
+int ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
+                            std::vector<int64_t>* entries) {
+  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
+  const int64_t count = run.end - run.begin;
+  size_t cached_ws = 0;
+  // The matrices of a run share the group and shape, so their entries are of one cache class.
+  const bool cached =
+      m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], resolved, count, &cached_ws);
+  entries->clear();
+  if (cached)
+    for (int k = run.begin; k < run.end; ++k) entries->push_back(e_.mats[b.act[k]].cache_entry);
+  e_.ensure_scratch(resolved, count, m0.m(), m0.n(), cached_ws);
+  return cached ? m0.cache : -1;
+}
+
 void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
                             std::span<const MuonSlot> slots, const StepContext& ctx,
                             const std::function<void*(int k)>* out) {
@@ -58,14 +73,8 @@ void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
   const int64_t pos = b.status_offset + run.begin;
   const int32_t* status = e_.step_status.as<int32_t>() + pos;
   OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
-  // CacheMuon: the owner's entries of these matrices (all of one cache class: same group and
-  // shape), decided here on the owner's device.
   std::vector<int64_t> entries;
-  size_t cached_ws = 0;
-  const bool cached = m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], r, count, &cached_ws);
-  if (cached)
-    for (int k = run.begin; k < run.end; ++k) entries.push_back(e_.mats[b.act[k]].cache_entry);
-  e_.ensure_scratch(r, count, m0.m(), m0.n(), cached_ws);
+  const int cache = prepare_run(b, run, r, &entries);  // decided here, on the owner's device
   BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
   // One orthogonalization batch in the wide orientation; the fused passes once per orientation.
   for_each_orientation(run, [&](int k0, int len, bool tall) {
@@ -74,8 +83,7 @@ void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
     e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
                                    norm, tall, x.slice(k0, len));
   });
-  e_.orthogonalize(cached ? m0.cache : -1, r, x, entries, status, e_.workspace.data(),
-                   e_.workspace_size);
+  e_.orthogonalize(cache, r, x, entries, status, e_.workspace.data(), e_.workspace_size);
   if (!out) {
     std::vector<MuonUpdateCoef> coefs;
     for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);

@@ -160,12 +160,7 @@ class GatherRunner final : public ModeRunner {
       // CacheMuon: every rank holds every entry and sees the same input, so every rank takes
       // the same decisions without exchanging them.
       std::vector<int64_t> entries;
-      size_t cached_ws = 0;
-      const bool cached =
-          m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], r, count, &cached_ws);
-      if (cached)
-        for (int k = run.begin; k < run.end; ++k) entries.push_back(e_.mats[bk.act[k]].cache_entry);
-      e_.ensure_scratch(r, count, m0.m(), m0.n(), cached_ws);
+      const int cache = prepare_run(bk, run, r, &entries);
       BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
       // U is staged in the weights' orientation: normalise each orientation's slice into X.
       for_each_orientation(run, [&](int k0, int len, bool tall) {
@@ -177,8 +172,8 @@ class GatherRunner final : public ModeRunner {
                               ScaleSpec{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0},
                               x.slice(k0, len));
       });
-      e_.orthogonalize(cached ? m0.cache : -1, r, x, entries, status_at(bk, run.begin),
-                       e_.workspace.data(), e_.workspace_size);
+      e_.orthogonalize(cache, r, x, entries, status_at(bk, run.begin), e_.workspace.data(),
+                       e_.workspace_size);
       for (int k = run.begin; k < run.end; ++k) {
         const DistMatrix& m = e_.mats[bk.act[k]];
         if (piece(m, e_.my_s) == 0) continue;
