@@ -1,6 +1,7 @@
 // Internal state of the Engine shared by its files: the registry (engine.cc), the single-process
-// step (local_step.cc), the distributed set-up (dist_setup.cc), the distributed step driver
-// (dist_step.cc) and one runner per mode (mode_*.cc).
+// step (local_step.cc), CacheMuon's entries (engine_cache.cc), the distributed set-up and plan
+// (dist_setup.cc), the distributed step driver (dist_step.cc) and one runner per mode
+// (mode_*.cc).
 #pragma once
 
 #include <functional>
