@@ -156,6 +156,7 @@ class Comparison {
     DistOptions opt;
     opt.mode = mode;
     opt.bucket_bytes = static_cast<int64_t>(args_.number("bucket-mb") * (1 << 20));
+    opt.planner = args_.str("planner");
     run->engine = std::make_unique<Engine>(be_, comm_, opt);
     Engine& engine = *run->engine;
     GroupOptions gm;
@@ -315,6 +316,7 @@ void declare_distributed_options(cli::Args& args) {
               "single (one process) or a comma list of gather, replicated, sharded, dedicated "
               "(run under mpirun; each timed in the same run)");
   args.option("bucket-mb", "32", "distributed modes: MiB of full matrices per bucket");
+  args.option("planner", "milp", "distributed modes: owner planner (milp | lpt | round-robin)");
 }
 
 bool wants_distributed(const cli::Args& args) { return args.str("mode") != "single"; }
@@ -398,6 +400,7 @@ int run_distributed(const cli::Args& args) {
     j["warmup"] = args.integer("warmup");
     j["dtype"] = args.str("dtype");
     j["bucket_mb"] = args.number("bucket-mb");
+    j["planner"] = args.str("planner");
     j["step_definition"] =
         "from local unreduced gradients on every rank to full updated weights on every rank; "
         "gather/sharded include the FSDP2 reduce-scatter and weight all-gather, replicated the "

@@ -85,6 +85,11 @@ void BenchModel::refresh_gradients() {
   for (Tensor& t : tensors_) fill_random(t.grad.data(), t.numel(), 1e-3);
 }
 
+void BenchModel::restart_gradients(uint64_t seed) {
+  rng_.seed(seed);
+  refresh_gradients();
+}
+
 void BenchModel::drift_gradients(double eps) {
   DM_CHECK(dtype_ == DType::kF32, "--drift needs f32 parameters");
   std::normal_distribution<float> nd(0.0f, 1.0f);

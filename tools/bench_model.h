@@ -32,6 +32,9 @@ class BenchModel {
   void refresh_gradients();
   // g <- g + eps * ||g||/sqrt(numel) * noise for every Muon gradient (a slowly drifting stream).
   void drift_gradients(double eps);
+  // Refills every gradient from a generator seeded with `seed`, so that several runs in one
+  // process see the same gradient stream (drift included).
+  void restart_gradients(uint64_t seed);
 
   const std::vector<Tensor>& tensors() const { return tensors_; }
   int64_t muon_params() const;

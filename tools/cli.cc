@@ -131,4 +131,10 @@ Summary summarize(std::vector<double> v) {
   return {med, v.front(), v.back()};
 }
 
+std::string format_number(double v) {
+  std::ostringstream os;
+  os << v;
+  return os.str();
+}
+
 }  // namespace distmuon::cli

@@ -44,5 +44,7 @@ struct Summary {
   double median = 0, min = 0, max = 0;
 };
 Summary summarize(std::vector<double> v);
+// Shortest decimal form of a number ("2", "0.5", "1e-06").
+std::string format_number(double v);
 
 }  // namespace distmuon::cli

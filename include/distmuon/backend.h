@@ -92,6 +92,67 @@ struct AdamCoef {
 // Status values written by the checking kernels (int32 per matrix/tensor, device memory).
 enum StepStatus : int32_t { kStatusOk = 0, kStatusNonFinite = 1 };
 
+// A per-matrix predicate in device memory: matrix i of a batch is active when
+// flags[i] == value. Masked operations leave every output of an inactive matrix untouched and
+// do not read its inputs, so a device can skip that work without the host reading the flags.
+struct BatchMask {
+  const int32_t* flags = nullptr;  // one per matrix of the batch, device memory
+  int32_t value = 1;
+};
+
+// ---- CacheMuon gate (ALGORITHMS.md section 5) ---------------------------------------------------
+
+// What cache_gate decided for a matrix (int32 per matrix, device memory).
+enum CacheDecision : int32_t {
+  kCacheRefresh = 0,  // run the fresh solve and refill the entry
+  kCacheHit = 1,      // use the cached transform: D = Q X
+  kCacheSkip = 2,     // the step skips this matrix (non-finite input): entry untouched
+};
+
+// Residual histogram of cache_gate: bin 0 holds r < 1e-3, bin b in [1, 24] holds
+// 1e-3 * 10^((b-1)/4) <= r < 1e-3 * 10^(b/4), the last bin r >= 1e3.
+constexpr int kCacheHistBins = 26;
+
+// Per-matrix statistics cache_gate accumulates: `kCacheStatFields` doubles per matrix.
+enum CacheStatField : int {
+  kCacheStatHits = 0,
+  kCacheStatRefreshes,  // every refresh, forced ones included
+  kCacheStatForced,     // refreshes without a usable entry: empty, stale, wrong key, non-finite
+  kCacheStatSkips,
+  kCacheStatChecks,     // residuals measured against a valid entry (right key, finite Q; stale
+                        // ones included): the sums, extremes and histogram below
+  kCacheStatResSum,
+  kCacheStatResSqSum,
+  kCacheStatResMin,     // initialise to +inf
+  kCacheStatResMax,
+  kCacheStatResLast,
+  kCacheStatHist,       // first of kCacheHistBins counters
+  kCacheStatFields = kCacheStatHist + kCacheHistBins,
+};
+
+// Arguments of Backend::cache_gate; every pointer is device memory with `count` entries.
+// For matrix i, with r = residual[i] * residual_scale:
+//   skip      if status != null and status[i] != kStatusOk: nothing is written but stats[Skips];
+//   usable    = entry_key[i] == key and q_norm[i] finite and (max_age <= 0 or age[i] < max_age);
+//   hit       = usable and r finite and r <= gamma;
+//   on a hit: age[i] += 1; on a refresh: age[i] = 0, entry_key[i] = key (the caller then
+//   refills Q in the same stream). stats (if given) count the decision; when the entry has the
+//   right key and a finite Q (stale or not) and r is finite, r enters the residual stats.
+struct CacheGateArgs {
+  int64_t count = 0;
+  const float* residual = nullptr;  // raw norms from frob_norm
+  double residual_scale = 1.0;      // 1/sqrt(m) (exact) or 1/sqrt(m k) (k probes)
+  const float* q_norm = nullptr;    // ||Q_i||_F of the cached transform
+  const int32_t* status = nullptr;  // optional step status (kStatusOk = take part)
+  double key = 0;                   // fingerprint of the current shape/dtype/algorithm, != 0
+  double* entry_key = nullptr;      // in/out: key the entry was filled under (0: empty)
+  float* age = nullptr;             // in/out: hits since the entry was filled
+  int32_t max_age = 0;              // maximum staleness S (<= 0: unlimited)
+  double gamma = 0;
+  int32_t* decision = nullptr;      // out: CacheDecision
+  double* stats = nullptr;          // optional, count x kCacheStatFields, accumulated
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -156,6 +217,29 @@ class Backend {
   // counter[0] += number of non-zero entries of status[0..n) (device memory, int64 counter), so
   // that skip counts accumulate without a host synchronisation.
   virtual void count_status(const int32_t* status, int64_t n, int64_t* counter) = 0;
+
+  // ---- masked and CacheMuon operations ---------------------------------------------------------
+  // The defaults below are correct on any backend but synchronise and round-trip through host
+  // memory; a device backend overrides them with kernels that read flags on the device. A
+  // masked product can skip work without the host knowing the count, e.g. a batched kernel
+  // whose thread blocks read flags[batch index] and return, or a grouped GEMM whose per-group
+  // problem sizes live in device memory and are set to zero for inactive matrices.
+
+  // gemm (symmetric = false) or gemm_symmetric (true) for the matrices `mask` selects; C (and
+  // the reading of A, B, Cin) of the others is skipped. Selected matrices get exactly the bits
+  // the unmasked operation gives.
+  virtual void gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a,
+                           Op op_b, const BatchRef& b, double alpha, double beta,
+                           const BatchRef* c_in, const BatchRef& c);
+  // dst_i = src_i rounded to dst's dtype for the matrices `mask` selects; others untouched.
+  // This is the device-side select: e.g. "out_i = candidate_i where decision_i == hit".
+  virtual void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst);
+  // The CacheMuon accept/refresh decision, one thread per matrix (see CacheGateArgs).
+  virtual void cache_gate(const CacheGateArgs& args);
+  // Fills dst with standard normal values: element (b, r, c) gets normal_sample(seed,
+  // counter + (b * rows + r) * cols + c) (src/backend/cache_ref.h defines it exactly, so
+  // every backend draws the same numbers), rounded to dst's dtype.
+  virtual void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter);
 };
 
 // Creates the backend for `kind` ("cpu" or "cuda"); throws with a clear message when the build

@@ -75,6 +75,14 @@ struct DistOptions {
   // a parameter is stepped on all ranks or on none. Disable only if the caller guarantees it.
   bool check_grad_presence = true;
   int gpus_per_node = 8;  // topology hint for the planner
+  // Owner planner (distmuon/plan.h): "milp" (LPT for very large instances), "lpt" or
+  // "round-robin". Layers, which the planner spreads over owners, are parsed from the parameter
+  // names ("h.3.mlp.c_fc.weight" is layer 3 of "h").
+  std::string planner = "milp";
+  // Costs the planner balances: empty for analytic costs (counted FLOPs and bytes, with an
+  // H200's rates on CUDA and a CPU's on the CPU backend), or a cost file written by
+  // `distmuon-plan --measure` holding a table for this backend's device (Backend::name()).
+  std::string plan_costs;
 };
 
 // The part of dim 0 this rank holds of a parameter (a Shard(0) local tensor): rows
@@ -108,7 +116,9 @@ struct ParamData {
 struct EngineStats {
   int64_t steps = 0;
   int64_t nonfinite_skips = 0;  // matrices/tensors skipped because of NaN/Inf gradients
-  OrthoStats ortho;             // orthogonalization work done by this process
+  OrthoStats ortho;             // orthogonalization work done by this process (CacheMuon
+                                // classes count what an ideal device does, see CacheStats)
+  CacheStats cache;             // CacheMuon, summed over the shape classes that use it
   int64_t muon_matrices = 0;    // registered Muon matrices (3D params count once per slice)
   int64_t muon_params = 0;      // elements in Muon parameters
   int64_t adamw_params = 0;     // elements in AdamW parameters
@@ -160,9 +170,15 @@ class Engine {
   // Distributed: AdamW state and gather-mode momentum are shaped like the local shard; in owner
   // modes the momentum exists on the owner only (data == nullptr elsewhere) and a 3D parameter
   // whose matrices have several owners is read per matrix with matrix_state().
+  // With CacheMuon on a Gram-NS shape also "cache_q", "cache_age", "cache_key" (see
+  // TransformCache::state; leading shape [] for a matrix, [e] for a 3D parameter). Reading them
+  // freezes the parameter list (as a first step does); they stay valid until the group's cache
+  // dtype, layout or algorithm changes. Distributed: the entries live where the matrix is
+  // orthogonalized, like momentum: on its owner (data == nullptr elsewhere), on every rank in
+  // gather mode.
   TensorView state(int param, const std::string& name);
-  // The momentum of matrix `slice` of a Muon parameter (rows x cols; data == nullptr when this
-  // rank does not hold it).
+  // The state of matrix `slice` of a Muon parameter: "momentum_buffer" (rows x cols) or a cache
+  // state as above with leading shape []; data == nullptr when this rank does not hold it.
   TensorView matrix_state(int param, int64_t slice, const std::string& name);
   std::vector<std::string> state_names(int param) const;
   int64_t param_step(int param) const;  // steps taken by this parameter (AdamW bias correction)

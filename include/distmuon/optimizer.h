@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "distmuon/cache.h"
 #include "distmuon/ortho.h"
 #include "distmuon/types.h"
 
@@ -29,6 +30,8 @@ struct MuonOptions {
   ScaleMode scale = ScaleMode::kOriginal;
   OrthoConfig ortho;
   DType momentum_dtype = DType::kF32;
+  // CacheMuon for the shapes that resolve to Gram NS (distmuon/cache.h); off by default.
+  CacheOptions cache;
 };
 
 struct AdamWOptions {

@@ -14,6 +14,9 @@
 
 namespace distmuon {
 
+class TransformCache;  // distmuon/cache.h
+struct CacheOptions;
+
 // How the iteration is organised. kAuto picks per shape (see choose_iteration()).
 enum class Iteration : int {
   kStandardDense = 0,  // X <- aX + (bA + cA^2) X with dense products (torch.optim.Muon)
@@ -104,6 +107,19 @@ class Orthogonalizer {
   void run(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, void* workspace,
            size_t workspace_size, OrthoStats* stats = nullptr);
 
+  // CacheMuon: like run() for Gram NS, but each matrix i of x uses entry first + i of `cache`
+  // (prepared for this config and shape): the cached transform is applied where the device-side
+  // gate accepts it, the fresh solve (which refills the entry) runs elsewhere. status (device,
+  // one per matrix, may be null) marks matrices the step skips: their entries stay untouched
+  // and their output is unspecified. stats gets the FLOPs known at issue time; the rest depends
+  // on device decisions and is read from TransformCache::stats().
+  void run_cached(const OrthoConfig& cfg, TransformCache& cache, int64_t first, const BatchRef& x,
+                  const BatchRef& out, const int32_t* status, void* workspace,
+                  size_t workspace_size, OrthoStats* stats = nullptr);
+  // Workspace bytes run_cached needs for `count` m x n matrices.
+  static size_t cached_workspace_bytes(const OrthoConfig& cfg, const CacheOptions& options,
+                                       int64_t count, int64_t m, int64_t n);
+
   // Convenience for any orientation and dtype: normalises u (count r x c) by its Frobenius
   // norm, transposes tall matrices, runs the iteration and writes the polar-factor estimate
   // into out (count r x c, any float dtype). Allocates its own workspace.
@@ -113,11 +129,6 @@ class Orthogonalizer {
   Backend& backend() { return backend_; }
 
  private:
-  void run_standard(const OrthoConfig& cfg, bool symmetric, const BatchRef& x, const BatchRef& out,
-                    char* ws, OrthoStats* stats);
-  void run_gram(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, char* ws,
-                OrthoStats* stats);
-
   Backend& backend_;
 };
 

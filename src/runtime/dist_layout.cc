@@ -84,19 +84,18 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
     m.bucket = static_cast<int>(buckets.size()) - 1;
     bytes += mb;
   }
-  // Runs of one owner, plan batch, group and shape (gather: group and shape) are contiguous
-  // after sorting, so each is one batched launch and one status range.
+  // Runs of one owner, plan batch, group and wide shape m x n (gather: group and shape) are
+  // contiguous after sorting, so each is one batched launch and one status range; inside a run
+  // the wide matrices precede the tall ones, so each orientation is one slice of the batch.
   const bool by_owner = dist.mode != DistMode::kGather;
   int64_t offset = 0;
   for (Bucket& b : buckets) {
-    std::sort(b.mats.begin(), b.mats.end(), [&](int x, int y) {
-      const DistMatrix& a = mats[x];
-      const DistMatrix& c = mats[y];
-      return std::make_tuple(by_owner ? a.owner : 0, by_owner ? a.batch : 0, a.group, a.rows,
-                             a.cols, x) < std::make_tuple(by_owner ? c.owner : 0,
-                                                          by_owner ? c.batch : 0, c.group, c.rows,
-                                                          c.cols, y);
-    });
+    auto key = [&](int j) {
+      const DistMatrix& a = mats[j];
+      return std::make_tuple(by_owner ? a.owner : 0, by_owner ? a.batch : 0, a.group, a.m(), a.n(),
+                             a.tall(), j);
+    };
+    std::sort(b.mats.begin(), b.mats.end(), [&](int x, int y) { return key(x) < key(y); });
     b.status_offset = offset;
     offset += static_cast<int64_t>(b.mats.size());
   }

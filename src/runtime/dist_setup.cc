@@ -3,6 +3,7 @@
 // of them and nobody is left waiting in a collective), then owners are planned, rows of shards
 // located, buckets formed and state allocated.
 #include <algorithm>
+#include <map>
 #include <numeric>
 #include <sstream>
 
@@ -12,8 +13,67 @@
 
 namespace distmuon {
 
-Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo) {
-  return plan_round_robin(matrices, topo);
+namespace {
+
+// Above these sizes the start-up plan is LPT: every rank solves the plan itself, and the MILP
+// (well under a second up to Pi0's 420 matrices in 11 shapes) must not delay start-up.
+constexpr size_t kMilpMaxMatrices = 2048;
+constexpr size_t kMilpMaxShapes = 64;
+// CPU seconds the MILP may take at start-up. It is a guard, not a tuning knob: the node limits
+// decide the plan, and a rank that hits the time limit makes every rank fall back to LPT
+// (dist_setup), so ranks never disagree because one of them was slower.
+constexpr double kMilpTimeLimitS = 2.0;
+
+}  // namespace
+
+// Analytic rates by device kind. CUDA: the H200's measured ceilings, where a fixed cost per
+// kernel launch makes batching same-shape matrices on one owner pay. CPU: one core's order of
+// magnitude, where a batched call costs little beyond its arithmetic, so the plan balances
+// FLOPs. Only ratios matter, and they are the same on every rank.
+AnalyticRates runtime_rates(DeviceKind kind) {
+  if (kind == DeviceKind::kCUDA) return AnalyticRates{};
+  AnalyticRates r;
+  r.flops_per_s = 50e9;
+  r.bytes_per_s = 10e9;
+  r.launch_s = 1e-6;
+  return r;
+}
+
+Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
+                       const RuntimePlanSpec& spec) {
+  CostTable costs;
+  if (spec.cost_file.empty())
+    costs = analytic_cost_table(shape_counts(matrices), spec.ortho, runtime_rates(spec.device));
+  else
+    costs = select_cost_table(read_cost_file(spec.cost_file), spec.device_name, spec.cost_file);
+  PlanOptions opts;
+  opts.ortho = spec.ortho;
+  opts.time_limit_s = kMilpTimeLimitS;
+  std::string solver = spec.solver;
+  if (solver == "milp" &&
+      (matrices.size() > kMilpMaxMatrices || shape_counts(matrices).size() > kMilpMaxShapes))
+    solver = "lpt";
+  return make_plan(solver, matrices, topo, costs, opts);
+}
+
+// The layer a parameter belongs to, from its name: the first dotted component made of digits
+// is the layer index, and the text before it names the stack ("transformer.h.3.mlp.c_fc.weight"
+// is layer 3 of "transformer.h"). Each distinct (stack, index) gets an id in first-seen order;
+// -1 when the name has no such component (the planner then leaves the matrix unconstrained).
+int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids) {
+  size_t begin = 0;
+  while (begin <= name.size()) {
+    size_t end = name.find('.', begin);
+    if (end == std::string::npos) end = name.size();
+    const bool digits = end > begin && std::all_of(name.begin() + begin, name.begin() + end,
+                                                   [](char c) { return c >= '0' && c <= '9'; });
+    if (digits) {
+      const std::string key = name.substr(0, end);
+      return ids.emplace(key, static_cast<int64_t>(ids.size())).first->second;
+    }
+    begin = end + 1;
+  }
+  return -1;
 }
 
 namespace {
@@ -59,6 +119,9 @@ void Engine::Impl::dist_setup() {
   if (err.tellp() == 0 && (R < 1 || world_size % R != 0))
     err << "replicate degree " << dist.replicate << " does not divide the world size "
         << world_size;
+  if (err.tellp() == 0 && dist.planner != "milp" && dist.planner != "lpt" &&
+      dist.planner != "round-robin")
+    err << "unknown planner '" << dist.planner << "' (milp, lpt or round-robin)";
   for (const Param& p : params) {
     if (!err.str().empty()) break;
     if (is_sharded_mode(dist.mode) && !p.spec.shard.sharded())
@@ -68,17 +131,19 @@ void Engine::Impl::dist_setup() {
       err << "parameter '" << p.spec.name << "' has a shard, but " << mode
           << " mode takes full parameters";
   }
-  const std::string local_error = err.str();
+  std::string local_error = err.str();
   shard_size = local_error.empty() ? world_size / R : world_size;
   my_r = rank / shard_size;
   my_s = rank % shard_size;
 
   // 2. What must be identical on every rank.
   std::ostringstream common;
-  common << "mode " << mode << ", replicate " << dist.replicate << ", bucket_bytes "
-         << dist.bucket_bytes << ", grad_mean " << dist.grad_mean << ", check_grad_presence "
-         << dist.check_grad_presence << ", nonfinite " << static_cast<int>(options.nonfinite)
-         << "\n";
+  common << "mode " << mode << ", planner " << dist.planner << " on "
+         << (dist.plan_costs.empty() ? "analytic" : "measured") << " costs, device "
+         << (backend.device().kind == DeviceKind::kCUDA ? "cuda" : "cpu") << ", replicate "
+         << dist.replicate << ", bucket_bytes " << dist.bucket_bytes << ", grad_mean "
+         << dist.grad_mean << ", check_grad_presence " << dist.check_grad_presence << ", nonfinite "
+         << static_cast<int>(options.nonfinite) << "\n";
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupOptions& o = groups[g];
     common << "group " << g << " "
@@ -94,37 +159,67 @@ void Engine::Impl::dist_setup() {
   }
   const std::string text = common.str();
 
-  // 3. The plan, from the registration only (identical inputs give identical plans).
+  // 3. The plan, from the registration only (identical inputs give identical plans). Costs
+  // follow the first Muon group's algorithm; layers come from the parameter names.
   std::vector<PlanMatrix> pm;
+  std::map<std::string, int64_t> layer_ids;
+  RuntimePlanSpec spec;
+  spec.solver = dist.planner;
+  spec.device = backend.device().kind;
+  spec.device_name = backend.name();
+  spec.cost_file = dist.plan_costs;
+  bool have_ortho = false;
   for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
     Param& p = params[i];
     if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
+    if (!have_ortho) spec.ortho = groups[p.spec.group].muon.ortho;
+    have_ortho = true;
+    const int64_t layer = layer_of(p.spec.name, layer_ids);
     for (int64_t s = 0; s < p.layout.count; ++s) {
       PlanMatrix m;
       m.name = p.layout.count > 1 ? p.spec.name + "[" + std::to_string(s) + "]" : p.spec.name;
       m.rows = p.layout.rows;
       m.cols = p.layout.cols;
+      m.layer = layer;
       m.elem_bytes = static_cast<int64_t>(dtype_size(p.state0_dtype));
       pm.push_back(m);
     }
   }
   Topology topo{world_size, dist.gpus_per_node, R};
-  if (local_error.empty()) plan = make_runtime_plan(pm, topo);
+  try {  // a planner error (e.g. a cost file without these shapes) must reach every rank
+    if (local_error.empty() && !pm.empty())
+      plan = make_runtime_plan(pm, topo, spec);
+    else if (local_error.empty())
+      plan = plan_round_robin(pm, topo);  // no Muon matrices: the planner has nothing to do
+  } catch (const Error& e) {
+    local_error = e.what();
+    if (local_error.rfind("distmuon: ", 0) == 0) local_error.erase(0, 10);
+  }
+  const bool time_limited = plan.status.find("time limit") != std::string::npos;
 
   // 4. Exchange a fixed-size header, then details only where something differs.
-  const std::vector<int64_t> hdr = {
-      static_cast<int64_t>(fnv1a(text)), static_cast<int64_t>(text.size()),
-      static_cast<int64_t>(plan.hash), static_cast<int64_t>(local_error.size())};
+  const std::vector<int64_t> hdr = {static_cast<int64_t>(fnv1a(text)),
+                                    static_cast<int64_t>(text.size()),
+                                    static_cast<int64_t>(plan.hash),
+                                    static_cast<int64_t>(local_error.size()), time_limited ? 1 : 0};
   const std::vector<int64_t> all = host_all_gather(*world, backend, hdr);
   auto field = [&](int q, int f) { return all[static_cast<size_t>(q) * hdr.size() + f]; };
   std::vector<int64_t> err_len(world_size), text_len(world_size);
-  bool any_error = false, differ = false, plans_differ = false;
+  bool any_error = false, differ = false, plans_differ = false, any_time_limited = false;
   for (int q = 0; q < world_size; ++q) {
     err_len[q] = field(q, 3);
     text_len[q] = field(q, 1);
     any_error |= err_len[q] > 0;
     differ |= field(q, 0) != field(0, 0) || field(q, 1) != field(0, 1);
     plans_differ |= field(q, 2) != field(0, 2);
+    any_time_limited |= field(q, 4) != 0;
+  }
+  // A MILP stopped by its CPU-time guard on some rank may have stopped elsewhere on others:
+  // every rank then takes the deterministic LPT plan instead (same inputs, same plan).
+  if (any_time_limited && !any_error && !differ) {
+    spec.solver = "lpt";
+    plan = make_runtime_plan(pm, topo, spec);
+    plans_differ = false;
   }
   if (any_error) {
     std::vector<char> msgs = host_all_gather_v(*world, backend, local_error, err_len);
@@ -217,6 +312,7 @@ void Engine::Impl::dist_setup() {
   replica = R > 1 ? replica_owned.get() : nullptr;
 
   allocate_state();
+  assign_cache_entries();
   switch (dist.mode) {
     case DistMode::kGather:
       runner = make_gather_runner(*this);

@@ -114,12 +114,17 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
       if (k > 0) {
         const DistMatrix& p = mats[b.act[k - 1]];
         same = (!by_owner || (p.owner == m.owner && p.batch == m.batch)) && p.group == m.group &&
-               p.rows == m.rows && p.cols == m.cols;
+               p.m() == m.m() && p.n() == m.n();
       }
       if (same)
         b.runs.back().end = k + 1;
       else
-        b.runs.push_back({k, k + 1});
+        b.runs.push_back({k, k + 1, 0});
+    }
+    // The sort put the wide matrices of a run first: the first tall one starts the tall part.
+    for (Bucket::Run& run : b.runs) {
+      run.tall_begin = run.begin;
+      while (run.tall_begin < run.end && !mats[b.act[run.tall_begin]].tall()) ++run.tall_begin;
     }
   }
   ctx.coef.resize(mats.size());

@@ -79,6 +79,7 @@ int Engine::add_group(const GroupOptions& o) {
     DM_CHECK(m.weight_decay >= 0, "Muon weight_decay must be >= 0 (got ", m.weight_decay, ")");
     DM_CHECK(m.momentum_dtype == DType::kF32 || m.momentum_dtype == DType::kBF16,
              "momentum dtype must be f32 or bf16");
+    validate(m.cache, "Muon group cache options");
     coefficient_schedule(m.ortho);  // validates steps and custom rows
   } else {
     const AdamWOptions& a = o.adamw;
@@ -236,10 +237,14 @@ int Engine::owner(int param, int64_t slice) const {
 TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Param& p = impl_->params[i];
-  DM_CHECK(impl_->groups[p.spec.group].kind == ParamKind::kMuon && name == "momentum_buffer",
-           "parameter '", p.spec.name, "' has no matrix state '", name, "'");
+  const bool muon = impl_->groups[p.spec.group].kind == ParamKind::kMuon;
+  DM_CHECK(muon && (name == "momentum_buffer" || name.rfind("cache_", 0) == 0), "parameter '",
+           p.spec.name, "' has no matrix state '", name, "'");
   DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
            p.layout.count, " matrices, not ", slice + 1);
+  // CacheMuon entries live where the matrix is orthogonalized (the owner; everywhere in gather
+  // mode and in a single process).
+  if (name != "momentum_buffer") return impl_->cache_view(i, slice, 1, name, {});
   const Device dev = impl_->backend.device();
   const std::vector<int64_t> shape = {p.layout.rows, p.layout.cols};
   const size_t es = dtype_size(p.state0_dtype);
@@ -273,6 +278,16 @@ TensorView Engine::state(int i, const std::string& name) {
     }
     return TensorView::contiguous(p.state0.data(), local, p.state0_dtype, dev);
   }
+  if (muon && name.rfind("cache_", 0) == 0) {
+    // One entry per matrix: leading shape [] for a matrix, [e] for a 3D parameter. Owner modes:
+    // like momentum, a parameter whose matrices have several owners is read per matrix.
+    DM_CHECK(!s.world || s.dist.mode == DistMode::kGather || p.layout.count == 1, "parameter '",
+             p.spec.name, "' holds ", p.layout.count,
+             " matrices with their own owners: read their cache state with matrix_state()");
+    std::vector<int64_t> lead;
+    if (p.spec.shape.size() == 3) lead.push_back(p.layout.count);
+    return s.cache_view(i, 0, p.layout.count, name, lead);
+  }
   if (!muon && name == "exp_avg")
     return TensorView::contiguous(p.state0.data(), local, DType::kF32, dev);
   if (!muon && name == "exp_avg_sq")
@@ -283,7 +298,7 @@ TensorView Engine::state(int i, const std::string& name) {
 std::vector<std::string> Engine::state_names(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon)
-    return {"momentum_buffer"};
+    return impl_->muon_state_names(i);
   return {"exp_avg", "exp_avg_sq"};
 }
 
@@ -303,6 +318,8 @@ EngineStats Engine::stats() {
   EngineStats st = s.stats;
   s.backend.copy_to_host(&st.nonfinite_skips, s.skip_counter.data(), sizeof(int64_t));
   if (!s.world) st.owned_matrices = st.muon_matrices;
+  st.cache = s.cache_stats();
+  st.ortho.flops += st.cache.flops;  // run_cached leaves its FLOPs to the cache's accounting
   return st;
 }
 

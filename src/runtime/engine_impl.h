@@ -1,14 +1,17 @@
 // Internal state of the Engine shared by its files: the registry (engine.cc), the single-process
-// step (local_step.cc), the distributed set-up (dist_setup.cc), the distributed step driver
-// (dist_step.cc) and one runner per mode (mode_*.cc).
+// step (local_step.cc), CacheMuon's entries (engine_cache.cc), the distributed set-up and plan
+// (dist_setup.cc), the distributed step driver (dist_step.cc) and one runner per mode
+// (mode_*.cc).
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "distmuon/cache.h"
 #include "distmuon/engine.h"
 
 namespace distmuon {
@@ -27,21 +30,36 @@ struct Param {
   int64_t step = 0;
   std::vector<int> matrices;  // distributed Muon: indices into Impl::mats, one per slice
   int adam_index = -1;        // AdamW: position among the AdamW parameters
+  int cls = -1;               // single process, Muon: its shape class
+  int64_t first_member = 0;   // single process, Muon: its first slice's position in the class
 };
 
-// Muon matrices of one group and one shape (single process): their momentum passes run as one
-// launch list and their orthogonalization as one batch.
+// CacheMuon entries (distmuon/cache.h) of one group and one wide shape m x n: one entry per
+// matrix this process orthogonalizes (single process: every member of a shape class; owner
+// modes: the matrices this rank owns, kept beside their momentum; gather: every matrix, since
+// every rank solves everything). The TransformCache allocates nothing until the cache is used.
+struct CacheClass {
+  int group = 0;
+  int64_t m = 0, n = 0;
+  std::vector<std::string> names;  // per entry ("param" or "param[slice]"), for statistics
+  std::unique_ptr<TransformCache> cache;
+  bool use = false;  // this step: the group enables the cache and m x n resolves to Gram NS
+  int64_t count() const { return static_cast<int64_t>(names.size()); }
+};
+
+// Muon matrices of one group and one wide shape m x n (single process), tall and wide weights
+// together: their orthogonalization runs as one batch in the wide orientation, and the fused
+// momentum and update passes run once per orientation on the two slices of that batch (the wide
+// members come first).
 struct ShapeClass {
   int group = 0;
-  int64_t rows = 0, cols = 0;
+  int64_t m = 0, n = 0;
   std::vector<std::pair<int, int64_t>> members;  // (param index, slice within a 3D parameter)
+  int64_t wide_members = 0;                      // members [0, wide_members) are not tall
   OrthoConfig resolved;
   Buffer x, workspace, norms, status;
   size_t workspace_bytes = 0;
-
-  bool tall() const { return rows > cols; }
-  int64_t m() const { return std::min(rows, cols); }
-  int64_t n() const { return std::max(rows, cols); }
+  int cache = -1;  // its entries in Impl::caches (entry k = member k)
 };
 
 // One Muon matrix in a distributed engine (a parameter, or one slice of a 3D parameter).
@@ -59,6 +77,10 @@ struct DistMatrix {
   // Rows [lo[q], hi[q]) of the matrix are held by shard position q (sharded and gather).
   std::vector<int64_t> lo, hi;
   Buffer momentum;  // owner modes: on the owner only
+  // CacheMuon: its entry in Impl::caches, where this rank orthogonalizes it (owner modes: on the
+  // owner; gather: everywhere), else -1.
+  int cache = -1;
+  int64_t cache_entry = -1;
   bool tall() const { return rows > cols; }
   int64_t m() const { return std::min(rows, cols); }
   int64_t n() const { return std::max(rows, cols); }
@@ -69,10 +91,12 @@ struct Bucket {
   std::vector<int> mats;      // matrices, sorted by (owner, group, shape) (gather: by group, shape)
   int64_t status_offset = 0;  // first entry of this bucket in Impl::step_status / step_norms
   // Per step: the matrices that have a gradient, in `mats` order, and their runs (maximal
-  // segments of one owner, group and shape; gather ignores owners).
+  // segments of one owner, plan batch, group and wide shape m x n; gather ignores owners and
+  // batches). Inside a run the wide matrices come first, then the tall ones.
   std::vector<int> act;
   struct Run {
     int begin = 0, end = 0;  // positions in act
+    int tall_begin = 0;      // first tall matrix (end when there is none)
   };
   std::vector<Run> runs;
 };
@@ -86,6 +110,7 @@ struct Engine::Impl {
   std::vector<GroupOptions> groups;
   std::vector<Param> params;
   std::vector<ShapeClass> classes;
+  std::vector<CacheClass> caches;  // CacheMuon entries (single process and distributed)
   bool built = false;
   Orthogonalizer ortho;
   EngineStats stats;
@@ -133,6 +158,30 @@ struct Engine::Impl {
   void raise_if_nonfinite(const std::vector<std::vector<int>>& slot_params,
                           const std::vector<int>& adam_params);
 
+  // CacheMuon (cache_glue.cc). The index of the cache class of (group, m, n), created on demand.
+  int cache_class_of(int group, int64_t m, int64_t n);
+  // Binds a cache class to its group's current options for the resolved config; returns whether
+  // this step uses it and, if so, the workspace bytes run_cached needs for `count` matrices.
+  bool prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
+                     size_t* workspace_bytes);
+  // The orthogonalization of a batch x (wide) in place: fresh, or through the cache class `cache`
+  // (-1: none) where matrix k uses entry entries[k] (runs of consecutive entries become one
+  // call each). status: per matrix, the skip flags of the step.
+  void orthogonalize(int cache, const OrthoConfig& resolved, const BatchRef& x,
+                     std::span<const int64_t> entries, const int32_t* status, void* workspace,
+                     size_t workspace_bytes);
+  // Gives every matrix this rank orthogonalizes its cache entry, in the order the runs use them.
+  void assign_cache_entries();
+  // The cache entries of matrix `slice` of Muon parameter i on this rank: (class, entry), or
+  // (-1, -1) when this rank holds none. Single process: builds the classes.
+  std::pair<int, int64_t> cache_entry_of(int i, int64_t slice);
+  CacheStats cache_stats();
+  // Checkpoint views of the cache state (see Engine::state) and the state names of a Muon
+  // parameter (momentum, plus the cache's when its shape uses one).
+  TensorView cache_view(int i, int64_t slice, int64_t count, const std::string& name,
+                        const std::vector<int64_t>& lead);
+  std::vector<std::string> muon_state_names(int i) const;
+
   // distributed (dist_setup.cc, dist_layout.cc, dist_step.cc)
   void dist_setup();
   // Creates `mats` (pieces from shard_of(position, param) = (row_begin, row_count); nullptr:
@@ -149,7 +198,8 @@ struct Engine::Impl {
   void adam_update(StepContext& ctx);
   void raise_check();
   // Grows the shared scratch for `count` matrices of a shape with a resolved config.
-  void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n);
+  void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
+                      size_t workspace_bytes = 0);
   CommStats comm_stats() const;
   std::string matrix_name(int j) const;
 };
@@ -164,7 +214,19 @@ void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& valu
 
 std::string join_shape(std::span<const int64_t> s);
 
-// The plan call site: one function, so that the planner can replace the baseline here.
-Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo);
+// What the start-up plan is made from.
+struct RuntimePlanSpec {
+  std::string solver = "milp";           // milp | lpt | round-robin
+  OrthoConfig ortho;                     // the algorithm costed
+  DeviceKind device = DeviceKind::kCPU;  // picks the analytic rates
+  std::string cost_file;                 // measured costs instead (distmuon-plan --measure)
+  std::string device_name;               // whose table cost_file must hold (Backend::name())
+};
+// The plan call site: the solver on analytic (or measured) costs, with a CPU-time guard on the
+// MILP and LPT for instances too large to solve at start-up.
+Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
+                       const RuntimePlanSpec& spec);
+// The layer index parsed from a parameter name (see dist_setup.cc), -1 when it has none.
+int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids);
 
 }  // namespace distmuon

@@ -1,19 +1,22 @@
 // What the owner modes share: the owner's computation of one run (the same fused passes and
 // batched orthogonalization as the single-process step, so results match it bit for bit), and
 // the replicated mode, which needs nothing else.
+#include <algorithm>
+
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
 namespace distmuon {
 
-void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m,
-                                  int64_t n) {
+void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
+                                  size_t workspace_bytes) {
   const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
   if (xb > x_bytes) {
     x = backend.alloc(xb);
     x_bytes = xb;
   }
-  const size_t wb = Orthogonalizer::workspace_bytes(resolved, count, m, n);
+  const size_t wb =
+      std::max(workspace_bytes, Orthogonalizer::workspace_bytes(resolved, count, m, n));
   if (wb > workspace_size) {
     workspace = backend.alloc(wb);
     workspace_size = wb;
@@ -40,6 +43,27 @@ void ModeRunner::owner_pass1(const Bucket& b, const Bucket::Run& run,
                                 e_.step_status.as<int32_t>() + pos);
 }
 
+void ModeRunner::for_each_orientation(const Bucket::Run& run,
+                                      const std::function<void(int k0, int len, bool tall)>& f) {
+  if (run.tall_begin > run.begin) f(0, run.tall_begin - run.begin, false);
+  if (run.end > run.tall_begin) f(run.tall_begin - run.begin, run.end - run.tall_begin, true);
+}
+
+int ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
+                            std::vector<int64_t>* entries) {
+  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
+  const int64_t count = run.end - run.begin;
+  size_t cached_ws = 0;
+  // The matrices of a run share the group and shape, so their entries are of one cache class.
+  const bool cached =
+      m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], resolved, count, &cached_ws);
+  entries->clear();
+  if (cached)
+    for (int k = run.begin; k < run.end; ++k) entries->push_back(e_.mats[b.act[k]].cache_entry);
+  e_.ensure_scratch(resolved, count, m0.m(), m0.n(), cached_ws);
+  return cached ? m0.cache : -1;
+}
+
 void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
                             std::span<const MuonSlot> slots, const StepContext& ctx,
                             const std::function<void*(int k)>* out) {
@@ -49,20 +73,32 @@ void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
   const int64_t pos = b.status_offset + run.begin;
   const int32_t* status = e_.step_status.as<int32_t>() + pos;
   OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
-  e_.ensure_scratch(r, count, m0.m(), m0.n());
+  std::vector<int64_t> entries;
+  const int cache = prepare_run(b, run, r, &entries);  // decided here, on the owner's device
   BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
-  ScaleSpec norm{e_.step_norms.as<float>() + pos, norm_multiplier(r.coefficients), r.eps, 1.0};
-  e_.backend.muon_momentum_apply(slots, opt.momentum, opt.nesterov, status, norm, m0.tall(), x);
-  e_.ortho.run(r, x, x, e_.workspace.data(), e_.workspace_size, &e_.stats.ortho);
+  // One orthogonalization batch in the wide orientation; the fused passes once per orientation.
+  for_each_orientation(run, [&](int k0, int len, bool tall) {
+    ScaleSpec norm{e_.step_norms.as<float>() + pos + k0, norm_multiplier(r.coefficients), r.eps,
+                   1.0};
+    e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
+                                   norm, tall, x.slice(k0, len));
+  });
+  e_.orthogonalize(cache, r, x, entries, status, e_.workspace.data(), e_.workspace_size);
   if (!out) {
     std::vector<MuonUpdateCoef> coefs;
     for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);
-    e_.backend.muon_update(slots, coefs, status, x, m0.tall());
+    const std::span<const MuonUpdateCoef> all(coefs);
+    for_each_orientation(run, [&](int k0, int len, bool tall) {
+      e_.backend.muon_update(slots.subspan(k0, len), all.subspan(k0, len), status + k0,
+                             x.slice(k0, len), tall);
+    });
   } else {
     // The update in the weight's orientation and the wire dtype, for the matrix's shards.
-    for (int k = 0; k < count; ++k)
-      e_.backend.scale_copy(x.slice(k, 1), m0.tall(), ScaleSpec{},
-                            BatchRef::packed((*out)(k), m0.wire, 1, m0.rows, m0.cols));
+    for (int k = 0; k < count; ++k) {
+      const DistMatrix& m = e_.mats[b.act[run.begin + k]];
+      e_.backend.scale_copy(x.slice(k, 1), m.tall(), ScaleSpec{},
+                            BatchRef::packed((*out)(k), m.wire, 1, m.rows, m.cols));
+    }
   }
   e_.backend.count_status(status, count, e_.skip_counter.as<int64_t>());
 }

@@ -155,16 +155,25 @@ class GatherRunner final : public ModeRunner {
       const DistMatrix& m0 = e_.mats[bk.act[run.begin]];
       const MuonOptions& opt = e_.groups[m0.group].muon;
       const int64_t count = run.end - run.begin, pos = bk.status_offset + run.begin;
-      BatchRef u =
-          BatchRef::packed(at(s.ustage.data(), uofs[run.begin], w), w, count, m0.rows, m0.cols);
       float* norms = e_.step_norms.as<float>() + pos;
-      e_.backend.frob_norm(u, norms);
       OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
-      e_.ensure_scratch(r, count, m0.m(), m0.n());
+      // CacheMuon: every rank holds every entry and sees the same input, so every rank takes
+      // the same decisions without exchanging them.
+      std::vector<int64_t> entries;
+      const int cache = prepare_run(bk, run, r, &entries);
       BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
-      e_.backend.scale_copy(u, m0.tall(),
-                            ScaleSpec{norms, norm_multiplier(r.coefficients), r.eps, 1.0}, x);
-      e_.ortho.run(r, x, x, e_.workspace.data(), e_.workspace_size, &e_.stats.ortho);
+      // U is staged in the weights' orientation: normalise each orientation's slice into X.
+      for_each_orientation(run, [&](int k0, int len, bool tall) {
+        const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
+        BatchRef u =
+            BatchRef::packed(at(s.ustage.data(), uofs[run.begin + k0], w), w, len, rows, cols);
+        e_.backend.frob_norm(u, norms + k0);
+        e_.backend.scale_copy(u, tall,
+                              ScaleSpec{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0},
+                              x.slice(k0, len));
+      });
+      e_.orthogonalize(cache, r, x, entries, status_at(bk, run.begin), e_.workspace.data(),
+                       e_.workspace_size);
       for (int k = run.begin; k < run.end; ++k) {
         const DistMatrix& m = e_.mats[bk.act[k]];
         if (piece(m, e_.my_s) == 0) continue;

@@ -45,6 +45,14 @@ class ModeRunner {
   // nullptr) or the orthogonalized matrices written to out(k), rows x cols in the wire dtype.
   void owner_rest(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
                   const StepContext& ctx, const std::function<void*(int k)>* out);
+  // Before a run is orthogonalized: grows the shared scratch for it and, where the run uses
+  // CacheMuon on this rank, returns its cache class and fills the matrices' entries (else -1).
+  int prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
+                  std::vector<int64_t>* entries);
+  // Calls f(k0, len, tall) for the wide and the tall part of a run (positions relative to
+  // run.begin), skipping an empty part: the fused passes take one orientation per call.
+  static void for_each_orientation(const Bucket::Run& run,
+                                   const std::function<void(int k0, int len, bool tall)>& f);
   int32_t* status_at(const Bucket& b, int pos) const {
     return e_.step_status.as<int32_t>() + b.status_offset + pos;
   }

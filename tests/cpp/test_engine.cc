@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "backend/cpu/cpu_backend.h"
@@ -116,13 +117,17 @@ TEST(Engine, BatchOf3DAndConvLayoutsEqualSeparateMatrices) {
   for (Engine* e : {&stacked, &separate}) e->add_group(muon_group(0.05f));
   stacked.add_param({"experts", 0, {3, 8, 20}, DType::kF32});
   stacked.add_param({"conv", 0, {6, 2, 3, 3}, DType::kF32});
-  for (int i = 0; i < 3; ++i) separate.add_param({"e" + std::to_string(i), 0, {8, 20}, DType::kF32});
+  for (int i = 0; i < 3; ++i)
+    separate.add_param({"e" + std::to_string(i), 0, {8, 20}, DType::kF32});
   separate.add_param({"conv2d", 0, {6, 18}, DType::kF32});
-  std::vector<float> we(3 * 160), ge = to_vec(random_matrix(1, 480)), wc(108), gc = to_vec(random_matrix(1, 108));
+  std::vector<float> we(3 * 160), ge = to_vec(random_matrix(1, 480)), wc(108),
+                                  gc = to_vec(random_matrix(1, 108));
   std::vector<float> we2 = we, wc2 = wc;
-  std::vector<ParamData> ds = {{we.data(), ge.data(), DType::kF32, {}}, {wc.data(), gc.data(), DType::kF32, {}}};
+  std::vector<ParamData> ds = {{we.data(), ge.data(), DType::kF32, {}},
+                               {wc.data(), gc.data(), DType::kF32, {}}};
   std::vector<ParamData> dp;
-  for (int i = 0; i < 3; ++i) dp.push_back({we2.data() + 160 * i, ge.data() + 160 * i, DType::kF32, {}});
+  for (int i = 0; i < 3; ++i)
+    dp.push_back({we2.data() + 160 * i, ge.data() + 160 * i, DType::kF32, {}});
   dp.push_back({wc2.data(), gc.data(), DType::kF32, {}});
   for (int s = 0; s < 2; ++s) {
     stacked.step(ds);
@@ -130,6 +135,70 @@ TEST(Engine, BatchOf3DAndConvLayoutsEqualSeparateMatrices) {
   }
   EXPECT_EQ(we, we2);
   EXPECT_EQ(wc, wc2);
+}
+
+TEST(Engine, TallAndWideOfOneShapeShareABatchAndEqualSeparateEngines) {
+  // An MLP's up (8 x 20) and down (20 x 8) projections are one 8 x 20 class: one batch per step
+  // in the wide orientation, with results bit-identical to engines that hold one orientation
+  // each. Also through CacheMuon, with a parameter missing its gradient in one step (a gap in
+  // the class's cache entries).
+  for (bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "gram-ns + cache" : "ns5");
+    GroupOptions g = muon_group(0.05f, 0.1f);
+    if (cache) {
+      g.muon.ortho = parse_algorithm("gram-ns");
+      g.muon.cache.enabled = true;
+      g.muon.cache.gamma = 1e9;
+      g.muon.cache.max_staleness = 2;
+    }
+    CpuBackend be;
+    Engine joint(be), wide(be), tall(be);
+    for (Engine* e : {&joint, &wide, &tall}) e->add_group(g);
+    const std::vector<std::pair<std::string, std::vector<int64_t>>> defs = {
+        {"down", {20, 8}}, {"up", {8, 20}}, {"up2", {8, 20}}, {"down2", {20, 8}}};
+    std::vector<std::vector<float>> wj(4, std::vector<float>(160, 0.25f)), ws = wj, grads;
+    for (int i = 0; i < 4; ++i) {
+      joint.add_param({defs[i].first, 0, defs[i].second, DType::kF32});
+      (defs[i].second[0] > defs[i].second[1] ? tall : wide)
+          .add_param({defs[i].first, 0, defs[i].second, DType::kF32});
+      grads.push_back(to_vec(random_matrix(1, 160)));
+    }
+    for (int step = 0; step < 4; ++step) {
+      std::vector<ParamData> dj, dw, dt;
+      for (int i = 0; i < 4; ++i) {
+        const bool has = !(step == 2 && defs[i].first == "up");
+        ParamData a{wj[i].data(), has ? grads[i].data() : nullptr, DType::kF32, {}};
+        ParamData b{ws[i].data(), a.grad, DType::kF32, {}};
+        dj.push_back(a);
+        (defs[i].second[0] > defs[i].second[1] ? dt : dw).push_back(b);
+      }
+      const int64_t before = joint.stats().ortho.calls;
+      joint.step(dj);
+      wide.step(dw);
+      tall.step(dt);
+      if (!cache) EXPECT_EQ(joint.stats().ortho.calls - before, 1) << "one batch per step";
+      for (auto& gr : grads)  // a slowly drifting gradient, so that cached transforms stay close
+        for (float& x : gr) x = 0.9f * x + 0.01f * (x > 0 ? 1.0f : -1.0f);
+    }
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(wj[i], ws[i]) << defs[i].first;
+    if (cache) {
+      const CacheStats cj = joint.stats().cache;
+      const CacheStats cw = wide.stats().cache, ct = tall.stats().cache;
+      EXPECT_GT(cj.hits, 0);
+      EXPECT_EQ(cj.hits, cw.hits + ct.hits);
+      EXPECT_EQ(cj.refreshes, cw.refreshes + ct.refreshes);
+      for (int i = 0; i < 4; ++i) {
+        Engine& sep = defs[i].second[0] > defs[i].second[1] ? tall : wide;
+        const int si = i == 0 || i == 1 ? 0 : 1;  // position in its separate engine
+        for (const char* n : {"cache_q", "cache_age", "cache_key"}) {
+          TensorView a = joint.state(i, n), b = sep.state(si, n);
+          ASSERT_EQ(a.numel(), b.numel());
+          EXPECT_EQ(0, std::memcmp(a.data, b.data, a.numel() * dtype_size(a.dtype)))
+              << defs[i].first << " " << n;
+        }
+      }
+    }
+  }
 }
 
 TEST(Engine, AdamwGroupsAndMissingGradients) {
@@ -144,14 +213,16 @@ TEST(Engine, AdamwGroupsAndMissingGradients) {
   eng.add_param({"w", 0, {4, 6}, DType::kF32});
   eng.add_param({"bias", 1, {6}, DType::kF32});
   eng.add_param({"unused", 0, {4, 6}, DType::kF32});
-  std::vector<float> w(24, 1.0f), gw = to_vec(random_matrix(4, 6)), bias(6, 0.0f), gb = {1, -2, 3, -4, 5, -6};
+  std::vector<float> w(24, 1.0f), gw = to_vec(random_matrix(4, 6)), bias(6, 0.0f),
+                                  gb = {1, -2, 3, -4, 5, -6};
   std::vector<float> unused(24, 7.0f);
   std::vector<ParamData> d = {{w.data(), gw.data(), DType::kF32, {}},
                               {bias.data(), gb.data(), DType::kF32, {}},
                               {unused.data(), nullptr, DType::kF32, {}}};
   eng.step(d);
-  for (int j = 0; j < 6; ++j) EXPECT_NEAR(bias[j], -0.1 * (gb[j] > 0 ? 1 : -1), 1e-6);  // first Adam step
-  for (float v : unused) EXPECT_EQ(v, 7.0f);  // no gradient: untouched
+  for (int j = 0; j < 6; ++j)
+    EXPECT_NEAR(bias[j], -0.1 * (gb[j] > 0 ? 1 : -1), 1e-6);  // first Adam step
+  for (float v : unused) EXPECT_EQ(v, 7.0f);                  // no gradient: untouched
   EXPECT_EQ(eng.param_step(2), 0);
   EXPECT_EQ(eng.param_step(1), 1);
   // Schedulers change the learning rate between steps.
@@ -169,7 +240,8 @@ TEST(Engine, NonFiniteGradientIsSkippedAndCounted) {
   eng.add_param({"bad", 0, {4, 8}, DType::kF32});
   std::vector<float> w1(32, 1.0f), w2(32, 1.0f), g1 = to_vec(random_matrix(4, 8)), g2 = g1;
   g2[5] = std::numeric_limits<float>::infinity();
-  std::vector<ParamData> d = {{w1.data(), g1.data(), DType::kF32, {}}, {w2.data(), g2.data(), DType::kF32, {}}};
+  std::vector<ParamData> d = {{w1.data(), g1.data(), DType::kF32, {}},
+                              {w2.data(), g2.data(), DType::kF32, {}}};
   eng.step(d);
   EXPECT_NE(w1, std::vector<float>(32, 1.0f));
   EXPECT_EQ(w2, std::vector<float>(32, 1.0f));
@@ -186,7 +258,8 @@ TEST(Engine, RaisePolicyThrowsBeforeTouchingState) {
   eng.add_param({"other", 0, {4, 8}, DType::kF32});
   std::vector<float> w1(32, 1.0f), w2(32, 1.0f), g1 = to_vec(random_matrix(4, 8)), g2 = g1;
   g2[0] = std::nanf("");
-  std::vector<ParamData> d = {{w1.data(), g1.data(), DType::kF32, {}}, {w2.data(), g2.data(), DType::kF32, {}}};
+  std::vector<ParamData> d = {{w1.data(), g1.data(), DType::kF32, {}},
+                              {w2.data(), g2.data(), DType::kF32, {}}};
   try {
     eng.step(d);
     FAIL() << "expected an error";
@@ -221,9 +294,13 @@ TEST(Engine, ClearErrorsForBadParameters) {
     }
     return std::string("no error");
   };
-  EXPECT_NE(message([&] { eng.add_param({"norm.weight", 0, {768}, DType::kF32}); }).find("norm.weight"),
+  EXPECT_NE(message([&] {
+              eng.add_param({"norm.weight", 0, {768}, DType::kF32});
+            }).find("norm.weight"),
             std::string::npos);
-  EXPECT_NE(message([&] { eng.add_param({"empty", 0, {0, 4}, DType::kF32}); }).find("empty"),
+  EXPECT_NE(message([&] {
+              eng.add_param({"empty", 0, {0, 4}, DType::kF32});
+            }).find("empty"),
             std::string::npos);
   EXPECT_THROW(eng.add_param({"w", 3, {4, 4}, DType::kF32}), Error);  // no such group
   eng.add_param({"proj", 0, {4, 6}, DType::kF32});

@@ -3,12 +3,17 @@
 // after several steps equal bit for bit those of the single-process engine fed the same (mean)
 // gradients. The model has wide, tall, 3D and conv matrices, two Muon groups, AdamW tensors,
 // uneven and empty FSDP2-style shards, a parameter without gradient in one step, and (dedicated
-// mode) gradients missing on some ranks only. Why bit-exact is possible: every matrix is
+// mode) gradients missing on some ranks only; a tall and a wide matrix of the same sides share
+// a batch. With CacheMuon on, the cache entries (kept by the owner, or by every rank in gather
+// mode) and their hit/refresh decisions equal those of the single process too. Why bit-exact is
+// possible: every matrix is
 // computed by the same fused passes on the same values as in one process, and the gradients are
 // dyadic numbers whose sums are exact in any reduction order.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <limits>
 
 #include "backend/cpu/cpu_backend.h"
@@ -36,15 +41,23 @@ struct PDef {
 
 const std::vector<PDef>& model() {
   static const std::vector<PDef> defs = {
-      {"a", 0, {12, 20}}, {"a2", 0, {12, 20}},  {"b", 0, {30, 8}},
-      {"c", 0, {5, 16}},  {"e", 0, {3, 6, 10}}, {"k", 0, {6, 2, 3, 3}},
-      {"d", 1, {16, 16}}, {"bias", 2, {7}},     {"emb", 2, {9, 4}}};
+      {"a", 0, {12, 20}},   {"a2", 0, {12, 20}}, {"b", 0, {30, 8}},      {"c", 0, {5, 16}},
+      {"e", 0, {3, 6, 10}}, {"at", 0, {20, 12}}, {"k", 0, {6, 2, 3, 3}}, {"d", 1, {16, 16}},
+      {"bias", 2, {7}},     {"emb", 2, {9, 4}}};
   return defs;
 }
-void add_groups(Engine& e) {
+// cache: group 0 runs Gram NS with CacheMuon (every residual passes, so the entries serve until
+// the staleness limit forces a refresh); group 1 (standard NS) cannot use the cache.
+void add_groups(Engine& e, bool cache = false) {
   GroupOptions g0;
   g0.muon.lr = 0.05f;
   g0.muon.weight_decay = 0.1f;
+  if (cache) {
+    g0.muon.ortho = parse_algorithm("gram-ns");
+    g0.muon.cache.enabled = true;
+    g0.muon.cache.gamma = 1e9;
+    g0.muon.cache.max_staleness = 2;
+  }
   GroupOptions g1;
   g1.muon.lr = 0.02f;
   g1.muon.nesterov = false;
@@ -74,6 +87,7 @@ struct Scenario {
   int nan_step = -1;  // a NaN in one gradient element of "b" in this step
   NonFinitePolicy policy = NonFinitePolicy::kSkip;
   int steps = 3;
+  bool cache = false;  // CacheMuon in group 0 (add_groups)
 };
 
 // Which parameters have a gradient: "a2" has none in step 1 (on every rank); in dedicated mode
@@ -115,6 +129,7 @@ struct Snapshot {
   std::vector<std::vector<float>> weight;                 // per parameter (full)
   std::vector<std::vector<std::vector<float>>> momentum;  // per Muon parameter, per matrix
   std::vector<std::vector<float>> exp_avg, exp_avg_sq;    // AdamW (full)
+  std::vector<std::vector<std::vector<uint8_t>>> cache;   // per Muon parameter, per matrix
   std::vector<int64_t> steps;
   EngineStats stats;
 };
@@ -124,10 +139,25 @@ std::vector<float> read(const TensorView& v) {
   return p ? std::vector<float>(p, p + v.numel()) : std::vector<float>();
 }
 
+// The bytes of a matrix's cache entry (transform, age, key); empty where this rank holds none or
+// the parameter has no cache.
+std::vector<uint8_t> cache_bytes(Engine& e, int p, int64_t m) {
+  const std::vector<std::string> names = e.state_names(p);
+  if (std::find(names.begin(), names.end(), "cache_q") == names.end()) return {};
+  std::vector<uint8_t> out;
+  for (const char* n : {"cache_q", "cache_age", "cache_key"}) {
+    TensorView v = e.matrix_state(p, m, n);
+    if (!v.data) return {};
+    const auto* b = static_cast<const uint8_t*>(v.data);
+    out.insert(out.end(), b, b + v.numel() * dtype_size(v.dtype));
+  }
+  return out;
+}
+
 Snapshot run_reference(const Scenario& sc, int world_size, const std::vector<int>& skip_steps) {
   CpuBackend be;
   Engine e(be);
-  add_groups(e);
+  add_groups(e, sc.cache);
   Snapshot s;
   for (size_t p = 0; p < model().size(); ++p) {
     const PDef& d = model()[p];
@@ -150,6 +180,7 @@ Snapshot run_reference(const Scenario& sc, int world_size, const std::vector<int
   s.momentum.resize(model().size());
   s.exp_avg.resize(model().size());
   s.exp_avg_sq.resize(model().size());
+  s.cache.resize(model().size());
   for (size_t p = 0; p < model().size(); ++p) {
     const PDef& d = model()[p];
     s.steps.push_back(e.param_step(static_cast<int>(p)));
@@ -159,8 +190,10 @@ Snapshot run_reference(const Scenario& sc, int world_size, const std::vector<int
       continue;
     }
     const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1;
-    for (int64_t m = 0; m < count; ++m)
+    for (int64_t m = 0; m < count; ++m) {
       s.momentum[p].push_back(read(e.matrix_state(p, m, "momentum_buffer")));
+      s.cache[p].push_back(cache_bytes(e, static_cast<int>(p), m));
+    }
   }
   s.stats = e.stats();
   return s;
@@ -188,7 +221,7 @@ DistRun make_dist(const Scenario& sc) {
   opt.bucket_bytes = sc.bucket_bytes;
   opt.defer_publish = sc.defer;
   run.e = std::make_unique<Engine>(*run.be, c, opt, EngineOptions{sc.policy});
-  add_groups(*run.e);
+  add_groups(*run.e, sc.cache);
   for (size_t p = 0; p < model().size(); ++p) {
     const PDef& d = model()[p];
     ParamSpec spec{d.name, d.group, d.shape, DType::kF32};
@@ -243,18 +276,27 @@ void expect_equal(DistRun& run, const Snapshot& ref, const Scenario& sc) {
       EXPECT_EQ(read(e.state(p, "exp_avg_sq")), rows_of(ref.exp_avg_sq[p])) << d.name;
       continue;
     }
+    EXPECT_EQ(!ref.cache[p][0].empty(), sc.cache && d.group == 0) << d.name;
     if (sc.mode == DistMode::kGather) {
       std::vector<float> full;
       for (const auto& m : ref.momentum[p]) full.insert(full.end(), m.begin(), m.end());
       EXPECT_EQ(read(e.state(p, "momentum_buffer")), rows_of(full)) << d.name;
+      // Every rank solves every matrix, so every rank holds every cache entry.
+      for (size_t m = 0; m < ref.cache[p].size(); ++m)
+        EXPECT_EQ(cache_bytes(e, static_cast<int>(p), m), ref.cache[p][m])
+            << "cache of '" << d.name << "' matrix " << m;
       continue;
     }
     for (size_t m = 0; m < ref.momentum[p].size(); ++m) {
       std::vector<float> mine = read(e.matrix_state(p, m, "momentum_buffer"));
-      if (e.owner(p, m) == world().rank())
+      std::vector<uint8_t> cache = cache_bytes(e, static_cast<int>(p), m);
+      if (e.owner(p, m) == world().rank()) {
         EXPECT_EQ(mine, ref.momentum[p][m]) << "momentum of '" << d.name << "' matrix " << m;
-      else
+        EXPECT_EQ(cache, ref.cache[p][m]) << "cache of '" << d.name << "' matrix " << m;
+      } else {
         EXPECT_TRUE(mine.empty()) << "rank " << world().rank() << " keeps momentum it does not own";
+        EXPECT_TRUE(cache.empty()) << "rank " << world().rank() << " keeps a cache it does not own";
+      }
     }
   }
 }
@@ -262,7 +304,7 @@ void expect_equal(DistRun& run, const Snapshot& ref, const Scenario& sc) {
 std::string describe(const Scenario& sc) {
   return std::string(dist_mode_name(sc.mode)) + " replicate " + std::to_string(sc.replicate) +
          " bucket " + std::to_string(sc.bucket_bytes) + (sc.defer ? " deferred" : "") +
-         (sc.nan_step >= 0 ? " nan" : "");
+         (sc.nan_step >= 0 ? " nan" : "") + (sc.cache ? " cache" : "");
 }
 
 void check_scenario(const Scenario& sc) {
@@ -275,14 +317,27 @@ void check_scenario(const Scenario& sc) {
   // Each matrix is orthogonalized exactly once per step in the owner modes, everywhere in
   // gather mode; skips are counted where the matrix is computed.
   EngineStats st = run.e->stats();
-  std::vector<double> f = {st.ortho.flops, static_cast<double>(st.owned_matrices),
-                           static_cast<double>(st.nonfinite_skips)};
-  c.all_reduce(f.data(), f.data(), 3, CommType::kF64, ReduceOp::kSum).wait();
-  const int copies = sc.mode == DistMode::kGather ? c.size() / sc.replicate : 1;
-  const int replicas = sc.mode == DistMode::kGather ? sc.replicate : 1;
-  EXPECT_DOUBLE_EQ(f[0], ref.stats.ortho.flops * copies * replicas);
-  EXPECT_EQ(f[1], static_cast<double>(ref.stats.muon_matrices * copies * replicas));
-  EXPECT_EQ(f[2], static_cast<double>(ref.stats.nonfinite_skips * copies * replicas));
+  std::vector<double> f = {st.ortho.flops,
+                           static_cast<double>(st.owned_matrices),
+                           static_cast<double>(st.nonfinite_skips),
+                           static_cast<double>(st.cache.hits),
+                           static_cast<double>(st.cache.refreshes),
+                           static_cast<double>(st.cache.forced_refreshes),
+                           static_cast<double>(st.cache.skips)};
+  c.all_reduce(f.data(), f.data(), static_cast<int64_t>(f.size()), CommType::kF64, ReduceOp::kSum)
+      .wait();
+  const int copies = sc.mode == DistMode::kGather ? c.size() : 1;
+  EXPECT_DOUBLE_EQ(f[0], ref.stats.ortho.flops * copies);
+  EXPECT_EQ(f[1], static_cast<double>(ref.stats.muon_matrices * copies));
+  EXPECT_EQ(f[2], static_cast<double>(ref.stats.nonfinite_skips * copies));
+  EXPECT_EQ(f[3], static_cast<double>(ref.stats.cache.hits * copies));
+  EXPECT_EQ(f[4], static_cast<double>(ref.stats.cache.refreshes * copies));
+  EXPECT_EQ(f[5], static_cast<double>(ref.stats.cache.forced_refreshes * copies));
+  EXPECT_EQ(f[6], static_cast<double>(ref.stats.cache.skips * copies));
+  if (sc.cache) {  // the scenario exercises hits and staleness refreshes
+    EXPECT_GT(ref.stats.cache.hits, 0);
+    EXPECT_GT(ref.stats.cache.forced_refreshes, ref.stats.cache.refreshes / 2);
+  }
   EXPECT_GT(st.comm.ops, 0);
 }
 
@@ -298,6 +353,11 @@ std::vector<Scenario> scenarios() {
       out.push_back({m, 2, 600});         // HSDP (2 x 2 at four ranks)
       out.push_back({m, 2, 1200, true});  // HSDP with the publication left in flight
     }
+    // CacheMuon: hits, staleness refreshes, a skipped entry, small buckets, HSDP.
+    out.push_back({m, 1, 32ll << 20, false, -1, NonFinitePolicy::kSkip, 5, true});
+    out.push_back({m, 1, 600, false, 1, NonFinitePolicy::kSkip, 5, true});
+    if (p % 2 == 0 && m != DistMode::kReplicated)
+      out.push_back({m, 2, 1200, true, 2, NonFinitePolicy::kSkip, 5, true});
   }
   return out;
 }
@@ -386,26 +446,93 @@ TEST(MpiEngine, HalfPrecisionParametersTravelInTheirDtype) {
 TEST(MpiEngine, RaisePolicyThrowsOnEveryRankAndChangesNothing) {
   Communicator& c = world();
   for (DistMode m :
+       {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated})
+    for (bool cache : {false, true}) {  // the cache entries are untouched by the raising step
+      Scenario sc{m};
+      sc.policy = NonFinitePolicy::kRaise;
+      sc.nan_step = 1;
+      sc.cache = cache;
+      SCOPED_TRACE(describe(sc));
+      const Snapshot ref = run_reference(sc, c.size(), {1});  // step 1 never happened
+      DistRun run = make_dist(sc);
+      for (int step = 0; step < sc.steps; ++step) {
+        if (step != 1) {
+          dist_step(run, sc, step);
+          continue;
+        }
+        try {
+          dist_step(run, sc, step);
+          ADD_FAILURE() << "expected a non-finite error";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("'b'"), std::string::npos) << e.what();
+        }
+      }
+      expect_equal(run, ref, sc);
+    }
+}
+
+// Writes bytes saved by cache_bytes() back through matrix_state (where this rank holds them).
+void load_cache(Engine& e, int p, int64_t m, const std::vector<uint8_t>& bytes) {
+  size_t off = 0;
+  for (const char* n : {"cache_q", "cache_age", "cache_key"}) {
+    TensorView v = e.matrix_state(p, m, n);
+    const size_t len = static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+    if (v.data) std::memcpy(v.data, bytes.data() + off, len);
+    off += len;
+  }
+  EXPECT_EQ(off, bytes.size());
+}
+
+TEST(MpiEngine, CheckpointOfOneProcessRestoresOnTheOwners) {
+  // State saved by a single process after two steps (weights, momentum and cache entries per
+  // matrix, AdamW moments, step counts) is loaded into a distributed engine before its first
+  // step, each piece on the rank that holds it; two more steps then equal four steps of the
+  // single process, cache decisions included (the restored entries are reused, not refilled).
+  Communicator& c = world();
+  for (DistMode m :
        {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
-    Scenario sc{m};
-    sc.policy = NonFinitePolicy::kRaise;
-    sc.nan_step = 1;
+    Scenario sc{m, 1, 600, false, -1, NonFinitePolicy::kSkip, 4, true};
     SCOPED_TRACE(describe(sc));
-    const Snapshot ref = run_reference(sc, c.size(), {1});  // step 1 never happened
+    const Snapshot ref = run_reference(sc, c.size(), {});
+    Scenario half = sc;
+    half.steps = 2;
+    const Snapshot saved = run_reference(half, c.size(), {});
     DistRun run = make_dist(sc);
-    for (int step = 0; step < sc.steps; ++step) {
-      if (step != 1) {
-        dist_step(run, sc, step);
+    Engine& e = *run.e;
+    e.setup();
+    for (size_t p = 0; p < model().size(); ++p) {
+      const PDef& d = model()[p];
+      const auto [b, n] = run.rows[p];
+      auto rows_of = [&](const std::vector<float>& full) {
+        return std::vector<float>(full.begin() + b * d.inner(), full.begin() + (b + n) * d.inner());
+      };
+      auto put = [](const TensorView& v, const std::vector<float>& x) {
+        if (v.data) std::memcpy(v.data, x.data(), x.size() * sizeof(float));
+      };
+      run.weight[p] = rows_of(saved.weight[p]);
+      e.set_param_step(static_cast<int>(p), saved.steps[p]);
+      if (d.group == 2) {
+        put(e.state(p, "exp_avg"), rows_of(saved.exp_avg[p]));
+        put(e.state(p, "exp_avg_sq"), rows_of(saved.exp_avg_sq[p]));
         continue;
       }
-      try {
-        dist_step(run, sc, step);
-        ADD_FAILURE() << "expected a non-finite error";
-      } catch (const Error& e) {
-        EXPECT_NE(std::string(e.what()).find("'b'"), std::string::npos) << e.what();
+      std::vector<float> full;
+      for (const auto& mm : saved.momentum[p]) full.insert(full.end(), mm.begin(), mm.end());
+      if (m == DistMode::kGather) put(e.state(p, "momentum_buffer"), rows_of(full));
+      for (size_t k = 0; k < saved.momentum[p].size(); ++k) {
+        if (m != DistMode::kGather)
+          put(e.matrix_state(p, k, "momentum_buffer"), saved.momentum[p][k]);
+        if (!saved.cache[p][k].empty()) load_cache(e, static_cast<int>(p), k, saved.cache[p][k]);
       }
     }
+    for (int step = 2; step < sc.steps; ++step) dist_step(run, sc, step);
     expect_equal(run, ref, sc);
+    // The restored entries served: as many hits over the last two steps as in the reference's.
+    std::vector<double> hits = {static_cast<double>(e.stats().cache.hits)};
+    c.all_reduce(hits.data(), hits.data(), 1, CommType::kF64, ReduceOp::kSum).wait();
+    const int copies = m == DistMode::kGather ? c.size() : 1;
+    EXPECT_EQ(hits[0],
+              static_cast<double>((ref.stats.cache.hits - saved.stats.cache.hits) * copies));
   }
 }
 

@@ -1,5 +1,6 @@
 // Bad input across ranks: registrations that differ in shape, dtype, count or mode, shards that
-// do not tile, a shard missing on one rank, and gradients present on some ranks only. Each must
+// do not tile, a shard missing on one rank, planners that differ or do not exist, and gradients
+// present on some ranks only. Each must
 // raise the same clear error on every rank, naming the parameter, the ranks and the values,
 // before any data moves, and never hang (ctest runs these with a 60 s communicator timeout).
 #include <gtest/gtest.h>
@@ -48,6 +49,7 @@ struct Reg {
   bool extra = false;
   int64_t shard_shift = 0;  // moves this rank's shard of `name` (overlap / gap)
   bool no_shard = false;
+  std::string planner = "milp";
 };
 
 // Registers two Muon matrices ("v" and `r.name`) plus an optional extra one, and runs setup().
@@ -55,6 +57,7 @@ void setup_with(DistMode mode, const Reg& r) {
   CpuBackend be;
   DistOptions opt;
   opt.mode = mode;
+  opt.planner = r.planner;
   Engine e(be, world(), opt);
   e.add_group(GroupOptions{});
   const bool sharded = mode == DistMode::kSharded || mode == DistMode::kGather;
@@ -105,6 +108,33 @@ TEST_F(MpiErrors, DifferentDtypesAndCountsAndModes) {
                setup_with(odd_one() ? DistMode::kDedicated : DistMode::kReplicated, Reg{});
              }),
              {"mode replicated", "mode dedicated", "rank 1"});
+}
+
+TEST_F(MpiErrors, PlannersThatDifferOrDoNotExist) {
+  Reg r;
+  if (odd_one()) r.planner = "lpt";
+  expect_has(error_everywhere([&] { setup_with(DistMode::kDedicated, r); }),
+             {"planner milp", "planner lpt", "rank 1"});
+  Reg bad;
+  if (odd_one()) bad.planner = "greedy";
+  expect_has(error_everywhere([&] { setup_with(DistMode::kSharded, bad); }),
+             {"rank 1: unknown planner 'greedy'"});
+}
+
+TEST_F(MpiErrors, ACostFileOnOneRankOnlyFailsEverywhere) {
+  // Rank 1's cost file does not exist: the planner's error reaches every rank before any data
+  // moves, and the others do not wait for rank 1 in a collective.
+  CpuBackend be;
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  if (odd_one()) opt.plan_costs = "/nonexistent/costs.json";
+  expect_has(error_everywhere([&] {
+               Engine e(be, world(), opt);
+               e.add_group(GroupOptions{});
+               e.add_param({"w", 0, {8, 6}, DType::kF32});
+               e.setup();
+             }),
+             {"rank 1: cannot read cost file /nonexistent/costs.json"});
 }
 
 TEST_F(MpiErrors, ShardsThatDoNotTileDimZero) {

@@ -44,6 +44,13 @@ class CpuBackend final : public Backend {
   void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
                     const int32_t* status) override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
+
+  void gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a, Op op_b,
+                   const BatchRef& b, double alpha, double beta, const BatchRef* c_in,
+                   const BatchRef& c) override;
+  void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst) override;
+  void cache_gate(const CacheGateArgs& args) override;
+  void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) override;
 };
 
 }  // namespace distmuon

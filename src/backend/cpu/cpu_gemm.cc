@@ -81,12 +81,15 @@ void product_block(bool ta, bool tb, const Staged<T>& a, const Staged<T>& b, int
   blas_gemm(ta, tb, r1 - r0, ncols, k, alpha, a_rows, a.ld, b.ptr, b.ld, beta, c + r0 * ldc, ldc);
 }
 
+// Matrices the mask does not select are skipped entirely (the flags live in host memory here).
 template <typename T>
 void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
-                  double alpha, double beta, const BatchRef* c_in, const BatchRef& c, GemmDims d) {
+                  double alpha, double beta, const BatchRef* c_in, const BatchRef& c, GemmDims d,
+                  const BatchMask* mask = nullptr) {
   const bool ta = op_a == Op::kT, tb = op_b == Op::kT;
   std::vector<T> acc(static_cast<size_t>(d.m * d.n));
   for (int64_t i = 0; i < c.count; ++i) {
+    if (mask && mask->flags[i] != mask->value) continue;
     Staged<T> sa(a.matrix(i)), sb(b.matrix(i));
     T eff_beta = 0;
     if (c_in && beta != 0.0) {
@@ -149,6 +152,18 @@ void CpuBackend::gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const Batch
     run_products<double>(true, op_a, a, op_b, b, alpha, beta, c_in, c, d);
   else
     run_products<float>(true, op_a, a, op_b, b, alpha, beta, c_in, c, d);
+}
+
+void CpuBackend::gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a,
+                             Op op_b, const BatchRef& b, double alpha, double beta,
+                             const BatchRef* c_in, const BatchRef& c) {
+  GemmDims d = check_gemm("gemm_masked", op_a, a, op_b, b, c_in, c);
+  DM_CHECK(!symmetric || d.m == d.n, "gemm_masked: symmetric product is ", d.m, "x", d.n);
+  DM_CHECK(mask.flags != nullptr || c.count == 0, "gemm_masked: no flags");
+  if (any_f64(a, b, c_in, c))
+    run_products<double>(symmetric, op_a, a, op_b, b, alpha, beta, c_in, c, d, &mask);
+  else
+    run_products<float>(symmetric, op_a, a, op_b, b, alpha, beta, c_in, c, d, &mask);
 }
 
 }  // namespace distmuon

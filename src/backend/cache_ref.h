@@ -1,0 +1,80 @@
+// The scalar definitions behind the CacheMuon backend operations: the per-matrix gate, the
+// residual histogram bins and the counter-based normal generator. Every backend calls these
+// (the CPU directly, the host fallback after copying, a CUDA kernel per thread), so decisions
+// and probes are identical across backends. Plain arithmetic only: usable as __host__ __device__.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "distmuon/backend.h"
+
+namespace distmuon::cache_ref {
+
+// Bin of residual r in the histogram described at kCacheHistBins.
+inline int hist_bin(double r) {
+  if (!(r >= 1e-3)) return 0;
+  if (r >= 1e3) return kCacheHistBins - 1;
+  int b = 1 + static_cast<int>(std::floor(4.0 * std::log10(r / 1e-3)));
+  return b < 1 ? 1 : (b > kCacheHistBins - 2 ? kCacheHistBins - 2 : b);
+}
+
+// Lower edge of bin b >= 1 (bin 0 starts at 0).
+inline double hist_lower_edge(int b) { return b <= 0 ? 0.0 : 1e-3 * std::pow(10.0, (b - 1) / 4.0); }
+
+inline uint64_t splitmix64(uint64_t z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// Standard normal sample number `index` of stream `seed` (Box-Muller on two 53-bit uniforms
+// derived by hashing; u1 in (0, 1] so the logarithm is finite).
+inline double normal_sample(uint64_t seed, uint64_t index) {
+  const uint64_t h1 = splitmix64(seed ^ splitmix64(index));
+  const uint64_t h2 = splitmix64(h1);
+  const double u1 = (static_cast<double>(h1 >> 11) + 1.0) * 0x1.0p-53;
+  const double u2 = static_cast<double>(h2 >> 11) * 0x1.0p-53;
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+}
+
+// Backend::cache_gate for matrix i (contract in backend.h).
+inline void gate_one(const CacheGateArgs& g, int64_t i) {
+  double* st = g.stats ? g.stats + i * kCacheStatFields : nullptr;
+  if (g.status && g.status[i] != kStatusOk) {
+    g.decision[i] = kCacheSkip;
+    if (st) st[kCacheStatSkips] += 1;
+    return;
+  }
+  const double r = static_cast<double>(g.residual[i]) * g.residual_scale;
+  const bool fresh_enough = g.max_age <= 0 || g.age[i] < static_cast<float>(g.max_age);
+  const bool entry_ok = g.entry_key[i] == g.key && std::isfinite(g.q_norm[i]);
+  const bool usable = entry_ok && fresh_enough;
+  const bool hit = usable && std::isfinite(r) && r <= g.gamma;
+  if (st && entry_ok && std::isfinite(r)) {
+    // Stale entries still report their residual: it shows how far staleness had drifted.
+    st[kCacheStatChecks] += 1;
+    st[kCacheStatResSum] += r;
+    st[kCacheStatResSqSum] += r * r;
+    st[kCacheStatResMin] = r < st[kCacheStatResMin] ? r : st[kCacheStatResMin];
+    st[kCacheStatResMax] = r > st[kCacheStatResMax] ? r : st[kCacheStatResMax];
+    st[kCacheStatResLast] = r;
+    st[kCacheStatHist + hist_bin(r)] += 1;
+  }
+  if (hit) {
+    g.decision[i] = kCacheHit;
+    g.age[i] += 1.0f;
+    if (st) st[kCacheStatHits] += 1;
+  } else {
+    g.decision[i] = kCacheRefresh;
+    g.age[i] = 0.0f;
+    g.entry_key[i] = g.key;
+    if (st) {
+      st[kCacheStatRefreshes] += 1;
+      if (!usable || !std::isfinite(r)) st[kCacheStatForced] += 1;
+    }
+  }
+}
+
+}  // namespace distmuon::cache_ref

@@ -1,0 +1,239 @@
+// The iterations of the orthogonalizer written once as templates over an executor
+// (ALGORITHMS.md sections 2 and 4). BackendExec issues the operations on a backend, FlopCounter
+// only counts them, so every FLOP figure equals what a run performs. Shared by the plain run
+// (orthogonalizer.cc) and the CacheMuon run (cached_run.cc).
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <utility>
+#include <vector>
+
+#include "distmuon/backend.h"
+#include "distmuon/error.h"
+#include "distmuon/ortho.h"
+
+namespace distmuon::ortho_detail {
+
+inline double sym_flops(int64_t m, int64_t k) { return static_cast<double>(m) * (m + 1) * k; }
+inline double dense_flops(int64_t m, int64_t n, int64_t k) { return 2.0 * m * n * k; }
+inline int64_t inner(Op oa, const BatchRef& a) { return oa == Op::kN ? a.cols : a.rows; }
+
+// Issues operations on the backend. While a mask is set, products and copies touch only the
+// selected matrices; their FLOPs are then not added here (the caller accounts for them once
+// it knows how many matrices were selected, see FlopCounter buckets).
+struct BackendExec {
+  Backend& be;
+  OrthoStats* stats = nullptr;
+  BatchMask mask{};
+  bool masked = false;
+
+  void set_mask(const int32_t* flags, int32_t value) {
+    mask = BatchMask{flags, value};
+    masked = true;
+  }
+  void clear_mask() { masked = false; }
+  void add(double f) {
+    if (stats && !masked) stats->flops += f;
+  }
+  void sym(Op oa, const BatchRef& a, Op ob, const BatchRef& b, double alpha, double beta,
+           const BatchRef* cin, const BatchRef& c) {
+    if (masked)
+      be.gemm_masked(mask, true, oa, a, ob, b, alpha, beta, cin, c);
+    else
+      be.gemm_symmetric(oa, a, ob, b, alpha, beta, cin, c);
+    add(sym_flops(c.rows, inner(oa, a)) * c.count);
+  }
+  void dense(Op oa, const BatchRef& a, Op ob, const BatchRef& b, double alpha, double beta,
+             const BatchRef* cin, const BatchRef& c) {
+    if (masked)
+      be.gemm_masked(mask, false, oa, a, ob, b, alpha, beta, cin, c);
+    else
+      be.gemm(oa, a, ob, b, alpha, beta, cin, c);
+    add(dense_flops(c.rows, c.cols, inner(oa, a)) * c.count);
+  }
+  // out = z + a I. Never masked: it only writes m x m workspace, which unselected matrices
+  // do not read afterwards.
+  void plus_identity(const BatchRef& z, double a, const BatchRef& out) {
+    be.lincomb(1.0, z, 0.0, nullptr, a, out);
+  }
+  void copy(const BatchRef& src, const BatchRef& dst) {
+    if (masked)
+      be.copy_masked(mask, src, dst);
+    else
+      be.scale_copy(src, false, {}, dst);
+  }
+  // Operations without FLOPs of interest; never masked.
+  void convert(const BatchRef& src, const BatchRef& dst) { be.scale_copy(src, false, {}, dst); }
+  void norm(const BatchRef& a, float* out) { be.frob_norm(a, out); }
+  void normal(const BatchRef& dst, uint64_t seed, uint64_t counter) {
+    be.fill_normal(dst, seed, counter);
+  }
+  void gate(const CacheGateArgs& args) { be.cache_gate(args); }
+};
+
+// Counts FLOPs without touching memory, in one bucket per mask state: bucket 0 for unmasked
+// operations, bucket 1 + v for operations masked to flag value v (v = 0, 1, 2).
+struct FlopCounter {
+  std::array<double, 4> bucket{};
+  int current = 0;
+
+  void set_mask(const int32_t*, int32_t value) { current = 1 + value; }
+  void clear_mask() { current = 0; }
+  double total() const { return bucket[0] + bucket[1] + bucket[2] + bucket[3]; }
+  void sym(Op oa, const BatchRef& a, Op, const BatchRef&, double, double, const BatchRef*,
+           const BatchRef& c) {
+    bucket[current] += sym_flops(c.rows, inner(oa, a)) * c.count;
+  }
+  void dense(Op oa, const BatchRef& a, Op, const BatchRef&, double, double, const BatchRef*,
+             const BatchRef& c) {
+    bucket[current] += dense_flops(c.rows, c.cols, inner(oa, a)) * c.count;
+  }
+  void plus_identity(const BatchRef&, double, const BatchRef&) {}
+  void copy(const BatchRef&, const BatchRef&) {}
+  void convert(const BatchRef&, const BatchRef&) {}
+  void norm(const BatchRef&, float*) {}
+  void normal(const BatchRef&, uint64_t, uint64_t) {}
+  void gate(const CacheGateArgs&) {}
+};
+
+// Carves 256-byte aligned batches out of a workspace (base null: only measures).
+struct Carver {
+  char* base;
+  size_t used = 0;
+  BatchRef take(DType t, int64_t count, int64_t rows, int64_t cols) {
+    BatchRef r = BatchRef::packed(base ? base + used : nullptr, t, count, rows, cols);
+    used += (r.bytes() + 255) / 256 * 256;
+    return r;
+  }
+  template <typename T>
+  T* take_array(int64_t n) {
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += (static_cast<size_t>(n) * sizeof(T) + 255) / 256 * 256;
+    return p;
+  }
+};
+
+// Whether Gram NS restarts (folds Q into X and recomputes R) before step i.
+inline bool restarts_at(const OrthoConfig& cfg, int i) {
+  return i > 0 && i < cfg.steps &&
+         std::find(cfg.restarts.begin(), cfg.restarts.end(), i) != cfg.restarts.end();
+}
+
+// Number of segments (restarts + 1) of a Gram-NS solve: the factors of its total transform.
+inline int gram_segments(const OrthoConfig& cfg) {
+  int s = 1;
+  for (int i = 1; i < cfg.steps; ++i) s += restarts_at(cfg, i) ? 1 : 0;
+  return s;
+}
+
+struct GramBuffers {
+  BatchRef R, Z, T, Q, Qn, other;  // five m x m and one m x n, all in the work dtype
+};
+
+inline GramBuffers carve_gram(Carver& ws, DType t, int64_t c, int64_t m, int64_t n) {
+  GramBuffers b;
+  b.R = ws.take(t, c, m, m);
+  b.Z = ws.take(t, c, m, m);
+  b.T = ws.take(t, c, m, m);
+  b.Q = ws.take(t, c, m, m);
+  b.Qn = ws.take(t, c, m, m);
+  b.other = ws.take(t, c, m, n);
+  return b;
+}
+
+// Standard Newton-Schulz: X <- a X + (b A + c A^2) X with A = X X^T.
+template <typename Exec>
+void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const BatchRef& x,
+                        const BatchRef& out, Carver& ws) {
+  const int64_t c = x.count, m = x.rows, n = x.cols;
+  BatchRef A = ws.take(x.dtype, c, m, m), B = ws.take(x.dtype, c, m, m);
+  BatchRef other = ws.take(x.dtype, c, m, n);
+  BatchRef cur = x;
+  auto coef = coefficient_schedule(cfg);
+  for (int i = 0; i < cfg.steps; ++i) {
+    const auto [a, b, cc] = coef[i];
+    if (symmetric) {
+      e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, A);
+      e.sym(Op::kN, A, Op::kN, A, cc, b, &A, B);
+    } else {
+      e.dense(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, A);
+      e.dense(Op::kN, A, Op::kN, A, cc, b, &A, B);
+    }
+    const bool last = i + 1 == cfg.steps;
+    BatchRef next = last && out.data != cur.data ? out : (cur.data == x.data ? other : x);
+    e.dense(Op::kN, B, Op::kN, cur, 1.0f, a, &cur, next);
+    cur = next;
+  }
+  if (cur.data != out.data) e.copy(cur, out);
+}
+
+// Gram Newton-Schulz: iterate polynomials of R = X X^T in the m x m space, apply Q once.
+// With r_ready, bufs.R already holds X X^T (CacheMuon computed it for its gate). After each
+// segment (a restart or the end) on_segment(s, Q_s) sees that segment's left transform; the
+// total transform is Q_last ... Q_0.
+template <typename Exec, typename OnSegment>
+void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
+                    const GramBuffers& bufs, bool r_ready, OnSegment&& on_segment) {
+  BatchRef R = bufs.R, Z = bufs.Z, T = bufs.T, Q = bufs.Q, Qn = bufs.Qn, other = bufs.other;
+  auto coef = coefficient_schedule(cfg);
+  BatchRef cur = x;
+  bool have_q = false;
+  int segment = 0;
+  if (!r_ready) e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, R);
+  for (int i = 0; i < cfg.steps; ++i) {
+    const auto [a, b, cc] = coef[i];
+    if (restarts_at(cfg, i) && have_q) {
+      // Fold Q into X and recompute R: resets the spurious negative eigenvalues that half
+      // precision leaves in R and that the recurrence would otherwise amplify.
+      on_segment(segment++, Q);
+      BatchRef next = cur.data == x.data ? other : x;
+      e.dense(Op::kN, Q, Op::kN, cur, 1.0f, 0.0f, nullptr, next);
+      cur = next;
+      e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, R);
+      have_q = false;
+    }
+    e.sym(Op::kN, R, Op::kN, R, cc, b, &R, Z);  // Z = b R + c R^2 (no aI here)
+    if (!have_q) {
+      e.plus_identity(Z, a, Q);  // Q = Z + a I
+      have_q = true;
+    } else {
+      e.sym(Op::kN, Q, Op::kN, Z, 1.0f, a, &Q, Qn);  // Q = Q Z + a Q
+      std::swap(Q, Qn);
+    }
+    const bool last = i + 1 == cfg.steps;
+    if (!last && !restarts_at(cfg, i + 1)) {
+      e.sym(Op::kN, R, Op::kN, Z, 1.0f, a, &R, T);  // T = R Z + a R
+      e.sym(Op::kN, Z, Op::kN, T, 1.0f, a, &T, R);  // R = Z T + a T
+    }
+  }
+  on_segment(segment, Q);
+  if (out.data != cur.data) {
+    e.dense(Op::kN, Q, Op::kN, cur, 1.0f, 0.0f, nullptr, out);
+  } else {  // a product may not overwrite its own input
+    BatchRef tmp = cur.data == x.data ? other : x;
+    e.dense(Op::kN, Q, Op::kN, cur, 1.0f, 0.0f, nullptr, tmp);
+    e.copy(tmp, out);
+  }
+}
+
+template <typename Exec>
+void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, Carver& ws) {
+  switch (cfg.iteration) {
+    case Iteration::kStandardDense:
+      standard_iteration(e, cfg, false, x, out, ws);
+      break;
+    case Iteration::kStandardSym:
+      standard_iteration(e, cfg, true, x, out, ws);
+      break;
+    case Iteration::kGram: {
+      GramBuffers b = carve_gram(ws, x.dtype, x.count, x.rows, x.cols);
+      gram_iteration(e, cfg, x, out, b, false, [](int, const BatchRef&) {});
+      break;
+    }
+    case Iteration::kAuto:
+      DM_FAIL("internal: unresolved auto iteration");
+  }
+}
+
+}  // namespace distmuon::ortho_detail

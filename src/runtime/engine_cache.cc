@@ -1,0 +1,155 @@
+// CacheMuon inside the engine (ALGORITHMS.md section 5): which process keeps which transform
+// cache entries, the orthogonalization through them, their checkpoint views and statistics.
+//
+// An entry lives where its matrix is orthogonalized, as momentum does: in a single process
+// every matrix has one; in the owner modes (replicated, sharded, dedicated) only the owner
+// holds the entries of the matrices it owns and decides per matrix on its own device, so nothing
+// about the cache is ever exchanged; in gather mode every rank solves every matrix from the same
+// all-gathered input, so every rank keeps every entry and reaches the same decisions (bit-equal
+// inputs give bit-equal residuals).
+#include <algorithm>
+
+#include "distmuon/error.h"
+#include "ortho/iteration.h"
+#include "runtime/engine_impl.h"
+
+namespace distmuon {
+
+int Engine::Impl::cache_class_of(int group, int64_t m, int64_t n) {
+  for (size_t i = 0; i < caches.size(); ++i)
+    if (caches[i].group == group && caches[i].m == m && caches[i].n == n)
+      return static_cast<int>(i);
+  CacheClass cc;
+  cc.group = group;
+  cc.m = m;
+  cc.n = n;
+  caches.push_back(std::move(cc));
+  return static_cast<int>(caches.size()) - 1;
+}
+
+bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
+                                 size_t* workspace_bytes) {
+  // The options may change between steps; prepare() keeps the entries unless the shape, dtype
+  // or algorithm changed (then their key no longer matches and they refresh).
+  const CacheOptions& co = groups[cc.group].muon.cache;
+  cc.use = co.enabled && resolved.iteration == Iteration::kGram && cc.count() > 0;
+  if (!cc.use) return false;
+  if (!cc.cache) cc.cache = std::make_unique<TransformCache>(backend, co);
+  cc.cache->set_options(co);
+  cc.cache->prepare(resolved, cc.count(), cc.m, cc.n);
+  if (workspace_bytes)
+    *workspace_bytes = Orthogonalizer::cached_workspace_bytes(resolved, co, count, cc.m, cc.n);
+  return true;
+}
+
+void Engine::Impl::orthogonalize(int cache, const OrthoConfig& resolved, const BatchRef& x,
+                                 std::span<const int64_t> entries, const int32_t* status,
+                                 void* workspace, size_t workspace_bytes) {
+  if (cache < 0 || !caches[cache].use) {
+    ortho.run(resolved, x, x, workspace, workspace_bytes, &stats.ortho);
+    return;
+  }
+  DM_CHECK(static_cast<int64_t>(entries.size()) == x.count, "internal: ", entries.size(),
+           " cache entries for a batch of ", x.count);
+  // Matrices without a gradient in this step leave gaps in the entries, so the batch goes in
+  // runs of consecutive entries (usually one).
+  TransformCache& tc = *caches[cache].cache;
+  for (size_t k0 = 0, k1; k0 < entries.size(); k0 = k1) {
+    for (k1 = k0 + 1; k1 < entries.size() && entries[k1] == entries[k1 - 1] + 1;) ++k1;
+    BatchRef part = x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(k1 - k0));
+    ortho.run_cached(resolved, tc, entries[k0], part, part, status + k0, workspace, workspace_bytes,
+                     &stats.ortho);
+  }
+}
+
+void Engine::Impl::assign_cache_entries() {
+  caches.clear();
+  // Bucket order, and inside a bucket the sorted order of its runs: the matrices of a run get
+  // consecutive entries, so a run is one cached call whenever all of them step.
+  for (const Bucket& b : buckets)
+    for (int j : b.mats) {
+      DistMatrix& m = mats[j];
+      if (dist.mode != DistMode::kGather && m.owner != rank) continue;
+      m.cache = cache_class_of(m.group, m.m(), m.n());
+      m.cache_entry = caches[m.cache].count();
+      caches[m.cache].names.push_back(matrix_name(j));
+    }
+}
+
+std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
+  const Param& p = params[i];
+  if (!world) {
+    if (!built) build_classes();  // freezes the parameter list, as a first step does
+    const ShapeClass& c = classes[p.cls];
+    return {c.cache, p.first_member + slice};
+  }
+  DM_CHECK(built, "distributed state exists after setup()");
+  const DistMatrix& m = mats[p.matrices[slice]];
+  return {m.cache, m.cache_entry};
+}
+
+CacheStats Engine::Impl::cache_stats() {
+  CacheStats total;
+  for (CacheClass& cc : caches)
+    if (cc.cache) total.merge(cc.cache->stats(cc.names));
+  return total;
+}
+
+namespace {
+
+bool caches_shape(const GroupOptions& g, const MatrixLayout& l) {
+  if (!g.muon.cache.enabled) return false;
+  const int64_t m = std::min(l.rows, l.cols), n = std::max(l.rows, l.cols);
+  return resolve(g.muon.ortho, m, n).iteration == Iteration::kGram;
+}
+
+}  // namespace
+
+// The cache state `name` of matrices [slice, slice + count) of Muon parameter i, with leading
+// shape `lead`. A rank that does not hold the entries (owner modes, not the owner) gets a view
+// with the right shape and dtype and data == nullptr, as for momentum.
+TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const std::string& name,
+                                    const std::vector<int64_t>& lead) {
+  const Param& p = params[i];
+  const GroupOptions& g = groups[p.spec.group];
+  DM_CHECK(caches_shape(g, p.layout), "parameter '", p.spec.name,
+           "' has no CacheMuon state (cache off or ", p.layout.rows, "x", p.layout.cols,
+           " is not orthogonalized with Gram NS)");
+  auto [c, first] = cache_entry_of(i, slice);
+  for (int64_t k = 1; k < count; ++k) {
+    auto [ck, ek] = cache_entry_of(i, slice + k);
+    DM_CHECK(ck == c && (c < 0 || ek == first + k), "parameter '", p.spec.name,
+             "': its matrices' cache entries are not held together on rank ", rank,
+             "; read them per matrix with matrix_state()");
+  }
+  if (c >= 0) {
+    const OrthoConfig r = resolve(g.muon.ortho, caches[c].m, caches[c].n);
+    DM_CHECK(prepare_cache(caches[c], r, 0, nullptr), "internal: cache class not usable");
+    return caches[c].cache->state(name, first, count, lead);
+  }
+  std::vector<int64_t> shape = lead;
+  DType t = name == "cache_age" ? DType::kF32 : DType::kF64;
+  if (name == "cache_q") {
+    const int64_t m = std::min(p.layout.rows, p.layout.cols);
+    const OrthoConfig r = resolve(g.muon.ortho, m, std::max(p.layout.rows, p.layout.cols));
+    if (g.muon.cache.layout == CacheLayout::kFactors)
+      shape.push_back(ortho_detail::gram_segments(r));
+    shape.push_back(m);
+    shape.push_back(m);
+    t = g.muon.cache.dtype;
+  } else {
+    DM_CHECK(name == "cache_age" || name == "cache_key", "no cache state '", name,
+             "' (expected cache_q, cache_age or cache_key)");
+  }
+  return TensorView{nullptr, shape, {}, t, backend.device()};
+}
+
+std::vector<std::string> Engine::Impl::muon_state_names(int i) const {
+  const Param& p = params[i];
+  std::vector<std::string> names = {"momentum_buffer"};
+  if (caches_shape(groups[p.spec.group], p.layout))
+    for (const std::string& n : TransformCache::state_names()) names.push_back(n);
+  return names;
+}
+
+}  // namespace distmuon

@@ -1,0 +1,99 @@
+// The runtime's owner plan under mpirun: layers parsed from parameter names, the planner the
+// options name (MILP by default, never worse than round-robin or LPT on the same costs) on
+// analytic costs or on a measured cost file, and the engine following the plan's owners.
+// That every mode still equals the single process whatever the plan is checked by
+// test_mpi_engine.cc.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <map>
+#include <tuple>
+
+#include "backend/cpu/cpu_backend.h"
+#include "distmuon/cost_table.h"
+#include "distmuon/engine.h"
+#include "mpi_test_main.h"
+#include "runtime/engine_impl.h"
+
+namespace distmuon {
+namespace {
+
+using test::world;
+
+TEST(MpiPlan, LayersAreParsedFromParameterNames) {
+  std::map<std::string, int64_t> ids;
+  const int64_t h3 = layer_of("transformer.h.3.mlp.c_fc.weight", ids);
+  EXPECT_GE(h3, 0);
+  EXPECT_EQ(layer_of("transformer.h.3.attn.c_attn.weight", ids), h3);
+  EXPECT_NE(layer_of("transformer.h.4.attn.c_attn.weight", ids), h3);
+  EXPECT_NE(layer_of("vision.layers.3.fc.weight", ids), h3);  // another stack's layer 3
+  EXPECT_EQ(layer_of("blocks.12", ids), 3);                   // ids in first-seen order
+  EXPECT_EQ(layer_of("lm_head.weight", ids), -1);
+  EXPECT_EQ(layer_of("enc.b12.w", ids), -1);  // digits inside a component are not a layer index
+}
+
+TEST(MpiPlan, OwnersComeFromThePlanner) {
+  // Four layers of an MLP block (wide up, tall down, square attention): the MILP's plan on
+  // analytic costs is never worse than round-robin's on the same costs, and the engine follows
+  // it; every mode still equals the single process (EveryModeEqualsTheSingleProcessEngine).
+  Communicator& c = world();
+  std::vector<const Plan*> plans;
+  std::vector<std::unique_ptr<Engine>> engines;
+  CpuBackend be;
+  for (const char* planner : {"milp", "lpt", "round-robin"}) {
+    DistOptions opt;
+    opt.mode = DistMode::kReplicated;
+    opt.planner = planner;
+    auto e = std::make_unique<Engine>(be, c, opt);
+    e->add_group(GroupOptions{});
+    for (int l = 0; l < 4; ++l)
+      for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
+        e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
+    e->setup();
+    plans.push_back(e->plan());
+    engines.push_back(std::move(e));
+  }
+  EXPECT_EQ(plans[0]->solver, "milp");
+  EXPECT_EQ(plans[1]->solver, "lpt");
+  EXPECT_EQ(plans[2]->solver, "round-robin");
+  EXPECT_LE(plans[0]->makespan, plans[2]->makespan * (1 + 1e-12));
+  EXPECT_LE(plans[0]->makespan, plans[1]->makespan * (1 + 1e-12));
+  for (int i = 0; i < engines[0]->num_params(); ++i)
+    EXPECT_EQ(engines[0]->owner(i), plans[0]->owner[i]) << engines[0]->param(i).name;
+
+  // Measured costs from a file: here every launch costs a second, so no owner runs two
+  // batches where it can be avoided, and up and down (one 8 x 20 class) batch together.
+  const std::string path =
+      ::testing::TempDir() + "distmuon_costs_rank" + std::to_string(c.rank()) + ".json";
+  AnalyticRates slow_launch;
+  slow_launch.launch_s = 1.0;
+  CostTable table = analytic_cost_table({{8, 20, 8}, {8, 8, 4}}, OrthoConfig{}, slow_launch);
+  table.device = be.name();
+  write_cost_file(path, {table});
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = path;
+  Engine e(be, c, opt);
+  e.add_group(GroupOptions{});
+  for (int l = 0; l < 4; ++l)
+    for (const char* name : {"up", "down", "attn"})
+      e.add_param({"h." + std::to_string(l) + "." + name, 0,
+                   name[0] == 'a' ? std::vector<int64_t>{8, 8}
+                                  : (name[0] == 'u' ? std::vector<int64_t>{8, 20}
+                                                    : std::vector<int64_t>{20, 8}),
+                   DType::kF32});
+  e.setup();
+  for (int o = 0; o < c.size(); ++o)
+    EXPECT_LE(e.plan()->batches[o].size(), c.size() > 1 ? 1u : 2u) << "owner " << o;
+  if (c.size() <= 2) {  // the 8 x 20 class fits one owner: tall and wide in one batch
+    for (int i = 0; i < e.num_params(); ++i) {
+      if (i % 3 != 2) {
+        EXPECT_EQ(e.owner(i), e.owner(0)) << e.param(i).name;
+      }
+    }
+  }
+  std::remove(path.c_str());
+}
+
+}  // namespace
+}  // namespace distmuon

@@ -1,0 +1,99 @@
+// CacheMuon parts of distmuon-bench.
+#include "bench_cache.h"
+
+#include <cstdio>
+
+namespace distmuon::bench {
+
+void declare_cache_options(cli::Args& args) {
+  args.option("cache", "", "CacheMuon: comma list of gammas, each run beside the fresh runs");
+  args.option("cache-residual", "exact", "exact | probe");
+  args.option("cache-probes", "8", "Gaussian probes for --cache-residual probe");
+  args.option("cache-staleness", "0", "refresh an entry after S reuses (0: no limit)");
+  args.option("cache-dtype", "f32", "precision of the cached transforms (f32, f16, bf16)");
+  args.option("cache-layout", "product", "product | factors (restarted solves)");
+  args.option("cache-shadow", "0", "also run the fresh solve to measure the update error (syncs)",
+              true);
+  args.option("cache-per-matrix", "0", "print per-matrix cache statistics", true);
+}
+
+CacheOptions cache_options(const cli::Args& args, double gamma) {
+  CacheOptions c;
+  c.enabled = true;
+  c.gamma = gamma;
+  c.residual = parse_cache_residual(args.str("cache-residual"));
+  c.probes = static_cast<int>(args.integer("cache-probes"));
+  c.max_staleness = static_cast<int>(args.integer("cache-staleness"));
+  c.dtype = parse_dtype(args.str("cache-dtype"));
+  c.layout = parse_cache_layout(args.str("cache-layout"));
+  c.shadow = args.flag("cache-shadow");
+  c.per_matrix_stats = args.flag("cache-per-matrix");
+  return c;
+}
+
+void print_cache_table(const std::vector<RunResult>& results) {
+  std::printf("\nCacheMuon (all steps, warm-up included; residual = ||DD^T - I||_F / sqrt(m))\n");
+  std::printf("%-22s %7s %8s %8s %9s %8s %8s %8s %8s %11s %11s %10s\n", "algo", "gamma", "hits",
+              "hit rate", "saved", "res mean", "res p50", "res p90", "res max", "upd err avg",
+              "upd err max", "cache MiB");
+  for (const RunResult& r : results) {
+    if (!r.gamma) continue;
+    const CacheStats& c = r.cache;
+    std::printf("%-22s %7s %8lld %8.3f %8.1f%% %8.3f %8.3f %8.3f %8.3f %11.2e %11.2e %10.2f\n",
+                r.algo.c_str(), cli::format_number(*r.gamma).c_str(),
+                static_cast<long long>(c.hits), c.hit_rate(), 100 * c.flops_saved_fraction(),
+                c.residual.mean, c.residual.p50, c.residual.p90, c.residual.max,
+                c.update_error_mean, c.update_error_max, c.memory_bytes / 1048576.0);
+    if (c.probe_compared)
+      std::printf("%-22s probe/exact residual over %lld accepted: min %.3f mean %.3f max %.3f\n",
+                  "", static_cast<long long>(c.probe_compared), c.probe_ratio_min,
+                  c.probe_ratio_mean, c.probe_ratio_max);
+    for (const CacheMatrixStats& m : c.per_matrix)
+      std::printf(
+          "    %-28s hits %4lld refresh %4lld (forced %lld) age %3.0f res mean %.3f max %.3f "
+          "last %.3f upd err max %.2e\n",
+          m.name.c_str(), static_cast<long long>(m.hits), static_cast<long long>(m.refreshes),
+          static_cast<long long>(m.forced), m.age, m.mean_residual, m.max_residual, m.last_residual,
+          m.max_update_error);
+  }
+}
+
+nlohmann::json cache_json(const RunResult& r, const cli::Args& args) {
+  const CacheStats& c = r.cache;
+  nlohmann::json j = {{"gamma", *r.gamma},
+                      {"hit_rate", c.hit_rate()},
+                      {"flops_saved_fraction", c.flops_saved_fraction()},
+                      {"mean_residual", c.residual.mean},
+                      {"residual",
+                       {{"min", c.residual.min},
+                        {"p50", c.residual.p50},
+                        {"p90", c.residual.p90},
+                        {"max", c.residual.max},
+                        {"count", c.residual.count}}},
+                      {"hits", c.hits},
+                      {"refreshes", c.refreshes},
+                      {"forced_refreshes", c.forced_refreshes},
+                      {"skips", c.skips},
+                      {"flops", c.flops},
+                      {"fresh_flops", c.fresh_flops},
+                      {"memory_bytes", c.memory_bytes},
+                      {"residual_mode", args.str("cache-residual")},
+                      {"probes", args.integer("cache-probes")},
+                      {"max_staleness", args.integer("cache-staleness")},
+                      {"dtype", args.str("cache-dtype")},
+                      {"layout", args.str("cache-layout")},
+                      {"drift", args.number("drift")}};
+  if (c.compared) {
+    j["update_error"] = {
+        {"mean", c.update_error_mean}, {"max", c.update_error_max}, {"compared", c.compared}};
+  }
+  if (c.probe_compared) {
+    j["probe_over_exact"] = {{"min", c.probe_ratio_min},
+                             {"mean", c.probe_ratio_mean},
+                             {"max", c.probe_ratio_max},
+                             {"compared", c.probe_compared}};
+  }
+  return j;
+}
+
+}  // namespace distmuon::bench
