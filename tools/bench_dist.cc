@@ -319,6 +319,14 @@ void declare_distributed_options(cli::Args& args) {
   args.option("planner", "milp", "distributed modes: owner planner (milp | lpt | round-robin)");
 }
 
+// The rank's index on its node, from the launcher (one GPU per rank, in order).
+int local_rank(int world_rank) {
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
+                          "LOCAL_RANK"})
+    if (const char* v = std::getenv(var)) return std::atoi(v);
+  return world_rank;
+}
+
 bool wants_distributed(const cli::Args& args) { return args.str("mode") != "single"; }
 
 int run_distributed(const cli::Args& args) {
@@ -330,7 +338,7 @@ int run_distributed(const cli::Args& args) {
     threads = threads_per_rank(p);
     omp_set_num_threads(threads);
   }
-  auto be = make_backend(backend);
+  auto be = make_backend(backend == "cuda" ? "cuda:" + std::to_string(local_rank(rank)) : backend);
   // CPU: the MPI communicator moves host memory. CUDA: an NCCL communicator whose id rank 0
   // shares over MPI.
   std::unique_ptr<Communicator> nccl;

@@ -242,8 +242,8 @@ class Backend {
   virtual void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter);
 };
 
-// Creates the backend for `kind` ("cpu" or "cuda"); throws with a clear message when the build
-// or the machine does not support it.
+// Creates the backend for `kind`: "cpu", "cuda" (the calling thread's current CUDA device) or
+// "cuda:N"; throws with a clear message when the build or the machine does not support it.
 std::unique_ptr<Backend> make_backend(const std::string& kind);
 
 // True when this build has the CUDA backend and a CUDA device is visible.

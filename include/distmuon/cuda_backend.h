@@ -35,7 +35,9 @@ const char* sym_kernel_name(SymKernel k);
 SymKernel parse_sym_kernel(const std::string& s);
 
 struct CudaBackendOptions {
-  int device = 0;
+  // CUDA device ordinal; -1: the calling thread's current device (what torch.cuda.device(...) or
+  // a launcher's cudaSetDevice(local_rank) selected).
+  int device = -1;
   // Workspace the backend allocates for itself at construction (0: recommended size). Ignored
   // once set_workspace() hands it caller memory.
   size_t workspace_bytes = 0;

@@ -78,18 +78,29 @@ void check_slots(const char* what, std::span<const MuonSlot> slots, const BatchR
 bool cuda_available() { return false; }
 #endif
 
-std::unique_ptr<Backend> make_cuda_backend();  // backend/cuda (only with CUDA)
+std::unique_ptr<Backend> make_cuda_backend(int device);  // backend/cuda (only with CUDA)
 
-std::unique_ptr<Backend> make_backend(const std::string& kind) {
+std::unique_ptr<Backend> make_backend(const std::string& spec) {
+  // "cpu", "cuda" (the current device) or "cuda:N".
+  const std::string kind = spec.substr(0, spec.find(':'));
+  int device = -1;
+  if (kind.size() < spec.size()) {
+    const std::string index = spec.substr(kind.size() + 1);
+    DM_CHECK(kind == "cuda" && !index.empty() &&
+                 index.find_first_not_of("0123456789") == std::string::npos,
+             "bad backend '", spec, "' (expected cpu, cuda or cuda:N)");
+    device = std::stoi(index);
+  }
   if (kind == "cpu") return std::make_unique<CpuBackend>();
   if (kind == "cuda") {
 #ifdef DISTMUON_HAVE_CUDA
-    return make_cuda_backend();
+    return make_cuda_backend(device);
 #else
+    (void)device;
     DM_FAIL("this build of distmuon has no CUDA backend (nvcc was not found at configure time)");
 #endif
   }
-  DM_FAIL("unknown backend '", kind, "' (expected cpu or cuda)");
+  DM_FAIL("unknown backend '", spec, "' (expected cpu, cuda or cuda:N)");
 }
 
 }  // namespace distmuon

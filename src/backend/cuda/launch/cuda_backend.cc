@@ -39,7 +39,11 @@ bool cuda_available() {
   return n > 0;
 }
 
-std::unique_ptr<Backend> make_cuda_backend() { return std::make_unique<CudaBackend>(); }
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  CudaBackendOptions o;
+  o.device = device;
+  return std::make_unique<CudaBackend>(o);
+}
 
 const char* sym_kernel_name(SymKernel k) {
   switch (k) {
@@ -92,8 +96,9 @@ CudaBackend::CudaBackend(CudaBackendOptions options) : impl_(std::make_unique<Im
   int n = 0;
   DM_CHECK(cudaGetDeviceCount(&n) == cudaSuccess && n > 0,
            "cuda backend: no CUDA device is visible (", cudaGetErrorString(cudaGetLastError()), ")");
-  DM_CHECK(options.device >= 0 && options.device < n, "cuda backend: device ", options.device,
-           " does not exist (", n, " visible)");
+  if (options.device < 0) DM_CHECK_CUDA(cudaGetDevice(&options.device));
+  DM_CHECK(options.device < n, "cuda backend: device ", options.device, " does not exist (", n,
+           " visible)");
   s.device = options.device;
   DM_CHECK_CUDA(cudaSetDevice(s.device));
   cudaDeviceProp p{};
