@@ -10,7 +10,9 @@ CMAKE_PRESET ?= release
 
 APT_PACKAGES := cmake pkg-config g++ make libopenblas-dev openmpi-bin libopenmpi-dev \
                 coinor-libcbc-dev nlohmann-json3-dev libeigen3-dev libgtest-dev
-PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core matplotlib
+# name[:module] — the module whose import proves the package is there.
+PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core:scikit_build_core matplotlib \
+                nvidia-cutlass:cutlass_library
 
 .PHONY: all deps deps-apt deps-pip build build-cpp python test test-cpp test-python demo format tidy clean help
 
@@ -38,7 +40,8 @@ deps-apt:
 
 # Installs only the Python packages that cannot be imported.
 deps-pip:
-	@missing=$$(for p in $(PIP_PACKAGES); do m=$${p//-/_}; $(PYTHON) -c "import $$m" >/dev/null 2>&1 || echo $$p; done); \
+	@missing=$$(for e in $(PIP_PACKAGES); do p=$${e%%:*}; m=$${e#*:}; \
+	  $(PYTHON) -c "import $$m" >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "[deps] pip install $$missing"; \
 	  $(PYTHON) -m pip install -q --disable-pip-version-check $$missing; \
@@ -57,11 +60,16 @@ PY_SOURCES := pyproject.toml CMakeLists.txt $(wildcard cmake/*) \
               $(shell find python src include -type f \( -name '*.py' -o -name '*.cc' -o -name '*.h' \
                 -o -name '*.cu' -o -name '*.cuh' -o -name 'CMakeLists.txt' \) 2>/dev/null)
 
+# Without a visible GPU the extension is built CPU-only: its CUDA code could not run, and the
+# C++ build above already compiles every CUDA source once (CI has 2 cores and no GPU).
+PY_CUDA_FLAG := $(shell nvidia-smi -L >/dev/null 2>&1 || echo "-C cmake.define.DISTMUON_WITH_CUDA=OFF")
+
 python: $(PY_STAMP)
 
 $(PY_STAMP): $(PY_SOURCES)
 	@echo "[python] pip install . (distmuon)"
-	@$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-build-isolation --no-deps .
+	@$(PYTHON) -m pip install -q --disable-pip-version-check --root-user-action=ignore --no-build-isolation --no-deps \
+	  $(PY_CUDA_FLAG) .
 	@mkdir -p $(BUILD_DIR) && touch $@
 
 test: deps build test-cpp test-python
