@@ -31,9 +31,13 @@ say "$NGPU GPUs; world sizes: $WORLDS; workloads: $WORKLOADS"
 say "binaries (carried bundle) and the Python extension"
 BIN=/tmp/dm/bin
 [ -x $BIN/distmuon-bench ] || { mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm; } || exit 1
-# A second invocation in the same machine session reuses the installed extension.
-if [ -z "$DM_SETUP_DONE" ]; then source bench/gpu_python_setup.sh || exit 1; fi
-export DM_SETUP_DONE=1 CXX_LD_PATH
+# A second invocation on the same machine reuses the installed extension (/tmp/dm/setup.env).
+if [ -f /tmp/dm/setup.env ]; then
+  source /tmp/dm/setup.env
+else
+  source bench/gpu_python_setup.sh || exit 1
+  echo "export CXX_LD_PATH='$CXX_LD_PATH'" > /tmp/dm/setup.env
+fi
 export LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE"
 
