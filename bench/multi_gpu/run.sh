@@ -32,14 +32,14 @@ say "binaries (carried bundle) and the Python extension"
 BIN=/tmp/dm/bin
 [ -x $BIN/distmuon-bench ] || { mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm; } || exit 1
 # A second invocation on the same machine reuses the installed extension (/tmp/dm/setup.env).
-if [ -f /tmp/dm/setup.env ]; then
-  source /tmp/dm/setup.env
-else
+if [ ! -f /tmp/dm/setup.env ]; then
   source bench/gpu_python_setup.sh || exit 1
-  echo "export CXX_LD_PATH='$CXX_LD_PATH'" > /tmp/dm/setup.env
+  # Python processes keep torch's own CUDA libraries (the toolkit's first can break torch).
+  echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$LD_LIBRARY_PATH'" > /tmp/dm/setup.env
 fi
-export LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH
-MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x LD_LIBRARY_PATH -x NCCL_NVLS_ENABLE"
+source /tmp/dm/setup.env
+export LD_LIBRARY_PATH=$PY_LD_PATH
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH"
 
 for d in $WORLDS; do
   for w in $WORKLOADS; do
@@ -50,7 +50,7 @@ for d in $WORLDS; do
     say "optimizer step: $w, D=$d (FSDP2 fused AdamW, distmuon.torch sharded)"
     torchrun --nproc-per-node "$d" bench/multi_gpu/opt_step.py --workload "$w" \
       --json "/tmp/mg/torch-$w-$d.json" 2>&1 | grep -E "^\[|Error" | tee -a "$LOG"
-    $BIN/distmuon-plan --workload "$w" --world-size "$d" --gpus-per-node "$NGPU" --analytic \
+    LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH $BIN/distmuon-plan --workload "$w" --world-size "$d" --gpus-per-node "$NGPU" --analytic \
       --solver milp --simulate --json "/tmp/mg/plan-$w-$d.json" > /dev/null 2>>"$LOG"
   done
   say "end to end: Qwen2.5-1.5B-sized, seq 2048, D=$d"
