@@ -39,6 +39,12 @@ if [ ! -f /tmp/dm/setup.env ]; then
 fi
 source /tmp/dm/setup.env
 export LD_LIBRARY_PATH=$PY_LD_PATH
+# The bundle uses the machine's own Open MPI (its mpirun and libmpi must match).
+if LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH ldd $BIN/distmuon-bench | grep -q "libmpi.*not found"; then
+  MPILIB=$(dirname "$(find / -name 'libmpi.so.40' -not -path '/proc/*' 2>/dev/null | head -1)")
+  CXX_LD_PATH=$MPILIB:$CXX_LD_PATH
+fi
+LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH ldd $BIN/distmuon-bench | grep -E "not found|libmpi|nccl" | tee -a "$LOG"
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH"
 
 for d in $WORLDS; do
