@@ -81,12 +81,27 @@ struct AdamSlot {
   DType param_dtype = DType::kF32;
   DType grad_dtype = DType::kF32;
   int64_t numel = 0;
+  // The tensor's step count in backend memory (one int64: steps taken so far), or null. When
+  // set, adamw_update reads it on the device, so a captured CUDA graph replays with the right
+  // bias correction; see adamw_update.
+  int64_t* step = nullptr;
 };
 
 // Hyperparameters of one AdamW step; per tensor so that parameter groups can differ.
 struct AdamCoef {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
-  int64_t step = 1;  // 1-based step count used for bias correction
+  int64_t step = 1;  // 1-based step count for bias correction of slots without a step counter
+};
+
+struct OrthoConfig;  // distmuon/ortho.h
+
+// What a backend may do when asked for the algorithm of Iteration::kAuto (tuned_config).
+struct TunePolicy {
+  bool measure = true;  // measure shapes it has no stored choice for (slow; progress on stderr)
+  // Also accept Gram NS without a restart. Off by default: the autotuner's error check runs on
+  // random inputs, whose spectra do not show the half-precision drift that restarts correct on
+  // real momentum (bench/NOTES.md); the published choice keeps a restart before step 2.
+  bool allow_restart_free = false;
 };
 
 // Status values written by the checking kernels (int32 per matrix/tensor, device memory).
@@ -210,7 +225,9 @@ class Backend {
   // status[i] = kStatusNonFinite if grad i has NaN/Inf.
   virtual void adamw_check(std::span<const AdamSlot> slots, int32_t* status) = 0;
   // Decoupled weight decay + bias-corrected Adam for slots whose status is ok (status may be
-  // null: all ok).
+  // null: all ok). A slot with a step counter uses t = *step + 1 for the bias correction and
+  // stores t back (only when it is updated: a skipped step does not count); a slot without one
+  // uses coef.step. Bias terms: 1 - beta^t in double, then fp32 (src/backend/adam_ref.h).
   virtual void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
                             const int32_t* status) = 0;
 
@@ -240,6 +257,14 @@ class Backend {
   // counter + (b * rows + r) * cols + c) (src/backend/cache_ref.h defines it exactly, so
   // every backend draws the same numbers), rounded to dst's dtype.
   virtual void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter);
+
+  // ---- algorithm choice ------------------------------------------------------------------------
+  // The algorithm this backend measured as fastest for Iteration::kAuto on `count` wide m x n
+  // matrices (an autotuner's choice): writes base with the iteration, restarts and work dtypes
+  // set into *out and returns true, or returns false and the caller uses resolve()'s heuristic.
+  // Called when an engine sets up its shapes, never inside a step. Default: false.
+  virtual bool tuned_config(const OrthoConfig& base, int64_t m, int64_t n, int64_t count,
+                            const TunePolicy& policy, OrthoConfig* out);
 };
 
 // Creates the backend for `kind`: "cpu", "cuda" (the calling thread's current CUDA device) or

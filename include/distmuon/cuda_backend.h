@@ -41,7 +41,8 @@ struct CudaBackendOptions {
   // Workspace the backend allocates for itself at construction (0: recommended size). Ignored
   // once set_workspace() hands it caller memory.
   size_t workspace_bytes = 0;
-  // Read kernel choices from the autotuner cache (DISTMUON_TUNE_CACHE) at construction.
+  // Read kernel and algorithm choices from the autotuner cache (DISTMUON_TUNE_CACHE) at
+  // construction, and let tuned_config() measure and store new shapes.
   bool use_tune_cache = true;
 };
 
@@ -107,10 +108,27 @@ class CudaBackend final : public Backend {
   void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
                     const int32_t* status) override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
+  // Masked and CacheMuon operations without host synchronisation (launch/cuda_masked.cc says how
+  // a masked product skips the work of unselected matrices).
+  void gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a, Op op_b,
+                   const BatchRef& b, double alpha, double beta, const BatchRef* c_in,
+                   const BatchRef& c) override;
+  void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst) override;
+  void cache_gate(const CacheGateArgs& args) override;
+  void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) override;
+  // The tune cache's measurements for the shape (restart sets filtered by the policy), tuning it
+  // now when the policy says so; false without use_tune_cache or for non-bf16 work dtypes.
+  bool tuned_config(const OrthoConfig& base, int64_t m, int64_t n, int64_t count,
+                    const TunePolicy& policy, OrthoConfig* out) override;
 
   struct Impl;  // src/backend/cuda/launch/cuda_backend_impl.h
 
  private:
+  // A masked product on the CUTLASS kernels with the flags in their tile scheduler; false when
+  // no such kernel can run it.
+  bool masked_on_device(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a, Op op_b,
+                        const BatchRef& b, double alpha, double beta, const BatchRef* c_in,
+                        const BatchRef& c, int64_t k);
   std::unique_ptr<Impl> impl_;
 };
 

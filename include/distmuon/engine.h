@@ -30,8 +30,24 @@ enum class NonFinitePolicy : int {
   kRaise = 1,  // throw before any state is touched (synchronises once per step)
 };
 
+// How Iteration::kAuto picks each shape's algorithm on a backend that measures (CUDA).
+enum class AutoTune : int {
+  kOff = 0,     // the shape heuristic (resolve()), as on the CPU backend
+  kCached = 1,  // the backend's stored measurements (tune cache) where it has them, else kOff
+  kOn = 2,      // kCached, measuring the shapes it lacks when the engine sets up (slow, once per
+                // shape and device; progress on stderr)
+};
+// "off" | "cached" | "on"
+AutoTune parse_autotune(const std::string& s);
+
 struct EngineOptions {
   NonFinitePolicy nonfinite = NonFinitePolicy::kSkip;
+  // DISTMUON_AUTOTUNE=off|cached|on overrides this when set.
+  AutoTune autotune = AutoTune::kOn;
+  // Let a tuned `auto` pick Gram NS without restarts where it measured fastest; by default only
+  // restart sets containing 2 (the published choice) are taken (bench/NOTES.md explains why).
+  // DISTMUON_AUTOTUNE_RESTART_FREE=1 overrides.
+  bool allow_restart_free = false;
 };
 
 // Distributed modes (DESIGN.md "Engine"); what each expects in ParamData.
@@ -181,7 +197,13 @@ class Engine {
   // state as above with leading shape []; data == nullptr when this rank does not hold it.
   TensorView matrix_state(int param, int64_t slice, const std::string& name);
   std::vector<std::string> state_names(int param) const;
-  int64_t param_step(int param) const;  // steps taken by this parameter (AdamW bias correction)
+  // The orthogonalization a Muon parameter runs (its group's config with `auto` resolved for
+  // its shape: tuned where the backend measured it, else the heuristic). Freezes the
+  // registration (and tunes, per EngineOptions::autotune) as a first step does.
+  OrthoConfig resolved_ortho(int param);
+  // Steps taken by this parameter (AdamW: kept on the device, read with a synchronisation; a
+  // step skipped for a non-finite gradient does not count).
+  int64_t param_step(int param) const;
   void set_param_step(int param, int64_t step);
 
   // Synchronises the backend to read device-side counters.

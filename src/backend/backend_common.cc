@@ -23,6 +23,11 @@ void Buffer::reset() {
   bytes_ = 0;
 }
 
+bool Backend::tuned_config(const OrthoConfig&, int64_t, int64_t, int64_t, const TunePolicy&,
+                           OrthoConfig*) {
+  return false;
+}
+
 namespace {
 void check_layout(const char* what, const char* arg, const BatchRef& x) {
   DM_CHECK(x.rows >= 0 && x.cols >= 0 && x.count >= 0, what, ": ", arg, " has a negative size");

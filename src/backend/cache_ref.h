@@ -1,7 +1,12 @@
 // The scalar definitions behind the CacheMuon backend operations: the per-matrix gate, the
 // residual histogram bins and the counter-based normal generator. Every backend calls these
 // (the CPU directly, the host fallback after copying, a CUDA kernel per thread), so decisions
-// and probes are identical across backends. Plain arithmetic only: usable as __host__ __device__.
+// and probes are identical across backends. Plain arithmetic only: compiled for the host and,
+// under nvcc, for the device as well. The device's double log/cos/pow are within 1-2 ulp of the
+// host's, so a probe agrees bit for bit once rounded to fp32 or a half type (the probes'
+// dtypes) and to an ulp or two in fp64. The gate decides with exact comparisons on both; only
+// its diagnostics may differ (a residual within an ulp of a histogram edge, the last bit of
+// the sum of squares where nvcc fuses a multiply-add).
 #pragma once
 
 #include <cmath>
@@ -9,10 +14,16 @@
 
 #include "distmuon/backend.h"
 
+#if defined(__CUDACC__)
+#define DM_CACHE_HD __host__ __device__
+#else
+#define DM_CACHE_HD
+#endif
+
 namespace distmuon::cache_ref {
 
 // Bin of residual r in the histogram described at kCacheHistBins.
-inline int hist_bin(double r) {
+DM_CACHE_HD inline int hist_bin(double r) {
   if (!(r >= 1e-3)) return 0;
   if (r >= 1e3) return kCacheHistBins - 1;
   int b = 1 + static_cast<int>(std::floor(4.0 * std::log10(r / 1e-3)));
@@ -20,9 +31,9 @@ inline int hist_bin(double r) {
 }
 
 // Lower edge of bin b >= 1 (bin 0 starts at 0).
-inline double hist_lower_edge(int b) { return b <= 0 ? 0.0 : 1e-3 * std::pow(10.0, (b - 1) / 4.0); }
+DM_CACHE_HD inline double hist_lower_edge(int b) { return b <= 0 ? 0.0 : 1e-3 * std::pow(10.0, (b - 1) / 4.0); }
 
-inline uint64_t splitmix64(uint64_t z) {
+DM_CACHE_HD inline uint64_t splitmix64(uint64_t z) {
   z += 0x9e3779b97f4a7c15ull;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -31,7 +42,7 @@ inline uint64_t splitmix64(uint64_t z) {
 
 // Standard normal sample number `index` of stream `seed` (Box-Muller on two 53-bit uniforms
 // derived by hashing; u1 in (0, 1] so the logarithm is finite).
-inline double normal_sample(uint64_t seed, uint64_t index) {
+DM_CACHE_HD inline double normal_sample(uint64_t seed, uint64_t index) {
   const uint64_t h1 = splitmix64(seed ^ splitmix64(index));
   const uint64_t h2 = splitmix64(h1);
   const double u1 = (static_cast<double>(h1 >> 11) + 1.0) * 0x1.0p-53;
@@ -40,7 +51,7 @@ inline double normal_sample(uint64_t seed, uint64_t index) {
 }
 
 // Backend::cache_gate for matrix i (contract in backend.h).
-inline void gate_one(const CacheGateArgs& g, int64_t i) {
+DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i) {
   double* st = g.stats ? g.stats + i * kCacheStatFields : nullptr;
   if (g.status && g.status[i] != kStatusOk) {
     g.decision[i] = kCacheSkip;

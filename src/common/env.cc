@@ -24,6 +24,10 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_COST_CACHE", "",
        "planner cost-table cache (default: $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)"},
       {"DISTMUON_DEBUG_SYNC", "0", "synchronise and check errors after every backend operation"},
+      {"DISTMUON_AUTOTUNE", "",
+       "off | cached | on: how `auto` picks per-shape algorithms on CUDA (unset: EngineOptions)"},
+      {"DISTMUON_AUTOTUNE_RESTART_FREE", "",
+       "1: a tuned `auto` may pick Gram NS without restarts (unset: EngineOptions)"},
       {"DISTMUON_WORKLOAD_DIR", "", "extra directory searched for workload JSON files"},
   };
   return table;

@@ -129,6 +129,7 @@ void Engine::Impl::allocate_state() {
   step_status = backend.alloc(ns * sizeof(int32_t));
   step_norms = backend.alloc(ns * sizeof(float));
   adam_status = backend.alloc(ns * sizeof(int32_t));
+  allocate_step_counts();
 }
 
 CommStats Engine::Impl::comm_stats() const {

@@ -311,6 +311,7 @@ void Engine::Impl::dist_setup() {
   shard = R > 1 ? shard_owned.get() : world;
   replica = R > 1 ? replica_owned.get() : nullptr;
 
+  tune_dist_shapes();
   allocate_state();
   assign_cache_entries();
   switch (dist.mode) {

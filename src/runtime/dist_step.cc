@@ -173,12 +173,14 @@ void Engine::Impl::adam_check(StepContext& ctx) {
     // Every AdamW parameter keeps its slot (empty when idle here), so statuses line up on
     // every rank.
     if (!ctx.active[i] || p.local_numel == 0) {
+      // An empty shard of a stepping tensor still counts the step, as its other shards do.
       void* z = adam_dummy.data();
-      adam_slots.push_back({z, z, z, z, DType::kF32, DType::kF32, 0});
+      adam_slots.push_back(
+          {z, z, z, z, DType::kF32, DType::kF32, 0, ctx.active[i] ? step_count(i) : nullptr});
       continue;
     }
     AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
-               p.spec.dtype, d.grad_dtype, p.local_numel};
+               p.spec.dtype, d.grad_dtype, p.local_numel, step_count(i)};
     if (dedicated) {
       s.grad = adam_stage.as<char>() + adam_offset[k];
       s.grad_dtype = p.spec.dtype;

@@ -302,14 +302,29 @@ std::vector<std::string> Engine::state_names(int i) const {
   return {"exp_avg", "exp_avg_sq"};
 }
 
+void Engine::Impl::allocate_step_counts() {
+  step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, params.size()));
+  std::vector<int64_t> h(params.size());
+  for (size_t i = 0; i < params.size(); ++i) h[i] = params[i].step;
+  backend.copy_from_host(step_counts.data(), h.data(), h.size() * sizeof(int64_t));
+}
+
 int64_t Engine::param_step(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  return impl_->params[i].step;
+  Impl& s = *impl_;
+  if (!s.step_counts || s.groups[s.params[i].spec.group].kind != ParamKind::kAdamW)
+    return s.params[i].step;
+  int64_t v = 0;
+  s.backend.synchronize();
+  s.backend.copy_to_host(&v, s.step_count(i), sizeof(int64_t));
+  return v;
 }
 void Engine::set_param_step(int i, int64_t step) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   DM_CHECK(step >= 0, "step must be >= 0");
-  impl_->params[i].step = step;
+  Impl& s = *impl_;
+  s.params[i].step = step;
+  if (s.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
 }
 
 EngineStats Engine::stats() {

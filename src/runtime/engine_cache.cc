@@ -97,10 +97,10 @@ CacheStats Engine::Impl::cache_stats() {
 
 namespace {
 
-bool caches_shape(const GroupOptions& g, const MatrixLayout& l) {
-  if (!g.muon.cache.enabled) return false;
+bool caches_shape(const Engine::Impl& e, int group, const MatrixLayout& l) {
+  if (!e.groups[group].muon.cache.enabled) return false;
   const int64_t m = std::min(l.rows, l.cols), n = std::max(l.rows, l.cols);
-  return resolve(g.muon.ortho, m, n).iteration == Iteration::kGram;
+  return e.resolve_shape(group, m, n).iteration == Iteration::kGram;
 }
 
 }  // namespace
@@ -112,7 +112,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
                                     const std::vector<int64_t>& lead) {
   const Param& p = params[i];
   const GroupOptions& g = groups[p.spec.group];
-  DM_CHECK(caches_shape(g, p.layout), "parameter '", p.spec.name,
+  DM_CHECK(caches_shape(*this, p.spec.group, p.layout), "parameter '", p.spec.name,
            "' has no CacheMuon state (cache off or ", p.layout.rows, "x", p.layout.cols,
            " is not orthogonalized with Gram NS)");
   auto [c, first] = cache_entry_of(i, slice);
@@ -123,7 +123,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
              "; read them per matrix with matrix_state()");
   }
   if (c >= 0) {
-    const OrthoConfig r = resolve(g.muon.ortho, caches[c].m, caches[c].n);
+    const OrthoConfig r = resolve_shape(p.spec.group, caches[c].m, caches[c].n);
     DM_CHECK(prepare_cache(caches[c], r, 0, nullptr), "internal: cache class not usable");
     return caches[c].cache->state(name, first, count, lead);
   }
@@ -131,7 +131,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
   DType t = name == "cache_age" ? DType::kF32 : DType::kF64;
   if (name == "cache_q") {
     const int64_t m = std::min(p.layout.rows, p.layout.cols);
-    const OrthoConfig r = resolve(g.muon.ortho, m, std::max(p.layout.rows, p.layout.cols));
+    const OrthoConfig r = resolve_shape(p.spec.group, m, std::max(p.layout.rows, p.layout.cols));
     if (g.muon.cache.layout == CacheLayout::kFactors)
       shape.push_back(ortho_detail::gram_segments(r));
     shape.push_back(m);
@@ -147,7 +147,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
 std::vector<std::string> Engine::Impl::muon_state_names(int i) const {
   const Param& p = params[i];
   std::vector<std::string> names = {"momentum_buffer"};
-  if (caches_shape(groups[p.spec.group], p.layout))
+  if (caches_shape(*this, p.spec.group, p.layout))
     for (const std::string& n : TransformCache::state_names()) names.push_back(n);
   return names;
 }

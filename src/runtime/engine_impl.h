@@ -27,7 +27,7 @@ struct Param {
   Buffer state0;            // momentum (single process, gather) or exp_avg (AdamW)
   Buffer state1;            // exp_avg_sq (AdamW)
   DType state0_dtype = DType::kF32;
-  int64_t step = 0;
+  int64_t step = 0;  // Muon: steps taken; AdamW: see Impl::step_counts
   std::vector<int> matrices;  // distributed Muon: indices into Impl::mats, one per slice
   int adam_index = -1;        // AdamW: position among the AdamW parameters
   int cls = -1;               // single process, Muon: its shape class
@@ -116,6 +116,10 @@ struct Engine::Impl {
   EngineStats stats;
   Buffer skip_counter;  // int64 on the device
   Buffer adam_status;
+  // AdamW step counts on the device, one int64 per parameter (only AdamW entries are used):
+  // adamw_update reads and advances them, so a replayed CUDA graph keeps counting. Until it is
+  // allocated (the first step or setup) Param::step holds the count.
+  Buffer step_counts;
 
   // ---- distributed (world == nullptr in a single process) ----
   Communicator* world = nullptr;
@@ -152,11 +156,27 @@ struct Engine::Impl {
   int add_param(const ParamSpec& spec);
   std::vector<std::string> registration_errors;  // distributed: reported by setup() everywhere
   void build_classes();
+  void allocate_step_counts();  // uploads Param::step of every parameter
+  int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
   void ensure_class_buffers(ShapeClass& c);
   void local_step(std::span<const ParamData> data);
   void check_inputs(std::span<const ParamData> data) const;
   void raise_if_nonfinite(const std::vector<std::vector<int>>& slot_params,
                           const std::vector<int>& adam_params);
+
+  // Per-shape algorithms of `auto` (engine_tune.cc). resolve_shape is the one place the runtime
+  // resolves a group's config for a wide m x n shape: the tuned choice when tune_shapes found
+  // one for the group's current config, else resolve(). tune_shapes asks the backend for
+  // (group, m, n, count) shapes; distributed, rank 0 asks and every rank takes its answers
+  // (collective), so every rank runs the same algorithm.
+  struct TuneShape {
+    int group;
+    int64_t m, n, count;
+  };
+  OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const;
+  void tune_shapes(const std::vector<TuneShape>& shapes);
+  void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')
+  std::map<std::string, OrthoConfig> tuned;  // key: tuned_key()
 
   // CacheMuon (cache_glue.cc). The index of the cache class of (group, m, n), created on demand.
   int cache_class_of(int group, int64_t m, int64_t n);

@@ -50,13 +50,18 @@ void Engine::Impl::build_classes() {
     }
   }
   adam_status = backend.alloc(sizeof(int32_t) * std::max<size_t>(1, params.size()));
+  allocate_step_counts();
+  std::vector<TuneShape> shapes;
+  for (const ShapeClass& c : classes)
+    shapes.push_back({c.group, c.m, c.n, static_cast<int64_t>(c.members.size())});
+  tune_shapes(shapes);
   built = true;
 }
 
 // (Re)allocates a class's buffers when its resolved algorithm or work dtype changed, and binds
 // its cache entries to the current options.
 void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
-  OrthoConfig r = resolve(groups[c.group].muon.ortho, c.m, c.n);
+  OrthoConfig r = resolve_shape(c.group, c.m, c.n);
   const int64_t count = static_cast<int64_t>(c.members.size());
   const bool same = c.x && r.iteration == c.resolved.iteration &&
                     iteration_dtype(r) == iteration_dtype(c.resolved) &&
@@ -145,7 +150,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     if (g.kind != ParamKind::kAdamW || !data[i].grad) continue;
     adam_params.push_back(static_cast<int>(i));
     adam_slots.push_back({data[i].param, data[i].grad, p.state0.data(), p.state1.data(),
-                          p.spec.dtype, data[i].grad_dtype, p.numel});
+                          p.spec.dtype, data[i].grad_dtype, p.numel, s.step_count(i)});
     const AdamWOptions& a = g.adamw;
     adam_coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, p.step + 1});
   }

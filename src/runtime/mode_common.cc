@@ -72,7 +72,7 @@ void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
   const int64_t count = run.end - run.begin;
   const int64_t pos = b.status_offset + run.begin;
   const int32_t* status = e_.step_status.as<int32_t>() + pos;
-  OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
+  OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());
   std::vector<int64_t> entries;
   const int cache = prepare_run(b, run, r, &entries);  // decided here, on the owner's device
   BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());

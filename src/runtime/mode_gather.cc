@@ -156,7 +156,7 @@ class GatherRunner final : public ModeRunner {
       const MuonOptions& opt = e_.groups[m0.group].muon;
       const int64_t count = run.end - run.begin, pos = bk.status_offset + run.begin;
       float* norms = e_.step_norms.as<float>() + pos;
-      OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
+      OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());
       // CacheMuon: every rank holds every entry and sees the same input, so every rank takes
       // the same decisions without exchanging them.
       std::vector<int64_t> entries;

@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "backend/cuda/launch/sym_gemm.h"
+#include "backend/cuda/tune/autotune.h"
 #include "backend/cuda/tune/tune_cache.h"
 
 namespace distmuon::cuda {
@@ -17,7 +18,7 @@ TEST(CudaTune, CacheRoundTripKeyedByDeviceAndVersions) {
   setenv("DISTMUON_TUNE_CACHE", path.c_str(), 1);
   TuneKey a{"NVIDIA H200", 13000, 13000, 130100}, b{"NVIDIA H100", 13000, 13000, 130100};
   SymChoice s{3584, 18944, 16, DType::kF16, SymKernel::kTri256x128, 5.7, 10.8};
-  AlgoChoice g{18944, 3584, 16, "gram-ns", {}, DType::kF16, 44.6, 3.2e-3};
+  AlgoChoice g{18944, 3584, 16, "gram-ns", {}, DType::kF16, 44.6, 3.2e-3, "jordan:5", {}};
   save_choices(a, {s}, {g});
   s.kernel = SymKernel::kTri128Pingpong;  // a second save replaces the entry of the same shape
   save_choices(a, {s}, {});
@@ -30,9 +31,47 @@ TEST(CudaTune, CacheRoundTripKeyedByDeviceAndVersions) {
   ASSERT_EQ(algo.size(), 1u);
   EXPECT_EQ(algo[0].algorithm, "gram-ns");
   EXPECT_TRUE(algo[0].restarts.empty());
+  ASSERT_EQ(algo[0].candidates.size(), 1u);  // an entry without candidates stands for itself
+  EXPECT_TRUE(algo[0].candidates[0].accepted);
+  g.candidates = {{"gram-ns", {2}, DType::kF16, 50.1, 2e-3, true},
+                  {"gram-ns", {}, DType::kF16, 44.6, 3.2e-3, true}};
+  save_choices(a, {}, {g});
+  algo = load_algo_choices(a);
+  ASSERT_EQ(algo.size(), 1u);
+  ASSERT_EQ(algo[0].candidates.size(), 2u);
+  EXPECT_EQ(algo[0].candidates[0].restarts, std::vector<int>{2});
+  EXPECT_EQ(algo[0].schedule, "jordan:5");
   EXPECT_TRUE(load_sym_choices(b).empty()) << "another GPU must not see these choices";
   std::filesystem::remove(path);
   unsetenv("DISTMUON_TUNE_CACHE");
+}
+
+// The engine's `auto` takes the fastest accepted candidate whose Gram-NS restart set contains 2,
+// unless restart-free Gram NS is allowed explicitly.
+TEST(CudaTune, SelectionKeepsRestartTwoUnlessAllowed) {
+  AlgoChoice c;
+  c.rows = 18944;
+  c.cols = 3584;
+  c.count = 24;
+  c.candidates = {{"ns5-sym", {}, DType::kBF16, 60.0, 1.1e-2, true},
+                  {"gram-ns", {2}, DType::kF16, 50.0, 2.0e-3, true},
+                  {"gram-ns", {}, DType::kF16, 44.0, 3.2e-3, true}};
+  EXPECT_EQ(select_candidate(c, false)->ms, 50.0);
+  EXPECT_EQ(select_candidate(c, true)->ms, 44.0);
+  c.candidates[1].accepted = false;  // failed its check: standard NS is next
+  EXPECT_EQ(select_candidate(c, false)->algorithm, "ns5-sym");
+  c.candidates[0].accepted = false;
+  EXPECT_EQ(select_candidate(c, false), nullptr);
+  c.candidates = {{"gram-ns", {2, 4}, DType::kF16, 55.0, 2.0e-3, true}};
+  EXPECT_EQ(select_candidate(c, false)->ms, 55.0);
+  // Lookup: either orientation, same schedule, nearest batch size.
+  AlgoChoice d = c;
+  d.count = 8;
+  std::vector<AlgoChoice> all = {c, d};
+  EXPECT_EQ(find_choice(all, 3584, 18944, 10, "jordan:5")->count, 8);
+  EXPECT_EQ(find_choice(all, 3584, 18944, 20, "jordan:5")->count, 24);
+  EXPECT_EQ(find_choice(all, 3584, 18944, 20, "you:5"), nullptr);
+  EXPECT_EQ(find_choice(all, 3584, 14336, 24, "jordan:5"), nullptr);
 }
 
 TEST(CudaTune, TriangleTileCounts) {

@@ -232,6 +232,36 @@ TEST(Engine, AdamwGroupsAndMissingGradients) {
   EXPECT_EQ(bias, before);
 }
 
+// AdamW's step count lives in backend memory (a replayed CUDA graph advances it): a restored
+// count sets the bias correction, and a skipped (non-finite) step does not count.
+TEST(Engine, AdamwStepCountRestoresAndSkips) {
+  CpuBackend be;
+  Engine eng(be);
+  GroupOptions a;
+  a.kind = ParamKind::kAdamW;
+  a.adamw.lr = 0.1f;
+  a.adamw.weight_decay = 0.0f;
+  eng.add_group(a);
+  eng.add_param({"b", 0, {3}, DType::kF32});
+  eng.set_param_step(0, 9);  // as a checkpoint restore does, before the first step
+  std::vector<float> p(3, 0.0f), g = {1.0f, -1.0f, 2.0f};
+  std::vector<ParamData> d = {{p.data(), g.data(), DType::kF32, {}}};
+  eng.step(d);
+  EXPECT_EQ(eng.param_step(0), 10);
+  const double bc1 = 1 - std::pow(0.9, 10), bc2 = 1 - std::pow(0.999, 10);
+  for (int j = 0; j < 3; ++j) {
+    const double m = 0.1 * g[j], v = 0.001 * g[j] * g[j];
+    EXPECT_NEAR(p[j], -0.1 * (m / bc1) / (std::sqrt(v) / std::sqrt(bc2) + 1e-8), 1e-6);
+  }
+  const std::vector<float> before = p;
+  g[1] = std::nanf("");
+  eng.step(d);
+  EXPECT_EQ(p, before);
+  EXPECT_EQ(eng.param_step(0), 10);
+  eng.set_param_step(0, 3);
+  EXPECT_EQ(eng.param_step(0), 3);
+}
+
 TEST(Engine, NonFiniteGradientIsSkippedAndCounted) {
   CpuBackend be;
   Engine eng(be);

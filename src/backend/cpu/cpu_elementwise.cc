@@ -7,6 +7,7 @@
 #include <cstring>
 #include <new>
 
+#include "backend/adam_ref.h"
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_dtype.h"
@@ -263,10 +264,11 @@ void CpuBackend::adamw_update(std::span<const AdamSlot> slots, std::span<const A
     if (status && status[i] != kStatusOk) continue;
     const AdamSlot& s = slots[i];
     const AdamCoef& k = coef[i];
-    DM_CHECK(k.step >= 1, "adamw_update: step must be >= 1");
-    const float bc1 = 1.0f - std::pow(k.beta1, static_cast<float>(k.step));
-    const float bc2 = 1.0f - std::pow(k.beta2, static_cast<float>(k.step));
-    const float step_size = k.lr / bc1, bc2_sqrt = std::sqrt(bc2);
+    const int64_t t = s.step ? *s.step + 1 : k.step;
+    DM_CHECK(t >= 1, "adamw_update: step must be >= 1 (got ", t, ")");
+    if (s.step) *s.step = t;
+    const adam_ref::Bias bias = adam_ref::bias(k.lr, k.beta1, k.beta2, t);
+    const float step_size = bias.step_size, bc2_sqrt = bias.bc2_sqrt;
     const float decay = 1.0f - k.lr * k.weight_decay;
     float* m = static_cast<float*>(s.exp_avg);
     float* v = static_cast<float*>(s.exp_avg_sq);

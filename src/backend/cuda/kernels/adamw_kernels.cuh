@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/adam_ref.h"
 #include "backend/cuda/kernels/dtype.cuh"
 
 namespace distmuon::cuda {
@@ -19,6 +20,8 @@ struct AdamTable {
   int64_t numel[kMaxAdamSlots];
   float beta1[kMaxAdamSlots], beta2[kMaxAdamSlots], eps[kMaxAdamSlots];
   float step_size[kMaxAdamSlots], bc2_sqrt[kMaxAdamSlots], decay[kMaxAdamSlots];
+  float lr[kMaxAdamSlots];
+  int64_t* steps[kMaxAdamSlots];  // device step counters (null: step_size/bc2_sqrt as given)
   int8_t p_dt[kMaxAdamSlots], g_dt[kMaxAdamSlots];
   int8_t vec[kMaxAdamSlots];  // 16-byte aligned and numel % 8 == 0
   int n, first;
@@ -43,12 +46,19 @@ __device__ __forceinline__ float adam_one(float g, float& m, float& v, float p, 
   return p * decay - step_size * m / (sqrtf(v) / bc2_sqrt + eps);
 }
 
-// grid (blocks, n). status may be null.
+// grid (blocks, n). status may be null. A slot with a step counter takes its bias terms from
+// *steps + 1 (adam_advance_kernel stores that count after this kernel).
 __global__ void __launch_bounds__(256) adamw_update_kernel(AdamTable t, const int32_t* status) {
   const int s = blockIdx.y;
   if (status && status[t.first + s] != 0) return;
   const float b1 = t.beta1[s], b2 = t.beta2[s], eps = t.eps[s];
-  const float ss = t.step_size[s], bc = t.bc2_sqrt[s], dec = t.decay[s];
+  float ss = t.step_size[s], bc = t.bc2_sqrt[s];
+  const float dec = t.decay[s];
+  if (t.steps[s]) {
+    const adam_ref::Bias bias = adam_ref::bias(t.lr[s], b1, b2, *t.steps[s] + 1);
+    ss = bias.step_size;
+    bc = bias.bc2_sqrt;
+  }
   const int64_t n = t.numel[s];
   if (t.vec[s]) {
     for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n;
@@ -73,6 +83,12 @@ __global__ void __launch_bounds__(256) adamw_update_kernel(AdamTable t, const in
       store1(t.p[s], t.p_dt[s], i, p);
     }
   }
+}
+
+// steps[s] += 1 for the slots with a counter that adamw_update_kernel updated. One block.
+__global__ void __launch_bounds__(32) adam_advance_kernel(AdamTable t, const int32_t* status) {
+  const int s = threadIdx.x;
+  if (s < t.n && t.steps[s] && !(status && status[t.first + s] != 0)) *t.steps[s] += 1;
 }
 
 // counter[0] += #(status != 0). One block.

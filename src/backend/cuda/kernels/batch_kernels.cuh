@@ -5,23 +5,13 @@
 
 #include <cstdint>
 
+#include "backend/cuda/kernels/batch_arg.cuh"
 #include "backend/cuda/kernels/dtype.cuh"
 #include "backend/cuda/kernels/reduce.cuh"
 
 namespace distmuon::cuda {
 
-struct BatchArg {
-  const void* data;
-  int64_t stride, ld;
-  int dt;
-};
-
 namespace dev {
-
-__device__ __forceinline__ int elem_bytes(int dt) { return dt == kF32 ? 4 : dt == kF64 ? 8 : 2; }
-__device__ __forceinline__ const void* mat_ptr(const BatchArg& a, int64_t i) {
-  return static_cast<const char*>(a.data) + i * a.stride * elem_bytes(a.dt);
-}
 
 // grid (blocks per matrix, count). VEC: every operand packed (ld == cols) and 16-byte aligned.
 template <typename C, bool VEC>

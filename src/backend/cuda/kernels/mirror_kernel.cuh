@@ -8,10 +8,12 @@ namespace distmuon::cuda::dev {
 
 // Copies the strict lower triangle of each n x n matrix onto the upper one. Blocks visit only the
 // T(T+1)/2 tile pairs (ti <= tj) of the upper triangle: grid (T(T+1)/2, count), block (32, 8).
-// E is the element's storage (uint16_t, uint32_t or uint64_t).
+// E is the element's storage (uint16_t, uint32_t or uint64_t). With flags, matrix b is mirrored
+// only when flags[b] == value (its blocks return at once otherwise).
 template <typename E>
 __global__ void __launch_bounds__(256) mirror_kernel(E* data, int64_t n, int64_t ld, int64_t stride,
-                                                     int tiles) {
+                                                     const int32_t* flags, int32_t value) {
+  if (flags && flags[blockIdx.y] != value) return;
   __shared__ E tile[32][33];
   // p -> (tj, ti) with ti <= tj, tile rows of the lower triangle in order: p = tj(tj+1)/2 + ti.
   const int64_t p = blockIdx.x;
@@ -19,7 +21,6 @@ __global__ void __launch_bounds__(256) mirror_kernel(E* data, int64_t n, int64_t
   while (tj * (tj + 1) / 2 > p) --tj;
   while ((tj + 1) * (tj + 2) / 2 <= p) ++tj;
   const int64_t ti = p - tj * (tj + 1) / 2;
-  (void)tiles;
   E* base = data + static_cast<int64_t>(blockIdx.y) * stride;
   // Source: lower block (rows tj*32.., cols ti*32..).
 #pragma unroll
@@ -44,9 +45,11 @@ namespace distmuon::cuda::dev {
 // lower tile is read in rows of eight 16-byte vectors, staged in shared memory, and written as
 // rows of the upper tile gathered down the staged columns. Needs n, ld and stride multiples of
 // 8 and a 16-byte aligned base (the launcher checks). Diagonal tiles write element by element
-// above the diagonal only.
+// above the diagonal only. Flags as for mirror_kernel.
 __global__ void __launch_bounds__(256) mirror16_kernel(uint16_t* data, int64_t n, int64_t ld,
-                                                       int64_t stride) {
+                                                       int64_t stride, const int32_t* flags,
+                                                       int32_t value) {
+  if (flags && flags[blockIdx.y] != value) return;
   __shared__ uint16_t tile[64][64 + 2];  // +2: column reads hit distinct banks
   const int64_t p = blockIdx.x;
   int64_t tj = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(p) + 1.0) - 1.0) * 0.5);

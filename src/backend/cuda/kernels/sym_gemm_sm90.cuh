@@ -1,12 +1,19 @@
 // Device side of the lower-triangle symmetric product on Hopper: a persistent tile scheduler
 // for CUTLASS's sm90 warp-specialized kernels that hands out only the output tiles touching
-// the lower triangle, and the kernel types built around it (TMA loads, wgmma, TMA epilogue).
+// the lower triangle (or, for masked dense products, every tile), optionally only for the
+// matrices of the batch that a per-matrix flag in device memory selects, and the kernel types
+// built around it (TMA loads, wgmma, TMA epilogue).
 //
 // Tiles are handed out at cluster granularity. A cluster tile is CM*BM rows by BN columns
 // (CM CTAs stacked along M share each B tile through TMA multicast); with q = CM*BM/BN, cluster
 // row I needs the column tiles j < q(I+1), the last row clipped to the matrix. Tiles beyond
 // the diagonal that a cluster tile drags in are computed and later overwritten by the mirror.
 // Linear order: batch-major, then row by row; CTAs stride over it (a static persistent grid).
+//
+// Masking: every thread counts the selected matrices once (flags are written by an earlier
+// kernel in stream order) and the linear order runs over the selected matrices only, so the
+// work of unselected ones is never scheduled and the remaining tiles stay evenly spread over
+// the persistent CTAs. A CTA left without tiles falls through CUTLASS's loops and exits.
 #pragma once
 
 #include <type_traits>
@@ -23,22 +30,36 @@ namespace distmuon::cuda::sm90 {
 
 struct LowerTriangleTag {};
 
+// The scheduler's arguments (outside the class: default member initializers of a nested class
+// are not usable in the enclosing class's default arguments).
+struct TileArguments : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90::Arguments {
+  bool lower = true;               // lower-triangle tiles only; false: every tile (dense)
+  const int32_t* flags = nullptr;  // per matrix: computed only when flags[l] == flag_value
+  int32_t flag_value = 1;
+};
+
 class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
   using Base = cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90;
 
  public:
   using WorkTileInfo = typename Base::WorkTileInfo;
-  using Arguments = typename Base::Arguments;
   using RasterOrderOptions = typename Base::RasterOrderOptions;
   static constexpr bool IsDynamicPersistent = false;
+
+  using Arguments = TileArguments;
 
   struct Params : Base::Params {
     uint64_t tiles_per_batch = 0;  // cluster tiles of one product
     uint64_t total = 0;            // over the batch
     uint64_t full_rows = 0;        // cluster tiles in every row but the last: q * T(rows - 1)
+    uint64_t tiles_n = 0;          // dense: column tiles per row
     int32_t rows = 0;              // cluster rows
     int32_t q = 1;
     int32_t cluster_m = 1;
+    int32_t lower = 1;
+    const int32_t* flags = nullptr;
+    int32_t flag_value = 1;
+    int32_t batches = 0;
   };
 
   template <class ProblemShapeMNKL, class TileShape, class ClusterShape>
@@ -64,7 +85,15 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
     p.full_rows = static_cast<uint64_t>(p.q) * p.rows * (p.rows - 1) / 2;
     const int64_t last = std::min<int64_t>(int64_t(p.q) * p.rows, tiles_n);
     p.tiles_per_batch = p.full_rows + static_cast<uint64_t>(last);
+    p.lower = args.lower ? 1 : 0;
+    if (!args.lower) {
+      p.tiles_n = static_cast<uint64_t>((cute::get<1>(problem) + bn - 1) / bn);
+      p.tiles_per_batch = p.tiles_n * static_cast<uint64_t>(p.rows);
+    }
     p.total = p.tiles_per_batch * static_cast<uint64_t>(batches);
+    p.flags = args.flags;
+    p.flag_value = args.flag_value;
+    p.batches = static_cast<int32_t>(batches);
     return p;
   }
 
@@ -83,15 +112,41 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
     linear_ = blockIdx.y;
     grid_ = gridDim.y;
 #endif
+    total_ = p.total;
+    if (p.flags) {
+      uint64_t active = 0;
+      for (int32_t l = 0; l < p.batches; ++l) active += p.flags[l] == p.flag_value ? 1 : 0;
+      total_ = active * p.tiles_per_batch;
+    }
+  }
+
+  // The matrix of the rank-th selected one. The linear index only grows inside a CTA, so the
+  // search resumes from the last answer (a lookahead may step back once: restart then).
+  CUTLASS_DEVICE int32_t selected(uint64_t rank) const {
+    if (cursor_l_ < 0 || rank < cursor_rank_) {
+      cursor_l_ = 0;
+      cursor_rank_ = 0;
+      while (tri_.flags[cursor_l_] != tri_.flag_value) ++cursor_l_;
+    }
+    while (cursor_rank_ < rank) {
+      ++cursor_l_;
+      while (tri_.flags[cursor_l_] != tri_.flag_value) ++cursor_l_;
+      ++cursor_rank_;
+    }
+    return cursor_l_;
   }
 
   CUTLASS_DEVICE WorkTileInfo work_for(uint64_t idx) const {
-    if (idx >= tri_.total) return WorkTileInfo::invalid_work_tile();
-    const uint64_t l = idx / tri_.tiles_per_batch;
-    const uint64_t r = idx - l * tri_.tiles_per_batch;
+    if (idx >= total_) return WorkTileInfo::invalid_work_tile();
+    const uint64_t rank = idx / tri_.tiles_per_batch;
+    const uint64_t r = idx - rank * tri_.tiles_per_batch;
+    const uint64_t l = tri_.flags ? static_cast<uint64_t>(selected(rank)) : rank;
     const uint64_t q = static_cast<uint64_t>(tri_.q);
     uint64_t row, col;
-    if (r < tri_.full_rows) {
+    if (!tri_.lower) {
+      row = r / tri_.tiles_n;
+      col = r - row * tri_.tiles_n;
+    } else if (r < tri_.full_rows) {
       // r = q * I(I+1)/2 + j with j < q(I+1).
       uint64_t i = static_cast<uint64_t>((sqrt(8.0 * static_cast<double>(r / q) + 1.0) - 1.0) * 0.5);
       while (i > 0 && q * i * (i + 1) / 2 > r) --i;
@@ -136,18 +191,24 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
   Params tri_;
   uint64_t linear_ = 0;
   uint64_t grid_ = 1;
+  uint64_t total_ = 0;  // tiles of the selected matrices
+  mutable int32_t cursor_l_ = -1;
+  mutable uint64_t cursor_rank_ = 0;
 };
 
 // D = alpha * A B^T + beta * C, A and B row-major m x k (k contiguous), C and D row-major.
 // PingPong: two consumer warpgroups alternate on whole tiles (else they split one tile).
-template <typename Element, class TileShape, class ClusterShape, bool PingPong = false>
+// LayoutB_ = RowMajor instead gives D = alpha * A B + beta * C with B row-major k x n (the
+// masked dense products Q X of CacheMuon).
+template <typename Element, class TileShape, class ClusterShape, bool PingPong = false,
+          class LayoutB_ = cutlass::layout::ColumnMajor>
 struct SymGemm {
   using MainloopSchedule = std::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
   using EpilogueSchedule = std::conditional_t<PingPong, cutlass::epilogue::TmaWarpSpecialized,
                                               cutlass::epilogue::TmaWarpSpecializedCooperative>;
   using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;  // B as k x n column-major = n x k row-major
+  using LayoutB = LayoutB_;  // ColumnMajor: B as k x n column-major = n x k row-major
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlign = 8;  // 16 bytes
 

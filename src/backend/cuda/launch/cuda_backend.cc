@@ -118,9 +118,12 @@ CudaBackend::CudaBackend(CudaBackendOptions options) : impl_(std::make_unique<Im
   s.use_workspace(static_cast<char*>(s.own_workspace.get()), ws);
   s.counters = cuda::device_alloc(sizeof(unsigned) * Impl::kCounters);
   DM_CHECK_CUDA(cudaMemset(s.counters.get(), 0, sizeof(unsigned) * Impl::kCounters));
+  s.use_tune_cache = options.use_tune_cache;
   if (options.use_tune_cache) {
-    for (const auto& e : cuda::load_sym_choices(cuda::TuneKey::current(s.name)))
+    const cuda::TuneKey key = cuda::TuneKey::current(s.name);
+    for (const auto& e : cuda::load_sym_choices(key))
       s.sym_choices[{e.m, e.k, e.count, static_cast<int>(e.dtype)}] = e.kernel;
+    s.algo_choices = cuda::load_algo_choices(key);
   }
 }
 

@@ -137,24 +137,7 @@ void CudaBackend::gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const Batc
   SymKernel variant = resolve_sym_kernel(dm.m, dm.k, c.count, c.dtype);
   bool done = false;
   if (variant != SymKernel::kDenseMirror && tn_form && same_dtype) {
-    cuda::SymGemmArgs g;
-    g.a = a.data;
-    g.b = b.data;
-    g.c = cin ? cin->data : c.data;
-    g.d = c.data;
-    g.m = dm.m;
-    g.k = dm.k;
-    g.count = c.count;
-    g.lda = a.ld;
-    g.ldb = b.ld;
-    g.ldc = cin ? cin->ld : c.ld;
-    g.ldd = c.ld;
-    g.stride_a = a.stride;
-    g.stride_b = b.stride;
-    g.stride_c = cin ? cin->stride : c.stride;
-    g.stride_d = c.stride;
-    g.alpha = static_cast<float>(alpha);
-    g.beta = cin ? static_cast<float>(beta) : 0.0f;
+    const cuda::SymGemmArgs g = cuda::make_sym_args(a, b, cin, c, dm.k, alpha, beta);
     if (c.dtype == DType::kBF16)
       done = cuda::run_sym_sm90_bf16(variant, g, s.sm_count, s.tail_workspace(), s.tail_bytes(), s.stream);
     else if (c.dtype == DType::kF16)

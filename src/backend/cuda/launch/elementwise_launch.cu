@@ -153,10 +153,11 @@ void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCo
     for (int i = 0; i < n; ++i) {
       const AdamSlot& s = slots[first + i];
       const AdamCoef& k = coef[first + i];
-      DM_CHECK(k.step >= 1, "adamw_update: step must be >= 1");
-      // Same float arithmetic as the CPU reference.
-      const float bc1 = 1.0f - std::pow(k.beta1, static_cast<float>(k.step));
-      const float bc2 = 1.0f - std::pow(k.beta2, static_cast<float>(k.step));
+      DM_CHECK(s.step || k.step >= 1, "adamw_update: step must be >= 1");
+      // Same arithmetic as the CPU reference (adam_ref.h); counters are read on the device.
+      const adam_ref::Bias bias = adam_ref::bias(k.lr, k.beta1, k.beta2, s.step ? 1 : k.step);
+      t.steps[i] = s.step;
+      t.lr[i] = k.lr;
       t.p[i] = s.param;
       t.g[i] = s.grad;
       t.m[i] = static_cast<float*>(s.exp_avg);
@@ -165,8 +166,8 @@ void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCo
       t.beta1[i] = k.beta1;
       t.beta2[i] = k.beta2;
       t.eps[i] = k.eps;
-      t.step_size[i] = k.lr / bc1;
-      t.bc2_sqrt[i] = std::sqrt(bc2);
+      t.step_size[i] = bias.step_size;
+      t.bc2_sqrt[i] = bias.bc2_sqrt;
       t.decay[i] = 1.0f - k.lr * k.weight_decay;
       t.p_dt[i] = static_cast<int8_t>(s.param_dtype);
       t.g_dt[i] = static_cast<int8_t>(s.grad_dtype);
@@ -175,10 +176,17 @@ void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCo
                  s.param_dtype != DType::kF64 && s.grad_dtype != DType::kF64;
     }
     const int64_t mx = max_numel(slots, first, n);
-    if (mx == 0) continue;
-    dim3 grid(blocks_per_matrix(mx, n, sm_count), n);
-    dev::adamw_update_kernel<<<grid, 256, 0, stream>>>(t, status);
-    DM_CHECK_LAUNCH();
+    if (mx > 0) {
+      dim3 grid(blocks_per_matrix(mx, n, sm_count), n);
+      dev::adamw_update_kernel<<<grid, 256, 0, stream>>>(t, status);
+      DM_CHECK_LAUNCH();
+    }
+    bool counters = false;
+    for (int i = 0; i < n; ++i) counters |= t.steps[i] != nullptr;
+    if (counters) {  // after the update kernel: every block of a slot read the same count
+      dev::adam_advance_kernel<<<1, kMaxAdamSlots, 0, stream>>>(t, status);
+      DM_CHECK_LAUNCH();
+    }
   }
 }
 

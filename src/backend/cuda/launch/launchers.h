@@ -46,8 +46,21 @@ void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCo
                          const int32_t* status, int sm_count, cudaStream_t stream);
 void launch_count_status(const int32_t* status, int64_t n, int64_t* counter, cudaStream_t stream);
 
-// Copies the strict lower triangle of every square matrix of `c` onto its upper triangle.
-void launch_mirror(const BatchRef& c, cudaStream_t stream);
+// Copies the strict lower triangle of every square matrix of `c` onto its upper triangle (with
+// flags: only of the matrices b with flags[b] == value).
+void launch_mirror(const BatchRef& c, cudaStream_t stream, const int32_t* flags = nullptr,
+                   int32_t value = 1);
+
+// ---- CacheMuon (kernels/cache_kernels.cuh) ----
+// Backend::cache_gate: one thread per matrix runs cache_ref::gate_one.
+void launch_cache_gate(const CacheGateArgs& args, cudaStream_t stream);
+// dst_i = src_i rounded to dst's dtype where flags[i] == value; other matrices untouched.
+void launch_copy_masked(const BatchRef& src, const BatchRef& dst, const int32_t* flags,
+                        int32_t value, int sm_count, cudaStream_t stream);
+// Backend::fill_normal: element (b, r, c) = cache_ref::normal_sample(seed, counter +
+// (b * rows + r) * cols + c), rounded to dst's dtype.
+void launch_fill_normal_ref(const BatchRef& dst, uint64_t seed, uint64_t counter, int sm_count,
+                            cudaStream_t stream);
 
 }  // namespace distmuon::cuda
 

@@ -5,7 +5,7 @@
 
 namespace distmuon::cuda {
 
-void launch_mirror(const BatchRef& c, cudaStream_t stream) {
+void launch_mirror(const BatchRef& c, cudaStream_t stream, const int32_t* flags, int32_t value) {
   DM_CHECK(c.rows == c.cols, "mirror: matrices are ", c.rows, "x", c.cols, ", not square");
   if (c.count == 0 || c.rows <= 1) return;
   const bool vec16 = dtype_size(c.dtype) == 2 && c.rows % 8 == 0 && c.ld % 8 == 0 &&
@@ -16,7 +16,8 @@ void launch_mirror(const BatchRef& c, cudaStream_t stream) {
       const int64_t n = std::min<int64_t>(65535, c.count - first);
       BatchRef s = c.slice(first, n);
       dev::mirror16_kernel<<<dim3(static_cast<unsigned>(pairs64), static_cast<unsigned>(n)), 256, 0,
-                             stream>>>(static_cast<uint16_t*>(s.data), s.rows, s.ld, s.stride);
+                             stream>>>(static_cast<uint16_t*>(s.data), s.rows, s.ld, s.stride,
+                                       flags ? flags + first : nullptr, value);
       DM_CHECK_LAUNCH();
     }
     return;
@@ -28,18 +29,19 @@ void launch_mirror(const BatchRef& c, cudaStream_t stream) {
     const int64_t n = std::min<int64_t>(65535, c.count - first);
     BatchRef s = c.slice(first, n);
     dim3 grid(static_cast<unsigned>(pairs), static_cast<unsigned>(n));
+    const int32_t* f = flags ? flags + first : nullptr;
     switch (dtype_size(c.dtype)) {
       case 2:
         dev::mirror_kernel<uint16_t><<<grid, dim3(32, 8), 0, stream>>>(
-            static_cast<uint16_t*>(s.data), s.rows, s.ld, s.stride, static_cast<int>(tiles));
+            static_cast<uint16_t*>(s.data), s.rows, s.ld, s.stride, f, value);
         break;
       case 4:
         dev::mirror_kernel<uint32_t><<<grid, dim3(32, 8), 0, stream>>>(
-            static_cast<uint32_t*>(s.data), s.rows, s.ld, s.stride, static_cast<int>(tiles));
+            static_cast<uint32_t*>(s.data), s.rows, s.ld, s.stride, f, value);
         break;
       default:
         dev::mirror_kernel<uint64_t><<<grid, dim3(32, 8), 0, stream>>>(
-            static_cast<uint64_t*>(s.data), s.rows, s.ld, s.stride, static_cast<int>(tiles));
+            static_cast<uint64_t*>(s.data), s.rows, s.ld, s.stride, f, value);
     }
     DM_CHECK_LAUNCH();
   }

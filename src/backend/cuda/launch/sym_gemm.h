@@ -1,6 +1,10 @@
 // The lower-triangle symmetric product on Hopper (CUTLASS sm90, launch/sym_gemm_sm90_*.cu):
 //   D = alpha * A B^T + beta * C   (row-major, A and B both m x k with k contiguous)
 // for the output tiles that touch the lower triangle only; the caller mirrors afterwards.
+// The same kernels with `lower` off compute every tile of an m x n product (masked dense
+// products), and dense_nn runs D = alpha * A B + beta * C with B row-major k x n.
+// With `flags`, matrix l of the batch is computed only when flags[l] == flag_value (device
+// memory, read by the tile scheduler): the others are neither read nor written.
 // Every pointer 16-byte aligned, every leading dimension and batch stride a multiple of 8.
 #pragma once
 
@@ -18,10 +22,41 @@ struct SymGemmArgs {
   const void* c = nullptr;  // may be null when beta == 0
   void* d = nullptr;
   int64_t m = 0, k = 0, count = 0;
+  int64_t n = 0;  // columns of D; 0: m (symmetric)
   int64_t lda = 0, ldb = 0, ldc = 0, ldd = 0;
   int64_t stride_a = 0, stride_b = 0, stride_c = 0, stride_d = 0;
   float alpha = 1.0f, beta = 0.0f;
+  bool lower = true;  // only the tiles touching the lower triangle (needs n == m)
+  const int32_t* flags = nullptr;
+  int32_t flag_value = 1;
 };
+
+// The arguments of D = alpha * op(A) op(B) + beta * Cin for batches of the backend (Cin null or
+// beta 0: no source), before the kernel-specific fields (lower, flags) are set.
+inline SymGemmArgs make_sym_args(const BatchRef& a, const BatchRef& b, const BatchRef* cin,
+                                 const BatchRef& c, int64_t k, double alpha, double beta) {
+  const bool src = cin && beta != 0.0;
+  SymGemmArgs g;
+  g.a = a.data;
+  g.b = b.data;
+  g.c = src ? cin->data : c.data;
+  g.d = c.data;
+  g.m = c.rows;
+  g.n = c.cols;
+  g.k = k;
+  g.count = c.count;
+  g.lda = a.ld;
+  g.ldb = b.ld;
+  g.ldc = src ? cin->ld : c.ld;
+  g.ldd = c.ld;
+  g.stride_a = a.stride;
+  g.stride_b = b.stride;
+  g.stride_c = src ? cin->stride : c.stride;
+  g.stride_d = c.stride;
+  g.alpha = static_cast<float>(alpha);
+  g.beta = src ? static_cast<float>(beta) : 0.0f;
+  return g;
+}
 
 // True when this build has the CUTLASS kernels.
 bool sym_sm90_built();
@@ -32,6 +67,13 @@ bool run_sym_sm90_bf16(SymKernel variant, const SymGemmArgs& args, int sm_count,
                        size_t workspace_bytes, cudaStream_t stream);
 bool run_sym_sm90_f16(SymKernel variant, const SymGemmArgs& args, int sm_count, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
+
+// D = alpha * A B + beta * C (A m x k, B k x n, both row-major; every tile) with the 256x128
+// cooperative kernel. Returns false when it cannot run these arguments.
+bool run_dense_nn_sm90_bf16(const SymGemmArgs& args, int sm_count, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream);
+bool run_dense_nn_sm90_f16(const SymGemmArgs& args, int sm_count, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream);
 
 // Output tiles (of the CTA tile shape) a variant computes for one m x m product: the tile-level
 // lower triangle, rounded up to whole cluster tiles. Used by the heuristic and the notes.

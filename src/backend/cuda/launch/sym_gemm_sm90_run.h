@@ -9,18 +9,25 @@
 
 namespace distmuon::cuda::sm90 {
 
-template <typename Element, class TileShape, class ClusterShape, bool PingPong = false>
+template <typename Element, class TileShape, class ClusterShape, bool PingPong = false,
+          class LayoutB = cutlass::layout::ColumnMajor>
 bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspace_bytes,
              cudaStream_t stream) {
-  using Gemm = typename SymGemm<Element, TileShape, ClusterShape, PingPong>::Gemm;
+  using Gemm = typename SymGemm<Element, TileShape, ClusterShape, PingPong, LayoutB>::Gemm;
   using Kernel = typename Gemm::GemmKernel;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
   using StrideC = typename Kernel::StrideC;
   using StrideD = typename Kernel::StrideD;
   const int m = static_cast<int>(g.m), k = static_cast<int>(g.k), l = static_cast<int>(g.count);
+  const int n = g.n > 0 ? static_cast<int>(g.n) : m;
+  if (g.lower && n != m) return false;
   StrideA sa = cute::make_stride(g.lda, cute::Int<1>{}, g.stride_a);
-  StrideB sb = cute::make_stride(g.ldb, cute::Int<1>{}, g.stride_b);
+  StrideB sb;
+  if constexpr (std::is_same_v<LayoutB, cutlass::layout::RowMajor>)
+    sb = cute::make_stride(cute::Int<1>{}, g.ldb, g.stride_b);  // k x n, n contiguous
+  else
+    sb = cute::make_stride(g.ldb, cute::Int<1>{}, g.stride_b);  // n x k, k contiguous
   StrideC sc = cute::make_stride(g.ldc, cute::Int<1>{}, g.stride_c);
   StrideD sd = cute::make_stride(g.ldd, cute::Int<1>{}, g.stride_d);
   cutlass::KernelHardwareInfo hw;
@@ -28,11 +35,14 @@ bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspa
   hw.sm_count = sm_count;
   typename Gemm::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
-      {m, m, k, l},
+      {m, n, k, l},
       {static_cast<const Element*>(g.a), sa, static_cast<const Element*>(g.b), sb},
       {{g.alpha, g.beta}, static_cast<const Element*>(g.c ? g.c : g.d), sc,
        static_cast<Element*>(g.d), sd},
       hw};
+  args.scheduler.lower = g.lower;
+  args.scheduler.flags = g.flags;
+  args.scheduler.flag_value = g.flag_value;
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
   if (Gemm::get_workspace_size(args) > workspace_bytes) return false;
@@ -55,7 +65,8 @@ bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws
   if (!al(g.a) || !al(g.b) || !al(g.d) || (g.c && !al(g.c))) return false;
   for (int64_t v : {g.lda, g.ldb, g.ldc, g.ldd, g.stride_a, g.stride_b, g.stride_c, g.stride_d})
     if (v % 8 != 0) return false;
-  if (g.m > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30)) return false;
+  if (g.m > (1LL << 30) || g.n > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30))
+    return false;
   switch (variant) {
     case SymKernel::kTri128:
       return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
@@ -67,6 +78,20 @@ bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws
       return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, true>(g, sm_count, ws, ws_bytes, stream);
     default: return false;
   }
+}
+
+template <typename Element>
+bool run_dense_nn(const SymGemmArgs& g, int sm_count, void* ws, size_t ws_bytes,
+                  cudaStream_t stream) {
+  using namespace cute;
+  auto al = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; };
+  if (!al(g.a) || !al(g.b) || !al(g.d) || (g.c && !al(g.c)) || g.lower) return false;
+  for (int64_t v : {g.lda, g.ldb, g.ldc, g.ldd, g.stride_a, g.stride_b, g.stride_c, g.stride_d})
+    if (v % 8 != 0) return false;
+  if (g.m > (1LL << 30) || g.n > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30))
+    return false;
+  return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>, false,
+                 cutlass::layout::RowMajor>(g, sm_count, ws, ws_bytes, stream);
 }
 
 }  // namespace distmuon::cuda::sm90

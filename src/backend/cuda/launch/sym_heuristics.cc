@@ -75,6 +75,8 @@ SymKernel heuristic_sym_kernel(int64_t m, int64_t k, int64_t count, int sm_count
 bool sym_sm90_built() { return false; }
 bool run_sym_sm90_bf16(SymKernel, const SymGemmArgs&, int, void*, size_t, cudaStream_t) { return false; }
 bool run_sym_sm90_f16(SymKernel, const SymGemmArgs&, int, void*, size_t, cudaStream_t) { return false; }
+bool run_dense_nn_sm90_bf16(const SymGemmArgs&, int, void*, size_t, cudaStream_t) { return false; }
+bool run_dense_nn_sm90_f16(const SymGemmArgs&, int, void*, size_t, cudaStream_t) { return false; }
 #else
 bool sym_sm90_built() { return true; }
 #endif

@@ -109,12 +109,21 @@ SymChoice tune_sym(CudaBackend& be, int64_t m, int64_t k, int64_t count, DType d
   return best;
 }
 
-OrthoConfig config_of(const AlgoChoice& c, const OrthoConfig& base) {
+OrthoConfig config_of(const AlgoCandidate& c, const OrthoConfig& base) {
   OrthoConfig cfg = parse_algorithm(c.algorithm, base);
   cfg.restarts = c.restarts;
   cfg.work_dtype = DType::kBF16;
   if (cfg.iteration == Iteration::kGram) cfg.gram_work_dtype = c.work_dtype;
   return cfg;
+}
+
+OrthoConfig config_of(const AlgoChoice& c, const OrthoConfig& base) {
+  return config_of(AlgoCandidate{c.algorithm, c.restarts, c.work_dtype, c.ms, c.rel_err, true},
+                   base);
+}
+
+std::string schedule_name(const OrthoConfig& base) {
+  return coefficients_name(base.coefficients) + ":" + std::to_string(base.steps);
 }
 
 AlgoChoice tune_algorithm(CudaBackend& be, int64_t rows, int64_t cols, int64_t count,
@@ -158,6 +167,7 @@ AlgoChoice tune_algorithm(CudaBackend& be, int64_t rows, int64_t cols, int64_t c
   best.cols = cols;
   best.count = count;
   best.ms = INFINITY;
+  best.schedule = schedule_name(base);
   BatchRef out32 = BatchRef::packed(nullptr, DType::kF32, nchk, m, n), diff = out32;
   Buffer o32 = be.alloc(out32.bytes()), d32 = be.alloc(diff.bytes());
   out32.data = o32.data();
@@ -191,6 +201,7 @@ AlgoChoice tune_algorithm(CudaBackend& be, int64_t rows, int64_t cols, int64_t c
     std::snprintf(buf, sizeof(buf), "%s%s %.3f ms err %.2e%s", line.empty() ? "" : ", ", name.c_str(), ms,
                   err, err <= opt.tolerance ? "" : " (rejected)");
     line += buf;
+    best.candidates.push_back({c.algo, c.restarts, c.dt, ms, err, err <= opt.tolerance});
     if (err <= opt.tolerance && ms < best.ms) {
       best.algorithm = c.algo;
       best.restarts = c.restarts;

@@ -33,8 +33,21 @@ SymChoice tune_sym(CudaBackend& be, int64_t m, int64_t k, int64_t count, DType d
 AlgoChoice tune_algorithm(CudaBackend& be, int64_t rows, int64_t cols, int64_t count,
                           const OrthoConfig& base, const TuneOptions& opt);
 
-// The OrthoConfig an AlgoChoice stands for.
+// The OrthoConfig an AlgoChoice (or one of its candidates) stands for.
 OrthoConfig config_of(const AlgoChoice& c, const OrthoConfig& base);
+OrthoConfig config_of(const AlgoCandidate& c, const OrthoConfig& base);
+
+// "jordan:5": the coefficients and step count a choice was measured with (AlgoChoice::schedule).
+std::string schedule_name(const OrthoConfig& base);
+
+// Pure selection rules of the engine's `auto` (host code, unit-tested without a GPU):
+// The fastest accepted candidate whose Gram-NS restart set contains 2 (standard NS has none to
+// check); with allow_restart_free any accepted one. nullptr when none qualifies.
+const AlgoCandidate* select_candidate(const AlgoChoice& c, bool allow_restart_free);
+// The stored choice for count wide m x n matrices measured with `schedule`: same sides in either
+// orientation, the nearest batch size (the exact one when stored). nullptr when none.
+const AlgoChoice* find_choice(const std::vector<AlgoChoice>& all, int64_t m, int64_t n,
+                              int64_t count, const std::string& schedule);
 
 // Median time in ms of `repeats` runs of f on the backend's stream (device events).
 template <typename F>

@@ -94,6 +94,19 @@ std::vector<AlgoChoice> load_algo_choices(const TuneKey& key) {
       c.work_dtype = parse_dtype(e.at("work_dtype"));
       c.ms = e.value("ms", 0.0);
       c.rel_err = e.value("rel_err", 0.0);
+      c.schedule = e.value("schedule", std::string("jordan:5"));
+      for (const json& k : e.value("candidates", json::array())) {
+        AlgoCandidate a;
+        a.algorithm = k.at("algorithm");
+        a.restarts = k.at("restarts").get<std::vector<int>>();
+        a.work_dtype = parse_dtype(k.at("work_dtype"));
+        a.ms = k.value("ms", 0.0);
+        a.rel_err = k.value("rel_err", 0.0);
+        a.accepted = k.value("accepted", false);
+        c.candidates.push_back(a);
+      }
+      if (c.candidates.empty())
+        c.candidates.push_back({c.algorithm, c.restarts, c.work_dtype, c.ms, c.rel_err, true});
       out.push_back(c);
     }
   } catch (const std::exception& e) {
@@ -124,13 +137,19 @@ void save_choices(const TuneKey& key, const std::vector<SymChoice>& sym,
   json& ja = mine["algo"];
   if (!ja.is_array()) ja = json::array();
   for (const AlgoChoice& c : algo) {
+    json cands = json::array();
+    for (const AlgoCandidate& a : c.candidates)
+      cands.push_back({{"algorithm", a.algorithm}, {"restarts", a.restarts},
+                       {"work_dtype", dtype_name(a.work_dtype)}, {"ms", a.ms},
+                       {"rel_err", a.rel_err}, {"accepted", a.accepted}});
     json e = {{"rows", c.rows}, {"cols", c.cols}, {"count", c.count}, {"algorithm", c.algorithm},
               {"restarts", c.restarts}, {"work_dtype", dtype_name(c.work_dtype)}, {"ms", c.ms},
-              {"rel_err", c.rel_err}};
+              {"rel_err", c.rel_err}, {"schedule", c.schedule}, {"candidates", cands}};
     bool replaced = false;
     for (json& old : ja)
       if (old.value("rows", -1) == c.rows && old.value("cols", -1) == c.cols &&
-          old.value("count", -1) == c.count) {
+          old.value("count", -1) == c.count &&
+          old.value("schedule", std::string("jordan:5")) == c.schedule) {
         old = e;
         replaced = true;
       }

@@ -30,14 +30,28 @@ struct SymChoice {
   double dense_ms = 0;      // measured dense cuBLASLt product + mirror
 };
 
-// Orthogonalization algorithm for a class of count matrices rows x cols.
-struct AlgoChoice {
-  int64_t rows = 0, cols = 0, count = 0;
-  std::string algorithm;       // parse_algorithm() spec, e.g. "gram-ns" or "ns5-sym"
-  std::vector<int> restarts;   // Gram NS restart set
+// One measured candidate of an algorithm choice.
+struct AlgoCandidate {
+  std::string algorithm;      // parse_algorithm() spec, e.g. "gram-ns" or "ns5-sym"
+  std::vector<int> restarts;  // Gram NS restart set
   DType work_dtype = DType::kBF16;
   double ms = 0;
-  double rel_err = 0;          // against the fp32 dense iteration on the same input
+  double rel_err = 0;         // against the fp32 dense iteration on the same input
+  bool accepted = false;      // passed the numerical check
+};
+
+// Orthogonalization algorithm for a class of count matrices rows x cols: the fastest accepted
+// candidate (algorithm ... rel_err) and every candidate measured, so that a caller with a
+// narrower policy (restart sets) can pick among them without measuring again.
+struct AlgoChoice {
+  int64_t rows = 0, cols = 0, count = 0;
+  std::string algorithm;
+  std::vector<int> restarts;
+  DType work_dtype = DType::kBF16;
+  double ms = 0;
+  double rel_err = 0;
+  std::string schedule = "jordan:5";  // coefficients and steps the candidates ran with
+  std::vector<AlgoCandidate> candidates;  // entries written before they existed: the choice alone
 };
 
 std::string tune_cache_path();

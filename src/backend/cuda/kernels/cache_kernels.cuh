@@ -1,0 +1,62 @@
+// Device side of the CacheMuon operations: the accept/refresh gate (one thread per matrix, the
+// same cache_ref::gate_one the CPU runs), the flag-checked copy that selects between cached and
+// fresh results on the device, and the counter-based normal fill of the probes.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cache_ref.h"
+#include "backend/cuda/kernels/batch_arg.cuh"
+
+namespace distmuon::cuda::dev {
+
+// grid ceil(count / 128), block 128. The arguments travel by value: a graph replays them.
+__global__ void __launch_bounds__(128) cache_gate_kernel(CacheGateArgs g) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < g.count) cache_ref::gate_one(g, i);
+}
+
+// dst_i = src_i rounded to dst's dtype for the matrices with flags[i] == value; the blocks of
+// the others return before touching memory. grid (blocks per matrix, count). VEC: both packed
+// and 16-byte aligned, no fp64 (8 elements per thread through fp32, which holds every
+// non-fp64 value exactly, so the rounding equals the scalar path's).
+template <bool VEC>
+__global__ void __launch_bounds__(256)
+    copy_masked_kernel(int64_t rows, int64_t cols, BatchArg src, BatchArg dst, const int32_t* flags,
+                       int32_t value) {
+  const int64_t m = blockIdx.y;
+  if (flags[m] != value) return;
+  const void* ps = mat_ptr(src, m);
+  void* pd = const_cast<void*>(mat_ptr(dst, m));
+  const int64_t numel = rows * cols;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if constexpr (VEC) {
+    for (int64_t i = first * 8; i < numel; i += step * 8)
+      store8(pd, dst.dt, i, load8(ps, src.dt, i));
+  } else {
+    for (int64_t i = first; i < numel; i += step) {
+      const int64_t r = i / cols, c = i - r * cols;
+      store1d(pd, dst.dt, r * dst.ld + c, load1d(ps, src.dt, r * src.ld + c));
+    }
+  }
+}
+
+// Element (first + b, r, c) of the batch gets normal_sample(seed, counter + ((first + b) * rows
+// + r) * cols + c), rounded to dst's dtype as the CPU rounds it (double -> float -> half).
+// grid (blocks per matrix, matrices of this launch).
+__global__ void __launch_bounds__(256)
+    fill_normal_ref_kernel(int64_t rows, int64_t cols, BatchArg dst, uint64_t seed,
+                           uint64_t counter, int64_t first) {
+  const int64_t m = blockIdx.y;
+  void* pd = const_cast<void*>(mat_ptr(dst, m));
+  const uint64_t base = counter + static_cast<uint64_t>((first + m) * rows * cols);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    store1d(pd, dst.dt, r * dst.ld + c,
+            cache_ref::normal_sample(seed, base + static_cast<uint64_t>(i)));
+  }
+}
+
+}  // namespace distmuon::cuda::dev

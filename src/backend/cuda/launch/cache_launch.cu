@@ -1,0 +1,68 @@
+// Launchers of the CacheMuon kernels (kernels/cache_kernels.cuh). Nothing here reads device
+// memory from the host: the decisions and flags stay on the device.
+#include <algorithm>
+
+#include "backend/backend_checks.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/kernels/cache_kernels.cuh"
+#include "backend/cuda/launch/launchers.h"
+
+namespace distmuon::cuda {
+namespace {
+
+BatchArg arg(const BatchRef& b) {
+  return BatchArg{b.data, b.stride, b.ld, static_cast<int>(b.dtype)};
+}
+
+bool vec_ok(const BatchRef& b) {
+  const int64_t es = static_cast<int64_t>(dtype_size(b.dtype));
+  return b.ld == b.cols && (reinterpret_cast<uintptr_t>(b.data) & 15u) == 0 &&
+         (b.stride * es) % 16 == 0 && (b.rows * b.cols) % 8 == 0 && b.dtype != DType::kF64;
+}
+
+constexpr int64_t kMaxGridY = 65535;
+
+}  // namespace
+
+void launch_cache_gate(const CacheGateArgs& args, cudaStream_t stream) {
+  if (args.count <= 0) return;
+  const int64_t blocks = (args.count + 127) / 128;
+  DM_CHECK(blocks < (1LL << 31), "cache_gate: ", args.count, " matrices");
+  dev::cache_gate_kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(args);
+  DM_CHECK_LAUNCH();
+}
+
+void launch_copy_masked(const BatchRef& src, const BatchRef& dst, const int32_t* flags,
+                        int32_t value, int sm_count, cudaStream_t stream) {
+  check_same_shape("copy_masked", src, dst);
+  if (src.count == 0 || src.rows * src.cols == 0) return;
+  DM_CHECK(flags != nullptr, "copy_masked: no flags");
+  const bool vec = vec_ok(src) && vec_ok(dst);
+  for (int64_t first = 0; first < src.count; first += kMaxGridY) {
+    const int64_t n = std::min(kMaxGridY, src.count - first);
+    BatchRef s = src.slice(first, n), d = dst.slice(first, n);
+    dim3 grid(blocks_per_matrix(src.rows * src.cols, n, sm_count), static_cast<unsigned>(n));
+    if (vec)
+      dev::copy_masked_kernel<true>
+          <<<grid, 256, 0, stream>>>(src.rows, src.cols, arg(s), arg(d), flags + first, value);
+    else
+      dev::copy_masked_kernel<false>
+          <<<grid, 256, 0, stream>>>(src.rows, src.cols, arg(s), arg(d), flags + first, value);
+    DM_CHECK_LAUNCH();
+  }
+}
+
+void launch_fill_normal_ref(const BatchRef& dst, uint64_t seed, uint64_t counter, int sm_count,
+                            cudaStream_t stream) {
+  if (dst.count == 0 || dst.rows * dst.cols == 0) return;
+  for (int64_t first = 0; first < dst.count; first += kMaxGridY) {
+    const int64_t n = std::min(kMaxGridY, dst.count - first);
+    BatchRef d = dst.slice(first, n);
+    dim3 grid(blocks_per_matrix(dst.rows * dst.cols, n, sm_count), static_cast<unsigned>(n));
+    dev::fill_normal_ref_kernel<<<grid, 256, 0, stream>>>(dst.rows, dst.cols, arg(d), seed, counter,
+                                                          first);
+    DM_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace distmuon::cuda

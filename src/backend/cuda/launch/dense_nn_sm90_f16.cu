@@ -1,0 +1,12 @@
+// The masked dense product D = A B (B row-major k x n) in f16, every tile, 256x128 cooperative
+// (fp32 accumulation). A translation unit of its own: CUTLASS instantiations compile slowly.
+#include "backend/cuda/launch/sym_gemm_sm90_run.h"
+
+namespace distmuon::cuda {
+
+bool run_dense_nn_sm90_f16(const SymGemmArgs& args, int sm_count, void* workspace,
+                           size_t workspace_bytes, cudaStream_t stream) {
+  return sm90::run_dense_nn<cutlass::half_t>(args, sm_count, workspace, workspace_bytes, stream);
+}
+
+}  // namespace distmuon::cuda

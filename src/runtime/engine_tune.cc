@@ -1,0 +1,132 @@
+// `auto` per shape (ALGORITHMS.md section 4: "choose per shape, measured, not assumed"): the
+// backend's measured choice (the CUDA autotuner, Backend::tuned_config) under the engine's policy,
+// or the pure heuristic of resolve(). Distributed engines take rank 0's choices everywhere, so that
+// every rank runs the same algorithm on the same matrix (gather mode solves every matrix on
+// every rank and keeps its own rows: different algorithms would tear a matrix apart).
+#include <sstream>
+
+#include "distmuon/env.h"
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+
+namespace distmuon {
+
+AutoTune parse_autotune(const std::string& s) {
+  if (s == "off" || s == "0") return AutoTune::kOff;
+  if (s == "cached") return AutoTune::kCached;
+  if (s == "on" || s == "1") return AutoTune::kOn;
+  DM_FAIL("unknown autotune mode '", s, "' (expected off, cached or on)");
+}
+
+namespace {
+
+// Everything of a group's config that the tuned answer depended on: a change of any of it
+// between steps (a scheduler editing the group) falls back to the heuristic, never to a stale
+// choice.
+std::string tuned_key(int group, int64_t m, int64_t n, const OrthoConfig& base) {
+  std::ostringstream os;
+  os << group << "|" << m << "x" << n << "|" << algorithm_name(base) << "|"
+     << dtype_name(base.work_dtype) << "|"
+     << (base.gram_work_dtype ? dtype_name(*base.gram_work_dtype) : "-") << "|" << base.eps << "|"
+     << base.custom_coefficients.size();
+  return os.str();
+}
+
+// The fields a tuned answer sets, as one line of text (the distributed exchange carries it).
+std::string encode(const OrthoConfig& c) {
+  std::ostringstream os;
+  os << static_cast<int>(c.iteration) << " " << static_cast<int>(c.work_dtype) << " "
+     << (c.gram_work_dtype ? static_cast<int>(*c.gram_work_dtype) : -1);
+  for (int r : c.restarts) os << " " << r;
+  return os.str();
+}
+
+OrthoConfig decode(const std::string& line, const OrthoConfig& base) {
+  std::istringstream is(line);
+  int it = 0, wd = 0, gd = 0;
+  is >> it >> wd >> gd;
+  DM_CHECK(!is.fail() && it >= 0 && it <= 2, "internal: bad tuned choice '", line, "'");
+  OrthoConfig c = base;
+  c.iteration = static_cast<Iteration>(it);
+  c.work_dtype = static_cast<DType>(wd);
+  if (gd >= 0) c.gram_work_dtype = static_cast<DType>(gd);
+  c.restarts.clear();
+  for (int r; is >> r;) c.restarts.push_back(r);
+  return c;
+}
+
+}  // namespace
+
+OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
+  const OrthoConfig& base = groups[group].muon.ortho;
+  if (base.iteration == Iteration::kAuto && !tuned.empty()) {
+    auto it = tuned.find(tuned_key(group, m, n, base));
+    if (it != tuned.end()) return it->second;
+  }
+  return resolve(base, m, n);
+}
+
+void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
+  AutoTune mode = options.autotune;
+  if (const std::string e = env::get("DISTMUON_AUTOTUNE"); !e.empty()) mode = parse_autotune(e);
+  bool restart_free = options.allow_restart_free;
+  if (!env::get("DISTMUON_AUTOTUNE_RESTART_FREE").empty())
+    restart_free = env::get_bool("DISTMUON_AUTOTUNE_RESTART_FREE");
+  std::vector<TuneShape> todo;
+  for (const TuneShape& t : shapes)
+    if (groups[t.group].kind == ParamKind::kMuon &&
+        groups[t.group].muon.ortho.iteration == Iteration::kAuto)
+      todo.push_back(t);
+  if (mode == AutoTune::kOff || todo.empty()) return;
+  const TunePolicy policy{mode == AutoTune::kOn, restart_free};
+  std::string answers;  // one line per shape: an encoded config, or "-" for the heuristic
+  if (!world || rank == 0) {
+    for (const TuneShape& t : todo) {
+      OrthoConfig out;
+      const bool ok =
+          backend.tuned_config(groups[t.group].muon.ortho, t.m, t.n, t.count, policy, &out);
+      answers += (ok ? encode(out) : std::string("-")) + "\n";
+    }
+  }
+  if (world && world_size > 1) {  // every rank takes rank 0's answers
+    const std::vector<int64_t> len =
+        host_all_gather(*world, backend, {static_cast<int64_t>(answers.size())});
+    const std::vector<char> all = host_all_gather_v(*world, backend, answers, len);
+    answers.assign(all.data(), static_cast<size_t>(len[0]));
+  }
+  std::istringstream is(answers);
+  std::string line;
+  for (const TuneShape& t : todo) {
+    std::getline(is, line);
+    if (line.empty() || line == "-") continue;
+    const OrthoConfig& base = groups[t.group].muon.ortho;
+    tuned[tuned_key(t.group, t.m, t.n, base)] = resolve(decode(line, base), t.m, t.n);
+  }
+}
+
+void Engine::Impl::tune_dist_shapes() {
+  std::vector<TuneShape> shapes;
+  for (const DistMatrix& d : mats) {
+    bool found = false;
+    for (TuneShape& t : shapes)
+      if (t.group == d.group && t.m == d.m() && t.n == d.n()) {
+        t.count += 1;
+        found = true;
+      }
+    if (!found) shapes.push_back({d.group, d.m(), d.n(), 1});
+  }
+  tune_shapes(shapes);
+}
+
+OrthoConfig Engine::resolved_ortho(int i) {
+  DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
+  Impl& s = *impl_;
+  const Param& p = s.params[i];
+  DM_CHECK(s.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
+           "' is updated with AdamW, not orthogonalized");
+  setup();
+  return s.resolve_shape(p.spec.group, std::min(p.layout.rows, p.layout.cols),
+                         std::max(p.layout.rows, p.layout.cols));
+}
+
+}  // namespace distmuon

@@ -1,0 +1,340 @@
+// The CUDA backend's CacheMuon operations against the CPU backend and float64 references, with
+// outputs poisoned beforehand: the gate case by case, the probe generator bit for bit, the
+// masked copy, and masked products (selected matrices bit-exact against the same kernel
+// unmasked, unselected ones untouched); then a whole cached orthogonalization captured in a
+// CUDA graph, which fails if anything in it waits for the host. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "backend/cache_ref.h"
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_handles.h"
+#include "distmuon/cache.h"
+#include "test_cuda_util.h"
+
+namespace distmuon {
+namespace {
+
+using test::DeviceBatch;
+using test::HostBatch;
+using test::Mat;
+using test::random_matrix;
+using test::rel_err;
+
+bool bits_equal(const HostBatch& a, const HostBatch& b, int64_t i) {
+  const size_t n = static_cast<size_t>(a.ref.rows * a.ref.cols) * dtype_size(a.ref.dtype);
+  return std::memcmp(a.ref.matrix(i).data, b.ref.matrix(i).data, n) == 0;
+}
+
+template <typename T>
+Buffer upload(Backend& be, const std::vector<T>& v) {
+  Buffer b = be.alloc(std::max<size_t>(1, v.size()) * sizeof(T));
+  be.copy_from_host(b.data(), v.data(), v.size() * sizeof(T));
+  return b;
+}
+template <typename T>
+std::vector<T> download(Backend& be, const Buffer& b, size_t n) {
+  std::vector<T> v(n);
+  be.copy_to_host(v.data(), b.data(), n * sizeof(T));
+  return v;
+}
+
+TEST(CudaCache, GateEqualsCpuOnEveryCase) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  const double key = 777;
+  const int n = 300;
+  std::vector<float> res(n), qn(n), age(n);
+  std::vector<int32_t> st(n);
+  std::vector<double> keys(n), stats(n * kCacheStatFields, 0.0);
+  std::mt19937_64& g = test::rng();
+  std::uniform_real_distribution<float> u(0.0f, 6.0f);
+  for (int i = 0; i < n; ++i) {  // every branch: stale, empty, foreign key, NaN/Inf, skipped
+    res[i] = i % 17 == 0 ? NAN : u(g);
+    qn[i] = i % 23 == 0 ? INFINITY : 1.0f;
+    age[i] = static_cast<float>(i % 5);
+    st[i] = i % 19 == 0 ? kStatusNonFinite : kStatusOk;
+    keys[i] = i % 13 == 0 ? 0.0 : (i % 11 == 0 ? 5.0 : key);
+    stats[i * kCacheStatFields + kCacheStatResMin] = INFINITY;
+  }
+  Buffer dres = upload(be, res), dqn = upload(be, qn), dage = upload(be, age), dst = upload(be, st);
+  Buffer dkeys = upload(be, keys), dstats = upload(be, stats);
+  Buffer ddec = be.alloc(n * sizeof(int32_t));
+  std::vector<int32_t> dec(n, -1);
+  CacheGateArgs h{n,           res.data(), 0.5, qn.data(), st.data(),  key,
+                  keys.data(), age.data(), 4,   2.0,       dec.data(), stats.data()};
+  CacheGateArgs d{n,
+                  dres.as<float>(),
+                  0.5,
+                  dqn.as<float>(),
+                  dst.as<int32_t>(),
+                  key,
+                  dkeys.as<double>(),
+                  dage.as<float>(),
+                  4,
+                  2.0,
+                  ddec.as<int32_t>(),
+                  dstats.as<double>()};
+  cpu.cache_gate(h);
+  be.cache_gate(d);
+  EXPECT_EQ(download<int32_t>(be, ddec, n), dec);
+  EXPECT_EQ(download<float>(be, dage, n), age);
+  EXPECT_EQ(download<double>(be, dkeys, n), keys);
+  const std::vector<double> gs = download<double>(be, dstats, stats.size());
+  for (size_t k = 0; k < stats.size();
+       ++k)                 // the sum of squares may differ by a fused multiply-add
+    if (gs[k] != stats[k])  // equal covers the +inf of minima never updated
+      EXPECT_NEAR(gs[k], stats[k], 1e-12 * std::abs(stats[k])) << "stat " << k % kCacheStatFields;
+}
+
+TEST(CudaCache, NormalFillDrawsTheCpuSamples) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  for (DType t : {DType::kF64, DType::kF32, DType::kBF16, DType::kF16}) {
+    HostBatch want(t, 3, 37, 53), got(t, 3, 37, 53);
+    got.poison();
+    DeviceBatch dg(be, got);
+    cpu.fill_normal(want.ref, 99, 12345);
+    be.fill_normal(dg.ref, 99, 12345);
+    dg.download(be, got);
+    for (int64_t i = 0; i < 3; ++i) {
+      if (t == DType::kF64)  // device log/cos within an ulp or two of the host's
+        EXPECT_LT(rel_err(got.get(i), want.get(i)), 1e-14);
+      else
+        EXPECT_TRUE(bits_equal(got, want, i)) << dtype_name(t) << " matrix " << i;
+    }
+  }
+}
+
+TEST(CudaCache, MaskedCopySelectsOnTheDevice) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  const std::vector<int32_t> flags = {1, 0, 1, 2, 1};
+  Buffer df = upload(be, flags);
+  const std::pair<DType, DType> pairs[] = {{DType::kF32, DType::kF16},
+                                           {DType::kF16, DType::kF32},
+                                           {DType::kBF16, DType::kBF16},
+                                           {DType::kF64, DType::kF32}};
+  for (auto [ts, td] : pairs)
+    for (int64_t cols : {64, 30}) {  // vector and scalar paths
+      HostBatch src(ts, 5, 24, cols), want(td, 5, 24, cols), got(td, 5, 24, cols);
+      for (int64_t i = 0; i < 5; ++i) src.set(i, random_matrix(24, cols));
+      want.poison();
+      got.poison();
+      DeviceBatch ds(be, src), dg(be, got);
+      cpu.copy_masked(BatchMask{flags.data(), 1}, src.ref, want.ref);
+      be.copy_masked(BatchMask{df.as<int32_t>(), 1}, ds.ref, dg.ref);
+      dg.download(be, got);
+      for (int64_t i = 0; i < 5; ++i) {
+        if (flags[i] == 1)
+          EXPECT_TRUE(bits_equal(got, want, i)) << dtype_name(ts) << "->" << dtype_name(td);
+        else
+          EXPECT_TRUE(got.get(i).array().isNaN().all()) << "unselected matrix " << i << " written";
+      }
+    }
+}
+
+// Masked symmetric products with every CUTLASS variant: X X^T with beta Cin and R Z (N, N).
+class CudaMaskedSym : public ::testing::TestWithParam<std::tuple<DType, SymKernel, int>> {};
+
+TEST_P(CudaMaskedSym, SelectedBitExactOthersUntouched) {
+  DM_SKIP_WITHOUT_CUDA();
+  auto [t, kernel, m] = GetParam();
+  CudaBackend& be = test::cuda_backend();
+  if (!be.has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  be.set_sym_kernel(kernel);
+  const int64_t c = 6, k = 520;
+  const std::vector<int32_t> flags = {1, 0, 0, 1, 3, 1};
+  Buffer df = upload(be, flags);
+  HostBatch x(t, c, m, k), cin(t, c, m, m), full(t, c, m, m), got(t, c, m, m);
+  for (int64_t i = 0; i < c; ++i) {
+    x.set(i, random_matrix(m, k, 1.0 / std::sqrt(double(k))));
+    Mat s = random_matrix(m, m);
+    cin.set(i, (s + s.transpose()).eval());
+  }
+  full.poison();
+  got.poison();
+  DeviceBatch dx(be, x), dcin(be, cin), dfull(be, full), dgot(be, got);
+  const BatchMask mask{df.as<int32_t>(), 1};
+  be.gemm_symmetric(Op::kN, dx.ref, Op::kT, dx.ref, 1.5, 0.25, &dcin.ref, dfull.ref);
+  be.gemm_masked(mask, true, Op::kN, dx.ref, Op::kT, dx.ref, 1.5, 0.25, &dcin.ref, dgot.ref);
+  dfull.download(be, full);
+  dgot.download(be, got);
+  for (int64_t i = 0; i < c; ++i) {
+    SCOPED_TRACE("X X^T, matrix " + std::to_string(i));
+    if (flags[i] == 1) {
+      EXPECT_TRUE(bits_equal(got, full, i));
+      Mat rx = x.get(i);
+      EXPECT_LT(rel_err(got.get(i), 1.5 * rx * rx.transpose() + 0.25 * cin.get(i)), 1e-2);
+    } else {
+      EXPECT_TRUE(got.get(i).array().isNaN().all());
+    }
+  }
+  // R Z with symmetric R and Z (op(B) = B), as Gram NS issues it; full is R, cin is Z.
+  got.poison();
+  DeviceBatch dgot2(be, got);
+  HostBatch want2(t, c, m, m);
+  DeviceBatch dwant2(be, want2);
+  be.gemm_symmetric(Op::kN, dfull.ref, Op::kN, dcin.ref, 1.0, 0.0, nullptr, dwant2.ref);
+  be.gemm_masked(mask, true, Op::kN, dfull.ref, Op::kN, dcin.ref, 1.0, 0.0, nullptr, dgot2.ref);
+  dwant2.download(be, want2);
+  dgot2.download(be, got);
+  be.set_sym_kernel(SymKernel::kAuto);
+  for (int64_t i = 0; i < c; ++i) {
+    if (flags[i] == 1)
+      EXPECT_TRUE(bits_equal(got, want2, i)) << "R Z, matrix " << i;
+    else
+      EXPECT_TRUE(got.get(i).array().isNaN().all()) << "R Z, unselected matrix " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Variants, CudaMaskedSym,
+    ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
+                       ::testing::Values(SymKernel::kTri128, SymKernel::kTri256x128,
+                                         SymKernel::kTri128Cluster2, SymKernel::kTri128Pingpong),
+                       ::testing::Values(256, 392)),
+    [](const auto& info) {
+      std::string n = std::string(dtype_name(std::get<0>(info.param))) + "_" +
+                      sym_kernel_name(std::get<1>(info.param)) + "_m" +
+                      std::to_string(std::get<2>(info.param));
+      for (char& ch : n)
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      return n;
+    });
+
+// Masked dense products Q X (op(B) = B) and A B^T: against float64, bit-exact between masks,
+// unselected matrices untouched, and an all-unselected mask writes nothing.
+TEST(CudaCache, MaskedDenseProducts) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  if (!be.has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  const int64_t c = 5, m = 136, n = 400;
+  const std::vector<int32_t> some = {0, 1, 1, 0, 1}, all(c, 1), none(c, 0);
+  Buffer fs = upload(be, some), fa = upload(be, all), fn = upload(be, none);
+  for (DType t : {DType::kBF16, DType::kF16})
+    for (bool nt : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(t)) + (nt ? " A B^T" : " Q X"));
+      HostBatch q(t, c, m, m), x(t, c, nt ? n : m, nt ? m : n), ref(t, c, m, n), got(t, c, m, n);
+      for (int64_t i = 0; i < c; ++i) {
+        q.set(i, random_matrix(m, m, 1.0 / std::sqrt(double(m))));
+        x.set(i, random_matrix(x.ref.rows, x.ref.cols));
+      }
+      ref.poison();
+      got.poison();
+      DeviceBatch dq(be, q), dx(be, x), dref(be, ref), dgot(be, got);
+      const Op ob = nt ? Op::kT : Op::kN;
+      be.gemm_masked(BatchMask{fa.as<int32_t>(), 1}, false, Op::kN, dq.ref, ob, dx.ref, 1.0, 0.0,
+                     nullptr, dref.ref);
+      be.gemm_masked(BatchMask{fn.as<int32_t>(), 1}, false, Op::kN, dq.ref, ob, dx.ref, 1.0, 0.0,
+                     nullptr, dgot.ref);
+      dgot.download(be, got);
+      for (int64_t i = 0; i < c; ++i) EXPECT_TRUE(got.get(i).array().isNaN().all());
+      be.gemm_masked(BatchMask{fs.as<int32_t>(), 1}, false, Op::kN, dq.ref, ob, dx.ref, 1.0, 0.0,
+                     nullptr, dgot.ref);
+      dref.download(be, ref);
+      dgot.download(be, got);
+      for (int64_t i = 0; i < c; ++i) {
+        Mat want = q.get(i) * (nt ? Mat(x.get(i).transpose()) : x.get(i));
+        EXPECT_LT(rel_err(ref.get(i), want), 1e-2) << "matrix " << i;
+        if (some[i])
+          EXPECT_TRUE(bits_equal(got, ref, i)) << "matrix " << i;
+        else
+          EXPECT_TRUE(got.get(i).array().isNaN().all()) << "unselected matrix " << i;
+      }
+    }
+}
+
+// A product no device kernel covers (fp32) still honours the mask (host fallback).
+TEST(CudaCache, MaskedFp32FallsBackCorrectly) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  const std::vector<int32_t> flags = {1, 0, 1};
+  Buffer df = upload(be, flags);
+  HostBatch a(DType::kF32, 3, 20, 36), got(DType::kF32, 3, 20, 20);
+  for (int64_t i = 0; i < 3; ++i) a.set(i, random_matrix(20, 36));
+  got.poison();
+  DeviceBatch da(be, a), dg(be, got);
+  be.gemm_masked(BatchMask{df.as<int32_t>(), 1}, true, Op::kN, da.ref, Op::kT, da.ref, 1.0, 0.0,
+                 nullptr, dg.ref);
+  dg.download(be, got);
+  for (int64_t i = 0; i < 3; ++i) {
+    if (flags[i]) {
+      Mat ra = a.get(i);
+      EXPECT_LT(rel_err(got.get(i), ra * ra.transpose()), 1e-5);
+    } else {
+      EXPECT_TRUE(got.get(i).array().isNaN().all());
+    }
+  }
+}
+
+// A whole CacheMuon call captured in a CUDA graph: the capture fails if any operation waits for
+// the host or reads device memory back. Same input again: every matrix hits, and the accepted
+// update Q X is the fresh one to half-precision rounding.
+TEST(CudaCache, CachedRunIsGraphCapturableAndHitsOnTheSameInput) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  if (!be.has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  const int64_t c = 4, m = 128, n = 384;
+  OrthoConfig cfg;
+  cfg.iteration = Iteration::kGram;
+  cfg.work_dtype = DType::kBF16;
+  const OrthoConfig r = resolve(cfg, m, n);
+  const DType t = iteration_dtype(r);
+  HostBatch x0(t, c, m, n), fresh(t, c, m, n), out(t, c, m, n);
+  for (int64_t i = 0; i < c; ++i) {
+    Mat u = random_matrix(m, n);
+    x0.set(i, (u / u.norm()).eval());
+  }
+  DeviceBatch dx0(be, x0), dx(be, x0), dfresh(be, fresh), dout(be, out);
+  Orthogonalizer ortho(be);
+  {
+    const size_t wb = Orthogonalizer::workspace_bytes(r, c, m, n);
+    Buffer ws = be.alloc(wb);
+    ortho.run(r, dx.ref, dfresh.ref, ws.data(), wb);
+    dfresh.download(be, fresh);
+  }
+  for (CacheResidual res : {CacheResidual::kExact, CacheResidual::kProbe}) {
+    SCOPED_TRACE(cache_residual_name(res));
+    CacheOptions opt;
+    opt.enabled = true;
+    opt.gamma = 2.0;
+    opt.residual = res;
+    TransformCache cache(be, opt);
+    cache.prepare(r, c, m, n);
+    const size_t wb = Orthogonalizer::cached_workspace_bytes(r, opt, c, m, n);
+    Buffer ws = be.alloc(wb);
+    auto call = [&] {
+      be.copy(dx.ref.data, dx0.ref.data, dx0.ref.bytes());
+      ortho.run_cached(r, cache, 0, dx.ref, dout.ref, nullptr, ws.data(), wb);
+    };
+    call();  // empty entries: every matrix refreshes
+    be.synchronize();
+    cudaGraph_t graph = nullptr;
+    DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
+    call();
+    DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
+    cuda::Graph g(graph);
+    cudaGraphExec_t exec = nullptr;
+    DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    cuda::GraphExec ge(exec);
+    DM_CHECK_CUDA(cudaMemsetAsync(dout.ref.data, 0xff, dout.ref.bytes(), be.stream()));  // NaN
+    DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
+    DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
+    be.synchronize();
+    const CacheStats st = cache.stats();
+    EXPECT_EQ(st.refreshes, c);
+    EXPECT_EQ(st.hits, 2 * c);
+    dout.download(be, out);
+    for (int64_t i = 0; i < c; ++i) EXPECT_LT(rel_err(out.get(i), fresh.get(i)), 1e-2) << i;
+  }
+}
+
+}  // namespace
+}  // namespace distmuon
