@@ -1,20 +1,20 @@
 // distmuon-cuda-bench: the H200 measurements of issue 6 in one process, side by side.
 //  1. ceilings: dense bf16 GEMM rate (8192^3, cuBLASLt) and device copy bandwidth;
 //  2. X X^T of a 4096 x 16384 bf16 input: each lower-triangle kernel vs cuBLASLt's dense product;
-//  3. per workload: the autotuner per shape class, then whole optimizer steps (Muon matrices,
-//     fp32 parameters, random gradients) timed eagerly and as a replayed CUDA graph, and the
-//     floor (counted FLOPs of the cheapest algorithm over the GEMM rate + 20 bytes per parameter
-//     over the copy bandwidth).
+//  3. CacheMuon: a cache hit against a fresh solve on qwen's MLP shapes, and gpt2-small engine
+//     steps with the cache under drifting gradients (cuda_bench_cache.cc);
+//  4. per workload: the autotuner per shape class, then whole optimizer steps (Muon matrices,
+//     fp32 parameters, random gradients, `auto` resolved by the engine from the tune cache)
+//     timed eagerly and as a replayed CUDA graph, and the floor (counted FLOPs of the cheapest
+//     algorithm over the GEMM rate + 20 bytes per parameter over the copy bandwidth).
 // Writes one JSON file; bench/make_report.py merges it with the torch baselines.
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <tuple>
 
-#include "backend/cuda/cuda_handles.h"
-#include "backend/cuda/launch/launchers.h"
-#include "backend/cuda/tune/autotune.h"
-#include "distmuon/cuda_backend.h"
+#include "cuda_bench.h"
 #include "distmuon/engine.h"
 #include "distmuon/workload.h"
 
@@ -28,33 +28,8 @@ struct Opts {
   std::vector<std::string> workloads = {"gpt2-small", "gpt2-large", "pi0", "qwen2.5-7b:8"};
   std::string json_path = "cuda_bench.json";
   int steps = 10;
-  bool micro = true, tune = true;
+  bool micro = true, tune = true, cache = true;
 };
-
-BatchRef dev_batch(Backend& be, std::vector<Buffer>& keep, DType t, int64_t c, int64_t r, int64_t k,
-                   uint64_t seed, float scale) {
-  BatchRef b = BatchRef::packed(nullptr, t, c, r, k);
-  keep.push_back(be.alloc(b.bytes()));
-  b.data = keep.back().data();
-  cuda::launch_fill_normal(b.data, t, c * r * k, seed, scale, static_cast<CudaBackend&>(be).stream());
-  return b;
-}
-
-// GPU time of one call of f: `reps` calls captured in one CUDA graph, replayed, divided.
-template <typename F>
-double graph_ms(CudaBackend& be, int reps, F&& f) {
-  f();
-  be.synchronize();
-  cudaGraph_t graph = nullptr;
-  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < reps; ++i) f();
-  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
-  cuda::Graph g(graph);
-  cudaGraphExec_t exec = nullptr;
-  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cuda::GraphExec ge(exec);
-  return time_ms(be, 5, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream())); }) / reps;
-}
 
 // Per-operation GPU times on gpt2-small's shapes (12 matrices, m = 768), graph-replayed so that
 // launch gaps do not count: where a small-matrix step spends its time.
@@ -166,17 +141,25 @@ struct ShapeClass {
   int64_t rows, cols, count;
 };
 
+// Shape classes as the engine batches them: tall and wide weights of the same sides together,
+// in the wide orientation (m = rows <= n = cols).
+// (m, n, matrices) of one tensor: 2D as is, 3D a stack of matrices, 4D (out, in * kh * kw).
+std::tuple<int64_t, int64_t, int64_t> wide_of(const std::vector<int64_t>& sh) {
+  int64_t r = sh[0], c = 1, per = 1;
+  if (sh.size() == 2) c = sh[1];
+  if (sh.size() == 3) { per = sh[0]; r = sh[1]; c = sh[2]; }
+  if (sh.size() == 4) c = sh[1] * sh[2] * sh[3];
+  return {std::min(r, c), std::max(r, c), per};
+}
+
 std::vector<ShapeClass> classes_of(const Workload& w) {
   std::vector<ShapeClass> out;
   for (const WorkloadEntry& e : w.muon) {
-    int64_t r = e.shape[0], c = 1, per = 1;
-    if (e.shape.size() == 2) c = e.shape[1];
-    if (e.shape.size() == 3) { per = e.shape[0]; r = e.shape[1]; c = e.shape[2]; }
-    if (e.shape.size() == 4) c = e.shape[1] * e.shape[2] * e.shape[3];
+    const auto [m, n, per] = wide_of(e.shape);
     bool found = false;
     for (ShapeClass& s : out)
-      if (s.rows == r && s.cols == c) { s.count += e.count * per; found = true; }
-    if (!found) out.push_back({r, c, e.count * per});
+      if (s.rows == m && s.cols == n) { s.count += e.count * per; found = true; }
+    if (!found) out.push_back({m, n, e.count * per});
   }
   return out;
 }
@@ -199,77 +182,84 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
   std::vector<cuda::SymChoice> syms;
   std::vector<cuda::AlgoChoice> algos;
   double floor_flops = 0, floor_bytes = 0, tuned_total_flops = 0;
-  Engine engine(be);
-  std::vector<OrthoConfig> cfgs;
   for (const ShapeClass& s : cls) {
-    const int64_t m = std::min(s.rows, s.cols), n = std::max(s.rows, s.cols);
+    const int64_t m = s.rows, n = s.cols;
     OrthoConfig ns = base, gram = base;
     ns.iteration = Iteration::kStandardSym;
     gram.iteration = Iteration::kGram;
-    floor_flops += s.count * std::min(ortho_flops(ns, s.rows, s.cols), ortho_flops(gram, s.rows, s.cols));
-    floor_bytes += 20.0 * s.rows * s.cols * s.count;
-    OrthoConfig chosen = base;
-    json e = {{"rows", s.rows}, {"cols", s.cols}, {"count", s.count}};
-    if (o.tune) {
+    floor_flops += s.count * std::min(ortho_flops(ns, m, n), ortho_flops(gram, m, n));
+    floor_bytes += 20.0 * m * n * s.count;
+    json e = {{"rows", m}, {"cols", n}, {"count", s.count}};
+    if (o.tune) {  // measure every candidate; the engine's `auto` then applies its policy
       cuda::TuneOptions to;
       to.repeats = 5;
       json ks;
       for (DType t : {DType::kBF16, DType::kF16})
         for (int64_t k : {n, m}) {
-          const cuda::SymChoice* done = nullptr;
-          for (const cuda::SymChoice& c : syms)
-            if (c.m == m && c.k == k && c.count == s.count && c.dtype == t) done = &c;
-          if (!done) {
-            syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
-            done = &syms.back();
-          }
-          ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(done->kernel);
+          syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
+          ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(syms.back().kernel);
         }
-      algos.push_back(cuda::tune_algorithm(be, s.rows, s.cols, s.count, base, to));
-      chosen = cuda::config_of(algos.back(), base);
+      algos.push_back(cuda::tune_algorithm(be, m, n, s.count, base, to));
       e["sym_kernels"] = ks;
-      e["algorithm"] = algos.back().algorithm;
-      e["restarts"] = algos.back().restarts;
-      e["algo_ms"] = algos.back().ms;
+      e["tuner_fastest"] = algos.back().algorithm + (algos.back().algorithm == "gram-ns"
+                                                         ? (algos.back().restarts.empty() ? "{}" : "{2}")
+                                                         : "");
       e["rel_err_vs_fp32"] = algos.back().rel_err;
-    } else {
-      chosen.iteration = choose_iteration(m, n);
-      e["algorithm"] = iteration_name(chosen.iteration);
+      json cands = json::array();
+      for (const cuda::AlgoCandidate& k : algos.back().candidates)
+        cands.push_back({{"algorithm", k.algorithm}, {"restarts", k.restarts}, {"ms", k.ms},
+                         {"rel_err", k.rel_err}, {"accepted", k.accepted}});
+      e["candidates"] = cands;
     }
-    cfgs.push_back(chosen);
-    const double tuned_flops = s.count * ortho_flops(chosen, s.rows, s.cols);
-    tuned_total_flops += tuned_flops;
-    e["tuned_gflop"] = tuned_flops / 1e9;
     jc.push_back(e);
   }
   if (o.tune) cuda::save_choices(cuda::TuneKey::current(be.device_name()), syms, algos);
-  // The model: one Muon group per shape class (its tuned algorithm), fp32 weights and grads.
+  // The model: one Muon group with `auto`, resolved per shape by the engine from the tune cache
+  // under its default policy (restart set {2} kept); fp32 weights and gradients.
+  EngineOptions eo;
+  eo.autotune = o.tune ? AutoTune::kCached : AutoTune::kOff;
+  Engine engine(be, eo);
+  GroupOptions g;
+  g.muon.ortho = base;
+  engine.add_group(g);
   std::vector<Buffer> keep;
   std::vector<ParamData> data;
-  std::vector<std::vector<int64_t>> shapes;
-  for (size_t i = 0; i < cls.size(); ++i) {
-    GroupOptions g;
-    g.muon.ortho = cfgs[i];
-    engine.add_group(g);
-  }
-  for (const WorkloadEntry& e : w.muon)
-    for (int64_t l = 0; l < e.count; ++l) shapes.push_back(e.shape);
   uint64_t seed = 100;
-  for (const auto& sh : shapes) {
-    int64_t r = sh[0], c = 1, numel = 1;
-    for (int64_t d : sh) numel *= d;
-    if (sh.size() == 2) c = sh[1];
-    if (sh.size() == 3) { r = sh[1]; c = sh[2]; }
-    if (sh.size() == 4) c = sh[1] * sh[2] * sh[3];
-    int gi = 0;
-    for (size_t i = 0; i < cls.size(); ++i)
-      if (cls[i].rows == r && cls[i].cols == c) gi = static_cast<int>(i);
-    engine.add_param({"p" + std::to_string(shapes.size()), gi, sh, DType::kF32});
-    BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
-    BatchRef gr = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 1e-3f);
-    data.push_back({wt.data, gr.data, DType::kF32, {}});
+  for (const WorkloadEntry& e : w.muon)
+    for (int64_t l = 0; l < e.count; ++l) {
+      int64_t numel = 1;
+      for (int64_t d : e.shape) numel *= d;
+      engine.add_param({e.name + "." + std::to_string(l), 0, e.shape, DType::kF32});
+      BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
+      BatchRef gr = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 1e-3f);
+      data.push_back({wt.data, gr.data, DType::kF32, {}});
+    }
+  engine.step(data);  // resolves `auto` per class, allocates the per-class buffers
+  for (size_t i = 0; i < cls.size(); ++i) {
+    int param = 0;  // a parameter of this class
+    for (int p = 0; p < engine.num_params(); ++p) {
+      const auto [m, n, per] = wide_of(engine.param(p).shape);
+      if (m == cls[i].rows && n == cls[i].cols) param = p;
+    }
+    const OrthoConfig chosen = engine.resolved_ortho(param);
+    std::string restarts;
+    for (int k : chosen.restarts) restarts += (restarts.empty() ? "" : ",") + std::to_string(k);
+    jc[i]["algorithm"] = algorithm_name(chosen);
+    jc[i]["restarts"] = chosen.iteration == Iteration::kGram ? "{" + restarts + "}" : "";
+    const double f = cls[i].count * ortho_flops(chosen, cls[i].rows, cls[i].cols);
+    tuned_total_flops += f;
+    jc[i]["tuned_gflop"] = f / 1e9;
+    for (const cuda::AlgoChoice& a : algos)  // the chosen candidate's own measurement
+      if (a.rows == cls[i].rows && a.cols == cls[i].cols)
+        for (const cuda::AlgoCandidate& k : a.candidates) {
+          const OrthoConfig kc = resolve(cuda::config_of(k, base), a.rows, a.cols);
+          if (kc.iteration == chosen.iteration &&
+              (kc.iteration != Iteration::kGram || kc.restarts == chosen.restarts)) {
+            jc[i]["algo_ms"] = k.ms;
+            jc[i]["rel_err_vs_fp32"] = k.rel_err;
+          }
+        }
   }
-  engine.step(data);  // allocates the per-class buffers
   be.synchronize();
   const double eager = time_ms(be, o.steps, [&] { engine.step(data); });
   cudaGraph_t graph = nullptr;
@@ -289,8 +279,7 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
           {"muon_params", w.muon_params()}, {"matrices", w.muon_matrices()},
           {"distmuon_eager_ms", eager}, {"distmuon_graph_ms", replay}, {"floor_ms", floor_ms},
           {"floor_flops", floor_flops}, {"floor_bytes", floor_bytes},
-          // The same floor with the FLOPs of the algorithms the autotuner chose (Gram NS without
-          // restart counts fewer than the published restart {2} where it passed the check).
+          // The same floor with the FLOPs of the algorithms the engine ran.
           {"floor_tuned_ms", tuned_total_flops / (tflops * 1e12) * 1e3 + floor_bytes / (tbps * 1e12) * 1e3},
           {"tuned_flops", tuned_total_flops}, {"classes", jc}};
 }
@@ -307,11 +296,12 @@ int run(int argc, char** argv) {
     else if (a == "--steps") o.steps = std::stoi(next());
     else if (a == "--no-micro") o.micro = false;
     else if (a == "--no-tune") o.tune = false;
+    else if (a == "--no-cache") o.cache = false;
     else if (a == "--workloads") {
       o.workloads.clear();
       std::stringstream ss(next());
       for (std::string p; std::getline(ss, p, ',');) if (!p.empty()) o.workloads.push_back(p);
-    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune)");
+    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache)");
   }
   CudaBackend be;
   std::fprintf(stderr, "[bench] %s\n", be.name().c_str());
@@ -326,6 +316,12 @@ int run(int argc, char** argv) {
   }
   out["gemm_tflops"] = tflops;
   out["copy_tbps"] = tbps;
+  if (o.cache) {  // CacheMuon on the device (cuda_bench_cache.cc)
+    out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
+    std::ofstream(o.json_path) << out.dump(2) << "\n";
+    out["cache"]["engine_gpt2_small"] = cache_engine_drift(be, 30);
+    std::ofstream(o.json_path) << out.dump(2) << "\n";
+  }
   out["workloads"] = json::array();
   for (const std::string& w : o.workloads) {
     out["workloads"].push_back(run_workload(be, w, o, tflops, tbps));

@@ -24,9 +24,12 @@ def main():
             name = j["workload"] + (f"-{j['layers']}-layers" if j.get("layers") else "")
             tool[name] = {r["algo"]: r["step_ms"]["median"] for r in j["runs"]}
     date = datetime.date.today().isoformat()
+    cache = cb.get("cache", {})
+    hit = cache.get("hit_qwen_mlp", {})
     res = {"date": date, "device": cb.get("device"), "command": args.command,
            "gemm_tflops": cb.get("gemm_tflops"), "copy_tbps": cb.get("copy_tbps"),
            "syrk_over_dense": cb.get("syrk_over_dense"), "micro": cb.get("micro"),
+           "cache_hit_over_fresh": hit.get("cache_hit_over_fresh"), "cache": cache,
            "workloads": []}
     for w in cb["workloads"]:
         t = tb.get(w["name"], {})
@@ -34,7 +37,9 @@ def main():
         e = {"name": w["name"], "distmuon_ms": best, "distmuon_eager_ms": w["distmuon_eager_ms"],
              "distmuon_graph_ms": w["distmuon_graph_ms"], "floor_ms": w["floor_ms"], "floor_tuned_ms": w.get("floor_tuned_ms"),
              "torch_muon_ms": t.get("torch_muon_ms"), "adamw_ms": t.get("adamw_ms"),
-             "adamw_full_model_ms": t.get("adamw_full_model_ms"), "cache_hit_over_fresh": None,
+             "adamw_full_model_ms": t.get("adamw_full_model_ms"),
+             # measured on qwen's MLP shapes (the qwen workload's largest class)
+             "cache_hit_over_fresh": hit.get("cache_hit_over_fresh") if w["name"].startswith("qwen") else None,
              "distmuon_bench_ms": tool.get(w["name"]), "classes": w["classes"]}
         res["workloads"].append(e)
     os.makedirs(args.out_dir, exist_ok=True)
@@ -59,12 +64,33 @@ def main():
                      f"{f(e.get('floor_tuned_ms'))} | {f(tm)} | "
                      f"{f(None if tm is None else tm / d, '{:.1f}')} | {f(aw)} / {f(awf)} | "
                      f"{f(None if aw is None else d / aw)} / {f(None if awf is None else d / awf)} |")
-    lines += ["", "Autotuner choices (per shape class: algorithm, symmetric kernels):", ""]
+    if hit:
+        lines += ["", f"CacheMuon on qwen2.5-7b's MLP shapes ({hit['count']} x {hit['m']}x{hit['n']}, "
+                  f"{hit['algorithm']}): fresh solve {hit['fresh_ms']:.2f} ms."]
+        for r in ("exact", "probe"):
+            if r in hit:
+                h = hit[r]
+                lines.append(f"- {r} residual: hit {h['hit_ms']:.2f} ms = {h['hit_over_fresh']:.3f} x fresh "
+                             f"(counted FLOPs {h['counted_flops_hit_over_fresh']:.3f}); every entry "
+                             f"refreshing {h['refresh_ms']:.2f} ms = {h['refresh_over_fresh']:.3f} x fresh")
+    eng = cache.get("engine_gpt2_small")
+    if eng:
+        lines += ["", f"gpt2-small engine steps, drift {eng['drift']} ({eng['steps']} steps):"]
+        for k in ("cache_off", "cache_on"):
+            e = eng.get(k, {})
+            extra = (f", hit rate {e['hit_rate']:.2f}, FLOPs saved {e['flops_saved_fraction']:.2f}"
+                     if "hit_rate" in e else "")
+            lines.append(f"- {k}: device {e.get('device_ms_median', 0):.3f} ms/step, host issue "
+                         f"{e.get('host_issue_ms_mean', 0):.3f} ms/step, graph replay "
+                         f"{e.get('graph_ms', 0):.3f} ms{extra}")
+    lines += ["", "Algorithms per shape class (the engine's `auto`: tuned, restart set {2} kept; the "
+              "tuner's fastest candidate beside it):", ""]
     for e in res["workloads"]:
         for c in e["classes"]:
             lines.append(f"- {e['name']} {c['count']} x {c['rows']}x{c['cols']}: {c.get('algorithm')} "
                          f"{c.get('restarts', '')} ({c.get('algo_ms', 0):.3f} ms, err vs fp32 "
-                         f"{c.get('rel_err_vs_fp32', 0):.2e}); {c.get('sym_kernels', {})}")
+                         f"{c.get('rel_err_vs_fp32', 0):.2e}); tuner fastest {c.get('tuner_fastest')}; "
+                         f"{c.get('sym_kernels', {})}")
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One whole H200 run of issue 6: binaries, every GPU correctness test, the ceilings, the
+# One whole H200 run of issue 6: binaries, every GPU correctness test, the ceilings, CacheMuon
+# on the device (hit vs fresh on qwen's MLP shapes, gpt2-small steps with the cache), the
 # autotuner, the optimizer-step benchmarks, the torch baselines, and the report.
 #   bench/run_h200.sh quick   tests + ceilings + X X^T + gpt2-small only
 #   bench/run_h200.sh full    everything (the recorded results)
@@ -34,7 +35,7 @@ ldd $BIN/distmuon-cuda-bench | grep -E "not found|cublas" | tee -a "$LOG"
 
 say "correctness: every CUDA kernel against the CPU / float64 references"
 fail=0
-for t in test_cuda_backend test_cuda_muon; do
+for t in test_cuda_backend test_cuda_muon test_cuda_cache; do
   $BIN/$t --gtest_brief=1 2>&1 | tee -a "$LOG" | grep -E "^\[measure\]|PASSED|FAILED|SKIPPED|Failure|error" | head -80
   [ "${PIPESTATUS[0]}" = 0 ] || fail=1
 done
@@ -46,9 +47,9 @@ if [ "$MODE" = quick ]; then
 else
   WL="gpt2-small,gpt2-large,pi0,qwen2.5-7b:8"
 fi
-say "ceilings, X X^T, autotuner and steps ($WL)"
+say "ceilings, X X^T, CacheMuon, autotuner and steps ($WL)"
 $BIN/distmuon-cuda-bench --json "$OUT/cuda_bench.json" --workloads "$WL" 2>&1 | tee -a "$LOG" \
-  | grep -vE "^\[tune\]" | tail -40
+  | grep -vE "^\[tune\]" | tail -48
 
 say "distmuon-bench (the CLI, eager steps, algo auto)"
 mkdir -p /tmp/tools

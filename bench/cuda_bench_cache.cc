@@ -1,0 +1,195 @@
+// CacheMuon on the H200 (issue 6 target "a cache hit on the qwen2.5-7b MLP shapes costs at most
+// 0.35x a fresh solve", issue 3 "decided on the device").
+//  - cache_hit_cost: 24 wide 3584 x 18944 matrices (8 layers of gate, up and down, batched
+//    together as the engine does), fp16 Gram NS with restart {2}. Fresh solve vs a call whose
+//    entries all pass the gate (candidate Q X + residual + gate; the fresh-solve products are
+//    issued masked and skip every matrix on the device), exact and probe residuals, and a call
+//    whose entries all refresh (gamma 0: what the gate adds to a fresh solve).
+//  - cache_engine_drift: gpt2-small engine steps, cache off and on at gamma 2, the gradient
+//    drifting by 1% of its scale per step: device time per step, the host's issue time per step
+//    (no synchronisation: the host runs ahead of the device), hit rate, and a captured step.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "cuda_bench.h"
+#include "distmuon/cache.h"
+#include "distmuon/engine.h"
+#include "distmuon/workload.h"
+
+namespace distmuon::bench {
+
+using cuda::time_ms;
+using nlohmann::json;
+
+json cache_hit_cost(CudaBackend& be) {
+  const int64_t c = 24, m = 3584, n = 18944;
+  OrthoConfig cfg;
+  cfg.iteration = Iteration::kGram;
+  cfg.work_dtype = DType::kBF16;
+  const OrthoConfig r = resolve(cfg, m, n);  // fp16, restart {2}
+  const DType t = iteration_dtype(r);
+  std::vector<Buffer> keep;
+  BatchRef x0 = BatchRef::packed(nullptr, t, c, m, n), x = x0, out = x0;
+  keep.push_back(be.alloc(x0.bytes()));
+  x0.data = keep.back().data();
+  {  // normalised random input, built in fp32 one matrix at a time
+    Buffer u = be.alloc(static_cast<size_t>(m * n) * 4), nrm = be.alloc(4);
+    for (int64_t i = 0; i < c; ++i) {
+      BatchRef ui = BatchRef::packed(u.data(), DType::kF32, 1, m, n);
+      be.fill_normal(ui, 0xcace, static_cast<uint64_t>(i * m * n));
+      be.frob_norm(ui, nrm.as<float>());
+      be.scale_copy(ui, false, ScaleSpec{nrm.as<float>(), 1.0, 1e-7, 1.0}, x0.slice(i, 1));
+    }
+    be.synchronize();
+  }
+  keep.push_back(be.alloc(x.bytes()));
+  x.data = keep.back().data();
+  keep.push_back(be.alloc(out.bytes()));
+  out.data = keep.back().data();
+  Orthogonalizer ortho(be);
+  const double copy_ms = time_ms(be, 5, [&] { be.copy(x.data, x0.data, x.bytes()); });
+  json j = {{"count", c}, {"m", m}, {"n", n}, {"algorithm", "gram-ns fp16 restart {2}"}};
+  double fresh_ms = 0;
+  {
+    const size_t wb = Orthogonalizer::workspace_bytes(r, c, m, n);
+    Buffer ws = be.alloc(wb);
+    fresh_ms = time_ms(be, 5,
+                       [&] {
+                         be.copy(x.data, x0.data, x.bytes());
+                         ortho.run(r, x, out, ws.data(), wb);
+                       }) -
+               copy_ms;
+  }
+  j["fresh_ms"] = fresh_ms;
+  for (CacheResidual res : {CacheResidual::kExact, CacheResidual::kProbe}) {
+    CacheOptions opt;
+    opt.enabled = true;
+    opt.residual = res;
+    opt.gamma = 0.0;  // first: every call refreshes
+    TransformCache cache(be, opt);
+    cache.prepare(r, c, m, n);
+    const size_t wb = Orthogonalizer::cached_workspace_bytes(r, opt, c, m, n);
+    Buffer ws = be.alloc(wb);
+    auto call = [&] {
+      be.copy(x.data, x0.data, x.bytes());
+      ortho.run_cached(r, cache, 0, x, out, nullptr, ws.data(), wb);
+    };
+    const double refresh_ms = time_ms(be, 5, call) - copy_ms;
+    opt.gamma = 2.0;  // then: the same input again, every entry passes the gate
+    cache.set_options(opt);
+    call();
+    cache.reset_stats();
+    const double hit_ms = time_ms(be, 5, call) - copy_ms;
+    const CacheStats st = cache.stats();
+    json e = {{"hit_ms", hit_ms},
+              {"refresh_ms", refresh_ms},
+              {"hit_over_fresh", hit_ms / fresh_ms},
+              {"refresh_over_fresh", refresh_ms / fresh_ms},
+              {"hits", st.hits},
+              {"refreshes", st.refreshes},
+              {"mean_residual", st.residual.mean},
+              {"counted_flops_hit_over_fresh", st.fresh_flops > 0 ? st.flops / st.fresh_flops : 0}};
+    std::fprintf(stderr,
+                 "[cache] qwen MLP 24x3584x18944 %s: fresh %.2f ms, hit %.2f ms (%.3f of fresh; "
+                 "counted FLOPs %.3f), all-refresh %.2f ms (%.3f); %lld hits %lld refreshes\n",
+                 cache_residual_name(res), fresh_ms, hit_ms, hit_ms / fresh_ms,
+                 e["counted_flops_hit_over_fresh"].get<double>(), refresh_ms, refresh_ms / fresh_ms,
+                 static_cast<long long>(st.hits), static_cast<long long>(st.refreshes));
+    j[cache_residual_name(res)] = e;
+  }
+  j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];  // the default residual
+  return j;
+}
+
+json cache_engine_drift(CudaBackend& be, int steps) {
+  const Workload w = load_workload("gpt2-small");
+  const float sigma = 1e-3f, eps = 0.01f;
+  json j = {{"workload", "gpt2-small"}, {"drift", eps}, {"steps", steps}};
+  for (bool on : {false, true}) {
+    EngineOptions eo;
+    eo.autotune = AutoTune::kOff;  // the heuristic: Gram NS (restart {2}) where alpha >= 1.5
+    Engine engine(be, eo);
+    GroupOptions g;
+    g.muon.ortho.work_dtype = DType::kBF16;
+    g.muon.cache.enabled = on;
+    g.muon.cache.gamma = 2.0;
+    engine.add_group(g);
+    std::vector<Buffer> keep;
+    std::vector<ParamData> data;
+    std::vector<BatchRef> grads;
+    uint64_t seed = 500;
+    int64_t max_numel = 0;
+    for (const WorkloadEntry& e : w.muon)
+      for (int64_t l = 0; l < e.count; ++l) {
+        int64_t numel = 1;
+        for (int64_t d : e.shape) numel *= d;
+        max_numel = std::max(max_numel, numel);
+        engine.add_param({e.name + "." + std::to_string(l), 0, e.shape, DType::kF32});
+        BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
+        grads.push_back(dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, sigma));
+        data.push_back({wt.data, grads.back().data, DType::kF32, {}});
+      }
+    BatchRef noise = dev_batch(be, keep, DType::kF32, 1, 1, max_numel, 1, 1.0f);
+    uint64_t counter = 0;
+    auto drift = [&] {  // G <- G + eps * sigma * N(0, 1), fresh noise every step
+      for (const BatchRef& gr : grads) {
+        BatchRef nz = noise;
+        nz.cols = nz.ld = nz.stride = gr.cols;
+        be.fill_normal(nz, 0xd1f7, counter);
+        counter += static_cast<uint64_t>(gr.cols);
+        be.lincomb(1.0, gr, eps * sigma, &nz, 0.0, gr);
+      }
+    };
+    for (int s = 0; s < 3; ++s) {  // warm-up: buffers, plans, the first refreshes
+      drift();
+      engine.step(data);
+    }
+    be.synchronize();
+    std::vector<cuda::Event> ev;
+    for (int s = 0; s < 2 * steps; ++s) ev.push_back(cuda::make_event());
+    double host_ms = 0;
+    for (int s = 0; s < steps; ++s) {
+      drift();
+      const auto t0 = std::chrono::steady_clock::now();
+      DM_CHECK_CUDA(cudaEventRecord(ev[2 * s].get(), be.stream()));
+      engine.step(data);
+      DM_CHECK_CUDA(cudaEventRecord(ev[2 * s + 1].get(), be.stream()));
+      host_ms +=
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+    be.synchronize();
+    std::vector<double> dev;
+    for (int s = 0; s < steps; ++s) {
+      float ms = 0;
+      DM_CHECK_CUDA(cudaEventElapsedTime(&ms, ev[2 * s].get(), ev[2 * s + 1].get()));
+      dev.push_back(ms);
+    }
+    const double graph = graph_ms(be, 5, [&] { engine.step(data); });  // capture: no host sync
+    const EngineStats st = engine.stats();
+    json e = {{"device_ms_median", cuda::median_of(dev)},
+              {"host_issue_ms_mean", host_ms / steps},
+              {"graph_ms", graph},
+              {"captured", true}};
+    if (on)
+      e.update({{"hit_rate", st.cache.hit_rate()},
+                {"flops_saved_fraction", st.cache.flops_saved_fraction()},
+                {"mean_residual", st.cache.residual.mean},
+                {"hits", st.cache.hits},
+                {"refreshes", st.cache.refreshes}});
+    std::fprintf(
+        stderr,
+        "[cache] gpt2-small engine, cache %s: device %.3f ms/step, host issue %.3f ms/step, "
+        "graph %.3f ms%s\n",
+        on ? "on (gamma 2, drift 0.01)" : "off", e["device_ms_median"].get<double>(),
+        host_ms / steps, graph,
+        on ? (", hit rate " + std::to_string(st.cache.hit_rate()) + ", FLOPs saved " +
+              std::to_string(st.cache.flops_saved_fraction()))
+                 .c_str()
+           : "");
+    j[on ? "cache_on" : "cache_off"] = e;
+  }
+  return j;
+}
+
+}  // namespace distmuon::bench
