@@ -220,20 +220,47 @@ void CudaBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpe
                              const BatchRef& dst) {
   cuda::launch_scale_copy(src, transpose, scale, dst, impl_->sm_count, impl_->stream);
 }
+namespace {
+// The fused passes' kernels take one shape per launch; an engine batch holds tall and wide
+// weights of the same sides, so a call goes out in runs of consecutive same-shape slots.
+template <typename F>
+void for_shape_runs(std::span<const MuonSlot> slots, F&& f) {
+  auto same = [](const MuonSlot& a, const MuonSlot& b) {
+    return a.grad.rows == b.grad.rows && a.grad.cols == b.grad.cols;
+  };
+  for (size_t k0 = 0, k1; k0 < slots.size(); k0 = k1) {
+    for (k1 = k0 + 1; k1 < slots.size() && same(slots[k1], slots[k0]);) ++k1;
+    f(k0, k1 - k0);
+  }
+}
+}  // namespace
+
 void CudaBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                      float* norms, int32_t* status) {
-  cuda::launch_muon_norm(slots, mu, nesterov, norms, status, impl_->scratch(), impl_->sm_count,
-                         impl_->stream);
+  for_shape_runs(slots, [&](size_t k0, size_t n) {
+    cuda::launch_muon_norm(slots.subspan(k0, n), mu, nesterov, norms + k0, status + k0,
+                           impl_->scratch(), impl_->sm_count, impl_->stream);
+  });
 }
 void CudaBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                       const int32_t* status, const ScaleSpec& scale,
                                       bool transpose, const BatchRef& x) {
-  cuda::launch_muon_apply(slots, mu, nesterov, status, scale, transpose, x, impl_->sm_count,
-                          impl_->stream);
+  for_shape_runs(slots, [&](size_t k0, size_t n) {
+    ScaleSpec sc = scale;
+    if (sc.norms) sc.norms += k0;
+    cuda::launch_muon_apply(slots.subspan(k0, n), mu, nesterov, status ? status + k0 : nullptr,
+                            sc, transpose, x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(n)),
+                            impl_->sm_count, impl_->stream);
+  });
 }
 void CudaBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
                               const int32_t* status, const BatchRef& o, bool transpose) {
-  cuda::launch_muon_update(slots, coef, status, o, transpose, impl_->sm_count, impl_->stream);
+  for_shape_runs(slots, [&](size_t k0, size_t n) {
+    cuda::launch_muon_update(slots.subspan(k0, n), coef.subspan(k0, n),
+                             status ? status + k0 : nullptr,
+                             o.slice(static_cast<int64_t>(k0), static_cast<int64_t>(n)), transpose,
+                             impl_->sm_count, impl_->stream);
+  });
 }
 void CudaBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
   cuda::launch_adamw_check(slots, status, impl_->sm_count, impl_->stream);
