@@ -28,7 +28,7 @@ struct Opts {
   std::vector<std::string> workloads = {"gpt2-small", "gpt2-large", "pi0", "qwen2.5-7b:8"};
   std::string json_path = "cuda_bench.json";
   int steps = 10;
-  bool micro = true, tune = true, cache = true;
+  bool micro = true, tune = true, cache = true, cache_hit = true;
 };
 
 // Per-operation GPU times on gpt2-small's shapes (12 matrices, m = 768), graph-replayed so that
@@ -297,11 +297,12 @@ int run(int argc, char** argv) {
     else if (a == "--no-micro") o.micro = false;
     else if (a == "--no-tune") o.tune = false;
     else if (a == "--no-cache") o.cache = false;
+    else if (a == "--no-cache-hit") o.cache_hit = false;
     else if (a == "--workloads") {
       o.workloads.clear();
       std::stringstream ss(next());
       for (std::string p; std::getline(ss, p, ',');) if (!p.empty()) o.workloads.push_back(p);
-    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache)");
+    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache --no-cache-hit)");
   }
   CudaBackend be;
   std::fprintf(stderr, "[bench] %s\n", be.name().c_str());
@@ -317,7 +318,7 @@ int run(int argc, char** argv) {
   out["gemm_tflops"] = tflops;
   out["copy_tbps"] = tbps;
   if (o.cache) {  // CacheMuon on the device (cuda_bench_cache.cc)
-    out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
+    if (o.cache_hit) out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
     std::ofstream(o.json_path) << out.dump(2) << "\n";
     out["cache"]["engine_gpt2_small"] = cache_engine_drift(be, 30);
     std::ofstream(o.json_path) << out.dump(2) << "\n";

@@ -14,6 +14,7 @@ def main():
     ap.add_argument("--tool", nargs="*", default=[], help="distmuon-bench --json outputs")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--command", default="bench/run_h200.sh full")
+    ap.add_argument("--suffix", default="", help="appended to the file names, e.g. -cache")
     args = ap.parse_args()
     cb = json.load(open(args.cuda))
     tb = {w["name"]: w for w in json.load(open(args.torch))["workloads"]} if os.path.exists(args.torch) else {}
@@ -29,11 +30,18 @@ def main():
     res = {"date": date, "device": cb.get("device"), "command": args.command,
            "gemm_tflops": cb.get("gemm_tflops"), "copy_tbps": cb.get("copy_tbps"),
            "syrk_over_dense": cb.get("syrk_over_dense"), "micro": cb.get("micro"),
-           "cache_hit_over_fresh": hit.get("cache_hit_over_fresh"), "cache": cache,
+           # the default (exact, Gram-space) residual; the probe residual's beside it
+           "cache_hit_over_fresh": hit.get("cache_hit_over_fresh"),
+           "cache_hit_over_fresh_probe": hit.get("probe", {}).get("hit_over_fresh"), "cache": cache,
            "workloads": []}
-    for w in cb["workloads"]:
+    # Workloads the torch baselines ran but the CUDA bench did not finish keep their baselines.
+    done = {w["name"] for w in cb.get("workloads", [])}
+    missing = [{"name": n, "distmuon_graph_ms": None, "distmuon_eager_ms": None, "floor_ms": None,
+                "classes": []} for n in tb if n not in done]
+    for w in cb.get("workloads", []) + missing:
         t = tb.get(w["name"], {})
-        best = min(w["distmuon_graph_ms"], w["distmuon_eager_ms"])
+        ran = [v for v in (w["distmuon_graph_ms"], w["distmuon_eager_ms"]) if v is not None]
+        best = min(ran) if ran else None
         e = {"name": w["name"], "distmuon_ms": best, "distmuon_eager_ms": w["distmuon_eager_ms"],
              "distmuon_graph_ms": w["distmuon_graph_ms"], "floor_ms": w["floor_ms"], "floor_tuned_ms": w.get("floor_tuned_ms"),
              "torch_muon_ms": t.get("torch_muon_ms"), "adamw_ms": t.get("adamw_ms"),
@@ -43,7 +51,7 @@ def main():
              "distmuon_bench_ms": tool.get(w["name"]), "classes": w["classes"]}
         res["workloads"].append(e)
     os.makedirs(args.out_dir, exist_ok=True)
-    base = os.path.join(args.out_dir, f"{date}-h200")
+    base = os.path.join(args.out_dir, f"{date}-h200{args.suffix}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=2)
     lines = [f"# distmuon on one H200, {date}", "",
@@ -59,11 +67,13 @@ def main():
         tm, aw, awf = e["torch_muon_ms"], e["adamw_ms"], e["adamw_full_model_ms"]
         f = lambda v, fmt="{:.2f}": "-" if v is None else fmt.format(v)
         cli = (e.get("distmuon_bench_ms") or {}).get("auto")
-        lines.append(f"| {e['name']} | {e['distmuon_graph_ms']:.2f} / {e['distmuon_eager_ms']:.2f} | "
-                     f"{f(cli)} | {e['floor_ms']:.2f} | {d / e['floor_ms']:.2f} | "
+        ok = d is not None
+        lines.append(f"| {e['name']} | {f(e['distmuon_graph_ms'])} / {f(e['distmuon_eager_ms'])} | "
+                     f"{f(cli)} | {f(e['floor_ms'])} | {f(d / e['floor_ms'] if ok else None)} | "
                      f"{f(e.get('floor_tuned_ms'))} | {f(tm)} | "
-                     f"{f(None if tm is None else tm / d, '{:.1f}')} | {f(aw)} / {f(awf)} | "
-                     f"{f(None if aw is None else d / aw)} / {f(None if awf is None else d / awf)} |")
+                     f"{f(None if tm is None or not ok else tm / d, '{:.1f}')} | {f(aw)} / {f(awf)} | "
+                     f"{f(None if aw is None or not ok else d / aw)} / "
+                     f"{f(None if awf is None or not ok else d / awf)} |")
     if hit:
         lines += ["", f"CacheMuon on qwen2.5-7b's MLP shapes ({hit['count']} x {hit['m']}x{hit['n']}, "
                   f"{hit['algorithm']}): fresh solve {hit['fresh_ms']:.2f} ms."]

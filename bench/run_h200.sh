@@ -8,6 +8,9 @@
 # machine, where the dependencies are), else a Release build here (cmake, ninja, -j16).
 # Output under $OUT (at most 8 files come back): run.log, cuda_bench.json, torch.json,
 # tune.json, report.json, report.md, tools.tgz.
+# Knobs for a partial rerun: TESTS="test_cuda_muon" (the test binaries), BENCH_ARGS (extra
+# distmuon-cuda-bench options, e.g. --no-cache-hit), SKIP_CLI=1, SKIP_TORCH=1 (then merge with
+# an earlier torch.json: bench/make_report.py --torch).
 set -o pipefail
 MODE=${1:-full}
 export PYTHONUNBUFFERED=1
@@ -35,25 +38,28 @@ ldd $BIN/distmuon-cuda-bench | grep -E "not found|cublas" | tee -a "$LOG"
 
 say "correctness: every CUDA kernel against the CPU / float64 references"
 fail=0
-for t in test_cuda_backend test_cuda_muon test_cuda_cache; do
+for t in ${TESTS:-test_cuda_backend test_cuda_muon test_cuda_cache}; do
   $BIN/$t --gtest_brief=1 2>&1 | tee -a "$LOG" | grep -E "^\[measure\]|PASSED|FAILED|SKIPPED|Failure|error" | head -80
   [ "${PIPESTATUS[0]}" = 0 ] || fail=1
 done
 say "tests: $([ $fail = 0 ] && echo all passed || echo FAILURES)"
 
 export DISTMUON_TUNE_CACHE="$OUT/tune.json"
-if [ "$MODE" = quick ]; then
+if [ -n "${WL:-}" ]; then
+  :
+elif [ "$MODE" = quick ]; then
   WL="gpt2-small"
 else
   WL="gpt2-small,gpt2-large,pi0,qwen2.5-7b:8"
 fi
 say "ceilings, X X^T, CacheMuon, autotuner and steps ($WL)"
-$BIN/distmuon-cuda-bench --json "$OUT/cuda_bench.json" --workloads "$WL" 2>&1 | tee -a "$LOG" \
+$BIN/distmuon-cuda-bench --json "$OUT/cuda_bench.json" --workloads "$WL" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" \
   | grep -vE "^\[tune\]" | tail -48
 
 say "distmuon-bench (the CLI, eager steps, algo auto)"
 mkdir -p /tmp/tools
-for spec in ${WL//,/ }; do
+[ -n "${SKIP_CLI:-}" ] && WL_CLI="" || WL_CLI="$WL"
+for spec in ${WL_CLI//,/ }; do
   name=${spec%%:*}; layers=0; [ "$name" != "$spec" ] && layers=${spec##*:}
   $BIN/distmuon-bench --backend cuda --algo ns5,auto --workload "$name" --layers "$layers" \
     --no-adamw --steps 5 --warmup 2 --json "/tmp/tools/$name.json" 2>&1 | tail -6 | tee -a "$LOG"
@@ -61,7 +67,7 @@ done
 tar czf "$OUT/tools.tgz" -C /tmp/tools .
 
 say "torch baselines"
-python3 bench/torch_baselines.py --workloads "$WL" --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
+[ -z "${SKIP_TORCH:-}" ] && python3 bench/torch_baselines.py --workloads "$WL" --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
 
 say "report"
 python3 bench/make_report.py --cuda "$OUT/cuda_bench.json" --torch "$OUT/torch.json" \

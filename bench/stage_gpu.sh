@@ -10,10 +10,12 @@ cmake --build build -j "${JOBS:-2}" --target $targets
 stage=$(mktemp -d)
 mkdir -p "$stage/bin" "$stage/lib" .gpubin
 for t in $targets; do cp build/bin/$t "$stage/bin/"; strip "$stage/bin/$t"; done
-# Non-CUDA shared libraries outside glibc/libstdc++ (CUDA's own come from the GPU image).
-for lib in $(ldd build/bin/distmuon-bench build/bin/test_cuda_muon | awk '/=>/ {print $3}' | sort -u); do
+# Non-CUDA shared libraries outside glibc/libstdc++, MPI and CUDA (those come from the GPU
+# image): OpenBLAS and its Fortran runtime, COIN-OR CBC (the planner's MILP) and its solvers.
+for lib in $(ldd build/bin/distmuon-bench build/bin/test_cuda_muon build/bin/distmuon-cuda-bench | awk '/=>/ {print $3}' | sort -u); do
   case "$(basename "$lib")" in
-    libopenblas*|libgfortran*|libquadmath*|libgomp*) cp -L "$lib" "$stage/lib/" ;;
+    libopenblas*|libgfortran*|libquadmath*|libgomp*|liblapack*) cp -L "$lib" "$stage/lib/" ;;
+    libCbc*|libClp*|libCgl*|libOsi*|libCoinUtils*|libbz2*|libnauty*) cp -L "$lib" "$stage/lib/" ;;
   esac
 done
 tar cJf .gpubin/bundle.tar.xz -C "$stage" .
