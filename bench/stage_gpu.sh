@@ -4,7 +4,7 @@
 # which the device tool carries (carry: [".gpubin"]); bench/run_h200.sh unpacks it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-targets="test_cuda_backend test_cuda_muon test_cuda_cache distmuon-cuda-bench distmuon-bench"
+targets="test_cuda_backend test_cuda_muon test_cuda_cache distmuon-cuda-bench distmuon-bench distmuon-plan"
 cmake --preset release -DDISTMUON_WITH_CUDA=ON >/dev/null
 cmake --build build -j "${JOBS:-2}" --target $targets
 stage=$(mktemp -d)
