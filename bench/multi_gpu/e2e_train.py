@@ -35,7 +35,7 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool):
     if kind == "distmuon-dedicated":
         from distmuon.torch import dedicate
 
-        ignored = set(dedicate(model, mesh))  # the whole matrices owned by one rank each
+        ignored = set(dedicate(model, mesh).ignored_params)  # whole matrices, one owner each
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
