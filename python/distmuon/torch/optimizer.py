@@ -29,7 +29,18 @@ from distmuon.torch._params import (
     module_param_infos,
     split_named,
 )
-from distmuon.torch._state import Slot, expected_numel, export_state, held_momentum, import_state, owner_held
+from distmuon.torch._state import (
+    MATRIX_STATE,
+    Slot,
+    expected_numel,
+    export_state,
+    held_momentum,
+    import_state,
+    owner_held,
+)
+
+# State a loaded state dict may lack (it then starts fresh): CacheMuon's entries.
+OPTIONAL_STATE = frozenset(MATRIX_STATE)
 
 
 def _float(v: Any) -> float:
@@ -53,7 +64,16 @@ class Muon(torch.optim.Optimizer):
             (dense products, as torch.optim.Muon), 'ns-sym' or 'gram-ns'.
         ns_dtype: dtype the iteration runs in; None picks bfloat16 on CUDA (as
             torch.optim.Muon) and float32 on the CPU.
-        cache_gamma: CacheMuon's residual threshold (not available in this build: must be None).
+        cache_gamma: CacheMuon (ALGORITHMS.md section 5): reuse each matrix's last Gram-NS
+            transform while ``||Q X (Q X)^T - I||_F / sqrt(m) <= cache_gamma``; None (default)
+            keeps it off. It applies to the shapes orthogonalized with Gram NS ('gram-ns', or the
+            elongated shapes of 'auto'). Its entries are saved by ``state_dict()``.
+        cache_probes: None (default) measures the residual exactly in Gram space; k estimates it
+            with k Gaussian probes (cheaper for large m).
+        cache_max_staleness: refresh an entry after this many reuses (0 or None: no limit).
+        cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16).
+        cache_shadow: diagnostics: also run the fresh solve for accepted matrices and report the
+            relative error and alignment of the accepted updates in ``stats()`` (synchronises).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (``adamw_lr=None``
             uses ``lr``).
         muon_filter: ``(name, param) -> bool`` that replaces the default choice of Muon
@@ -98,6 +118,10 @@ class Muon(torch.optim.Optimizer):
         algorithm: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         cache_gamma: float | None = None,
+        cache_probes: int | None = None,
+        cache_max_staleness: int | None = 0,
+        cache_dtype: torch.dtype | str = torch.float32,
+        cache_shadow: bool = False,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -128,6 +152,10 @@ class Muon(torch.optim.Optimizer):
             "algorithm": algorithm,
             "ns_dtype": None if ns_dtype is None else opt.torch_dtype_name(ns_dtype),
             "cache_gamma": cache_gamma,
+            "cache_probes": cache_probes,
+            "cache_max_staleness": cache_max_staleness,
+            "cache_dtype": opt.torch_dtype_name(cache_dtype),
+            "cache_shadow": cache_shadow,
         }
         self._adamw_defaults: dict[str, Any] = {
             "lr": adamw_lr,
@@ -440,9 +468,42 @@ class Muon(torch.optim.Optimizer):
         return self._topo.mode
 
     def engine_stats(self) -> dict[str, Any]:
-        """Counters of the engine: steps, non-finite skips, orthogonalization FLOPs, sizes."""
+        """Counters of the engine: steps, non-finite skips, orthogonalization FLOPs, sizes,
+        communication, and CacheMuon's counters under 'cache'. Synchronises the device."""
         assert self._engine is not None
         return self._engine.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """A summary of this rank's work (synchronises the device; not collective):
+
+        - ``steps``, ``nonfinite_skips``, ``ortho_flops`` (cumulative orthogonalization FLOPs
+          this rank ran, CacheMuon's counted as an ideal device does them), ``owned_matrices``;
+        - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative),
+          ``cache_hit_rate`` (cumulative), ``cache_flops_saved`` (fraction of the fresh solves'
+          FLOPs saved), ``last_hit_rate`` and ``last_mean_residual`` (the latest step: the share
+          of matrices that reused their transform and the mean residual of the test), and with
+          ``cache_shadow=True`` ``last_update_rel_err`` (mean relative Frobenius distance of the
+          latest step's accepted updates from the fresh ones; 0 when none was accepted) and
+          ``last_alignment`` (their mean cosine; 1 when none).
+        """
+        e = self.engine_stats()
+        c = e["cache"]
+        out: dict[str, Any] = {
+            "steps": e["steps"],
+            "nonfinite_skips": e["nonfinite_skips"],
+            "ortho_flops": e["ortho_flops"],
+            "owned_matrices": e["owned_matrices"],
+            "cache_hits": c["hits"],
+            "cache_refreshes": c["refreshes"],
+            "cache_hit_rate": c["hit_rate"],
+            "cache_flops_saved": c["flops_saved_fraction"],
+            "last_hit_rate": c["latest_hit_rate"],
+            "last_mean_residual": c["latest_mean_residual"],
+        }
+        if any(g.get("cache_shadow") and g.get("cache_gamma") is not None for g in self.param_groups):
+            out["last_update_rel_err"] = c["latest_update_error"]
+            out["last_alignment"] = c["latest_alignment"]
+        return out
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -507,7 +568,12 @@ class Muon(torch.optim.Optimizer):
         ckpt.check_saved_groups(self.param_groups, saved_groups)
         saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
         plan = [
-            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i)))
+            (
+                s,
+                ckpt.checked_entry(
+                    s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i), OPTIONAL_STATE
+                ),
+            )
             for s, i in zip(self._slots, saved_ids)
         ]
         old_groups = self.param_groups
