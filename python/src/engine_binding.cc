@@ -182,6 +182,8 @@ class PyEngine {
     cache["alignment_mean"] = c.alignment_mean;
     cache["alignment_min"] = c.alignment_min;
     cache["latest_entries"] = c.latest_entries;
+    cache["latest_with_residual"] = c.latest_with_residual;
+    cache["latest_compared"] = c.latest_compared;
     cache["latest_hit_rate"] = c.latest_hit_rate;
     cache["latest_mean_residual"] = c.latest_mean_residual;
     cache["latest_update_error"] = c.latest_update_error;

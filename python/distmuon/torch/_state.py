@@ -71,6 +71,7 @@ class Slot:
     full_shape: torch.Size
     dtype: torch.dtype
     rows: tuple[int, int] | None = None
+    key: int = -1  # position in the optimizer's state dict (index is the engine's)
 
     def local(self) -> torch.Tensor:
         return local_tensor(self.param) if self.rows is not None else self.param
@@ -103,7 +104,7 @@ def _view(engine: _C.Engine, s: Slot, name: str) -> torch.Tensor | None:
 
 def owner_held(topo: Topology, s: Slot, name: str) -> bool:
     """True when the engine keeps this state with each matrix's owner (not in place)."""
-    return s.use_muon and name == MOMENTUM and topo.mode in ("replicated", "sharded")
+    return s.use_muon and name == MOMENTUM and topo.mode in ("replicated", "sharded", "dedicated")
 
 
 def held_momentum(engine: _C.Engine, topo: Topology, s: Slot) -> list[torch.Tensor]:
