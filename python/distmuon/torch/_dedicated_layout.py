@@ -10,7 +10,6 @@ every other rank the storage is freed (resized to 0) and only materialised aroun
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -155,9 +154,10 @@ def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
 
 
 def make_groups(grid: Grid) -> Groups:
-    """New process groups over the grid (collective over the default group; none for one rank)."""
+    """New process groups over the grid (collective over the default group; one rank: only the
+    engine's world, made by that rank alone)."""
     if grid.size == 1:
-        return Groups()
+        return Groups(world=dist.new_group(list(grid.ranks), use_local_synchronization=True))
     R, S = grid.replicate, grid.shard
     g = Groups(world=dist.new_group(list(grid.ranks)))
     g.control = dist.new_group(list(grid.ranks), backend="gloo")
@@ -194,7 +194,7 @@ def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.devic
 def build_buckets(matrices: list[Matrix], units: list[Unit], grid: Grid) -> list[Bucket]:
     """Flat buffers per (unit, owner, dtype); each parameter becomes a view into its bucket and the
     storage of buckets this rank does not keep is freed."""
-    my_r, my_s = grid.coords(grid.member)
+    my_s = grid.coords(grid.member)[1]
     buckets: list[Bucket] = []
     for u, unit in enumerate(units):
         keys: dict[tuple[int, torch.dtype], list[int]] = {}
@@ -216,7 +216,6 @@ def build_buckets(matrices: list[Matrix], units: list[Unit], grid: Grid) -> list
             unit.buckets.append(len(buckets))
             buckets.append(b)
             b.free()
-    del my_r
     return buckets
 
 
@@ -249,15 +248,3 @@ def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> tuple[list[Mat
         for j in unit.matrices:
             matrices[j].unit = k
     return matrices, ordered
-
-
-def bytes_of(matrices: list[Matrix]) -> int:
-    return sum(m.numel * m.param.element_size() for m in matrices)
-
-
-def describe(grid: Grid) -> str:
-    return f"{grid.replicate} x {grid.shard}" if grid.replicate > 1 else f"{grid.size}"
-
-
-def ceil_share(total: int, parts: int) -> int:
-    return math.ceil(total / parts)

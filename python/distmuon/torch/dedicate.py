@@ -187,6 +187,8 @@ class Dedicated:
         if not self.overlap_step or self._prepare is None:
             return False
         params = [self.matrices[j].param for j in js]
+        if not all(p.grad is not None and p.grad.is_contiguous() for p in params):
+            return False  # unusual layouts: step() copies them
         size = self.grid.size
         if self.side is None:
             self.reducer.wait(js)
