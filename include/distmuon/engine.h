@@ -214,6 +214,9 @@ class Engine {
   EngineStats stats();
   // Matrices prepared since the last step() (their updates wait for it).
   int64_t prepared_matrices() const;
+  // Forgets them: the next step() computes every matrix afresh. Their momentum and CacheMuon
+  // entries have advanced already (for a step abandoned after prepare()).
+  void discard_prepared();
   Backend& backend();
 
   struct Impl;  // opaque; public only so the runtime's internal files can name it

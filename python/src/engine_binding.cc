@@ -299,6 +299,8 @@ void bind_engine(nb::module_& m) {
            "matrices this rank owns among parameters `index` now; the next step() applies them.")
       .def_prop_ro("prepared_matrices",
                    [](PyEngine& e) { return e.engine().prepared_matrices(); })
+      .def("discard_prepared", [](PyEngine& e) { e.engine().discard_prepared(); },
+           "Forgets the prepared matrices (their momentum has advanced): step() recomputes all.")
       .def("set_stream", &PyEngine::set_stream, nb::arg("stream"),
            "CUDA: issue the backend's work on this cudaStream_t (an integer).")
       .def_prop_ro("distributed", [](PyEngine& e) { return e.engine().distributed(); })

@@ -179,6 +179,14 @@ void Engine::prepare(std::span<const int> params, std::span<const ParamData> dat
   impl_->prepare(params, data);
 }
 
+void Engine::discard_prepared() {
+  Impl& s = *impl_;
+  s.prepared.clear();
+  std::fill(s.is_prepared.begin(), s.is_prepared.end(), 0);
+  s.prep_x_used = 0;
+  s.prep_slots_used = 0;
+}
+
 int64_t Engine::prepared_matrices() const {
   int64_t n = 0;
   for (char p : impl_->is_prepared) n += p;

@@ -731,6 +731,11 @@ TEST(MpiEngine, PrepareRefusesMisuse) {
   }
   e.step({&d, 1});
   EXPECT_EQ(e.prepared_matrices(), 0);
+  e.prepare({&zero, 1}, {&d, 1});
+  e.discard_prepared();  // an abandoned step: the matrix may be prepared again
+  EXPECT_EQ(e.prepared_matrices(), 0);
+  e.prepare({&zero, 1}, {&d, 1});
+  e.step({&d, 1});
   opt.owners = {0, 1};  // more owners than matrices: every rank fails at set-up
   Engine bad(be, c, opt);
   bad.add_group(g);

@@ -70,15 +70,18 @@ def local_loss(model: nn.Module, step: int, rank: int, world: int, micro: int = 
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
 
 
-def train(model: nn.Module, opt: Muon, steps: range, rank: int, world: int, accum: int = 1, dm: Any = None) -> list[float]:
-    """Global mean loss of each step; micro-batches before the last skip gradient sync."""
+def train(
+    model: nn.Module, opt: Muon, steps: range, rank: int, world: int, accum: int = 1, dm: Any = None, sync_all: bool = False
+) -> list[float]:
+    """Global mean loss of each step; micro-batches before the last skip gradient sync (unless
+    sync_all: every backward reduces)."""
     out = []
     for step in steps:
         opt.zero_grad()
         total = torch.zeros(())
         for micro in range(accum):
             with ExitStack() as stack:
-                if micro < accum - 1:
+                if micro < accum - 1 and not sync_all:
                     if dm is not None:
                         stack.enter_context(dm.no_sync())
                     if hasattr(model, "set_requires_gradient_sync"):
@@ -140,17 +143,19 @@ def guarded(fn: Any) -> dict[str, Any]:
         return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
 
 
-def run_dedicated(rank: int, world: int, kind: str, accum: int, overlap: bool, ckpt: str | None = None) -> dict[str, Any]:
+def run_dedicated(
+    rank: int, world: int, kind: str, accum: int, overlap: bool, ckpt: str | None = None, sync_all: bool = False
+) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     model, dm, opt = build(kind, world, overlap)
     memory = dm.memory_stats()
-    losses = train(model, opt, range(CKPT_AT), rank, world, accum, dm)
+    losses = train(model, opt, range(CKPT_AT), rank, world, accum, dm, sync_all)
     saved = None
     if ckpt is not None:
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
         saved = full_state(opt)
-    losses += train(model, opt, range(CKPT_AT, STEPS), rank, world, accum, dm)
+    losses += train(model, opt, range(CKPT_AT, STEPS), rank, world, accum, dm, sync_all)
     after = dm.memory_stats()
     st = opt.stats()
     return {
@@ -183,6 +188,21 @@ def run_resume(rank: int, world: int, kind: str, ckpt: str) -> dict[str, Any]:
     memory = dm.memory_stats()
     losses = train(model, opt, range(CKPT_AT, STEPS), rank, world, 1, dm)
     return {"loaded_state": loaded, "losses": losses, "params": full_model(model), "memory_after_load": memory}
+
+
+def run_late_gradient(rank: int, world: int) -> dict[str, Any]:
+    """overlap_step with two synchronised backwards: every rank raises at step(); the ranks stay
+    matched (a checkpointable state and another step afterwards)."""
+    model, dm, opt = build("fsdp", world, overlap=True)
+    out: dict[str, Any] = {}
+    try:
+        train(model, opt, range(1), rank, world, 2, dm, sync_all=True)
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    opt.zero_grad()
+    out["then"] = train(model, opt, range(1, 2), rank, world, 1, dm)  # collectives still matched
+    return out
 
 
 def run_single(rank: int, world: int, overlap: bool) -> dict[str, Any]:
@@ -220,6 +240,8 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "overlap": guarded(lambda: run_dedicated(rank, world, "fsdp", 1, True)),
         "accum": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False)),
         "accum_overlap": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, True)),
+        "accum_sync": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False, sync_all=True)),
+        "late_gradient": guarded(lambda: run_late_gradient(rank, world)),
     }
 
 

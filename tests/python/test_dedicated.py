@@ -105,7 +105,7 @@ def test_one_process_through_dedicate_is_the_plain_optimizer(world1: list[dict[s
         assert res["memory"]["held_bytes"] == res["memory"]["total_bytes"]
 
 
-@pytest.mark.parametrize("key", ["plain", "overlap", "accum", "accum_overlap"])
+@pytest.mark.parametrize("key", ["plain", "overlap", "accum", "accum_overlap", "accum_sync"])
 def test_two_ranks_equal_one_process(world2: list[dict[str, Any]], single: dict[str, Any], key: str) -> None:
     assert_matches([r[key] for r in world2], single)
     for r in world2:
@@ -187,3 +187,13 @@ def test_checkpoint_of_two_ranks_resumes_at_four_and_in_one_process(
     for r in resumed[:4]:  # loading materialised the weights, then let the other ranks' go
         m = r["memory_after_load"]
         assert m["held_bytes"] == m["kept_bytes"] < m["total_bytes"]
+
+
+def test_a_gradient_after_its_update_was_prepared_raises_on_every_rank(world2: list[dict[str, Any]]) -> None:
+    """overlap_step with two synchronised backwards in one step: the error reaches every rank at
+    step() (not only the owner, inside backward), and the ranks' collectives stay matched."""
+    for r in world2:
+        res = r["late_gradient"]
+        assert "traceback" not in res, res.get("traceback")
+        assert res["error"] is not None and "no_sync()" in res["error"]
+        assert len(res["then"]) == 1

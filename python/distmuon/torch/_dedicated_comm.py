@@ -153,6 +153,7 @@ class Reducer:
         self.landed_per_unit = [0] * len(self.units)
         self.prepared = [False] * n
         self.collecting = False  # step() is draining: no on_landed calls
+        self.misuse: str | None = None  # a matrix that got a gradient after it was prepared
 
     def _role(self, j: int) -> str:
         m = self.matrices[j]
@@ -169,12 +170,10 @@ class Reducer:
         if self.state[j] == READY:
             return  # not sent yet: the new gradient accumulated into the same tensor
         if self.state[j] != NONE:
-            if self.prepared[j]:
-                raise RuntimeError(
-                    f"a second gradient of dedicated matrix '{self.matrices[j].name}' arrived after its "
-                    "update was prepared (overlap_step): accumulate micro-batches under "
-                    "Dedicated.no_sync() so that only the last backward reduces, or pass overlap_step=False"
-                )
+            # Raised at step() on every rank (raising here, on the owner alone, would leave the
+            # other ranks waiting in a collective).
+            if self.prepared[j] and self.misuse is None:
+                self.misuse = self.matrices[j].name
             self.dirty[j] = True
             return
         self.state[j] = READY
@@ -271,9 +270,12 @@ class Reducer:
             self.reset()
             return stepped
         present = [int(self.state[j] != NONE or self.matrices[j].param.grad is not None) for j in range(n)]
-        flags = torch.tensor([present, [int(d) for d in self.dirty]], dtype=torch.int32)
+        misuse = [0] * n
+        if self.misuse is not None:
+            misuse[[m.name for m in self.matrices].index(self.misuse)] = 1
+        flags = torch.tensor([present, [int(d) for d in self.dirty], misuse], dtype=torch.int32)
         dist.all_reduce(flags, group=self.groups.control)
-        present, again = flags[0].tolist(), flags[1].tolist()
+        present, again, late = flags[0].tolist(), flags[1].tolist(), flags[2].tolist()
         for pos in range(self.next0, len(self.order)):
             j = self.order[pos]
             if present[j] > 0:
@@ -283,6 +285,15 @@ class Reducer:
         self.next0 = len(self.order)
         self._advance(blocking=True)
         self.wait(list(range(n)))
+        if any(late):
+            self.reset()
+            name = self.matrices[late.index(max(late))].name
+            raise RuntimeError(
+                f"a second gradient of dedicated matrix '{name}' arrived after its update was prepared "
+                "(overlap_step), so this step cannot include it; the step was not applied (the prepared "
+                "matrices' momentum has advanced: restore a checkpoint). Accumulate micro-batches under "
+                "Dedicated.no_sync() so that only the last backward reduces, or pass overlap_step=False"
+            )
         redo = [j for j in self.order if again[j] > 0]
         if redo:
             self._second_pass(redo)

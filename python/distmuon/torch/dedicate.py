@@ -74,6 +74,7 @@ class Dedicated:
         self.reducer = Reducer(grid, groups, matrices, units, self.cuda, self._landed)
         self._sync = True
         self._prepare: Callable[[list[nn.Parameter], Any], None] | None = None
+        self._discard: Callable[[], None] | None = None
         self._index = {id(m.param): m.index for m in matrices}
         self._handles: list[Any] = []
         self._install(model)
@@ -210,16 +211,23 @@ class Dedicated:
 
     # ---- the optimizer's side -------------------------------------------------------------------
 
-    def bind(self, prepare: Callable[[list[nn.Parameter], Any], None] | None) -> None:
-        """The optimizer's entry for early momentum and orthogonalization (overlap_step)."""
-        self._prepare = prepare
+    def bind(self, prepare: Callable[[list[nn.Parameter], Any], None] | None, discard: Callable[[], None]) -> None:
+        """The optimizer's entries for early momentum and orthogonalization (overlap_step) and
+        for forgetting it when a step is abandoned."""
+        self._prepare, self._discard = prepare, discard
 
     def before_step(self) -> None:
         """Every reduction done and waited (owners hold mean gradients), early work ordered
         before the step on CUDA."""
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
-        self.reducer.finish()
+        try:
+            self.reducer.finish()
+        except RuntimeError:
+            if self._discard is not None:
+                self._discard()
+            self.publisher.release_all()
+            raise
 
     def after_step(self) -> None:
         """Non-owners' copies go; HSDP owners publish to their replicas."""

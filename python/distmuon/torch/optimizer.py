@@ -378,7 +378,7 @@ class Muon(torch.optim.Optimizer):
                 import_state(part.engine, part.topo, part.slots, entries)
             if part.dedicated is not None:
                 early = self._nonfinite == "skip" and part.dedicated.overlap_step
-                part.dedicated.bind(self._prepare_dedicated if early else None)
+                part.dedicated.bind(self._prepare_dedicated if early else None, part.engine.discard_prepared)
         # Groups that existed keep their last pushed signature and buffer momentum, so that an
         # option changed since the last step is still noticed (and the buffers rescaled) by it.
         sigs, mus = self._signatures, self._buffer_momentum
