@@ -6,11 +6,13 @@
 #
 #   bench/h200_front.sh            the recorded run (example at its GPU preset)
 #   STEPS=300 bench/h200_front.sh  a shorter example run (validation of the script)
+#   ONLY=dedicated bench/h200_front.sh   build, smoke test, the GPU tests of the dedicated
+#                                  runtime and bench/h200_dedicated.py only (a few minutes)
 #
 # Needs .gpubin/ from bench/stage_front_gpu.sh (device tool: carry [".gpubin"]). The Debian
 # packages are unpacked into /tmp/sysroot (never into /) and CMake, pkg-config and the linker
 # are pointed at it. Output under $OUT: run.log, pytest.log, train_gpt.json, train_gpt.png,
-# summary.txt.
+# summary.txt, dedicated/ (bench/h200_dedicated.py: dedicated.json, summary.txt).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,6 +51,22 @@ if [ "$smoke" != 0 ]; then
   DISTMUON_TUNE_CACHE=/nonexistent/tune.json $PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -4 | tee -a "$LOG"
 fi
 
+# The dedicated runtime (distmuon.torch.dedicate) against the plain optimizer, one GPU.
+dedicated_bench() {
+  say "dedicated runtime: GPU tests (test_gpu.py -k dedicated) and bench/h200_dedicated.py"
+  $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q --no-index --find-links .gpubin/wheels \
+    --root-user-action=ignore pytest >>"$LOG" 2>&1
+  OMP_WAIT_POLICY=passive $PY -m pytest tests/python/test_gpu.py -v -rs -k dedicated 2>&1 | tail -12 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  OUT=$OUT/dedicated $PY bench/h200_dedicated.py ${DEDICATED_ARGS:-} 2>&1 | tee -a "$LOG" | tail -14
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
+if [ "${ONLY:-}" = dedicated ]; then
+  if [ "$smoke" = 0 ]; then dedicated_bench; else status=1; fi
+  say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"
+  exit $status
+fi
+
 say "NCCL communicator test, world size 1"
 if [ -x .gpubin/front/test_nccl_comm ]; then
   LD_LIBRARY_PATH=$CXX_LD_PATH .gpubin/front/test_nccl_comm --gtest_brief=1 2>&1 | tail -15 | tee -a "$LOG"
@@ -78,6 +96,7 @@ print(f"{'optimizer':>10} {'fwd+bwd ms':>10} {'optimizer ms':>12} {'final val lo
 for r in d["results"]:
     print(f"{r['optimizer']:>10} {r['fwd_bwd_ms_median']:10.2f} {r['optimizer_ms_median']:12.2f} {r['final_val_loss']:14.4f}")
 EOF
+  dedicated_bench
 else
   say "GPU pytest and the example skipped: a CUDA engine cannot be made in a torch process (above)"
 fi

@@ -209,6 +209,7 @@ class RunResult:
     fwd_bwd_ms: list[float] = field(default_factory=list)
     opt_ms: list[float] = field(default_factory=list)
     wall_s: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)  # distmuon: Muon.stats() at the end
 
 
 @torch.no_grad()
@@ -261,6 +262,8 @@ def train_one(kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, data: Ch
             postfix(f"loss {loss.item():.3f}{val} fwd+bwd {res.fwd_bwd_ms[-1]:.1f} ms opt {res.opt_ms[-1]:.1f} ms")
     res.wall_s = time.perf_counter() - start
     res.final_val_loss = res.val_points[-1][1]
+    if kind == "distmuon":
+        res.stats = opts[0].stats()  # type: ignore[attr-defined]
     return res
 
 
@@ -364,19 +367,21 @@ def main() -> int:
         f"{cfg.block_size} chars; {args.steps} steps on {device} ({torch.get_num_threads()} CPU threads"
         f"{', bf16 autocast' if args.amp else ''})"
     )
-    results = []
-    for kind in args.optimizers:
-        try:
-            results.append(train_one(kind, init, cfg, data, args))
-        except NotImplementedError as e:  # e.g. --cache-gamma before CacheMuon is in the build
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    results = [train_one(kind, init, cfg, data, args) for kind in args.optimizers]
     print(f"\n{'optimizer':>10} | {'val loss':>8} | {'fwd+bwd ms':>10} | {'optimizer ms':>12} | {'opt share':>9} | {'wall s':>7}")
     print("-" * 72)
     for r in results:
         fb, op = median_after_warmup(r.fwd_bwd_ms), median_after_warmup(r.opt_ms)
         print(f"{r.optimizer:>10} | {r.final_val_loss:8.4f} | {fb:10.2f} | {op:12.2f} | {op / (fb + op):8.1%} | {r.wall_s:7.1f}")
     print("(step times: medians after warm-up; the device is synchronised around each part)")
+    for r in results:
+        if args.cache_gamma is not None and r.stats:
+            st = r.stats
+            print(
+                f"CacheMuon gamma {args.cache_gamma}: {st['cache_hits']} hits / {st['cache_refreshes']} refreshes "
+                f"(hit rate {st['cache_hit_rate']:.1%}, last step {st['last_hit_rate']:.1%}), "
+                f"{st['cache_flops_saved']:.1%} of the orthogonalization FLOPs saved"
+            )
     title = f"char GPT {cfg.n_layer}x{cfg.n_embd} on tinyshakespeare, {args.steps} steps, {device}"
     plot(results, args.out, title)
     summary = {
@@ -393,6 +398,7 @@ def main() -> int:
                 "fwd_bwd_ms_median": median_after_warmup(r.fwd_bwd_ms),
                 "optimizer_ms_median": median_after_warmup(r.opt_ms),
                 "wall_s": r.wall_s,
+                "stats": r.stats,
             }
             for r in results
         ],

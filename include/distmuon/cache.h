@@ -87,6 +87,16 @@ struct CacheStats {
   double update_error_mean = 0, update_error_max = 0;
   int64_t probe_compared = 0;
   double probe_ratio_min = 0, probe_ratio_max = 0, probe_ratio_mean = 0;
+  // Shadow mode: cosine between each accepted update and the fresh one (1: same direction).
+  double alignment_mean = 0, alignment_min = 0;
+  // The latest call of every entry in use (filled under the current configuration): the share
+  // that reused its transform, the mean of their latest residuals (entries with one) and, in
+  // shadow mode, the mean relative error and alignment of the accepted updates among them (0 and
+  // 1 when none was accepted). When every matrix steps every step these are the last step's
+  // values, read without any per-step synchronisation.
+  int64_t latest_entries = 0, latest_with_residual = 0, latest_compared = 0;
+  double latest_hit_rate = 0, latest_mean_residual = 0;
+  double latest_update_error = 0, latest_alignment = 0;
   std::vector<CacheMatrixStats> per_matrix;
 
   double hit_rate() const;              // hits / (hits + refreshes)

@@ -99,6 +99,16 @@ struct DistOptions {
   // H200's rates on CUDA and a CPU's on the CPU backend), or a cost file written by
   // `distmuon-plan --measure` holding a table for this backend's device (Backend::name()).
   std::string plan_costs;
+  // Fixed owners instead of the planner: the world rank of every Muon matrix in registration
+  // order (a 3D parameter: one per slice), e.g. from plan_owners() made before the engine
+  // existed. Each owner orthogonalizes its matrices of one shape as one batch. Empty: planned.
+  std::vector<int> owners;
+  // Dedicated mode: the caller moves the data (distmuon.torch.dedicate: gradients reduced to the
+  // owners during backward, weights broadcast during forward). ParamData::grad on a matrix's
+  // owner is then its final, averaged gradient, step() only computes on the owners and moves
+  // nothing, and other ranks' data for the matrix is ignored (null allowed). AdamW parameters
+  // step with the caller's gradients as given. Enables prepare().
+  bool caller_transfers = false;
 };
 
 // The part of dim 0 this rank holds of a parameter (a Shard(0) local tensor): rows
@@ -143,6 +153,14 @@ struct EngineStats {
   CommStats comm;               // bytes moved by this rank during step(), all communicators
 };
 
+// The owners Engine::setup() plans for these Muon matrices on a world of topo.world_size ranks
+// (HSDP: topo.replicate), with the options' planner and plan_costs, costing `ortho` with the
+// rates of `device` (a cost file needs `device_name`, as Backend::name()). Layers are parsed from
+// the matrix names as setup() does. For a front end that must know the owners before it
+// registers anything (distmuon.torch.dedicate); pass the result as DistOptions::owners.
+Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const DistOptions& dist,
+                 const OrthoConfig& ortho, DeviceKind device, const std::string& device_name = "");
+
 class Engine {
  public:
   // Single process: the whole optimizer.
@@ -172,6 +190,14 @@ class Engine {
   void step(std::span<const ParamData> data);
   // Completes a publication left in flight by DistOptions::defer_publish (no-op otherwise).
   void wait_published();
+  // Dedicated mode with caller_transfers: the owner's momentum update and orthogonalization of
+  // the matrices of `params` this rank owns (their gradients final: data[k] belongs to
+  // params[k]) run now, on the backend's current stream, batched by plan batch and shape; the
+  // next step() only applies their updates (with the learning rate and weight decay of that
+  // step). Not collective. Momentum and CacheMuon options are read now. A matrix may be
+  // prepared once per step; the raise policy is refused (state changes before every status of
+  // the step is known).
+  void prepare(std::span<const int> params, std::span<const ParamData> data);
 
   bool distributed() const;
   const DistOptions& dist_options() const;
@@ -208,6 +234,11 @@ class Engine {
 
   // Synchronises the backend to read device-side counters.
   EngineStats stats();
+  // Matrices prepared since the last step() (their updates wait for it).
+  int64_t prepared_matrices() const;
+  // Forgets them: the next step() computes every matrix afresh. Their momentum and CacheMuon
+  // entries have advanced already (for a step abandoned after prepare()).
+  void discard_prepared();
   Backend& backend();
 
   struct Impl;  // opaque; public only so the runtime's internal files can name it

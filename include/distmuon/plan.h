@@ -109,6 +109,12 @@ Plan plan_lpt(const std::vector<PlanMatrix>& matrices, const Topology& topo, con
 // of the MILP incumbent and LPT when the solver stops early or the instance is too large.
 Plan plan_milp(const std::vector<PlanMatrix>& matrices, const Topology& topo,
                const CostTable& costs, const PlanOptions& opts = {});
+// A plan whose owners were chosen elsewhere (planned earlier and passed along): batches, loads
+// and hash from the cost table, exactly as the planners complete theirs. Throws when an owner is
+// out of range or the counts differ.
+Plan plan_fixed(const std::vector<PlanMatrix>& matrices, const Topology& topo,
+                const CostTable& costs, const std::vector<int>& owners,
+                const PlanOptions& opts = {});
 // Dispatches on "milp", "lpt" or "round-robin"; throws listing them for other names.
 Plan make_plan(const std::string& solver, const std::vector<PlanMatrix>& matrices,
                const Topology& topo, const CostTable& costs, const PlanOptions& opts = {});

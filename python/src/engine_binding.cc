@@ -92,6 +92,28 @@ class PyEngine {
                   (spec.shard.sharded() ? "a local shard of shape " : "") + shape_str(local));
   }
 
+  // Dedicated mode with caller transfers: momentum and orthogonalization of the owned matrices of
+  // parameters `index` now (see Engine::prepare).
+  void prepare(const std::vector<int>& index, const std::vector<Array>& params,
+               const std::vector<Array>& grads) {
+    if (index.size() != params.size() || index.size() != grads.size())
+      value_error("prepare got " + std::to_string(index.size()) + " indices, " +
+                  std::to_string(params.size()) + " parameters and " +
+                  std::to_string(grads.size()) + " gradients");
+    std::vector<ParamData> data(index.size());
+    for (size_t k = 0; k < index.size(); ++k) {
+      const int i = index[k];
+      if (i < 0 || i >= engine_->num_params()) value_error("prepare: no parameter " + std::to_string(i));
+      check_array(params[k], i, false);
+      check_array(grads[k], i, true);
+      data[k].param = params[k].data();
+      data[k].grad = grads[k].data();
+      data[k].grad_dtype = to_dtype(grads[k].dtype(), "gradient");
+    }
+    nb::gil_scoped_release release;
+    engine_->prepare(index, data);
+  }
+
   void step(const std::vector<Array>& params, const std::vector<std::optional<Array>>& grads) {
     const int n = engine_->num_params();
     if (static_cast<int>(params.size()) != n || static_cast<int>(grads.size()) != n)
@@ -136,6 +158,37 @@ class PyEngine {
     d["comm_bytes_sent"] = s.comm.bytes_sent;
     d["comm_bytes_received"] = s.comm.bytes_received;
     d["comm_ops"] = s.comm.ops;
+    const CacheStats& c = s.cache;
+    nb::dict cache;
+    cache["calls"] = c.calls;
+    cache["matrices"] = c.matrices;
+    cache["hits"] = c.hits;
+    cache["refreshes"] = c.refreshes;
+    cache["forced_refreshes"] = c.forced_refreshes;
+    cache["skips"] = c.skips;
+    cache["flops"] = c.flops;
+    cache["fresh_flops"] = c.fresh_flops;
+    cache["hit_rate"] = c.hit_rate();
+    cache["flops_saved_fraction"] = c.flops_saved_fraction();
+    cache["memory_bytes"] = c.memory_bytes;
+    cache["residual_count"] = c.residual.count;
+    cache["residual_mean"] = c.residual.mean;
+    cache["residual_max"] = c.residual.max;
+    cache["residual_p50"] = c.residual.p50;
+    cache["residual_p90"] = c.residual.p90;
+    cache["compared"] = c.compared;
+    cache["update_error_mean"] = c.update_error_mean;
+    cache["update_error_max"] = c.update_error_max;
+    cache["alignment_mean"] = c.alignment_mean;
+    cache["alignment_min"] = c.alignment_min;
+    cache["latest_entries"] = c.latest_entries;
+    cache["latest_with_residual"] = c.latest_with_residual;
+    cache["latest_compared"] = c.latest_compared;
+    cache["latest_hit_rate"] = c.latest_hit_rate;
+    cache["latest_mean_residual"] = c.latest_mean_residual;
+    cache["latest_update_error"] = c.latest_update_error;
+    cache["latest_alignment"] = c.latest_alignment;
+    d["cache"] = cache;
     return d;
   }
 
@@ -169,7 +222,53 @@ void bind_engine(nb::module_& m) {
       .def_rw("grad_mean", &DistOptions::grad_mean)
       .def_rw("defer_publish", &DistOptions::defer_publish)
       .def_rw("check_grad_presence", &DistOptions::check_grad_presence)
-      .def_rw("gpus_per_node", &DistOptions::gpus_per_node);
+      .def_rw("gpus_per_node", &DistOptions::gpus_per_node)
+      .def_rw("planner", &DistOptions::planner)
+      .def_rw("plan_costs", &DistOptions::plan_costs)
+      .def_rw("owners", &DistOptions::owners)
+      .def_rw("caller_transfers", &DistOptions::caller_transfers);
+
+  m.def(
+      "plan_owners",
+      [](const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
+         int64_t elem_bytes, int world_size, int replicate, const DistOptions& dist,
+         const OrthoConfig& ortho, const std::string& device) {
+        if (names.size() != shapes.size()) value_error("plan_owners: one shape per name");
+        std::vector<PlanMatrix> pm;
+        for (size_t k = 0; k < names.size(); ++k) {
+          if (shapes[k].size() != 2) value_error("plan_owners: shapes are (rows, cols)");
+          PlanMatrix m;
+          m.name = names[k];
+          m.rows = shapes[k][0];
+          m.cols = shapes[k][1];
+          m.elem_bytes = elem_bytes;
+          pm.push_back(m);
+        }
+        const DeviceKind kind = device == "cuda" ? DeviceKind::kCUDA : DeviceKind::kCPU;
+        // A cost file is read for this device's table, named as the backend names itself.
+        const std::string device_name =
+            dist.plan_costs.empty() ? std::string() : make_backend(device)->name();
+        Plan p;
+        {
+          nb::gil_scoped_release release;
+          p = plan_owners(pm, Topology{world_size, dist.gpus_per_node, replicate}, dist, ortho,
+                          kind, device_name);
+        }
+        nb::dict d;
+        d["owner"] = p.owner;
+        d["owner_load"] = p.owner_load;
+        d["makespan"] = p.makespan;
+        d["imbalance"] = p.imbalance;
+        d["solver"] = p.solver;
+        d["status"] = p.status;
+        d["hash"] = p.hash;
+        return d;
+      },
+      nb::arg("names"), nb::arg("shapes"), nb::arg("elem_bytes"), nb::arg("world_size"),
+      nb::arg("replicate"), nb::arg("dist"), nb::arg("ortho"), nb::arg("device") = "cpu",
+      "The owners Engine.setup() would plan for these Muon matrices (rows, cols), with the "
+      "planner and costs of `dist`: a dict with 'owner' (world rank per matrix), 'owner_load', "
+      "'makespan', 'imbalance', 'solver', 'status', 'hash'.");
 
   nb::class_<PyEngine>(m, "Engine",
                        "The C++ optimizer engine on one backend ('cpu' or 'cuda'). Register "
@@ -195,6 +294,13 @@ void bind_engine(nb::module_& m) {
            "Freezes the registration (distributed: checks it across ranks, plans owners, "
            "allocates state). Collective; the first step() calls it otherwise.")
       .def("wait_published", &PyEngine::wait_published)
+      .def("prepare", &PyEngine::prepare, nb::arg("index"), nb::arg("params"), nb::arg("grads"),
+           "Dedicated mode with caller transfers: momentum and orthogonalization of the "
+           "matrices this rank owns among parameters `index` now; the next step() applies them.")
+      .def_prop_ro("prepared_matrices",
+                   [](PyEngine& e) { return e.engine().prepared_matrices(); })
+      .def("discard_prepared", [](PyEngine& e) { e.engine().discard_prepared(); },
+           "Forgets the prepared matrices (their momentum has advanced): step() recomputes all.")
       .def("set_stream", &PyEngine::set_stream, nb::arg("stream"),
            "CUDA: issue the backend's work on this cudaStream_t (an integer).")
       .def_prop_ro("distributed", [](PyEngine& e) { return e.engine().distributed(); })

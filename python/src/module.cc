@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "distmuon/backend.h"
+#include "distmuon/cache.h"
 #include "distmuon/engine.h"
 #include "distmuon/error.h"
 #include "distmuon/optimizer.h"
@@ -43,6 +44,12 @@ void bind_enums(nb::module_& m) {
       .value("match_rms_adamw", ScaleMode::kMatchRmsAdamW)
       .value("spectral", ScaleMode::kSpectral);
   nb::enum_<ParamKind>(m, "ParamKind").value("muon", ParamKind::kMuon).value("adamw", ParamKind::kAdamW);
+  nb::enum_<CacheResidual>(m, "CacheResidual")
+      .value("exact", CacheResidual::kExact)
+      .value("probe", CacheResidual::kProbe);
+  nb::enum_<CacheLayout>(m, "CacheLayout")
+      .value("product", CacheLayout::kProduct)
+      .value("factors", CacheLayout::kFactors);
   nb::enum_<NonFinitePolicy>(m, "NonFinitePolicy")
       .value("skip", NonFinitePolicy::kSkip)
       .value("raise_", NonFinitePolicy::kRaise);
@@ -73,6 +80,19 @@ void bind_options(nb::module_& m) {
       .def_rw("custom_coefficients", &OrthoConfig::custom_coefficients)
       .def("__repr__", [](const OrthoConfig& c) { return "OrthoConfig(" + algorithm_name(c) + ")"; });
 
+  nb::class_<CacheOptions>(m, "CacheOptions")
+      .def(nb::init<>())
+      .def_rw("enabled", &CacheOptions::enabled)
+      .def_rw("gamma", &CacheOptions::gamma)
+      .def_rw("residual", &CacheOptions::residual)
+      .def_rw("probes", &CacheOptions::probes)
+      .def_rw("max_staleness", &CacheOptions::max_staleness)
+      .def_rw("dtype", &CacheOptions::dtype)
+      .def_rw("layout", &CacheOptions::layout)
+      .def_rw("per_matrix_stats", &CacheOptions::per_matrix_stats)
+      .def_rw("shadow", &CacheOptions::shadow)
+      .def_rw("seed", &CacheOptions::seed);
+
   nb::class_<MuonOptions>(m, "MuonOptions")
       .def(nb::init<>())
       .def_rw("lr", &MuonOptions::lr)
@@ -81,7 +101,8 @@ void bind_options(nb::module_& m) {
       .def_rw("weight_decay", &MuonOptions::weight_decay)
       .def_rw("scale", &MuonOptions::scale)
       .def_rw("ortho", &MuonOptions::ortho)
-      .def_rw("momentum_dtype", &MuonOptions::momentum_dtype);
+      .def_rw("momentum_dtype", &MuonOptions::momentum_dtype)
+      .def_rw("cache", &MuonOptions::cache);
 
   nb::class_<AdamWOptions>(m, "AdamWOptions")
       .def(nb::init<>())

@@ -40,9 +40,11 @@ struct TransformCache::Impl {
   std::array<double, kCacheStatFields> retired{};
 
   // Shadow-mode accumulators (host): update error per entry, probe/exact ratio in total.
-  std::vector<double> sh_sum, sh_max;
+  std::vector<double> sh_sum, sh_max, sh_cos_sum, sh_cos_min;
   std::vector<int64_t> sh_n;
-  double sh_retired_sum = 0, sh_retired_max = 0;
+  std::vector<double> sh_last_err, sh_last_cos;  // latest accepted update: error, alignment
+  std::vector<char> sh_seen;                     // the entry has had an accepted update
+  double sh_retired_sum = 0, sh_retired_max = 0, sh_retired_cos_sum = 0, sh_retired_cos_min = 1;
   int64_t sh_retired_n = 0;
   double pr_min = std::numeric_limits<double>::infinity(), pr_max = 0, pr_sum = 0;
   int64_t pr_n = 0;

@@ -6,6 +6,7 @@
 //   3. Backend::cache_gate decides hit / refresh / skip per matrix on the device;
 //   4. refresh (masked): the Gram-NS solve, reusing R, refills the entry;
 //   5. hit (masked): D = Q X.
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -27,7 +28,7 @@ struct CachedBuffers {
   BatchRef W, A, B, U;       // probes: W, two m x k scratch, U = X^T V (n x k)
   BatchRef cand, cand2;      // shadow: candidate for every matrix
   float *res = nullptr, *res_exact = nullptr, *qnorm = nullptr;
-  float *fresh_norm = nullptr, *diff_norm = nullptr;
+  float *fresh_norm = nullptr, *diff_norm = nullptr, *cand_norm = nullptr;
   int32_t* decision = nullptr;
 };
 
@@ -70,6 +71,7 @@ CachedBuffers carve_cached(Carver& ws, const Setup& s, DType t, int64_t c, int64
   b.qnorm = ws.take_array<float>(c);
   b.fresh_norm = ws.take_array<float>(c);
   b.diff_norm = ws.take_array<float>(c);
+  if (s.opt.shadow) b.cand_norm = ws.take_array<float>(c);
   b.decision = ws.take_array<int32_t>(c);
   return b;
 }
@@ -193,26 +195,37 @@ void shadow_flow(BackendExec& e, const Setup& s, const Call& call, const CachedB
   fresh_solve(e, s, b, x, out, call.q_seg,
               [&](const BatchRef& src, const BatchRef& dst) { be.copy_masked(refresh, src, dst); });
   e.norm(out, b.fresh_norm);
+  e.norm(b.cand, b.cand_norm);
   be.lincomb(1.0, b.cand, -1.0, &out, 0.0, b.cand2);
   e.norm(b.cand2, b.diff_norm);
   be.copy_masked(hit, b.cand, out);
 
   const size_t c = static_cast<size_t>(x.count);
   std::vector<int32_t> dec(c);
-  std::vector<float> res(c), exact(c), fresh(c), diff(c);
+  std::vector<float> res(c), exact(c), fresh(c), diff(c), cand(c);
   be.synchronize();
+  be.copy_to_host(cand.data(), b.cand_norm, c * sizeof(float));
   be.copy_to_host(dec.data(), b.decision, c * sizeof(int32_t));
   be.copy_to_host(res.data(), gate.residual, c * sizeof(float));
   be.copy_to_host(exact.data(), b.res_exact, c * sizeof(float));
   be.copy_to_host(fresh.data(), b.fresh_norm, c * sizeof(float));
   be.copy_to_host(diff.data(), b.diff_norm, c * sizeof(float));
   for (size_t i = 0; i < c; ++i) {
+    const size_t k = static_cast<size_t>(first) + i;
     if (dec[i] != kCacheHit) continue;
     const double err = fresh[i] > 0 ? diff[i] / fresh[i] : diff[i];
-    const size_t k = static_cast<size_t>(first) + i;
+    // cos(D, O) from the three norms: ||D - O||^2 = ||D||^2 + ||O||^2 - 2 <D, O>.
+    const double d = cand[i], o = fresh[i], dd = diff[i];
+    const double cos =
+        d > 0 && o > 0 ? std::clamp((d * d + o * o - dd * dd) / (2 * d * o), -1.0, 1.0) : 0.0;
     ci.sh_sum[k] += err;
     ci.sh_max[k] = std::max(ci.sh_max[k], err);
+    ci.sh_cos_sum[k] += cos;
+    ci.sh_cos_min[k] = std::min(ci.sh_cos_min[k], cos);
     ci.sh_n[k] += 1;
+    ci.sh_last_err[k] = err;
+    ci.sh_last_cos[k] = cos;
+    ci.sh_seen[k] = 1;
     if (probe && exact[i] > 0 && std::isfinite(res[i])) {
       const double ratio = (res[i] * gate.residual_scale) / (exact[i] / std::sqrt(double(x.rows)));
       ci.pr_min = std::min(ci.pr_min, ratio);

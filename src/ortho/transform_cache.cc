@@ -141,6 +141,26 @@ void CacheStats::merge(const CacheStats& o) {
     probe_ratio_mean = (probe_ratio_mean * p0 + o.probe_ratio_mean * p1) / (p0 + p1);
     probe_compared += o.probe_compared;
   }
+  if (c1 > 0) {
+    alignment_mean = (alignment_mean * c0 + o.alignment_mean * c1) / (c0 + c1);
+    alignment_min = c0 > 0 ? std::min(alignment_min, o.alignment_min) : o.alignment_min;
+  }
+  // Means weighted by what each side averaged over.
+  auto mix = [](double a, int64_t na, double b, int64_t nb) {
+    return na + nb > 0 ? (a * na + b * nb) / static_cast<double>(na + nb) : a;
+  };
+  latest_hit_rate = mix(latest_hit_rate, latest_entries, o.latest_hit_rate, o.latest_entries);
+  latest_mean_residual = mix(latest_mean_residual, latest_with_residual, o.latest_mean_residual,
+                             o.latest_with_residual);
+  latest_update_error =
+      mix(latest_update_error, latest_compared, o.latest_update_error, o.latest_compared);
+  latest_alignment = latest_compared + o.latest_compared > 0
+                         ? mix(latest_alignment, latest_compared, o.latest_alignment,
+                               o.latest_compared)
+                         : 1.0;
+  latest_entries += o.latest_entries;
+  latest_with_residual += o.latest_with_residual;
+  latest_compared += o.latest_compared;
   per_matrix.insert(per_matrix.end(), o.per_matrix.begin(), o.per_matrix.end());
 }
 
@@ -228,6 +248,8 @@ void TransformCache::prepare(const OrthoConfig& resolved, int64_t count, int64_t
       merge_fields(s.retired.data(), s.acc.data() + i * kCacheStatFields);
       s.sh_retired_sum += s.sh_sum[i];
       s.sh_retired_max = std::max(s.sh_retired_max, s.sh_max[i]);
+      s.sh_retired_cos_sum += s.sh_cos_sum[i];
+      s.sh_retired_cos_min = std::min(s.sh_retired_cos_min, s.sh_cos_min[i]);
       s.sh_retired_n += s.sh_n[i];
     }
     s.count = count;
@@ -248,7 +270,12 @@ void TransformCache::prepare(const OrthoConfig& resolved, int64_t count, int64_t
     s.acc.resize(static_cast<size_t>(count) * kCacheStatFields);
     s.sh_sum.assign(count, 0.0);
     s.sh_max.assign(count, 0.0);
+    s.sh_cos_sum.assign(count, 0.0);
+    s.sh_cos_min.assign(count, 1.0);
     s.sh_n.assign(count, 0);
+    s.sh_last_err.assign(count, 0.0);
+    s.sh_last_cos.assign(count, 1.0);
+    s.sh_seen.assign(count, 0);
     s.prepared = true;
     s.reset_device_stats();
   }
@@ -309,8 +336,11 @@ void TransformCache::reset_stats() {
   for (size_t i = 0; i < s.acc.size(); i += kCacheStatFields) init_fields(&s.acc[i]);
   std::fill(s.sh_sum.begin(), s.sh_sum.end(), 0.0);
   std::fill(s.sh_max.begin(), s.sh_max.end(), 0.0);
+  std::fill(s.sh_cos_sum.begin(), s.sh_cos_sum.end(), 0.0);
+  std::fill(s.sh_cos_min.begin(), s.sh_cos_min.end(), 1.0);
   std::fill(s.sh_n.begin(), s.sh_n.end(), 0);
-  s.sh_retired_sum = s.sh_retired_max = 0;
+  s.sh_retired_sum = s.sh_retired_max = s.sh_retired_cos_sum = 0;
+  s.sh_retired_cos_min = 1;
   s.sh_retired_n = 0;
   s.pr_min = kInf;
   s.pr_max = s.pr_sum = 0;
@@ -328,15 +358,38 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
   st.memory_bytes = memory_bytes();
   std::array<double, kCacheStatFields> total = s.retired;
   std::vector<float> ages(static_cast<size_t>(s.count));
-  if (s.count) s.be.copy_to_host(ages.data(), s.age.data(), ages.size() * sizeof(float));
+  std::vector<double> keys(static_cast<size_t>(s.count));
+  if (s.count) {
+    s.be.copy_to_host(ages.data(), s.age.data(), ages.size() * sizeof(float));
+    s.be.copy_to_host(keys.data(), s.keys.data(), keys.size() * sizeof(double));
+  }
   double sh_sum = s.sh_retired_sum, sh_max = s.sh_retired_max;
+  double cos_sum = s.sh_retired_cos_sum, cos_min = s.sh_retired_cos_min;
   int64_t sh_n = s.sh_retired_n;
+  // Latest call per entry in use: a hit leaves age >= 1, a refresh age 0.
+  int64_t in_use = 0, latest_hits = 0, with_residual = 0, with_shadow = 0;
+  double latest_res = 0, latest_err = 0, latest_cos = 0;
   for (int64_t i = 0; i < s.count; ++i) {
     const double* f = s.acc.data() + i * kCacheStatFields;
     merge_fields(total.data(), f);
     sh_sum += s.sh_sum[i];
     sh_max = std::max(sh_max, s.sh_max[i]);
+    cos_sum += s.sh_cos_sum[i];
+    cos_min = std::min(cos_min, s.sh_cos_min[i]);
     sh_n += s.sh_n[i];
+    if (keys[i] == s.key) {
+      in_use += 1;
+      latest_hits += ages[i] > 0 ? 1 : 0;
+      if (f[kCacheStatChecks] > 0) {
+        with_residual += 1;
+        latest_res += f[kCacheStatResLast];
+      }
+      if (s.sh_seen[i] && ages[i] > 0) {  // its latest call was a hit, compared in shadow mode
+        with_shadow += 1;
+        latest_err += s.sh_last_err[i];
+        latest_cos += s.sh_last_cos[i];
+      }
+    }
     if (!s.opt.per_matrix_stats) continue;
     CacheMatrixStats pm;
     pm.name = i < static_cast<int64_t>(names.size()) ? names[i]
@@ -361,6 +414,15 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
   st.compared = sh_n;
   st.update_error_mean = sh_n ? sh_sum / sh_n : 0;
   st.update_error_max = sh_max;
+  st.alignment_mean = sh_n ? cos_sum / sh_n : 0;
+  st.alignment_min = sh_n ? cos_min : 0;
+  st.latest_entries = in_use;
+  st.latest_with_residual = with_residual;
+  st.latest_compared = with_shadow;
+  st.latest_hit_rate = in_use ? static_cast<double>(latest_hits) / in_use : 0;
+  st.latest_mean_residual = with_residual ? latest_res / with_residual : 0;
+  st.latest_update_error = with_shadow ? latest_err / with_shadow : 0;
+  st.latest_alignment = with_shadow ? latest_cos / with_shadow : 1;
   st.probe_compared = s.pr_n;
   st.probe_ratio_min = s.pr_n ? s.pr_min : 0;
   st.probe_ratio_max = s.pr_max;

@@ -79,4 +79,22 @@ Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& t
   return p;
 }
 
+Plan plan_fixed(const std::vector<PlanMatrix>& matrices, const Topology& topo,
+                const CostTable& costs, const std::vector<int>& owners, const PlanOptions& opts) {
+  DM_CHECK(owners.size() == matrices.size(), "fixed owners: ", owners.size(), " owners for ",
+           matrices.size(), " matrices");
+  for (size_t i = 0; i < owners.size(); ++i)
+    DM_CHECK(owners[i] >= 0 && owners[i] < topo.world_size, "fixed owners: matrix '",
+             matrices[i].name, "' has owner ", owners[i], " outside a world of ", topo.world_size);
+  const auto t0 = std::chrono::steady_clock::now();
+  plan_detail::Instance inst = plan_detail::build_instance(matrices, topo, costs, opts);
+  Plan p;
+  p.solver = "fixed";
+  p.status = "given";
+  p.owner = owners;
+  plan_detail::finish(inst, p);
+  p.solve_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return p;
+}
+
 }  // namespace distmuon

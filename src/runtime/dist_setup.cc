@@ -49,6 +49,7 @@ Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& 
   PlanOptions opts;
   opts.ortho = spec.ortho;
   opts.time_limit_s = kMilpTimeLimitS;
+  if (!spec.owners.empty()) return plan_fixed(matrices, topo, costs, spec.owners, opts);
   std::string solver = spec.solver;
   if (solver == "milp" &&
       (matrices.size() > kMilpMaxMatrices || shape_counts(matrices).size() > kMilpMaxShapes))
@@ -74,6 +75,23 @@ int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids) {
     begin = end + 1;
   }
   return -1;
+}
+
+Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const DistOptions& dist,
+                 const OrthoConfig& ortho, DeviceKind device, const std::string& device_name) {
+  DM_CHECK(!matrices.empty(), "plan_owners: no matrices");
+  topo.validate();
+  std::map<std::string, int64_t> ids;
+  for (PlanMatrix& m : matrices)
+    if (m.layer < 0) m.layer = layer_of(m.name, ids);
+  RuntimePlanSpec spec;
+  spec.solver = dist.planner;
+  spec.ortho = ortho;
+  spec.device = device;
+  spec.cost_file = dist.plan_costs;
+  spec.device_name = device_name;
+  spec.owners = dist.owners;
+  return make_runtime_plan(matrices, topo, spec);
 }
 
 namespace {
@@ -142,8 +160,9 @@ void Engine::Impl::dist_setup() {
          << (dist.plan_costs.empty() ? "analytic" : "measured") << " costs, device "
          << (backend.device().kind == DeviceKind::kCUDA ? "cuda" : "cpu") << ", replicate "
          << dist.replicate << ", bucket_bytes " << dist.bucket_bytes << ", grad_mean "
-         << dist.grad_mean << ", check_grad_presence " << dist.check_grad_presence << ", nonfinite "
-         << static_cast<int>(options.nonfinite) << "\n";
+         << dist.grad_mean << ", check_grad_presence " << dist.check_grad_presence
+         << ", caller_transfers " << dist.caller_transfers << ", fixed owners "
+         << dist.owners.size() << ", nonfinite " << static_cast<int>(options.nonfinite) << "\n";
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupOptions& o = groups[g];
     common << "group " << g << " "
@@ -168,6 +187,7 @@ void Engine::Impl::dist_setup() {
   spec.device = backend.device().kind;
   spec.device_name = backend.name();
   spec.cost_file = dist.plan_costs;
+  spec.owners = dist.owners;
   bool have_ortho = false;
   for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
     Param& p = params[i];
@@ -186,6 +206,12 @@ void Engine::Impl::dist_setup() {
     }
   }
   Topology topo{world_size, dist.gpus_per_node, R};
+  if (local_error.empty() && !dist.owners.empty() && dist.owners.size() != pm.size())
+    local_error = detail::concat("DistOptions::owners names ", dist.owners.size(), " owners but ",
+                                 pm.size(), " Muon matrices are registered");
+  if (local_error.empty() && dist.caller_transfers && dist.mode != DistMode::kDedicated)
+    local_error = detail::concat("caller_transfers is an option of the dedicated mode, not of ",
+                                 mode, " mode");
   try {  // a planner error (e.g. a cost file without these shapes) must reach every rank
     if (local_error.empty() && !pm.empty())
       plan = make_runtime_plan(pm, topo, spec);

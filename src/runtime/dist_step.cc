@@ -58,7 +58,11 @@ void Engine::Impl::vote(StepContext& ctx) {
     v[2 * i + 1] = voter;
     ctx.active[i] = has || !voter;
   }
-  if (!dist.check_grad_presence) return;
+  // One rank agrees with itself: no exchange (its input errors are raised as they are).
+  if (!dist.check_grad_presence || world_size == 1) {
+    if (!input_error.empty()) DM_FAIL(input_error);
+    return;
+  }
   host_all_reduce(*world, backend, v, ReduceOp::kSum);
   if (v[2 * n] > 0) {
     const std::vector<int64_t> len =
@@ -106,8 +110,8 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
   for (Bucket& b : buckets) {
     b.act.clear();
     b.runs.clear();
-    for (int j : b.mats)
-      if (ctx.active[mats[j].param]) b.act.push_back(j);
+    for (int j : b.mats)  // prepared matrices only take their update (apply_prepared)
+      if (ctx.active[mats[j].param] && (is_prepared.empty() || !is_prepared[j])) b.act.push_back(j);
     for (int k = 0; k < static_cast<int>(b.act.size()); ++k) {
       const DistMatrix& m = mats[b.act[k]];
       bool same = false;
@@ -138,7 +142,7 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
 void Engine::Impl::adam_begin(StepContext& ctx) {
   if (adam_params.empty()) return;
   if (!adam_dummy) adam_dummy = backend.alloc(64);
-  if (dist.mode != DistMode::kDedicated) return;
+  if (dist.mode != DistMode::kDedicated || dist.caller_transfers) return;
   if (!adam_stage) {
     size_t bytes = 0;
     for (int i : adam_params) {
@@ -164,7 +168,7 @@ void Engine::Impl::adam_begin(StepContext& ctx) {
 void Engine::Impl::adam_check(StepContext& ctx) {
   if (adam_params.empty()) return;
   wait_all(adam_handles);
-  const bool dedicated = dist.mode == DistMode::kDedicated;
+  const bool dedicated = dist.mode == DistMode::kDedicated && !dist.caller_transfers;
   adam_slots.clear();
   for (size_t k = 0; k < adam_params.size(); ++k) {
     const int i = adam_params[k];
@@ -245,6 +249,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   prepare_buckets(*ctx);
   backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
   adam_begin(*ctx);
+  if (!prepared.empty()) apply_prepared(*ctx);
 
   const int stages = runner->num_stages(), compute = runner->compute_stage();
   const int n = static_cast<int>(buckets.size());

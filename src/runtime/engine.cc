@@ -185,8 +185,11 @@ void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
     const ParamData& d = data[i];
     const Param& p = params[i];
     const std::string where = world ? detail::concat(" (rank ", rank, ")") : std::string();
-    DM_CHECK(d.param != nullptr || p.local_numel == 0, "parameter '", p.spec.name, "' has no data",
-             where);
+    // With caller transfers only the owners of a Muon parameter's matrices need its buffers.
+    const bool optional =
+        caller_transfers() && !d.grad && groups[p.spec.group].kind == ParamKind::kMuon;
+    DM_CHECK(d.param != nullptr || p.local_numel == 0 || optional, "parameter '", p.spec.name,
+             "' has no data", where);
     if (!d.grad || d.grad_shape.empty()) continue;
     std::vector<int64_t> want = p.spec.shape;
     want[0] = p.local_rows;

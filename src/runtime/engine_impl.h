@@ -148,6 +148,20 @@ struct Engine::Impl {
   std::vector<int64_t> adam_offset;  // bytes, per AdamW parameter
   std::vector<CommHandle> adam_handles;
   std::vector<AdamSlot> adam_slots;
+  // Dedicated mode with caller transfers: batches prepared since the last step (momentum and
+  // orthogonalization done, results in prep_x) whose updates step() applies.
+  struct PreparedBatch {
+    std::vector<int> mats;  // one owner batch, group and wide shape; wide matrices first
+    int tall_begin = 0;     // first tall one (mats.size() when none)
+    DType x_dtype = DType::kF32;
+    size_t x_offset = 0;  // bytes into prep_x
+    int64_t slot = 0;     // first entry in prep_norms / prep_status
+  };
+  std::vector<PreparedBatch> prepared;
+  std::vector<char> is_prepared;  // per matrix
+  Buffer prep_x, prep_norms, prep_status;
+  size_t prep_x_used = 0;
+  int64_t prep_slots_used = 0;
 
   Impl(Backend& be, EngineOptions opt);
   ~Impl();
@@ -217,6 +231,12 @@ struct Engine::Impl {
   void adam_check(StepContext& ctx);
   void adam_update(StepContext& ctx);
   void raise_check();
+  // Dedicated mode with caller transfers (dedicated_prepare.cc).
+  void prepare(std::span<const int> params, std::span<const ParamData> data);
+  void apply_prepared(const StepContext& ctx);
+  bool caller_transfers() const {
+    return world && dist.mode == DistMode::kDedicated && dist.caller_transfers;
+  }
   // Grows the shared scratch for `count` matrices of a shape with a resolved config.
   void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
                       size_t workspace_bytes = 0);
@@ -241,6 +261,7 @@ struct RuntimePlanSpec {
   DeviceKind device = DeviceKind::kCPU;  // picks the analytic rates
   std::string cost_file;                 // measured costs instead (distmuon-plan --measure)
   std::string device_name;               // whose table cost_file must hold (Backend::name())
+  std::vector<int> owners;               // fixed owners (DistOptions::owners): only batched
 };
 // The plan call site: the solver on analytic (or measured) costs, with a CPU-time guard on the
 // MILP and LPT for instances too large to solve at start-up.

@@ -6,6 +6,9 @@
 //
 // Stages of a bucket: 0 reduce in the shard group; 1 reduce across replicas; 2 owner step and
 // broadcast across replicas (flat: to everyone); 3 broadcast in the shard group; 4 wait.
+//
+// With DistOptions::caller_transfers the caller has already reduced each gradient onto its owner
+// and publishes the weights itself: only stage 2's owner step runs, on the caller's buffers.
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
@@ -17,6 +20,7 @@ class DedicatedRunner final : public ModeRunner {
   using ModeRunner::ModeRunner;
 
   void setup() override {
+    caller_ = e_.dist.caller_transfers;
     gofs_.assign(e_.mats.size(), -1);
     cofs_.assign(e_.mats.size(), -1);
     bufs_.resize(e_.buckets.size());
@@ -33,8 +37,9 @@ class DedicatedRunner final : public ModeRunner {
         c += m.numel();
       }
       const DType w = e_.mats[bk.mats[0]].wire;
-      bufs_[b].gstage =
-          e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
+      if (!caller_)
+        bufs_[b].gstage =
+            e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
       conv_elems_.push_back(c);
     }
   }
@@ -43,6 +48,12 @@ class DedicatedRunner final : public ModeRunner {
 
   void pass1(int b, StepContext& ctx) override {
     const Bucket& bk = e_.buckets[b];
+    if (caller_) {
+      for (const Bucket::Run& run : bk.runs)
+        if (e_.mats[bk.act[run.begin]].owner == e_.rank)
+          owner_pass1(bk, run, caller_slots(bk, run, ctx));
+      return;
+    }
     wait_all(bufs_[b].h1);
     scale(bk);
     for (const Bucket::Run& run : bk.runs)
@@ -52,6 +63,10 @@ class DedicatedRunner final : public ModeRunner {
   void run_stage(int stage, int b, StepContext& ctx) override {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
+    if (caller_) {
+      if (stage == 2) caller_step(bk, ctx);
+      return;
+    }
     switch (stage) {
       case 0:
         for (int j : bk.act) {
@@ -160,6 +175,33 @@ class DedicatedRunner final : public ModeRunner {
     return out;
   }
 
+  // The caller's buffers: its (reduced) gradient and its weights, on the owner.
+  std::vector<MuonSlot> caller_slots(const Bucket& bk, const Bucket::Run& run,
+                                     const StepContext& ctx) {
+    std::vector<MuonSlot> out;
+    for (int k = run.begin; k < run.end; ++k) {
+      const DistMatrix& m = e_.mats[bk.act[k]];
+      const ParamData& d = ctx.data[m.param];
+      DM_CHECK(ctx.has_local[m.param], "matrix '", e_.matrix_name(bk.act[k]),
+               "' has a gradient on some rank but none on its owner, rank ", e_.rank,
+               ": with caller_transfers the caller reduces every gradient onto its owner");
+      out.push_back(
+          {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
+    }
+    return out;
+  }
+  void caller_step(const Bucket& bk, StepContext& ctx) {
+    for (const Bucket::Run& run : bk.runs) {
+      if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
+      std::vector<MuonSlot> sl = caller_slots(bk, run, ctx);
+      if (!ctx.raise) owner_pass1(bk, run, sl);
+      owner_rest(bk, run, sl, ctx, nullptr);
+    }
+  }
+
+  bool caller_ = false;
   std::vector<B> bufs_;
   std::vector<int64_t> gofs_, cofs_, conv_elems_;
 };

@@ -270,3 +270,76 @@ TEST(CacheMuon, NonFiniteInputRefreshesAndNeverHits) {
 
 }  // namespace
 }  // namespace distmuon
+
+namespace distmuon {
+namespace {
+
+// The latest-call summary and the shadow alignment: the share of hits of the last call (one
+// entry refreshes because its input jumped), the mean of the last residuals against a float64
+// reference, and cos(D, O) of the accepted update against the fresh one computed here.
+TEST(CacheMuon, LatestCallSummaryAndShadowAlignment) {
+  const int64_t m = 12, n = 40;
+  CacheOptions opt;
+  opt.enabled = true;
+  opt.gamma = 0.5;
+  opt.shadow = true;
+  opt.dtype = DType::kF64;
+  Rig rig(opt, 3, m, n);
+  std::vector<Mat> u = {random_matrix(m, n), random_matrix(m, n), random_matrix(m, n)};
+  rig.step(u);  // 3 refreshes (empty entries)
+  CacheStats st = rig.cache.stats();
+  EXPECT_EQ(st.latest_entries, 3);
+  EXPECT_EQ(st.latest_hit_rate, 0.0);
+  EXPECT_EQ(st.latest_compared, 0);
+  EXPECT_EQ(st.latest_alignment, 1.0);
+
+  std::vector<Mat> q = {rig.q(0), rig.q(1), rig.q(2)};
+  std::vector<Mat> v = drifted(u, 0.005);
+  v[2] = random_matrix(m, n);  // far from its cached transform: refreshes
+  std::vector<Mat> out = rig.step(v);
+  st = rig.cache.stats();
+  ASSERT_EQ(st.hits, 2);
+  EXPECT_NEAR(st.latest_hit_rate, 2.0 / 3.0, 1e-12);
+  double res = 0;
+  for (int i = 0; i < 3; ++i) res += exact_residual(q[i], normalised(v[i]));
+  EXPECT_NEAR(st.latest_mean_residual, res / 3, 1e-6 * res);
+
+  // The fresh updates of the two accepted matrices, from a cache that never reuses.
+  CacheOptions fresh_opt = opt;
+  fresh_opt.gamma = 0;
+  fresh_opt.shadow = false;
+  Rig fresh(fresh_opt, 3, m, n);
+  std::vector<Mat> o = fresh.step(v);
+  double err = 0, cos = 0, cos_min = 1;
+  for (int i = 0; i < 2; ++i) {
+    err += (out[i] - o[i]).norm() / o[i].norm();
+    const double c = (out[i].array() * o[i].array()).sum() / (out[i].norm() * o[i].norm());
+    cos += c;
+    cos_min = std::min(cos_min, c);
+  }
+  EXPECT_EQ(st.latest_compared, 2);
+  EXPECT_NEAR(st.latest_update_error, err / 2, 1e-5);
+  EXPECT_NEAR(st.latest_alignment, cos / 2, 1e-5);
+  EXPECT_NEAR(st.alignment_mean, cos / 2, 1e-5);
+  EXPECT_NEAR(st.alignment_min, cos_min, 1e-5);
+  EXPECT_GT(st.alignment_min, 0.9);
+  EXPECT_LT(st.alignment_min, 1.0);
+
+  // Merging two classes weights each mean by what it averaged over.
+  CacheStats a = st, b;
+  b.latest_entries = 1;
+  b.latest_hit_rate = 1.0;
+  b.latest_with_residual = 1;
+  b.latest_mean_residual = 0.0;
+  b.latest_compared = 1;
+  b.latest_update_error = 0.0;
+  b.latest_alignment = 1.0;
+  a.merge(b);
+  EXPECT_NEAR(a.latest_hit_rate, (2.0 + 1.0) / 4, 1e-12);
+  EXPECT_NEAR(a.latest_mean_residual, res / 4, 1e-6 * res);
+  EXPECT_NEAR(a.latest_update_error, err / 3, 1e-5);
+  EXPECT_NEAR(a.latest_alignment, (cos + 1) / 3, 1e-5);
+}
+
+}  // namespace
+}  // namespace distmuon

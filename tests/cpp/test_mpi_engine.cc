@@ -595,5 +595,153 @@ TEST(MpiEngine, RanksThatOwnNothingWork) {
   }
 }
 
+// Dedicated mode with caller transfers (distmuon.torch.dedicate): the caller hands each owner the
+// mean gradient and publishes the weights itself; owners come from plan_owners() through
+// DistOptions::owners; some parameters are prepared (momentum + orthogonalization) before step(),
+// in separate calls. Weights (after the caller's broadcast), momentum, cache entries, step counts
+// and statistics equal the single-process engine bit for bit.
+void check_caller_transfers(int replicate, bool cache) {
+  SCOPED_TRACE(std::string("caller transfers, replicate ") + std::to_string(replicate) +
+               (cache ? " cache" : ""));
+  Communicator& c = world();
+  Scenario sc;
+  sc.mode = DistMode::kDedicated;
+  sc.replicate = replicate;
+  sc.cache = cache;
+  sc.steps = cache ? 5 : 3;
+  const Snapshot ref = run_reference(sc, c.size(), {});
+
+  // Owners planned before any engine exists, as dedicate() does.
+  std::vector<PlanMatrix> pm;
+  for (const PDef& d : model()) {
+    if (d.group == 2) continue;
+    const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1;
+    const int64_t rows = d.shape[d.shape.size() == 3 ? 1 : 0];
+    for (int64_t m = 0; m < count; ++m) pm.push_back({d.name, rows, d.numel() / count / rows});
+  }
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.replicate = replicate;
+  const Plan plan = plan_owners(pm, Topology{c.size(), 8, replicate}, opt, parse_algorithm("auto"),
+                                DeviceKind::kCPU);
+  ASSERT_EQ(plan.owner.size(), pm.size());
+  opt.owners = plan.owner;
+  opt.caller_transfers = true;
+  CpuBackend be;
+  Engine e(be, c, opt);
+  add_groups(e, cache);
+  std::vector<std::vector<float>> w(model().size());
+  for (size_t p = 0; p < model().size(); ++p) {
+    const PDef& d = model()[p];
+    e.add_param({d.name, d.group, d.shape, DType::kF32});
+    w[p].resize(d.numel());
+    for (int64_t i = 0; i < d.numel(); ++i) w[p][i] = dyadic(0, p, i, 7) * 8;
+  }
+  e.setup();
+  for (size_t p = 0, j = 0; p < model().size(); ++p) {
+    if (model()[p].group == 2) continue;
+    for (int64_t m = 0; m < static_cast<int64_t>(ref.momentum[p].size()); ++m)
+      EXPECT_EQ(e.owner(static_cast<int>(p), m), plan.owner[j++]) << model()[p].name;
+  }
+  auto owns = [&](size_t p) {  // this rank owns at least one matrix of parameter p
+    const int64_t count = model()[p].shape.size() == 3 ? model()[p].shape[0] : 1;
+    for (int64_t m = 0; m < count; ++m)
+      if (e.owner(static_cast<int>(p), m) == c.rank()) return true;
+    return false;
+  };
+  for (int step = 0; step < sc.steps; ++step) {
+    std::vector<std::vector<float>> g(model().size());
+    std::vector<ParamData> data(model().size());
+    std::vector<int> early;
+    std::vector<ParamData> early_data;
+    for (size_t p = 0; p < model().size(); ++p) {
+      const bool adamw = model()[p].group == 2;
+      if (!has_any(step, static_cast<int>(p)) || (!adamw && !owns(p))) {
+        data[p] = {adamw || owns(p) ? w[p].data() : nullptr, nullptr, DType::kF32, {}};
+        continue;
+      }
+      g[p] = reduced_grad(sc, step, static_cast<int>(p), c.size());
+      data[p] = {w[p].data(), g[p].data(), DType::kF32, {}};
+      if (!adamw && p % 2 == step % 2) {  // half of them early, alternating
+        early.push_back(static_cast<int>(p));
+        early_data.push_back(data[p]);
+      }
+    }
+    // Two prepare() calls: the engine batches what each one gives it.
+    const size_t half = early.size() / 2;
+    e.prepare(std::span(early).first(half), std::span(early_data).first(half));
+    e.prepare(std::span(early).subspan(half), std::span(early_data).subspan(half));
+    e.step(data);
+    EXPECT_EQ(e.prepared_matrices(), 0);
+    // The caller publishes: every Muon matrix from its owner.
+    for (size_t p = 0; p < model().size(); ++p) {
+      const PDef& d = model()[p];
+      if (d.group == 2) continue;
+      const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1, n = d.numel() / count;
+      for (int64_t m = 0; m < count; ++m)
+        c.broadcast(w[p].data() + m * n, n, CommType::kF32, e.owner(static_cast<int>(p), m)).wait();
+    }
+  }
+  for (size_t p = 0; p < model().size(); ++p) {
+    const PDef& d = model()[p];
+    EXPECT_EQ(w[p], ref.weight[p]) << "weights of '" << d.name << "'";
+    EXPECT_EQ(e.param_step(static_cast<int>(p)), ref.steps[p]) << d.name;
+    for (size_t m = 0; m < ref.momentum[p].size(); ++m) {
+      if (e.owner(static_cast<int>(p), m) != c.rank()) continue;
+      EXPECT_EQ(read(e.matrix_state(p, m, "momentum_buffer")), ref.momentum[p][m]) << d.name;
+      EXPECT_EQ(cache_bytes(e, static_cast<int>(p), m), ref.cache[p][m]) << d.name;
+    }
+  }
+  EngineStats st = e.stats();
+  std::vector<double> f = {st.ortho.flops, static_cast<double>(st.cache.hits)};
+  c.all_reduce(f.data(), f.data(), 2, CommType::kF64, ReduceOp::kSum).wait();
+  EXPECT_DOUBLE_EQ(f[0], ref.stats.ortho.flops);
+  EXPECT_EQ(f[1], static_cast<double>(ref.stats.cache.hits));
+  if (cache) EXPECT_GT(ref.stats.cache.hits, 0);
+}
+
+TEST(MpiEngine, DedicatedCallerTransfersWithPreparedMatricesEqualTheSingleProcessEngine) {
+  check_caller_transfers(1, false);
+  check_caller_transfers(1, true);
+  if (world().size() % 2 == 0) check_caller_transfers(2, true);
+}
+
+TEST(MpiEngine, PrepareRefusesMisuse) {
+  Communicator& c = world();
+  CpuBackend be;
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  Engine plain(be, c, opt);
+  GroupOptions g;
+  plain.add_group(g);
+  plain.add_param({"w", 0, {8, 6}, DType::kF32});
+  std::vector<float> w(48, 0.5f), gr(48, 0.25f);
+  ParamData d{w.data(), gr.data(), DType::kF32, {}};
+  const int zero = 0;
+  EXPECT_THROW(plain.prepare({&zero, 1}, {&d, 1}), Error);  // needs caller_transfers
+  opt.caller_transfers = true;
+  opt.owners = {0};
+  Engine e(be, c, opt);
+  e.add_group(g);
+  e.add_param({"w", 0, {8, 6}, DType::kF32});
+  e.prepare({&zero, 1}, {&d, 1});
+  if (c.rank() == 0) {
+    EXPECT_EQ(e.prepared_matrices(), 1);
+    EXPECT_THROW(e.prepare({&zero, 1}, {&d, 1}), Error);  // twice in one step
+  }
+  e.step({&d, 1});
+  EXPECT_EQ(e.prepared_matrices(), 0);
+  e.prepare({&zero, 1}, {&d, 1});
+  e.discard_prepared();  // an abandoned step: the matrix may be prepared again
+  EXPECT_EQ(e.prepared_matrices(), 0);
+  e.prepare({&zero, 1}, {&d, 1});
+  e.step({&d, 1});
+  opt.owners = {0, 1};  // more owners than matrices: every rank fails at set-up
+  Engine bad(be, c, opt);
+  bad.add_group(g);
+  bad.add_param({"w", 0, {8, 6}, DType::kF32});
+  EXPECT_THROW(bad.setup(), Error);
+}
+
 }  // namespace
 }  // namespace distmuon

@@ -22,6 +22,9 @@ GLOBAL_BATCH = 8
 STEPS = 10
 CKPT_AT = 5
 OPT_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
+# CacheMuon with decisions that do not depend on float rounding: every residual is below gamma,
+# so each entry is reused twice after each refresh (refreshes at steps 0, 3, 6, 9).
+CACHE_KW: dict[str, Any] = {**OPT_KW, "cache_gamma": 1e6, "cache_max_staleness": 2}
 
 
 class DistGPT(TinyGPT):
@@ -116,13 +119,15 @@ def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 # ---- sub-scenarios ------------------------------------------------------------------------------
 
 
-def run_train(rank: int, world: int, kind: str, ckpt: str | None = None, dist_mode: str = "auto") -> dict[str, Any]:
+def run_train(
+    rank: int, world: int, kind: str, ckpt: str | None = None, dist_mode: str = "auto", kw: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """STEPS steps; with `ckpt`, a DCP checkpoint after CKPT_AT steps."""
     import torch.distributed.checkpoint as dcp
 
     model = make_model()
     fwd = wrap(model, kind, world)
-    opt = Muon(model, dist_mode=dist_mode, **OPT_KW)
+    opt = Muon(model, dist_mode=dist_mode, **(kw or OPT_KW))
     losses = train(fwd, opt, range(CKPT_AT), rank, world)
     saved = None
     if ckpt is not None:
@@ -136,23 +141,24 @@ def run_train(rank: int, world: int, kind: str, ckpt: str | None = None, dist_mo
         "saved_state": saved,
         "final_state": full_state(opt),
         "owned": opt.engine_stats()["owned_matrices"],
+        "stats": opt.stats(),
     }
 
 
-def run_resume(rank: int, world: int, kind: str, ckpt: str) -> dict[str, Any]:
+def run_resume(rank: int, world: int, kind: str, ckpt: str, kw: dict[str, Any] | None = None) -> dict[str, Any]:
     """Loads the checkpoint into a fresh model and optimizer and trains the remaining steps."""
     import torch.distributed.checkpoint as dcp
 
     model = make_model()
     fwd = wrap(model, kind, world)
-    opt = Muon(model, **OPT_KW)
+    opt = Muon(model, **(kw or OPT_KW))
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd["model"])
     opt.load_state_dict(sd["optim"])
     loaded = full_state(opt)
     losses = train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
-    return {"loaded_state": loaded, "losses": losses, "params": full_params(model)}
+    return {"loaded_state": loaded, "losses": losses, "params": full_params(model), "stats": opt.stats()}
 
 
 def run_grad_none(rank: int, world: int, kind: str, none_ranks: tuple[int, ...]) -> dict[str, Any]:
@@ -256,10 +262,17 @@ def run_collectives(rank: int, world: int) -> dict[str, Any]:
 # ---- what each launch runs --------------------------------------------------------------------
 
 
+def cache_ckpt(ckpt: str) -> str:
+    """Where the CacheMuon run of the 2-rank launch writes its checkpoint."""
+    return ckpt + "-cache"
+
+
 def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return {
         "fsdp": guarded(lambda: run_train(rank, world, "fsdp", ckpt)),
         "resume2": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+        "fsdp_cache": guarded(lambda: run_train(rank, world, "fsdp", cache_ckpt(ckpt), kw=CACHE_KW)),
+        "gather_cache": guarded(lambda: run_train(rank, world, "fsdp", dist_mode="gather", kw=CACHE_KW)),
         "gather": guarded(lambda: run_train(rank, world, "fsdp", dist_mode="gather")),
         "ddp": guarded(lambda: run_train(rank, world, "ddp")),
         "grad_none_fsdp": guarded(lambda: run_grad_none(rank, world, "fsdp", (1,))),
@@ -276,6 +289,7 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "fsdp": guarded(lambda: run_train(rank, world, "fsdp")),
         "hsdp": guarded(lambda: run_train(rank, world, "hsdp")),
         "resume4": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+        "resume4_cache": guarded(lambda: run_resume(rank, world, "fsdp", cache_ckpt(ckpt), kw=CACHE_KW)),
         # rank 3 holds empty shards of gate.weight: no gradient there is no disagreement
         "grad_none_empty_shard": guarded(lambda: run_grad_none(rank, world, "fsdp", (3,))),
     }

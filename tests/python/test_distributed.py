@@ -75,6 +75,15 @@ def assert_matches_single(ranks: list[dict[str, Any]], key: str, single: dict[st
     assert single["losses"][-1] < single["losses"][0]  # it trains
 
 
+@pytest.fixture(scope="module")
+def single_cache() -> dict[str, Any]:
+    """The single-process reference with CacheMuon."""
+    model = sc.make_model()
+    opt = Muon(model, **sc.CACHE_KW)
+    losses = sc.train(model, opt, range(sc.STEPS), 0, 1)
+    return {"losses": losses, "params": sc.full_params(model), "mode": opt.dist_mode, "state": sc.full_state(opt)}
+
+
 @pytest.mark.parametrize("launch, key", [(2, "fsdp"), (2, "ddp"), (2, "gather"), (4, "fsdp"), (4, "hsdp")])
 def test_state_dict_equals_single_process_state(
     world2: list[dict[str, Any]], world4: list[dict[str, Any]], single: dict[str, Any], launch: int, key: str
@@ -220,3 +229,63 @@ def test_torch_communicator_collectives(world2: list[dict[str, Any]]) -> None:
             want[displ : displ + n] = [100.0 * src + first + k for k in range(n)]
         assert res["a2a"] == want
         assert res["stats"]["ops"] == 4
+
+
+# ---- CacheMuon ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, mode", [("fsdp_cache", "sharded"), ("gather_cache", "gather")])
+def test_cache_muon_distributed_equals_single_process(
+    world2: list[dict[str, Any]], single_cache: dict[str, Any], key: str, mode: str
+) -> None:
+    """Owners (sharded) or every rank (gather) keep the entries and reach the single process's
+    decisions; the entries gathered by state_dict() equal the single process's."""
+    assert_matches_single(world2, key, single_cache, mode)
+    want = single_cache["state"]
+    for r in world2:
+        got = ok(r[key])["final_state"]
+        for i in want:
+            assert got[i].keys() == want[i].keys()
+            for k in want[i]:
+                # The transforms Q carry eigenvalues up to the product of the a coefficients, so
+                # the gradients' rounding gap shows relative to their size.
+                atol = 1e-5 * want[i][k].abs().max().item() if k == "cache_q" else PARAM_TOL
+                torch.testing.assert_close(got[i][k], want[i][k], atol=atol, rtol=1e-4)
+    hits = [ok(r[key])["stats"]["cache_hits"] for r in world2]
+    # 10 steps: hits at 1, 2, 4, 5, 7, 8 for each of the 5 Gram-NS matrices (the 16 x 16 experts
+    # run symmetric NS); gather: every rank counts every matrix
+    assert sum(hits) == (6 * 5 if mode == "sharded" else 2 * 6 * 5)
+
+
+def test_cache_entries_resume_at_four_ranks_and_in_one_process(
+    world2: list[dict[str, Any]], world4: list[dict[str, Any]], ckpt: Path
+) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    run = ok(world2[0]["fsdp_cache"])
+    saved = run["saved_state"]
+    assert any("cache_q" in e for e in saved.values())
+    results = [ok(r["resume4_cache"]) for r in world4]
+    model = sc.make_model()
+    opt = Muon(model, **sc.CACHE_KW)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=sc.cache_ckpt(str(ckpt)))
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    loaded1 = sc.full_state(opt)
+    losses1 = sc.train(model, opt, range(sc.CKPT_AT, sc.STEPS), 0, 1)
+    results.append({"loaded_state": loaded1, "losses": losses1, "params": sc.full_params(model), "stats": opt.stats()})
+    for res in results:
+        for i, entry in saved.items():
+            for k, v in entry.items():
+                assert torch.equal(res["loaded_state"][i][k], v), (i, k)  # Q, age, key exactly
+        assert res["losses"] == pytest.approx(run["losses"][sc.CKPT_AT :], abs=LOSS_TOL, rel=0)
+        assert max_diff(res["params"], run["params"]) < PARAM_TOL
+    # steps 5..9 reuse the restored transforms (age 1 after step 4) at 5, 7, 8, refreshing at 6
+    # and 9: 3 x 5 hits in all
+    assert sum(r["stats"]["cache_hits"] for r in results[:4]) == 3 * 5
+    assert results[4]["stats"]["cache_hits"] == 3 * 5

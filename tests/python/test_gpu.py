@@ -155,10 +155,43 @@ def test_nccl_world_of_one_equals_single_gpu(nccl_world_of_one: object, kind: st
     else:
         opt = Muon(model, dist_mode="replicated", **kw)
         assert opt.dist_mode == "replicated"
-    assert opt._comm is not None and opt._comm.name.startswith("nccl")
+    comm = opt._parts[0].comm
+    assert comm is not None and comm.name.startswith("nccl")
     train_cuda(model, opt, side_stream=True)
     full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
     diff = max((full[n] - q.detach()).abs().max().item() for n, q in ref.named_parameters())
     assert diff < 1e-5
     sd = opt.state_dict()  # momentum gathered from its owner over NCCL
     assert all(torch.isfinite(torch.as_tensor(st["step"])) for st in sd["state"].values())
+
+
+@needs_backend
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("fsdp", [True, False])
+def test_dedicated_world_of_one_equals_single_gpu(nccl_world_of_one: object, overlap: bool, fsdp: bool) -> None:
+    """dedicate() on one GPU: nothing moves; with overlap_step the updates' momentum and
+    orthogonalization run on a side stream during backward, the step applies them. The rest of
+    the model plain or under FSDP2. Steps issued on a side stream of torch's as well."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from distmuon.torch import dedicate
+
+    torch.manual_seed(7)
+    base = DeviceGPT().cuda()
+    kw = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3, "ns_dtype": torch.float32}
+    ref = clone(base)
+    train_cuda(ref, Muon(ref, **kw), side_stream=False)
+    model = clone(base)
+    mesh = init_device_mesh("cuda", (1,))
+    dm = dedicate(model, mesh, overlap_step=overlap)
+    if fsdp:
+        fully_shard(model, mesh=mesh, ignored_params=dm.ignored_params)
+    opt = Muon(model, **kw)
+    assert opt.dist_modes == ["dedicated", "sharded" if fsdp else "local"]
+    train_cuda(model, opt, side_stream=True)
+    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in model.named_parameters()}
+    diff = max((full[n] - q.detach()).abs().max().item() for n, q in ref.named_parameters())
+    assert diff < 1e-5
+    assert opt.engine_stats()["owned_matrices"] == 4
+    assert dm.memory_stats()["held_bytes"] == dm.memory_stats()["total_bytes"]

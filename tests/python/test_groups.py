@@ -127,7 +127,7 @@ def test_add_param_group_after_steps_keeps_state() -> None:
         ({"momentum_dtype": torch.float16}, ValueError, "momentum_dtype"),
         ({"nonfinite": "ignore"}, ValueError, "nonfinite must be"),
         ({"cache_gamma": -2.0}, ValueError, "cache_gamma must be a positive number"),
-        ({"cache_gamma": 5.0}, NotImplementedError, "CacheMuon"),
+        ({"cache_gamma": 5.0, "cache_probes": 5000}, ValueError, "cache_probes must be None"),
     ],
 )
 def test_bad_options_are_rejected_with_clear_messages(kwargs: dict, error: type, match: str) -> None:

@@ -32,14 +32,22 @@ def merged_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any
 
 
 def checked_entry(
-    name: str, use_muon: bool, shape: torch.Size, state_numel: dict[str, int], entry: dict[str, Any] | None
+    name: str,
+    use_muon: bool,
+    shape: torch.Size,
+    state_numel: dict[str, int],
+    entry: dict[str, Any] | None,
+    optional: frozenset[str] = frozenset(),
 ) -> dict[str, Any] | None:
     """A parameter's saved state, checked against what the engine holds for it (None: fresh).
-    `state_numel` maps each state name to its number of elements."""
+    `state_numel` maps each state name to its number of elements; names in `optional` may be
+    missing (that state then starts fresh)."""
     if entry is None:
         return None
     for key, numel in state_numel.items():
         value = entry.get(key)
+        if value is None and key in optional:
+            continue
         if not isinstance(value, torch.Tensor):
             kind = "Muon" if use_muon else "AdamW"
             raise ValueError(

@@ -24,7 +24,12 @@ except ImportError:  # a torch without the legacy exporter: the tensor's own pro
 
 
 _POLICY = {"skip": _C.NonFinitePolicy.skip, "raise": _C.NonFinitePolicy.raise_}
-_MODES = {"replicated": _C.DistMode.replicated, "sharded": _C.DistMode.sharded, "gather": _C.DistMode.gather}
+_MODES = {
+    "replicated": _C.DistMode.replicated,
+    "sharded": _C.DistMode.sharded,
+    "gather": _C.DistMode.gather,
+    "dedicated": _C.DistMode.dedicated,
+}
 
 
 def common_device(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> torch.device:
@@ -99,8 +104,15 @@ def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") 
 
 
 def make_engine(
-    device: torch.device, nonfinite: str, topo: Topology, comm: _C.Communicator | None, bucket_mb: float
+    device: torch.device,
+    nonfinite: str,
+    topo: Topology,
+    comm: _C.Communicator | None,
+    bucket_mb: float,
+    dedicated_owners: list[int] | None = None,
 ) -> _C.Engine:
+    """The engine for `topo`. The dedicated mode (distmuon.torch.dedicate) takes the owners the
+    handle planned and leaves the transfers to it (the engine only computes on the owners)."""
     if nonfinite not in _POLICY:
         raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
     if device.type == "cpu":
@@ -117,6 +129,9 @@ def make_engine(
         opts.replicate = topo.replicate
         opts.bucket_bytes = int(bucket_mb * (1 << 20))
         opts.check_grad_presence = True
+        if topo.mode == "dedicated":
+            opts.owners = list(dedicated_owners or [])
+            opts.caller_transfers = True
         if device.type == "cuda":
             opts.gpus_per_node = max(1, torch.cuda.device_count())
         return _C.Engine(device.type, _POLICY[nonfinite], comm, opts, _stream(device))
@@ -151,6 +166,16 @@ class StreamOrder:
             cur.wait_stream(self.last)  # type: ignore[arg-type]
             self.engine.set_stream(int(cur.cuda_stream))
             self.last = cur
+
+    def switch(self, stream: Any) -> None:
+        """The engine's next work goes to `stream`, after the engine's last work (a side stream
+        for early work; the next before() brings it back to torch's current stream)."""
+        if not self.cuda or stream == self.last:
+            return
+        assert self.fixed is None, "an engine bound to its communicator's stream cannot switch"
+        stream.wait_stream(self.last)
+        self.engine.set_stream(int(stream.cuda_stream))
+        self.last = stream
 
     def after(self) -> None:
         if self.fixed is None:

@@ -40,7 +40,7 @@ def local_tensor(t: Any) -> torch.Tensor:
 class Topology:
     """The engine's world as this process sees it."""
 
-    mode: str  # 'local' | 'replicated' | 'sharded' | 'gather'
+    mode: str  # 'local' | 'replicated' | 'sharded' | 'gather' | 'dedicated'
     group: Any = None  # torch ProcessGroup of the members (None: one process)
     ranks: tuple[int, ...] = (0,)  # global rank of each member, in member order
     member: int = 0  # this process's member index

@@ -46,6 +46,10 @@ MUON_KEYS = (
     "algorithm",
     "ns_dtype",
     "cache_gamma",
+    "cache_probes",
+    "cache_max_staleness",
+    "cache_dtype",
+    "cache_shadow",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 # Keys of a mixed user group (no use_muon) that configure its AdamW part.
@@ -176,14 +180,7 @@ def muon_options(group: dict[str, Any], device_type: str, momentum_dtype: Any, w
             f"{where}: adjust_lr_fn {group['adjust_lr_fn']!r} is not one of "
             "None, 'original', 'match_rms_adamw', 'spectral' ('spectral_unclamped')"
         )
-    gamma = group["cache_gamma"]
-    if gamma is not None:
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not gamma > 0:
-            raise ValueError(f"{where}: cache_gamma must be a positive number or None (got {gamma!r})")
-        raise NotImplementedError(
-            f"{where}: cache_gamma={gamma} asks for CacheMuon, which this build of distmuon does "
-            "not have yet; leave cache_gamma=None"
-        )
+    cache = cache_options(group, where)
     opts = _C.GroupOptions()
     opts.kind = _C.ParamKind.muon
     m = opts.muon
@@ -191,7 +188,47 @@ def muon_options(group: dict[str, Any], device_type: str, momentum_dtype: Any, w
     m.scale = SCALE_MODES[group["adjust_lr_fn"]]
     m.ortho = ortho_config(group, device_type, where)
     m.momentum_dtype = momentum_dtype
+    m.cache = cache
     return opts
+
+
+_CACHE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def cache_options(group: dict[str, Any], where: str) -> Any:
+    """The engine's CacheOptions of a Muon group (CacheMuon, ALGORITHMS.md section 5), validated.
+
+    ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
+    ``cache_probes`` None measures the residual exactly in Gram space, k estimates it with k
+    Gaussian probes; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
+    ``cache_dtype`` stores the transforms; ``cache_shadow`` also runs the fresh solve for
+    accepted matrices to measure how far their updates are (diagnostics; synchronises)."""
+    gamma = group["cache_gamma"]
+    if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < math.inf):
+        raise ValueError(f"{where}: cache_gamma must be a positive number or None (got {gamma!r})")
+    probes = group["cache_probes"]
+    if probes is not None and (isinstance(probes, bool) or not isinstance(probes, int) or not 1 <= probes <= 4096):
+        raise ValueError(f"{where}: cache_probes must be None (exact residual) or an integer in [1, 4096] (got {probes!r})")
+    staleness = group["cache_max_staleness"]
+    staleness = 0 if staleness is None else staleness
+    if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(f"{where}: cache_max_staleness must be an integer >= 0 or None (got {staleness!r})")
+    dtype = torch_dtype_name(group["cache_dtype"])
+    if dtype not in _CACHE_DTYPES:
+        raise ValueError(f"{where}: cache_dtype must be one of {_CACHE_DTYPES} (got {dtype})")
+    if not isinstance(group["cache_shadow"], bool):
+        raise TypeError(f"{where}: cache_shadow must be a bool (got {group['cache_shadow']!r})")
+    c = _C.CacheOptions()
+    c.enabled = gamma is not None
+    if gamma is not None:
+        c.gamma = float(gamma)
+    c.residual = _C.CacheResidual.exact if probes is None else _C.CacheResidual.probe
+    if probes is not None:
+        c.probes = probes
+    c.max_staleness = staleness
+    c.dtype = _DTYPES[dtype]
+    c.shadow = group["cache_shadow"]
+    return c
 
 
 def adamw_options(group: dict[str, Any], where: str) -> Any:
@@ -260,6 +297,7 @@ def muon_group(group: dict[str, Any], use_muon: bool | None, defaults: dict[str,
     out = {k: group.get(k, defaults[k]) for k in MUON_KEYS}
     if out["ns_dtype"] is not None:
         out["ns_dtype"] = torch_dtype_name(out["ns_dtype"])
+    out["cache_dtype"] = torch_dtype_name(out["cache_dtype"])
     if use_muon is not None and "initial_lr" in group:
         out["initial_lr"] = group["initial_lr"]
     out["use_muon"] = True

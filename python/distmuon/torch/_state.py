@@ -39,11 +39,18 @@ class MatrixState:
     dtype: torch.dtype = torch.float32
 
 
-# The hook for CacheMuon's entries (branch `cache`): an engine state name registered here is
-# saved as one full tensor (matrices, *shape) on every rank, which DCP writes once and any world
-# size reads back; on load each owner takes its matrices. Example:
-#   MATRIX_STATE["cache_q"] = MatrixState(lambda r, c: (min(r, c), min(r, c)))
-MATRIX_STATE: dict[str, MatrixState] = {}
+# Per-matrix state: an engine state name registered here is saved as one full tensor
+# (matrices, *shape) on every rank, which DCP writes once and any world size reads back; on load
+# each owner takes its matrices. Such state is optional in a loaded state dict (missing: the
+# entries start empty).
+MATRIX_STATE: dict[str, MatrixState] = {
+    # CacheMuon's entries (distmuon/cache.h, product layout): the m x m transform Q of the wide
+    # orientation, saved in float32 whatever the cache dtype (exact for f16/bf16 entries), the
+    # reuses since its refresh, and the key of the configuration that filled it (0: empty).
+    "cache_q": MatrixState(lambda r, c: (min(r, c), min(r, c))),
+    "cache_age": MatrixState(lambda r, c: ()),
+    "cache_key": MatrixState(lambda r, c: (), torch.float64),
+}
 
 
 @dataclass
@@ -64,6 +71,7 @@ class Slot:
     full_shape: torch.Size
     dtype: torch.dtype
     rows: tuple[int, int] | None = None
+    key: int = -1  # position in the optimizer's state dict (index is the engine's)
 
     def local(self) -> torch.Tensor:
         return local_tensor(self.param) if self.rows is not None else self.param
@@ -96,7 +104,7 @@ def _view(engine: _C.Engine, s: Slot, name: str) -> torch.Tensor | None:
 
 def owner_held(topo: Topology, s: Slot, name: str) -> bool:
     """True when the engine keeps this state with each matrix's owner (not in place)."""
-    return s.use_muon and name == MOMENTUM and topo.mode in ("replicated", "sharded")
+    return s.use_muon and name == MOMENTUM and topo.mode in ("replicated", "sharded", "dedicated")
 
 
 def held_momentum(engine: _C.Engine, topo: Topology, s: Slot) -> list[torch.Tensor]:
@@ -213,8 +221,6 @@ def _matrix_state_move(
 ) -> tuple[torch.Tensor, Move]:
     """Per-matrix state: owners hold matrix k as row k of a (matrices, numel) tensor that every
     member holds whole in a checkpoint. Returns this member's whole tensor and the move."""
-    if topo.mode == "gather":
-        raise NotImplementedError(f"per-matrix state '{name}' in gather mode")
     ms = _matrix_state(s, name)
     rows, cols = s.engine_shape[-2:]
     shape = ms.shape(rows, cols)
@@ -223,7 +229,10 @@ def _matrix_state_move(
     for k in range(n):
         a = engine.matrix_state(s.index, k, name)
         t = None if a is None else torch.from_dlpack(a).view(1, inner)
-        owners.append(Block(engine.owner(s.index, k), k, k + 1, t))
+        if topo.mode == "gather":  # every member holds every entry (all decide alike)
+            owners += [Block(m, k, k + 1, t if m == topo.member else None) for m in range(topo.size)]
+        else:
+            owners.append(Block(engine.owner(s.index, k), k, k + 1, t))
     device = s.local().device
     mine = torch.empty((n, *shape), dtype=ms.dtype, device=device) if loaded is None else loaded
     whole = [Block(m, 0, n, mine.view(n, inner) if m == topo.member else None) for m in range(topo.size)]
@@ -264,7 +273,7 @@ def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: 
     for s, entry in zip(slots, entries):
         for name in engine.state_names(s.index):
             if name not in PARAM_SHAPED:
-                if entry is None:
+                if entry is None or name not in entry:  # optional: the entries start empty
                     for k in range(len(s.matrices())):
                         a = engine.matrix_state(s.index, k, name)
                         if a is not None:

@@ -18,7 +18,7 @@ from torch import nn
 from distmuon import _C
 from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
-from distmuon.torch._device import StreamOrder, common_device, make_communicator, make_engine, to_dlpack
+from distmuon.torch._device import common_device, to_dlpack
 from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows, local_tensor
 from distmuon.torch._params import (
     MuonFilter,
@@ -29,7 +29,20 @@ from distmuon.torch._params import (
     module_param_infos,
     split_named,
 )
-from distmuon.torch._state import Slot, expected_numel, export_state, held_momentum, import_state, owner_held
+from distmuon.torch._parts import Part, build_part, merge_stats
+from distmuon.torch.dedicate import handle_of
+from distmuon.torch._state import (
+    MATRIX_STATE,
+    Slot,
+    expected_numel,
+    export_state,
+    held_momentum,
+    import_state,
+    owner_held,
+)
+
+# State a loaded state dict may lack (it then starts fresh): CacheMuon's entries.
+OPTIONAL_STATE = frozenset(MATRIX_STATE)
 
 
 def _float(v: Any) -> float:
@@ -53,7 +66,16 @@ class Muon(torch.optim.Optimizer):
             (dense products, as torch.optim.Muon), 'ns-sym' or 'gram-ns'.
         ns_dtype: dtype the iteration runs in; None picks bfloat16 on CUDA (as
             torch.optim.Muon) and float32 on the CPU.
-        cache_gamma: CacheMuon's residual threshold (not available in this build: must be None).
+        cache_gamma: CacheMuon (ALGORITHMS.md section 5): reuse each matrix's last Gram-NS
+            transform while ``||Q X (Q X)^T - I||_F / sqrt(m) <= cache_gamma``; None (default)
+            keeps it off. It applies to the shapes orthogonalized with Gram NS ('gram-ns', or the
+            elongated shapes of 'auto'). Its entries are saved by ``state_dict()``.
+        cache_probes: None (default) measures the residual exactly in Gram space; k estimates it
+            with k Gaussian probes (cheaper for large m).
+        cache_max_staleness: refresh an entry after this many reuses (0 or None: no limit).
+        cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16).
+        cache_shadow: diagnostics: also run the fresh solve for accepted matrices and report the
+            relative error and alignment of the accepted updates in ``stats()`` (synchronises).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (``adamw_lr=None``
             uses ``lr``).
         muon_filter: ``(name, param) -> bool`` that replaces the default choice of Muon
@@ -98,6 +120,10 @@ class Muon(torch.optim.Optimizer):
         algorithm: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         cache_gamma: float | None = None,
+        cache_probes: int | None = None,
+        cache_max_staleness: int | None = 0,
+        cache_dtype: torch.dtype | str = torch.float32,
+        cache_shadow: bool = False,
         adamw_lr: float | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
@@ -128,6 +154,10 @@ class Muon(torch.optim.Optimizer):
             "algorithm": algorithm,
             "ns_dtype": None if ns_dtype is None else opt.torch_dtype_name(ns_dtype),
             "cache_gamma": cache_gamma,
+            "cache_probes": cache_probes,
+            "cache_max_staleness": cache_max_staleness,
+            "cache_dtype": opt.torch_dtype_name(cache_dtype),
+            "cache_shadow": cache_shadow,
         }
         self._adamw_defaults: dict[str, Any] = {
             "lr": adamw_lr,
@@ -144,12 +174,9 @@ class Muon(torch.optim.Optimizer):
         self._process_group = process_group
         self._bucket_mb = bucket_mb
         self._communicator = communicator
-        self._topo: Topology | None = None
-        self._comm: _C.Communicator | None = None
-        self._order: StreamOrder | None = None
         self._infos: dict[int, ParamInfo] = {}
-        self._engine: _C.Engine | None = None
-        self._slots: list[Slot] = []
+        self._parts: list[Part] = []  # the engines: one, or two with dedicated matrices
+        self._slots: list[Slot] = []  # every parameter, in state_dict order
         self._signatures: list[tuple[Any, ...] | None] = []
         self._buffer_momentum: list[float] = []  # per group: the mu its momentum buffers assume
         self._unnamed_warned = False
@@ -213,7 +240,7 @@ class Muon(torch.optim.Optimizer):
             keep = set(opt.MUON_KEYS if kind else opt.ADAMW_KEYS) | {"params", "param_names", "use_muon", "initial_lr"}
             for k in [k for k in added if k not in keep]:
                 del added[k]  # defaults of the other kind that torch's add_param_group filled in
-        if self._engine is not None:
+        if self._parts:
             self._build_engine()
 
     def _param_info(self, p: torch.Tensor, name: str | None, index: int) -> ParamInfo:
@@ -255,13 +282,21 @@ class Muon(torch.optim.Optimizer):
                 out.append((gi, name, p, self._param_info(p, name if names else None, index)))
         return out
 
-    def _make_slots(self) -> list[Slot]:
+    def _make_slots(self, dedicated: set[int]) -> list[Slot]:
+        """Every parameter's Slot (key: its state_dict index); `dedicated` holds the keys of the
+        dedicated ones. Slot.index is set per engine by _build_engine."""
         slots = []
-        for index, (gi, name, p, info) in enumerate(self._named_params()):
+        for key, (gi, name, p, info) in enumerate(self._named_params()):
             use_muon = self.param_groups[gi]["use_muon"]
             shape = matrix_shape(p, info.conv) if use_muon else list(p.shape)
             rows = local_rows(name, p) if is_dtensor(p) else None
-            slots.append(Slot(index, gi, name, p, use_muon, shape, p.shape, p.dtype, rows))
+            if key in dedicated and (not use_muon or len(shape) != 2):
+                raise ValueError(
+                    f"parameter '{name}' is dedicated (distmuon.torch.dedicate) but "
+                    f"{'is in an AdamW group' if not use_muon else 'is not one matrix'}; dedicated "
+                    "parameters must be Muon matrices here"
+                )
+            slots.append(Slot(key, gi, name, p, use_muon, shape, p.shape, p.dtype, rows, key))
         return slots
 
     def _group_options(self, gi: int, device_type: str) -> Any:
@@ -271,48 +306,79 @@ class Muon(torch.optim.Optimizer):
             return opt.muon_options(g, device_type, opt.engine_dtype(self._momentum_dtype), where)
         return opt.adamw_options(g, where)
 
-    def _build_engine(self) -> None:
-        """(Re)creates the engine for the current groups, carrying over existing state.
-        Collective in distributed modes."""
+    def _layout(self) -> list[tuple[Topology, list[int], Any]]:
+        """(topology, state_dict keys, Dedicated handle or None) of each engine to build."""
         named = self._named_params()
         if not named:
             raise ValueError("optimizer got an empty parameter list")
-        topo = detect([p for _, _, p, _ in named], [n for _, n, _, _ in named], self._dist_mode, self._process_group)
-        if self._topo is not None and topo.mode != self._topo.mode:
-            raise ValueError(f"the new parameters need the {topo.mode} mode, the optimizer runs in {self._topo.mode}")
+        handles = {id(h): h for _, _, p, _ in named if (h := handle_of(p)) is not None}
+        if len(handles) > 1:
+            raise ValueError("the parameters come from several dedicate() calls; one per optimizer")
+        handle = next(iter(handles.values()), None)
+        ded = [k for k, (_, _, p, _) in enumerate(named) if handle is not None and handle_of(p) is handle]
+        if handle is not None and len(ded) != len(handle.matrices):
+            raise ValueError(
+                f"the optimizer holds {len(ded)} of the {len(handle.matrices)} dedicated parameters; give "
+                "it all of them (their gradients are reduced to their owners for its step)"
+            )
+        rest = [k for k in range(len(named)) if k not in set(ded)]
+        out: list[tuple[Topology, list[int], Any]] = []
+        if handle is not None:
+            if self._dist_mode not in ("auto", "dedicated"):
+                raise ValueError(f"dist_mode={self._dist_mode!r} but the model has dedicated parameters")
+            out.append((handle.topology(), ded, handle))
+        if rest:
+            mode = "auto" if self._dist_mode == "dedicated" else self._dist_mode
+            params = [named[k][2] for k in rest]
+            out.append((detect(params, [named[k][1] for k in rest], mode, self._process_group), rest, None))
+        return out
+
+    def _build_engine(self) -> None:
+        """(Re)creates the engines for the current groups, carrying over existing state.
+        Collective in distributed modes."""
+        layout = self._layout()
+        modes = [t.mode for t, _, _ in layout]
+        if self._parts and modes != [p.topo.mode for p in self._parts]:
+            raise ValueError(f"the new parameters need the {modes} mode(s), the optimizer runs in {self.dist_mode}")
         try:
-            slots = self._make_slots()
+            slots = self._make_slots({k for _, keys, h in layout if h is not None for k in keys})
             device = common_device([s.local() for s in slots], [s.name for s in slots])
             options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
             error = None
         except (ValueError, TypeError, RuntimeError) as e:
-            if not topo.distributed:
+            if not any(t.distributed for t, _, _ in layout):
                 raise
             error = str(e)
-        agree(topo, error, "building distmuon.torch.Muon")
-        if topo.distributed and self._comm is None:
-            self._comm = make_communicator(topo, device, self._communicator)
-        engine = make_engine(device, self._nonfinite, topo, self._comm, self._bucket_mb)
-        for o in options:
-            engine.add_group(o)
-        for s in slots:
-            begin, count = s.rows if s.rows is not None else (0, -1)
-            engine.add_param(s.name, s.group, s.engine_shape, opt.engine_dtype(s.dtype), begin, count)
-        engine.setup()  # distributed: checks the registration on every rank, plans the owners
-        old_engine, old_slots = self._engine, self._slots
-        carried: list[dict[str, Any] | None] = [None] * len(slots)
-        if old_engine is not None and self._topo is not None:
-            exported = export_state(old_engine, self._topo, old_slots)
-            old = {id(s.param): s for s in old_slots}
-            for s in slots:
-                prev = old.get(id(s.param))
-                if prev is not None and prev.use_muon == s.use_muon:
-                    carried[s.index] = exported[prev.index]
-                    engine.set_param_step(s.index, old_engine.param_step(prev.index))
-        self._engine, self._slots, self._device, self._topo = engine, slots, device, topo
-        self._order = StreamOrder(engine, device, fixed=topo.distributed and device.type == "cuda")
-        if old_engine is not None:
-            import_state(engine, topo, slots, carried)
+        for topo, _, _ in layout:
+            agree(topo, error, "building distmuon.torch.Muon")
+        old_parts = self._parts
+        parts = []
+        for topo, keys, handle in layout:
+            mine = [slots[k] for k in keys]
+            for i, s in enumerate(mine):
+                s.index = i
+            comm = next((p.comm for p in old_parts if p.topo.mode == topo.mode), None)
+            parts.append(
+                build_part(topo, mine, options, device, self._nonfinite, self._bucket_mb, self._communicator, comm, handle)
+            )
+        carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
+        for old in old_parts:
+            for s, entry in zip(old.slots, export_state(old.engine, old.topo, old.slots)):
+                carried[id(s.param)] = (entry, old.engine.param_step(s.index), s.use_muon)  # type: ignore[assignment]
+        self._parts, self._slots, self._device = parts, slots, device
+        for part in parts:
+            if old_parts:
+                entries = []
+                for s in part.slots:
+                    c = carried.get(id(s.param))
+                    ok = c is not None and c[2] == s.use_muon  # type: ignore[misc]
+                    entries.append(c[0] if ok else None)  # type: ignore[index]
+                    if ok:
+                        part.engine.set_param_step(s.index, c[1])  # type: ignore[index]
+                import_state(part.engine, part.topo, part.slots, entries)
+            if part.dedicated is not None:
+                early = self._nonfinite == "skip" and part.dedicated.overlap_step
+                part.dedicated.bind(self._prepare_dedicated if early else None, part.engine.discard_prepared)
         # Groups that existed keep their last pushed signature and buffer momentum, so that an
         # option changed since the last step is still noticed (and the buffers rescaled) by it.
         sigs, mus = self._signatures, self._buffer_momentum
@@ -324,31 +390,35 @@ class Muon(torch.optim.Optimizer):
         ]
         self._refresh_state()
 
+    def _part(self, s: Slot) -> Part:
+        return next(part for part in self._parts if any(x is s for x in part.slots))
+
     def _refresh_state(self) -> None:
         """``self.state[p]``: the step and the state this process holds in the parameter's
         placement (views of the engine's memory). Momentum kept with owners is not in it (it is
         not in the parameter's placement); ``state_dict()`` gathers it."""
-        assert self._engine is not None and self._topo is not None
-        exported = export_state(self._engine, self._topo, self._slots, gather_momentum=False)
-        for s, entry in zip(self._slots, exported):
-            st = {k: v for k, v in entry.items() if not owner_held(self._topo, s, k)}
-            st["step"] = torch.tensor(float(self._engine.param_step(s.index)))
-            self.state[s.param] = st
+        for part in self._parts:
+            exported = export_state(part.engine, part.topo, part.slots, gather_momentum=False)
+            for s, entry in zip(part.slots, exported):
+                st = {k: v for k, v in entry.items() if not owner_held(part.topo, s, k)}
+                st["step"] = torch.tensor(float(part.engine.param_step(s.index)))
+                self.state[s.param] = st
 
     def _push_options(self) -> None:
-        """Sends changed group options (LR schedulers, user edits) to the engine."""
-        assert self._engine is not None
+        """Sends changed group options (LR schedulers, user edits) to the engines."""
         for gi, g in enumerate(self.param_groups):
             sig = opt.group_signature(g)
             if sig == self._signatures[gi]:
                 continue
             options = self._group_options(gi, self._device.type)  # validates before any change
-            live = self._engine.group(gi)
             if g["use_muon"]:
                 self._rescale_momentum(gi, _float(g["momentum"]))
-                live.muon = options.muon
-            else:
-                live.adamw = options.adamw
+            for part in self._parts:
+                live = part.engine.group(gi)
+                if g["use_muon"]:
+                    live.muon = options.muon
+                else:
+                    live.adamw = options.adamw
             self._signatures[gi] = sig
 
     def _rescale_momentum(self, gi: int, mu: float) -> None:
@@ -359,21 +429,21 @@ class Muon(torch.optim.Optimizer):
         if mu == old:
             return
         factor = (1.0 - old) / (1.0 - mu)
-        assert self._engine is not None and self._topo is not None
-        for s in self._slots:
-            if s.group == gi:
-                for v in held_momentum(self._engine, self._topo, s):
-                    v.mul_(factor)
+        for part in self._parts:
+            for s in part.slots:
+                if s.group == gi:
+                    for v in held_momentum(part.engine, part.topo, s):
+                        v.mul_(factor)
         self._buffer_momentum[gi] = mu
 
-    def _step_inputs(self) -> tuple[list[Any], list[Any]]:
+    def _step_inputs(self, slots: list[Slot]) -> tuple[list[Any], list[Any]]:
         """DLPack capsules of every parameter and gradient (their local parts under FSDP2),
         checked before the engine touches anything. The binding checks device, dtype and layout
         against the registration (naming the parameter); the checks here are the ones it
         cannot make."""
         params: list[Any] = []
         grads: list[Any] = []
-        for s in self._slots:
+        for s in slots:
             p = s.param
             if p.shape != s.full_shape:
                 raise RuntimeError(
@@ -423,26 +493,86 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._engine is None or sum(len(g["params"]) for g in self.param_groups) != len(self._slots):
+        if not self._parts or sum(len(g["params"]) for g in self.param_groups) != len(self._slots):
             self._build_engine()
-        assert self._engine is not None and self._order is not None
         self._push_options()
-        params, grads = self._step_inputs()
-        self._order.before()
-        self._engine.step(params, grads)
-        self._order.after()
+        # The dedicated engine first: its publication to other replicas (HSDP) then travels
+        # while the other engine steps.
+        for part in self._parts:
+            if part.dedicated is not None:
+                part.dedicated.before_step()  # reductions complete, owners hold mean gradients
+            params, grads = self._step_inputs(part.slots)
+            part.order.before()
+            part.engine.step(params, grads)
+            part.order.after()
+            if part.dedicated is not None:
+                part.dedicated.after_step()
         return loss
+
+    @torch.no_grad()
+    def _prepare_dedicated(self, params: list[torch.Tensor], stream: Any) -> None:
+        """Dedicated matrices whose reduced gradients landed on this rank (their owner) during
+        backward: momentum and orthogonalization now, on `stream` (CUDA) or inline (CPU)."""
+        part = next(p for p in self._parts if p.dedicated is not None)
+        self._push_options()  # the momentum and cache options of this step
+        slots = part.index_of(params)
+        if stream is not None:
+            part.order.switch(stream)
+        part.engine.prepare(
+            [s.index for s in slots], [to_dlpack(s.param) for s in slots], [to_dlpack(s.param.grad) for s in slots]
+        )
 
     @property
     def dist_mode(self) -> str:
-        """The engine's setting: 'local', 'replicated', 'sharded' or 'gather'."""
-        assert self._topo is not None
-        return self._topo.mode
+        """The engine's setting: 'local', 'replicated', 'sharded', 'gather', or 'dedicated' when
+        some matrices are dedicated (the others then step in the mode detected for them, see
+        ``dist_modes``)."""
+        return "dedicated" if any(p.dedicated is not None for p in self._parts) else self._parts[0].topo.mode
+
+    @property
+    def dist_modes(self) -> list[str]:
+        """The mode of each engine (two with dedicated matrices: 'dedicated' and the others')."""
+        return [p.topo.mode for p in self._parts]
 
     def engine_stats(self) -> dict[str, Any]:
-        """Counters of the engine: steps, non-finite skips, orthogonalization FLOPs, sizes."""
-        assert self._engine is not None
-        return self._engine.stats()
+        """Counters of the engines (summed over them): steps, non-finite skips, orthogonalization
+        FLOPs, sizes, communication, and CacheMuon's counters under 'cache'. Synchronises."""
+        stats = [p.engine.stats() for p in self._parts]
+        out = stats[0]
+        for st in stats[1:]:
+            out = merge_stats(out, st)
+        return out
+    def stats(self) -> dict[str, Any]:
+        """A summary of this rank's work (synchronises the device; not collective):
+
+        - ``steps``, ``nonfinite_skips``, ``ortho_flops`` (cumulative orthogonalization FLOPs
+          this rank ran, CacheMuon's counted as an ideal device does them), ``owned_matrices``;
+        - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative),
+          ``cache_hit_rate`` (cumulative), ``cache_flops_saved`` (fraction of the fresh solves'
+          FLOPs saved), ``last_hit_rate`` and ``last_mean_residual`` (the latest step: the share
+          of matrices that reused their transform and the mean residual of the test), and with
+          ``cache_shadow=True`` ``last_update_rel_err`` (mean relative Frobenius distance of the
+          latest step's accepted updates from the fresh ones; 0 when none was accepted) and
+          ``last_alignment`` (their mean cosine; 1 when none).
+        """
+        e = self.engine_stats()
+        c = e["cache"]
+        out: dict[str, Any] = {
+            "steps": e["steps"],
+            "nonfinite_skips": e["nonfinite_skips"],
+            "ortho_flops": e["ortho_flops"],
+            "owned_matrices": e["owned_matrices"],
+            "cache_hits": c["hits"],
+            "cache_refreshes": c["refreshes"],
+            "cache_hit_rate": c["hit_rate"],
+            "cache_flops_saved": c["flops_saved_fraction"],
+            "last_hit_rate": c["latest_hit_rate"],
+            "last_mean_residual": c["latest_mean_residual"],
+        }
+        if any(g.get("cache_shadow") and g.get("cache_gamma") is not None for g in self.param_groups):
+            out["last_update_rel_err"] = c["latest_update_error"]
+            out["last_alignment"] = c["latest_alignment"]
+        return out
 
     # ---- checkpoints --------------------------------------------------------------------------
 
@@ -453,7 +583,6 @@ class Muon(torch.optim.Optimizer):
         torch.distributed.checkpoint can load it at another world size. Tensors alias the
         engine's live state where it is kept in that placement (as torch's do); momentum kept
         with each matrix's owner is gathered into new tensors (collective)."""
-        assert self._engine is not None and self._topo is not None
         # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
         # changed it since the last step): bring them up to date, as the next step would.
         for gi, g in enumerate(self.param_groups):
@@ -462,17 +591,17 @@ class Muon(torch.optim.Optimizer):
                 self._rescale_momentum(gi, mu)
         self._refresh_state()
         sd = super().state_dict()
-        for s, entry in zip(self._slots, export_state(self._engine, self._topo, self._slots)):
-            entry["step"] = torch.tensor(float(self._engine.param_step(s.index)))
-            sd["state"][s.index] = entry
+        for part in self._parts:
+            for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots)):
+                entry["step"] = torch.tensor(float(part.engine.param_step(s.index)))
+                sd["state"][s.key] = entry
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads a state_dict() of an optimizer with the same groups, saved at any world size
         (DTensor entries in any placement of this mesh, or full tensors); nothing changes unless
         every entry checks out on every rank. Collective when distributed."""
-        assert self._engine is not None and self._topo is not None
-        topo = self._topo
+        topos = [p.topo for p in self._parts]
         state_dict = state_dict.copy()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
@@ -482,32 +611,40 @@ class Muon(torch.optim.Optimizer):
             merged, plan = self._checked_load(state_dict)
             error = None
         except (ValueError, TypeError, KeyError) as e:
-            if not topo.distributed:
+            if not any(t.distributed for t in topos):
                 raise
             merged, plan, error = [], [], f"{type(e).__name__}: {e}"
         presence = "".join("0" if e is None else "1" for _, e in plan)
-        agree(topo, error, "load_state_dict", fingerprint=f"entries {presence}" if error is None else "")
+        for topo in topos:
+            agree(topo, error, "load_state_dict", fingerprint=f"entries {presence}" if error is None else "")
         self.param_groups = merged
-        import_state(self._engine, topo, self._slots, [e for _, e in plan])
-        for s, entry in plan:
-            self._engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
+        entries = {s.key: e for s, e in plan}
+        for part in self._parts:
+            import_state(part.engine, part.topo, part.slots, [entries[s.key] for s in part.slots])
+            for s in part.slots:
+                entry = entries[s.key]
+                part.engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
         self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
         self._refresh_state()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
     def _state_numel(self, s: Slot) -> dict[str, int]:
-        assert self._engine is not None
-        return {name: expected_numel(s, name) for name in self._engine.state_names(s.index)}
+        engine = self._part(s).engine
+        return {name: expected_numel(s, name) for name in engine.state_names(s.index)}
 
     def _checked_load(self, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[Slot, Any]]]:
         """The merged groups and per slot the checked saved entry (None: fresh state)."""
-        assert self._engine is not None
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         ckpt.check_saved_groups(self.param_groups, saved_groups)
         saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
         plan = [
-            (s, ckpt.checked_entry(s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i)))
+            (
+                s,
+                ckpt.checked_entry(
+                    s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i), OPTIONAL_STATE
+                ),
+            )
             for s, i in zip(self._slots, saved_ids)
         ]
         old_groups = self.param_groups

@@ -1,0 +1,250 @@
+"""What ``dedicate()`` decides once: the dedicated world (replicate x shard ranks), which
+matrices, the layer ("unit") each belongs to, their owners (the engine's planner) and the flat
+buffers that make one broadcast per owner per layer.
+
+Every dedicated parameter becomes a view into the flat buffer of its (unit, owner) bucket. The
+ranks that keep a bucket between steps hold its storage: the owner and, in HSDP, the ranks at
+the owner's shard position of the other replicas (they relay it inside their shard group). On
+every other rank the storage is freed (resized to 0) and only materialised around its use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distmuon import _C
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The dedicated world: ``size = replicate x shard`` members; member ``r * shard + s`` is at
+    replica r, shard position s (the engine's HSDP order)."""
+
+    ranks: tuple[int, ...]  # global rank of each member
+    replicate: int
+    member: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def shard(self) -> int:
+        return self.size // self.replicate
+
+    def coords(self, member: int) -> tuple[int, int]:
+        return divmod(member, self.shard)
+
+    def at(self, r: int, s: int) -> int:
+        """Global rank of the member at replica r, shard position s."""
+        return self.ranks[r * self.shard + s]
+
+
+@dataclass
+class Groups:
+    """Process groups of the dedicated traffic, apart from FSDP's so that collectives issued at
+    different moments of backward never interleave with its own."""
+
+    world: Any = None  # every member: the engine's world
+    shard: Any = None  # my shard group (replica r, all positions)
+    replica: Any = None  # my replica group (position s, all replicas)
+    control: Any = None  # gloo over every member: the small vote of each step
+
+
+@dataclass
+class Matrix:
+    """One dedicated parameter (one engine matrix)."""
+
+    index: int
+    name: str
+    param: nn.Parameter
+    rows: int
+    cols: int
+    unit: int
+    owner: int = 0  # member
+    bucket: int = 0
+    offset: int = 0  # elements into the bucket's flat buffer
+
+    @property
+    def numel(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
+class Bucket:
+    """The matrices of one unit owned by one member: one flat buffer, one broadcast."""
+
+    unit: int
+    owner: int
+    matrices: list[int]
+    flat: torch.Tensor
+    kept: bool  # this rank holds it between steps (owner, or HSDP relay)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.numel() * self.flat.element_size()
+
+    def held(self) -> bool:
+        return self.flat.untyped_storage().nbytes() > 0
+
+    def materialise(self) -> None:
+        if not self.held():
+            self.flat.untyped_storage().resize_(self.nbytes)
+
+    def free(self) -> None:
+        if not self.kept and self.held():
+            self.flat.untyped_storage().resize_(0)
+
+
+@dataclass
+class Unit:
+    """A layer: the module whose forward needs the matrices (broadcast before it runs)."""
+
+    prefix: str
+    module: nn.Module
+    matrices: list[int] = field(default_factory=list)
+    buckets: list[int] = field(default_factory=list)
+
+
+def unit_prefix(name: str) -> str:
+    """The layer a parameter belongs to: the prefix up to its first all-digit component
+    ('transformer.h.3.mlp.c_fc.weight' -> 'transformer.h.3', as the engine's planner reads
+    layers), else its owning module ('proj.weight' -> 'proj', 'w' -> '')."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if re.fullmatch(r"\d+", p):
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1])
+
+
+def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
+    """The Grid of a 1D mesh (flat), a 2D (replicate, shard) mesh, or a 1D shard mesh with a 1D
+    replicate mesh."""
+    if mesh is None:
+        raise ValueError("dedicate() needs a DeviceMesh (torch.distributed initialised; a 1-rank mesh for one process)")
+    me = dist.get_rank()
+    if replicate_mesh is not None:
+        if mesh.ndim != 1 or replicate_mesh.ndim != 1:
+            raise ValueError("with replicate_mesh, mesh must be the 1D shard mesh and replicate_mesh 1D")
+        rs = (replicate_mesh.get_local_rank(), mesh.get_local_rank())
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (me, rs, mesh.size(), replicate_mesh.size()))
+        R, S = replicate_mesh.size(), mesh.size()
+        grid = [[-1] * S for _ in range(R)]
+        for rank, (r, s), s_size, r_size in everyone:
+            if s_size == S and r_size == R:
+                grid[r][s] = rank
+        if any(x < 0 for row in grid for x in row):
+            raise ValueError(f"the shard and replicate meshes do not form a {R} x {S} grid: {grid}")
+        ranks = tuple(x for row in grid for x in row)
+        return Grid(ranks, R, ranks.index(me))
+    if mesh.ndim == 1:
+        ranks = tuple(int(r) for r in mesh.mesh.tolist())
+        return Grid(ranks, 1, ranks.index(me))
+    if mesh.ndim == 2:
+        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+        return Grid(ranks, mesh.size(0), ranks.index(me))
+    raise ValueError(f"dedicate() takes a 1D mesh or a 2D (replicate, shard) mesh, not {mesh.ndim}D")
+
+
+def make_groups(grid: Grid) -> Groups:
+    """New process groups over the grid (collective over the default group; one rank: only the
+    engine's world, made by that rank alone)."""
+    if grid.size == 1:
+        return Groups(world=dist.new_group(list(grid.ranks), use_local_synchronization=True))
+    R, S = grid.replicate, grid.shard
+    g = Groups(world=dist.new_group(list(grid.ranks)))
+    g.control = dist.new_group(list(grid.ranks), backend="gloo")
+    if R == 1:
+        g.shard = g.world
+        return g
+    shards = [[grid.at(r, s) for s in range(S)] for r in range(R)]
+    replicas = [[grid.at(r, s) for r in range(R)] for s in range(S)]
+    g.shard, _ = dist.new_subgroups_by_enumeration(shards)
+    g.replica, _ = dist.new_subgroups_by_enumeration(replicas)
+    return g
+
+
+def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.device, planner: str) -> dict[str, Any]:
+    """Owners from the engine's planner (balanced on costs, layers spread), computed by member 0
+    and shared, so that every rank holds the same plan."""
+    result: list[Any] = [None]
+    if grid.member == 0:
+        opts = _C.DistOptions()
+        opts.planner = planner
+        if device.type == "cuda":
+            opts.gpus_per_node = max(1, torch.cuda.device_count())
+        ortho = _C.parse_algorithm("auto", _C.OrthoConfig())
+        ortho.work_dtype = _C.DType.bf16 if device.type == "cuda" else _C.DType.f32
+        result[0] = _C.plan_owners(
+            [m.name for m in matrices], [[m.rows, m.cols] for m in matrices], 4, grid.size, grid.replicate,
+            opts, ortho, device.type,
+        )
+    if grid.size > 1:
+        dist.broadcast_object_list(result, src=grid.ranks[0], group=groups.control)
+    return result[0]
+
+
+def build_buckets(matrices: list[Matrix], units: list[Unit], grid: Grid) -> list[Bucket]:
+    """Flat buffers per (unit, owner, dtype); each parameter becomes a view into its bucket and the
+    storage of buckets this rank does not keep is freed."""
+    my_s = grid.coords(grid.member)[1]
+    buckets: list[Bucket] = []
+    for u, unit in enumerate(units):
+        keys: dict[tuple[int, torch.dtype], list[int]] = {}
+        for j in unit.matrices:
+            keys.setdefault((matrices[j].owner, matrices[j].param.dtype), []).append(j)
+        for (owner, dtype), js in sorted(keys.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+            params = [matrices[j].param for j in js]
+            flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+            owner_s = grid.coords(owner)[1]
+            kept = owner == grid.member or (grid.replicate > 1 and owner_s == my_s)
+            b = Bucket(u, owner, js, flat, kept)
+            offset = 0
+            for j in js:
+                m = matrices[j]
+                flat[offset : offset + m.param.numel()].copy_(m.param.detach().reshape(-1))
+                m.param.data = flat[offset : offset + m.param.numel()].view(m.param.shape)
+                m.bucket, m.offset = len(buckets), offset
+                offset += m.param.numel()
+            unit.buckets.append(len(buckets))
+            buckets.append(b)
+            b.free()
+    return buckets
+
+
+def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> tuple[list[Matrix], list[Unit]]:
+    """The selected parameters (named as model.named_parameters() names them) and their units in
+    forward order (the order of the modules)."""
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    units: dict[str, Unit] = {}
+    matrices: list[Matrix] = []
+    for name, p in model.named_parameters():
+        if not predicate(name, p):
+            continue
+        if not p.requires_grad:
+            raise ValueError(f"dedicate(): parameter '{name}' does not require grad; select only trained matrices")
+        rows, cols, count = muon_shape(name, p)
+        if count != 1:
+            raise ValueError(
+                f"dedicate(): parameter '{name}' of shape {tuple(p.shape)} holds {count} matrices; a dedicated "
+                "parameter is one matrix owned whole (leave stacked matrices to FSDP2)"
+            )
+        prefix = unit_prefix(name)
+        if prefix not in units:
+            units[prefix] = Unit(prefix, model.get_submodule(prefix))
+        matrices.append(Matrix(len(matrices), name, p, rows, cols, unit=-1))
+        units[prefix].matrices.append(matrices[-1].index)
+    if not matrices:
+        raise ValueError("dedicate(): the predicate selected no parameter")
+    ordered = sorted(units.values(), key=lambda u: order[u.prefix])
+    for k, unit in enumerate(ordered):
+        for j in unit.matrices:
+            matrices[j].unit = k
+    return matrices, ordered

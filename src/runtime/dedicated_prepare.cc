@@ -1,0 +1,196 @@
+// Dedicated mode with caller transfers: the owner's work on a matrix starts as soon as the
+// caller has its final gradient (during backward), and step() only applies the update.
+//
+// prepare() runs momentum and orthogonalization for a set of owned matrices, batched by (plan
+// batch, group, wide shape) exactly as step() batches them, into a per-rank arena that holds one
+// slot per owned matrix (the orthogonalized update in the iteration dtype, its norm and status).
+// The arena is handed out front to back during a step and reset by apply_prepared(), which
+// step() calls before its own pipeline (that then skips the prepared matrices). The results
+// equal step()'s bit for bit: the same kernels on the same batches.
+#include <algorithm>
+#include <tuple>
+
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+#include "runtime/mode_runner.h"
+
+namespace distmuon {
+namespace {
+
+char* at(const void* base, int64_t elems, DType t) {
+  return const_cast<char*>(static_cast<const char*>(base)) +
+         elems * static_cast<int64_t>(dtype_size(t));
+}
+
+int64_t full_offset(const DistMatrix& m) { return m.slice * m.rows * m.cols; }
+
+// Calls f(k0, len, tall) for the wide part [0, tall_begin) and the tall part of a batch.
+template <typename F>
+void per_orientation(int count, int tall_begin, F&& f) {
+  if (tall_begin > 0) f(0, tall_begin, false);
+  if (count > tall_begin) f(tall_begin, count - tall_begin, true);
+}
+
+}  // namespace
+
+void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> data) {
+  DM_CHECK(caller_transfers(),
+           "prepare() needs the dedicated mode with DistOptions::caller_transfers");
+  DM_CHECK(options.nonfinite != NonFinitePolicy::kRaise,
+           "prepare() cannot honour nonfinite=raise: state would change before the statuses of "
+           "the whole step are known (prepare nothing, or use the skip policy)");
+  DM_CHECK(ps.size() == data.size(), "prepare() got ", ps.size(), " parameters and ", data.size(),
+           " data entries");
+  if (is_prepared.empty()) is_prepared.assign(mats.size(), 0);
+
+  // The owned matrices among `ps`, in step()'s batching order.
+  std::vector<std::pair<int, const ParamData*>> sel;
+  for (size_t k = 0; k < ps.size(); ++k) {
+    const int i = ps[k];
+    DM_CHECK(i >= 0 && i < static_cast<int>(params.size()), "prepare(): no parameter ", i);
+    const Param& p = params[i];
+    DM_CHECK(groups[p.spec.group].kind == ParamKind::kMuon, "prepare(): parameter '", p.spec.name,
+             "' is not a Muon parameter");
+    for (int j : p.matrices) {
+      if (mats[j].owner != rank) continue;
+      DM_CHECK(data[k].grad != nullptr && data[k].param != nullptr, "prepare(): parameter '",
+               p.spec.name, "' needs its gradient and weights on its owner, rank ", rank);
+      DM_CHECK(!is_prepared[j], "prepare(): matrix '", matrix_name(j),
+               "' was already prepared in this step (gradients must be final when prepared)");
+      sel.emplace_back(j, &data[k]);
+    }
+  }
+  if (sel.empty()) return;
+  auto key = [&](int j) {
+    const DistMatrix& a = mats[j];
+    return std::make_tuple(a.batch, a.group, a.m(), a.n(), a.tall(), j);
+  };
+  std::sort(sel.begin(), sel.end(), [&](auto& x, auto& y) { return key(x.first) < key(y.first); });
+
+  // The arena: sized at the first prepare() of a step for every matrix this rank owns.
+  if (prepared.empty()) {
+    size_t bytes = 0;
+    int64_t owned = 0;
+    for (const DistMatrix& m : mats) {
+      if (m.owner != rank) continue;
+      const OrthoConfig r = resolve(groups[m.group].muon.ortho, m.m(), m.n());
+      bytes += static_cast<size_t>(m.numel()) * dtype_size(iteration_dtype(r));
+      owned += 1;
+    }
+    if (bytes > prep_x.bytes()) prep_x = backend.alloc(bytes);
+    if (!prep_status) {
+      prep_norms = backend.alloc(sizeof(float) * std::max<int64_t>(owned, 1));
+      prep_status = backend.alloc(sizeof(int32_t) * std::max<int64_t>(owned, 1));
+    }
+    prep_x_used = 0;
+    prep_slots_used = 0;
+  }
+
+  for (size_t b0 = 0, b1; b0 < sel.size(); b0 = b1) {
+    const DistMatrix& m0 = mats[sel[b0].first];
+    for (b1 = b0 + 1; b1 < sel.size(); ++b1) {
+      const DistMatrix& m = mats[sel[b1].first];
+      if (m.batch != m0.batch || m.group != m0.group || m.m() != m0.m() || m.n() != m0.n()) break;
+    }
+    const int count = static_cast<int>(b1 - b0);
+    const MuonOptions& opt = groups[m0.group].muon;
+    const OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
+    PreparedBatch pb;
+    pb.x_dtype = iteration_dtype(r);
+    pb.tall_begin = count;
+    std::vector<MuonSlot> slots;
+    for (int k = 0; k < count; ++k) {
+      const int j = sel[b0 + k].first;
+      const DistMatrix& m = mats[j];
+      const ParamData& d = *sel[b0 + k].second;
+      if (m.tall() && pb.tall_begin == count) pb.tall_begin = k;
+      pb.mats.push_back(j);
+      slots.push_back(
+          {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
+    }
+    const size_t xb = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
+    DM_CHECK(prep_x_used + xb <= prep_x.bytes() &&
+                 prep_slots_used + count <= static_cast<int64_t>(prep_status.bytes() / 4),
+             "internal: prepare arena exhausted");
+    pb.x_offset = prep_x_used;
+    pb.slot = prep_slots_used;
+    prep_x_used += xb;
+    prep_slots_used += count;
+
+    float* norms = prep_norms.as<float>() + pb.slot;
+    int32_t* status = prep_status.as<int32_t>() + pb.slot;
+    backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, norms, status);
+    size_t cached_ws = 0;
+    const bool cached = m0.cache >= 0 && prepare_cache(caches[m0.cache], r, count, &cached_ws);
+    std::vector<int64_t> entries;
+    if (cached)
+      for (int j : pb.mats) entries.push_back(mats[j].cache_entry);
+    ensure_scratch(r, 0, m0.m(), m0.n(),
+                   std::max(cached_ws, Orthogonalizer::workspace_bytes(r, count, m0.m(), m0.n())));
+    BatchRef x =
+        BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
+    const std::span<const MuonSlot> all(slots);
+    per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
+      ScaleSpec norm{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0};
+      backend.muon_momentum_apply(all.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
+                                  norm, tall, x.slice(k0, len));
+    });
+    orthogonalize(cached ? m0.cache : -1, r, x, entries, status, workspace.data(), workspace_size);
+    backend.count_status(status, count, skip_counter.as<int64_t>());
+    for (int j : pb.mats) is_prepared[j] = 1;
+    prepared.push_back(std::move(pb));
+  }
+}
+
+void Engine::Impl::apply_prepared(const StepContext& ctx) {
+  for (const PreparedBatch& pb : prepared) {
+    const DistMatrix& m0 = mats[pb.mats[0]];
+    const int count = static_cast<int>(pb.mats.size());
+    std::vector<MuonSlot> slots;
+    std::vector<MuonUpdateCoef> coefs;
+    for (int j : pb.mats) {
+      const DistMatrix& m = mats[j];
+      const void* w = ctx.data[m.param].param;
+      DM_CHECK(w != nullptr, "step(): prepared matrix '", matrix_name(j), "' has no weights");
+      MatRef ref = MatRef::of(at(w, full_offset(m), m.wire), m.wire, m.rows, m.cols);
+      slots.push_back({ref, ref, ref});  // the update reads only the weight
+      coefs.push_back(ctx.coef[j]);
+    }
+    const int32_t* status = prep_status.as<int32_t>() + pb.slot;
+    BatchRef x =
+        BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
+    const std::span<const MuonSlot> all(slots);
+    const std::span<const MuonUpdateCoef> all_coefs(coefs);
+    per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
+      backend.muon_update(all.subspan(k0, len), all_coefs.subspan(k0, len), status + k0,
+                          x.slice(k0, len), tall);
+    });
+  }
+  prepared.clear();
+  std::fill(is_prepared.begin(), is_prepared.end(), 0);
+  prep_x_used = 0;
+  prep_slots_used = 0;
+}
+
+void Engine::prepare(std::span<const int> params, std::span<const ParamData> data) {
+  if (!impl_->built) setup();
+  impl_->prepare(params, data);
+}
+
+void Engine::discard_prepared() {
+  Impl& s = *impl_;
+  s.prepared.clear();
+  std::fill(s.is_prepared.begin(), s.is_prepared.end(), 0);
+  s.prep_x_used = 0;
+  s.prep_slots_used = 0;
+}
+
+int64_t Engine::prepared_matrices() const {
+  int64_t n = 0;
+  for (char p : impl_->is_prepared) n += p;
+  return n;
+}
+
+}  // namespace distmuon

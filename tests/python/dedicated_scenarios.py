@@ -1,0 +1,255 @@
+"""What the ranks of the dedicated-mode tests run (test_dedicated.py launches them).
+
+A small layered GPT: two blocks of four matrices (the units the runtime broadcasts per layer),
+a 3-row gate after them (its own unit) and AdamW parameters that FSDP2 shards (LayerNorms,
+embeddings, the head). Every rank takes 1/W of the same global batch (and 1/A of that
+per micro-batch), so the mean gradient equals the single process's.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distmuon.torch import Muon, dedicate
+from helpers import make_batch
+
+GLOBAL_BATCH = 8
+DIM = 64  # large enough that the planner balances arithmetic, not launches (so bytes too)
+STEPS = 8
+CKPT_AT = 4
+OPT_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(3 * dim, dim, bias=False)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.proj(torch.tanh(self.qkv(self.ln(h))))
+        return h + self.out(nn.functional.gelu(self.fc(h)))
+
+
+class LayeredGPT(nn.Module):
+    def __init__(self, vocab: int = 23, dim: int = DIM, ctx: int = 8) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(ctx, dim)
+        self.blocks = nn.ModuleList([Block(dim), Block(dim)])
+        self.gate = nn.Linear(dim, 3)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            h = b(h)
+        h = h + self.gate(h).mean(-1, keepdim=True)
+        return self.lm_head(h)
+
+
+def make_model() -> LayeredGPT:
+    torch.manual_seed(0)
+    return LayeredGPT()
+
+
+def local_loss(model: nn.Module, step: int, rank: int, world: int, micro: int = 0, accum: int = 1) -> torch.Tensor:
+    x, y = make_batch(step, batch=GLOBAL_BATCH)
+    per = GLOBAL_BATCH // (world * accum)
+    first = (rank * accum + micro) * per
+    x, y = x[first : first + per], y[first : first + per]
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
+
+
+def train(
+    model: nn.Module, opt: Muon, steps: range, rank: int, world: int, accum: int = 1, dm: Any = None, sync_all: bool = False
+) -> list[float]:
+    """Global mean loss of each step; micro-batches before the last skip gradient sync (unless
+    sync_all: every backward reduces)."""
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        total = torch.zeros(())
+        for micro in range(accum):
+            with ExitStack() as stack:
+                if micro < accum - 1 and not sync_all:
+                    if dm is not None:
+                        stack.enter_context(dm.no_sync())
+                    if hasattr(model, "set_requires_gradient_sync"):
+                        model.set_requires_gradient_sync(False)
+                elif hasattr(model, "set_requires_gradient_sync"):
+                    model.set_requires_gradient_sync(True)
+                loss = local_loss(model, step, rank, world, micro, accum)
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        if dist.is_available() and dist.is_initialized() and world > 1:
+            dist.all_reduce(total)
+            total /= world
+        out.append(total.item())
+    return out
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone()  # type: ignore[operator]
+
+
+def full_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole (collective: the dedicated ones come through the state_dict hook)."""
+    return {k: full(v) for k, v in model.state_dict().items()}
+
+
+def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
+    sd = opt.state_dict()
+    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
+
+
+def mesh_of(kind: str, world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if kind == "hsdp":
+        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (world,))
+
+
+def build(kind: str, world: int, overlap: bool) -> tuple[nn.Module, Any, Muon]:
+    """dedicate() the Muon matrices, fully_shard the rest (blocks, then the root), the optimizer."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    mesh = mesh_of(kind, world)
+    dm = dedicate(model, mesh, overlap_step=overlap)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, ignored_params=dm.ignored_params)
+    fully_shard(model, mesh=mesh, ignored_params=dm.ignored_params)
+    return model, dm, Muon(model, **OPT_KW)
+
+
+def guarded(fn: Any) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        return {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+
+
+def run_dedicated(
+    rank: int, world: int, kind: str, accum: int, overlap: bool, ckpt: str | None = None, sync_all: bool = False
+) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    model, dm, opt = build(kind, world, overlap)
+    memory = dm.memory_stats()
+    losses = train(model, opt, range(CKPT_AT), rank, world, accum, dm, sync_all)
+    saved = None
+    if ckpt is not None:
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+        saved = full_state(opt)
+    losses += train(model, opt, range(CKPT_AT, STEPS), rank, world, accum, dm, sync_all)
+    after = dm.memory_stats()
+    st = opt.stats()
+    return {
+        "mode": opt.dist_mode,
+        "modes": opt.dist_modes,
+        "losses": losses,
+        "params": full_model(model),
+        "saved_state": saved,
+        "final_state": full_state(opt),
+        "memory_at_start": memory,
+        "memory": after,
+        "owned": st["owned_matrices"],
+        "owners": dm.owners,
+        "plan": {k: dm.plan[k] for k in ("solver", "imbalance")},
+        "dedicated_grads_dropped": all(
+            m.param.grad is None or m.owner == dm.grid.member for m in dm.matrices
+        ),
+    }
+
+
+def run_resume(rank: int, world: int, kind: str, ckpt: str) -> dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    model, dm, opt = build(kind, world, overlap=True)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    loaded = full_state(opt)
+    memory = dm.memory_stats()
+    losses = train(model, opt, range(CKPT_AT, STEPS), rank, world, 1, dm)
+    return {"loaded_state": loaded, "losses": losses, "params": full_model(model), "memory_after_load": memory}
+
+
+def run_late_gradient(rank: int, world: int) -> dict[str, Any]:
+    """overlap_step with two synchronised backwards: every rank raises at step(); the ranks stay
+    matched (a checkpointable state and another step afterwards)."""
+    model, dm, opt = build("fsdp", world, overlap=True)
+    out: dict[str, Any] = {}
+    try:
+        train(model, opt, range(1), rank, world, 2, dm, sync_all=True)
+        out["error"] = None
+    except RuntimeError as e:
+        out["error"] = str(e)
+    opt.zero_grad()
+    out["then"] = train(model, opt, range(1, 2), rank, world, 1, dm)  # collectives still matched
+    return out
+
+
+def run_single(rank: int, world: int, overlap: bool) -> dict[str, Any]:
+    """World size 1: every matrix owned here, nothing moves; overlap_step prepares during
+    backward (through the engine's dedicated mode all the same)."""
+    model = make_model()
+    dm = dedicate(model, mesh_of("fsdp", 1), overlap_step=overlap)
+    opt = Muon(model, **OPT_KW)
+    losses = train(model, opt, range(STEPS), 0, 1, 1, dm)
+    return {"mode": opt.dist_mode, "losses": losses, "params": full_model(model), "memory": dm.memory_stats()}
+
+
+# ---- what each launch runs --------------------------------------------------------------------
+
+
+def run_reference(rank: int, world: int) -> dict[str, Any]:
+    """The plain optimizer in the same kind of process (same torch threads)."""
+    model = make_model()
+    opt = Muon(model, **OPT_KW)
+    losses = train(model, opt, range(STEPS), 0, 1)
+    return {"mode": opt.dist_mode, "losses": losses, "params": full_model(model)}
+
+
+def world1(rank: int, world: int) -> dict[str, Any]:
+    return {
+        "reference": guarded(lambda: run_reference(rank, world)),
+        "single": guarded(lambda: run_single(rank, world, overlap=False)),
+        "single_overlap": guarded(lambda: run_single(rank, world, overlap=True)),
+    }
+
+
+def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    return {
+        "plain": guarded(lambda: run_dedicated(rank, world, "fsdp", 1, False, ckpt)),
+        "overlap": guarded(lambda: run_dedicated(rank, world, "fsdp", 1, True)),
+        "accum": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False)),
+        "accum_overlap": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, True)),
+        "accum_sync": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False, sync_all=True)),
+        "late_gradient": guarded(lambda: run_late_gradient(rank, world)),
+    }
+
+
+def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    return {
+        "flat": guarded(lambda: run_dedicated(rank, world, "fsdp", 1, True)),
+        "flat_accum": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False)),
+        "hsdp": guarded(lambda: run_dedicated(rank, world, "hsdp", 1, True)),
+        "hsdp_accum": guarded(lambda: run_dedicated(rank, world, "hsdp", 2, True)),
+        "resume4": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+    }
