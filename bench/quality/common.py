@@ -84,7 +84,7 @@ def make_optimizer(arm: Arm, model: torch.nn.Module, muon_lr: float, adamw_lr: f
     return Muon(named, lr=muon_lr, momentum=0.95, nesterov=True, weight_decay=weight_decay,
                 adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma,
                 adamw_lr=adamw_lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=weight_decay,
-                muon_predicate=lambda n, p: is_muon_param(n, p))
+                muon_filter=lambda n, p: is_muon_param(n, p))
 
 
 def step_all(opt) -> None:

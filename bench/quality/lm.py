@@ -75,7 +75,7 @@ def load_corpus(device):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--arms", default="adamw:lr=1e-3,torch-muon,distmuon:algo=ns5,distmuon:algo=auto,"
+    ap.add_argument("--arms", default="adamw:lr=6e-4,adamw:lr=1.5e-3,torch-muon,distmuon:algo=ns5,distmuon:algo=auto,"
                     "distmuon:algo=gram-ns:gamma=0.5,distmuon:algo=gram-ns:gamma=1,distmuon:algo=gram-ns:gamma=2,"
                     "distmuon:algo=gram-ns:gamma=5,distmuon:algo=gram-ns:gamma=15")
     ap.add_argument("--steps", type=int, default=1500)
@@ -86,7 +86,9 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--muon-lr", type=float, default=0.02)
-    ap.add_argument("--adamw-lr", type=float, default=1e-3)
+    ap.add_argument("--adamw-lr", type=float, default=3e-3,
+                    help="AdamW lr of the non-matrix parameters inside the Muon arms")
+    ap.add_argument("--warmup", type=int, default=50, help="linear LR warm-up steps (every arm)")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality-lm.json"))
@@ -112,6 +114,9 @@ def main() -> None:
         model = GPT(vocab, args.width, args.layers, args.heads, args.context).to(device)
         model.load_state_dict(init)
         opt = make_optimizer(arm, model, args.muon_lr, args.adamw_lr, args.weight_decay)
+        # Same schedule for every arm: linear warm-up, cosine decay to 10 %.
+        sched = [torch.optim.lr_scheduler.LambdaLR(o, lambda t: min(1.0, (t + 1) / args.warmup) * (
+            0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t / args.steps))))) for o in (opt if isinstance(opt, list) else [opt])]
         res = ArmResult(arm=spec, label=arm.label)
         muon_shapes = [p.shape for n, p in model.named_parameters()
                        if p.ndim >= 2 and not any(k in n for k in ("wte", "wpe", "lm_head"))]
@@ -127,6 +132,8 @@ def main() -> None:
             with Timer(device) as t:
                 step_all(opt)
             zero_all(opt)
+            for sc in sched:
+                sc.step()
             res.opt_ms.append(t.ms)
             st = cache_stats(opt)
             if st is not None:
