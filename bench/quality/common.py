@@ -1,0 +1,154 @@
+"""Shared pieces of the training-quality studies: optimizer arms, timing, and result records.
+
+An arm is a string such as "adamw:lr=6e-4", "torch-muon", "distmuon:algo=ns5" or
+"distmuon:algo=gram-ns:gamma=2". Every arm of a study starts from the same initial weights and
+sees the same batches in the same order, so the curves differ only by the optimizer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field, asdict
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Arm:
+    kind: str  # "adamw" | "torch-muon" | "distmuon"
+    lr: float | None = None
+    algo: str = "ns5"
+    gamma: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.kind == "adamw":
+            return f"adamw(lr={self.lr:g})"
+        if self.kind == "torch-muon":
+            return "torch.optim.Muon"
+        s = f"distmuon {self.algo}"
+        return s + (f" cache γ={self.gamma:g}" if self.gamma is not None else "")
+
+
+def parse_arm(spec: str) -> Arm:
+    parts = spec.split(":")
+    arm = Arm(kind=parts[0])
+    if arm.kind not in ("adamw", "torch-muon", "distmuon"):
+        raise ValueError(f"unknown arm '{spec}' (adamw, torch-muon or distmuon)")
+    rest = parts[1:]
+    # "algo=gram-ns" may itself contain ':' (coefficients), so rejoin non key=value pieces.
+    for item in rest:
+        if "=" not in item:
+            arm.algo += ":" + item
+            continue
+        key, value = item.split("=", 1)
+        if key == "lr":
+            arm.lr = float(value)
+        elif key == "algo":
+            arm.algo = value
+        elif key == "gamma":
+            arm.gamma = float(value)
+        else:
+            raise ValueError(f"unknown key '{key}' in arm '{spec}'")
+    return arm
+
+
+def is_muon_param(name: str, p: torch.nn.Parameter) -> bool:
+    """Muon for hidden matrices; AdamW for embeddings, the output head, norms and biases."""
+    if p.ndim < 2:
+        return False
+    lowered = name.lower()
+    return not any(k in lowered for k in ("embed", "wte", "wpe", "lm_head", "head", "fc_out"))
+
+
+def make_optimizer(arm: Arm, model: torch.nn.Module, muon_lr: float, adamw_lr: float,
+                   weight_decay: float) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
+    named = list(model.named_parameters())
+    if arm.kind == "adamw":
+        lr = arm.lr if arm.lr is not None else adamw_lr
+        fused = next(model.parameters()).is_cuda
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
+                                 betas=(0.9, 0.95), fused=fused)
+    if arm.kind == "torch-muon":
+        muon = [p for n, p in named if is_muon_param(n, p)]
+        rest = [p for n, p in named if not is_muon_param(n, p)]
+        fused = next(model.parameters()).is_cuda
+        return [torch.optim.Muon(muon, lr=muon_lr, weight_decay=weight_decay, momentum=0.95,
+                                 nesterov=True, adjust_lr_fn="original"),
+                torch.optim.AdamW(rest, lr=adamw_lr, weight_decay=weight_decay,
+                                  betas=(0.9, 0.95), fused=fused)]
+    from distmuon.torch import Muon  # imported here: the other arms must run without it
+
+    return Muon(named, lr=muon_lr, momentum=0.95, nesterov=True, weight_decay=weight_decay,
+                adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma,
+                adamw_lr=adamw_lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=weight_decay,
+                muon_filter=lambda n, p: is_muon_param(n, p))
+
+
+def step_all(opt) -> None:
+    for o in opt if isinstance(opt, list) else [opt]:
+        o.step()
+
+
+def zero_all(opt) -> None:
+    for o in opt if isinstance(opt, list) else [opt]:
+        o.zero_grad(set_to_none=True)
+
+
+def ns5_flops(rows: int, cols: int, steps: int = 5) -> float:
+    """FLOPs of dense quintic Newton-Schulz (torch.optim.Muon): 2T(2a+1)m^3."""
+    m, n = min(rows, cols), max(rows, cols)
+    return 2.0 * steps * (2.0 * n / m + 1.0) * m ** 3
+
+
+def cache_stats(opt) -> dict | None:
+    """The distmuon optimizer's orthogonalization counters, or None for other optimizers."""
+    stats = getattr(opt, "stats", None)
+    return stats() if callable(stats) else None
+
+
+class Timer:
+    """Device-accurate wall time of a region (CUDA events on GPU, perf_counter on CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.ms = self.start.elapsed_time(self.end)
+        else:
+            self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+@dataclass
+class ArmResult:
+    arm: str
+    label: str
+    steps: list[int] = field(default_factory=list)
+    val: list[float] = field(default_factory=list)        # loss (LM) or accuracy (vision)
+    train_loss: list[float] = field(default_factory=list)
+    opt_ms: list[float] = field(default_factory=list)     # per step
+    ortho_flops: list[float] = field(default_factory=list)  # per step
+    hit_rate: list[float | None] = field(default_factory=list)  # per step (cache arms)
+    residual: list[float | None] = field(default_factory=list)
+    align: list[float | None] = field(default_factory=list)  # cos(cached, fresh) when probed
+    final: float = math.nan
+    wall_s: float = 0.0
+
+
+def save_results(path: str, meta: dict, results: list[ArmResult]) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "arms": [asdict(r) for r in results]}, f, indent=1)
