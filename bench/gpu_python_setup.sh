@@ -5,6 +5,13 @@
 # extension with pip (no network there). Expects ROOT, LOG, PY and a `say` function; sets
 # CXX_LD_PATH for C++ binaries that need the toolkit's and the NCCL wheel's libraries.
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+# A second script on the same (warm) machine reuses the installed extension: /tmp/dm/setup.env.
+if [ -f /tmp/dm/setup.env ] && [ -z "${DM_REBUILD:-}" ]; then
+  source /tmp/dm/setup.env
+  export LD_LIBRARY_PATH=$PY_LD_PATH
+  say "extension already installed on this machine (/tmp/dm/setup.env; DM_REBUILD=1 rebuilds)"
+  return 0
+fi
 say "sysroot from .gpubin/debs"
 SR=/tmp/sysroot
 rm -rf "$SR" && mkdir -p "$SR"
@@ -38,4 +45,5 @@ print('distmuon', distmuon.__version__, 'cuda', C.cuda_available(), 'nccl', C.nc
 so = glob.glob(os.path.join(os.path.dirname(distmuon.__file__), '_C*.so'))[0]
 os.system('ldd ' + so + ' | grep -E \"not found|cublas|nccl|openblas\"')
 ") 2>&1 | tee -a "$LOG"
-
+mkdir -p /tmp/dm
+echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$LD_LIBRARY_PATH'" > /tmp/dm/setup.env

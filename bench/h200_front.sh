@@ -6,6 +6,7 @@
 #
 #   bench/h200_front.sh            the recorded run (example at its GPU preset)
 #   STEPS=300 bench/h200_front.sh  a shorter example run (validation of the script)
+#   SKIP_EXAMPLE=1 bench/h200_front.sh   everything but the training example
 #   ONLY=dedicated bench/h200_front.sh   build, smoke test, the GPU tests of the dedicated
 #                                  runtime and bench/h200_dedicated.py only (a few minutes)
 #
@@ -82,6 +83,7 @@ if [ "$smoke" = 0 ]; then
   OMP_WAIT_POLICY=passive $PY -m pytest tests/python/test_gpu.py -v -rs 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
+  if [ -n "${SKIP_EXAMPLE:-}" ]; then dedicated_bench; say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"; exit $status; fi
   say "example: distmuon, adamw (fused), torch-muon${STEPS:+ ($STEPS steps)}"
   $PY examples/train_gpt.py --device cuda --optimizer distmuon,adamw,torch-muon ${STEPS:+--steps $STEPS} \
     --out "$OUT/train_gpt.png" 2>&1 | grep -vE "^\s*(distmuon|adamw|torch-muon)\s*[\[|:]" | tee -a "$LOG" | tail -12

@@ -32,11 +32,7 @@ say "binaries (carried bundle) and the Python extension"
 BIN=/tmp/dm/bin
 [ -x $BIN/distmuon-bench ] || { mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm; } || exit 1
 # A second invocation on the same machine reuses the installed extension (/tmp/dm/setup.env).
-if [ ! -f /tmp/dm/setup.env ]; then
-  source bench/gpu_python_setup.sh || exit 1
-  # Python processes keep torch's own CUDA libraries (the toolkit's first can break torch).
-  echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$LD_LIBRARY_PATH'" > /tmp/dm/setup.env
-fi
+source bench/gpu_python_setup.sh || exit 1
 source /tmp/dm/setup.env
 export LD_LIBRARY_PATH=$PY_LD_PATH
 # The bundle uses the machine's own Open MPI (its mpirun and libmpi must match).

@@ -21,6 +21,7 @@ class Arm:
     lr: float | None = None
     algo: str = "ns5"
     gamma: float | None = None
+    shadow: bool = False  # CacheMuon also runs the fresh solve, to measure the cached updates' alignment
 
     @property
     def label(self) -> str:
@@ -29,7 +30,8 @@ class Arm:
         if self.kind == "torch-muon":
             return "torch.optim.Muon"
         s = f"distmuon {self.algo}"
-        return s + (f" cache γ={self.gamma:g}" if self.gamma is not None else "")
+        s += f" cache γ={self.gamma:g}" if self.gamma is not None else ""
+        return s + (" (shadow)" if self.shadow else "")
 
 
 def parse_arm(spec: str) -> Arm:
@@ -50,6 +52,8 @@ def parse_arm(spec: str) -> Arm:
             arm.algo = value
         elif key == "gamma":
             arm.gamma = float(value)
+        elif key == "shadow":
+            arm.shadow = value not in ("0", "false", "no")
         else:
             raise ValueError(f"unknown key '{key}' in arm '{spec}'")
     return arm
@@ -82,7 +86,7 @@ def make_optimizer(arm: Arm, model: torch.nn.Module, muon_lr: float, adamw_lr: f
     from distmuon.torch import Muon  # imported here: the other arms must run without it
 
     return Muon(named, lr=muon_lr, momentum=0.95, nesterov=True, weight_decay=weight_decay,
-                adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma,
+                adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma, cache_shadow=arm.shadow,
                 adamw_lr=adamw_lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=weight_decay,
                 muon_filter=lambda n, p: is_muon_param(n, p))
 
@@ -101,6 +105,15 @@ def ns5_flops(rows: int, cols: int, steps: int = 5) -> float:
     """FLOPs of dense quintic Newton-Schulz (torch.optim.Muon): 2T(2a+1)m^3."""
     m, n = min(rows, cols), max(rows, cols)
     return 2.0 * steps * (2.0 * n / m + 1.0) * m ** 3
+
+
+def record_cache(res: "ArmResult", st: dict) -> None:
+    """The latest step's CacheMuon figures; the alignment only on steps that reused a transform
+    (with no hit it reads 1 and says nothing)."""
+    hit = st.get("last_hit_rate")
+    res.hit_rate.append(hit)
+    res.residual.append(st.get("last_mean_residual"))
+    res.align.append(st.get("last_alignment") if hit else None)
 
 
 def cache_stats(opt) -> dict | None:
@@ -150,5 +163,12 @@ class ArmResult:
 
 
 def save_results(path: str, meta: dict, results: list[ArmResult]) -> None:
+    """Written after every arm (a run cut short keeps what it finished), with the command line."""
+    import os
+    import sys
+
+    meta = dict(meta, command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+                device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__)
     with open(path, "w") as f:
         json.dump({"meta": meta, "arms": [asdict(r) for r in results]}, f, indent=1)

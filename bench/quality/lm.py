@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import (ArmResult, Timer, cache_stats, make_optimizer, ns5_flops, parse_arm,  # noqa: E402
+from common import (ArmResult, Timer, cache_stats, record_cache, make_optimizer, ns5_flops, parse_arm,  # noqa: E402
                     save_results, step_all, zero_all)
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--arms", default="adamw:lr=6e-4,adamw:lr=1.5e-3,torch-muon,distmuon:algo=ns5,distmuon:algo=auto,"
                     "distmuon:algo=gram-ns:gamma=0.5,distmuon:algo=gram-ns:gamma=1,distmuon:algo=gram-ns:gamma=2,"
-                    "distmuon:algo=gram-ns:gamma=5,distmuon:algo=gram-ns:gamma=15")
+                    "distmuon:algo=gram-ns:gamma=5,distmuon:algo=gram-ns:gamma=15,"
+                    "distmuon:algo=gram-ns:gamma=2:shadow=1,distmuon:algo=gram-ns:gamma=15:shadow=1")
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--batch", type=int, default=32)
@@ -140,8 +141,7 @@ def main() -> None:
                 flops = float(st["ortho_flops"])
                 res.ortho_flops.append(flops - prev_flops)
                 prev_flops = flops
-                res.hit_rate.append(st.get("last_hit_rate"))
-                res.residual.append(st.get("last_mean_residual"))
+                record_cache(res, st)
             else:
                 res.ortho_flops.append(ns5_step if arm.kind == "torch-muon" else 0.0)
             if step % args.eval_every == 0 or step == args.steps - 1:

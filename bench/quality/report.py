@@ -136,7 +136,11 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="output prefix (a .md and PNGs beside it)")
     args = ap.parse_args()
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    md = ["# Training quality: Muon vs AdamW and the CacheMuon frontier", ""]
+    md = ["# Training quality: Muon vs AdamW and the CacheMuon frontier", "",
+          "Every arm starts from the same weights and sees the same batches in the same order. "
+          "Optimizer time is the device time of `step()` alone. Arms marked (shadow) also run the fresh "
+          "solve on every step to measure how well the cached update aligns with it: their trajectory is "
+          "the plain arm's, their optimizer time is not the cache's.", ""]
     for path, kind, metric, better in ((args.lm, "lm", "val loss", "lower"), (args.vision, "vision", "test acc", "higher")):
         if not path:
             continue

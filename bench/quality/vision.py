@@ -12,12 +12,14 @@ import os
 import sys
 import time
 
+import numpy as np
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import ArmResult, Timer, cache_stats, make_optimizer, parse_arm, save_results, step_all, zero_all  # noqa: E402
+from common import ArmResult, Timer, cache_stats, record_cache, make_optimizer, parse_arm, save_results, step_all, zero_all  # noqa: E402
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
@@ -50,11 +52,26 @@ class ResNet(nn.Module):
         return self.fc_out(x.mean(dim=(2, 3)))
 
 
+def load_digits_offline(path: str | None) -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits (1797 images): from the package when it is installed,
+    else from an .npz copy of it."""
+    if path:
+        with np.load(path) as f:
+            return f["images"], f["target"]
+    try:
+        from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
+    except ImportError as e:
+        raise SystemExit("the digits set needs scikit-learn here, or --digits FILE.npz (written by --save-digits "
+                         "on a machine that has it)") from e
+    d = load_digits()
+    return d.images, d.target
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--arms", default="adamw:lr=3e-3,distmuon:algo=ns5,distmuon:algo=auto,"
-                    "distmuon:algo=gram-ns:gamma=2,distmuon:algo=gram-ns:gamma=15")
+                    "distmuon:algo=gram-ns:gamma=2,distmuon:algo=gram-ns:gamma=15,distmuon:algo=gram-ns:gamma=15:shadow=1")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--muon-lr", type=float, default=0.02)
@@ -62,13 +79,19 @@ def main() -> None:
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality-vision.json"))
+    ap.add_argument("--digits", help="an .npz with 'images' (N x 8 x 8) and 'target' (N) where scikit-learn "
+                    "is not installed (the GPU machine): write it with --save-digits on a machine that has it")
+    ap.add_argument("--save-digits", help="write scikit-learn's digits set to this .npz and exit")
     args = ap.parse_args()
+    if args.save_digits:
+        images, target = load_digits_offline(None)
+        np.savez_compressed(args.save_digits, images=images.astype(np.uint8), target=target.astype(np.uint8))
+        print(f"wrote {args.save_digits} ({len(target)} images)")
+        return
 
-    from sklearn.datasets import load_digits  # bundled with scikit-learn: no download
-
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    images, target = load_digits_offline(args.digits)
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(target, dtype=torch.long)
     g = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(len(x), generator=g)
     n_test = len(x) // 5
@@ -101,8 +124,7 @@ def main() -> None:
                 if st is not None:
                     res.ortho_flops.append(float(st["ortho_flops"]) - prev)
                     prev = float(st["ortho_flops"])
-                    res.hit_rate.append(st.get("last_hit_rate"))
-                    res.residual.append(st.get("last_mean_residual"))
+                    record_cache(res, st)
                 else:
                     res.ortho_flops.append(0.0)
                 step += 1

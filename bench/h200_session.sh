@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# A whole H200 session in two device calls (each under the device tool's 10-minute limit; the
+# second finds the extension already installed when the machine is still warm):
+#   bench/h200_session.sh engine    bench/run_h200.sh full (CUDA tests, ceilings, X X^T, CacheMuon,
+#                                   autotuner, optimizer steps, torch baselines, report), the
+#                                   PyTorch front's GPU tests and the dedicated runtime at world
+#                                   size 1 (bench/h200_front.sh, SKIP_EXAMPLE=1), and the
+#                                   multi-GPU script's world-size-1 subset (bench/multi_gpu/run.sh)
+#   bench/h200_session.sh quality   the training-quality studies (bench/quality: LM and vision)
+#                                   and their report
+# Prepare here: bench/stage_gpu.sh && bench/stage_front_gpu.sh, and for the vision study
+#   python3 bench/quality/vision.py --save-digits .gpubin/digits.npz      (carry: [".gpubin"])
+# Output under $OUT: session.log and one .tgz per part (the device tool returns few files).
+set -o pipefail
+export PYTHONUNBUFFERED=1
+PART=${1:?engine or quality}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-$ROOT/out/session}
+mkdir -p "$OUT"
+cd "$ROOT"
+LOG="$OUT/session.log"
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+PY=${PYTHON:-python3}
+status=0
+
+pack() {  # pack DIR NAME: DIR's files into $OUT/NAME.tgz
+  tar czf "$OUT/$2.tgz" -C "$1" . && rm -rf "$1"
+}
+
+case "$PART" in
+engine)
+  say "run_h200.sh full"
+  OUT=/tmp/s/engine bash bench/run_h200.sh full > /tmp/s-engine.out 2>&1 || status=1
+  tail -60 /tmp/s-engine.out >> "$LOG"; pack /tmp/s/engine engine
+  say "h200_front.sh (SKIP_EXAMPLE=1): GPU pytest, NCCL test, dedicated runtime"
+  SKIP_EXAMPLE=1 OUT=/tmp/s/front bash bench/h200_front.sh > /tmp/s-front.out 2>&1 || status=1
+  tail -60 /tmp/s-front.out >> "$LOG"; pack /tmp/s/front front
+  say "multi_gpu/run.sh (the world sizes this machine has)"
+  OUT=/tmp/s/multi_gpu bash bench/multi_gpu/run.sh > /tmp/s-mg.out 2>&1 || status=1
+  tail -60 /tmp/s-mg.out >> "$LOG"; pack /tmp/s/multi_gpu multi_gpu
+  ;;
+quality)
+  source bench/gpu_python_setup.sh || exit 1  # reuses the extension of the engine part when warm
+  export LD_LIBRARY_PATH=$PY_LD_PATH
+  Q=/tmp/s/quality; mkdir -p $Q
+  say "vision study (ResNet on the digits set)"
+  $PY bench/quality/vision.py --digits .gpubin/digits.npz --out $Q/quality-vision.json ${VISION_ARGS:-} 2>&1 \
+    | tee -a "$LOG" | grep -vE "^\[" ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  say "language-model study (12x768 char GPT on tinyshakespeare)"
+  $PY bench/quality/lm.py --out $Q/quality-lm.json ${LM_ARGS:-} 2>&1 | tee -a "$LOG" | grep -vE "^\[" \
+    ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  $PY bench/quality/report.py --lm $Q/quality-lm.json --vision $Q/quality-vision.json --out $Q/quality 2>&1 | tee -a "$LOG"
+  pack $Q quality
+  ;;
+*) echo "unknown part '$PART' (engine or quality)"; exit 2 ;;
+esac
+say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"
+exit $status
