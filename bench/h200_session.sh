@@ -11,6 +11,8 @@
 # Prepare here: bench/stage_gpu.sh && bench/stage_front_gpu.sh, and for the vision study
 #   python3 bench/quality/vision.py --save-digits .gpubin/digits.npz      (carry: [".gpubin"])
 # Output under $OUT: session.log and one .tgz per part (the device tool returns few files).
+# Each part runs under its own timeout (T_ENGINE, T_FRONT, T_MULTI, T_QUALITY seconds) so that
+# what finished is packed even when a later part runs long.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 PART=${1:?engine or quality}
@@ -30,14 +32,14 @@ pack() {  # pack DIR NAME: DIR's files into $OUT/NAME.tgz
 case "$PART" in
 engine)
   say "run_h200.sh full"
-  OUT=/tmp/s/engine bash bench/run_h200.sh full > /tmp/s-engine.out 2>&1 || status=1
+  OUT=/tmp/s/engine timeout ${T_ENGINE:-140} bash bench/run_h200.sh full > /tmp/s-engine.out 2>&1 || status=1
   tail -60 /tmp/s-engine.out >> "$LOG"; pack /tmp/s/engine engine
   say "h200_front.sh (SKIP_EXAMPLE=1): GPU pytest, NCCL test, dedicated runtime"
-  SKIP_EXAMPLE=1 OUT=/tmp/s/front bash bench/h200_front.sh > /tmp/s-front.out 2>&1 || status=1
+  SKIP_EXAMPLE=1 OUT=/tmp/s/front timeout ${T_FRONT:-220} bash bench/h200_front.sh > /tmp/s-front.out 2>&1 || status=1
   tail -60 /tmp/s-front.out >> "$LOG"; pack /tmp/s/front front
   say "multi_gpu/run.sh (the world sizes this machine has)"
-  OUT=/tmp/s/multi_gpu bash bench/multi_gpu/run.sh > /tmp/s-mg.out 2>&1 || status=1
-  tail -60 /tmp/s-mg.out >> "$LOG"; pack /tmp/s/multi_gpu multi_gpu
+  OUT=/tmp/s/multi_gpu timeout ${T_MULTI:-220} bash bench/multi_gpu/run.sh > /tmp/s-mg.out 2>&1 || status=1
+  tail -60 /tmp/s-mg.out >> "$LOG"; cp /tmp/mg/*.json /tmp/s/multi_gpu/ 2>/dev/null; pack /tmp/s/multi_gpu multi_gpu
   ;;
 quality)
   source bench/gpu_python_setup.sh || exit 1  # reuses the extension of the engine part when warm
@@ -47,7 +49,7 @@ quality)
   $PY bench/quality/vision.py --digits .gpubin/digits.npz --out $Q/quality-vision.json ${VISION_ARGS:-} 2>&1 \
     | tee -a "$LOG" | grep -vE "^\[" ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   say "language-model study (12x768 char GPT on tinyshakespeare)"
-  $PY bench/quality/lm.py --out $Q/quality-lm.json ${LM_ARGS:-} 2>&1 | tee -a "$LOG" | grep -vE "^\[" \
+  timeout ${T_QUALITY:-420} $PY bench/quality/lm.py --out $Q/quality-lm.json ${LM_ARGS:-} 2>&1 | tee -a "$LOG" | grep -vE "^\[" \
     ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   $PY bench/quality/report.py --lm $Q/quality-lm.json --vision $Q/quality-vision.json --out $Q/quality 2>&1 | tee -a "$LOG"
   pack $Q quality
