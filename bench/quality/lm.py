@@ -75,7 +75,7 @@ def load_corpus(device):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--arms", default="adamw:lr=6e-4,adamw:lr=1.5e-3,torch-muon,distmuon:algo=ns5,distmuon:algo=auto,"
+    ap.add_argument("--arms", default="adamw:lr=6e-4,adamw:lr=1.5e-3,torch-muon,distmuon:algo=ns5,distmuon:algo=auto,distmuon:algo=gram-ns,"
                     "distmuon:algo=gram-ns:gamma=0.5,distmuon:algo=gram-ns:gamma=1,distmuon:algo=gram-ns:gamma=2,"
                     "distmuon:algo=gram-ns:gamma=5,distmuon:algo=gram-ns:gamma=15,"
                     "distmuon:algo=gram-ns:gamma=2:shadow=1,distmuon:algo=gram-ns:gamma=15:shadow=1")

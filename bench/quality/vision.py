@@ -70,7 +70,7 @@ def load_digits_offline(path: str | None) -> tuple[np.ndarray, np.ndarray]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--arms", default="adamw:lr=3e-3,distmuon:algo=ns5,distmuon:algo=auto,"
+    ap.add_argument("--arms", default="adamw:lr=3e-3,distmuon:algo=ns5,distmuon:algo=auto,distmuon:algo=gram-ns,"
                     "distmuon:algo=gram-ns:gamma=2,distmuon:algo=gram-ns:gamma=15,distmuon:algo=gram-ns:gamma=15:shadow=1")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--batch", type=int, default=64)

@@ -59,7 +59,10 @@ class PyEngine {
     return engine_->add_param(ParamSpec{name, group, shape, dtype, ShardSpec{row_begin, row_count}});
   }
 
-  // The CUDA backend issues its work on `stream` (a cudaStream_t as an integer; 0: its own).
+  // The CUDA backend issues its work on `stream` (a cudaStream_t as an integer). 0 is the legacy
+  // default stream, which is torch's default stream: it must not mean "the backend's own"
+  // (a non-blocking stream, unordered with torch's work: the engine read gradients that
+  // backward was still writing).
   void set_stream(uintptr_t stream) {
 #ifdef DISTMUON_HAVE_CUDA
     if (auto* cuda = dynamic_cast<CudaBackend*>(backend_.get())) {
@@ -302,7 +305,8 @@ void bind_engine(nb::module_& m) {
       .def("discard_prepared", [](PyEngine& e) { e.engine().discard_prepared(); },
            "Forgets the prepared matrices (their momentum has advanced): step() recomputes all.")
       .def("set_stream", &PyEngine::set_stream, nb::arg("stream"),
-           "CUDA: issue the backend's work on this cudaStream_t (an integer).")
+           "CUDA: issue the backend's work on this cudaStream_t (an integer; 0 is the legacy default "
+           "stream, torch's default stream).")
       .def_prop_ro("distributed", [](PyEngine& e) { return e.engine().distributed(); })
       .def("owner", [](PyEngine& e, int i, int64_t slice) { return e.engine().owner(i, slice); },
            nb::arg("index"), nb::arg("slice") = 0,

@@ -81,6 +81,32 @@ def test_cuda_bf16_close_to_torch_muon(side_stream: bool) -> None:
 
 
 @needs_backend
+@pytest.mark.parametrize("cache", [False, True])
+def test_the_step_follows_torch_work_on_the_default_stream(cache: bool) -> None:
+    """torch's default stream is the legacy stream (handle 0). The engine must issue on it, not
+    on a stream of its own: here the gradient is written by a kernel queued behind a 200 ms spin
+    on the default stream and step() is called at once, without a synchronisation."""
+    torch.manual_seed(3)
+    kw = {"lr": 0.02, "ns_dtype": torch.float32, "algorithm": "gram-ns" if cache else "ns5"}
+    if cache:
+        kw["cache_gamma"] = 5.0
+    models = [torch.nn.Linear(256, 512, bias=False).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [Muon(m, **kw) for m in models]
+    for step in range(3):
+        g = torch.randn(512, 256, device="cuda")
+        for k, (m, o) in enumerate(zip(models, opts)):
+            m.weight.grad = torch.zeros_like(m.weight)
+            torch.cuda.synchronize()
+            if k == 0:
+                torch.cuda._sleep(int(2e8))  # ~0.1-0.2 s of spinning on the default stream
+            m.weight.grad.copy_(g)  # queued behind the spin
+            o.step()
+            torch.cuda.synchronize()
+    assert torch.equal(models[0].weight, models[1].weight)
+
+
+@needs_backend
 def test_cuda_state_lives_on_the_device_and_round_trips() -> None:
     model = TinyGPT().cuda()
     opt = Muon(model, lr=0.02)

@@ -131,9 +131,8 @@ CudaBackend::~CudaBackend() {
   if (impl_) cudaStreamSynchronize(impl_->stream);  // release nothing still in use
 }
 
-void CudaBackend::set_stream(cudaStream_t stream) {
-  impl_->stream = stream ? stream : impl_->own_stream.get();
-}
+void CudaBackend::set_stream(cudaStream_t stream) { impl_->stream = stream; }
+void CudaBackend::use_own_stream() { impl_->stream = impl_->own_stream.get(); }
 cudaStream_t CudaBackend::stream() const { return impl_->stream; }
 size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
 
