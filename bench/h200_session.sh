@@ -6,6 +6,7 @@
 #                                   PyTorch front's GPU tests and the dedicated runtime at world
 #                                   size 1 (bench/h200_front.sh, SKIP_EXAMPLE=1), and the
 #                                   multi-GPU script's world-size-1 subset (bench/multi_gpu/run.sh)
+#   bench/h200_session.sh front     the front's part of `engine` alone
 #   bench/h200_session.sh quality   the training-quality studies (bench/quality: LM and vision)
 #                                   and their report
 # Prepare here: bench/stage_gpu.sh && bench/stage_front_gpu.sh, and for the vision study
@@ -15,7 +16,7 @@
 # what finished is packed even when a later part runs long.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-PART=${1:?engine or quality}
+PART=${1:?engine, front or quality}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out/session}
 mkdir -p "$OUT"
@@ -41,6 +42,11 @@ engine)
   OUT=/tmp/s/multi_gpu timeout ${T_MULTI:-220} bash bench/multi_gpu/run.sh > /tmp/s-mg.out 2>&1 || status=1
   tail -60 /tmp/s-mg.out >> "$LOG"; cp /tmp/mg/*.json /tmp/s/multi_gpu/ 2>/dev/null; pack /tmp/s/multi_gpu multi_gpu
   ;;
+front)
+  say "h200_front.sh (SKIP_EXAMPLE=1): GPU pytest, NCCL test, dedicated runtime"
+  SKIP_EXAMPLE=1 OUT=/tmp/s/front timeout ${T_FRONT:-220} bash bench/h200_front.sh > /tmp/s-front.out 2>&1 || status=1
+  tail -60 /tmp/s-front.out >> "$LOG"; pack /tmp/s/front front
+  ;;
 quality)
   source bench/gpu_python_setup.sh || exit 1  # reuses the extension of the engine part when warm
   export LD_LIBRARY_PATH=$PY_LD_PATH
@@ -54,7 +60,7 @@ quality)
   $PY bench/quality/report.py --lm $Q/quality-lm.json --vision $Q/quality-vision.json --out $Q/quality 2>&1 | tee -a "$LOG"
   pack $Q quality
   ;;
-*) echo "unknown part '$PART' (engine or quality)"; exit 2 ;;
+*) echo "unknown part '$PART' (engine, front or quality)"; exit 2 ;;
 esac
 say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"
 exit $status
