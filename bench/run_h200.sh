@@ -23,7 +23,7 @@ say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 
 if [ -f .gpubin/bundle.tar.xz ]; then
   say "unpacking the prebuilt bundle"
-  mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm
+  mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm || { say "the bundle does not unpack (bench/stage_gpu.sh again)"; exit 1; }
   BIN=/tmp/dm/bin
   CUBLAS_DIRS=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib 2>/dev/null | tr '\n' ':')
   export LD_LIBRARY_PATH=/tmp/dm/lib:$CUBLAS_DIRS${LD_LIBRARY_PATH:-}
@@ -75,3 +75,4 @@ python3 bench/make_report.py --cuda "$OUT/cuda_bench.json" --torch "$OUT/torch.j
 cp /tmp/report/*-h200.json "$OUT/report.json" 2>/dev/null
 cp /tmp/report/*-h200.md "$OUT/report.md" 2>/dev/null
 say "done (tests $([ $fail = 0 ] && echo passed || echo FAILED))"
+exit $fail
