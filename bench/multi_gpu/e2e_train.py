@@ -94,7 +94,8 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if dist.get_rank() == 0:
             prof.export_chrome_trace(os.path.join(args.profile, f"trace-{kind}.json"))
     # The step is as slow as the slowest rank.
-    med = torch.tensor([statistics.median(fb), statistics.median(op), statistics.median(tot)], dtype=torch.float64)
+    med = torch.tensor([statistics.median(fb), statistics.median(op), statistics.median(tot)], dtype=torch.float64,
+                       device=device)  # NCCL has no CPU tensors
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     out = {"optimizer": kind, "fwd_bwd_ms": med[0].item(), "optimizer_ms": med[1].item(),

@@ -90,7 +90,8 @@ def main() -> None:
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
-        med = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        # On the device: NCCL has no CPU tensors (gloo, on CPU ranks, takes either).
+        med = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
         results[kind] = med.item()
         if rank == 0:

@@ -47,8 +47,9 @@ for d in $WORLDS; do
   for w in $WORKLOADS; do
     say "optimizer step: $w, D=$d (distmuon-bench gather,sharded,dedicated)"
     $MPIRUN -np "$d" $BIN/distmuon-bench --backend cuda --workload "$w" --no-adamw \
-      --mode gather,sharded,dedicated --steps 5 --warmup 2 --json "/tmp/mg/bench-$w-$d.json" 2>&1 \
-      | tail -8 | tee -a "$LOG"
+      --mode gather,sharded,dedicated --steps 5 --warmup 2 --json "/tmp/mg/bench-$w-$d.json" \
+      > "/tmp/mg/bench-$w-$d.log" 2>&1 || grep -iE "error|what\(\)|out of memory" "/tmp/mg/bench-$w-$d.log" | head -5 | tee -a "$LOG"
+    tail -6 "/tmp/mg/bench-$w-$d.log" | tee -a "$LOG"
     say "optimizer step: $w, D=$d (FSDP2 fused AdamW, distmuon.torch sharded)"
     torchrun --nproc-per-node "$d" bench/multi_gpu/opt_step.py --workload "$w" \
       --json "/tmp/mg/torch-$w-$d.json" 2>&1 | grep -E "^\[|Error" | tee -a "$LOG"
@@ -68,5 +69,5 @@ done
 
 say "report"
 $PY bench/multi_gpu/report.py /tmp/mg --out "$OUT/results.json" --md "$OUT/results.md" 2>&1 | tee -a "$LOG"
-tar czf "$OUT/traces.tgz" -C /tmp/mg $(cd /tmp/mg && ls -d traces-* 2>/dev/null) 2>/dev/null
+tar czf "$OUT/traces.tgz" -C /tmp/mg $(cd /tmp/mg && ls -d traces-* *.log 2>/dev/null) 2>/dev/null
 say "done"
