@@ -45,7 +45,7 @@ def summarize(study: dict) -> list[dict]:
         [r for r in rows if r["arm"] == "distmuon:algo=auto"]
     base = fresh_rows[0]["ortho_gflop"] if fresh_rows else None
     for r in rows:
-        r["flops_saved"] = (1 - r["ortho_gflop"] / base) if base and "gamma" in r["arm"] else None
+        r["flops_saved"] = (1 - r["ortho_gflop"] / base) if base and "distmuon" in r["arm"] else None
     return rows
 
 
@@ -86,6 +86,8 @@ def plot_frontier(rows: list[dict], ylabel: str, path: str) -> None:
 def plot_hits(study: dict, path: str, window: int = 50) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for a in study["arms"]:
+        if "gamma" not in a["arm"]:
+            continue  # cache off: its hit rate is 0 by definition
         h = [x if x is not None else math.nan for x in a["hit_rate"]]
         if not any(x == x for x in h):
             continue
