@@ -67,14 +67,19 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
              seen[j], " batches instead of one");
 
   // Buckets of consecutive matrices (registration order follows the layers) of one wire dtype,
-  // each holding about bucket_bytes of full matrices.
+  // each holding about bucket_bytes of full matrices. Buckets exist to overlap one bucket's
+  // transfers with another's compute; they also cut the owner's batches at their borders. With
+  // caller transfers the engine moves nothing, so everything is one bucket and each shape class
+  // an owner holds is one batch, as in a single process (with 32 MiB buckets, batches of one or
+  // two matrices, the H200 measured the dedicated step at 3.6x the plain one at one rank).
   buckets.clear();
+  const int64_t bucket_bytes = caller_transfers() ? 0 : dist.bucket_bytes;
   int64_t bytes = 0;
   for (size_t j = 0; j < mats.size(); ++j) {
     DistMatrix& m = mats[j];
     const int64_t mb = m.numel() * static_cast<int64_t>(dtype_size(m.wire));
     const bool split =
-        !buckets.empty() && ((dist.bucket_bytes > 0 && bytes + mb > dist.bucket_bytes) ||
+        !buckets.empty() && ((bucket_bytes > 0 && bytes + mb > bucket_bytes) ||
                              mats[buckets.back().mats[0]].wire != m.wire);
     if (buckets.empty() || split) {
       buckets.emplace_back();
