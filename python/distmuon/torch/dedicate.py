@@ -283,7 +283,7 @@ def dedicate(
 
     `mesh`: the 1D mesh of FSDP2, or the 2D (replicate, shard) mesh of HSDP; or a 1D shard mesh
     with `replicate_mesh` the 1D replicate mesh. `planner`: 'milp', 'lpt' or 'round-robin'.
-    `overlap_step` (default: on CUDA): owners start momentum and orthogonalization of a layer
+    `overlap_step` (default: on CUDA with more than one rank): owners start momentum and orthogonalization of a layer
     as soon as its gradients are in; gradients changed after backward (clipping, unscaling) are
     then not seen, and micro-batches must accumulate under ``no_sync()``. Collective.
 
@@ -315,5 +315,7 @@ def dedicate(
     for m, owner in zip(matrices, info["owner"]):
         m.owner = int(owner)
     if overlap_step is None:
-        overlap_step = device.type == "cuda"
+        # One rank has no transfer to hide, and the early solves run layer by layer in smaller
+        # batches than step()'s (H200, GPT 12x768: 37.1 ms per step with them, 33.2 without).
+        overlap_step = device.type == "cuda" and grid.size > 1
     return Dedicated(model, grid, groups, matrices, units, info, overlap_step)
