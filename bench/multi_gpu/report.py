@@ -25,11 +25,14 @@ def main() -> None:
     ap.add_argument("--md", required=True)
     args = ap.parse_args()
     rows, e2e = [], []
+    # bench-W-D.json holds the modes run side by side; bench-W-D-MODE.json one mode run alone
+    # (where the three did not fit in memory together).
+    runs: dict[tuple[str, int], list[dict]] = {}
     for path in sorted(glob.glob(os.path.join(args.folder, "bench-*.json"))):
-        w, d = re.match(r"bench-(.+)-(\d+)\.json", os.path.basename(path)).groups()
-        d = int(d)
-        bench = load(path)
-        modes = {r["mode"]: r for r in bench["runs"]}
+        w, d, _ = re.match(r"bench-(.+)-(\d+)(?:-([a-z]+))?\.json", os.path.basename(path)).groups()
+        runs.setdefault((w, int(d)), []).extend(load(path)["runs"])
+    for (w, d), found in sorted(runs.items()):
+        modes = {r["mode"]: r for r in found}
         row = {"workload": w, "world_size": d}
         for m in ("gather", "sharded", "dedicated"):
             if m in modes:
@@ -62,13 +65,16 @@ def main() -> None:
     def fmt(v, spec=".1f"):
         return format(v, spec) if isinstance(v, (int, float)) else "—"
 
+    def speedup(v):
+        return f"{v:.2f}x" if isinstance(v, (int, float)) else "—"
+
     md = ["# Multi-GPU scaling (optimizer step, ms; predicted by distmuon-plan --simulate in brackets)", "",
           "| workload | D | gather | sharded | dedicated | speed-up sharded / dedicated | FSDP2 AdamW | front sharded |",
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         cell = lambda m: f"{fmt(r.get(m + '_ms'))} [{fmt(r.get(m + '_predicted_ms'))}]"  # noqa: E731
         md.append(f"| {r['workload']} | {r['world_size']} | {cell('gather')} | {cell('sharded')} | {cell('dedicated')} | "
-                  f"{fmt(r.get('sharded_speedup_vs_gather'), '.2f')}x / {fmt(r.get('dedicated_speedup_vs_gather'), '.2f')}x | "
+                  f"{speedup(r.get('sharded_speedup_vs_gather'))} / {speedup(r.get('dedicated_speedup_vs_gather'))} | "
                   f"{fmt(r.get('fsdp2_adamw_ms'))} | {fmt(r.get('front_sharded_ms'))} |")
     md += ["", "## End-to-end training step (forward + backward + optimizer)", "",
            "| D | HSDP | optimizer | fwd+bwd ms | optimizer ms | step ms | vs AdamW | peak GiB |",

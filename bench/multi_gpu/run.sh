@@ -46,9 +46,21 @@ MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_E
 for d in $WORLDS; do
   for w in $WORKLOADS; do
     say "optimizer step: $w, D=$d (distmuon-bench gather,sharded,dedicated)"
-    $MPIRUN -np "$d" $BIN/distmuon-bench --backend cuda --workload "$w" --no-adamw \
-      --mode gather,sharded,dedicated --steps 5 --warmup 2 --json "/tmp/mg/bench-$w-$d.json" \
-      > "/tmp/mg/bench-$w-$d.log" 2>&1 || grep -iE "error|what\(\)|out of memory" "/tmp/mg/bench-$w-$d.log" | head -5 | tee -a "$LOG"
+    # The three modes side by side, interleaved step by step (same clocks and temperature). They
+    # hold their state together: where that does not fit (pi0 and qwen2.5-7b at one rank), each
+    # mode runs on its own (bench-$w-$d-MODE.json; report.py merges them).
+    bench() {  # bench MODES SUFFIX
+      $MPIRUN -np "$d" $BIN/distmuon-bench --backend cuda --workload "$w" --no-adamw --mode "$1" \
+        --steps 5 --warmup 2 --json "/tmp/mg/bench-$w-$d$2.json" > "/tmp/mg/bench-$w-$d$2.log" 2>&1
+    }
+    if ! bench gather,sharded,dedicated ""; then
+      grep -iE "error|what\(\)|out of memory" "/tmp/mg/bench-$w-$d.log" | head -3 | tee -a "$LOG"
+      rm -f "/tmp/mg/bench-$w-$d.json"
+      for m in gather sharded dedicated; do
+        bench "$m" "-$m" || grep -iE "error|out of memory" "/tmp/mg/bench-$w-$d-$m.log" | head -2 | tee -a "$LOG"
+        tail -2 "/tmp/mg/bench-$w-$d-$m.log" | tee -a "$LOG"
+      done
+    fi
     tail -6 "/tmp/mg/bench-$w-$d.log" | tee -a "$LOG"
     say "optimizer step: $w, D=$d (FSDP2 fused AdamW, distmuon.torch sharded)"
     torchrun --nproc-per-node "$d" bench/multi_gpu/opt_step.py --workload "$w" \
