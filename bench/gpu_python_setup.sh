@@ -3,7 +3,8 @@
 # carried Debian packages (.gpubin/debs, from bench/stage_front_gpu.sh) into /tmp/sysroot (never
 # into /), points CMake, pkg-config and the linker at them, and builds + installs the distmuon
 # extension with pip (no network there). Expects ROOT, LOG, PY and a `say` function; sets
-# CXX_LD_PATH for C++ binaries that need the toolkit's and the NCCL wheel's libraries.
+# CXX_LD_PATH for C++ binaries that need the toolkit's and the NCCL wheel's libraries, and
+# PY_LD_PATH (= LD_LIBRARY_PATH on return) for Python processes.
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 # A second script on the same (warm) machine reuses the installed extension: /tmp/dm/setup.env.
 if [ -f /tmp/dm/setup.env ] && [ -z "${DM_REBUILD:-}" ]; then
@@ -45,5 +46,6 @@ print('distmuon', distmuon.__version__, 'cuda', C.cuda_available(), 'nccl', C.nc
 so = glob.glob(os.path.join(os.path.dirname(distmuon.__file__), '_C*.so'))[0]
 os.system('ldd ' + so + ' | grep -E \"not found|cublas|nccl|openblas\"')
 ") 2>&1 | tee -a "$LOG"
+PY_LD_PATH=$LD_LIBRARY_PATH
 mkdir -p /tmp/dm
-echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$LD_LIBRARY_PATH'" > /tmp/dm/setup.env
+echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$PY_LD_PATH'" > /tmp/dm/setup.env

@@ -83,12 +83,12 @@ if [ "$smoke" = 0 ]; then
   OMP_WAIT_POLICY=passive $PY -m pytest tests/python/test_gpu.py -v -rs 2>&1 | tee "$OUT/pytest.log" | tail -25 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
-  if [ -n "${SKIP_EXAMPLE:-}" ]; then dedicated_bench; say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"; exit $status; fi
-  say "example: distmuon, adamw (fused), torch-muon${STEPS:+ ($STEPS steps)}"
-  $PY examples/train_gpt.py --device cuda --optimizer distmuon,adamw,torch-muon ${STEPS:+--steps $STEPS} \
-    --out "$OUT/train_gpt.png" 2>&1 | grep -vE "^\s*(distmuon|adamw|torch-muon)\s*[\[|:]" | tee -a "$LOG" | tail -12
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  $PY - "$OUT/train_gpt.json" <<'EOF' | tee "$OUT/summary.txt" | tee -a "$LOG"
+  if [ -z "${SKIP_EXAMPLE:-}" ]; then
+    say "example: distmuon, adamw (fused), torch-muon${STEPS:+ ($STEPS steps)}"
+    $PY examples/train_gpt.py --device cuda --optimizer distmuon,adamw,torch-muon ${STEPS:+--steps $STEPS} \
+      --out "$OUT/train_gpt.png" 2>&1 | grep -vE "^\s*(distmuon|adamw|torch-muon)\s*[\[|:]" | tee -a "$LOG" | tail -12
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    $PY - "$OUT/train_gpt.json" <<'EOF' | tee "$OUT/summary.txt" | tee -a "$LOG"
 import json, sys
 d = json.load(open(sys.argv[1]))
 c = d["config"]
@@ -98,6 +98,7 @@ print(f"{'optimizer':>10} {'fwd+bwd ms':>10} {'optimizer ms':>12} {'final val lo
 for r in d["results"]:
     print(f"{r['optimizer']:>10} {r['fwd_bwd_ms_median']:10.2f} {r['optimizer_ms_median']:12.2f} {r['final_val_loss']:14.4f}")
 EOF
+  fi
   dedicated_bench
 else
   say "GPU pytest and the example skipped: a CUDA engine cannot be made in a torch process (above)"

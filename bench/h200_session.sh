@@ -26,30 +26,32 @@ say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 PY=${PYTHON:-python3}
 status=0
 
-pack() {  # pack DIR NAME: DIR's files into $OUT/NAME.tgz
-  tar czf "$OUT/$2.tgz" -C "$1" . && rm -rf "$1"
+# step NAME TIMEOUT TITLE COMMAND...: one script under its timeout, its output's tail in the log,
+# what it wrote under /tmp/s/NAME packed into $OUT/NAME.tgz (the device tool returns few files).
+step() {
+  local name=$1 limit=$2 title=$3
+  shift 3
+  say "$title"
+  mkdir -p /tmp/s/$name
+  OUT=/tmp/s/$name timeout "$limit" "$@" > /tmp/s-$name.out 2>&1 || status=1
+  tail -60 /tmp/s-$name.out >> "$LOG"
+  [ "$name" = multi_gpu ] && cp /tmp/mg/*.json /tmp/s/multi_gpu/ 2>/dev/null  # partial records too
+  tar czf "$OUT/$name.tgz" -C /tmp/s/$name . && rm -rf /tmp/s/$name
+}
+front() {
+  SKIP_EXAMPLE=1 step front "${T_FRONT:-220}" "h200_front.sh (SKIP_EXAMPLE=1): GPU pytest, NCCL test, dedicated runtime" \
+    bash bench/h200_front.sh
 }
 
 case "$PART" in
 engine)
-  say "run_h200.sh full"
-  OUT=/tmp/s/engine timeout ${T_ENGINE:-140} bash bench/run_h200.sh full > /tmp/s-engine.out 2>&1 || status=1
-  tail -60 /tmp/s-engine.out >> "$LOG"; pack /tmp/s/engine engine
-  say "h200_front.sh (SKIP_EXAMPLE=1): GPU pytest, NCCL test, dedicated runtime"
-  SKIP_EXAMPLE=1 OUT=/tmp/s/front timeout ${T_FRONT:-220} bash bench/h200_front.sh > /tmp/s-front.out 2>&1 || status=1
-  tail -60 /tmp/s-front.out >> "$LOG"; pack /tmp/s/front front
-  say "multi_gpu/run.sh (the world sizes this machine has)"
-  OUT=/tmp/s/multi_gpu timeout ${T_MULTI:-220} bash bench/multi_gpu/run.sh > /tmp/s-mg.out 2>&1 || status=1
-  tail -60 /tmp/s-mg.out >> "$LOG"; cp /tmp/mg/*.json /tmp/s/multi_gpu/ 2>/dev/null; pack /tmp/s/multi_gpu multi_gpu
+  step engine "${T_ENGINE:-140}" "run_h200.sh full" bash bench/run_h200.sh full
+  front
+  step multi_gpu "${T_MULTI:-220}" "multi_gpu/run.sh (the world sizes this machine has)" bash bench/multi_gpu/run.sh
   ;;
-front)
-  say "h200_front.sh (SKIP_EXAMPLE=1): GPU pytest, NCCL test, dedicated runtime"
-  SKIP_EXAMPLE=1 OUT=/tmp/s/front timeout ${T_FRONT:-220} bash bench/h200_front.sh > /tmp/s-front.out 2>&1 || status=1
-  tail -60 /tmp/s-front.out >> "$LOG"; pack /tmp/s/front front
-  ;;
+front) front ;;
 quality)
   source bench/gpu_python_setup.sh || exit 1  # reuses the extension of the engine part when warm
-  export LD_LIBRARY_PATH=$PY_LD_PATH
   Q=/tmp/s/quality; mkdir -p $Q
   say "vision study (ResNet on the digits set)"
   $PY bench/quality/vision.py --digits .gpubin/digits.npz --out $Q/quality-vision.json ${VISION_ARGS:-} 2>&1 \
@@ -58,7 +60,7 @@ quality)
   timeout ${T_QUALITY:-420} $PY bench/quality/lm.py --out $Q/quality-lm.json ${LM_ARGS:-} 2>&1 | tee -a "$LOG" | grep -vE "^\[" \
     ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   $PY bench/quality/report.py --lm $Q/quality-lm.json --vision $Q/quality-vision.json --out $Q/quality 2>&1 | tee -a "$LOG"
-  pack $Q quality
+  tar czf "$OUT/quality.tgz" -C $Q . && rm -rf $Q
   ;;
 *) echo "unknown part '$PART' (engine, front or quality)"; exit 2 ;;
 esac

@@ -389,13 +389,13 @@ int run_distributed(const cli::Args& args) {
   for (const ModeResult& r : results) {
     const ModeResult* g = gather_of(r);
     char ratios[64] = "         -          -         -";
-    // One rank moves no bytes in any mode: its byte ratio is "-", not 0/0.
-    if (g && g->bytes_max > 0)
-      std::snprintf(ratios, sizeof(ratios), "%10.3f %10.3f %8.2fx", r.flops_max / g->flops_max,
-                    r.bytes_max / g->bytes_max, g->step_ms.median / r.step_ms.median);
-    else if (g)
-      std::snprintf(ratios, sizeof(ratios), "%10.3f %10s %8.2fx", r.flops_max / g->flops_max, "-",
+    if (g) {
+      // One rank moves no bytes in any mode: its byte ratio is "-", not 0/0.
+      char bytes[16] = "-";
+      if (g->bytes_max > 0) std::snprintf(bytes, sizeof(bytes), "%.3f", r.bytes_max / g->bytes_max);
+      std::snprintf(ratios, sizeof(ratios), "%10.3f %10s %8.2fx", r.flops_max / g->flops_max, bytes,
                     g->step_ms.median / r.step_ms.median);
+    }
     std::printf("%-11s %-6s %10.1f %10.1f %12.1f %12.1f %13.2f %13.2f %s\n", r.mode.c_str(),
                 r.algo.c_str(), r.step_ms.median, r.engine_ms.median, r.bytes_max / 1e6,
                 r.engine_bytes_max / 1e6, r.flops_max / 1e9, r.flops_mean / 1e9, ratios);

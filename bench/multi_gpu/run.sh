@@ -33,8 +33,6 @@ BIN=/tmp/dm/bin
 [ -x $BIN/distmuon-bench ] || { mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm; } || exit 1
 # A second invocation on the same machine reuses the installed extension (/tmp/dm/setup.env).
 source bench/gpu_python_setup.sh || exit 1
-source /tmp/dm/setup.env
-export LD_LIBRARY_PATH=$PY_LD_PATH
 # The bundle uses the machine's own Open MPI (its mpirun and libmpi must match).
 if LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH ldd $BIN/distmuon-bench | grep -q "libmpi.*not found"; then
   MPILIB=$(dirname "$(find / -name 'libmpi.so.40' -not -path '/proc/*' 2>/dev/null | head -1)")
@@ -43,16 +41,17 @@ fi
 LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH ldd $BIN/distmuon-bench | grep -E "not found|libmpi|nccl" | tee -a "$LOG"
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH"
 
+bench() {  # bench MODES SUFFIX: distmuon-bench on workload $w at world size $d
+  $MPIRUN -np "$d" $BIN/distmuon-bench --backend cuda --workload "$w" --no-adamw --mode "$1" \
+    --steps 5 --warmup 2 --json "/tmp/mg/bench-$w-$d$2.json" > "/tmp/mg/bench-$w-$d$2.log" 2>&1
+}
+
 for d in $WORLDS; do
   for w in $WORKLOADS; do
     say "optimizer step: $w, D=$d (distmuon-bench gather,sharded,dedicated)"
     # The three modes side by side, interleaved step by step (same clocks and temperature). They
     # hold their state together: where that does not fit (pi0 and qwen2.5-7b at one rank), each
     # mode runs on its own (bench-$w-$d-MODE.json; report.py merges them).
-    bench() {  # bench MODES SUFFIX
-      $MPIRUN -np "$d" $BIN/distmuon-bench --backend cuda --workload "$w" --no-adamw --mode "$1" \
-        --steps 5 --warmup 2 --json "/tmp/mg/bench-$w-$d$2.json" > "/tmp/mg/bench-$w-$d$2.log" 2>&1
-    }
     if ! bench gather,sharded,dedicated ""; then
       grep -iE "error|what\(\)|out of memory" "/tmp/mg/bench-$w-$d.log" | head -3 | tee -a "$LOG"
       rm -f "/tmp/mg/bench-$w-$d.json"

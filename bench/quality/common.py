@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass, field, asdict
 from typing import Callable
@@ -164,9 +166,6 @@ class ArmResult:
 
 def save_results(path: str, meta: dict, results: list[ArmResult]) -> None:
     """Written after every arm (a run cut short keeps what it finished), with the command line."""
-    import os
-    import sys
-
     meta = dict(meta, command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
                 device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 torch=torch.__version__)

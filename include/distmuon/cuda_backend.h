@@ -53,12 +53,10 @@ class CudaBackend final : public Backend {
 
   // ---- stream and workspace ------------------------------------------------------------------
   // Every later operation is issued on `stream`, taken literally: nullptr is the legacy default
-  // stream (torch's default stream is that one, handle 0), never a stand-in for "the backend's
-  // own". use_own_stream() goes back to the backend's own non-blocking stream (the one it starts
-  // on). The workspace is used in stream order: switching streams while work is in flight is
-  // the caller's ordering problem.
+  // stream (torch's default stream is that one, handle 0), never a stand-in for the backend's
+  // own non-blocking stream, which it starts on. The workspace is used in stream order:
+  // switching streams while work is in flight is the caller's ordering problem.
   void set_stream(cudaStream_t stream);
-  void use_own_stream();
   cudaStream_t stream() const;
   // Bytes of scratch the backend needs: cuBLASLt's workspace plus reduction partials.
   static size_t recommended_workspace_bytes();

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "common/half.h"
+#include "comm/poll.h"
 #include "common/log.h"
 #include "distmuon/comm.h"
 #include "distmuon/env.h"
@@ -25,8 +26,6 @@
 
 namespace distmuon {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 std::string mpi_error_string(int code) {
   char buf[MPI_MAX_ERROR_STRING];
@@ -151,24 +150,20 @@ class MpiRequest final : public CommRequest {
     return s_->done;
   }
   void wait(double timeout_s) override {
-    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-    auto backoff = std::chrono::microseconds(5);
-    for (;;) {
-      {
-        std::lock_guard<std::mutex> lk(mpi_mutex());
-        s_->test_locked();
-        check_error_locked();
-        if (s_->done) return;
-      }
-      if (Clock::now() >= deadline)
-        throw TimeoutError(detail::concat(s_->what, " did not complete within ", timeout_s,
-                                          " s (DISTMUON_COMM_TIMEOUT_S): a member is slow, has "
-                                          "died, or called a different collective"),
-                           __FILE__, __LINE__);
-      // Sleeping rather than spinning leaves the cores to the ranks that still compute.
-      std::this_thread::sleep_for(backoff);
-      backoff = std::min(backoff * 2, std::chrono::microseconds(1000));
-    }
+    comm_detail::poll_until_done(
+        timeout_s, std::chrono::microseconds(5), std::chrono::microseconds(1000),
+        [&] {
+          std::lock_guard<std::mutex> lk(mpi_mutex());
+          s_->test_locked();
+          check_error_locked();
+          return s_->done;
+        },
+        [&] {
+          throw TimeoutError(detail::concat(s_->what, " did not complete within ", timeout_s,
+                                            " s (DISTMUON_COMM_TIMEOUT_S): a member is slow, has "
+                                            "died, or called a different collective"),
+                             __FILE__, __LINE__);
+        });
   }
 
  private:

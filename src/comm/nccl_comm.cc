@@ -9,16 +9,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <thread>
 
+#include "comm/poll.h"
 #include "common/log.h"
 #include "distmuon/comm.h"
 #include "distmuon/error.h"
 
 namespace distmuon {
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 #define DM_CHECK_CUDA(call, ...)                             \
   do {                                                       \
@@ -111,23 +109,23 @@ struct Shared {
   }
   // Waits until a non-blocking call has been accepted (state leaves ncclInProgress).
   void wait_ready(const std::string& what, double timeout_s) {
-    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-    for (;;) {
-      ncclResult_t r = ncclSuccess;
-      ncclCommGetAsyncError(comm, &r);
-      if (r == ncclSuccess) return;
-      if (r != ncclInProgress) {
-        abort();
-        DM_FAIL(what, " failed: ", ncclGetErrorString(r));
-      }
-      if (Clock::now() >= deadline) {
-        abort();
-        throw TimeoutError(detail::concat(what, " was not accepted within ", timeout_s,
-                                          " s; the communicator was aborted"),
-                           __FILE__, __LINE__);
-      }
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    comm_detail::poll_until_done(
+        timeout_s, std::chrono::microseconds(50), std::chrono::microseconds(50),
+        [&] {
+          ncclResult_t r = ncclSuccess;
+          ncclCommGetAsyncError(comm, &r);
+          if (r != ncclSuccess && r != ncclInProgress) {
+            abort();
+            DM_FAIL(what, " failed: ", ncclGetErrorString(r));
+          }
+          return r == ncclSuccess;
+        },
+        [&] {
+          abort();
+          throw TimeoutError(detail::concat(what, " was not accepted within ", timeout_s,
+                                            " s; the communicator was aborted"),
+                             __FILE__, __LINE__);
+        });
   }
 };
 
@@ -150,20 +148,16 @@ class NcclRequest final : public CommRequest {
     return true;
   }
   void wait(double timeout_s) override {
-    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
-    auto backoff = std::chrono::microseconds(2);
-    while (!test()) {
-      if (Clock::now() >= deadline) {
-        sh_->abort();
-        throw TimeoutError(detail::concat(what_, " did not complete within ", timeout_s,
-                                          " s (DISTMUON_COMM_TIMEOUT_S); the NCCL communicator "
-                                          "was aborted: a member is slow, has died, or called "
-                                          "a different collective"),
-                           __FILE__, __LINE__);
-      }
-      std::this_thread::sleep_for(backoff);
-      backoff = std::min(backoff * 2, std::chrono::microseconds(500));
-    }
+    comm_detail::poll_until_done(
+        timeout_s, std::chrono::microseconds(2), std::chrono::microseconds(500), [&] { return test(); },
+        [&] {
+          sh_->abort();
+          throw TimeoutError(detail::concat(what_, " did not complete within ", timeout_s,
+                                            " s (DISTMUON_COMM_TIMEOUT_S); the NCCL communicator "
+                                            "was aborted: a member is slow, has died, or called "
+                                            "a different collective"),
+                             __FILE__, __LINE__);
+        });
   }
 
  private:

@@ -16,13 +16,7 @@ namespace {
 
 using test::Mat;
 using test::random_matrix;
-
-std::vector<float> to_vec(const Mat& m) {
-  std::vector<float> v(static_cast<size_t>(m.size()));
-  for (int64_t i = 0; i < m.rows(); ++i)
-    for (int64_t j = 0; j < m.cols(); ++j) v[i * m.cols() + j] = static_cast<float>(m(i, j));
-  return v;
-}
+using test::to_vec;
 
 GroupOptions muon_group(float lr, float wd = 0.0f, bool nesterov = true) {
   GroupOptions g;

@@ -96,4 +96,11 @@ double rel_err(const Mat& a, const Mat& ref) {
   return (a - ref).norm() / std::max(ref.norm(), 1e-300);
 }
 
+std::vector<float> to_vec(const Mat& m) {
+  std::vector<float> v(static_cast<size_t>(m.size()));
+  for (int64_t i = 0; i < m.rows(); ++i)
+    for (int64_t j = 0; j < m.cols(); ++j) v[i * m.cols() + j] = static_cast<float>(m(i, j));
+  return v;
+}
+
 }  // namespace distmuon::test

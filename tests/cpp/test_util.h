@@ -34,5 +34,6 @@ Mat reference_ns(const Mat& u, Coefficients coeffs, int steps);
 // Polar factor U (U^T U)^(-1/2) by SVD.
 Mat polar_factor(const Mat& u);
 double rel_err(const Mat& a, const Mat& ref);  // ||a - ref||_F / max(||ref||_F, tiny)
+std::vector<float> to_vec(const Mat& m);       // row-major float copy (an fp32 parameter's memory)
 
 }  // namespace distmuon::test

@@ -153,7 +153,7 @@ class Reducer:
         self.landed_per_unit = [0] * len(self.units)
         self.prepared = [False] * n
         self.collecting = False  # step() is draining: no on_landed calls
-        self.misuse: str | None = None  # a matrix that got a gradient after it was prepared
+        self.late = [False] * n  # a gradient arrived after the matrix's update was prepared
 
     def _role(self, j: int) -> str:
         m = self.matrices[j]
@@ -172,8 +172,8 @@ class Reducer:
         if self.state[j] != NONE:
             # Raised at step() on every rank (raising here, on the owner alone, would leave the
             # other ranks waiting in a collective).
-            if self.prepared[j] and self.misuse is None:
-                self.misuse = self.matrices[j].name
+            if self.prepared[j]:
+                self.late[j] = True
             self.dirty[j] = True
             return
         self.state[j] = READY
@@ -270,10 +270,7 @@ class Reducer:
             self.reset()
             return stepped
         present = [int(self.state[j] != NONE or self.matrices[j].param.grad is not None) for j in range(n)]
-        misuse = [0] * n
-        if self.misuse is not None:
-            misuse[[m.name for m in self.matrices].index(self.misuse)] = 1
-        flags = torch.tensor([present, [int(d) for d in self.dirty], misuse], dtype=torch.int32)
+        flags = torch.tensor([present, [int(d) for d in self.dirty], [int(x) for x in self.late]], dtype=torch.int32)
         dist.all_reduce(flags, group=self.groups.control)
         present, again, late = flags[0].tolist(), flags[1].tolist(), flags[2].tolist()
         for pos in range(self.next0, len(self.order)):
@@ -287,7 +284,7 @@ class Reducer:
         self.wait(list(range(n)))
         if any(late):
             self.reset()
-            name = self.matrices[late.index(max(late))].name
+            name = self.matrices[next(j for j in range(n) if late[j] > 0)].name
             raise RuntimeError(
                 f"a second gradient of dedicated matrix '{name}' arrived after its update was prepared "
                 "(overlap_step), so this step cannot include it; the step was not applied (the prepared "

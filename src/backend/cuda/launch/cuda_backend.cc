@@ -132,7 +132,6 @@ CudaBackend::~CudaBackend() {
 }
 
 void CudaBackend::set_stream(cudaStream_t stream) { impl_->stream = stream; }
-void CudaBackend::use_own_stream() { impl_->stream = impl_->own_stream.get(); }
 cudaStream_t CudaBackend::stream() const { return impl_->stream; }
 size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
 
