@@ -262,16 +262,10 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
   }
   be.synchronize();
   const double eager = time_ms(be, o.steps, [&] { engine.step(data); });
-  cudaGraph_t graph = nullptr;
   be.synchronize();
-  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
-  engine.step(data);
-  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
-  cuda::Graph gg(graph);
-  cudaGraphExec_t exec = nullptr;
-  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cuda::GraphExec ge(exec);
-  const double replay = time_ms(be, o.steps, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream())); });
+  cuda::GraphExec exec = cuda::capture_graph(be.stream(), [&] { engine.step(data); });
+  const double replay =
+      time_ms(be, o.steps, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream())); });
   const double floor_ms = floor_flops / (tflops * 1e12) * 1e3 + floor_bytes / (tbps * 1e12) * 1e3;
   std::fprintf(stderr, "[bench] %s: eager %.2f ms, graph %.2f ms, floor %.2f ms (%.1f GFLOP, %.2f GB)\n",
                spec.c_str(), eager, replay, floor_ms, floor_flops / 1e9, floor_bytes / 1e9);

@@ -29,15 +29,10 @@ template <typename F>
 double graph_ms(CudaBackend& be, int reps, F&& f) {
   f();
   be.synchronize();
-  cudaGraph_t graph = nullptr;
-  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < reps; ++i) f();
-  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
-  cuda::Graph g(graph);
-  cudaGraphExec_t exec = nullptr;
-  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cuda::GraphExec ge(exec);
-  return cuda::time_ms(be, 5, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream())); }) / reps;
+  cuda::GraphExec exec = cuda::capture_graph(be.stream(), [&] {
+    for (int i = 0; i < reps; ++i) f();
+  });
+  return cuda::time_ms(be, 5, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream())); }) / reps;
 }
 
 // CacheMuon hit against a fresh solve on qwen2.5-7b's MLP shapes (24 x 3584 x 18944: 8 layers

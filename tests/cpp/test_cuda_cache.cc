@@ -316,17 +316,10 @@ TEST(CudaCache, CachedRunIsGraphCapturableAndHitsOnTheSameInput) {
     };
     call();  // empty entries: every matrix refreshes
     be.synchronize();
-    cudaGraph_t graph = nullptr;
-    DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
-    call();
-    DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
-    cuda::Graph g(graph);
-    cudaGraphExec_t exec = nullptr;
-    DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    cuda::GraphExec ge(exec);
+    cuda::GraphExec exec = cuda::capture_graph(be.stream(), call);
     DM_CHECK_CUDA(cudaMemsetAsync(dout.ref.data, 0xff, dout.ref.bytes(), be.stream()));  // NaN
-    DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
-    DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
+    DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream()));
+    DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream()));
     be.synchronize();
     const CacheStats st = cache.stats();
     EXPECT_EQ(st.refreshes, c);

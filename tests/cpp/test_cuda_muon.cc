@@ -214,16 +214,9 @@ TEST(CudaEngine, GraphReplayEqualsEagerStep) {
   ea.step(da);
   eb.step(db);  // first step allocates; the captured one must not
   be.synchronize();
-  cudaGraph_t graph = nullptr;
-  DM_CHECK_CUDA(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeThreadLocal));
-  eb.step(db);
-  DM_CHECK_CUDA(cudaStreamEndCapture(be.stream(), &graph));
-  cuda::Graph g(graph);
-  cudaGraphExec_t exec = nullptr;
-  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  cuda::GraphExec ge(exec);
-  DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
-  DM_CHECK_CUDA(cudaGraphLaunch(exec, be.stream()));
+  cuda::GraphExec exec = cuda::capture_graph(be.stream(), [&] { eb.step(db); });
+  DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream()));
+  DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream()));
   be.synchronize();
   // Every tensor bitwise equal: AdamW reads its step count on the device, so each replay
   // applies the next step's bias correction.

@@ -1,5 +1,6 @@
 // RAII owners of CUDA resources used by the backend, the tests and the benchmarks: a stream, an
-// event, a cuBLASLt handle, a device allocation and a CUDA graph. Destructors never throw.
+// event, a cuBLASLt handle, a device allocation and a CUDA graph (and its capture). Destructors
+// never throw.
 #pragma once
 
 #include <cublasLt.h>
@@ -79,6 +80,24 @@ inline DevicePtr device_alloc(size_t bytes) {
   void* p = nullptr;
   if (bytes) DM_CHECK_CUDA(cudaMalloc(&p, bytes));
   return DevicePtr(p);
+}
+// The work f() issues on `stream`, captured into an executable graph. The capture fails if f
+// synchronises with the host; if f throws, the capture is ended before the exception leaves.
+template <typename F>
+GraphExec capture_graph(cudaStream_t stream, F&& f) {
+  cudaGraph_t raw = nullptr;
+  DM_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  try {
+    f();
+  } catch (...) {
+    if (cudaStreamEndCapture(stream, &raw) == cudaSuccess && raw) cudaGraphDestroy(raw);
+    throw;
+  }
+  DM_CHECK_CUDA(cudaStreamEndCapture(stream, &raw));
+  Graph graph(raw);
+  cudaGraphExec_t exec = nullptr;
+  DM_CHECK_CUDA(cudaGraphInstantiate(&exec, raw, 0));
+  return GraphExec(exec);
 }
 
 }  // namespace distmuon::cuda
