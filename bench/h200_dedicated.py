@@ -12,9 +12,11 @@ Configurations (world size 1; a one-rank NCCL process group gives dedicate() its
 
     plain            distmuon.torch.Muon on the plain model (local mode)
     plain-2          the same again: the noise floor of the comparison
-    dedicated        dedicate(all Muon matrices) + Muon, overlap_step on (the updates' momentum
-                     and orthogonalization run on a side stream during backward)
-    dedicated-seq    the same with overlap_step off (everything in step())
+    dedicated        dedicate(all Muon matrices) + Muon with dedicate()'s defaults (at one rank:
+                     overlap_step off, everything in step())
+    dedicated-overlap  the same with overlap_step forced on (each layer's momentum and
+                     orthogonalization start on a side stream as soon as backward delivers its
+                     gradients: per-layer batches, which one rank has no transfer to hide behind)
     fsdp             fully_shard (world size 1) + Muon (sharded mode)
     dedicated+fsdp   dedicate, then fully_shard of the rest (ignored_params) + Muon
 
@@ -49,7 +51,7 @@ from train_gpt import GPT, GPTConfig  # noqa: E402
 
 from distmuon.torch import Muon, dedicate  # noqa: E402
 
-CONFIGS = ("plain", "plain-2", "dedicated", "dedicated-seq", "fsdp", "dedicated+fsdp")
+CONFIGS = ("plain", "plain-2", "dedicated", "dedicated-overlap", "fsdp", "dedicated+fsdp")
 
 
 def build(kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, mesh: Any, device: torch.device) -> tuple[torch.nn.Module, Any]:
@@ -59,7 +61,7 @@ def build(kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, mesh: Any, d
     model.load_state_dict(init)
     ignored: set[Any] = set()
     if kind.startswith("dedicated"):
-        dm = dedicate(model, mesh, overlap_step=kind != "dedicated-seq")
+        dm = dedicate(model, mesh, overlap_step=True if kind == "dedicated-overlap" else None)
         ignored = dm.ignored_params
     if kind.endswith("fsdp"):
         for block in model.blocks:
@@ -139,7 +141,7 @@ def quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=60, help="timed steps per configuration")
+    ap.add_argument("--steps", type=int, default=120, help="timed steps per configuration")
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--round", type=int, default=10, help="steps per configuration per round")
     ap.add_argument("--split-steps", type=int, default=10, help="synchronised split steps per configuration")
@@ -220,11 +222,11 @@ def main() -> int:
         f"{torch.cuda.get_device_name(0) if cuda else 'CPU'}, torch {torch.__version__}",
         f"{args.steps} timed steps per configuration after {args.warmup} warm-up, rounds of {args.round}; "
         f"{wall:.0f} s in all; peak memory {peak:.1f} GiB (all configurations together)",
-        f"{'config':>15} {'step ms':>8} {'IQR':>15} {'/ plain':>8} {'fwd+bwd':>8} {'optimizer':>9} {'loss diff':>10}",
+        f"{'config':>17} {'step ms':>8} {'IQR':>15} {'/ plain':>8} {'fwd+bwd':>8} {'optimizer':>9} {'loss diff':>10}",
     ]
     for row in rows:
         lines.append(
-            f"{row['config']:>15} {row['step_ms_median']:8.2f} {row['step_ms_q1']:7.2f}-{row['step_ms_q3']:<7.2f} "
+            f"{row['config']:>17} {row['step_ms_median']:8.2f} {row['step_ms_q1']:7.2f}-{row['step_ms_q3']:<7.2f} "
             f"{row['ratio_to_plain']:8.3f} {row['fwd_bwd_ms_median']:8.2f} {row['optimizer_ms_median']:9.2f} "
             f"{row['max_loss_diff_to_plain']:10.2e}"
         )

@@ -43,14 +43,16 @@ def main() -> None:
             t = load(torch_path)["optimizer_step_ms"]
             row["fsdp2_adamw_ms"] = t.get("adamw")
             row["front_sharded_ms"] = t.get("distmuon")
-        plan_path = os.path.join(args.folder, f"plan-{w}-{d}.json")
-        if os.path.exists(plan_path):
+        # plan-W-D.json: simulated from costs measured on the GPU; -analytic: from analytic rates.
+        for tag in ("", "_analytic"):
+            plan_path = os.path.join(args.folder, f"plan-{w}-{d}{tag.replace('_', '-')}.json")
+            if not os.path.exists(plan_path):
+                continue
             pts = [p for p in load(plan_path)["simulate"]["points"] if p["world"] == d]
-            if pts:
-                for m in ("gather", "sharded", "dedicated"):
-                    row[f"{m}_predicted_ms"] = pts[0][m] * 1e3
-                    if row.get(f"{m}_ms"):
-                        row[f"{m}_prediction_error"] = row[f"{m}_predicted_ms"] / row[f"{m}_ms"] - 1
+            for m in ("gather", "sharded", "dedicated") if pts else ():
+                row[f"{m}_predicted{tag}_ms"] = pts[0][m] * 1e3
+                if row.get(f"{m}_ms"):
+                    row[f"{m}_prediction{tag}_error"] = row[f"{m}_predicted{tag}_ms"] / row[f"{m}_ms"] - 1
         for m in ("sharded", "dedicated"):
             if row.get("gather_ms") and row.get(f"{m}_ms"):
                 row[f"{m}_speedup_vs_gather"] = row["gather_ms"] / row[f"{m}_ms"]
@@ -68,11 +70,13 @@ def main() -> None:
     def speedup(v):
         return f"{v:.2f}x" if isinstance(v, (int, float)) else "—"
 
-    md = ["# Multi-GPU scaling (optimizer step, ms; predicted by distmuon-plan --simulate in brackets)", "",
+    md = ["# Multi-GPU scaling (optimizer step, ms; in brackets distmuon-plan --simulate's prediction from "
+          "costs measured on the GPU / from analytic rates)", "",
           "| workload | D | gather | sharded | dedicated | speed-up sharded / dedicated | FSDP2 AdamW | front sharded |",
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        cell = lambda m: f"{fmt(r.get(m + '_ms'))} [{fmt(r.get(m + '_predicted_ms'))}]"  # noqa: E731
+        cell = lambda m: (f"{fmt(r.get(m + '_ms'))} [{fmt(r.get(m + '_predicted_ms'))} / "  # noqa: E731
+                          f"{fmt(r.get(m + '_predicted_analytic_ms'))}]")
         md.append(f"| {r['workload']} | {r['world_size']} | {cell('gather')} | {cell('sharded')} | {cell('dedicated')} | "
                   f"{speedup(r.get('sharded_speedup_vs_gather'))} / {speedup(r.get('dedicated_speedup_vs_gather'))} | "
                   f"{fmt(r.get('fsdp2_adamw_ms'))} | {fmt(r.get('front_sharded_ms'))} |")

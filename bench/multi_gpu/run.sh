@@ -11,7 +11,8 @@
 # 2. end-to-end training step of a Qwen2.5-1.5B-sized model (seq 2048) under FSDP2: fused AdamW vs
 #    distmuon sharded vs distmuon dedicated, with a profiler trace of each (what overlaps);
 # 3. two-level scheduling: HSDP 2 x (D/2), treating the host as two nodes;
-# 4. distmuon-plan --simulate predictions for the same D beside the measurements.
+# 4. distmuon-plan --simulate predictions for the same D beside the measurements (from costs
+#    measured on this GPU, and from the analytic rates).
 # Output under $OUT: run.log, results.json (everything), traces.tgz.
 set -o pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -64,8 +65,13 @@ for d in $WORLDS; do
     say "optimizer step: $w, D=$d (FSDP2 fused AdamW, distmuon.torch sharded)"
     torchrun --nproc-per-node "$d" bench/multi_gpu/opt_step.py --workload "$w" \
       --json "/tmp/mg/torch-$w-$d.json" 2>&1 | grep -E "^\[|Error" | tee -a "$LOG"
-    LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH $BIN/distmuon-plan --workload "$w" --world-size "$d" --gpus-per-node "$NGPU" --analytic \
-      --solver milp --simulate --json "/tmp/mg/plan-$w-$d.json" > /dev/null 2>>"$LOG"
+    # Predictions from costs measured on this GPU (cached across world sizes) and, beside them,
+    # from the analytic rates (what a planner has before it has run on the machine).
+    for costs in "--measure --backend cuda --cache /tmp/mg/costs.json" "--analytic"; do
+      sfx=$([ "$costs" = --analytic ] && echo -analytic)
+      LD_LIBRARY_PATH=/tmp/dm/lib:$CXX_LD_PATH $BIN/distmuon-plan --workload "$w" --world-size "$d" --gpus-per-node "$NGPU" \
+        $costs --solver milp --simulate --json "/tmp/mg/plan-$w-$d$sfx.json" > /dev/null 2>>"$LOG"
+    done
   done
   say "end to end: Qwen2.5-1.5B-sized, seq 2048, D=$d"
   mkdir -p /tmp/mg/traces-$d
