@@ -251,31 +251,38 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   adam_begin(*ctx);
   if (!prepared.empty()) apply_prepared(*ctx);
 
+  // Three phases. (1) The stages before the compute stage (gradients on their way to the
+  // owners) for every bucket first: they depend on no rank's compute, so all inbound traffic is
+  // queued back to back and an owner's compute never waits behind another bucket's outbound
+  // transfer, which needs the slowest owner of that bucket. (2) The compute stage and the stages
+  // after it, software-pipelined: slot t computes bucket t and moves bucket t-1's results on, so
+  // outbound transfers overlap the next bucket's compute. (3) The last stage, when it only waits
+  // for the outbound transfers, for every bucket at the end: the host blocks on a bucket's
+  // slowest owner only once everything is issued, so owners run their whole load back to back
+  // (the planner balances the totals, not each bucket).
   const int stages = runner->num_stages(), compute = runner->compute_stage();
   const int n = static_cast<int>(buckets.size());
-  int first = 0;
+  for (int s = 0; s < compute; ++s)
+    for (int b = 0; b < n; ++b) runner->run_stage(s, b, *ctx);
   if (ctx->raise) {
-    for (int s = 0; s < compute; ++s)
-      for (int b = 0; b < n; ++b) runner->run_stage(s, b, *ctx);
     for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
     adam_check(*ctx);
     raise_check();
-    first = compute;
   }
-  // Slot t runs stage `first` of bucket t, then the next stage of bucket t-1, and so on: the
-  // next bucket's transfer is in flight while the current one computes.
-  const int span = stages - first;
-  const int last_compute_slot = (n - 1) + (compute - first);
-  for (int t = 0; t < n + span - 1; ++t) {
-    for (int s = first; s < stages; ++s) {
-      const int b = t - (s - first);
-      if (b < 0 || b >= n) continue;
-      if (dist.defer_publish && t > last_compute_slot)
-        deferred.emplace_back(s, b);
-      else
-        runner->run_stage(s, b, *ctx);
+  const int tail = stages - 1 > compute ? stages - 1 : stages;  // phase 3's stage, if any
+  auto run_or_defer = [&](int s, int b, bool after_last_compute) {
+    if (dist.defer_publish && after_last_compute)
+      deferred.emplace_back(s, b);
+    else
+      runner->run_stage(s, b, *ctx);
+  };
+  const int span = tail - compute;
+  for (int t = 0; t < n + span - 1; ++t)
+    for (int s = compute; s < tail; ++s) {
+      const int b = t - (s - compute);
+      if (b >= 0 && b < n) run_or_defer(s, b, t > n - 1);
     }
-  }
+  for (int b = 0; tail < stages && b < n; ++b) run_or_defer(tail, b, true);
   if (!ctx->raise) adam_check(*ctx);
   adam_update(*ctx);
   for (size_t i = 0; i < params.size(); ++i)
