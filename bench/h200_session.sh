@@ -6,7 +6,8 @@
 #                                   PyTorch front's GPU tests and the dedicated runtime at world
 #                                   size 1 (bench/h200_front.sh, SKIP_EXAMPLE=1), and the
 #                                   multi-GPU script's world-size-1 subset (bench/multi_gpu/run.sh)
-#   bench/h200_session.sh front     the front's part of `engine` alone
+#   bench/h200_session.sh front     the front's part of `engine` alone (also: run, multi; several
+#                                   parts in one call as one argument: "front multi")
 #   bench/h200_session.sh quality   the training-quality studies (bench/quality: LM and vision)
 #                                   and their report
 # Prepare here: bench/stage_gpu.sh && bench/stage_front_gpu.sh, and for the vision study
@@ -16,7 +17,7 @@
 # what finished is packed even when a later part runs long.
 set -o pipefail
 export PYTHONUNBUFFERED=1
-PART=${1:?engine, front or quality}
+PART=${1:?engine, run, front, multi or quality (several: "front multi")}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-$ROOT/out/session}
 mkdir -p "$OUT"
@@ -43,14 +44,10 @@ front() {
     bash bench/h200_front.sh
 }
 
-case "$PART" in
-engine)
-  step engine "${T_ENGINE:-140}" "run_h200.sh full" bash bench/run_h200.sh full
-  front
+multi() {
   step multi_gpu "${T_MULTI:-220}" "multi_gpu/run.sh (the world sizes this machine has)" bash bench/multi_gpu/run.sh
-  ;;
-front) front ;;
-quality)
+}
+quality() {
   source bench/gpu_python_setup.sh || exit 1  # reuses the extension of the engine part when warm
   Q=/tmp/s/quality; mkdir -p $Q
   say "vision study (ResNet on the digits set)"
@@ -61,8 +58,21 @@ quality)
     ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   $PY bench/quality/report.py --lm $Q/quality-lm.json --vision $Q/quality-vision.json --out $Q/quality 2>&1 | tee -a "$LOG"
   tar czf "$OUT/quality.tgz" -C $Q . && rm -rf $Q
-  ;;
-*) echo "unknown part '$PART' (engine, front or quality)"; exit 2 ;;
-esac
+}
+
+for part in $PART; do  # one part, or several in one call: "front multi"
+  case "$part" in
+  engine)
+    step engine "${T_ENGINE:-140}" "run_h200.sh full" bash bench/run_h200.sh full
+    front
+    multi
+    ;;
+  run) step engine "${T_ENGINE:-140}" "run_h200.sh full" bash bench/run_h200.sh full ;;
+  front) front ;;
+  multi) multi ;;
+  quality) quality ;;
+  *) echo "unknown part '$part' (engine = run front multi, or quality)"; exit 2 ;;
+  esac
+done
 say "done ($([ $status = 0 ] && echo all passed || echo FAILURES))"
 exit $status
