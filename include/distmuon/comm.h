@@ -13,7 +13,8 @@
 //   are only read during the call.
 // - Ordering on devices with streams: an operation sees everything issued on the stream the
 //   communicator was bound to before the call; after wait() returns, results are visible on
-//   that stream and on the host.
+//   that stream and on the host; after wait_on_stream(), on that stream only (work issued there
+//   afterwards waits for them on the device, the host does not).
 // - Timeouts: CommHandle::wait() throws distmuon::TimeoutError naming the operation, the
 //   communicator and its members when the operation does not complete in time
 //   (DISTMUON_COMM_TIMEOUT_S by default). An NCCL communicator is aborted after a timeout.
@@ -49,6 +50,10 @@ class CommRequest {
   // Blocks until completion. After timeout_s seconds throws TimeoutError (the operation may
   // still be pending; waiting again is allowed unless the communicator was aborted).
   virtual void wait(double timeout_s) = 0;
+  // Makes work issued afterwards on the bound stream wait for the results on the device, and
+  // returns true; false where the implementation has no stream (host memory), and then the
+  // caller must wait().
+  virtual bool wait_on_stream() { return false; }
 };
 
 // Owning handle of one asynchronous operation (RAII: move-only; the destructor waits, because
@@ -66,6 +71,11 @@ class CommHandle {
   bool test();                  // true when complete (then the handle becomes empty)
   void wait();                  // with the communicator's timeout at issue time
   void wait(double timeout_s);  // throws TimeoutError
+  // Orders the results before work issued afterwards on the communicator's stream without
+  // blocking the host where the communicator has a stream (NCCL), else waits. A handle ordered
+  // that way stays pending: its completion and deadline are still to be checked by wait() (the
+  // engine does at the end of its step), so that a collective that never completes raises.
+  void wait_on_stream();
   bool pending() const { return request_ != nullptr; }
 
  private:
@@ -78,6 +88,9 @@ class CommHandle {
 // Waits for every handle in order (the first failure propagates; the rest wait in their
 // destructors).
 void wait_all(std::vector<CommHandle>& handles);
+// wait_on_stream() on every handle; those still pending are moved to `unchecked` (the caller's
+// list of handles to wait() later) and `handles` is cleared.
+void wait_all_on_stream(std::vector<CommHandle>& handles, std::vector<CommHandle>& unchecked);
 
 // Bytes this member moved, counted as direct point-to-point payload (each element once where
 // it leaves its source and once where it arrives, self-copies excluded), whatever algorithm the

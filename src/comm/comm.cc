@@ -119,8 +119,20 @@ void CommHandle::wait(double timeout_s) {
   request_.reset();
 }
 
+void CommHandle::wait_on_stream() {
+  if (request_ && !request_->wait_on_stream()) wait();
+}
+
 void wait_all(std::vector<CommHandle>& handles) {
   for (CommHandle& h : handles) h.wait();
+  handles.clear();
+}
+
+void wait_all_on_stream(std::vector<CommHandle>& handles, std::vector<CommHandle>& unchecked) {
+  for (CommHandle& h : handles) {
+    h.wait_on_stream();
+    if (h.pending()) unchecked.push_back(std::move(h));
+  }
   handles.clear();
 }
 

@@ -147,6 +147,12 @@ class NcclRequest final : public CommRequest {
     finished_ = true;
     return true;
   }
+  bool wait_on_stream() override {
+    DeviceGuard g(device_);
+    sh_->check_async(what_);
+    DM_CHECK_CUDA(cudaStreamWaitEvent(user_, done_.get(), 0), what_);
+    return true;
+  }
   void wait(double timeout_s) override {
     comm_detail::poll_until_done(
         timeout_s, std::chrono::microseconds(2), std::chrono::microseconds(500), [&] { return test(); },

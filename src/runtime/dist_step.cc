@@ -167,7 +167,7 @@ void Engine::Impl::adam_begin(StepContext& ctx) {
 
 void Engine::Impl::adam_check(StepContext& ctx) {
   if (adam_params.empty()) return;
-  wait_all(adam_handles);
+  wait_on_stream(adam_handles);
   const bool dedicated = dist.mode == DistMode::kDedicated && !dist.caller_transfers;
   adam_slots.clear();
   for (size_t k = 0; k < adam_params.size(); ++k) {
@@ -198,11 +198,11 @@ void Engine::Impl::adam_check(StepContext& ctx) {
   int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
   backend.adamw_check(adam_slots, status);
   // Shard holders must skip a tensor whose rows are non-finite anywhere.
-  if (!ctx.raise && is_sharded_mode(dist.mode))
-    shard
-        ->all_reduce(status, status, static_cast<int64_t>(adam_params.size()), CommType::kI32,
-                     ReduceOp::kMax)
-        .wait();
+  if (!ctx.raise && is_sharded_mode(dist.mode)) {
+    CommHandle h = shard->all_reduce(status, status, static_cast<int64_t>(adam_params.size()),
+                                     CommType::kI32, ReduceOp::kMax);
+    wait_on_stream(h);
+  }
 }
 
 void Engine::Impl::adam_update(StepContext& ctx) {
@@ -241,6 +241,7 @@ void Engine::Impl::raise_check() {
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
   if (publish_pending) finish_publish();
+  wait_all(unchecked);  // left by a step that raised
   const CommStats before = comm_stats();
   auto ctx = std::make_unique<StepContext>();
   ctx->data.assign(data.begin(), data.end());
@@ -285,6 +286,9 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   for (int b = 0; tail < stages && b < n; ++b) run_or_defer(tail, b, true);
   if (!ctx->raise) adam_check(*ctx);
   adam_update(*ctx);
+  // Everything is issued: now the host checks that the collectives ordered on the device
+  // complete (with their deadlines).
+  wait_all(unchecked);
   for (size_t i = 0; i < params.size(); ++i)
     if (ctx->active[i]) params[i].step += 1;
   stats.steps += 1;
@@ -302,6 +306,7 @@ void Engine::Impl::finish_publish() {
   publish_pending = false;
   std::unique_ptr<StepContext> ctx = std::move(pending_ctx);
   for (auto [s, b] : items) runner->run_stage(s, b, *ctx);
+  wait_all(unchecked);
   stats.comm += comm_stats() - before;
 }
 

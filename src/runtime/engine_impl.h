@@ -148,6 +148,15 @@ struct Engine::Impl {
   std::vector<int64_t> adam_offset;  // bytes, per AdamW parameter
   std::vector<CommHandle> adam_handles;
   std::vector<AdamSlot> adam_slots;
+  // Collectives the step ordered on the device (CommHandle::wait_on_stream) instead of waiting
+  // on the host mid-step, which would drain the GPU's queue and expose every later launch;
+  // their completion and deadline are checked once everything is issued (end of the step).
+  std::vector<CommHandle> unchecked;
+  void wait_on_stream(CommHandle& h) {
+    h.wait_on_stream();
+    if (h.pending()) unchecked.push_back(std::move(h));
+  }
+  void wait_on_stream(std::vector<CommHandle>& hs) { wait_all_on_stream(hs, unchecked); }
   // Dedicated mode with caller transfers: batches prepared since the last step (momentum and
   // orthogonalization done, results in prep_x) whose updates step() applies.
   struct PreparedBatch {

@@ -123,7 +123,7 @@ class ReplicatedRunner final : public ModeRunner {
   void run_stage(int stage, int b, StepContext& ctx) override {
     Bucket& bk = e_.buckets[b];
     if (stage == 1) {
-      wait_all(handles_[b]);
+      e_.wait_on_stream(handles_[b]);
       return;
     }
     for (const Bucket::Run& run : bk.runs) {

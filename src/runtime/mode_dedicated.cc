@@ -54,7 +54,7 @@ class DedicatedRunner final : public ModeRunner {
           owner_pass1(bk, run, caller_slots(bk, run, ctx));
       return;
     }
-    wait_all(bufs_[b].h1);
+    e_.wait_on_stream(bufs_[b].h1);
     scale(bk);
     for (const Bucket::Run& run : bk.runs)
       if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
@@ -77,7 +77,7 @@ class DedicatedRunner final : public ModeRunner {
         }
         break;
       case 1:
-        wait_all(s.h0);
+        e_.wait_on_stream(s.h0);
         if (!e_.replica) break;
         for (int j : bk.act) {
           const DistMatrix& m = e_.mats[j];
@@ -87,7 +87,7 @@ class DedicatedRunner final : public ModeRunner {
         }
         break;
       case 2:
-        wait_all(s.h1);
+        e_.wait_on_stream(s.h1);
         if (!ctx.raise) scale(bk);
         for (const Bucket::Run& run : bk.runs) {
           if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
@@ -108,7 +108,7 @@ class DedicatedRunner final : public ModeRunner {
         break;
       case 3:
         if (!e_.replica) break;
-        wait_all(s.h2);
+        e_.wait_on_stream(s.h2);
         for (int j : bk.act) {
           const DistMatrix& m = e_.mats[j];
           s.h3.push_back(
@@ -116,8 +116,8 @@ class DedicatedRunner final : public ModeRunner {
         }
         break;
       case 4:
-        wait_all(s.h2);
-        wait_all(s.h3);
+        e_.wait_on_stream(s.h2);
+        e_.wait_on_stream(s.h3);
         break;
     }
   }

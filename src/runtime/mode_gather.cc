@@ -45,11 +45,12 @@ class GatherRunner final : public ModeRunner {
       if (ctx.raise) return;  // the driver checks all statuses before anything changes
       const Bucket& bk = e_.buckets[b];
       // Every holder must skip a matrix whose rows are non-finite anywhere.
-      if (!bk.act.empty())
-        e_.shard
-            ->all_reduce(status_at(bk, 0), status_at(bk, 0), static_cast<int64_t>(bk.act.size()),
-                         CommType::kI32, ReduceOp::kMax)
-            .wait();
+      if (!bk.act.empty()) {
+        CommHandle h = e_.shard->all_reduce(status_at(bk, 0), status_at(bk, 0),
+                                            static_cast<int64_t>(bk.act.size()), CommType::kI32,
+                                            ReduceOp::kMax);
+        e_.wait_on_stream(h);
+      }
       gather(b, ctx);
     } else {
       if (ctx.raise) gather(b, ctx);
@@ -91,8 +92,8 @@ class GatherRunner final : public ModeRunner {
       while (end < bk.act.size() && piece(e_.mats[bk.act[end]], e_.my_s) > 0 &&
              e_.mats[bk.act[end]].group == m0.group)
         slots.push_back(local_slot(e_.mats[bk.act[end++]], ctx));
-      const MuonOptions& opt = e_.groups[m0.group].muon;
       const int64_t pos = bk.status_offset + static_cast<int64_t>(k);
+      const MuonOptions& opt = e_.groups[m0.group].muon;
       e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov,
                                     e_.step_norms.as<float>() + pos,
                                     e_.step_status.as<int32_t>() + pos);
@@ -131,7 +132,7 @@ class GatherRunner final : public ModeRunner {
   void compute(int b, const StepContext& ctx) {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
-    s.h.wait();
+    e_.wait_on_stream(s.h);
     if (bk.act.empty()) return;
     const DType w = e_.mats[bk.mats[0]].wire;
     // Full matrices packed in act order, so that every run is one batch.
@@ -153,7 +154,6 @@ class GatherRunner final : public ModeRunner {
     }
     for (const Bucket::Run& run : bk.runs) {
       const DistMatrix& m0 = e_.mats[bk.act[run.begin]];
-      const MuonOptions& opt = e_.groups[m0.group].muon;
       const int64_t count = run.end - run.begin, pos = bk.status_offset + run.begin;
       float* norms = e_.step_norms.as<float>() + pos;
       OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());

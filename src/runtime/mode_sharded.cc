@@ -125,7 +125,7 @@ class ShardedRunner final : public ModeRunner {
   void unpack(int b) {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
-    s.collect.wait();
+    e_.wait_on_stream(s.collect);
     for (int q = 0; q < e_.shard_size; ++q) {
       int64_t cur = s.rd[q];
       for (int j : bk.act) {
@@ -188,7 +188,7 @@ class ShardedRunner final : public ModeRunner {
   void relay(int b) {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
-    wait_all(s.bcast);
+    e_.wait_on_stream(s.bcast);
     const int S = e_.shard_size, me = e_.my_s;
     s.osc.assign(S, 0), s.osd.assign(S, 0), s.orc.assign(S, 0), s.ord.assign(S, 0);
     if (bk.act.empty()) return;
@@ -219,8 +219,8 @@ class ShardedRunner final : public ModeRunner {
   void apply(int b, StepContext& ctx) {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
-    s.ret.wait();
-    s.status.wait();
+    e_.wait_on_stream(s.ret);
+    e_.wait_on_stream(s.status);
     const int me = e_.my_s;
     for (int q = 0; q < e_.shard_size; ++q) {
       int64_t cur = s.ord[q];

@@ -1,7 +1,7 @@
 // The NCCL communicator on the GPU machine (world size 1 there): every collective on device
-// memory, the in-place forms, split, counters, the timeout that aborts the communicator, and the
-// distributed engine over NCCL against the single-process engine on the CUDA backend. Skips
-// cleanly where no CUDA device is visible.
+// memory, the in-place forms, split, counters, the timeout that aborts the communicator, the
+// device-side wait (wait_on_stream), and the distributed engine over NCCL against the
+// single-process engine on the CUDA backend. Skips cleanly where no CUDA device is visible.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -105,6 +105,32 @@ TEST_F(NcclComm, TimeoutAbortsAndNamesTheOperation) {
   }
   EXPECT_THROW(c->barrier(), Error);  // aborted: later calls fail instead of hanging
   cudaStreamSynchronize(user);
+  cudaStreamDestroy(user);
+}
+
+TEST_F(NcclComm, WaitOnStreamOrdersOnTheDeviceWithoutBlockingTheHost) {
+  // The caller's stream is held busy by a host function: wait_on_stream() must return at once,
+  // leave the handle pending, and still order a copy issued afterwards on that stream after the
+  // collective's result.
+  cudaStream_t user = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&user), cudaSuccess);
+  auto c = make_nccl_communicator(nccl_unique_id(), 0, 1, user);
+  DeviceVec a(std::vector<float>{2, 3}), b(std::vector<float>{0, 0}), out(std::vector<float>{0, 0});
+  ASSERT_EQ(cudaLaunchHostFunc(user, sleep_host, nullptr), cudaSuccess);
+  const auto t0 = std::chrono::steady_clock::now();
+  CommHandle h = c->all_reduce(a.as<float>(), b.as<float>(), 2, CommType::kF32, ReduceOp::kSum);
+  h.wait_on_stream();
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(ms, 500.0) << "wait_on_stream() blocked the host";
+  EXPECT_TRUE(h.pending()) << "the completion is still to be checked on the host";
+  ASSERT_EQ(cudaMemcpyAsync(out.as<float>(), b.as<float>(), 2 * sizeof(float),
+                            cudaMemcpyDeviceToDevice, user),
+            cudaSuccess);
+  h.wait();  // the host check, within the communicator's deadline
+  EXPECT_FALSE(h.pending());
+  cudaStreamSynchronize(user);
+  EXPECT_EQ(out.get<float>(), (std::vector<float>{2, 3}));
   cudaStreamDestroy(user);
 }
 
