@@ -55,7 +55,7 @@ void declare(cli::Args& a) {
   a.option("algo", "auto", "algorithm costed (see distmuon-bench --help)");
   a.option("work-dtype", "auto", "iteration dtype (auto: bf16 for analytic/cuda, f32 on cpu)");
   a.option("tflops", "759", "analytic: GEMM rate in TFLOP/s (H200 dense bf16, measured)");
-  a.option("hbm-tbs", "4.17", "analytic: memory bandwidth in TB/s (H200 copy, measured)");
+  a.option("hbm-tbs", "4.17", "analytic and simulate: memory bandwidth in TB/s (H200 copy, measured)");
   a.option("launch-us", "4", "analytic: fixed cost per kernel launch in microseconds");
   a.option("owners", "0", "print every owner's load", true);
   a.option("simulate", "0", "predict step times of gather / sharded / dedicated, D = 1..1024",
@@ -67,6 +67,9 @@ void declare(cli::Args& a) {
   a.option("intra-us", "3", "simulate: intra-node latency, microseconds");
   a.option("inter-us", "6", "simulate: inter-node latency, microseconds");
   a.option("wire-bytes", "2", "simulate: bytes per element on the wire");
+  a.option("elementwise-bytes", "44",
+           "simulate: memory traffic of the elementwise passes per element orthogonalized (at "
+           "--hbm-tbs; 44: H200, f32 parameters; 0: left out)");
   a.option("json", "", "write the results as JSON to this path");
 }
 
@@ -201,6 +204,8 @@ int run(int argc, char** argv) {
     cm.intra_latency_s = a.number("intra-us") * 1e-6;
     cm.inter_latency_s = a.number("inter-us") * 1e-6;
     cm.wire_elem_bytes = a.integer("wire-bytes");
+    cm.elementwise_bytes = a.number("elementwise-bytes");
+    cm.hbm_bytes_per_s = a.number("hbm-tbs") * 1e12;
     const std::string solver = a.str("sim-solver").empty() ? solvers.front() : a.str("sim-solver");
     std::vector<int> worlds;
     for (int d = 1; d <= a.integer("sim-max-world"); d *= 2) worlds.push_back(d);
@@ -221,6 +226,8 @@ int run(int argc, char** argv) {
                                          {"imbalance", p.imbalance},
                                          {"gather", p.gather()},
                                          {"gather_comm", p.gather_comm},
+                                         {"gather_elementwise", p.gather_elementwise},
+                                         {"owner_step", p.owner_step},
                                          {"sharded", p.sharded()},
                                          {"sharded_comm", p.sharded_comm},
                                          {"dedicated", p.dedicated()},

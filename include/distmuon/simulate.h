@@ -19,6 +19,13 @@ struct CommModel {
   double intra_latency_s = 3e-6;
   double inter_latency_s = 6e-6;
   int64_t wire_elem_bytes = 2;   // bf16 gradients and updates on the wire
+  // The elementwise passes around the orthogonalization (gradient and momentum, the Nesterov
+  // input and its norm, the iterate in and out, the weight update), as bytes of memory traffic
+  // per element a rank orthogonalizes, at the device's memory bandwidth. 44 bytes: measured on
+  // the H200 at one rank with f32 parameters and momentum (gpt2-large: the dedicated step less
+  // the measured orthogonalization costs; run 7 in bench/NOTES.md). 0 leaves them out.
+  double elementwise_bytes = 44;
+  double hbm_bytes_per_s = 4.17e12;
   std::string describe() const;  // the assumptions, several lines
 };
 
@@ -41,12 +48,14 @@ struct SimPoint {
   double makespan = 0;  // owner-mode compute: the plan's slowest owner
   double imbalance = 1;
   double gather_compute = 0, gather_comm = 0;
+  double gather_elementwise = 0;  // every rank prepares and orthogonalizes every matrix
+  double owner_step = 0;  // owner modes: the slowest owner's compute plus elementwise passes
   double sharded_comm = 0;
   double dedicated_comm = 0;
   double max_owner_bytes = 0;  // on the wire, the busiest owner
-  double gather() const { return gather_compute + gather_comm; }
-  double sharded() const { return makespan + sharded_comm; }
-  double dedicated() const { return makespan + dedicated_comm; }
+  double gather() const { return gather_compute + gather_elementwise + gather_comm; }
+  double sharded() const { return owner_step + sharded_comm; }
+  double dedicated() const { return owner_step + dedicated_comm; }
 };
 
 // Predicted optimizer step time of the three modes at every world size in `worlds`:
@@ -56,7 +65,8 @@ struct SimPoint {
 //   backward and forward. A rank forwards every matrix it does not own (G - B_o bytes) where the
 //   ring collectives move (D-1)/D G, so the step pays the owner makespan plus twice the
 //   difference, taken as not hidden (zero when owner bytes are balanced).
-// Elementwise passes (momentum, update) and FSDP's own collectives are outside all three.
+// Each adds its elementwise passes (CommModel::elementwise_bytes over the elements the rank
+// orthogonalizes). FSDP's own collectives are outside all three.
 // World sizes that are not a whole number of nodes are left out of the result.
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
                                const std::vector<int>& worlds, int gpus_per_node,

@@ -41,10 +41,12 @@ std::string CommModel::describe() const {
       "all-gather; only their extra volume is charged\n"
       "  compute: the cost table's batch times; gather runs every matrix on every rank, owner "
       "modes the plan's makespan\n"
-      "  not modelled: elementwise momentum/update passes, FSDP's own collectives, overlap of the "
-      "optimizer with anything else",
+      "  elementwise passes: %.0f bytes per element a rank orthogonalizes at %.2f TB/s\n"
+      "  not modelled: staging copies of the modes that move rows (pack / unpack), FSDP's own "
+      "collectives, overlap of the optimizer with anything else",
       intra_bytes_per_s / 1e9, intra_latency_s * 1e6, inter_bytes_per_s / 1e9,
-      inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes));
+      inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes), elementwise_bytes,
+      hbm_bytes_per_s / 1e12);
   return buf;
 }
 
@@ -80,8 +82,10 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
                                const PlanOptions& opts) {
   DM_CHECK(!worlds.empty(), "simulator: no world sizes given");
   DM_CHECK(cm.intra_bytes_per_s > 0 && cm.inter_bytes_per_s > 0 && cm.intra_latency_s >= 0 &&
-               cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1,
-           "simulator: bandwidths must be > 0 and latencies >= 0");
+               cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1 && cm.elementwise_bytes >= 0 &&
+               cm.hbm_bytes_per_s > 0,
+           "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0");
+  const double elementwise_s = cm.elementwise_bytes / cm.hbm_bytes_per_s;  // per element
   // Everything on one rank, batched: what the gather baseline computes on every rank.
   Topology one;
   one.world_size = 1;
@@ -104,6 +108,7 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
     sp.makespan = plan.makespan;
     sp.imbalance = plan.imbalance;
     sp.gather_compute = all_compute;
+    sp.gather_elementwise = total / static_cast<double>(cm.wire_elem_bytes) * elementwise_s;
     std::vector<double> bytes(d, 0.0);
     for (size_t i = 0; i < matrices.size(); ++i)
       bytes[plan.owner[i]] += static_cast<double>(matrices[i].rows) * matrices[i].cols *
@@ -111,6 +116,10 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
     const double b_max = *std::max_element(bytes.begin(), bytes.end());
     const double b_min = *std::min_element(bytes.begin(), bytes.end());
     sp.max_owner_bytes = b_max;
+    for (int o = 0; o < d; ++o)
+      sp.owner_step = std::max(sp.owner_step, plan.owner_load[o] + bytes[o] /
+                                                  static_cast<double>(cm.wire_elem_bytes) *
+                                                  elementwise_s);
     if (d > 1) {
       sp.gather_comm = ring_allgather_seconds(total, d, cm, gpus_per_node);
       // There: each rank sends its 1/D row shard of what others own and the owner receives the

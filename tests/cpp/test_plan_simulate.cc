@@ -59,5 +59,32 @@ TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
   }
 }
 
+TEST(PlanSimulate, ElementwisePassesScaleWithTheElementsEachRankOrthogonalizes) {
+  const auto mats = plan_matrices(load_workload("gpt2-large").first_layers(4));
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  double elements = 0;
+  for (const auto& m : mats) elements += static_cast<double>(m.rows) * m.cols;
+  CommModel none, some;
+  none.elementwise_bytes = 0;
+  some.elementwise_bytes = 40;
+  some.hbm_bytes_per_s = 4e12;
+  const auto a = simulate(mats, costs, {1, 4}, 8, none, "lpt");
+  const auto b = simulate(mats, costs, {1, 4}, 8, some, "lpt");
+  const double all = elements * 40 / 4e12;
+  for (size_t i = 0; i < 2; ++i) {
+    SCOPED_TRACE(a[i].world);
+    EXPECT_DOUBLE_EQ(a[i].owner_step, a[i].makespan);  // left out: the compute alone
+    EXPECT_EQ(a[i].gather_elementwise, 0.0);
+    EXPECT_DOUBLE_EQ(b[i].gather_elementwise, all);  // gather prepares every matrix
+    EXPECT_DOUBLE_EQ(b[i].gather() - a[i].gather(), all);
+  }
+  // One rank orthogonalizes everything in every mode; at four, an owner about a quarter.
+  EXPECT_DOUBLE_EQ(b[0].dedicated() - a[0].dedicated(), all);
+  EXPECT_DOUBLE_EQ(b[0].sharded(), b[0].gather());
+  const double added = b[1].owner_step - b[1].makespan;
+  EXPECT_GT(added, 0.2 * all);
+  EXPECT_LT(added, 0.4 * all);
+}
+
 }  // namespace
 }  // namespace distmuon

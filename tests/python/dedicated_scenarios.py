@@ -215,6 +215,20 @@ def run_single(rank: int, world: int, overlap: bool) -> dict[str, Any]:
     return {"mode": opt.dist_mode, "losses": losses, "params": full_model(model), "memory": dm.memory_stats()}
 
 
+def run_single_unheld(rank: int, world: int) -> dict[str, Any]:
+    """World size 1, the handle dedicate() returns not kept (no hook refers to it at one rank):
+    the model keeps it, so the optimizer still finds the dedicated matrices."""
+    import gc
+
+    model = make_model()
+    dedicate(model, mesh_of("fsdp", 1))
+    gc.collect()
+    opt = Muon(model, **OPT_KW)
+    losses = train(model, opt, range(STEPS), 0, 1)
+    held = model._distmuon_dedicated  # the model's reference
+    return {"mode": opt.dist_mode, "losses": losses, "params": full_model(model), "memory": held.memory_stats()}
+
+
 # ---- what each launch runs --------------------------------------------------------------------
 
 
@@ -231,6 +245,7 @@ def world1(rank: int, world: int) -> dict[str, Any]:
         "reference": guarded(lambda: run_reference(rank, world)),
         "single": guarded(lambda: run_single(rank, world, overlap=False)),
         "single_overlap": guarded(lambda: run_single(rank, world, overlap=True)),
+        "single_unheld": guarded(lambda: run_single_unheld(rank, world)),
     }
 
 

@@ -94,10 +94,11 @@ def test_unit_of_a_parameter_is_its_layer() -> None:
 
 def test_one_process_through_dedicate_is_the_plain_optimizer(world1: list[dict[str, Any]]) -> None:
     """World size 1: nothing moves, and the engine's dedicated mode (with overlap_step: the
-    updates prepared during backward) computes the plain optimizer's step bit for bit."""
+    updates prepared during backward) computes the plain optimizer's step bit for bit, also
+    when the caller drops the handle dedicate() returned (the model keeps it)."""
     ref = ok(world1[0]["reference"])
     assert ref["mode"] == "local"
-    for key in ("single", "single_overlap"):
+    for key in ("single", "single_overlap", "single_unheld"):
         res = ok(world1[0][key])
         assert res["mode"] == "dedicated"
         assert res["losses"] == ref["losses"]

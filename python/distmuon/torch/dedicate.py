@@ -44,7 +44,9 @@ from distmuon.torch._dist import Topology
 from distmuon.torch._params import default_muon_filter, matrix_shape, module_param_infos
 
 # The attribute by which a dedicated parameter names its handle (a weak reference), so that the
-# optimizer finds it. (Tensors are no dictionary keys: their == is elementwise.)
+# optimizer finds it. (Tensors are no dictionary keys: their == is elementwise.) The model keeps
+# the handle alive under the same name: callers need not hold what dedicate() returns (at one
+# rank no hook refers to it).
 _MARK = "_distmuon_dedicated"
 
 Predicate = Callable[[str, nn.Parameter], bool]
@@ -53,7 +55,15 @@ Predicate = Callable[[str, nn.Parameter], bool]
 def handle_of(p: torch.Tensor) -> Dedicated | None:
     """The Dedicated handle that owns parameter `p`, if any."""
     ref = getattr(p, _MARK, None)
-    return ref() if isinstance(ref, weakref.ref) else None
+    if not isinstance(ref, weakref.ref):
+        return None
+    handle = ref()
+    if handle is None:
+        raise RuntimeError(
+            "this parameter was dedicated (distmuon.torch.dedicate) but its handle is gone with the "
+            "model that held it; give the optimizer the parameters of a live dedicated model"
+        )
+    return handle
 
 
 class Dedicated:
@@ -78,6 +88,8 @@ class Dedicated:
         self._index = {id(m.param): m.index for m in matrices}
         self._handles: list[Any] = []
         self._install(model)
+        self._model = weakref.ref(model)
+        model.__dict__[_MARK] = self  # a plain attribute: not a submodule, not in state_dict
         for m in matrices:
             setattr(m.param, _MARK, weakref.ref(self))
 
