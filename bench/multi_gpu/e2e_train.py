@@ -72,7 +72,11 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        logits = model(idx[:, :-1])
+        # FSDP2's MixedPrecisionPolicy casts only the parameters it manages: dedicated matrices
+        # (ignored_params) stay f32, and autocast casts them at each matmul. Every configuration
+        # runs under it, so that all compute alike.
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(idx[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), idx[:, 1:].reshape(-1))
         loss.backward()
         if device.type == "cuda":

@@ -300,7 +300,9 @@ def dedicate(
     then not seen, and micro-batches must accumulate under ``no_sync()``. Collective.
 
     Every rank must call each unit's (layer's) forward through its module (hooks run there) and
-    run backward once per synchronised micro-batch.
+    run backward once per synchronised micro-batch. Mixed precision: FSDP2's
+    ``MixedPrecisionPolicy`` does not reach these matrices (they are ignored_params), so they keep
+    their dtype; run the forward under ``torch.autocast`` (or keep the model in one dtype).
     """
     infos = module_param_infos(model)
 
