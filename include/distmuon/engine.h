@@ -77,8 +77,9 @@ struct DistOptions {
   // sharded/gather parameters are split over the shard group; owners span all ranks.
   // Replicated mode treats the world as flat.
   int replicate = 1;
-  // Full-matrix bytes per bucket: buckets are moved while the previous one computes. <= 0: one
-  // bucket.
+  // Full-matrix bytes per bucket: every bucket's gradients are sent first, then each bucket's
+  // results travel while the next one computes. <= 0: one bucket (also the case in a world of
+  // one rank and with caller_transfers, where nothing moves).
   int64_t bucket_bytes = 32ll << 20;
   // Dedicated mode reduces local gradients: true divides the sum by the world size (the mean,
   // as DDP does); false keeps the sum.
