@@ -346,7 +346,7 @@ int run_distributed(const cli::Args& args) {
     NcclUniqueId id;
     if (rank == 0) id = nccl_unique_id();
     mpi->broadcast(id.bytes, sizeof(id.bytes), CommType::kU8, 0).wait();
-    nccl = make_nccl_communicator(id, rank, p);
+    nccl = make_nccl_communicator(id, rank, p, be->native_stream());  // the engine's stream
   }
   Communicator& comm = nccl ? *nccl : *mpi;
   std::vector<DistMode> modes;

@@ -183,6 +183,9 @@ class Backend {
   virtual void fill_zero(void* dst, size_t bytes) = 0;
   // Waits until every operation issued so far has completed.
   virtual void synchronize() = 0;
+  // The device stream operations are issued on (CUDA: the cudaStream_t, nullptr being the
+  // legacy default stream); nullptr where there is none (CPU).
+  virtual void* native_stream() const { return nullptr; }
 
   // ---- matrix products ----------------------------------------------------------------------
   // C = alpha * op(A) op(B) + beta * Cin, batched. Cin may alias C or be null (beta ignored).

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -124,6 +125,10 @@ class Communicator {
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   // Where buffers must live: host memory (kCPU) or the CUDA device of the communicator.
   virtual Device device() const = 0;
+  // Communicators bound to a CUDA stream (NCCL): that stream (nullptr: the legacy default
+  // stream), whose work operations follow and that wait_on_stream() orders; the engine requires
+  // it to be its backend's stream. Others (MPI, the PyTorch front's): nullopt.
+  virtual std::optional<void*> caller_stream() const { return std::nullopt; }
 
   double timeout_s() const { return timeout_s_; }
   void set_timeout(double seconds);

@@ -58,6 +58,7 @@ class CudaBackend final : public Backend {
   // switching streams while work is in flight is the caller's ordering problem.
   void set_stream(cudaStream_t stream);
   cudaStream_t stream() const;
+  void* native_stream() const override { return stream(); }
   // Bytes of scratch the backend needs: cuBLASLt's workspace plus reduction partials.
   static size_t recommended_workspace_bytes();
   size_t workspace_bytes() const;

@@ -84,9 +84,10 @@ struct DistOptions {
   // Dedicated mode reduces local gradients: true divides the sum by the world size (the mean,
   // as DDP does); false keeps the sum.
   bool grad_mean = true;
-  // Leave the publication of the last buckets (HSDP: the broadcast to the other replicas and
-  // what follows it) in flight when step() returns; wait_published() or the next step()
-  // completes it. Weights must not be read before.
+  // Leave the publication (the stages after the last bucket's compute: HSDP's broadcast to the
+  // other replicas and what follows it, the sharded mode's weight update, the final waits) in
+  // flight when step() returns; wait_published() or the next step() completes it. Weights must
+  // not be read before.
   bool defer_publish = false;
   // Ranks vote on which parameters have a gradient in each step (one small all-reduce), so that
   // a parameter is stepped on all ranks or on none. Disable only if the caller guarantees it.

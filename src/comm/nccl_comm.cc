@@ -236,6 +236,7 @@ class NcclComm final : public Communicator {
     if (!sh_->aborted) ncclCommDestroy(sh_->comm);
   }
   Device device() const override { return Device{DeviceKind::kCUDA, device_}; }
+  std::optional<void*> caller_stream() const override { return static_cast<void*>(user_); }
 
  protected:
   std::unique_ptr<CommRequest> do_all_reduce(const void* send, void* recv, int64_t count,

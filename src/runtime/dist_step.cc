@@ -239,9 +239,35 @@ void Engine::Impl::raise_check() {
           "; the step was not applied on any rank (weights and optimizer state unchanged)");
 }
 
+// Stages order each other's collectives on the device (wait_on_stream makes the communicator's
+// caller stream wait), so the backend must issue on that very stream: on another, kernels would
+// read receive buffers before the collectives land, and collectives would read send buffers
+// before the kernels that fill them.
+void Engine::Impl::check_streams() const {
+  for (const Communicator* c : {world, shard, replica}) {
+    if (!c) continue;
+    const std::optional<void*> s = c->caller_stream();
+    DM_CHECK(!s || *s == backend.native_stream(), "the communicator ", c->name(),
+             " orders its collectives with CUDA stream ", *s, " but the backend issues on stream ",
+             backend.native_stream(), "; create the communicator with the backend's stream ",
+             "(make_nccl_communicator(..., backend.native_stream())) or set the backend's ",
+             "stream to the communicator's");
+  }
+}
+
+void Engine::Impl::wait_unchecked() {
+  try {
+    wait_all(unchecked);
+  } catch (...) {
+    unchecked.clear();  // abandoned (a timed-out NCCL communicator is aborted): raised once
+    throw;
+  }
+}
+
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
+  check_streams();
   if (publish_pending) finish_publish();
-  wait_all(unchecked);  // left by a step that raised
+  wait_unchecked();  // left by a step that raised
   const CommStats before = comm_stats();
   auto ctx = std::make_unique<StepContext>();
   ctx->data.assign(data.begin(), data.end());
@@ -268,6 +294,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   if (ctx->raise) {
     for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
     adam_check(*ctx);
+    wait_unchecked();  // the transfers' deadlines before raise_check's device synchronisation
     raise_check();
   }
   const int tail = stages - 1 > compute ? stages - 1 : stages;  // phase 3's stage, if any
@@ -288,7 +315,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   adam_update(*ctx);
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
-  wait_all(unchecked);
+  wait_unchecked();
   for (size_t i = 0; i < params.size(); ++i)
     if (ctx->active[i]) params[i].step += 1;
   stats.steps += 1;
@@ -306,7 +333,7 @@ void Engine::Impl::finish_publish() {
   publish_pending = false;
   std::unique_ptr<StepContext> ctx = std::move(pending_ctx);
   for (auto [s, b] : items) runner->run_stage(s, b, *ctx);
-  wait_all(unchecked);
+  wait_unchecked();
   stats.comm += comm_stats() - before;
 }
 

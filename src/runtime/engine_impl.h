@@ -157,6 +157,8 @@ struct Engine::Impl {
     if (h.pending()) unchecked.push_back(std::move(h));
   }
   void wait_on_stream(std::vector<CommHandle>& hs) { wait_all_on_stream(hs, unchecked); }
+  void wait_unchecked();      // host-waits `unchecked` (deadlines); on failure drops the rest
+  void check_streams() const;  // the communicators' caller stream is the backend's
   // Dedicated mode with caller transfers: batches prepared since the last step (momentum and
   // orthogonalization done, results in prep_x) whose updates step() applies.
   struct PreparedBatch {

@@ -136,12 +136,13 @@ TEST_F(NcclComm, WaitOnStreamOrdersOnTheDeviceWithoutBlockingTheHost) {
 
 TEST_F(NcclComm, EngineModesEqualTheSingleProcessEngine) {
   if (!cuda_available()) GTEST_SKIP() << "this build has no CUDA backend";
-  // The communicator follows the legacy default stream; the CUDA backend's stream must
-  // synchronise with it (a blocking stream) for this world-size-1 check.
+  // The communicator is bound to the backend's own (non-blocking) stream, as the engine
+  // requires: its stages order each other's collectives on that stream.
   for (DistMode mode :
        {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
     auto be = make_backend("cuda");
-    Engine ref(*be), dist(*be, *comm_, DistOptions{mode});
+    auto comm = make_nccl_communicator(nccl_unique_id(), 0, 1, be->native_stream());
+    Engine ref(*be), dist(*be, *comm, DistOptions{mode});
     GroupOptions g;
     g.muon.ortho.work_dtype = DType::kF32;
     for (Engine* e : {&ref, &dist}) e->add_group(g);
@@ -165,6 +166,28 @@ TEST_F(NcclComm, EngineModesEqualTheSingleProcessEngine) {
     be->synchronize();
     EXPECT_EQ(w1.get<float>(), w2.get<float>()) << dist_mode_name(mode);
   }
+}
+
+TEST_F(NcclComm, EngineRefusesACommunicatorOnAnotherStream) {
+  if (!cuda_available()) GTEST_SKIP() << "this build has no CUDA backend";
+  auto be = make_backend("cuda");  // its own stream; comm_ follows the legacy default stream
+  ASSERT_NE(be->native_stream(), nullptr);
+  Engine dist(*be, *comm_, DistOptions{DistMode::kSharded});
+  dist.add_group(GroupOptions{});
+  ParamSpec spec{"w", 0, {8, 8}, DType::kF32};
+  spec.shard = {0, 8};
+  dist.add_param(spec);
+  DeviceVec w(std::vector<float>(64, 0.5f)), g(std::vector<float>(64, 0.25f));
+  ParamData d{w.as<float>(), g.as<float>(), DType::kF32, {}};
+  try {
+    dist.step({&d, 1});
+    ADD_FAILURE() << "expected the stream mismatch to be refused";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("create the communicator with the backend's stream"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(w.get<float>(), std::vector<float>(64, 0.5f)) << "nothing was applied";
 }
 
 }  // namespace
