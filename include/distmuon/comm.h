@@ -89,9 +89,6 @@ class CommHandle {
 // Waits for every handle in order (the first failure propagates; the rest wait in their
 // destructors).
 void wait_all(std::vector<CommHandle>& handles);
-// wait_on_stream() on every handle; those still pending are moved to `unchecked` (the caller's
-// list of handles to wait() later) and `handles` is cleared.
-void wait_all_on_stream(std::vector<CommHandle>& handles, std::vector<CommHandle>& unchecked);
 
 // Bytes this member moved, counted as direct point-to-point payload (each element once where
 // it leaves its source and once where it arrives, self-copies excluded), whatever algorithm the

@@ -128,14 +128,6 @@ void wait_all(std::vector<CommHandle>& handles) {
   handles.clear();
 }
 
-void wait_all_on_stream(std::vector<CommHandle>& handles, std::vector<CommHandle>& unchecked) {
-  for (CommHandle& h : handles) {
-    h.wait_on_stream();
-    if (h.pending()) unchecked.push_back(std::move(h));
-  }
-  handles.clear();
-}
-
 CommStats& CommStats::operator+=(const CommStats& o) {
   bytes_sent += o.bytes_sent;
   bytes_received += o.bytes_received;

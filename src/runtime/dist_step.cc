@@ -310,7 +310,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
       const int b = t - (s - compute);
       if (b >= 0 && b < n) run_or_defer(s, b, t > n - 1);
     }
-  for (int b = 0; tail < stages && b < n; ++b) run_or_defer(tail, b, true);
+  if (tail < stages)
+    for (int b = 0; b < n; ++b) run_or_defer(tail, b, true);
   if (!ctx->raise) adam_check(*ctx);
   adam_update(*ctx);
   // Everything is issued: now the host checks that the collectives ordered on the device

@@ -156,7 +156,10 @@ struct Engine::Impl {
     h.wait_on_stream();
     if (h.pending()) unchecked.push_back(std::move(h));
   }
-  void wait_on_stream(std::vector<CommHandle>& hs) { wait_all_on_stream(hs, unchecked); }
+  void wait_on_stream(std::vector<CommHandle>& hs) {
+    for (CommHandle& h : hs) wait_on_stream(h);
+    hs.clear();
+  }
   void wait_unchecked();      // host-waits `unchecked` (deadlines); on failure drops the rest
   void check_streams() const;  // the communicators' caller stream is the backend's
   // Dedicated mode with caller transfers: batches prepared since the last step (momentum and

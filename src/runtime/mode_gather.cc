@@ -92,8 +92,8 @@ class GatherRunner final : public ModeRunner {
       while (end < bk.act.size() && piece(e_.mats[bk.act[end]], e_.my_s) > 0 &&
              e_.mats[bk.act[end]].group == m0.group)
         slots.push_back(local_slot(e_.mats[bk.act[end++]], ctx));
-      const int64_t pos = bk.status_offset + static_cast<int64_t>(k);
       const MuonOptions& opt = e_.groups[m0.group].muon;
+      const int64_t pos = bk.status_offset + static_cast<int64_t>(k);
       e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov,
                                     e_.step_norms.as<float>() + pos,
                                     e_.step_status.as<int32_t>() + pos);

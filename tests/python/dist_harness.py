@@ -63,3 +63,15 @@ def launch(world: int, target: Scenario, *args: Any, timeout_s: float = 300) -> 
                 if p.is_alive():
                     p.kill()
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def ok(result: dict[str, Any]) -> dict[str, Any]:
+    """A rank's result, asserting it holds no recorded exception (shown with its traceback)."""
+    assert "error" not in result, result.get("traceback", result["error"])
+    return result
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest absolute difference between two name -> tensor maps with the same names."""
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)

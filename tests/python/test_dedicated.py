@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import dedicated_scenarios as ds
-from dist_harness import launch
+from dist_harness import launch, max_diff, ok
 from distmuon.torch import Muon
 from distmuon.torch._dedicated_layout import unit_prefix
 
@@ -65,16 +65,6 @@ def single() -> dict[str, Any]:
     opt = Muon(model, **ds.OPT_KW)
     losses = ds.train(model, opt, range(ds.STEPS), 0, 1)
     return {"losses": losses, "params": ds.full_model(model), "state": ds.full_state(opt)}
-
-
-def ok(result: dict[str, Any]) -> dict[str, Any]:
-    assert "error" not in result, result.get("traceback", result["error"])
-    return result
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 def assert_matches(results: list[dict[str, Any]], single: dict[str, Any], param_tol: float = PARAM_TOL) -> None:

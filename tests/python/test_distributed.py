@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dist_scenarios as sc
-from dist_harness import launch
+from dist_harness import launch, max_diff, ok
 from distmuon.torch import Muon
 
 PARAM_TOL = 5e-6
@@ -54,16 +54,6 @@ def single() -> dict[str, Any]:
     opt = Muon(model, **sc.OPT_KW)
     losses = sc.train(model, opt, range(sc.STEPS), 0, 1)
     return {"losses": losses, "params": sc.full_params(model), "mode": opt.dist_mode, "state": sc.full_state(opt)}
-
-
-def ok(result: dict[str, Any]) -> dict[str, Any]:
-    assert "error" not in result, result["error"]
-    return result
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
 def assert_matches_single(ranks: list[dict[str, Any]], key: str, single: dict[str, Any], mode: str) -> None:

@@ -88,7 +88,6 @@ class Dedicated:
         self._index = {id(m.param): m.index for m in matrices}
         self._handles: list[Any] = []
         self._install(model)
-        self._model = weakref.ref(model)
         model.__dict__[_MARK] = self  # a plain attribute: not a submodule, not in state_dict
         for m in matrices:
             setattr(m.param, _MARK, weakref.ref(self))
