@@ -14,13 +14,14 @@ APT_PACKAGES := cmake pkg-config g++ make libopenblas-dev openmpi-bin libopenmpi
 PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core:scikit_build_core matplotlib \
                 nvidia-cutlass:cutlass_library
 
-.PHONY: all deps deps-apt deps-pip build build-cpp python test test-cpp test-python demo format tidy clean help
+.PHONY: all deps deps-apt deps-pip build build-cpp python test test-cpp test-python test-gpu demo format tidy clean help
 
 all: build
 
 help:
 	@echo "make demo    install what is missing, build, run the benchmark and the training example (CPU)"
 	@echo "make test    install what is missing, build, run every test (ctest: gtest + MPI; pytest)"
+	@echo "make test-gpu  on a machine with NVIDIA GPUs: the whole GPU verification (tests/gpu/verify.sh)"
 	@echo "make build   configure and build Release into $(BUILD_DIR)/ (executables in $(BUILD_DIR)/bin), pip-install the Python package"
 	@echo "make python  only (re)install the Python package distmuon when its sources changed"
 	@echo "make deps    only install the Debian and Python dependencies"
@@ -80,6 +81,12 @@ test-cpp:
 # Passive OpenMP waiting: torch's pool, the engine's loops and OpenBLAS share few cores.
 test-python: python
 	OMP_WAIT_POLICY=passive $(PYTHON) -m pytest tests/python -q
+
+# The GPU verification: CUDA kernels, NCCL at 2, 4 and 8 ranks, the PyTorch front over NCCL,
+# faults, compute-sanitizer (tests/gpu/verify.sh says what and how). STAGED=.gpubin uses what
+# tests/gpu/stage.sh prepared on another machine instead of installing and building here.
+test-gpu:
+	$(if $(STAGED),,$(MAKE) deps &&) STAGED=$(STAGED) PYTHON=$(PYTHON) tests/gpu/verify.sh
 
 demo: deps build
 	$(BUILD_DIR)/bin/distmuon-bench --workload gpt2-small --backend cpu --algo ns5,auto --steps 2 --layers 4

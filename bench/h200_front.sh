@@ -10,7 +10,7 @@
 #   ONLY=dedicated bench/h200_front.sh   build, smoke test, the GPU tests of the dedicated
 #                                  runtime and bench/h200_dedicated.py only (a few minutes)
 #
-# Needs .gpubin/ from bench/stage_front_gpu.sh (device tool: carry [".gpubin"]). The Debian
+# Needs .gpubin/ from tests/gpu/stage.sh (device tool: carry [".gpubin"]). The Debian
 # packages are unpacked into /tmp/sysroot (never into /) and CMake, pkg-config and the linker
 # are pointed at it. Output under $OUT: run.log, pytest.log, train_gpt.json, train_gpt.png,
 # summary.txt, dedicated/ (bench/h200_dedicated.py: dedicated.json, summary.txt).
@@ -69,11 +69,12 @@ if [ "${ONLY:-}" = dedicated ]; then
 fi
 
 say "NCCL communicator test, world size 1"
-if [ -x .gpubin/front/test_nccl_comm ]; then
-  LD_LIBRARY_PATH=$CXX_LD_PATH .gpubin/front/test_nccl_comm --gtest_brief=1 2>&1 | tail -15 | tee -a "$LOG"
+[ -x /tmp/dm/bin/test_nccl_comm ] || tar xJf .gpubin/bundle.tar.xz -C /tmp/dm ./bin/test_nccl_comm 2>/dev/null
+if [ -x /tmp/dm/bin/test_nccl_comm ]; then
+  LD_LIBRARY_PATH=$CXX_LD_PATH /tmp/dm/bin/test_nccl_comm --gtest_brief=1 2>&1 | tail -15 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else
-  say "missing .gpubin/front/test_nccl_comm (run bench/stage_front_gpu.sh)"; status=1
+  say "missing test_nccl_comm in .gpubin/bundle.tar.xz (run tests/gpu/stage.sh)"; status=1
 fi
 
 if [ "$smoke" = 0 ]; then

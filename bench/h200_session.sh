@@ -10,7 +10,7 @@
 #                                   parts in one call as one argument: "front multi")
 #   bench/h200_session.sh quality   the training-quality studies (bench/quality: LM and vision)
 #                                   and their report
-# Prepare here: bench/stage_gpu.sh && bench/stage_front_gpu.sh, and for the vision study
+# Prepare here: tests/gpu/stage.sh, and for the vision study
 #   python3 bench/quality/vision.py --save-digits .gpubin/digits.npz      (carry: [".gpubin"])
 # Output under $OUT: session.log and one .tgz per part (the device tool returns few files).
 # Each part runs under its own timeout (T_ENGINE, T_FRONT, T_MULTI, T_QUALITY seconds) so that

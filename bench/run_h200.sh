@@ -4,7 +4,7 @@
 # autotuner, the optimizer-step benchmarks, the torch baselines, and the report.
 #   bench/run_h200.sh quick   tests + ceilings + X X^T + gpt2-small only
 #   bench/run_h200.sh full    everything (the recorded results)
-# Binaries: the carried bundle .gpubin/bundle.tar.xz (bench/stage_gpu.sh builds it on the CPU
+# Binaries: the carried bundle .gpubin/bundle.tar.xz (tests/gpu/stage.sh builds it on the CPU
 # machine, where the dependencies are), else a Release build here (cmake, ninja, -j16).
 # Output under $OUT (at most 8 files come back): run.log, cuda_bench.json, torch.json,
 # tune.json, report.json, report.md, tools.tgz.
@@ -23,7 +23,7 @@ say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 
 if [ -f .gpubin/bundle.tar.xz ]; then
   say "unpacking the prebuilt bundle"
-  mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm || { say "the bundle does not unpack (bench/stage_gpu.sh again)"; exit 1; }
+  mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm || { say "the bundle does not unpack (tests/gpu/stage.sh again)"; exit 1; }
   BIN=/tmp/dm/bin
   CUBLAS_DIRS=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib 2>/dev/null | tr '\n' ':')
   export LD_LIBRARY_PATH=/tmp/dm/lib:$CUBLAS_DIRS${LD_LIBRARY_PATH:-}

@@ -1,6 +1,7 @@
 // distmuon-plan: owner assignment of a workload's Muon matrices for a world size, from analytic,
 // measured or stored costs; compares solvers side by side and predicts the optimizer step time
 // of the distributed modes from 1 to 1024 GPUs (--simulate).
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -10,6 +11,7 @@
 #include "distmuon/backend.h"
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"
+#include "distmuon/ortho.h"
 #include "distmuon/plan.h"
 #include "distmuon/simulate.h"
 #include "distmuon/workload.h"
@@ -217,6 +219,12 @@ int run(int argc, char** argv) {
                 "x dedic.");
     j["simulate"] = {{"assumptions", cm.describe()}, {"solver", solver}, {"points", {}}};
     for (const SimPoint& p : pts) {
+      // Orthogonalization FLOPs per rank: every matrix (gather), or the busiest owner's.
+      std::vector<double> owner_flops(p.world, 0.0);
+      for (size_t i = 0; i < mats.size(); ++i)
+        owner_flops[p.owner[i]] += ortho_flops(opts.ortho, mats[i].rows, mats[i].cols);
+      double all_flops = 0;
+      for (double f : owner_flops) all_flops += f;
       std::printf("%6d %12.3f %9.4f %12.3f %11.3f %12.3f %12.3f %14.3f %10.2f %10.2f\n", p.world,
                   p.makespan * 1e3, p.imbalance, p.gather() * 1e3, p.gather_comm * 1e3,
                   p.sharded() * 1e3, p.sharded_comm * 1e3, p.dedicated() * 1e3,
@@ -233,7 +241,14 @@ int run(int argc, char** argv) {
                                          {"dedicated", p.dedicated()},
                                          {"dedicated_comm", p.dedicated_comm},
                                          {"speedup_sharded", p.gather() / p.sharded()},
-                                         {"speedup_dedicated", p.gather() / p.dedicated()}});
+                                         {"speedup_dedicated", p.gather() / p.dedicated()},
+                                         {"gather_bytes", p.gather_bytes},
+                                         {"replicated_bytes", p.replicated_bytes},
+                                         {"sharded_bytes", p.sharded_bytes},
+                                         {"dedicated_bytes", p.dedicated_bytes},
+                                         {"gather_flops", all_flops},
+                                         {"owner_flops_max", *std::max_element(
+                                             owner_flops.begin(), owner_flops.end())}});
     }
   }
   if (!a.str("json").empty()) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 9: the whole multi-GPU measurement in one call, on a machine of NGPU H200s (device kinds
 # nvidia-h200-x2/-x4/-x8; with one GPU it runs the world-size-1 subset). Prepare on the CPU machine:
-#   bench/stage_gpu.sh && bench/stage_front_gpu.sh      (carry: [".gpubin"])
+#   tests/gpu/stage.sh      (carry: [".gpubin"])
 # then on the GPU machine:   bench/multi_gpu/run.sh
 #
 # 1. optimizer step per rank count D (1, 2, 4, 8 as the machine has) on gpt2-large, pi0 and

@@ -122,10 +122,16 @@ class Communicator {
   const std::vector<int>& world_ranks() const { return world_ranks_; }
   // Where buffers must live: host memory (kCPU) or the CUDA device of the communicator.
   virtual Device device() const = 0;
-  // Communicators bound to a CUDA stream (NCCL): that stream (nullptr: the legacy default
-  // stream), whose work operations follow and that wait_on_stream() orders; the engine requires
-  // it to be its backend's stream. Others (MPI, the PyTorch front's): nullopt.
+  // Communicators that follow a CUDA stream (NCCL): the stream they follow now (nullptr: the
+  // legacy default stream): operations start after the work issued on it, and wait() and
+  // wait_on_stream() order their results before the work issued on it afterwards. Others (MPI,
+  // the PyTorch front's): nullopt.
   virtual std::optional<void*> caller_stream() const { return std::nullopt; }
+  // Makes this communicator, and those split from it, follow `stream` (a cudaStream_t; nullptr:
+  // the legacy default stream) from now on, operations in flight included (their device-side
+  // waits go to the new stream). No-op where there is no stream. The engine binds its
+  // communicators to its backend's stream each time it issues work, so the two never diverge.
+  virtual void bind_stream(void* stream) { (void)stream; }
 
   double timeout_s() const { return timeout_s_; }
   void set_timeout(double seconds);
@@ -213,10 +219,11 @@ struct NcclUniqueId {
 bool nccl_available();
 // Rank 0 creates the id and shares it with the others out of band (MPI, torch.distributed).
 NcclUniqueId nccl_unique_id();
-// A communicator of `size` members on the current CUDA device. `stream` is the cudaStream_t the
-// caller's compute runs on (nullptr: the legacy default stream): operations start after the
-// work issued on it and wait() makes it wait for their results. Collectives run on the
-// communicator's own stream. Initialisation is bounded by the timeout as well.
+// A communicator of `size` members on the current CUDA device (several members may share one
+// device with NCCL >= 2.30 and NCCL_MULTI_RANK_GPU_ENABLE=1). `stream` is the cudaStream_t the
+// caller's compute runs on (nullptr: the legacy default stream; bind_stream() changes it):
+// operations start after the work issued on it and wait() makes it wait for their results.
+// Collectives run on the communicator's own stream. Initialisation is bounded by the timeout.
 std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int rank, int size,
                                                      void* stream = nullptr);
 

@@ -53,6 +53,15 @@ struct SimPoint {
   double sharded_comm = 0;
   double dedicated_comm = 0;
   double max_owner_bytes = 0;  // on the wire, the busiest owner
+  std::vector<int> owner;      // the plan: owner rank of each matrix
+  // Bytes the engine itself moves per rank (sent + received, as CommStats counts them; the
+  // busiest rank; FSDP's and DDP's own collectives excluded; row shards taken as 1/D):
+  //   gather:     all-gather of the gradient rows        (D-1) own + (total - own)
+  //   replicated: broadcast of each matrix from its owner (D-1) b_o + (total - b_o)
+  //   sharded:    all-to-all of rows to the owners and back  2 [(total - b_o) / D + b_o (D-1) / D]
+  //   dedicated:  reduce to the owner, broadcast from it     2 (total - b_o) + 2 (D-1) b_o
+  // with b_o the bytes of the matrices owner o holds, on the wire.
+  double gather_bytes = 0, replicated_bytes = 0, sharded_bytes = 0, dedicated_bytes = 0;
   double gather() const { return gather_compute + gather_elementwise + gather_comm; }
   double sharded() const { return owner_step + sharded_comm; }
   double dedicated() const { return owner_step + dedicated_comm; }

@@ -46,7 +46,7 @@ class PyEngine {
   PyEngine(const std::string& device, NonFinitePolicy nonfinite, PyComm& comm,
            const DistOptions& dist, uintptr_t stream)
       : backend_(make_backend(device)) {
-    set_stream(stream);  // the communicator's stream, before the engine issues anything
+    set_stream(stream);  // torch's current stream, before the engine issues anything
     engine_ = std::make_unique<Engine>(*backend_, *comm.comm, dist,
                                        EngineOptions{nonfinite});
   }

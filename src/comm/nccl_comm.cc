@@ -11,19 +11,13 @@
 #include <cstring>
 
 #include "comm/poll.h"
+#include "common/cuda_handles.h"
 #include "common/log.h"
 #include "distmuon/comm.h"
 #include "distmuon/error.h"
 
 namespace distmuon {
 namespace {
-
-#define DM_CHECK_CUDA(call, ...)                             \
-  do {                                                       \
-    cudaError_t dm_e_ = (call);                              \
-    DM_CHECK(dm_e_ == cudaSuccess, __VA_ARGS__, ": ", #call, \
-             " failed: ", cudaGetErrorString(dm_e_));        \
-  } while (0)
 
 // ncclInProgress is the normal answer of a non-blocking communicator: the call was accepted.
 #define DM_CHECK_NCCL(call, ...)                                                        \
@@ -45,46 +39,10 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-class Event {  // RAII cudaEvent_t without timing (cheaper to record and query)
- public:
-  Event() { DM_CHECK_CUDA(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "nccl"); }
-  ~Event() {
-    if (e_) cudaEventDestroy(e_);
-  }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  cudaEvent_t get() const { return e_; }
-
- private:
-  cudaEvent_t e_ = nullptr;
-};
-
-class Stream {  // RAII non-blocking stream: no implicit ordering with the legacy stream
- public:
-  Stream() { DM_CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "nccl"); }
-  ~Stream() {
-    if (s_) cudaStreamDestroy(s_);
-  }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-  cudaStream_t get() const { return s_; }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
-
-class DeviceInts {  // a few int64 in device memory for barrier and split exchanges
- public:
-  explicit DeviceInts(size_t n) { DM_CHECK_CUDA(cudaMalloc(&p_, n * sizeof(int64_t)), "nccl"); }
-  ~DeviceInts() {
-    if (p_) cudaFree(p_);
-  }
-  DeviceInts(const DeviceInts&) = delete;
-  DeviceInts& operator=(const DeviceInts&) = delete;
-  int64_t* get() const { return static_cast<int64_t*>(p_); }
-
- private:
-  void* p_ = nullptr;
+// The caller's stream a communicator follows, shared with the communicators split from it and
+// with the requests in flight, so that bind_stream() moves all of them at once.
+struct StreamBinding {
+  cudaStream_t stream = nullptr;
 };
 
 // The NCCL handle and its abort state, shared with the requests so a request can abort it.
@@ -131,8 +89,13 @@ struct Shared {
 
 class NcclRequest final : public CommRequest {
  public:
-  NcclRequest(std::shared_ptr<Shared> sh, int device, cudaStream_t user, std::string what)
-      : sh_(std::move(sh)), device_(device), user_(user), what_(std::move(what)) {}
+  NcclRequest(std::shared_ptr<Shared> sh, int device, std::shared_ptr<StreamBinding> user,
+              std::string what)
+      : sh_(std::move(sh)),
+        device_(device),
+        user_(std::move(user)),
+        what_(std::move(what)),
+        done_(cuda::make_event(false)) {}
   cudaEvent_t event() const { return done_.get(); }
 
   bool test() override {
@@ -143,14 +106,14 @@ class NcclRequest final : public CommRequest {
     if (q == cudaErrorNotReady) return false;
     DM_CHECK_CUDA(q, what_);
     // Results become visible to the caller's stream without a host round trip.
-    DM_CHECK_CUDA(cudaStreamWaitEvent(user_, done_.get(), 0), what_);
+    DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, done_.get(), 0), what_);
     finished_ = true;
     return true;
   }
   bool wait_on_stream() override {
     DeviceGuard g(device_);
     sh_->check_async(what_);
-    DM_CHECK_CUDA(cudaStreamWaitEvent(user_, done_.get(), 0), what_);
+    DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, done_.get(), 0), what_);
     return true;
   }
   void wait(double timeout_s) override {
@@ -169,9 +132,9 @@ class NcclRequest final : public CommRequest {
  private:
   std::shared_ptr<Shared> sh_;
   int device_;
-  cudaStream_t user_;
+  std::shared_ptr<StreamBinding> user_;
   std::string what_;
-  Event done_;
+  cuda::Event done_;
   bool finished_ = false;
 };
 
@@ -217,12 +180,14 @@ const char* at(const void* p, int64_t elems, CommType t) {
 class NcclComm final : public Communicator {
  public:
   NcclComm(std::shared_ptr<Shared> sh, int rank, int size, std::vector<int> world_ranks, int device,
-           cudaStream_t user)
+           std::shared_ptr<StreamBinding> user)
       : Communicator(rank, size, sh->name, std::move(world_ranks)),
         sh_(std::move(sh)),
         device_(device),
-        user_(user),
-        scratch_(2 * static_cast<size_t>(size)) {}
+        user_(std::move(user)),
+        stream_(cuda::make_stream()),
+        ready_(cuda::make_event(false)),
+        scratch_(cuda::device_alloc(2 * static_cast<size_t>(size) * sizeof(int64_t))) {}
   ~NcclComm() override {
     DeviceGuard g(device_);
     if (sh_->aborted) return;  // ncclCommAbort already released the communicator
@@ -236,7 +201,10 @@ class NcclComm final : public Communicator {
     if (!sh_->aborted) ncclCommDestroy(sh_->comm);
   }
   Device device() const override { return Device{DeviceKind::kCUDA, device_}; }
-  std::optional<void*> caller_stream() const override { return static_cast<void*>(user_); }
+  std::optional<void*> caller_stream() const override {
+    return static_cast<void*>(user_->stream);
+  }
+  void bind_stream(void* stream) override { user_->stream = static_cast<cudaStream_t>(stream); }
 
  protected:
   std::unique_ptr<CommRequest> do_all_reduce(const void* send, void* recv, int64_t count,
@@ -314,7 +282,7 @@ class NcclComm final : public Communicator {
   }
   std::unique_ptr<CommRequest> do_barrier() override {
     return launch("barrier", [&] {
-      DM_CHECK_NCCL(ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclInt64, ncclSum, sh_->comm,
+      DM_CHECK_NCCL(ncclAllReduce(scratch(), scratch(), 1, ncclInt64, ncclSum, sh_->comm,
                                   stream_.get()),
                     describe("barrier"));
     });
@@ -327,10 +295,10 @@ class NcclComm final : public Communicator {
     std::vector<int64_t> all(2 * static_cast<size_t>(size()));
     int64_t mine[2] = {color, key};
     DM_CHECK_CUDA(
-        cudaMemcpy(scratch_.get() + 2 * rank(), mine, sizeof(mine), cudaMemcpyHostToDevice),
+        cudaMemcpy(scratch() + 2 * rank(), mine, sizeof(mine), cudaMemcpyHostToDevice),
         describe("split"));
-    all_gather(scratch_.get() + 2 * rank(), scratch_.get(), 2, CommType::kI64).wait();
-    DM_CHECK_CUDA(cudaMemcpy(all.data(), scratch_.get(), all.size() * sizeof(int64_t),
+    all_gather(scratch() + 2 * rank(), scratch(), 2, CommType::kI64).wait();
+    DM_CHECK_CUDA(cudaMemcpy(all.data(), scratch(), all.size() * sizeof(int64_t),
                              cudaMemcpyDeviceToHost),
                   describe("split"));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -367,7 +335,7 @@ class NcclComm final : public Communicator {
     sh_->check_async(what);
     auto req = std::make_unique<NcclRequest>(sh_, device_, user_, what);
     // Start after everything the caller issued on its stream (the inputs are ready then).
-    DM_CHECK_CUDA(cudaEventRecord(ready_.get(), user_), what);
+    DM_CHECK_CUDA(cudaEventRecord(ready_.get(), user_->stream), what);
     DM_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), ready_.get(), 0), what);
     issue();
     sh_->wait_ready(what, timeout_s());
@@ -375,12 +343,14 @@ class NcclComm final : public Communicator {
     return req;
   }
 
+  int64_t* scratch() const { return static_cast<int64_t*>(scratch_.get()); }
+
   std::shared_ptr<Shared> sh_;
   int device_;
-  cudaStream_t user_;
-  Stream stream_;
-  Event ready_;
-  DeviceInts scratch_;
+  std::shared_ptr<StreamBinding> user_;
+  cuda::Stream stream_;
+  cuda::Event ready_;
+  cuda::DevicePtr scratch_;  // a few int64 for the barrier and split exchanges
 };
 
 }  // namespace
@@ -414,8 +384,9 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& uid, in
   DM_CHECK_NCCL(ncclCommInitRankConfig(&sh->comm, size, id, rank, &config),
                 "nccl: initialisation of rank ", rank, " of ", size);
   // The first communicator's timeout is the environment's (set_timeout applies afterwards).
-  auto comm = std::make_unique<NcclComm>(sh, rank, size, std::vector<int>{}, device,
-                                         static_cast<cudaStream_t>(stream));
+  auto binding = std::make_shared<StreamBinding>();
+  binding->stream = static_cast<cudaStream_t>(stream);
+  auto comm = std::make_unique<NcclComm>(sh, rank, size, std::vector<int>{}, device, binding);
   sh->wait_ready(detail::concat("nccl: initialisation of rank ", rank, " of ", size,
                                 " (all members must call make_nccl_communicator with one id)"),
                  comm->timeout_s());

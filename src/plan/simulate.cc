@@ -116,6 +116,16 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
     const double b_max = *std::max_element(bytes.begin(), bytes.end());
     const double b_min = *std::min_element(bytes.begin(), bytes.end());
     sp.max_owner_bytes = b_max;
+    sp.owner = plan.owner;
+    if (d > 1) {
+      sp.gather_bytes = (d - 1.0) * total / d + (total - total / d);
+      for (int o = 0; o < d; ++o) {
+        const double b = bytes[o];
+        sp.replicated_bytes = std::max(sp.replicated_bytes, (d - 1.0) * b + (total - b));
+        sp.sharded_bytes = std::max(sp.sharded_bytes, 2 * ((total - b) / d + b * (d - 1.0) / d));
+        sp.dedicated_bytes = std::max(sp.dedicated_bytes, 2 * (total - b) + 2 * (d - 1.0) * b);
+      }
+    }
     for (int o = 0; o < d; ++o)
       sp.owner_step = std::max(sp.owner_step, plan.owner_load[o] + bytes[o] /
                                                   static_cast<double>(cm.wire_elem_bytes) *

@@ -125,6 +125,7 @@ bool is_sharded_mode(DistMode m) { return m == DistMode::kSharded || m == DistMo
 }  // namespace
 
 void Engine::Impl::dist_setup() {
+  bind_streams();  // the set-up exchanges, and the communicators split from the world
   rank = world->rank();
   world_size = world->size();
   const std::string mode = dist_mode_name(dist.mode);

@@ -240,19 +240,14 @@ void Engine::Impl::raise_check() {
 }
 
 // Stages order each other's collectives on the device (wait_on_stream makes the communicator's
-// caller stream wait), so the backend must issue on that very stream: on another, kernels would
-// read receive buffers before the collectives land, and collectives would read send buffers
-// before the kernels that fill them.
-void Engine::Impl::check_streams() const {
-  for (const Communicator* c : {world, shard, replica}) {
-    if (!c) continue;
-    const std::optional<void*> s = c->caller_stream();
-    DM_CHECK(!s || *s == backend.native_stream(), "the communicator ", c->name(),
-             " orders its collectives with CUDA stream ", *s, " but the backend issues on stream ",
-             backend.native_stream(), "; create the communicator with the backend's stream ",
-             "(make_nccl_communicator(..., backend.native_stream())) or set the backend's ",
-             "stream to the communicator's");
-  }
+// caller stream wait), so the communicators must follow the very stream the backend issues on:
+// on another, kernels would read receive buffers before the collectives land, and collectives
+// would read send buffers before the kernels that fill them. The caller may move the backend to
+// another stream between calls (torch's current stream, a side stream), so every entry point
+// that issues work binds them again.
+void Engine::Impl::bind_streams() {
+  for (Communicator* c : {world, shard, replica})
+    if (c) c->bind_stream(backend.native_stream());
 }
 
 void Engine::Impl::wait_unchecked() {
@@ -265,7 +260,7 @@ void Engine::Impl::wait_unchecked() {
 }
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
-  check_streams();
+  bind_streams();
   if (publish_pending) finish_publish();
   wait_unchecked();  // left by a step that raised
   const CommStats before = comm_stats();
@@ -328,6 +323,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
 }
 
 void Engine::Impl::finish_publish() {
+  bind_streams();
   const CommStats before = comm_stats();
   std::vector<std::pair<int, int>> items;
   items.swap(deferred);

@@ -161,7 +161,7 @@ struct Engine::Impl {
     hs.clear();
   }
   void wait_unchecked();      // host-waits `unchecked` (deadlines); on failure drops the rest
-  void check_streams() const;  // the communicators' caller stream is the backend's
+  void bind_streams();  // the communicators follow the backend's current stream
   // Dedicated mode with caller transfers: batches prepared since the last step (momentum and
   // orthogonalization done, results in prep_x) whose updates step() applies.
   struct PreparedBatch {

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon, dedicate
-from helpers import make_batch
+from helpers import make_batch, scenario_device
 
 GLOBAL_BATCH = 8
 DIM = 64  # large enough that the planner balances arithmetic, not launches (so bytes too)
@@ -49,7 +49,7 @@ class LayeredGPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
             h = b(h)
         h = h + self.gate(h).mean(-1, keepdim=True)
@@ -58,27 +58,40 @@ class LayeredGPT(nn.Module):
 
 def make_model() -> LayeredGPT:
     torch.manual_seed(0)
-    return LayeredGPT()
+    return LayeredGPT().to(scenario_device())
 
 
-def local_loss(model: nn.Module, step: int, rank: int, world: int, micro: int = 0, accum: int = 1) -> torch.Tensor:
+def local_loss(
+    model: nn.Module, step: int, rank: int, world: int, micro: int = 0, accum: int = 1, amp: bool = False
+) -> torch.Tensor:
+    """This rank's share of micro-batch `micro`; `amp`: the forward under bf16 autocast."""
     x, y = make_batch(step, batch=GLOBAL_BATCH)
     per = GLOBAL_BATCH // (world * accum)
     first = (rank * accum + micro) * per
-    x, y = x[first : first + per], y[first : first + per]
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
+    dev = scenario_device()
+    x, y = x[first : first + per].to(dev), y[first : first + per].to(dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(x)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)) / accum
 
 
 def train(
-    model: nn.Module, opt: Muon, steps: range, rank: int, world: int, accum: int = 1, dm: Any = None, sync_all: bool = False
+    model: nn.Module,
+    opt: Muon,
+    steps: range,
+    rank: int,
+    world: int,
+    accum: int = 1,
+    dm: Any = None,
+    sync_all: bool = False,
+    amp: bool = False,
 ) -> list[float]:
     """Global mean loss of each step; micro-batches before the last skip gradient sync (unless
     sync_all: every backward reduces)."""
     out = []
     for step in steps:
         opt.zero_grad()
-        total = torch.zeros(())
+        total = torch.zeros((), device=scenario_device())
         for micro in range(accum):
             with ExitStack() as stack:
                 if micro < accum - 1 and not sync_all:
@@ -88,7 +101,7 @@ def train(
                         model.set_requires_gradient_sync(False)
                 elif hasattr(model, "set_requires_gradient_sync"):
                     model.set_requires_gradient_sync(True)
-                loss = local_loss(model, step, rank, world, micro, accum)
+                loss = local_loss(model, step, rank, world, micro, accum, amp)
                 loss.backward()
             total += loss.detach()
         opt.step()
@@ -100,7 +113,8 @@ def train(
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone()  # type: ignore[operator]
+    """The whole tensor on the CPU (collective for DTensors)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
 
 
 def full_model(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -116,12 +130,13 @@ def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
 def mesh_of(kind: str, world: int) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
+    dev = scenario_device().type
     if kind == "hsdp":
-        return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh("cpu", (world,))
+        return init_device_mesh(dev, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(dev, (world,))
 
 
-def build(kind: str, world: int, overlap: bool) -> tuple[nn.Module, Any, Muon]:
+def build(kind: str, world: int, overlap: bool, kw: dict[str, Any] | None = None) -> tuple[nn.Module, Any, Muon]:
     """dedicate() the Muon matrices, fully_shard the rest (blocks, then the root), the optimizer."""
     from torch.distributed.fsdp import fully_shard
 
@@ -131,7 +146,7 @@ def build(kind: str, world: int, overlap: bool) -> tuple[nn.Module, Any, Muon]:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, ignored_params=dm.ignored_params)
     fully_shard(model, mesh=mesh, ignored_params=dm.ignored_params)
-    return model, dm, Muon(model, **OPT_KW)
+    return model, dm, Muon(model, **(kw or OPT_KW))
 
 
 def guarded(fn: Any) -> dict[str, Any]:
@@ -144,18 +159,26 @@ def guarded(fn: Any) -> dict[str, Any]:
 
 
 def run_dedicated(
-    rank: int, world: int, kind: str, accum: int, overlap: bool, ckpt: str | None = None, sync_all: bool = False
+    rank: int,
+    world: int,
+    kind: str,
+    accum: int,
+    overlap: bool,
+    ckpt: str | None = None,
+    sync_all: bool = False,
+    amp: bool = False,
+    kw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    model, dm, opt = build(kind, world, overlap)
+    model, dm, opt = build(kind, world, overlap, kw)
     memory = dm.memory_stats()
-    losses = train(model, opt, range(CKPT_AT), rank, world, accum, dm, sync_all)
+    losses = train(model, opt, range(CKPT_AT), rank, world, accum, dm, sync_all, amp)
     saved = None
     if ckpt is not None:
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
         saved = full_state(opt)
-    losses += train(model, opt, range(CKPT_AT, STEPS), rank, world, accum, dm, sync_all)
+    losses += train(model, opt, range(CKPT_AT, STEPS), rank, world, accum, dm, sync_all, amp)
     after = dm.memory_stats()
     st = opt.stats()
     return {
@@ -176,10 +199,10 @@ def run_dedicated(
     }
 
 
-def run_resume(rank: int, world: int, kind: str, ckpt: str) -> dict[str, Any]:
+def run_resume(rank: int, world: int, kind: str, ckpt: str, kw: dict[str, Any] | None = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    model, dm, opt = build(kind, world, overlap=True)
+    model, dm, opt = build(kind, world, overlap=True, kw=kw)
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd["model"])

@@ -1,5 +1,8 @@
 """Launching real ranks for the distributed tests: processes started with torch.multiprocessing
-(spawn), a gloo process group over TCP on localhost, results returned through files.
+(spawn), a process group over TCP on localhost, results returned through files. Two rigs: gloo
+ranks on the CPU (the CI suite), or NCCL ranks on this machine's GPUs (test_gpu_distributed.py),
+several per GPU where NCCL allows it (>= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1); NCCL ranks run
+the scenarios on their CUDA device (helpers.scenario_device).
 
 A rank that raises records the exception (type and message) as its result instead of dying, so
 that tests can assert on errors raised on every rank. A launch that does not finish within its
@@ -29,14 +32,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _child(rank: int, world: int, port: int, out: str, target: Scenario, args: tuple[Any, ...]) -> None:
+def device_of(rank: int, world: int) -> int:
+    """The GPU of NCCL rank `rank`: ranks share the GPUs in blocks."""
+    per_gpu = -(-world // torch.cuda.device_count())
+    return rank // per_gpu
+
+
+def _child(
+    rank: int, world: int, port: int, out: str, target: Scenario, args: tuple[Any, ...], backend: str
+) -> None:
     import torch.distributed as dist
 
     os.environ["DISTMUON_COMM_TIMEOUT_S"] = "60"  # a divergence fails in a minute, not five
     torch.set_num_threads(1)  # ranks share 2 cores
+    device = None
+    if backend == "nccl":
+        torch.cuda.set_device(device_of(rank, world))
+        os.environ["DISTMUON_TEST_DEVICE"] = "cuda"
+        device = torch.device("cuda", torch.cuda.current_device())
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=90),
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=datetime.timedelta(seconds=90), device_id=device,
     )
     try:
         result: dict[str, Any] = target(rank, world, *args)
@@ -47,11 +63,18 @@ def _child(rank: int, world: int, port: int, out: str, target: Scenario, args: t
     dist.destroy_process_group()
 
 
-def launch(world: int, target: Scenario, *args: Any, timeout_s: float = 300) -> list[dict[str, Any]]:
-    """Runs target(rank, world, *args) on `world` ranks; returns each rank's result dict."""
+def launch(
+    world: int, target: Scenario, *args: Any, timeout_s: float = 300, backend: str = "gloo"
+) -> list[dict[str, Any]]:
+    """Runs target(rank, world, *args) on `world` ranks of `backend` ("gloo" or "nccl"); returns
+    each rank's result dict."""
     with tempfile.TemporaryDirectory() as out:
         ctx = mp.start_processes(
-            _child, args=(world, free_port(), out, target, args), nprocs=world, join=False, start_method="spawn"
+            _child,
+            args=(world, free_port(), out, target, args, backend),
+            nprocs=world,
+            join=False,
+            start_method="spawn",
         )
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         try:

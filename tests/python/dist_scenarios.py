@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon
-from helpers import TinyGPT, make_batch
+from helpers import TinyGPT, make_batch, scenario_device
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -36,7 +36,7 @@ class DistGPT(TinyGPT):
         self.experts = nn.Parameter(torch.randn(2, 16, 16) * 0.1)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         h = self.wte(idx) + self.wpe(pos)
         h = h + self.proj(torch.tanh(self.qkv(self.ln(h))))
         h = h + self.out_proj(torch.nn.functional.gelu(self.fc(h)))
@@ -46,27 +46,30 @@ class DistGPT(TinyGPT):
 
 def make_model() -> DistGPT:
     torch.manual_seed(0)
-    return DistGPT()
+    return DistGPT().to(scenario_device())
 
 
-def local_loss(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+def local_loss(model: nn.Module, step: int, rank: int, world: int, amp: bool = False) -> torch.Tensor:
+    """This rank's share of the global batch; `amp`: the forward under bf16 autocast."""
     x, y = make_batch(step, batch=GLOBAL_BATCH)
     per = GLOBAL_BATCH // world
-    x, y = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    dev = scenario_device()
+    x, y = x[rank * per : (rank + 1) * per].to(dev), y[rank * per : (rank + 1) * per].to(dev)
+    with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=amp):
+        logits = model(x)
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def train(fwd: nn.Module, opt: Muon, steps: range, rank: int, world: int) -> list[float]:
+def train(fwd: nn.Module, opt: Muon, steps: range, rank: int, world: int, amp: bool = False) -> list[float]:
     """Global mean loss of each step."""
     out = []
     for step in steps:
         opt.zero_grad()
-        loss = local_loss(fwd, step, rank, world)
+        loss = local_loss(fwd, step, rank, world, amp)
         loss.backward()
         opt.step()
         value = loss.detach().clone()
@@ -78,7 +81,8 @@ def train(fwd: nn.Module, opt: Muon, steps: range, rank: int, world: int) -> lis
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone()  # type: ignore[operator]
+    """The whole tensor on the CPU (collective for DTensors)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -92,19 +96,23 @@ def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
 
 
 def wrap(model: nn.Module, kind: str, world: int) -> nn.Module:
-    """The module to call forward on: FSDP2 / HSDP shard `model` in place, DDP wraps it."""
-    if kind in ("fsdp", "hsdp"):
+    """The module to call forward on: FSDP2 / HSDP shard `model` in place ("fsdp_mp": with bf16
+    parameters in forward and fp32 gradient reduction), DDP wraps it."""
+    dev = scenario_device()
+    if kind in ("fsdp", "hsdp", "fsdp_mp"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        if kind == "fsdp":
-            mesh = init_device_mesh("cpu", (world,))
+        if kind == "hsdp":
+            mesh = init_device_mesh(dev.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
         else:
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-        fully_shard(model, mesh=mesh)
+            mesh = init_device_mesh(dev.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if kind == "fsdp_mp" else None
+        fully_shard(model, mesh=mesh, **({"mp_policy": mp} if mp else {}))
         return model
     if kind == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        ids = [torch.cuda.current_device()] if dev.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
     return model
 
 
@@ -120,20 +128,26 @@ def guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_train(
-    rank: int, world: int, kind: str, ckpt: str | None = None, dist_mode: str = "auto", kw: dict[str, Any] | None = None
+    rank: int,
+    world: int,
+    kind: str,
+    ckpt: str | None = None,
+    dist_mode: str = "auto",
+    kw: dict[str, Any] | None = None,
+    amp: bool = False,
 ) -> dict[str, Any]:
-    """STEPS steps; with `ckpt`, a DCP checkpoint after CKPT_AT steps."""
+    """STEPS steps; with `ckpt`, a DCP checkpoint after CKPT_AT steps; `amp`: bf16 autocast."""
     import torch.distributed.checkpoint as dcp
 
     model = make_model()
     fwd = wrap(model, kind, world)
     opt = Muon(model, dist_mode=dist_mode, **(kw or OPT_KW))
-    losses = train(fwd, opt, range(CKPT_AT), rank, world)
+    losses = train(fwd, opt, range(CKPT_AT), rank, world, amp)
     saved = None
     if ckpt is not None:
         dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
         saved = full_state(opt)
-    losses += train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
+    losses += train(fwd, opt, range(CKPT_AT, STEPS), rank, world, amp)
     return {
         "mode": opt.dist_mode,
         "losses": losses,

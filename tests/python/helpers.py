@@ -4,6 +4,7 @@ torch.optim.Muon's Newton-Schulz in float32 (torch always iterates in bfloat16).
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,6 +27,13 @@ def newton_schulz_fp32(
     return x.T if tall else x
 
 
+def scenario_device() -> torch.device:
+    """Where the distributed scenarios run: the CPU (gloo ranks), or the current CUDA device when
+    the NCCL rig (test_gpu_distributed.py) sets DISTMUON_TEST_DEVICE=cuda for its ranks and its
+    single-process reference."""
+    return torch.device(os.environ.get("DISTMUON_TEST_DEVICE", "cpu"))
+
+
 class TinyGPT(nn.Module):
     """Embedding, attention-like and MLP matrices (wide and tall), norms, biases and a head."""
 
@@ -41,7 +49,7 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(idx.shape[1])
+        pos = torch.arange(idx.shape[1], device=idx.device)
         h = self.wte(idx) + self.wpe(pos)
         h = h + self.proj(torch.tanh(self.qkv(self.ln(h))))
         h = h + self.out_proj(torch.nn.functional.gelu(self.fc(h)))

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon import _C
+from distmuon.torch._device import gpu_ranks_per_node
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,7 @@ def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.devic
         opts = _C.DistOptions()
         opts.planner = planner
         if device.type == "cuda":
-            opts.gpus_per_node = max(1, torch.cuda.device_count())
+            opts.gpus_per_node = gpu_ranks_per_node()
         ortho = _C.parse_algorithm("auto", _C.OrthoConfig())
         ortho.work_dtype = _C.DType.bf16 if device.type == "cuda" else _C.DType.f32
         result[0] = _C.plan_owners(

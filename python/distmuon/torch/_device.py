@@ -59,6 +59,15 @@ def _cpu_threads() -> None:
     os.environ.setdefault("DISTMUON_NUM_THREADS", "1")
 
 
+def gpu_ranks_per_node() -> int:
+    """The planner's topology hint on CUDA: ranks on this node, as the launcher says (torchrun's
+    LOCAL_WORLD_SIZE, Open MPI's), else one per GPU. Several ranks may share a GPU."""
+    for var in ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return max(1, int(os.environ[var]))
+    return max(1, torch.cuda.device_count())
+
+
 def _stream(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
 
@@ -133,56 +142,38 @@ def make_engine(
             opts.owners = list(dedicated_owners or [])
             opts.caller_transfers = True
         if device.type == "cuda":
-            opts.gpus_per_node = max(1, torch.cuda.device_count())
+            opts.gpus_per_node = gpu_ranks_per_node()
         return _C.Engine(device.type, _POLICY[nonfinite], comm, opts, _stream(device))
 
 
 class StreamOrder:
     """Orders the engine's CUDA work with torch's current stream, without host synchronisation.
 
-    A single-process engine simply issues on torch's current stream of each step (after an
-    event wait when the stream changed since the last step, because the engine's workspace and
-    state were last used there). A distributed engine stays on the stream its NCCL communicator
-    was made for; when torch's current stream is another, the two wait for each other through
-    events before and after the step.
+    The engine issues on torch's current stream of each step (after an event wait when the
+    stream changed since the engine's last work, because its workspace and state were last used
+    there); a distributed engine's communicators follow it (the engine binds them to its stream
+    whenever it issues work), so there is one stream to follow, the caller's.
     """
 
-    def __init__(self, engine: _C.Engine, device: torch.device, fixed: bool) -> None:
+    def __init__(self, engine: _C.Engine, device: torch.device) -> None:
         self.engine = engine
-        self.device = device
         self.cuda = device.type == "cuda"
-        self.fixed = torch.cuda.current_stream(device) if (self.cuda and fixed) else None
+        self.device = device
         self.last = torch.cuda.current_stream(device) if self.cuda else None
 
     def before(self) -> None:
-        if not self.cuda:
-            return
-        cur = torch.cuda.current_stream(self.device)
-        if self.fixed is not None:
-            if cur != self.fixed:
-                self.fixed.wait_stream(cur)
-            return
-        if cur != self.last:
-            cur.wait_stream(self.last)  # type: ignore[arg-type]
-            self.engine.set_stream(int(cur.cuda_stream))
-            self.last = cur
+        """The engine's next work goes to torch's current stream."""
+        if self.cuda:
+            self.switch(torch.cuda.current_stream(self.device))
 
     def switch(self, stream: Any) -> None:
         """The engine's next work goes to `stream`, after the engine's last work (a side stream
         for early work; the next before() brings it back to torch's current stream)."""
         if not self.cuda or stream == self.last:
             return
-        assert self.fixed is None, "an engine bound to its communicator's stream cannot switch"
         stream.wait_stream(self.last)
         self.engine.set_stream(int(stream.cuda_stream))
         self.last = stream
-
-    def after(self) -> None:
-        if self.fixed is None:
-            return
-        cur = torch.cuda.current_stream(self.device)
-        if cur != self.fixed:
-            cur.wait_stream(self.fixed)
 
 
 def to_dlpack(t: torch.Tensor) -> Any:

@@ -57,10 +57,7 @@ def build_part(
         begin, count = s.rows if s.rows is not None else (0, -1)
         engine.add_param(s.name, s.group, s.engine_shape, engine_dtype(s.dtype), begin, count)
     engine.setup()  # distributed: checks the registration on every rank, plans the owners
-    # A dedicated engine moves nothing in step() (its one exchange waits on the host), so it can
-    # follow torch's current stream, and a side stream for the early work of overlap_step.
-    fixed = topo.distributed and device.type == "cuda" and dedicated is None
-    return Part(engine, topo, slots, StreamOrder(engine, device, fixed=fixed), comm, dedicated)
+    return Part(engine, topo, slots, StreamOrder(engine, device), comm, dedicated)
 
 
 # Counters that add up across engines; the rates are recomputed from them.

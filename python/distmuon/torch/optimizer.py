@@ -504,7 +504,6 @@ class Muon(torch.optim.Optimizer):
             params, grads = self._step_inputs(part.slots)
             part.order.before()
             part.engine.step(params, grads)
-            part.order.after()
             if part.dedicated is not None:
                 part.dedicated.after_step()
         return loss

@@ -1,6 +1,7 @@
-// The MPI communicator under mpirun at any world size: every collective against values each rank
-// can compute on its own, uneven and empty counts, in-place forms, sub-communicators, byte
-// counters, overlap through the progress thread, and a timeout that names the operation.
+// A communicator under mpirun at any world size, on both rigs of dist_rig.h (MPI on host memory,
+// NCCL on CUDA memory): every collective against values each rank can compute on its own, uneven
+// and empty counts, in-place forms, sub-communicators, byte counters, outstanding operations,
+// overlap through MPI's progress thread, and a timeout that names the operation.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -8,60 +9,72 @@
 #include <thread>
 
 #include "common/half.h"
+#include "dist_rig.h"
 #include "distmuon/env.h"
 #include "distmuon/error.h"
-#include "mpi_test_main.h"
 
 namespace distmuon {
 namespace {
 
+using test::Mirror;
 using test::world;
+
+// Buffers where the communicator moves data (host or device memory).
+struct Bufs {
+  std::unique_ptr<Backend> be = test::make_backend();
+  template <typename T>
+  Mirror<T> of(const std::vector<T>& v) {
+    return Mirror<T>(*be, v);
+  }
+};
 
 TEST(MpiComm, AllReduceSumMaxMinOverTypes) {
   Communicator& c = world();
+  Bufs m;
   const int p = c.size(), r = c.rank();
-  std::vector<double> d = {1.0 * r, -2.0 * r, 0.5};
+  auto d = m.of<double>({1.0 * r, -2.0 * r, 0.5});
   c.all_reduce(d.data(), d.data(), 3, CommType::kF64, ReduceOp::kSum).wait();
   const double tri = p * (p - 1) / 2.0;
-  EXPECT_EQ(d, (std::vector<double>{tri, -2 * tri, 0.5 * p}));
-  std::vector<float> f = {static_cast<float>(r), static_cast<float>(-r)}, g(2);
+  EXPECT_EQ(d.get(), (std::vector<double>{tri, -2 * tri, 0.5 * p}));
+  auto f = m.of<float>({static_cast<float>(r), static_cast<float>(-r)}), g = m.of<float>({0, 0});
   c.all_reduce(f.data(), g.data(), 2, CommType::kF32, ReduceOp::kMax).wait();
-  EXPECT_EQ(g, (std::vector<float>{static_cast<float>(p - 1), 0.0f}));
-  std::vector<int32_t> i = {r + 10};
+  EXPECT_EQ(g.get(), (std::vector<float>{static_cast<float>(p - 1), 0.0f}));
+  auto i = m.of<int32_t>({r + 10});
   c.all_reduce(i.data(), i.data(), 1, CommType::kI32, ReduceOp::kMin).wait();
-  EXPECT_EQ(i[0], 10);
-  std::vector<int64_t> l = {int64_t{1} << 40};
+  EXPECT_EQ(i.get()[0], 10);
+  auto l = m.of<int64_t>({int64_t{1} << 40});
   c.all_reduce(l.data(), l.data(), 1, CommType::kI64, ReduceOp::kSum).wait();
-  EXPECT_EQ(l[0], p * (int64_t{1} << 40));
+  EXPECT_EQ(l.get()[0], p * (int64_t{1} << 40));
   // bf16 and fp16 travel as 16-bit words and are added in fp32 (small integers are exact).
-  std::vector<uint16_t> b = {float_to_bf16(static_cast<float>(r + 1))};
-  std::vector<uint16_t> h = {float_to_f16(static_cast<float>(2 * r))};
+  auto b = m.of<uint16_t>({float_to_bf16(static_cast<float>(r + 1))});
+  auto h = m.of<uint16_t>({float_to_f16(static_cast<float>(2 * r))});
   c.all_reduce(b.data(), b.data(), 1, CommType::kBF16, ReduceOp::kSum).wait();
   c.all_reduce(h.data(), h.data(), 1, CommType::kF16, ReduceOp::kMax).wait();
-  EXPECT_EQ(bf16_to_float(b[0]), p * (p + 1) / 2.0f);
-  EXPECT_EQ(f16_to_float(h[0]), 2.0f * (p - 1));
+  EXPECT_EQ(bf16_to_float(b.get()[0]), p * (p + 1) / 2.0f);
+  EXPECT_EQ(f16_to_float(h.get()[0]), 2.0f * (p - 1));
 }
 
 TEST(MpiComm, ReduceAndBroadcastFromEveryRoot) {
   Communicator& c = world();
+  Bufs b;
   const int p = c.size(), r = c.rank();
   for (int root = 0; root < p; ++root) {
-    std::vector<float> mine = {1.0f + r, 2.0f}, out(2, -1.0f);
+    auto mine = b.of<float>({1.0f + r, 2.0f}), out = b.of<float>({-1.0f, -1.0f});
     c.reduce(mine.data(), out.data(), 2, CommType::kF32, ReduceOp::kSum, root).wait();
     if (r == root) {
-      EXPECT_EQ(out, (std::vector<float>{p * (p + 1) / 2.0f, 2.0f * p}));
+      EXPECT_EQ(out.get(), (std::vector<float>{p * (p + 1) / 2.0f, 2.0f * p}));
     } else {
-      EXPECT_EQ(out, (std::vector<float>{-1.0f, -1.0f}));  // untouched
+      EXPECT_EQ(out.get(), (std::vector<float>{-1.0f, -1.0f}));  // untouched
     }
     // In place at the root.
-    std::vector<float> inplace = {1.0f};
+    auto inplace = b.of<float>({1.0f});
     c.reduce(inplace.data(), inplace.data(), 1, CommType::kF32, ReduceOp::kSum, root).wait();
     if (r == root) {
-      EXPECT_EQ(inplace[0], static_cast<float>(p));
+      EXPECT_EQ(inplace.get()[0], static_cast<float>(p));
     }
-    std::vector<int64_t> v = {r == root ? 100 + root : -7, 5};
+    auto v = b.of<int64_t>({r == root ? 100 + root : -7, 5});
     c.broadcast(v.data(), 2, CommType::kI64, root).wait();
-    EXPECT_EQ(v, (std::vector<int64_t>{100 + root, 5}));
+    EXPECT_EQ(v.get(), (std::vector<int64_t>{100 + root, 5}));
   }
 }
 
@@ -73,17 +86,21 @@ TEST(MpiComm, AllGatherVWithUnevenAndEmptyCounts) {
   for (int q = 0; q < p; ++q) counts[q] = q % 3;
   std::exclusive_scan(counts.begin(), counts.end(), displs.begin(), int64_t{0});
   const int64_t total = displs.back() + counts.back();
+  Bufs b;
   std::vector<float> send(counts[r]);
   for (int64_t k = 0; k < counts[r]; ++k) send[k] = 10.0f * r + k;
-  std::vector<float> recv(total + 1, -1.0f);
-  c.all_gather_v(send.data(), counts[r], recv.data(), counts, displs, CommType::kF32).wait();
+  auto send_d = b.of(send), recv_d = b.of(std::vector<float>(total + 1, -1.0f));
+  c.all_gather_v(send_d.data(), counts[r], recv_d.data(), counts, displs, CommType::kF32).wait();
+  const std::vector<float> recv = recv_d.get();
   for (int q = 0; q < p; ++q)
     for (int64_t k = 0; k < counts[q]; ++k) EXPECT_EQ(recv[displs[q] + k], 10.0f * q + k);
   EXPECT_EQ(recv[total], -1.0f);
   // In place: the own slot of recv is the send buffer.
   std::vector<int32_t> all(p, 0);
   all[r] = r * r;
-  c.all_gather(all.data() + r, all.data(), 1, CommType::kI32).wait();
+  auto all_d = b.of(all);
+  c.all_gather(all_d.data() + r, all_d.data(), 1, CommType::kI32).wait();
+  all = all_d.get();
   for (int q = 0; q < p; ++q) EXPECT_EQ(all[q], q * q);
 }
 
@@ -99,11 +116,14 @@ TEST(MpiComm, AllToAllVWithUnevenAndEmptyCounts) {
   }
   std::exclusive_scan(sc.begin(), sc.end(), sd.begin(), int64_t{0});
   std::exclusive_scan(rc.begin(), rc.end(), rd.begin(), int64_t{0});
-  std::vector<double> send(sd.back() + sc.back()), recv(rd.back() + rc.back(), -1.0);
+  std::vector<double> send(sd.back() + sc.back());
   for (int q = 0; q < p; ++q)
     for (int64_t k = 0; k < sc[q]; ++k) send[sd[q] + k] = 1000.0 * r + 10.0 * q + k;
+  Bufs b;
+  auto send_d = b.of(send), recv_d = b.of(std::vector<double>(rd.back() + rc.back(), -1.0));
   const CommStats before = c.stats();
-  c.all_to_all_v(send.data(), sc, sd, recv.data(), rc, rd, CommType::kF64).wait();
+  c.all_to_all_v(send_d.data(), sc, sd, recv_d.data(), rc, rd, CommType::kF64).wait();
+  const std::vector<double> recv = recv_d.get();
   for (int q = 0; q < p; ++q)
     for (int64_t k = 0; k < rc[q]; ++k) EXPECT_EQ(recv[rd[q] + k], 1000.0 * q + 10.0 * r + k);
   // The counters hold the payload to and from other members only.
@@ -119,7 +139,8 @@ TEST(MpiComm, AllToAllVWithUnevenAndEmptyCounts) {
 TEST(MpiComm, ByteCountersFollowTheDirectModel) {
   Communicator& c = world();
   const int p = c.size(), r = c.rank();
-  std::vector<float> buf(100);
+  Bufs b;
+  auto buf = b.of(std::vector<float>(100, 0.0f));
   CommStats s0 = c.stats();
   c.broadcast(buf.data(), 100, CommType::kF32, 0).wait();
   CommStats d = c.stats() - s0;
@@ -148,9 +169,10 @@ TEST(MpiComm, SplitFormsGroupsOrderedByKey) {
   EXPECT_EQ(sub->size(), static_cast<int>(members.size()));
   EXPECT_EQ(sub->world_ranks(), members);
   EXPECT_EQ(members[sub->rank()], r);
-  std::vector<int32_t> v = {r};
+  Bufs b;
+  auto v = b.of<int32_t>({r});
   sub->all_reduce(v.data(), v.data(), 1, CommType::kI32, ReduceOp::kSum).wait();
-  EXPECT_EQ(v[0], std::accumulate(members.begin(), members.end(), 0));
+  EXPECT_EQ(v.get()[0], std::accumulate(members.begin(), members.end(), 0));
   // A negative color takes no part.
   std::unique_ptr<Communicator> none = c.split(r == 0 ? -1 : 0, r);
   EXPECT_EQ(none == nullptr, r == 0);
@@ -163,21 +185,24 @@ TEST(MpiComm, SplitFormsGroupsOrderedByKey) {
 TEST(MpiComm, OutstandingOperationsCompleteInAnyOrder) {
   Communicator& c = world();
   const int p = c.size(), r = c.rank();
-  std::vector<std::vector<int64_t>> bufs(8, std::vector<int64_t>(1000));
+  Bufs b;
+  std::vector<Mirror<int64_t>> bufs;
   std::vector<CommHandle> hs;
   for (int k = 0; k < 8; ++k) {
-    for (auto& x : bufs[k]) x = r + k;
+    bufs.push_back(b.of(std::vector<int64_t>(1000, r + k)));
     hs.push_back(
         c.all_reduce(bufs[k].data(), bufs[k].data(), 1000, CommType::kI64, ReduceOp::kSum));
   }
   for (int k = 7; k >= 0; --k) hs[k].wait();  // newest first
   for (int k = 0; k < 8; ++k)
-    EXPECT_EQ(bufs[k][999], static_cast<int64_t>(p) * (p - 1) / 2 + static_cast<int64_t>(k) * p);
+    EXPECT_EQ(bufs[k].get()[999],
+              static_cast<int64_t>(p) * (p - 1) / 2 + static_cast<int64_t>(k) * p);
 }
 
 TEST(MpiComm, ProgressThreadAdvancesTransfersWhileTheHostComputes) {
   Communicator& c = world();
   if (c.size() < 2) GTEST_SKIP() << "needs two ranks";
+  if (test::on_cuda()) GTEST_SKIP() << "MPI's progress thread";
   // A large all-reduce runs as a schedule of several rounds, each of which needs the library to
   // be entered on every rank: without a progress thread it stalls while the ranks compute.
   const int64_t n = 1 << 22;
@@ -194,8 +219,10 @@ TEST(MpiComm, ProgressThreadAdvancesTransfersWhileTheHostComputes) {
 }
 
 TEST(MpiComm, TimeoutNamesTheOperationAndTheRanks) {
-  Communicator& c = world();
-  if (c.size() < 2) GTEST_SKIP() << "needs two ranks";
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  // A communicator of its own: NCCL aborts a communicator whose operation timed out.
+  std::unique_ptr<Communicator> own = test::make_world();
+  Communicator& c = *own;
   // Rank 0 enters the barrier at once and gives up after 0.3 s; the others arrive 1.5 s late.
   if (c.rank() == 0) {
     CommHandle h = c.barrier();
@@ -207,11 +234,23 @@ TEST(MpiComm, TimeoutNamesTheOperationAndTheRanks) {
       EXPECT_NE(msg.find("barrier"), std::string::npos) << msg;
       EXPECT_NE(msg.find("rank 0 of"), std::string::npos) << msg;
       EXPECT_NE(msg.find("world ranks 0,1"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("DISTMUON_COMM_TIMEOUT_S"), std::string::npos) << msg;
     }
-    h.wait();  // the operation is still valid and completes once the others arrive
+    if (!test::on_cuda()) {
+      h.wait();  // MPI: the operation is still valid and completes once the others arrive
+    } else {
+      // NCCL: the communicator was aborted; later calls fail at once instead of hanging.
+      EXPECT_THROW(c.barrier(), Error);
+    }
   } else {
     std::this_thread::sleep_for(std::chrono::milliseconds(1500));
-    c.barrier().wait();
+    CommHandle h = c.barrier();
+    if (!test::on_cuda()) {
+      h.wait();
+    } else {
+      // Rank 0 left: this side cannot complete either, and gives up within its own deadline.
+      EXPECT_THROW(h.wait(2.0), Error);
+    }
   }
 }
 

@@ -2,7 +2,7 @@
 // options name (MILP by default, never worse than round-robin or LPT on the same costs) on
 // analytic costs or on a measured cost file, and the engine following the plan's owners.
 // That every mode still equals the single process whatever the plan is checked by
-// test_mpi_engine.cc.
+// test_dist_engine.cc.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -12,7 +12,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/cost_table.h"
 #include "distmuon/engine.h"
-#include "mpi_test_main.h"
+#include "dist_rig.h"
 #include "runtime/engine_impl.h"
 
 namespace distmuon {

@@ -7,14 +7,14 @@
 
 #include <functional>
 
-#include "backend/cpu/cpu_backend.h"
+#include "dist_rig.h"
 #include "distmuon/engine.h"
 #include "distmuon/error.h"
-#include "mpi_test_main.h"
 
 namespace distmuon {
 namespace {
 
+using test::Mirror;
 using test::world;
 
 // Runs f on every rank and returns its error message ("" if none); checks that every rank got
@@ -30,8 +30,8 @@ std::string error_everywhere(const std::function<void()>& f) {
     if (at != std::string::npos && msg.find(".cc:", at) != std::string::npos) msg.resize(at);
   }
   std::vector<int64_t> h = {static_cast<int64_t>(std::hash<std::string>{}(msg) >> 1)}, lo = h;
-  world().all_reduce(h.data(), h.data(), 1, CommType::kI64, ReduceOp::kMax).wait();
-  world().all_reduce(lo.data(), lo.data(), 1, CommType::kI64, ReduceOp::kMin).wait();
+  test::host_world().all_reduce(h.data(), h.data(), 1, CommType::kI64, ReduceOp::kMax).wait();
+  test::host_world().all_reduce(lo.data(), lo.data(), 1, CommType::kI64, ReduceOp::kMin).wait();
   EXPECT_EQ(h[0], lo[0]) << "ranks raised different errors; rank " << world().rank()
                          << " got: " << msg;
   return msg;
@@ -54,11 +54,11 @@ struct Reg {
 
 // Registers two Muon matrices ("v" and `r.name`) plus an optional extra one, and runs setup().
 void setup_with(DistMode mode, const Reg& r) {
-  CpuBackend be;
+  auto be = test::make_backend();
   DistOptions opt;
   opt.mode = mode;
   opt.planner = r.planner;
-  Engine e(be, world(), opt);
+  Engine e(*be, world(), opt);
   e.add_group(GroupOptions{});
   const bool sharded = mode == DistMode::kSharded || mode == DistMode::kGather;
   auto shard_of = [&](int64_t dim0, int64_t shift = 0) {
@@ -124,12 +124,12 @@ TEST_F(MpiErrors, PlannersThatDifferOrDoNotExist) {
 TEST_F(MpiErrors, ACostFileOnOneRankOnlyFailsEverywhere) {
   // Rank 1's cost file does not exist: the planner's error reaches every rank before any data
   // moves, and the others do not wait for rank 1 in a collective.
-  CpuBackend be;
+  auto be = test::make_backend();
   DistOptions opt;
   opt.mode = DistMode::kDedicated;
   if (odd_one()) opt.plan_costs = "/nonexistent/costs.json";
   expect_has(error_everywhere([&] {
-               Engine e(be, world(), opt);
+               Engine e(*be, world(), opt);
                e.add_group(GroupOptions{});
                e.add_param({"w", 0, {8, 6}, DType::kF32});
                e.setup();
@@ -153,10 +153,10 @@ TEST_F(MpiErrors, AShardMissingOnOneRankIsReportedByEveryRank) {
 
 TEST_F(MpiErrors, AGradientOnSomeRanksOnlyNamesThem) {
   for (DistMode m : {DistMode::kReplicated, DistMode::kSharded}) {
-    CpuBackend be;
+    auto be = test::make_backend();
     DistOptions opt;
     opt.mode = m;
-    Engine e(be, world(), opt);
+    Engine e(*be, world(), opt);
     e.add_group(GroupOptions{});
     const int p = world().size();
     ParamSpec spec{"w", 0, {2 * p, 3}, DType::kF32};
@@ -166,11 +166,11 @@ TEST_F(MpiErrors, AGradientOnSomeRanksOnlyNamesThem) {
       rows = 2;
     }
     e.add_param(spec);
-    std::vector<float> w(rows * 3, 1.0f), g(rows * 3, 0.5f);
+    Mirror<float> w(*be, std::vector<float>(rows * 3, 1.0f)), g(*be, std::vector<float>(rows * 3, 0.5f));
     ParamData d{w.data(), odd_one() ? nullptr : g.data(), DType::kF32, {}};
     std::string msg = error_everywhere([&] { e.step({&d, 1}); });
     expect_has(msg, {"'w'", "not on ranks 1", "has one on ranks 0"});
-    EXPECT_EQ(w, std::vector<float>(rows * 3, 1.0f)) << "weights changed";
+    EXPECT_EQ(w.get(), std::vector<float>(rows * 3, 1.0f)) << "weights changed";
   }
 }
 
@@ -184,23 +184,23 @@ TEST_F(MpiErrors, ARegistrationErrorOnOneRankReachesEveryRank) {
 }
 
 TEST_F(MpiErrors, BadStepInputsOnOneRankReachEveryRank) {
-  CpuBackend be;
+  auto be = test::make_backend();
   DistOptions opt;
   opt.mode = DistMode::kReplicated;
-  Engine e(be, world(), opt);
+  Engine e(*be, world(), opt);
   e.add_group(GroupOptions{});
   e.add_param({"w", 0, {4, 6}, DType::kF32});
-  std::vector<float> w(24, 1.0f), g(24, 0.5f);
+  Mirror<float> w(*be, std::vector<float>(24, 1.0f)), g(*be, std::vector<float>(24, 0.5f));
   std::vector<int64_t> good = {4, 6}, bad = {6, 4};
   ParamData d{w.data(), g.data(), DType::kF32, odd_one() ? bad : good};
   expect_has(error_everywhere([&] {
                e.step({&d, 1});
              }),
              {"rank 1: ", "'w' has shape [4, 6] but its gradient has shape [6, 4]"});
-  EXPECT_EQ(w, std::vector<float>(24, 1.0f));
+  EXPECT_EQ(w.get(), std::vector<float>(24, 1.0f));
   d.grad_shape = good;
   e.step({&d, 1});  // the engine is still usable
-  EXPECT_NE(w, std::vector<float>(24, 1.0f));
+  EXPECT_NE(w.get(), std::vector<float>(24, 1.0f));
 }
 
 }  // namespace

@@ -1,0 +1,85 @@
+# The suites of the GPU verification, in the four lanes tests/gpu/verify.sh runs at once (sourced
+# by it in a child shell per lane). Expects WORK, LOG, BIN, PY, RANKS and NGPU in the environment.
+
+# run_suite NAME RANKS TIMEOUT CMD...: one suite, its output in $WORK/NAME.log, its verdict a line
+# of $WORK/suites.jsonl (summarize.py adds the gtest / pytest reports a suite wrote).
+run_suite() {
+  local name=$1 ranks=$2 limit=$3
+  shift 3
+  local t rc
+  t=$(date +%s)
+  timeout -k 10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  rc=$?
+  printf '{"name": "%s", "ranks": %s, "rc": %s, "seconds": %s}\n' "$name" "$ranks" "$rc" \
+    "$(( $(date +%s) - t ))" >> "$WORK/suites.jsonl"
+  echo "[$name] $([ $rc = 0 ] && echo passed || echo "FAILED (exit $rc)") in $(( $(date +%s) - t )) s" | tee -a "$LOG"
+  [ $rc = 0 ] || tail -25 "$WORK/$name.log" | sed "s/^/    [$name] /" >> "$LOG"
+  return 0
+}
+
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PATH -x LD_LIBRARY_PATH
+        -x NCCL_NVLS_ENABLE -x NCCL_MULTI_RANK_GPU_ENABLE -x DISTMUON_COMM_TIMEOUT_S
+        -x DISTMUON_AUTOTUNE -x DISTMUON_TEST_JSON_DIR)
+[ -n "${LD_PRELOAD:-}" ] && MPIRUN+=(-x LD_PRELOAD)
+
+# The CUDA gtests and the single-process NCCL test; the distributed tests on the NCCL rig at each
+# rank count; the fault tests at up to 4 ranks.
+lane_cpp() {
+  local t n
+  for t in test_cuda_backend test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm; do
+    [ -x "$BIN/$t" ] || continue
+    run_suite "$t" 1 300 "$BIN/$t" --gtest_output="json:$WORK/$t.gtest.json"
+  done
+  for n in ${RANKS//,/ }; do
+    for t in comm engine errors; do
+      mkdir -p "$WORK/nccl_dist_$t-$n"
+      DISTMUON_TEST_JSON_DIR="$WORK/nccl_dist_$t-$n" \
+        run_suite "nccl_dist_$t-$n" "$n" 300 "${MPIRUN[@]}" -np "$n" "$BIN/test_nccl_dist_$t"
+    done
+  done
+  run_suite faults 0 300 "$PY" tests/gpu/nccl_faults.py --probe "$BIN/nccl_fault_probe" \
+    --ranks "$(tr , '\n' <<< "$RANKS" | awk '$1 <= 4' | paste -sd,)" --json "$WORK/faults.json"
+}
+
+# The GPU pytest modules: one process, then the front over NCCL ranks.
+lane_python() {
+  run_suite pytest_gpu 1 300 "$PY" -m pytest tests/python/test_gpu.py -q -rs -p no:cacheprovider \
+    --junitxml="$WORK/pytest_gpu.xml"
+  DISTMUON_TEST_RANKS="$RANKS" DISTMUON_TEST_REPORT="$WORK/front.json" \
+    run_suite pytest_gpu_distributed 0 $(( LANE_TIMEOUT_S - 80 )) "$PY" -m pytest \
+    tests/python/test_gpu_distributed.py -q -rs -p no:cacheprovider \
+    --junitxml="$WORK/pytest_gpu_distributed.xml"
+}
+
+# compute-sanitizer: memcheck over the GPU gtests, racecheck and synccheck over the kernels'
+# tests (they follow every shared-memory access: slow), memcheck over a 2-rank NCCL engine run.
+lane_sanitizer() {
+  local cs=(compute-sanitizer --error-exitcode 3 --print-limit 20) t tool
+  if ! command -v compute-sanitizer > /dev/null; then
+    run_suite sanitizer_missing 1 10 false
+    return
+  fi
+  for t in test_cuda_backend test_cuda_muon test_cuda_cache test_nccl_comm; do
+    [ -x "$BIN/$t" ] && run_suite "sanitizer_memcheck_$t" 1 300 "${cs[@]}" --tool memcheck "$BIN/$t" --gtest_brief=1
+  done
+  for tool in racecheck synccheck; do
+    run_suite "sanitizer_${tool}_backend" 1 300 "${cs[@]}" --tool "$tool" "$BIN/test_cuda_backend" \
+      --gtest_brief=1 --gtest_filter='*Sym*:*BatchedHelpers*:*AdamW*'
+    run_suite "sanitizer_${tool}_muon" 1 300 "${cs[@]}" --tool "$tool" "$BIN/test_cuda_muon" \
+      --gtest_brief=1 --gtest_filter='CudaMuon.Passes*'
+  done
+  run_suite sanitizer_memcheck_nccl_engine-2 2 400 "${MPIRUN[@]}" -np 2 "${cs[@]}" --tool memcheck \
+    "$BIN/test_nccl_dist_engine" --gtest_filter='*sharded*:*dedicated*:*Caller*'
+}
+
+# Traffic and orthogonalization FLOPs per rank of each mode, beside the simulator's prediction.
+lane_bench() {
+  local n
+  for n in ${RANKS//,/ }; do
+    run_suite "bench-$n" "$n" 300 "${MPIRUN[@]}" -np "$n" "$BIN/distmuon-bench" --backend cuda \
+      --workload gpt2-small --no-adamw --mode gather,sharded,dedicated --steps 3 --warmup 1 \
+      --ranks-per-gpu $(( (n + NGPU - 1) / NGPU )) --json "$WORK/bench-$n.json"
+    run_suite "plan-$n" 1 120 "$BIN/distmuon-plan" --workload gpt2-small --world-size "$n" \
+      --gpus-per-node "$n" --analytic --solver milp --simulate --json "$WORK/plan-$n.json"
+  done
+}

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The GPU verification (`make test-gpu`): one command on a machine with NVIDIA GPUs that builds
+# what it needs and proves every GPU path, writing summary.json and summary.md.
+#
+#   tests/gpu/verify.sh                       ranks 2, 4, 8 (all on the GPUs this machine has)
+#   RANKS=2,4 tests/gpu/verify.sh             other rank counts
+#   OUT_DIR=bench/results/2026-12-01-gpu-multirank tests/gpu/verify.sh
+#
+# What it runs, in four lanes at once (the small test models leave the GPU mostly idle):
+#   cpp        the CUDA gtests and the single-process NCCL test; the distributed C++ tests on the
+#              NCCL rig (test_nccl_dist_comm / _engine / _errors: every mode, HSDP 2 x 2 and
+#              CacheMuon against the single-process CUDA engine) at each rank count; the fault
+#              tests (a rank that stops stepping, a rank killed mid-step: tests/gpu/nccl_faults.py)
+#   python     the GPU pytest modules (test_gpu.py; test_gpu_distributed.py: DDP, FSDP2, HSDP,
+#              dedicate(), mixed precision, DCP 4 -> 2 -> 1 over NCCL)
+#   sanitizer  compute-sanitizer memcheck over the GPU gtests, racecheck and synccheck over the
+#              kernels' tests, memcheck over a 2-rank NCCL engine run
+#   bench      distmuon-bench --mode gather,sharded,dedicated at each rank count (bytes and
+#              orthogonalization FLOPs per rank) beside distmuon-plan --simulate's prediction
+#
+# Several ranks per GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1. When the NCCL that
+# torch and the toolkit bring is older, the script uses NCCL_LIB (a libnccl.so.2 >= 2.30) or
+# builds one from NCCL_SRC (a copy of NVIDIA/nccl's src, makefiles, Makefile; ~200 s on 16
+# cores), and preloads it in every multi-rank process. Rank counts it cannot run are skipped
+# with the reason.
+#
+# Build: a CMake build (Release, CUDA, MPI, tests and tools) in build-gpu/ and the Python package
+# with pip --no-build-isolation. On a machine without the build dependencies (no network),
+# STAGED=<dir> from tests/gpu/stage.sh brings prebuilt binaries and the Debian packages the
+# Python build needs (see that script).
+#
+# Time limits: each lane runs under LANE_TIMEOUT_S (default 480); a lane that times out is
+# reported as failed with what it finished. Exit status: 0 when every suite passed.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+OUT_DIR=${OUT_DIR:-$ROOT/out/gpu-verify}
+RANKS=${RANKS:-2,4,8}
+PY=${PYTHON:-python3}
+STAGED=${STAGED:-}
+LANE_TIMEOUT_S=${LANE_TIMEOUT_S:-480}
+WORK=$(mktemp -d /tmp/dm-verify.XXXX)
+mkdir -p "$OUT_DIR"
+LOG="$OUT_DIR/verify.log"
+: > "$LOG"
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+T0=$(date +%s)
+COMMAND="RANKS=$RANKS tests/gpu/verify.sh"
+
+# ---- machine ---------------------------------------------------------------------------------
+NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
+[ "$NGPU" -gt 0 ] || { say "no NVIDIA GPU visible: nothing to verify"; exit 2; }
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+say "$NGPU x $GPU (sm_$CC), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
+$PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'nccl', '.'.join(map(str, torch.cuda.nccl.version())))" 2>&1 | tee -a "$LOG"
+
+# ---- NCCL able to share a GPU between ranks, where the rank counts need it ---------------------
+nccl_version() {  # the version a libnccl.so.2 reports (e.g. 23007), 0 if it cannot be loaded
+  $PY - "$1" <<'EOF' 2>/dev/null || echo 0
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1]); v = ctypes.c_int(); lib.ncclGetVersion(ctypes.byref(v)); print(v.value)
+EOF
+}
+TORCH_NCCL=$($PY -c "import torch; a, b, c = torch.cuda.nccl.version(); print(a * 10000 + b * 100 + c)")
+MAX_RANKS=$(tr , '\n' <<< "$RANKS" | sort -n | tail -1)
+NCCL_PRELOAD=""
+if [ "$MAX_RANKS" -gt "$NGPU" ] && [ "$TORCH_NCCL" -lt 23000 ]; then
+  for cand in "${NCCL_LIB:-}" "${STAGED:+$STAGED/nccl/lib/libnccl.so.2}" /tmp/nccl/lib/libnccl.so.2; do
+    if [ -n "$cand" ] && [ -f "$cand" ] && [ "$(nccl_version "$cand")" -ge 23000 ]; then
+      NCCL_PRELOAD=$cand
+      break
+    fi
+  done
+  NCCL_SRC=${NCCL_SRC:-${STAGED:+$STAGED/nccl-src}}
+  if [ -z "$NCCL_PRELOAD" ] && [ -n "${NCCL_SRC:-}" ] && [ -f "$NCCL_SRC/Makefile" ]; then
+    say "building NCCL from $NCCL_SRC for sm_$CC (torch's is $TORCH_NCCL)"
+    (cd "$NCCL_SRC" && make -j"$(nproc)" src.build NVCC_GENCODE="-gencode=arch=compute_$CC,code=sm_$CC" \
+      BUILDDIR=/tmp/nccl > "$WORK/nccl-build.log" 2>&1) || tail -20 "$WORK/nccl-build.log" | tee -a "$LOG"
+    [ -f /tmp/nccl/lib/libnccl.so.2 ] && NCCL_PRELOAD=/tmp/nccl/lib/libnccl.so.2
+  fi
+  if [ -n "$NCCL_PRELOAD" ]; then
+    say "NCCL $(nccl_version "$NCCL_PRELOAD") from $NCCL_PRELOAD for several ranks per GPU"
+  else
+    keep=$(tr , '\n' <<< "$RANKS" | awk -v n="$NGPU" '$1 <= n' | paste -sd,)
+    say "SKIPPED rank counts above $NGPU: NCCL $TORCH_NCCL cannot put several ranks on one GPU (give NCCL_LIB or NCCL_SRC >= 2.30)"
+    RANKS=$keep
+  fi
+fi
+NCCL_USED=$([ -n "$NCCL_PRELOAD" ] && nccl_version "$NCCL_PRELOAD" || echo "$TORCH_NCCL")
+
+# ---- build ------------------------------------------------------------------------------------
+source tests/gpu/build.sh || { say "BUILD FAILED"; exit 1; }
+say "built (C++ binaries in $BIN, Python package installed) after $(( $(date +%s) - T0 )) s"
+
+# Every process after the build may run several ranks on one GPU.
+if [ -n "$NCCL_PRELOAD" ]; then export LD_PRELOAD=$NCCL_PRELOAD; fi
+export NCCL_MULTI_RANK_GPU_ENABLE=1 DISTMUON_COMM_TIMEOUT_S=60 DISTMUON_AUTOTUNE=off
+export WORK LOG BIN PY RANKS NGPU LANE_TIMEOUT_S LD_LIBRARY_PATH
+
+say "lanes: cpp, python, sanitizer, bench (ranks $RANKS; each lane at most $LANE_TIMEOUT_S s)"
+for lane in cpp python sanitizer bench; do
+  (timeout -k 10 "$LANE_TIMEOUT_S" bash -c "source tests/gpu/lanes.sh && lane_$lane" \
+    || echo "[$lane] lane ended early or failed (limit $LANE_TIMEOUT_S s)" | tee -a "$LOG") &
+done
+wait
+say "summary"
+$PY tests/gpu/summarize.py --work "$WORK" --out "$OUT_DIR" --gpu "$GPU" --ngpu "$NGPU" --nccl "$NCCL_USED" \
+  --ranks "$RANKS" --command "$COMMAND" --seconds "$(( $(date +%s) - T0 ))" | tee -a "$LOG"
+status=${PIPESTATUS[0]}
+tar czf "$OUT_DIR/logs.tgz" -C "$WORK" . 2>/dev/null
+say "done in $(( $(date +%s) - T0 )) s: $([ "$status" = 0 ] && echo 'all suites passed' || echo FAILURES)"
+exit "$status"

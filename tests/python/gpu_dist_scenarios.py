@@ -1,0 +1,59 @@
+"""What the NCCL ranks of test_gpu_distributed.py run: the scenarios of the gloo suites
+(dist_scenarios.py, dedicated_scenarios.py) on CUDA, plus mixed precision.
+
+Muon iterates in float32 (ns_dtype) in the arms compared tightly with one process; the arms
+marked bf16 keep the CUDA default (bf16 Newton-Schulz) and, where named, run the forward under
+bf16 autocast or FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import dedicated_scenarios as ds
+import dist_scenarios as sc
+
+FP32 = {"ns_dtype": torch.float32}
+KW = {**sc.OPT_KW, **FP32}
+DKW = {**ds.OPT_KW, **FP32}
+CACHE_KW = {**sc.CACHE_KW, **FP32}
+
+
+def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    g = sc.guarded
+    return {
+        "fsdp": g(lambda: sc.run_train(rank, world, "fsdp", ckpt, kw=KW)),
+        "hsdp": g(lambda: sc.run_train(rank, world, "hsdp", kw=KW)),
+        "fsdp_cache": g(lambda: sc.run_train(rank, world, "fsdp", kw=CACHE_KW)),
+        "fsdp_bf16": g(lambda: sc.run_train(rank, world, "fsdp")),
+        "fsdp_autocast": g(lambda: sc.run_train(rank, world, "fsdp", amp=True)),
+        "fsdp_mp": g(lambda: sc.run_train(rank, world, "fsdp_mp")),
+        "ded_flat": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW)),
+        "ded_hsdp": g(lambda: ds.run_dedicated(rank, world, "hsdp", 1, True, kw=DKW)),
+        "ded_accum": g(lambda: ds.run_dedicated(rank, world, "fsdp", 2, False, kw=DKW)),
+        "ded_autocast": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, amp=True)),
+    }
+
+
+def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    g = sc.guarded
+    return {
+        "fsdp": g(lambda: sc.run_train(rank, world, "fsdp", kw=KW)),
+        "ddp": g(lambda: sc.run_train(rank, world, "ddp", kw=KW)),
+        "gather": g(lambda: sc.run_train(rank, world, "fsdp", dist_mode="gather", kw=KW)),
+        "resume2": g(lambda: sc.run_resume(rank, world, "fsdp", ckpt, kw=KW)),
+        "ded_plain": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, False, kw=DKW)),
+        "ded_overlap": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW)),
+        "ded_accum_overlap": g(lambda: ds.run_dedicated(rank, world, "fsdp", 2, True, kw=DKW)),
+    }
+
+
+def world8(rank: int, world: int) -> dict[str, Any]:
+    g = sc.guarded
+    return {
+        "fsdp": g(lambda: sc.run_train(rank, world, "fsdp", kw=KW)),
+        "hsdp": g(lambda: sc.run_train(rank, world, "hsdp", kw=KW)),
+        "ded_flat": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW)),
+    }
