@@ -723,7 +723,7 @@ void check_caller_transfers(int replicate, bool cache) {
       }
       g[p] = Mirror<float>(*be, reduced_grad(sc, step, static_cast<int>(p), c.size()));
       data[p] = {w[p].data(), g[p].data(), DType::kF32, {}};
-      if (!adamw && p % 2 == step % 2) {  // half of them early, alternating
+      if (!adamw && static_cast<int>(p % 2) == step % 2) {  // half of them early, alternating
         early.push_back(static_cast<int>(p));
         early_data.push_back(data[p]);
       }
@@ -759,7 +759,9 @@ void check_caller_transfers(int replicate, bool cache) {
       test::sum_over_ranks({st.ortho.flops, static_cast<double>(st.cache.hits)});
   EXPECT_DOUBLE_EQ(f[0], ref.stats.ortho.flops);
   EXPECT_EQ(f[1], static_cast<double>(ref.stats.cache.hits));
-  if (cache) EXPECT_GT(ref.stats.cache.hits, 0);
+  if (cache) {
+    EXPECT_GT(ref.stats.cache.hits, 0);
+  }
 }
 
 TEST(MpiEngine, DedicatedCallerTransfersWithPreparedMatricesEqualTheSingleProcessEngine) {

@@ -30,7 +30,9 @@
 # Python build needs (see that script).
 #
 # Time limits: each lane runs under LANE_TIMEOUT_S (default 480); a lane that times out is
-# reported as failed with what it finished. Exit status: 0 when every suite passed.
+# reported as failed with what it finished. ONLY_BUILD=1 stops after the builds (and leaves the
+# NCCL it built, compressed, in OUT_DIR): a second run on the same machine reuses them, for
+# machines lent by the call with a limit per call. Exit status: 0 when every suite passed.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -76,24 +78,36 @@ if [ "$MAX_RANKS" -gt "$NGPU" ] && [ "$TORCH_NCCL" -lt 23000 ]; then
   done
   NCCL_SRC=${NCCL_SRC:-${STAGED:+$STAGED/nccl-src}}
   if [ -z "$NCCL_PRELOAD" ] && [ -n "${NCCL_SRC:-}" ] && [ -f "$NCCL_SRC/Makefile" ]; then
-    say "building NCCL from $NCCL_SRC for sm_$CC (torch's is $TORCH_NCCL)"
+    say "building NCCL from $NCCL_SRC for sm_$CC beside the build below (torch's is $TORCH_NCCL)"
     (cd "$NCCL_SRC" && make -j"$(nproc)" src.build NVCC_GENCODE="-gencode=arch=compute_$CC,code=sm_$CC" \
-      BUILDDIR=/tmp/nccl > "$WORK/nccl-build.log" 2>&1) || tail -20 "$WORK/nccl-build.log" | tee -a "$LOG"
-    [ -f /tmp/nccl/lib/libnccl.so.2 ] && NCCL_PRELOAD=/tmp/nccl/lib/libnccl.so.2
-  fi
-  if [ -n "$NCCL_PRELOAD" ]; then
-    say "NCCL $(nccl_version "$NCCL_PRELOAD") from $NCCL_PRELOAD for several ranks per GPU"
-  else
+      BUILDDIR=/tmp/nccl > "$WORK/nccl-build.log" 2>&1) &
+    NCCL_BUILD_PID=$!
+  elif [ -z "$NCCL_PRELOAD" ]; then
     keep=$(tr , '\n' <<< "$RANKS" | awk -v n="$NGPU" '$1 <= n' | paste -sd,)
     say "SKIPPED rank counts above $NGPU: NCCL $TORCH_NCCL cannot put several ranks on one GPU (give NCCL_LIB or NCCL_SRC >= 2.30)"
     RANKS=$keep
   fi
 fi
-NCCL_USED=$([ -n "$NCCL_PRELOAD" ] && nccl_version "$NCCL_PRELOAD" || echo "$TORCH_NCCL")
 
 # ---- build ------------------------------------------------------------------------------------
 source tests/gpu/build.sh || { say "BUILD FAILED"; exit 1; }
-say "built (C++ binaries in $BIN, Python package installed) after $(( $(date +%s) - T0 )) s"
+if [ -n "${NCCL_BUILD_PID:-}" ]; then
+  wait "$NCCL_BUILD_PID" || tail -20 "$WORK/nccl-build.log" | tee -a "$LOG"
+  if [ -f /tmp/nccl/lib/libnccl.so.2 ]; then
+    NCCL_PRELOAD=/tmp/nccl/lib/libnccl.so.2
+  else
+    say "NCCL build failed: rank counts above $NGPU skipped"
+    RANKS=$(tr , '\n' <<< "$RANKS" | awk -v n="$NGPU" '$1 <= n' | paste -sd,)
+  fi
+fi
+[ -n "$NCCL_PRELOAD" ] && say "NCCL $(nccl_version "$NCCL_PRELOAD") from $NCCL_PRELOAD for several ranks per GPU"
+say "built after $(( $(date +%s) - T0 )) s (C++ binaries in $BIN, Python package installed)"
+if [ -n "${ONLY_BUILD:-}" ]; then
+  [ -n "$NCCL_PRELOAD" ] && cp -L "$NCCL_PRELOAD" "$OUT_DIR/libnccl.so.2" && strip "$OUT_DIR/libnccl.so.2" && xz -T0 -f "$OUT_DIR/libnccl.so.2"
+  say "ONLY_BUILD: stopping here (a second run on this machine reuses the builds)"
+  exit 0
+fi
+NCCL_USED=$([ -n "$NCCL_PRELOAD" ] && nccl_version "$NCCL_PRELOAD" || echo "$TORCH_NCCL")
 
 # Every process after the build may run several ranks on one GPU.
 if [ -n "$NCCL_PRELOAD" ]; then export LD_PRELOAD=$NCCL_PRELOAD; fi
