@@ -11,6 +11,8 @@
 #include <cstring>
 #include <string>
 
+#include "distmuon/error.h"
+
 #ifdef DM_TEST_RIG_NCCL
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -197,9 +199,14 @@ int main(int argc, char** argv) {
   }
   int failed = RUN_ALL_TESTS() != 0 ? 1 : 0;
   std::vector<double> worst = {test::g_max_diff};
-  test::g_mpi->all_reduce(worst.data(), worst.data(), 1, CommType::kF64, ReduceOp::kMax).wait();
   std::vector<int32_t> flag = {failed};
-  test::g_mpi->all_reduce(flag.data(), flag.data(), 1, CommType::kI32, ReduceOp::kMax).wait();
+  try {
+    test::g_mpi->all_reduce(worst.data(), worst.data(), 1, CommType::kF64, ReduceOp::kMax).wait();
+    test::g_mpi->all_reduce(flag.data(), flag.data(), 1, CommType::kI32, ReduceOp::kMax).wait();
+  } catch (const Error& e) {  // a rank that never finished its tests
+    std::fprintf(stderr, "[rank %d] %s\n", rank, e.what());
+    return 1;
+  }
   if (rank == 0) {
     if (flag[0] && !failed) std::fprintf(stderr, "another rank failed (see its [rank N] lines)\n");
     if (!test::bit_exact()) std::printf("[rig] max_abs_diff %.3e\n", worst[0]);

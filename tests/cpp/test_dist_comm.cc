@@ -223,6 +223,9 @@ TEST(MpiComm, TimeoutNamesTheOperationAndTheRanks) {
   // A communicator of its own: NCCL aborts a communicator whose operation timed out.
   std::unique_ptr<Communicator> own = test::make_world();
   Communicator& c = *own;
+  // NCCL connects its members at their first collective, which waits for all of them (within the
+  // timeout too): the late arrival below must meet a connected communicator.
+  c.barrier().wait();
   // Rank 0 enters the barrier at once and gives up after 0.3 s; the others arrive 1.5 s late.
   if (c.rank() == 0) {
     CommHandle h = c.barrier();

@@ -4,6 +4,7 @@
 #
 #   tests/gpu/verify.sh                       ranks 2, 4, 8 (all on the GPUs this machine has)
 #   RANKS=2,4 tests/gpu/verify.sh             other rank counts
+#   LANES="python" tests/gpu/verify.sh        some lanes only (cpp, python, sanitizer, bench)
 #   OUT_DIR=bench/results/2026-12-01-gpu-multirank tests/gpu/verify.sh
 #
 # What it runs, in four lanes at once (the small test models leave the GPU mostly idle):
@@ -20,8 +21,8 @@
 #
 # Several ranks per GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1. When the NCCL that
 # torch and the toolkit bring is older, the script uses NCCL_LIB (a libnccl.so.2 >= 2.30) or
-# builds one from NCCL_SRC (a copy of NVIDIA/nccl's src, makefiles, Makefile; ~200 s on 16
-# cores), and preloads it in every multi-rank process. Rank counts it cannot run are skipped
+# builds one from NCCL_SRC (a copy of NVIDIA/nccl's src, makefiles, Makefile: build_nccl.sh,
+# ~100 s on 16 cores beside the build), and preloads it in every multi-rank process. Rank counts it cannot run are skipped
 # with the reason.
 #
 # Build: a CMake build (Release, CUDA, MPI, tests and tools) in build-gpu/ and the Python package
@@ -55,8 +56,8 @@ NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
 [ "$NGPU" -gt 0 ] || { say "no NVIDIA GPU visible: nothing to verify"; exit 2; }
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
-CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
-say "$NGPU x $GPU (sm_$CC), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
+SM=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+say "$NGPU x $GPU (sm_$SM), driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)"
 $PY -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'nccl', '.'.join(map(str, torch.cuda.nccl.version())))" 2>&1 | tee -a "$LOG"
 
 # ---- NCCL able to share a GPU between ranks, where the rank counts need it ---------------------
@@ -70,6 +71,10 @@ TORCH_NCCL=$($PY -c "import torch; a, b, c = torch.cuda.nccl.version(); print(a 
 MAX_RANKS=$(tr , '\n' <<< "$RANKS" | sort -n | tail -1)
 NCCL_PRELOAD=""
 if [ "$MAX_RANKS" -gt "$NGPU" ] && [ "$TORCH_NCCL" -lt 23000 ]; then
+  # A library an earlier run built and brought back compressed (OUT_DIR/libnccl.so.2.xz).
+  if [ -n "$STAGED" ] && [ -f "$STAGED/nccl/libnccl.so.2.xz" ] && [ ! -f /tmp/nccl/lib/libnccl.so.2 ]; then
+    mkdir -p /tmp/nccl/lib && xz -dc "$STAGED/nccl/libnccl.so.2.xz" > /tmp/nccl/lib/libnccl.so.2
+  fi
   for cand in "${NCCL_LIB:-}" "${STAGED:+$STAGED/nccl/lib/libnccl.so.2}" /tmp/nccl/lib/libnccl.so.2; do
     if [ -n "$cand" ] && [ -f "$cand" ] && [ "$(nccl_version "$cand")" -ge 23000 ]; then
       NCCL_PRELOAD=$cand
@@ -78,9 +83,8 @@ if [ "$MAX_RANKS" -gt "$NGPU" ] && [ "$TORCH_NCCL" -lt 23000 ]; then
   done
   NCCL_SRC=${NCCL_SRC:-${STAGED:+$STAGED/nccl-src}}
   if [ -z "$NCCL_PRELOAD" ] && [ -n "${NCCL_SRC:-}" ] && [ -f "$NCCL_SRC/Makefile" ]; then
-    say "building NCCL from $NCCL_SRC for sm_$CC beside the build below (torch's is $TORCH_NCCL)"
-    (cd "$NCCL_SRC" && make -j"$(nproc)" src.build NVCC_GENCODE="-gencode=arch=compute_$CC,code=sm_$CC" \
-      BUILDDIR=/tmp/nccl > "$WORK/nccl-build.log" 2>&1) &
+    say "building NCCL from $NCCL_SRC for sm_$SM beside the build below (torch's is $TORCH_NCCL)"
+    bash tests/gpu/build_nccl.sh "$NCCL_SRC" /tmp/nccl "$SM" > "$WORK/nccl-build.log" 2>&1 &
     NCCL_BUILD_PID=$!
   elif [ -z "$NCCL_PRELOAD" ]; then
     keep=$(tr , '\n' <<< "$RANKS" | awk -v n="$NGPU" '$1 <= n' | paste -sd,)
@@ -102,8 +106,12 @@ if [ -n "${NCCL_BUILD_PID:-}" ]; then
 fi
 [ -n "$NCCL_PRELOAD" ] && say "NCCL $(nccl_version "$NCCL_PRELOAD") from $NCCL_PRELOAD for several ranks per GPU"
 say "built after $(( $(date +%s) - T0 )) s (C++ binaries in $BIN, Python package installed)"
+# The NCCL built here goes back with the results, for later runs to bring (STAGED nccl/).
+if [ -n "${NCCL_BUILD_PID:-}" ] && [ -n "$NCCL_PRELOAD" ]; then
+  (cp -L "$NCCL_PRELOAD" "$OUT_DIR/libnccl.so.2" && strip "$OUT_DIR/libnccl.so.2" && xz -T0 -f "$OUT_DIR/libnccl.so.2") &
+fi
 if [ -n "${ONLY_BUILD:-}" ]; then
-  [ -n "$NCCL_PRELOAD" ] && cp -L "$NCCL_PRELOAD" "$OUT_DIR/libnccl.so.2" && strip "$OUT_DIR/libnccl.so.2" && xz -T0 -f "$OUT_DIR/libnccl.so.2"
+  wait
   say "ONLY_BUILD: stopping here (a second run on this machine reuses the builds)"
   exit 0
 fi
@@ -114,8 +122,9 @@ if [ -n "$NCCL_PRELOAD" ]; then export LD_PRELOAD=$NCCL_PRELOAD; fi
 export NCCL_MULTI_RANK_GPU_ENABLE=1 DISTMUON_COMM_TIMEOUT_S=60 DISTMUON_AUTOTUNE=off
 export WORK LOG BIN PY RANKS NGPU LANE_TIMEOUT_S LD_LIBRARY_PATH
 
-say "lanes: cpp, python, sanitizer, bench (ranks $RANKS; each lane at most $LANE_TIMEOUT_S s)"
-for lane in cpp python sanitizer bench; do
+LANES=${LANES:-cpp python sanitizer bench}
+say "lanes: $LANES (ranks $RANKS; each lane at most $LANE_TIMEOUT_S s)"
+for lane in $LANES; do
   (timeout -k 10 "$LANE_TIMEOUT_S" bash -c "source tests/gpu/lanes.sh && lane_$lane" \
     || echo "[$lane] lane ended early or failed (limit $LANE_TIMEOUT_S s)" | tee -a "$LOG") &
 done

@@ -56,13 +56,26 @@ def _skip_reason() -> str | None:
     if not torch.distributed.is_nccl_available():
         return "torch without NCCL"
     if max(_ranks_wanted()) > torch.cuda.device_count():
-        major, minor = torch.cuda.nccl.version()[:2]
-        if (major, minor) < (2, 30) or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
+        version = _loaded_nccl_version()
+        if version < 23000 or os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             return (
                 f"{max(_ranks_wanted())} ranks on {torch.cuda.device_count()} GPU(s) need NCCL >= 2.30 "
-                f"(this is {major}.{minor}) and NCCL_MULTI_RANK_GPU_ENABLE=1"
+                f"(the one loaded is {version}) and NCCL_MULTI_RANK_GPU_ENABLE=1"
             )
     return None
+
+
+def _loaded_nccl_version() -> int:
+    """The version of the NCCL this process runs (torch.cuda.nccl.version() is the one torch was
+    built with; a newer one may be preloaded)."""
+    import ctypes
+
+    v = ctypes.c_int(0)
+    try:
+        ctypes.CDLL("libnccl.so.2").ncclGetVersion(ctypes.byref(v))  # the copy already loaded
+    except OSError:
+        return 0
+    return v.value
 
 
 pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
