@@ -15,6 +15,16 @@ SRC=${1:?SRC} BUILDDIR=${2:?BUILDDIR} SM=${3:?SM}
 TYPES="i8|u8|i32|u32|i64|u64|f16|f32|f64|bf16"
 FUNCS="(SendRecv|(AllGather|AllGatherV|Broadcast) (RING|PAT) [^ ]*"
 FUNCS+="|(AllReduce|Reduce|ReduceScatter) (Sum|MinMax|PreMulSum|SumPostDiv) ($TYPES) (TREE|RING|PAT) [^ ]*)"
+# A CUDA toolkit that ships NCCL headers of its own (older ones) shadows some of the source's:
+# build against a view of the toolkit without them.
+CUDA=${CUDA_HOME:-/usr/local/cuda}
+if ls "$CUDA"/include/nccl* > /dev/null 2>&1; then
+  view=$(mktemp -d)
+  for e in "$CUDA"/*; do [ "$(basename "$e")" = include ] || ln -s "$e" "$view/"; done
+  mkdir "$view/include"
+  for e in "$CUDA"/include/*; do case "$(basename "$e")" in nccl*) ;; *) ln -s "$e" "$view/include/" ;; esac; done
+  CUDA=$view
+fi
 cd "$SRC"
 make -j"$(nproc)" src.build NVCC_GENCODE="-gencode=arch=compute_$SM,code=sm_$SM" BUILDDIR="$BUILDDIR" \
-  ONLY_FUNCS="$FUNCS"
+  CUDA_HOME="$CUDA" ONLY_FUNCS="$FUNCS"

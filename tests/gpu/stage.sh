@@ -8,7 +8,8 @@
 #                          never into /: bench/gpu_python_setup.sh)
 #   cutlass-include.tar.xz CUTLASS/CuTe headers for the sm90 kernels
 #   wheels/                pytest and its dependencies, in case the GPU image lacks them
-#   nccl/lib/libnccl.so.2  NCCL >= 2.30 for several ranks per GPU: NCCL_LIB=<a libnccl.so.2>, or
+#   nccl/libnccl.so.2.xz   NCCL >= 2.30 for several ranks per GPU: NCCL_LIB=<a libnccl.so.2> (e.g.
+#                          from tests/gpu/build_nccl.sh), or
 #   nccl-src/              NCCL_SRC=<a copy of NVIDIA/nccl's src, makefiles, Makefile> built there
 # Usage: tests/gpu/stage.sh        (JOBS=2 by default; the CUDA build takes a while on 2 cores)
 set -euo pipefail
@@ -61,7 +62,8 @@ tar cJf .gpubin/cutlass-include.tar.xz -C .cutlass include
 
 if [ -n "${NCCL_LIB:-}" ]; then
   echo "[stage] NCCL library $NCCL_LIB"
-  mkdir -p .gpubin/nccl/lib && cp -L "$NCCL_LIB" .gpubin/nccl/lib/libnccl.so.2 && strip .gpubin/nccl/lib/libnccl.so.2
+  mkdir -p .gpubin/nccl && cp -L "$NCCL_LIB" .gpubin/nccl/libnccl.so.2 && strip .gpubin/nccl/libnccl.so.2
+  xz -9 -f .gpubin/nccl/libnccl.so.2
 elif [ -n "${NCCL_SRC:-}" ]; then
   echo "[stage] NCCL source $NCCL_SRC"
   rm -rf .gpubin/nccl-src && mkdir -p .gpubin/nccl-src

@@ -71,11 +71,11 @@ TORCH_NCCL=$($PY -c "import torch; a, b, c = torch.cuda.nccl.version(); print(a 
 MAX_RANKS=$(tr , '\n' <<< "$RANKS" | sort -n | tail -1)
 NCCL_PRELOAD=""
 if [ "$MAX_RANKS" -gt "$NGPU" ] && [ "$TORCH_NCCL" -lt 23000 ]; then
-  # A library an earlier run built and brought back compressed (OUT_DIR/libnccl.so.2.xz).
+  # A library staged (tests/gpu/stage.sh) or built by an earlier run (OUT_DIR/libnccl.so.2.xz).
   if [ -n "$STAGED" ] && [ -f "$STAGED/nccl/libnccl.so.2.xz" ] && [ ! -f /tmp/nccl/lib/libnccl.so.2 ]; then
     mkdir -p /tmp/nccl/lib && xz -dc "$STAGED/nccl/libnccl.so.2.xz" > /tmp/nccl/lib/libnccl.so.2
   fi
-  for cand in "${NCCL_LIB:-}" "${STAGED:+$STAGED/nccl/lib/libnccl.so.2}" /tmp/nccl/lib/libnccl.so.2; do
+  for cand in "${NCCL_LIB:-}" /tmp/nccl/lib/libnccl.so.2; do
     if [ -n "$cand" ] && [ -f "$cand" ] && [ "$(nccl_version "$cand")" -ge 23000 ]; then
       NCCL_PRELOAD=$cand
       break
