@@ -164,7 +164,7 @@ inline float nesterov_input(float g, float b_new, float mu, bool nesterov) {
 
 void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                     float* norms, int32_t* status) {
-  for (size_t i = 0; i < slots.size(); ++i) {
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
     double sum = 0;
     bool finite = true;
@@ -181,38 +181,36 @@ void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, b
     });
     norms[i] = static_cast<float>(std::sqrt(sum));
     status[i] = finite && std::isfinite(norms[i]) ? kStatusOk : kStatusNonFinite;
-  }
+  });
 }
 
 void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                      const int32_t* status, const ScaleSpec& scale,
                                      bool transpose, const BatchRef& x) {
   check_slots("muon_momentum_apply", slots, x, transpose);
-  for (size_t i = 0; i < slots.size(); ++i) {
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
-    MatRef mx = x.matrix(static_cast<int64_t>(i));
+    MatRef mx = x.matrix(i);
     const bool ok = status[i] == kStatusOk;
-    const float f = ok ? static_cast<float>(scale_factor(scale, static_cast<int64_t>(i))) : 0.0f;
+    const float f = ok ? static_cast<float>(scale_factor(scale, i)) : 0.0f;
     with_slot(s, [&](auto* g, auto* b, auto*) {
       using B = std::remove_pointer_t<decltype(b)>;
       dispatch(mx.dtype, [&](auto tx) {
         using X = decltype(tx);
         X* px = static_cast<X*>(mx.data);
-#pragma omp parallel for if (s.grad.rows * s.grad.cols > (1 << 16))
-        for (int64_t r = 0; r < s.grad.rows; ++r)
-          for (int64_t c = 0; c < s.grad.cols; ++c) {
-            float u = 0.0f;
-            if (ok) {
-              float gv = to_float(g[r * s.grad.ld + c]);
-              float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
-              b[r * s.momentum.ld + c] = from_float<B>(bn);
-              u = nesterov_input(gv, bn, mu, nesterov) * f;
-            }
-            px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(u);
+        cpu::for_each_element(s.grad.rows, s.grad.cols, transpose, [&](int64_t r, int64_t c) {
+          float u = 0.0f;
+          if (ok) {
+            float gv = to_float(g[r * s.grad.ld + c]);
+            float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+            b[r * s.momentum.ld + c] = from_float<B>(bn);
+            u = nesterov_input(gv, bn, mu, nesterov) * f;
           }
+          px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(u);
+        });
       });
     });
-  }
+  });
 }
 
 void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
@@ -220,10 +218,10 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
   check_slots("muon_update", slots, o, transpose);
   DM_CHECK(coef.size() == slots.size(), "muon_update: ", coef.size(), " coefficients for ",
            slots.size(), " matrices");
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (status && status[i] != kStatusOk) continue;
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
+    if (status && status[i] != kStatusOk) return;
     const MuonSlot& s = slots[i];
-    MatRef mo = o.matrix(static_cast<int64_t>(i));
+    MatRef mo = o.matrix(i);
     with_slot(s, [&](auto*, auto*, auto* w) {
       using W = std::remove_pointer_t<decltype(w)>;
       using C = cpu::compute_t<W>;
@@ -231,16 +229,14 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
         using O = decltype(to);
         const O* po = static_cast<const O*>(mo.data);
         const C decay = coef[i].decay, step = coef[i].step;
-#pragma omp parallel for if (s.weight.rows * s.weight.cols > (1 << 16))
-        for (int64_t r = 0; r < s.weight.rows; ++r)
-          for (int64_t c = 0; c < s.weight.cols; ++c) {
-            C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
-            C wv = to_float(w[r * s.weight.ld + c]);
-            w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
-          }
+        cpu::for_each_element(s.weight.rows, s.weight.cols, transpose, [&](int64_t r, int64_t c) {
+          C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
+          C wv = to_float(w[r * s.weight.ld + c]);
+          w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
+        });
       });
     });
-  }
+  });
 }
 
 // ---- AdamW ------------------------------------------------------------------------------------
