@@ -31,13 +31,17 @@ check "from distmuon.torch import Muon (first import)" "from distmuon.torch impo
 check "distmuon.__version__ equals the extension's" \
   "import distmuon, distmuon._C as C; assert distmuon.__version__ == C.__version__, (distmuon.__version__, C.__version__); print(C.__version__)"
 
-# One file per soname, and the one torch's own RPATH leads to where torch has nvidia-* wheels.
+# One file per soname, the one torch's own RPATH leads to where torch has nvidia-* wheels. Not
+# with LD_PRELOAD: the preloaded library (e.g. a newer NCCL) is what everybody binds to, and torch
+# itself then loads its wheel's copy beside it.
 ONE_COPY='
 import os, sys
 from distmuon import _cuda_libs
 from distmuon._build_config import CUDA_LIBRARIES
 if not CUDA_LIBRARIES:
     print("CPU-only build: no CUDA libraries"); sys.exit(3)
+if os.environ.get("LD_PRELOAD"):
+    print("LD_PRELOAD is set"); sys.exit(3)
 loaded = {os.path.realpath(l.split()[-1]) for l in open("/proc/self/maps") if "/" in l}
 site = os.path.dirname(os.path.dirname(torch.__file__))
 seen = []
