@@ -115,7 +115,7 @@ struct BatchMask {
   int32_t value = 1;
 };
 
-// ---- CacheMuon gate (docs/algorithms.md section 5) ---------------------------------------------------
+// ---- CacheMuon gate (docs/algorithms.md section 5) -------------------------------------------
 
 // What cache_gate decided for a matrix (int32 per matrix, device memory).
 enum CacheDecision : int32_t {

@@ -1,16 +1,16 @@
 """Loads the CUDA libraries of a CUDA build of ``distmuon._C`` from the files torch uses.
 
 ``_C`` links the CUDA runtime, cuBLAS, cuBLASLt and NCCL by soname (``libnccl.so.2``, ...), and
-every library that names a soname binds to the first library of that soname the process
-loaded: whichever import comes first fixes it for the others. torch's wheels bring their own copies (the ``nvidia-*`` wheels, reached through RPATHs
-such as ``$ORIGIN/../../nvidia/nccl/lib``), while a CUDA toolkit puts other, often older, copies
-on the loader's default path. If ``_C`` were loaded first it would take the toolkit's, and torch
-would then fail to load (``libtorch_cuda.so: undefined symbol: ncclCommResume``). So before
-``_C`` is imported, each library it links is loaded by path from the ``nvidia-*`` wheel folders,
-searched as torch searches them (beside torch first, then ``sys.path``), unless the process
-already holds one (torch imported first, or an ``LD_PRELOAD``ed NCCL, which then stays the only
-copy); a library found in no wheel is left to the loader (a toolkit or system install), which
-is what torch then uses too.
+every library that names a soname binds to the first library of that soname the process loaded:
+whichever import comes first fixes it for the others. torch's wheels bring their own copies (the
+``nvidia-*`` wheels, reached through RPATHs such as ``$ORIGIN/../../nvidia/nccl/lib``), while a
+CUDA toolkit puts other, often older, copies on the loader's default path. If ``_C`` were loaded
+first it would take the toolkit's, and torch would then fail to load (``libtorch_cuda.so:
+undefined symbol: ncclCommResume``). So before ``_C`` is imported, each library it links is
+loaded by path from the ``nvidia-*`` wheel folders, searched as torch searches them (beside
+torch first, then ``sys.path``), unless the process already holds one (torch imported first, or
+an ``LD_PRELOAD``ed NCCL, which is then what everybody binds to); a library found in no wheel is
+left to the loader (a toolkit or system install), which is what torch then uses too.
 
 ``CUDA_LIBRARIES`` (the sonames ``_C`` links; empty in a CPU-only build) is written into
 ``_build_config.py`` by python/CMakeLists.txt.

@@ -1,7 +1,7 @@
 // The iterations of the orthogonalizer written once as templates over an executor
-// (docs/algorithms.md sections 2 and 4). BackendExec issues the operations on a backend, FlopCounter
-// only counts them, so every FLOP figure equals what a run performs. Shared by the plain run
-// (orthogonalizer.cc) and the CacheMuon run (cached_run.cc).
+// (docs/algorithms.md sections 2 and 4). BackendExec issues the operations on a backend,
+// FlopCounter only counts them, so every FLOP figure equals what a run performs. Shared by the
+// plain run (orthogonalizer.cc) and the CacheMuon run (cached_run.cc).
 #pragma once
 
 #include <algorithm>
@@ -130,8 +130,8 @@ inline int gram_segments(const OrthoConfig& cfg) {
 struct GramBuffers {
   BatchRef R, Z, T, Q, Qn, other;  // five m x m and one m x n, all in the work dtype
   GramBuffers slice(int64_t first, int64_t n) const {
-    return {R.slice(first, n), Z.slice(first, n), T.slice(first, n),
-            Q.slice(first, n), Qn.slice(first, n), other.slice(first, n)};
+    return {R.slice(first, n),  Z.slice(first, n),  T.slice(first, n),
+            Q.slice(first, n),  Qn.slice(first, n), other.slice(first, n)};
   }
 };
 

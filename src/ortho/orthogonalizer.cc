@@ -1,5 +1,5 @@
-// Newton-Schulz and Gram Newton-Schulz over the Backend interface (docs/algorithms.md sections 2 and 4).
-// The iterations live in iteration.h as templates over an executor, so ortho_flops() counts
+// Newton-Schulz and Gram Newton-Schulz over the Backend interface (docs/algorithms.md sections 2
+// and 4). The iterations live in iteration.h as templates over an executor, so ortho_flops() counts
 // exactly the operations run() performs.
 #include <algorithm>
 #include <vector>

@@ -194,7 +194,8 @@ TEST(Orthogonalizer, SplittingABatchOverThreadsGivesTheSameBitsAndFlops) {
     EXPECT_EQ(CpuBackend().batch_parts(5), 3);
     OrthoStats three;
     std::vector<Mat> split = run_ortho(cfg, in, DType::kF32, &three);
-    for (size_t i = 0; i < in.size(); ++i) EXPECT_EQ(serial[i], split[i]) << iteration_name(it) << " " << i;
+    for (size_t i = 0; i < in.size(); ++i)
+      EXPECT_EQ(serial[i], split[i]) << iteration_name(it) << " " << i;
     EXPECT_EQ(one.flops, three.flops);
     EXPECT_EQ(one.matrices, three.matrices);
   }

@@ -196,7 +196,8 @@ _CACHE_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def cache_options(group: dict[str, Any], where: str) -> Any:
-    """The engine's CacheOptions of a Muon group (CacheMuon, docs/algorithms.md section 5), validated.
+    """The engine's CacheOptions of a Muon group, validated (CacheMuon: docs/algorithms.md
+    section 5).
 
     ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
     ``cache_probes`` None measures the residual exactly in Gram space, k estimates it with k

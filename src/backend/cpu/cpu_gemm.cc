@@ -2,7 +2,6 @@
 // arithmetic type (bf16/fp16, or mixed) are widened into scratch, multiplied in fp32 (fp64 when
 // any operand is fp64) and rounded once into C, which is what the GPU's tensor cores do.
 #include <cblas.h>
-
 #include <omp.h>
 
 #include <algorithm>
@@ -151,7 +150,8 @@ void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const Bat
     if (c_in && beta != 0.0) {
       Staged<T> sc(c_in->matrix(i));
       if (sc.ptr != acc)
-        for (int64_t r = 0; r < d.m; ++r) std::copy(sc.ptr + r * sc.ld, sc.ptr + r * sc.ld + d.n, acc + r * ld);
+        for (int64_t r = 0; r < d.m; ++r)
+          std::copy(sc.ptr + r * sc.ld, sc.ptr + r * sc.ld + d.n, acc + r * ld);
       eff_beta = static_cast<T>(beta);
     }
     if (!symmetric) {
@@ -174,7 +174,8 @@ void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const Bat
       if (!direct)
         for (int64_t r = 0; r < d.m; ++r) {
           int64_t cols = symmetric ? r + 1 : d.n;
-          for (int64_t j = 0; j < cols; ++j) dst[r * out.ld + j] = cpu::from_float<S>(acc[r * ld + j]);
+          for (int64_t j = 0; j < cols; ++j)
+            dst[r * out.ld + j] = cpu::from_float<S>(acc[r * ld + j]);
         }
       if (symmetric) mirror_lower(dst, d.m, out.ld);
     });
