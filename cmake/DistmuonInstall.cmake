@@ -4,8 +4,8 @@
 #   find_package(distmuon CONFIG REQUIRED)
 #   target_link_libraries(app PRIVATE distmuon::distmuon)
 #
-# The package re-finds the dependencies the static library links (OpenMP, CBC, MPI and the CUDA
-# toolkit where the build had them). tests/consumer builds such a project against an install.
+# The package re-finds the dependencies the static library links (OpenMP, CBC and the CUDA
+# toolkit where the build had it). tests/consumer builds such a project against an install.
 # The Python wheel sets DISTMUON_INSTALL=OFF: it ships only distmuon._C.
 
 include(GNUInstallDirs)

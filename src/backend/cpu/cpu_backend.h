@@ -3,7 +3,6 @@
 // bf16/fp16 bits and multiplied in fp32, so the GPU's rounding can be emulated exactly.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <functional>
 
@@ -22,27 +21,6 @@ int64_t matrix_threads(int64_t n);
 // exception is rethrown after the loop.
 void for_each_matrix(int64_t n, const std::function<void(int64_t)>& f);
 
-// Calls f(r, c) for every element of a rows x cols matrix: row by row or, when the loop also
-// touches the transposed matrix (`tiled`), in 32 x 32 tiles, so that the row-major and the
-// column-major side both stay within a few cache lines. Large matrices are split over OpenMP
-// threads (a no-op inside for_each_matrix's parallel loop).
-template <typename F>
-void for_each_element(int64_t rows, int64_t cols, bool tiled, F&& f) {
-  const int64_t tile = tiled ? 32 : 1;  // rows per iteration of the parallel loop
-  const int64_t tiles = (rows + tile - 1) / tile;
-#pragma omp parallel for if (rows * cols > (1 << 16))
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r0 = t * tile, r1 = std::min(rows, r0 + tile);
-    if (!tiled) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < cols; ++c) f(r, c);
-      continue;
-    }
-    for (int64_t c0 = 0; c0 < cols; c0 += tile)
-      for (int64_t c = c0; c < std::min(cols, c0 + tile); ++c)
-        for (int64_t r = r0; r < r1; ++r) f(r, c);
-  }
-}
 }  // namespace cpu
 
 class CpuBackend final : public Backend {

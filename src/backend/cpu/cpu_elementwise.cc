@@ -2,6 +2,7 @@
 // fused CUDA kernels. Loops are parallelised over rows with OpenMP.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -144,6 +145,28 @@ void CpuBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec
 // ---- fused Muon passes ------------------------------------------------------------------------
 
 namespace {
+// Calls f(r, c) for every element of a rows x cols matrix: row by row or, when the loop also
+// touches the transposed matrix (`tiled`), in 32 x 32 tiles, so that the row-major and the
+// column-major side both stay within a few cache lines. Large matrices are split over OpenMP
+// threads (a no-op inside for_each_matrix's parallel loop).
+template <typename F>
+void for_each_element(int64_t rows, int64_t cols, bool tiled, F&& f) {
+  const int64_t tile = tiled ? 32 : 1;  // rows per iteration of the parallel loop
+  const int64_t tiles = (rows + tile - 1) / tile;
+#pragma omp parallel for if (rows * cols > (1 << 16))
+  for (int64_t t = 0; t < tiles; ++t) {
+    const int64_t r0 = t * tile, r1 = std::min(rows, r0 + tile);
+    if (!tiled) {
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t c = 0; c < cols; ++c) f(r, c);
+      continue;
+    }
+    for (int64_t c0 = 0; c0 < cols; c0 += tile)
+      for (int64_t c = c0; c < std::min(cols, c0 + tile); ++c)
+        for (int64_t r = r0; r < r1; ++r) f(r, c);
+  }
+}
+
 // Calls f(grad*, momentum*, weight*) with the slot's storage types resolved.
 template <typename F>
 void with_slot(const MuonSlot& s, F&& f) {
@@ -198,7 +221,7 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, 
       dispatch(mx.dtype, [&](auto tx) {
         using X = decltype(tx);
         X* px = static_cast<X*>(mx.data);
-        cpu::for_each_element(s.grad.rows, s.grad.cols, transpose, [&](int64_t r, int64_t c) {
+        for_each_element(s.grad.rows, s.grad.cols, transpose, [&](int64_t r, int64_t c) {
           float u = 0.0f;
           if (ok) {
             float gv = to_float(g[r * s.grad.ld + c]);
@@ -229,7 +252,7 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
         using O = decltype(to);
         const O* po = static_cast<const O*>(mo.data);
         const C decay = coef[i].decay, step = coef[i].step;
-        cpu::for_each_element(s.weight.rows, s.weight.cols, transpose, [&](int64_t r, int64_t c) {
+        for_each_element(s.weight.rows, s.weight.cols, transpose, [&](int64_t r, int64_t c) {
           C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
           C wv = to_float(w[r * s.weight.ld + c]);
           w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
