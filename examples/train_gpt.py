@@ -8,8 +8,8 @@ torch.optim.AdamW, timing forward+backward and the optimizer step separately.
 
 Every optimizer starts from the same initial weights and sees the same batches. Muon (both
 implementations) updates the hidden matrices; embeddings, the output head, norms and biases get
-AdamW. The AdamW run's learning rate is the best of a sweep on the preset (PRESETS says which),
-so that the baseline is not a strawman; the plot shows the loss against steps and against
+AdamW. The AdamW run's learning rate is tuned for each preset (PRESETS says how), so that the
+baseline is not a strawman; the plot shows the loss against steps and against
 training time, and each optimizer's share of the step.
 """
 
@@ -344,10 +344,20 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
 
 
 PRESETS = {
-    # about two minutes per optimizer on 2 CPU cores
-    "cpu": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 16, "steps": 300, "eval_iters": 10, "adamw_lr": 3e-3},
-    # GPT-2-small-sized blocks (12 x 768, 85 M parameters): a few minutes per optimizer on one H200
-    "gpu": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "batch_size": 32, "steps": 1000, "eval_iters": 20, "adamw_lr": 3e-3},
+    # 4 x 128, 300 steps: about two minutes for the three optimizers on 2 unloaded CPU cores.
+    # adamw_lr: the best validation loss of AdamW alone at 1e-3, 2e-3, 3e-3, 5e-3 and 1e-2
+    # (bench/results/2026-12-01-cpu-demo/adamw_sweep.md).
+    "cpu": {
+        "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 16,
+        "steps": 300, "eval_iters": 10, "adamw_lr": 3e-3,
+    },
+    # GPT-2-small-sized blocks (12 x 768, 85 M parameters): a few minutes per optimizer on one H200.
+    # adamw_lr: the best of 6e-4 and 1.5e-3 (bench/results/quality: this model, 600 steps, best
+    # validation loss 1.67 and 2.11) and 3e-3 (2.48 after 400 steps, bench/results/2026-11-29-h200-front).
+    "gpu": {
+        "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "batch_size": 32,
+        "steps": 1000, "eval_iters": 20, "adamw_lr": 6e-4,
+    },
 }
 
 
@@ -419,7 +429,7 @@ def main() -> int:
     print(
         "(step times: medians after warm-up, the device synchronised around each part; train s: the\n"
         f" steps without evaluations; the AdamW run at lr {args.adamw_lr:g}"
-        f"{', the best of a sweep on this preset' if args.adamw_lr_tuned else ''})"
+        f"{', tuned for this preset (PRESETS)' if args.adamw_lr_tuned else ''})"
     )
     by_kind = {r.optimizer: median_after_warmup(r.opt_ms) for r in results}
     if "distmuon" in by_kind and "torch-muon" in by_kind:
