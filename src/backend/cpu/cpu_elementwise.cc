@@ -2,7 +2,6 @@
 // fused CUDA kernels. Loops are parallelised over rows with OpenMP.
 #include <cblas.h>
 
-#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -145,28 +144,6 @@ void CpuBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec
 // ---- fused Muon passes ------------------------------------------------------------------------
 
 namespace {
-// Calls f(r, c) for every element of a rows x cols matrix: row by row or, when the loop also
-// touches the transposed matrix (`tiled`), in 32 x 32 tiles, so that the row-major and the
-// column-major side both stay within a few cache lines. Large matrices are split over OpenMP
-// threads (a no-op inside for_each_matrix's parallel loop).
-template <typename F>
-void for_each_element(int64_t rows, int64_t cols, bool tiled, F&& f) {
-  const int64_t tile = tiled ? 32 : 1;  // rows per iteration of the parallel loop
-  const int64_t tiles = (rows + tile - 1) / tile;
-#pragma omp parallel for if (rows * cols > (1 << 16))
-  for (int64_t t = 0; t < tiles; ++t) {
-    const int64_t r0 = t * tile, r1 = std::min(rows, r0 + tile);
-    if (!tiled) {
-      for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = 0; c < cols; ++c) f(r, c);
-      continue;
-    }
-    for (int64_t c0 = 0; c0 < cols; c0 += tile)
-      for (int64_t c = c0; c < std::min(cols, c0 + tile); ++c)
-        for (int64_t r = r0; r < r1; ++r) f(r, c);
-  }
-}
-
 // Calls f(grad*, momentum*, weight*) with the slot's storage types resolved.
 template <typename F>
 void with_slot(const MuonSlot& s, F&& f) {
@@ -221,16 +198,18 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, 
       dispatch(mx.dtype, [&](auto tx) {
         using X = decltype(tx);
         X* px = static_cast<X*>(mx.data);
-        for_each_element(s.grad.rows, s.grad.cols, transpose, [&](int64_t r, int64_t c) {
-          float u = 0.0f;
-          if (ok) {
-            float gv = to_float(g[r * s.grad.ld + c]);
-            float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
-            b[r * s.momentum.ld + c] = from_float<B>(bn);
-            u = nesterov_input(gv, bn, mu, nesterov) * f;
+#pragma omp parallel for if (s.grad.rows * s.grad.cols > (1 << 16))
+        for (int64_t r = 0; r < s.grad.rows; ++r)
+          for (int64_t c = 0; c < s.grad.cols; ++c) {
+            float u = 0.0f;
+            if (ok) {
+              float gv = to_float(g[r * s.grad.ld + c]);
+              float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+              b[r * s.momentum.ld + c] = from_float<B>(bn);
+              u = nesterov_input(gv, bn, mu, nesterov) * f;
+            }
+            px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(u);
           }
-          px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(u);
-        });
       });
     });
   });
@@ -252,11 +231,13 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
         using O = decltype(to);
         const O* po = static_cast<const O*>(mo.data);
         const C decay = coef[i].decay, step = coef[i].step;
-        for_each_element(s.weight.rows, s.weight.cols, transpose, [&](int64_t r, int64_t c) {
-          C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
-          C wv = to_float(w[r * s.weight.ld + c]);
-          w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
-        });
+#pragma omp parallel for if (s.weight.rows * s.weight.cols > (1 << 16))
+        for (int64_t r = 0; r < s.weight.rows; ++r)
+          for (int64_t c = 0; c < s.weight.cols; ++c) {
+            C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
+            C wv = to_float(w[r * s.weight.ld + c]);
+            w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
+          }
       });
     });
   });
