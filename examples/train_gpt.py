@@ -428,9 +428,10 @@ def main() -> int:
         print(f"{r.optimizer:>10} | {r.final_val_loss:8.4f} | {fb:10.2f} | {op:12.2f} | {op / (fb + op):8.1%} | {r.wall_s:7.1f}")
     print(
         "(step times: medians after warm-up, the device synchronised around each part; train s: the\n"
-        f" steps without evaluations; the AdamW run at lr {args.adamw_lr:g}"
-        f"{', tuned for this preset (PRESETS)' if args.adamw_lr_tuned else ''})"
+        " steps without evaluations)"
     )
+    if "adamw" in args.optimizers:
+        print(f"The AdamW run's learning rate: {args.adamw_lr:g}{' (tuned for this preset: PRESETS)' if args.adamw_lr_tuned else ''}")
     by_kind = {r.optimizer: median_after_warmup(r.opt_ms) for r in results}
     if "distmuon" in by_kind and "torch-muon" in by_kind:
         print(

@@ -78,8 +78,8 @@ class Muon(torch.optim.Optimizer):
             relative error and alignment of the accepted updates in ``stats()`` (synchronises).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings,
             output head, norms, biases), with ``torch.optim.AdamW``'s defaults (1e-3,
-            (0.9, 0.999), 1e-8, 0.01) whatever ``lr`` is: Muon's learning rate is typically 10-50x
-            AdamW's, so the AdamW part never follows it.
+            (0.9, 0.999), 1e-8, 0.01) whatever ``lr`` is: Muon's learning rate is typically
+            several to tens of times AdamW's, so the AdamW part never follows it.
         betas: ``adamw_betas`` under the name ``torch.optim.AdamW`` uses (give one of the two).
             ``eps`` is ``torch.optim.Muon``'s (the Newton-Schulz normalisation); AdamW's is
             ``adamw_eps``.
