@@ -52,6 +52,8 @@ MUON_KEYS = (
     "cache_shadow",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+# AdamW's betas may be given under torch.optim.AdamW's name or as adamw_betas, not both.
+BETAS_TWICE = "betas and adamw_betas both set the AdamW part's betas: give one of them"
 # Keys of a mixed user group (no use_muon) that configure its AdamW part.
 ADAMW_ALIASES = {
     "adamw_lr": "lr",
@@ -313,7 +315,7 @@ def adamw_group(group: dict[str, Any], use_muon: bool | None, adamw_defaults: di
     for k in ADAMW_KEYS:
         alias = f"adamw_{k}"
         if alias in group and k in group and k == "betas":
-            raise ValueError("betas and adamw_betas both set the AdamW part's betas: give one of them")
+            raise ValueError(BETAS_TWICE)
         if alias in group:
             out[k] = group[alias]
         elif k in group and (use_muon is False or k == "betas"):

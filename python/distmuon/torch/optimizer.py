@@ -166,9 +166,9 @@ class Muon(torch.optim.Optimizer):
             "cache_shadow": cache_shadow,
         }
         if adamw_lr is None:
-            raise TypeError("adamw_lr must be a number: the AdamW part has its own learning rate (default 1e-3, as torch.optim.AdamW)")
+            raise TypeError("adamw_lr must be a number: the AdamW part has its own learning rate (default 1e-3)")
         if betas is not None and adamw_betas is not None:
-            raise ValueError("betas and adamw_betas both set the AdamW part's betas: give one of them")
+            raise ValueError(opt.BETAS_TWICE)
         self._adamw_defaults: dict[str, Any] = {
             "lr": adamw_lr,
             "betas": tuple(betas or adamw_betas or (0.9, 0.999)),
