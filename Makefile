@@ -19,7 +19,7 @@ PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core:scikit_build_core 
 all: build
 
 help:
-	@echo "make demo    install what is missing, build, run the benchmark and the training example (CPU)"
+	@echo "make demo    install what is missing, build the Python package, train the example with distmuon, torch.optim.Muon and AdamW (CPU)"
 	@echo "make test    install what is missing, build, run every test (ctest: gtest + MPI; pytest)"
 	@echo "make test-gpu  on a machine with NVIDIA GPUs: the whole GPU verification (tests/gpu/verify.sh)"
 	@echo "make build   configure and build Release into $(BUILD_DIR)/ (executables in $(BUILD_DIR)/bin), pip-install the Python package"
@@ -88,9 +88,10 @@ test-python: python
 test-gpu:
 	$(if $(STAGED),,$(MAKE) deps &&) STAGED=$(STAGED) PYTHON=$(PYTHON) tests/gpu/verify.sh
 
-demo: deps build
-	$(BUILD_DIR)/bin/distmuon-bench --workload gpt2-small --backend cpu --algo ns5,auto --steps 2 --layers 4
-	$(PYTHON) examples/train_gpt.py --optimizer distmuon
+# The demo needs only the Python package (whose build compiles the core once, CPU-only without a
+# GPU); `make test` is what compiles every CUDA source.
+demo: deps python
+	$(PYTHON) examples/train_gpt.py --optimizer distmuon,torch-muon,adamw
 
 format:
 	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')

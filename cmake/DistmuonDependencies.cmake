@@ -51,11 +51,12 @@ if(DISTMUON_WITH_CUDA)
   endif()
 endif()
 
-# NCCL for the GPU communicator: the CUDA toolkit's copy, NCCL_ROOT, or the nvidia-nccl wheel
-# of a Python environment (where the GPU machine has it).
+# NCCL for the GPU communicator: NCCL_ROOT when set, else the nvidia-nccl wheel of the Python
+# environment (the copy torch loads, and the one distmuon/_cuda_libs.py loads at import, so the
+# headers match the library that runs), else the CUDA toolkit's copy.
 set(DISTMUON_HAVE_NCCL OFF)
 if(DISTMUON_HAVE_CUDA)
-  set(_nccl_hints $ENV{NCCL_ROOT} ${NCCL_ROOT} ${CUDAToolkit_LIBRARY_ROOT} ${CUDAToolkit_TARGET_DIR})
+  set(_nccl_hints $ENV{NCCL_ROOT} ${NCCL_ROOT})
   find_package(Python3 COMPONENTS Interpreter QUIET)
   if(Python3_Interpreter_FOUND)
     execute_process(
@@ -65,10 +66,12 @@ if(DISTMUON_HAVE_CUDA)
       list(APPEND _nccl_hints ${_nccl_wheel})
     endif()
   endif()
+  list(APPEND _nccl_hints ${CUDAToolkit_LIBRARY_ROOT} ${CUDAToolkit_TARGET_DIR})
   find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS}
             PATH_SUFFIXES include)
-  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
-               PATH_SUFFIXES lib lib64)
+  # NAMES_PER_DIR: the wheel has only libnccl.so.2, which must win over a toolkit's libnccl.so.
+  find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 NAMES_PER_DIR
+               HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
   if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
     set(DISTMUON_HAVE_NCCL ON)
     message(STATUS "distmuon: NCCL communicator enabled (${NCCL_LIBRARY})")

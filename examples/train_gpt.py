@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
-"""Character-level GPT on tinyshakespeare with distmuon.torch.Muon, torch.optim.AdamW or
-torch.optim.Muon, timing forward+backward and the optimizer step separately.
+"""Character-level GPT on tinyshakespeare with distmuon.torch.Muon, torch.optim.Muon and
+torch.optim.AdamW, timing forward+backward and the optimizer step separately.
 
-    python examples/train_gpt.py                              # distmuon, CPU preset (~2 min, 2 cores)
-    python examples/train_gpt.py --optimizer distmuon,adamw,torch-muon   # all three, one plot
-    python examples/train_gpt.py --device cuda                # GPU preset
+    python examples/train_gpt.py                              # distmuon, CPU preset
+    python examples/train_gpt.py --optimizer distmuon,torch-muon,adamw   # all three (make demo)
+    python examples/train_gpt.py --device cuda --optimizer distmuon,torch-muon,adamw   # GPU preset
 
 Every optimizer starts from the same initial weights and sees the same batches. Muon (both
 implementations) updates the hidden matrices; embeddings, the output head, norms and biases get
-AdamW with the same settings as the AdamW run.
+AdamW. The AdamW run's learning rate is tuned for each preset (PRESETS says how), so that the
+baseline is not a strawman; the plot shows the loss against steps and against
+training time, and each optimizer's share of the step.
 """
 
 from __future__ import annotations
@@ -124,6 +126,9 @@ class HParams:
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_weight_decay: float = 0.0
+    # The AdamW part of the Muon runs (embeddings, head, norms, biases).
+    muon_adamw_lr: float = 3e-3
+    # The AdamW run (every parameter): tuned per preset.
     adamw_lr: float = 3e-3
     adamw_betas: tuple[float, float] = (0.9, 0.95)
     adamw_weight_decay: float = 0.0
@@ -141,7 +146,7 @@ def build_optimizers(kind: str, model: nn.Module, hp: HParams, cache_gamma: floa
                 momentum=hp.muon_momentum,
                 weight_decay=hp.muon_weight_decay,
                 cache_gamma=cache_gamma,
-                adamw_lr=hp.adamw_lr,
+                adamw_lr=hp.muon_adamw_lr,
                 adamw_betas=hp.adamw_betas,
                 adamw_weight_decay=hp.adamw_weight_decay,
             )
@@ -159,7 +164,7 @@ def build_optimizers(kind: str, model: nn.Module, hp: HParams, cache_gamma: floa
     rest = [p for p in model.parameters() if id(p) not in ids]
     return [
         torch.optim.Muon(hidden, lr=hp.muon_lr, momentum=hp.muon_momentum, weight_decay=hp.muon_weight_decay),
-        torch.optim.AdamW(rest, lr=hp.adamw_lr, betas=hp.adamw_betas, weight_decay=hp.adamw_weight_decay, fused=fused),
+        torch.optim.AdamW(rest, lr=hp.muon_adamw_lr, betas=hp.adamw_betas, weight_decay=hp.adamw_weight_decay, fused=fused),
     ]
 
 
@@ -224,47 +229,63 @@ def evaluate(model: nn.Module, data: CharData, args: argparse.Namespace) -> floa
     return sum(losses) / len(losses)
 
 
-def train_one(kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, data: CharData, args: argparse.Namespace) -> RunResult:
-    device = torch.device(args.device)
-    model = GPT(cfg).to(device)
-    model.load_state_dict(init)
-    opts = build_optimizers(kind, model, HParams(), args.cache_gamma)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(args.steps, args.warmup)) for o in opts]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    gen = torch.Generator().manual_seed(0)  # the same training batches for every optimizer
-    res = RunResult(kind, args.steps)
-    it, postfix = progress(args.steps, f"{kind:>10}")
-    start = time.perf_counter()
-    for step in it:
-        x, y = data.batch("train", args.batch_size, args.block_size, gen)
+class Trainer:
+    """One optimizer's model, optimizers, schedules and batch stream, stepped one step at a time."""
+
+    def __init__(self, kind: str, init: dict[str, torch.Tensor], cfg: GPTConfig, data: CharData, args: argparse.Namespace) -> None:
+        self.device = torch.device(args.device)
+        self.model = GPT(cfg).to(self.device)
+        self.model.load_state_dict(init)
+        self.opts = build_optimizers(kind, self.model, HParams(adamw_lr=args.adamw_lr), args.cache_gamma)
+        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, warmup_cosine(args.steps, args.warmup)) for o in self.opts]
+        self.gen = torch.Generator().manual_seed(0)  # the same training batches for every optimizer
+        self.res = RunResult(kind, args.steps)
+        self.data, self.args = data, args
+
+    def step(self, step: int) -> None:
+        args, res = self.args, self.res
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        x, y = self.data.batch("train", args.batch_size, args.block_size, self.gen)
         sync()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-            loss = model(x, y)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=args.amp):
+            loss = self.model(x, y)
         loss.backward()
         sync()
         t1 = time.perf_counter()
-        for o in opts:
+        for o in self.opts:
             o.step()
         sync()
         t2 = time.perf_counter()
-        for o in opts:
+        for o in self.opts:
             o.zero_grad(set_to_none=True)
-        for s in scheds:
+        for s in self.scheds:
             s.step()
         res.train_losses.append(loss.item())
         res.fwd_bwd_ms.append((t1 - t0) * 1e3)
         res.opt_ms.append((t2 - t1) * 1e3)
+        res.wall_s += time.perf_counter() - t0
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            res.val_points.append((step + 1, evaluate(model, data, args)))
+            res.val_points.append((step + 1, evaluate(self.model, self.data, args)))
+
+    def finish(self) -> RunResult:
+        self.res.final_val_loss = self.res.val_points[-1][1]
+        if self.res.optimizer == "distmuon":
+            self.res.stats = self.opts[0].stats()  # type: ignore[attr-defined]
+        return self.res
+
+
+def train(kinds: list[str], init: dict[str, torch.Tensor], cfg: GPTConfig, data: CharData, args: argparse.Namespace) -> list[RunResult]:
+    """Trains every optimizer in lockstep (step i of each, in turn), so that the load of a shared
+    machine falls on them alike and their step times compare."""
+    trainers = [Trainer(kind, init, cfg, data, args) for kind in kinds]
+    it, postfix = progress(args.steps, "train")
+    for step in it:
+        for t in trainers:
+            t.step(step)
         if step % 10 == 0 or step + 1 == args.steps:
-            val = f" val {res.val_points[-1][1]:.3f}" if res.val_points else ""
-            postfix(f"loss {loss.item():.3f}{val} fwd+bwd {res.fwd_bwd_ms[-1]:.1f} ms opt {res.opt_ms[-1]:.1f} ms")
-    res.wall_s = time.perf_counter() - start
-    res.final_val_loss = res.val_points[-1][1]
-    if kind == "distmuon":
-        res.stats = opts[0].stats()  # type: ignore[attr-defined]
-    return res
+            postfix(" ".join(f"{t.res.optimizer} {t.res.train_losses[-1]:.3f} ({t.res.opt_ms[-1]:.0f} ms)" for t in trainers))
+    return [t.finish() for t in trainers]
 
 
 def median_after_warmup(xs: list[float]) -> float:
@@ -273,6 +294,8 @@ def median_after_warmup(xs: list[float]) -> float:
 
 
 def plot(results: list[RunResult], path: Path, title: str) -> None:
+    """Loss against steps, loss against training time (forward, backward and optimizer; batches
+    and evaluations not counted), and the split of a step into forward+backward and optimizer."""
     try:
         import matplotlib
     except ImportError:  # e.g. the GPU machine: the JSON summary still has every number
@@ -282,31 +305,59 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (by_step, by_time, split) = plt.subplots(1, 3, figsize=(16, 5), gridspec_kw={"width_ratios": [1, 1, 0.8]})
     styles = [("-", "o"), ("--", "s"), (":", "^")]  # distinguishable where curves coincide
     for i, r in enumerate(results):
         ls, marker = styles[i % len(styles)]
         k = max(1, len(r.train_losses) // 50)
         window = [r.train_losses[max(0, j - k) : j + 1] for j in range(len(r.train_losses))]
         smooth = [sum(w) / len(w) for w in window]
-        line = ax.plot(range(1, len(smooth) + 1), smooth, ls, alpha=0.5, label=f"{r.optimizer} train")[0]
+        clock, t = [], 0.0
+        for fb, op in zip(r.fwd_bwd_ms, r.opt_ms):
+            t += (fb + op) / 1e3
+            clock.append(t)
         steps, vals = zip(*r.val_points)
-        ax.plot(steps, vals, ls, marker=marker, color=line.get_color(), label=f"{r.optimizer} val ({r.final_val_loss:.3f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/char)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        line = by_step.plot(range(1, len(smooth) + 1), smooth, ls, alpha=0.4, label=f"{r.optimizer} train")[0]
+        color = line.get_color()
+        by_step.plot(steps, vals, ls, marker=marker, color=color, label=f"{r.optimizer} val ({r.final_val_loss:.3f})")
+        by_time.plot(clock, smooth, ls, alpha=0.4, color=color)
+        by_time.plot([clock[s - 1] for s in steps], vals, ls, marker=marker, color=color, label=f"{r.optimizer} val")
+        fb, op = median_after_warmup(r.fwd_bwd_ms), median_after_warmup(r.opt_ms)
+        split.barh(i, fb, color=color, alpha=0.35)
+        split.barh(i, op, left=fb, color=color)
+        split.text(fb + op, i, f" {op:.1f} ms ({op / (fb + op):.0%})", va="center", fontsize=9)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("training time (s): forward, backward and optimizer")
+    for ax in (by_step, by_time):
+        ax.set_ylabel("cross-entropy (nats/char)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    split.set_yticks(range(len(results)), [r.optimizer for r in results])
+    split.invert_yaxis()
+    split.set_xlabel("ms per step: forward+backward, optimizer (its share)")
+    split.set_xlim(0, 1.35 * max(median_after_warmup(r.fwd_bwd_ms) + median_after_warmup(r.opt_ms) for r in results))
+    split.grid(alpha=0.3, axis="x")
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 PRESETS = {
-    # about two minutes per optimizer on 2 CPU cores
-    "cpu": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 16, "steps": 600},
-    # GPT-2-small-sized blocks (12 x 768, 85 M parameters): a few minutes per optimizer on one H200
-    "gpu": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "batch_size": 32, "steps": 1000},
+    # 4 x 128, 300 steps: about two minutes for the three optimizers on 2 unloaded CPU cores.
+    # adamw_lr: the best validation loss of AdamW alone at 1e-3, 2e-3, 3e-3, 5e-3 and 1e-2
+    # (bench/results/2026-12-01-cpu-demo/adamw_sweep.md).
+    "cpu": {
+        "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 16,
+        "steps": 300, "eval_iters": 10, "adamw_lr": 3e-3,
+    },
+    # GPT-2-small-sized blocks (12 x 768, 85 M parameters): a few minutes per optimizer on one H200.
+    # adamw_lr: the best of 6e-4 and 1.5e-3 (bench/results/quality: this model, 600 steps, best
+    # validation loss 1.67 and 2.11) and 3e-3 (2.48 after 400 steps, bench/results/2026-11-29-h200-front).
+    "gpu": {
+        "n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 256, "batch_size": 32,
+        "steps": 1000, "eval_iters": 20, "adamw_lr": 6e-4,
+    },
 }
 
 
@@ -323,7 +374,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--n-embd", type=int)
     ap.add_argument("--warmup", type=int, help="LR warm-up steps (default: 5%% of the steps)")
     ap.add_argument("--eval-every", type=int, help="steps between validation evaluations")
-    ap.add_argument("--eval-iters", type=int, default=20, help="validation batches per evaluation")
+    ap.add_argument("--eval-iters", type=int, help="validation batches per evaluation")
+    ap.add_argument("--adamw-lr", type=float, help="learning rate of the AdamW run (default: the preset's, tuned)")
     ap.add_argument("--cache-gamma", type=float, help="CacheMuon residual threshold (distmuon only)")
     ap.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast in forward (default: on CUDA)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -331,6 +383,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--data", type=Path, default=REPO / "data" / "tinyshakespeare.txt")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "train_gpt.png", help="loss-curve PNG (a .json summary is written beside it)")
     args = ap.parse_args()
+    args.adamw_lr_tuned = args.adamw_lr is None
     preset = PRESETS[args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")]
     for k, v in preset.items():
         if getattr(args, k) is None:
@@ -367,13 +420,24 @@ def main() -> int:
         f"{cfg.block_size} chars; {args.steps} steps on {device} ({torch.get_num_threads()} CPU threads"
         f"{', bf16 autocast' if args.amp else ''})"
     )
-    results = [train_one(kind, init, cfg, data, args) for kind in args.optimizers]
-    print(f"\n{'optimizer':>10} | {'val loss':>8} | {'fwd+bwd ms':>10} | {'optimizer ms':>12} | {'opt share':>9} | {'wall s':>7}")
+    results = train(args.optimizers, init, cfg, data, args)
+    print(f"\n{'optimizer':>10} | {'val loss':>8} | {'fwd+bwd ms':>10} | {'optimizer ms':>12} | {'opt share':>9} | {'train s':>7}")
     print("-" * 72)
     for r in results:
         fb, op = median_after_warmup(r.fwd_bwd_ms), median_after_warmup(r.opt_ms)
         print(f"{r.optimizer:>10} | {r.final_val_loss:8.4f} | {fb:10.2f} | {op:12.2f} | {op / (fb + op):8.1%} | {r.wall_s:7.1f}")
-    print("(step times: medians after warm-up; the device is synchronised around each part)")
+    print(
+        "(step times: medians after warm-up, the device synchronised around each part; train s: the\n"
+        " steps without evaluations)"
+    )
+    if "adamw" in args.optimizers:
+        print(f"The AdamW run's learning rate: {args.adamw_lr:g}{' (tuned for this preset: PRESETS)' if args.adamw_lr_tuned else ''}")
+    by_kind = {r.optimizer: median_after_warmup(r.opt_ms) for r in results}
+    if "distmuon" in by_kind and "torch-muon" in by_kind:
+        print(
+            f"distmuon's optimizer step: {by_kind['distmuon']:.2f} ms, {by_kind['distmuon'] / by_kind['torch-muon']:.2f}x "
+            f"torch.optim.Muon's ({by_kind['torch-muon']:.2f} ms)"
+        )
     for r in results:
         if args.cache_gamma is not None and r.stats:
             st = r.stats

@@ -1,7 +1,7 @@
 """Language-model study: a GPT-2-small-shaped model (12 layers, width 768) trained at character
 level on the shipped tinyshakespeare corpus, one run per optimizer arm, identical init and data.
 
-    python bench/quality/lm.py --device cuda --steps 1500 --out bench/results/quality-lm.json
+    python bench/quality/lm.py --device cuda --steps 1500 --out out/quality-lm.json
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50, help="linear LR warm-up steps (every arm)")
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality-lm.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "quality-lm.json"))
     args = ap.parse_args()
 
     device = torch.device(args.device)

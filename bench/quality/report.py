@@ -1,8 +1,11 @@
 """Turns the raw study records (quality-lm.json, quality-vision.json) into a markdown report with
 PNG plots: loss curves, the CacheMuon frontier, hit rate over training, residual vs alignment.
 
-    python bench/quality/report.py --lm bench/results/quality-lm.json \
-        --vision bench/results/quality-vision.json --out bench/results/quality
+    python bench/quality/report.py --lm out/quality-lm.json --vision out/quality-vision.json \
+        --out bench/results/quality/quality
+
+The raw records stay out of the tree (bench/results/README.md); the report, the plots and a
+summary JSON per study (write_summary()) are what a run keeps.
 """
 from __future__ import annotations
 
@@ -124,6 +127,15 @@ def plot_residual_alignment(study: dict, path: str) -> bool:
     return True
 
 
+def write_summary(study: dict, rows: list[dict], path: str) -> None:
+    """What a recorded run keeps: every arm's table row and its validation curve (the per-step
+    raw record stays out of the tree)."""
+    curves = {a["arm"]: {"steps": a["steps"], "val": a["val"]} for a in study["arms"]}
+    arms = [{**r, "val_curve": curves[r["arm"]]} for r in rows]
+    with open(path, "w") as f:
+        json.dump({"meta": study["meta"], "arms": arms}, f, indent=1)
+
+
 def table(rows: list[dict], metric: str) -> str:
     out = [f"| arm | final {metric} | best {metric} | optimizer ms/step | ortho GFLOP/step | hit rate | FLOPs saved |",
            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -153,6 +165,7 @@ def main() -> None:
         study = json.load(open(path))
         study["meta"]["kind"] = kind
         rows = summarize(study)
+        write_summary(study, rows, f"{args.out}-{kind}-summary.json")
         base = os.path.basename(args.out)
         plot_curves(study, metric, f"{args.out}-{kind}-curves.png")
         plot_frontier(rows, f"best {metric}", f"{args.out}-{kind}-frontier.png")

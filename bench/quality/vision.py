@@ -2,7 +2,7 @@
 per optimizer arm, identical init and batch order. Conv kernels (4D) go to Muon flattened to
 (out, in*kh*kw); torch.optim.Muon only takes 2D parameters, so it has no arm here.
 
-    python bench/quality/vision.py --device cuda --epochs 40 --out bench/results/quality-vision.json
+    python bench/quality/vision.py --device cuda --epochs 40 --out out/quality-vision.json
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--adamw-lr", type=float, default=3e-3)
     ap.add_argument("--weight-decay", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "quality-vision.json"))
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "quality-vision.json"))
     ap.add_argument("--digits", help="an .npz with 'images' (N x 8 x 8) and 'target' (N) where scikit-learn "
                     "is not installed (the GPU machine): write it with --save-digits on a machine that has it")
     ap.add_argument("--save-digits", help="write scikit-learn's digits set to this .npz and exit")

@@ -115,7 +115,7 @@ struct BatchMask {
   int32_t value = 1;
 };
 
-// ---- CacheMuon gate (ALGORITHMS.md section 5) ---------------------------------------------------
+// ---- CacheMuon gate (docs/algorithms.md section 5) -------------------------------------------
 
 // What cache_gate decided for a matrix (int32 per matrix, device memory).
 enum CacheDecision : int32_t {
@@ -268,6 +268,17 @@ class Backend {
   // Called when an engine sets up its shapes, never inside a step. Default: false.
   virtual bool tuned_config(const OrthoConfig& base, int64_t m, int64_t n, int64_t count,
                             const TunePolicy& policy, OrthoConfig* out);
+
+  // ---- host concurrency ----------------------------------------------------------------------
+  // How many consecutive parts an algorithm may split a batch of `count` independent matrices
+  // into, to issue each part's operations from its own host thread through run_parts. A device
+  // backend answers 1 (one kernel already covers the batch); the CPU backend its OpenMP threads,
+  // so that each thread runs whole matrices and the threads meet once per batch, not once per
+  // operation. Results do not depend on the split.
+  virtual int64_t batch_parts(int64_t count) const;
+  // Calls f(part) for every part in [0, parts), concurrently where batch_parts allowed it. The
+  // first exception is rethrown once every part has returned.
+  virtual void run_parts(int64_t parts, const std::function<void(int64_t part)>& f);
 };
 
 // Creates the backend for `kind`: "cpu", "cuda" (the calling thread's current CUDA device) or

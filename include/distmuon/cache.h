@@ -1,4 +1,4 @@
-// CacheMuon (ALGORITHMS.md section 5): reuse the total left transform Q of the last fresh
+// CacheMuon (docs/algorithms.md section 5): reuse the total left transform Q of the last fresh
 // Gram Newton-Schulz solve while a residual test says it still orthogonalizes the current
 // normalised momentum X. Per step and matrix: D = Q X is accepted when
 // ||D D^T - I||_F / sqrt(m) <= gamma (measured exactly in Gram space from R = X X^T, or

@@ -50,7 +50,7 @@ struct EngineOptions {
   bool allow_restart_free = false;
 };
 
-// Distributed modes (DESIGN.md "Engine"); what each expects in ParamData.
+// Distributed modes (docs/design.md, "One step, distributed"); what each expects in ParamData.
 enum class DistMode : int {
   // Dim-0 shards of reduced gradients and weights (FSDP2). Every rank all-gathers every
   // matrix, orthogonalizes all of them and keeps its rows: the naive baseline.

@@ -1,4 +1,4 @@
-// Hyperparameters of the Muon update (ALGORITHMS.md section 1) and of AdamW for the parameters
+// Hyperparameters of the Muon update (docs/algorithms.md section 1) and of AdamW for the parameters
 // Muon does not handle, plus the rules that turn a parameter's shape into matrices.
 #pragma once
 

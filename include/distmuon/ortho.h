@@ -21,11 +21,11 @@ struct CacheOptions;
 enum class Iteration : int {
   kStandardDense = 0,  // X <- aX + (bA + cA^2) X with dense products (torch.optim.Muon)
   kStandardSym = 1,    // the same, computing only one triangle of A = XX^T and A^2
-  kGram = 2,           // the iteration in the m x m Gram space (ALGORITHMS.md section 4)
+  kGram = 2,           // the iteration in the m x m Gram space (docs/algorithms.md section 4)
   kAuto = 3,
 };
 
-// Coefficient schedules (ALGORITHMS.md sections 2 and 3).
+// Coefficient schedules (docs/algorithms.md sections 2 and 3).
 enum class Coefficients : int {
   kJordan = 0,           // (3.4445, -4.7750, 2.0315) on every step
   kPolarExpress = 1,     // reference code: safety 1.01 on all but the last step, norm * 1.01
@@ -70,7 +70,7 @@ double norm_multiplier(Coefficients c);
 // Pure shape heuristic for Iteration::kAuto. m <= n is the wide orientation. Gram NS costs
 // (4T + 6a - 6) m^3 against T(3a + 1) m^3 for symmetric standard NS (a = n / m): it is cheaper
 // once a > 1 in FLOPs, but it runs more small sequential products and its half-precision error
-// grows with restarts, so it is chosen from a = 1.5 up (ALGORITHMS.md section 4).
+// grows with restarts, so it is chosen from a = 1.5 up (docs/algorithms.md section 4).
 // An autotuner can replace this choice per shape (OrthoConfig.iteration set explicitly).
 Iteration choose_iteration(int64_t m, int64_t n);
 

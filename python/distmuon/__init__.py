@@ -4,18 +4,12 @@ The C++ engine is exposed as :mod:`distmuon._C` (types only); the PyTorch optimi
 :class:`distmuon.torch.Muon`.
 """
 
-try:
-    from distmuon._C import Error, TimeoutError, __version__, cuda_available
-except ImportError as e:
-    # A CUDA build needs libcudart, cuBLASLt and NCCL. In a PyTorch environment they come with
-    # torch's wheels and are found once torch has loaded them (the extension binds to those
-    # copies); elsewhere they must be on the loader's path.
-    if "cannot open shared object file" not in str(e):
-        raise
-    import torch
+from distmuon import _cuda_libs
+from distmuon._version import __version__
 
-    del torch  # only its libraries were wanted
+# Before _C: its CUDA libraries must be the copies torch loads, in either import order.
+_cuda_libs.load()
 
-    from distmuon._C import Error, TimeoutError, __version__, cuda_available
+from distmuon._C import Error, TimeoutError, cuda_available  # noqa: E402
 
 __all__ = ["Error", "TimeoutError", "__version__", "cuda_available"]

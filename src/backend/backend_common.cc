@@ -28,6 +28,12 @@ bool Backend::tuned_config(const OrthoConfig&, int64_t, int64_t, int64_t, const 
   return false;
 }
 
+int64_t Backend::batch_parts(int64_t) const { return 1; }
+
+void Backend::run_parts(int64_t parts, const std::function<void(int64_t)>& f) {
+  for (int64_t p = 0; p < parts; ++p) f(p);
+}
+
 namespace {
 void check_layout(const char* what, const char* arg, const BatchRef& x) {
   DM_CHECK(x.rows >= 0 && x.cols >= 0 && x.count >= 0, what, ": ", arg, " has a negative size");

@@ -1,4 +1,4 @@
-// One CacheMuon call on a batch (ALGORITHMS.md section 5), written as a template over the
+// One CacheMuon call on a batch (docs/algorithms.md section 5), written as a template over the
 // executor like the plain iterations, so that the FLOPs charged per hit and per refresh are
 // exactly what the masked operations do:
 //   1. cached Q in the work dtype and ||Q||_F (a non-finite Q never passes the gate);

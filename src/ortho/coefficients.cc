@@ -1,5 +1,5 @@
 // Coefficient schedules, algorithm names and the per-shape choice of iteration
-// (ALGORITHMS.md sections 2-4).
+// (docs/algorithms.md sections 2-4).
 #include <algorithm>
 #include <cmath>
 #include <sstream>

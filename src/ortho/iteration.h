@@ -1,7 +1,7 @@
 // The iterations of the orthogonalizer written once as templates over an executor
-// (ALGORITHMS.md sections 2 and 4). BackendExec issues the operations on a backend, FlopCounter
-// only counts them, so every FLOP figure equals what a run performs. Shared by the plain run
-// (orthogonalizer.cc) and the CacheMuon run (cached_run.cc).
+// (docs/algorithms.md sections 2 and 4). BackendExec issues the operations on a backend,
+// FlopCounter only counts them, so every FLOP figure equals what a run performs. Shared by the
+// plain run (orthogonalizer.cc) and the CacheMuon run (cached_run.cc).
 #pragma once
 
 #include <algorithm>
@@ -129,6 +129,10 @@ inline int gram_segments(const OrthoConfig& cfg) {
 
 struct GramBuffers {
   BatchRef R, Z, T, Q, Qn, other;  // five m x m and one m x n, all in the work dtype
+  GramBuffers slice(int64_t first, int64_t n) const {
+    return {R.slice(first, n),  Z.slice(first, n),  T.slice(first, n),
+            Q.slice(first, n),  Qn.slice(first, n), other.slice(first, n)};
+  }
 };
 
 inline GramBuffers carve_gram(Carver& ws, DType t, int64_t c, int64_t m, int64_t n) {
@@ -142,13 +146,26 @@ inline GramBuffers carve_gram(Carver& ws, DType t, int64_t c, int64_t m, int64_t
   return b;
 }
 
+struct StandardBuffers {
+  BatchRef A, B, other;  // two m x m and one m x n, in the work dtype
+  StandardBuffers slice(int64_t first, int64_t n) const {
+    return {A.slice(first, n), B.slice(first, n), other.slice(first, n)};
+  }
+};
+
+inline StandardBuffers carve_standard(Carver& ws, DType t, int64_t c, int64_t m, int64_t n) {
+  StandardBuffers b;
+  b.A = ws.take(t, c, m, m);
+  b.B = ws.take(t, c, m, m);
+  b.other = ws.take(t, c, m, n);
+  return b;
+}
+
 // Standard Newton-Schulz: X <- a X + (b A + c A^2) X with A = X X^T.
 template <typename Exec>
 void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const BatchRef& x,
-                        const BatchRef& out, Carver& ws) {
-  const int64_t c = x.count, m = x.rows, n = x.cols;
-  BatchRef A = ws.take(x.dtype, c, m, m), B = ws.take(x.dtype, c, m, m);
-  BatchRef other = ws.take(x.dtype, c, m, n);
+                        const BatchRef& out, const StandardBuffers& bufs) {
+  const BatchRef A = bufs.A, B = bufs.B, other = bufs.other;
   BatchRef cur = x;
   auto coef = coefficient_schedule(cfg);
   for (int i = 0; i < cfg.steps; ++i) {
@@ -217,23 +234,53 @@ void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const Ba
   }
 }
 
-template <typename Exec>
-void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, Carver& ws) {
+// The workspace buffers of one iteration over a batch, carved once; slice(first, n) gives the
+// buffers of matrices [first, first + n), so that parts of a batch can iterate independently.
+struct IterationBuffers {
+  StandardBuffers standard;
+  GramBuffers gram;
+  IterationBuffers slice(int64_t first, int64_t n) const {
+    return {standard.slice(first, n), gram.slice(first, n)};
+  }
+};
+
+inline IterationBuffers carve_iteration(Carver& ws, const OrthoConfig& cfg, const BatchRef& x) {
+  IterationBuffers b;
   switch (cfg.iteration) {
     case Iteration::kStandardDense:
-      standard_iteration(e, cfg, false, x, out, ws);
-      break;
     case Iteration::kStandardSym:
-      standard_iteration(e, cfg, true, x, out, ws);
+      b.standard = carve_standard(ws, x.dtype, x.count, x.rows, x.cols);
       break;
-    case Iteration::kGram: {
-      GramBuffers b = carve_gram(ws, x.dtype, x.count, x.rows, x.cols);
-      gram_iteration(e, cfg, x, out, b, false, [](int, const BatchRef&) {});
+    case Iteration::kGram:
+      b.gram = carve_gram(ws, x.dtype, x.count, x.rows, x.cols);
       break;
-    }
     case Iteration::kAuto:
       DM_FAIL("internal: unresolved auto iteration");
   }
+  return b;
+}
+
+template <typename Exec>
+void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
+             const IterationBuffers& bufs) {
+  switch (cfg.iteration) {
+    case Iteration::kStandardDense:
+      standard_iteration(e, cfg, false, x, out, bufs.standard);
+      break;
+    case Iteration::kStandardSym:
+      standard_iteration(e, cfg, true, x, out, bufs.standard);
+      break;
+    case Iteration::kGram:
+      gram_iteration(e, cfg, x, out, bufs.gram, false, [](int, const BatchRef&) {});
+      break;
+    case Iteration::kAuto:
+      DM_FAIL("internal: unresolved auto iteration");
+  }
+}
+
+template <typename Exec>
+void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, Carver& ws) {
+  iterate(e, cfg, x, out, carve_iteration(ws, cfg, x));
 }
 
 }  // namespace distmuon::ortho_detail

@@ -1,7 +1,8 @@
-// Newton-Schulz and Gram Newton-Schulz over the Backend interface (ALGORITHMS.md 2 and 4).
-// The iterations live in iteration.h as templates over an executor, so ortho_flops() counts
+// Newton-Schulz and Gram Newton-Schulz over the Backend interface (docs/algorithms.md sections 2
+// and 4). The iterations live in iteration.h as templates over an executor, so ortho_flops() counts
 // exactly the operations run() performs.
 #include <algorithm>
+#include <vector>
 
 #include "distmuon/error.h"
 #include "distmuon/ortho.h"
@@ -54,8 +55,23 @@ void Orthogonalizer::run(const OrthoConfig& cfg, const BatchRef& x, const BatchR
   DM_CHECK(workspace_size >= need, "orthogonalizer: workspace of ", workspace_size,
            " bytes, need ", need);
   Carver ws{static_cast<char*>(workspace)};
-  BackendExec e{backend_, stats};
-  iterate(e, r, x, out, ws);
+  const ortho_detail::IterationBuffers bufs = ortho_detail::carve_iteration(ws, r, x);
+  const int64_t parts = std::max<int64_t>(1, std::min(backend_.batch_parts(x.count), x.count));
+  if (parts == 1) {
+    BackendExec e{backend_, stats};
+    iterate(e, r, x, out, bufs);
+    return;
+  }
+  // Consecutive parts of the batch, each iterating on its slice of every buffer from its own
+  // thread (CPU): the same operations per matrix, so the same results.
+  std::vector<OrthoStats> part_stats(static_cast<size_t>(parts));
+  backend_.run_parts(parts, [&](int64_t p) {
+    const int64_t first = x.count * p / parts, len = x.count * (p + 1) / parts - first;
+    BackendExec e{backend_, stats ? &part_stats[static_cast<size_t>(p)] : nullptr};
+    iterate(e, r, x.slice(first, len), out.slice(first, len), bufs.slice(first, len));
+  });
+  if (stats)
+    for (const OrthoStats& ps : part_stats) stats->flops += ps.flops;
 }
 
 void Orthogonalizer::orthogonalize(const OrthoConfig& cfg, const BatchRef& u, const BatchRef& out,

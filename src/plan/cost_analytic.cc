@@ -13,7 +13,7 @@
 namespace distmuon {
 namespace {
 
-// Walks the iteration of ALGORITHMS.md (sections 2 and 4) as the Orthogonalizer runs it and
+// Walks the iteration of docs/algorithms.md (sections 2 and 4) as the Orthogonalizer runs it and
 // counts, per product, the elements read (each distinct input once) and written, and the
 // launches. The resolved config decides standard versus Gram.
 struct Traffic {

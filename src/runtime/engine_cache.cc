@@ -1,4 +1,4 @@
-// CacheMuon inside the engine (ALGORITHMS.md section 5): which process keeps which transform
+// CacheMuon inside the engine (docs/algorithms.md section 5): which process keeps which transform
 // cache entries, the orthogonalization through them, their checkpoint views and statistics.
 //
 // An entry lives where its matrix is orthogonalized, as momentum does: in a single process

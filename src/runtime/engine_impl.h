@@ -206,7 +206,7 @@ struct Engine::Impl {
   void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')
   std::map<std::string, OrthoConfig> tuned;  // key: tuned_key()
 
-  // CacheMuon (cache_glue.cc). The index of the cache class of (group, m, n), created on demand.
+  // CacheMuon (engine_cache.cc). The index of the cache class of (group, m, n), created on demand.
   int cache_class_of(int group, int64_t m, int64_t n);
   // Binds a cache class to its group's current options for the resolved config; returns whether
   // this step uses it and, if so, the workspace bytes run_cached needs for `count` matrices.

@@ -1,4 +1,4 @@
-// `auto` per shape (ALGORITHMS.md section 4: "choose per shape, measured, not assumed"): the
+// `auto` per shape (docs/algorithms.md section 4: chosen per shape, measured where it can be): the
 // backend's measured choice (the CUDA autotuner, Backend::tuned_config) under the engine's policy,
 // or the pure heuristic of resolve(). Distributed engines take rank 0's choices everywhere, so that
 // every rank runs the same algorithm on the same matrix (gather mode solves every matrix on

@@ -1,5 +1,5 @@
 // The single-process step: batching of same-shape matrices into classes, and the fused passes
-// momentum -> orthogonalize -> update (ALGORITHMS.md section 1), plus AdamW.
+// momentum -> orthogonalize -> update (docs/algorithms.md section 1), plus AdamW.
 #include <algorithm>
 #include <map>
 #include <sstream>

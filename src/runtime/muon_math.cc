@@ -1,4 +1,4 @@
-// Shape rules and scale modes of the Muon update (ALGORITHMS.md section 1).
+// Shape rules and scale modes of the Muon update (docs/algorithms.md section 1).
 #include <algorithm>
 #include <cmath>
 #include <sstream>

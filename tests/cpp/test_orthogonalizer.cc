@@ -1,7 +1,8 @@
 // Every orthogonalization algorithm against the float64 reference of the same iteration, on
 // fresh random wide, tall, square, one-row and zero inputs; Gram NS against standard NS; a
-// converging schedule against the SVD polar factor; FLOP counts against ALGORITHMS.md.
+// converging schedule against the SVD polar factor; FLOP counts against docs/algorithms.md.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <cmath>
 
@@ -9,6 +10,9 @@
 #include "distmuon/error.h"
 #include "distmuon/ortho.h"
 #include "test_util.h"
+
+extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
 
 namespace distmuon {
 namespace {
@@ -152,7 +156,7 @@ TEST(Orthogonalizer, NoNaNOnTinyOrHugeInputs) {
 }
 
 TEST(Orthogonalizer, FlopCountsMatchTheClosedForms) {
-  // ALGORITHMS.md section 4, in units of m^3 with alpha = n / m.
+  // docs/algorithms.md section 4, in units of m^3 with alpha = n / m.
   const int64_t m = 512, n = 2048;
   const double a = double(n) / m, m3 = double(m) * m * m;
   OrthoConfig c;
@@ -170,6 +174,33 @@ TEST(Orthogonalizer, FlopCountsMatchTheClosedForms) {
   run_ortho(f64, {random_matrix(40, 100), random_matrix(40, 100)}, DType::kF64, &stats);
   EXPECT_DOUBLE_EQ(stats.flops, 2 * ortho_flops(c, 40, 100));
   EXPECT_EQ(stats.matrices, 2);
+}
+
+TEST(Orthogonalizer, SplittingABatchOverThreadsGivesTheSameBitsAndFlops) {
+  // The CPU backend splits a batch over its OpenMP threads when BLAS runs on one thread (what
+  // distmuon.torch sets): each thread iterates on whole matrices, so nothing may change.
+  const int blas_threads = openblas_get_num_threads(), omp_threads = omp_get_max_threads();
+  openblas_set_num_threads(1);
+  for (Iteration it : {Iteration::kStandardSym, Iteration::kGram}) {
+    OrthoConfig cfg;
+    cfg.iteration = it;
+    std::vector<Mat> in;
+    for (int i = 0; i < 5; ++i) in.push_back(random_matrix(24, 80, 0.5 + i));
+    omp_set_num_threads(1);
+    EXPECT_EQ(CpuBackend().batch_parts(5), 1);
+    OrthoStats one;
+    std::vector<Mat> serial = run_ortho(cfg, in, DType::kF32, &one);
+    omp_set_num_threads(3);
+    EXPECT_EQ(CpuBackend().batch_parts(5), 3);
+    OrthoStats three;
+    std::vector<Mat> split = run_ortho(cfg, in, DType::kF32, &three);
+    for (size_t i = 0; i < in.size(); ++i)
+      EXPECT_EQ(serial[i], split[i]) << iteration_name(it) << " " << i;
+    EXPECT_EQ(one.flops, three.flops);
+    EXPECT_EQ(one.matrices, three.matrices);
+  }
+  openblas_set_num_threads(blas_threads);
+  omp_set_num_threads(omp_threads);
 }
 
 TEST(Orthogonalizer, AutoPicksGramOnlyForElongatedShapes) {

@@ -90,9 +90,31 @@ def test_explicit_groups_and_mixed_group_split() -> None:
     assert set(groups[1]) == {"params", "use_muon", "lr", "betas", "eps", "weight_decay"}
 
 
-def test_adamw_lr_defaults_to_lr() -> None:
-    opt = Muon(TinyGPT(), lr=0.013)
-    assert opt.param_groups[1]["lr"] == 0.013
+def test_adamw_part_has_torch_adamw_defaults_whatever_lr_is() -> None:
+    opt = Muon(TinyGPT(), lr=0.02, weight_decay=0.2, eps=1e-6)
+    muon, adamw = opt.param_groups
+    assert muon["lr"] == 0.02 and muon["weight_decay"] == 0.2 and muon["eps"] == 1e-6
+    ref = torch.optim.AdamW([torch.zeros(1)]).defaults
+    assert {k: adamw[k] for k in ("lr", "betas", "eps", "weight_decay")} == {
+        k: ref[k] for k in ("lr", "betas", "eps", "weight_decay")
+    }
+    # a mixed group's lr is Muon's too
+    model = TinyGPT()
+    opt = Muon([{"params": list(model.named_parameters()), "lr": 0.05}], lr=0.02)
+    assert [(g["use_muon"], g["lr"]) for g in opt.param_groups] == [(True, 0.05), (False, 1e-3)]
+    with pytest.raises(TypeError, match="adamw_lr must be a number"):
+        Muon(TinyGPT(), adamw_lr=None)  # type: ignore[arg-type]
+
+
+def test_betas_as_torch_adamw_names_them() -> None:
+    opt = Muon(TinyGPT(), lr=0.02, betas=(0.8, 0.95))
+    assert opt.param_groups[1]["betas"] == (0.8, 0.95)
+    assert opt.param_groups[0]["eps"] == 1e-7  # eps stays torch.optim.Muon's
+    with pytest.raises(ValueError, match="betas and adamw_betas both set"):
+        Muon(TinyGPT(), betas=(0.8, 0.95), adamw_betas=(0.9, 0.95))
+    model = TinyGPT()
+    with pytest.raises(ValueError, match="betas and adamw_betas both set"):
+        Muon([{"params": list(model.named_parameters()), "betas": (0.8, 0.9), "adamw_betas": (0.9, 0.9)}])
 
 
 def test_add_param_group_after_steps_keeps_state() -> None:

@@ -17,7 +17,7 @@ from distmuon import _C
 
 JORDAN_COEFFICIENTS: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
 
-# Named coefficient sets the engine knows (ALGORITHMS.md sections 2 and 3).
+# Named coefficient sets the engine knows (docs/algorithms.md sections 2 and 3).
 NAMED_COEFFICIENTS: dict[str, Any] = {
     "jordan": _C.Coefficients.jordan,
     "polar-express": _C.Coefficients.polar_express,
@@ -52,6 +52,8 @@ MUON_KEYS = (
     "cache_shadow",
 )
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+# AdamW's betas may be given under torch.optim.AdamW's name or as adamw_betas, not both.
+BETAS_TWICE = "betas and adamw_betas both set the AdamW part's betas: give one of them"
 # Keys of a mixed user group (no use_muon) that configure its AdamW part.
 ADAMW_ALIASES = {
     "adamw_lr": "lr",
@@ -196,7 +198,8 @@ _CACHE_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 
 def cache_options(group: dict[str, Any], where: str) -> Any:
-    """The engine's CacheOptions of a Muon group (CacheMuon, ALGORITHMS.md section 5), validated.
+    """The engine's CacheOptions of a Muon group, validated (CacheMuon: docs/algorithms.md
+    section 5).
 
     ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
     ``cache_probes`` None measures the residual exactly in Gram space, k estimates it with k
@@ -304,22 +307,21 @@ def muon_group(group: dict[str, Any], use_muon: bool | None, defaults: dict[str,
     return out
 
 
-def adamw_group(
-    group: dict[str, Any], use_muon: bool | None, muon_defaults: dict[str, Any], adamw_defaults: dict[str, Any]
-) -> dict[str, Any]:
+def adamw_group(group: dict[str, Any], use_muon: bool | None, adamw_defaults: dict[str, Any]) -> dict[str, Any]:
     """The complete AdamW group for a user group: adamw_* keys, or the plain AdamW keys of a
-    use_muon=False group, over the constructor's adamw_* defaults."""
+    use_muon=False group, over the constructor's adamw_* defaults. A mixed group's ``lr`` and
+    ``eps`` are Muon's; only ``betas`` (which Muon has not) also names AdamW's."""
     out: dict[str, Any] = {}
     for k in ADAMW_KEYS:
         alias = f"adamw_{k}"
+        if alias in group and k in group and k == "betas":
+            raise ValueError(BETAS_TWICE)
         if alias in group:
             out[k] = group[alias]
         elif k in group and (use_muon is False or k == "betas"):
             out[k] = group[k]
-        elif adamw_defaults[k] is not None:
+        else:
             out[k] = adamw_defaults[k]
-        else:  # adamw_lr=None: the AdamW part follows the group's lr
-            out[k] = group.get("lr", muon_defaults["lr"])
     out["betas"] = tuple(out["betas"]) if isinstance(out["betas"], list) else out["betas"]
     if use_muon is not None and "initial_lr" in group:
         out["initial_lr"] = group["initial_lr"]

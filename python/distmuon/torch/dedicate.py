@@ -1,4 +1,4 @@
-"""distmuon.torch.dedicate: the DMuon runtime for FSDP2 and HSDP (ALGORITHMS.md section 6).
+"""distmuon.torch.dedicate: the DMuon runtime for FSDP2 and HSDP (docs/algorithms.md section 6).
 
 Selected matrices are owned whole by one rank each (the engine's planner, balanced on costs).
 FSDP2 leaves them alone (``fully_shard(..., ignored_params=dm.ignored_params)``); the owner keeps

@@ -66,7 +66,7 @@ class Muon(torch.optim.Optimizer):
             (dense products, as torch.optim.Muon), 'ns-sym' or 'gram-ns'.
         ns_dtype: dtype the iteration runs in; None picks bfloat16 on CUDA (as
             torch.optim.Muon) and float32 on the CPU.
-        cache_gamma: CacheMuon (ALGORITHMS.md section 5): reuse each matrix's last Gram-NS
+        cache_gamma: CacheMuon (docs/algorithms.md section 5): reuse each matrix's last Gram-NS
             transform while ``||Q X (Q X)^T - I||_F / sqrt(m) <= cache_gamma``; None (default)
             keeps it off. It applies to the shapes orthogonalized with Gram NS ('gram-ns', or the
             elongated shapes of 'auto'). Its entries are saved by ``state_dict()``.
@@ -76,8 +76,13 @@ class Muon(torch.optim.Optimizer):
         cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16).
         cache_shadow: diagnostics: also run the fresh solve for accepted matrices and report the
             relative error and alignment of the accepted updates in ``stats()`` (synchronises).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (``adamw_lr=None``
-            uses ``lr``).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings,
+            output head, norms, biases), with ``torch.optim.AdamW``'s defaults (1e-3,
+            (0.9, 0.999), 1e-8, 0.01) whatever ``lr`` is: Muon's learning rate is typically
+            several to tens of times AdamW's, so the AdamW part never follows it.
+        betas: ``adamw_betas`` under the name ``torch.optim.AdamW`` uses (give one of the two).
+            ``eps`` is ``torch.optim.Muon``'s (the Newton-Schulz normalisation); AdamW's is
+            ``adamw_eps``.
         muon_filter: ``(name, param) -> bool`` that replaces the default choice of Muon
             parameters (matrices that are not embeddings or the output head).
         momentum_dtype: torch.float32 (default) or torch.bfloat16.
@@ -124,10 +129,11 @@ class Muon(torch.optim.Optimizer):
         cache_max_staleness: int | None = 0,
         cache_dtype: torch.dtype | str = torch.float32,
         cache_shadow: bool = False,
-        adamw_lr: float | None = None,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] | None = None,
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
+        betas: tuple[float, float] | None = None,
         muon_filter: MuonFilter | None = None,
         momentum_dtype: torch.dtype = torch.float32,
         nonfinite: str = "skip",
@@ -159,9 +165,13 @@ class Muon(torch.optim.Optimizer):
             "cache_dtype": opt.torch_dtype_name(cache_dtype),
             "cache_shadow": cache_shadow,
         }
+        if adamw_lr is None:
+            raise TypeError("adamw_lr must be a number: the AdamW part has its own learning rate (default 1e-3)")
+        if betas is not None and adamw_betas is not None:
+            raise ValueError(opt.BETAS_TWICE)
         self._adamw_defaults: dict[str, Any] = {
             "lr": adamw_lr,
-            "betas": tuple(adamw_betas),
+            "betas": tuple(betas or adamw_betas or (0.9, 0.999)),
             "eps": adamw_eps,
             "weight_decay": adamw_weight_decay,
         }
@@ -231,7 +241,7 @@ class Muon(torch.optim.Optimizer):
         if any(muon_mask):
             parts.append((True, opt.muon_group(group, use_muon, self._muon_defaults)))
         if not all(muon_mask):
-            parts.append((False, opt.adamw_group(group, use_muon, self._muon_defaults, self._adamw_defaults)))
+            parts.append((False, opt.adamw_group(group, use_muon, self._adamw_defaults)))
         for kind, g in parts:
             chosen = [(info.name, p) for p, info, m in zip(params, infos, muon_mask) if m == kind]
             g["params"] = chosen if names else [p for _, p in chosen]

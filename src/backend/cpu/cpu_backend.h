@@ -3,9 +3,25 @@
 // bf16/fp16 bits and multiplied in fp32, so the GPU's rounding can be emulated exactly.
 #pragma once
 
+#include <cstdint>
+#include <functional>
+
 #include "distmuon/backend.h"
 
 namespace distmuon {
+
+namespace cpu {
+// How many OpenMP threads may share a batch of n matrices: with one BLAS thread (what
+// distmuon.torch sets: OpenBLAS's workers spin between calls and would take the cores from
+// torch's forward and backward) the matrices are spread over OpenMP threads, whose pool sleeps
+// once the loop is done; with several BLAS threads BLAS threads each product instead. 1 inside
+// a parallel region (a part of a batch already has its thread).
+int64_t matrix_threads(int64_t n);
+// Calls f(i) for every matrix i of a batch of n, over matrix_threads(n) threads. The first
+// exception is rethrown after the loop.
+void for_each_matrix(int64_t n, const std::function<void(int64_t)>& f);
+
+}  // namespace cpu
 
 class CpuBackend final : public Backend {
  public:
@@ -51,6 +67,9 @@ class CpuBackend final : public Backend {
   void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst) override;
   void cache_gate(const CacheGateArgs& args) override;
   void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) override;
+
+  int64_t batch_parts(int64_t count) const override;
+  void run_parts(int64_t parts, const std::function<void(int64_t)>& f) override;
 };
 
 }  // namespace distmuon

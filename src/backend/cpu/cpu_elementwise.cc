@@ -164,7 +164,7 @@ inline float nesterov_input(float g, float b_new, float mu, bool nesterov) {
 
 void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                     float* norms, int32_t* status) {
-  for (size_t i = 0; i < slots.size(); ++i) {
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
     double sum = 0;
     bool finite = true;
@@ -181,18 +181,18 @@ void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, b
     });
     norms[i] = static_cast<float>(std::sqrt(sum));
     status[i] = finite && std::isfinite(norms[i]) ? kStatusOk : kStatusNonFinite;
-  }
+  });
 }
 
 void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                      const int32_t* status, const ScaleSpec& scale,
                                      bool transpose, const BatchRef& x) {
   check_slots("muon_momentum_apply", slots, x, transpose);
-  for (size_t i = 0; i < slots.size(); ++i) {
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
-    MatRef mx = x.matrix(static_cast<int64_t>(i));
+    MatRef mx = x.matrix(i);
     const bool ok = status[i] == kStatusOk;
-    const float f = ok ? static_cast<float>(scale_factor(scale, static_cast<int64_t>(i))) : 0.0f;
+    const float f = ok ? static_cast<float>(scale_factor(scale, i)) : 0.0f;
     with_slot(s, [&](auto* g, auto* b, auto*) {
       using B = std::remove_pointer_t<decltype(b)>;
       dispatch(mx.dtype, [&](auto tx) {
@@ -212,7 +212,7 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, 
           }
       });
     });
-  }
+  });
 }
 
 void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
@@ -220,10 +220,10 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
   check_slots("muon_update", slots, o, transpose);
   DM_CHECK(coef.size() == slots.size(), "muon_update: ", coef.size(), " coefficients for ",
            slots.size(), " matrices");
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (status && status[i] != kStatusOk) continue;
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
+    if (status && status[i] != kStatusOk) return;
     const MuonSlot& s = slots[i];
-    MatRef mo = o.matrix(static_cast<int64_t>(i));
+    MatRef mo = o.matrix(i);
     with_slot(s, [&](auto*, auto*, auto* w) {
       using W = std::remove_pointer_t<decltype(w)>;
       using C = cpu::compute_t<W>;
@@ -240,7 +240,7 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
           }
       });
     });
-  }
+  });
 }
 
 // ---- AdamW ------------------------------------------------------------------------------------

@@ -2,15 +2,52 @@
 // arithmetic type (bf16/fp16, or mixed) are widened into scratch, multiplied in fp32 (fp64 when
 // any operand is fp64) and rounded once into C, which is what the GPU's tensor cores do.
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
+#include <exception>
+#include <mutex>
 #include <vector>
 
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_dtype.h"
 
+extern "C" int openblas_get_num_threads(void);
+
 namespace distmuon {
+
+int64_t cpu::matrix_threads(int64_t n) {
+  if (n < 2 || omp_in_parallel() || openblas_get_num_threads() > 1) return 1;
+  return std::min<int64_t>(n, omp_get_max_threads());
+}
+
+void cpu::for_each_matrix(int64_t n, const std::function<void(int64_t)>& f) {
+  const int64_t threads = matrix_threads(n);
+  if (threads < 2) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  std::exception_ptr error;
+  std::mutex error_mutex;
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
+  for (int64_t i = 0; i < n; ++i) {
+    try {
+      f(i);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+int64_t CpuBackend::batch_parts(int64_t count) const { return cpu::matrix_threads(count); }
+
+void CpuBackend::run_parts(int64_t parts, const std::function<void(int64_t)>& f) {
+  cpu::for_each_matrix(parts, f);
+}
+
 namespace {
 
 using cpu::compute_t;
@@ -66,6 +103,17 @@ void blas_syrk(bool trans, int64_t n, int64_t k, double alpha, const double* a, 
               beta, c, ldc);
 }
 
+// The upper triangle of an n x n matrix from its lower one, in 32 x 32 tiles so that the rows
+// read and the columns written both stay within a few cache lines.
+template <typename S>
+void mirror_lower(S* a, int64_t n, int64_t ld) {
+  constexpr int64_t kTile = 32;
+  for (int64_t r0 = 0; r0 < n; r0 += kTile)
+    for (int64_t j0 = r0; j0 < n; j0 += kTile)
+      for (int64_t j = j0; j < std::min(n, j0 + kTile); ++j)
+        for (int64_t r = r0; r < std::min(j, r0 + kTile); ++r) a[r * ld + j] = a[j * ld + r];
+}
+
 // Rows [r0, r1) x cols [0, ncols) of C = alpha op(A) op(B) + beta Cin, into the m x n T scratch.
 template <typename T>
 void product_block(bool ta, bool tb, const Staged<T>& a, const Staged<T>& b, int64_t k, T alpha,
@@ -87,44 +135,51 @@ void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const Bat
                   double alpha, double beta, const BatchRef* c_in, const BatchRef& c, GemmDims d,
                   const BatchMask* mask = nullptr) {
   const bool ta = op_a == Op::kT, tb = op_b == Op::kT;
-  std::vector<T> acc(static_cast<size_t>(d.m * d.n));
-  for (int64_t i = 0; i < c.count; ++i) {
-    if (mask && mask->flags[i] != mask->value) continue;
+  constexpr DType kArith = std::is_same_v<T, double> ? DType::kF64 : DType::kF32;
+  cpu::for_each_matrix(c.count, [&](int64_t i) {
+    if (mask && mask->flags[i] != mask->value) return;
     Staged<T> sa(a.matrix(i)), sb(b.matrix(i));
+    MatRef out = c.matrix(i);
+    // Multiply straight into C when it holds the arithmetic type and is not an input; else into
+    // scratch, rounded once into C.
+    const bool direct = out.dtype == kArith && out.data != sa.ptr && out.data != sb.ptr;
+    std::vector<T> scratch(direct ? 0 : static_cast<size_t>(d.m * d.n));
+    T* acc = direct ? static_cast<T*>(out.data) : scratch.data();
+    const int64_t ld = direct ? out.ld : d.n;
     T eff_beta = 0;
     if (c_in && beta != 0.0) {
       Staged<T> sc(c_in->matrix(i));
-      for (int64_t r = 0; r < d.m; ++r)
-        std::copy(sc.ptr + r * sc.ld, sc.ptr + r * sc.ld + d.n, acc.data() + r * d.n);
+      if (sc.ptr != acc)
+        for (int64_t r = 0; r < d.m; ++r)
+          std::copy(sc.ptr + r * sc.ld, sc.ptr + r * sc.ld + d.n, acc + r * ld);
       eff_beta = static_cast<T>(beta);
     }
     if (!symmetric) {
-      product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, 0, d.m, d.n, acc.data(), d.n);
+      product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, 0, d.m, d.n, acc, ld);
     } else if (a.matrix(i).data == b.matrix(i).data && ta != tb && d.k > 0) {
       // X X^T or X^T X of one operand: BLAS's rank-k update computes the lower triangle.
-      blas_syrk(ta, d.m, d.k, static_cast<T>(alpha), sa.ptr, sa.ld, eff_beta, acc.data(), d.n);
+      blas_syrk(ta, d.m, d.k, static_cast<T>(alpha), sa.ptr, sa.ld, eff_beta, acc, ld);
     } else {
       // Lower triangle in row blocks: block [r0, r1) needs columns [0, r1) only, which halves the
       // work; the upper triangle is then mirrored so the result is exactly symmetric.
       constexpr int64_t kBlock = 128;
       for (int64_t r0 = 0; r0 < d.m; r0 += kBlock) {
         int64_t r1 = std::min(d.m, r0 + kBlock);
-        product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, r0, r1, r1, acc.data(), d.n);
+        product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, r0, r1, r1, acc, ld);
       }
     }
-    MatRef out = c.matrix(i);
     dispatch(out.dtype, [&](auto tag) {
       using S = decltype(tag);
       S* dst = static_cast<S*>(out.data);
-      for (int64_t r = 0; r < d.m; ++r) {
-        int64_t cols = symmetric ? r + 1 : d.n;
-        for (int64_t j = 0; j < cols; ++j) dst[r * out.ld + j] = cpu::from_float<S>(acc[r * d.n + j]);
-      }
-      if (symmetric)
-        for (int64_t r = 0; r < d.m; ++r)
-          for (int64_t j = r + 1; j < d.n; ++j) dst[r * out.ld + j] = dst[j * out.ld + r];
+      if (!direct)
+        for (int64_t r = 0; r < d.m; ++r) {
+          int64_t cols = symmetric ? r + 1 : d.n;
+          for (int64_t j = 0; j < cols; ++j)
+            dst[r * out.ld + j] = cpu::from_float<S>(acc[r * ld + j]);
+        }
+      if (symmetric) mirror_lower(dst, d.m, out.ld);
     });
-  }
+  });
 }
 
 bool any_f64(const BatchRef& a, const BatchRef& b, const BatchRef* c_in, const BatchRef& c) {

@@ -1,4 +1,4 @@
-// The fused Muon passes (ALGORITHMS.md section 1), multi-tensor: one launch serves up to
+// The fused Muon passes (docs/algorithms.md section 1), multi-tensor: one launch serves up to
 // kMaxMuonSlots matrices whose pointers travel by value in the kernel parameters.
 //   pass 1  muon_norm:   ||U||_F with U = G + mu (mu B + G) (or mu B + G), status on NaN/Inf
 //   pass 2  muon_apply:  B <- mu B + G, X = U / (norm_mul ||U|| + eps) cast (and transposed)
