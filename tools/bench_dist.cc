@@ -322,7 +322,8 @@ int run_distributed(const BenchOptions& o) {
     threads = threads_per_rank(p);
     omp_set_num_threads(threads);
   }
-  auto be = make_backend(backend == "cuda" ? rank_device(rank, o.ranks_per_gpu, cuda_device_count()) : backend);
+  auto be = make_backend(
+      backend == "cuda" ? rank_device(rank, o.ranks_per_gpu, cuda_device_count()) : backend);
   // CPU: the MPI communicator moves host memory. CUDA: an NCCL communicator whose id rank 0
   // shares over MPI.
   std::unique_ptr<Communicator> nccl;

@@ -19,8 +19,9 @@ void check_fits(const Backend& be, const Workload& w, DType param_dtype, bool in
   const double need = static_cast<double>(muon + adamw) * 2 * dtype_size(param_dtype) +
                       static_cast<double>(muon) * 4 + static_cast<double>(adamw) * 8;
   const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
-  DM_CHECK(need < have, "workload ", w.name, " needs ", need / (1 << 30), " GiB on the CPU but the ",
-           "machine has ", have / (1 << 30), " GiB (use --layers to keep fewer layers)");
+  DM_CHECK(need < have, "workload ", w.name, " needs ", need / (1 << 30),
+           " GiB on the CPU but the machine has ", have / (1 << 30),
+           " GiB (use --layers to keep fewer layers)");
 }
 
 BenchModel::BenchModel(Backend& be, const Workload& w, DType dtype, bool include_adamw,

@@ -8,7 +8,6 @@
 namespace distmuon::bench {
 namespace {
 
-
 const CLI::Validator kBackend(
     [](std::string& v) -> std::string {
       const bool indexed = v.rfind("cuda:", 0) == 0 && v.size() > 5 && v.size() < 9 &&
@@ -16,7 +15,6 @@ const CLI::Validator kBackend(
       return v == "cpu" || v == "cuda" || indexed ? "" : "expected cpu, cuda or cuda:N";
     },
     "{cpu, cuda, cuda:N}", "BACKEND");
-
 
 void check_bench_options(const CLI::App& app, BenchOptions& o) {
   o.algos_given = app.count("--algo") > 0;
@@ -27,8 +25,8 @@ void check_bench_options(const CLI::App& app, BenchOptions& o) {
            "--mode single runs one process; it cannot be combined with distributed modes");
   DM_CHECK(o.drift == 0 || o.dtype == "f32" || o.dtype == "float32",
            "--drift needs f32 parameters (--dtype f32)");
-  DM_CHECK(!o.distributed() || o.backend.rfind("cuda:", 0) != 0,
-           "--backend ", o.backend, ": distributed ranks choose their device from their local "
+  DM_CHECK(!o.distributed() || o.backend.rfind("cuda:", 0) != 0, "--backend ", o.backend,
+           ": distributed ranks choose their device from their local "
            "rank (use --backend cuda and --ranks-per-gpu)");
   DM_CHECK(o.ranks_per_gpu == 1 || (o.distributed() && o.backend == "cuda"),
            "--ranks-per-gpu applies to distributed runs with --backend cuda");
@@ -36,8 +34,8 @@ void check_bench_options(const CLI::App& app, BenchOptions& o) {
 
 // The rank's index on its node, from the launcher.
 int local_rank(int world_rank) {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
-                          "LOCAL_RANK"})
+  for (const char* var :
+       {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"})
     if (const char* v = std::getenv(var)) return std::atoi(v);
   return world_rank;
 }
@@ -121,12 +119,12 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
   app.callback([&app, &o] { check_bench_options(app, o); });
 }
 
-
 std::string rank_device(int world_rank, int ranks_per_gpu, int visible) {
   const int local = local_rank(world_rank), device = local / ranks_per_gpu;
-  DM_CHECK(device < visible, "rank ", world_rank, " (local rank ", local, ") would use CUDA device ",
-           device, " with --ranks-per-gpu ", ranks_per_gpu, ", but ", visible, " device",
-           visible == 1 ? " is" : "s are", " visible; run at most ", visible * ranks_per_gpu,
+  DM_CHECK(device < visible, "rank ", world_rank, " (local rank ", local,
+           ") would use CUDA device ", device, " with --ranks-per-gpu ", ranks_per_gpu, ", but ",
+           visible, " device", visible == 1 ? " is" : "s are", " visible; run at most ",
+           visible * ranks_per_gpu,
            " ranks per node or raise --ranks-per-gpu (several ranks per GPU need NCCL >= 2.30 "
            "with NCCL_MULTI_RANK_GPU_ENABLE=1)");
   return "cuda:" + std::to_string(device);

@@ -93,7 +93,9 @@ CLI::Validator bound(double min, bool strict) {
         char* end = nullptr;
         const double x = std::strtod(v.c_str(), &end);
         if (v.empty() || *end != '\0' || x != x) return "'" + v + "' is not a number";
-        return (strict ? x > min : x >= min) ? "" : "must be " + rel + format_number(min) + " (got " + v + ")";
+        return (strict ? x > min : x >= min)
+                   ? ""
+                   : "must be " + rel + format_number(min) + " (got " + v + ")";
       },
       rel + format_number(min), "BOUND");
 }
@@ -146,11 +148,11 @@ const CLI::Validator kAlgorithm = accepted_by(
     "ALGO: ns5 | ns5-sym | gram-ns | auto [:jordan|polar-express|polar-express-1.05|you[:STEPS]]",
     "ALGORITHM");
 
-const CLI::Validator kWorkload = accepted_by([](const std::string& v) { load_workload(v); },
-                                             "NAME|FILE", "WORKLOAD");
+const CLI::Validator kWorkload =
+    accepted_by([](const std::string& v) { load_workload(v); }, "NAME|FILE", "WORKLOAD");
 
-const CLI::Validator kDType = accepted_by([](const std::string& v) { parse_dtype(v); },
-                                          "{f32, bf16, f16, f64}", "DTYPE");
+const CLI::Validator kDType =
+    accepted_by([](const std::string& v) { parse_dtype(v); }, "{f32, bf16, f16, f64}", "DTYPE");
 
 Summary summarize(std::vector<double> v) {
   if (v.empty()) return {};

@@ -93,7 +93,8 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                  "analytic and simulate: memory bandwidth in TB/s (H200 copy, measured)")
       ->check(cli::above(0))
       ->group(costs);
-  app.add_option("--launch-us", a.launch_us, "analytic: fixed cost per kernel launch in microseconds")
+  app.add_option("--launch-us", a.launch_us,
+                 "analytic: fixed cost per kernel launch in microseconds")
       ->check(cli::at_least(0))
       ->group(costs);
 

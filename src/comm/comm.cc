@@ -110,9 +110,9 @@ CommHandle::~CommHandle() { finish_quietly(); }
 void CommHandle::finish_quietly() noexcept {
   if (!request_) return;
   // An operation of this communicator failed since this one was issued (this one, or one it
-  // may depend on): waiting would most likely cost the whole timeout again for nothing.
+  // may depend on), and that failure was raised: waiting would most likely cost the whole
+  // timeout again for nothing.
   if (failures_ && failures_->load() > failures_at_issue_) {
-    DM_LOG(kError, "abandoning a collective left pending by a failed one");
     request_.reset();
     return;
   }

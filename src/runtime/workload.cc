@@ -68,8 +68,8 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
   auto size = [&](const nlohmann::json& v, const std::string& what) -> int64_t {
     const bool fits =
         v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX);
-    DM_CHECK(fits, "workload ", origin, ": ", what, " must be an integer that fits in 64 bits (got ",
-             v.dump(), ")");
+    DM_CHECK(fits, "workload ", origin, ": ", what,
+             " must be an integer that fits in 64 bits (got ", v.dump(), ")");
     return v.get<int64_t>();
   };
   Workload w;

@@ -49,8 +49,8 @@ class Tripwire final : public Communicator {
     trip();
     return wrap(inner_.all_reduce(s, r, n, t, op));
   }
-  std::unique_ptr<CommRequest> do_reduce(const void* s, void* r, int64_t n, CommType t,
-                                         ReduceOp op, int root) override {
+  std::unique_ptr<CommRequest> do_reduce(const void* s, void* r, int64_t n, CommType t, ReduceOp op,
+                                         int root) override {
     trip();
     return wrap(inner_.reduce(s, r, n, t, op, root));
   }

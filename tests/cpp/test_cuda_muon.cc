@@ -77,8 +77,8 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
   HostBatch x(DType::kBF16, count, m, n), xc(DType::kBF16, count, m, n);
   x.poison();
   DeviceBatch dx(be, x);
-  be.muon_momentum_apply(gs, 0.95f, true, status.as<int32_t>(), {norms.as<double>(), 1.0, 1e-7, 1.0},
-                         tall, dx.ref);
+  be.muon_momentum_apply(gs, 0.95f, true, status.as<int32_t>(),
+                         {norms.as<double>(), 1.0, 1e-7, 1.0}, tall, dx.ref);
   cpu.muon_momentum_apply(cs, 0.95f, true, cst.data(), {cn.data(), 1.0, 1e-7, 1.0}, tall, xc.ref);
   dx.download(be, x);
   for (int64_t i = 0; i < count; ++i) {

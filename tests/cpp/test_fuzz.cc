@@ -43,12 +43,31 @@ std::vector<std::string> workload_seeds() {
 
 // Values that break sizes, types and ranges.
 json odd_value(std::mt19937_64& rng) {
-  static const std::vector<json> pool = {
-      -1, 0, 1, 3, int64_t{1} << 31, int64_t{1} << 32, int64_t{1} << 62, INT64_MAX,
-      std::numeric_limits<uint64_t>::max(), 3037000500, 1e30, -1e30, 3.5, "text", nullptr, true,
-      json::array(), json::object(), json::array({1, 2}), json::array({0, 4}),
-      json::array({3037000500, 3037000500}), json::array({4294967296, 4294967296}),
-      json::array({-4, 8}), json::array({json::array({1})}), json::array({1, 2, 3, 4, 5})};
+  static const std::vector<json> pool = {-1,
+                                         0,
+                                         1,
+                                         3,
+                                         int64_t{1} << 31,
+                                         int64_t{1} << 32,
+                                         int64_t{1} << 62,
+                                         INT64_MAX,
+                                         std::numeric_limits<uint64_t>::max(),
+                                         3037000500,
+                                         1e30,
+                                         -1e30,
+                                         3.5,
+                                         "text",
+                                         nullptr,
+                                         true,
+                                         json::array(),
+                                         json::object(),
+                                         json::array({1, 2}),
+                                         json::array({0, 4}),
+                                         json::array({3037000500, 3037000500}),
+                                         json::array({4294967296, 4294967296}),
+                                         json::array({-4, 8}),
+                                         json::array({json::array({1})}),
+                                         json::array({1, 2, 3, 4, 5})};
   return pool[rng() % pool.size()];
 }
 
@@ -62,7 +81,7 @@ void values_of(json& j, std::vector<json*>& out) {
 std::string mutate_workload(const std::string& seed, std::mt19937_64& rng) {
   const int kind = static_cast<int>(rng() % 6);
   if (kind == 0) return seed.substr(0, rng() % (seed.size() + 1));  // a truncated file
-  if (kind == 1) {  // a corrupted byte
+  if (kind == 1) {                                                  // a corrupted byte
     std::string s = seed;
     s[rng() % s.size()] = static_cast<char>(rng() % 256);
     return s;
@@ -128,12 +147,42 @@ TEST(Fuzz, MutatedWorkloadFilesGiveAResultOrAClearError) {
 
 // Tokens an argument list is mutated with.
 std::string odd_token(std::mt19937_64& rng) {
-  static const std::vector<std::string> pool = {
-      "-1", "0", "1", "2", "1.5", "1e999", "-1e999", "nan", "inf", "", "-", "--", "---",
-      "9223372036854775808", "99999999999999999999", "0x10", "abc", "=", "--=", "-h3",
-      "ns5,,auto", "gram-ns:you:999999", "cuda:", "cuda:99999999", "cpu,cuda", "\xff\xfe",
-      "--layer", "--step", "--cache=0.1,", "--json=", "--json=/", "--mode=single,gather",
-      "--workload=/dev/null", "--no-adamw=maybe", "--solver=", "--world-size=0"};
+  static const std::vector<std::string> pool = {"-1",
+                                                "0",
+                                                "1",
+                                                "2",
+                                                "1.5",
+                                                "1e999",
+                                                "-1e999",
+                                                "nan",
+                                                "inf",
+                                                "",
+                                                "-",
+                                                "--",
+                                                "---",
+                                                "9223372036854775808",
+                                                "99999999999999999999",
+                                                "0x10",
+                                                "abc",
+                                                "=",
+                                                "--=",
+                                                "-h3",
+                                                "ns5,,auto",
+                                                "gram-ns:you:999999",
+                                                "cuda:",
+                                                "cuda:99999999",
+                                                "cpu,cuda",
+                                                "\xff\xfe",
+                                                "--layer",
+                                                "--step",
+                                                "--cache=0.1,",
+                                                "--json=",
+                                                "--json=/",
+                                                "--mode=single,gather",
+                                                "--workload=/dev/null",
+                                                "--no-adamw=maybe",
+                                                "--solver=",
+                                                "--world-size=0"};
   return pool[rng() % pool.size()];
 }
 
@@ -191,21 +240,25 @@ void fuzz_arguments(const std::string& tool, const std::vector<std::string>& bas
 
 TEST(Fuzz, MutatedArgumentListsOfTheBenchAreAcceptedOrRefusedCleanly) {
   fuzz_arguments("distmuon-bench", {"--workload", "gpt2-small", "--layers", "1", "--steps", "1"},
-                 {"--workload", "--backend", "--algo", "--steps", "--warmup", "--layers", "--seed",
-                  "--dtype", "--work-dtype", "--no-adamw", "--json", "--drift", "--mode",
-                  "--bucket-mb", "--planner", "--ranks-per-gpu", "--cache", "--cache-residual",
-                  "--cache-probes", "--cache-staleness", "--cache-dtype", "--cache-layout"},
+                 {"--workload",    "--backend",        "--algo",         "--steps",
+                  "--warmup",      "--layers",         "--seed",         "--dtype",
+                  "--work-dtype",  "--no-adamw",       "--json",         "--drift",
+                  "--mode",        "--bucket-mb",      "--planner",      "--ranks-per-gpu",
+                  "--cache",       "--cache-residual", "--cache-probes", "--cache-staleness",
+                  "--cache-dtype", "--cache-layout"},
                  7);
 }
 
 TEST(Fuzz, MutatedArgumentListsOfThePlannerAreAcceptedOrRefusedCleanly) {
-  fuzz_arguments("distmuon-plan", {"--workload", "pi0", "--solver", "lpt"},
-                 {"--workload", "--layers", "--world-size", "--gpus-per-node", "--replicate",
-                  "--solver", "--time-limit", "--max-nodes", "--gap", "--formulation",
-                  "--comm-weight", "--memory-cap-gib", "--max-batch", "--state-bytes", "--costs",
-                  "--device", "--analytic", "--measure", "--profile-ks", "--algo", "--tflops",
-                  "--hbm-tbs", "--simulate", "--sim-max-world", "--wire-bytes", "--json"},
-                 8);
+  fuzz_arguments(
+      "distmuon-plan", {"--workload", "pi0", "--solver", "lpt"},
+      {"--workload",    "--layers",         "--world-size", "--gpus-per-node", "--replicate",
+       "--solver",      "--time-limit",     "--max-nodes",  "--gap",           "--formulation",
+       "--comm-weight", "--memory-cap-gib", "--max-batch",  "--state-bytes",   "--costs",
+       "--device",      "--analytic",       "--measure",    "--profile-ks",    "--algo",
+       "--tflops",      "--hbm-tbs",        "--simulate",   "--sim-max-world", "--wire-bytes",
+       "--json"},
+      8);
 }
 
 // The executables end to end on mutated inputs: a small workload (fast runs) and mutated
@@ -216,7 +269,7 @@ TEST(Fuzz, ExecutablesEndWithAnExitCodeNeverASignal) {
   std::ofstream(tiny) << workload_seeds().back();
   std::mt19937_64 rng(9);
   const std::vector<std::string> options = {"--layers", "--steps", "--warmup", "--algo",
-                                            "--dtype", "--cache", "--drift", "--seed"};
+                                            "--dtype",  "--cache", "--drift",  "--seed"};
   int runs = 0;
   for (int c = 0; c < 40; ++c) {
     // The workload stays the small one (the first two tokens are not mutated), so that every

@@ -65,7 +65,8 @@ TEST(Tools, OptionsThatConflictAreRefused) {
 }
 
 TEST(Tools, UnknownOptionsSuggestTheNearestOne) {
-  expect_refused("distmuon-bench", {"--layer", "3"}, "unknown argument '--layer' (did you mean --layers?)");
+  expect_refused("distmuon-bench", {"--layer", "3"},
+                 "unknown argument '--layer' (did you mean --layers?)");
   expect_refused("distmuon-plan", {"--timelimit=3"}, "(did you mean --time-limit?)");
   expect_refused("distmuon-bench", {"positional"}, "unknown argument 'positional'");
   const Parsed far = parse_tool("distmuon-bench", {"--zzzzzzzz"});
@@ -75,8 +76,9 @@ TEST(Tools, UnknownOptionsSuggestTheNearestOne) {
 
 TEST(Tools, ValidCommandLinesReachTheTool) {
   EXPECT_TRUE(parse_tool("distmuon-bench", {}).ran);
-  const Parsed p = parse_tool("distmuon-bench", {"--layers=2", "--algo", "ns5,gram-ns:polar-express",
-                                                 "--cache", "0.05,0.1", "--json", "out.json"});
+  const Parsed p =
+      parse_tool("distmuon-bench", {"--layers=2", "--algo", "ns5,gram-ns:polar-express", "--cache",
+                                    "0.05,0.1", "--json", "out.json"});
   EXPECT_EQ(p.code, 0) << p.err;
   EXPECT_TRUE(p.ran);
   EXPECT_TRUE(parse_tool("distmuon-plan", {"--solver", "lpt", "--simulate", "-h"}).code == 0);
@@ -120,12 +122,13 @@ TEST(Tools, RanksPerGpuMapsLocalRanksToDevices) {
 TEST(Tools, ExecutablesExitWithCodesNotSignals) {
   const char* json = "/tmp/distmuon-test-tools.json";
   std::remove(json);
-  Exit e = run_process(DISTMUON_BENCH_EXE, {"--layers", "1", "--steps", "1", "--cache", "abc",
-                                            "--json", json});
+  Exit e = run_process(DISTMUON_BENCH_EXE,
+                       {"--layers", "1", "--steps", "1", "--cache", "abc", "--json", json});
   EXPECT_TRUE(e.exited);
   EXPECT_EQ(e.code, 2);
-  EXPECT_EQ(e.err, "distmuon-bench: error: --cache: 'abc' is not a number; see distmuon-bench "
-                   "--help\n");
+  EXPECT_EQ(e.err,
+            "distmuon-bench: error: --cache: 'abc' is not a number; see distmuon-bench "
+            "--help\n");
   EXPECT_FALSE(std::ifstream(json).good());
 
   e = run_process(DISTMUON_PLAN_EXE, {"-h"});

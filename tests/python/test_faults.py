@@ -42,7 +42,7 @@ def survivor(ranks: list[dict[str, Any] | None]) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_a_stalled_peer_gives_an_error_within_the_timeout(kind: str, timeout_s: float) -> None:
     res = survivor(launch(2, fs.stall_before_step, kind, report_from=[0], comm_timeout_s=timeout_s))
-    print(f"[measure] {kind}, DISTMUON_COMM_TIMEOUT_S={timeout_s:g}: error after {res['elapsed']:.2f} s")
+    print(f"[measure] {kind}, DISTMUON_COMM_TIMEOUT_S={timeout_s:g}: error after {res['elapsed']:.3f} s")
     assert res["raised"] == "TimeoutError", res
     assert timeout_s <= res["elapsed"] < timeout_s + SLACK_S
     msg = res["message"]
@@ -57,7 +57,7 @@ def test_a_peer_killed_mid_step_gives_an_error_at_once(kind: str) -> None:
     ranks = launch(2, fs.kill_mid_step, kind, report_from=[0, 1], comm_timeout_s=30)
     assert ranks[1] is None  # killed
     res = survivor(ranks)
-    print(f"[measure] {kind}, peer killed mid-step: error after {res['elapsed']:.2f} s")
+    print(f"[measure] {kind}, peer killed mid-step: error after {res['elapsed']:.3f} s")
     assert res["raised"] is not None, res
     assert res["elapsed"] < 30
     assert "on torch-gloo" in res["message"] and "Traceback" not in res["message"]
@@ -68,7 +68,7 @@ def test_a_peer_killed_mid_checkpoint_leaves_the_last_checkpoint_whole(tmp_path:
     ranks = launch(2, fs.kill_mid_checkpoint, root, report_from=[0, 1], comm_timeout_s=30)
     assert ranks[1] is None  # killed
     res = survivor(ranks)
-    print(f"[measure] peer killed while a DCP checkpoint is written: error after {res['elapsed']:.2f} s")
+    print(f"[measure] peer killed while a DCP checkpoint is written: error after {res['elapsed']:.3f} s")
     assert res["raised"] is not None, res
     assert res["elapsed"] < 30
 

@@ -83,7 +83,7 @@ def checked_entry(
         if not bool(torch.isfinite(local).all()):
             raise ValueError(f"loaded '{key}' of parameter '{name}' has NaN or Inf values")
     _step_of(name, entry.get("step", 0))
-    return entry
+    return {k: v for k, v in entry.items() if not (v is None and k in optional)}
 
 
 def _step_of(name: str, value: Any) -> int:

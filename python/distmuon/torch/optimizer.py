@@ -358,9 +358,9 @@ class Muon(torch.optim.Optimizer):
         parameters that stayed (new ones start fresh). The distributed mode follows the
         parameters: plain ones swapped for FSDP2's DTensors move the optimizer from the
         replicated to the sharded mode. Collective in distributed modes."""
-        self._adopt_swapped_params()
         layout = self._layout()
         try:
+            self._adopt_swapped_params()
             slots = self._make_slots({k for _, keys, h in layout if h is not None for k in keys})
             device = common_device([s.local() for s in slots], [s.name for s in slots])
             options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]

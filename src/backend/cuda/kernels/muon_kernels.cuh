@@ -52,6 +52,11 @@ namespace dev {
 using muon_ref::float_precision;
 using muon_ref::scaled_input;
 
+// Pass 2's output: V times the matrix's factor, the product in double, rounded once to float.
+__device__ __forceinline__ float scaled_out(float g, float bn, float mu, bool nesterov, double f) {
+  return static_cast<float>(static_cast<double>(scaled_input(g, bn, mu, nesterov)) * f);
+}
+
 // Whether the new momentum bn survives its store into dtype dt (finite once rounded).
 __device__ __forceinline__ bool momentum_fits(float bn, int dt) {
   switch (dt) {
@@ -131,7 +136,7 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, 
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           b.v[k] = mu * b.v[k] + g.v[k];
-          out.v[k] = static_cast<float>(static_cast<double>(scaled_input(g.v[k], b.v[k], mu, nesterov)) * f);
+          out.v[k] = scaled_out(g.v[k], b.v[k], mu, nesterov, f);
         }
         store8(t.b[s], t.b_dt[s], i, b);
       } else {
@@ -149,7 +154,7 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, 
         const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
         const float bn = mu * load1(t.b[s], t.b_dt[s], r * t.ld_b + c) + g;
         store1(t.b[s], t.b_dt[s], r * t.ld_b + c, bn);
-        out = static_cast<float>(static_cast<double>(scaled_input(g, bn, mu, nesterov)) * f);
+        out = scaled_out(g, bn, mu, nesterov, f);
       }
       store1(xs, x.dt, r * x.ld + c, out);
     }
@@ -175,7 +180,7 @@ __global__ void __launch_bounds__(256) muon_apply_t_kernel(MuonTable t, float mu
       const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
       const float bn = mu * load1(t.b[s], t.b_dt[s], r * t.ld_b + c) + g;
       store1(t.b[s], t.b_dt[s], r * t.ld_b + c, bn);
-      out = static_cast<float>(static_cast<double>(scaled_input(g, bn, mu, nesterov)) * f);
+      out = scaled_out(g, bn, mu, nesterov, f);
     }
     tile[threadIdx.y + 8 * k][threadIdx.x] = out;
   }
@@ -273,10 +278,10 @@ __global__ void __launch_bounds__(256) muon_apply_t64_kernel(MuonTable t, float 
       bv.z = mu * bv.z + gv.z;
       bv.w = mu * bv.w + gv.w;
       *reinterpret_cast<float4*>(b + r * t.ld_b + c) = bv;
-      u[0] = static_cast<float>(static_cast<double>(scaled_input(gv.x, bv.x, mu, nesterov)) * f);
-      u[1] = static_cast<float>(static_cast<double>(scaled_input(gv.y, bv.y, mu, nesterov)) * f);
-      u[2] = static_cast<float>(static_cast<double>(scaled_input(gv.z, bv.z, mu, nesterov)) * f);
-      u[3] = static_cast<float>(static_cast<double>(scaled_input(gv.w, bv.w, mu, nesterov)) * f);
+      u[0] = scaled_out(gv.x, bv.x, mu, nesterov, f);
+      u[1] = scaled_out(gv.y, bv.y, mu, nesterov, f);
+      u[2] = scaled_out(gv.z, bv.z, mu, nesterov, f);
+      u[3] = scaled_out(gv.w, bv.w, mu, nesterov, f);
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) tile[4 * q + k][lr] = u[k];
