@@ -101,8 +101,8 @@ class CommHandle {
   int64_t failures_at_issue_ = 0;
 };
 
-// Waits for every handle in order (the first failure propagates; the rest wait in their
-// destructors).
+// Waits for every handle in order (the first failure propagates; the rest are finished by their
+// destructors, which abandon those of the failed communicator).
 void wait_all(std::vector<CommHandle>& handles);
 
 // Bytes this member moved, counted as direct point-to-point payload (each element once where

@@ -120,11 +120,10 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
     DM_CHECK(d > 0, "parameter '", spec.name, "' has shape ", join_shape(spec.shape),
              ": empty parameters cannot be optimized");
   DM_CHECK(!spec.shape.empty(), "parameter '", spec.name, "' is a scalar; give it shape [1]");
-  // Its state is allocated in f32 (momentum, Adam moments) and read in the parameter's dtype:
-  // both sizes in bytes must be representable.
+  // Every buffer of it (the parameter, its gradient, its state: at most 8 bytes an element)
+  // must have a size in bytes that int64 holds.
   p.numel = checked_numel(spec.shape, "parameter '" + spec.name + "'");
-  checked_bytes(p.numel, dtype_size(spec.dtype) > 4 ? spec.dtype : DType::kF32,
-                "parameter '" + spec.name + "'");
+  checked_bytes(p.numel, DType::kF64, "parameter '" + spec.name + "'");
   p.dim0 = spec.shape[0];
   p.inner = p.numel / p.dim0;
   const ShardSpec& sh = spec.shard;
@@ -353,11 +352,17 @@ std::vector<int64_t> Engine::param_steps() {
     host_all_reduce(*s.world, s.backend, v, ReduceOp::kMax);
     skips.assign(v.begin(), v.end());
   }
-  std::vector<int64_t> out(skips.size());
-  for (int i = 0; i < num_params(); ++i)
-    out[i] = s.groups[s.params[i].spec.group].kind == ParamKind::kMuon
-                 ? s.params[i].step - skips[i]
-                 : param_step(i);
+  std::vector<int64_t> adamw(s.params.size());
+  if (s.step_counts) {
+    s.backend.synchronize();
+    s.backend.copy_to_host(adamw.data(), s.step_counts.data(), adamw.size() * sizeof(int64_t));
+  }
+  std::vector<int64_t> out(s.params.size());
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const Param& p = s.params[i];
+    const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
+    out[i] = muon ? p.step - skips[i] : s.step_counts ? adamw[i] : p.step;
+  }
   return out;
 }
 

@@ -402,7 +402,7 @@ TEST(Engine, ClearErrorsForBadParameters) {
             std::string::npos);
   EXPECT_NE(message([&] {
               eng.add_param({"wide", 0, {int64_t{1} << 31, int64_t{1} << 31}, DType::kF32});
-            }).find("'wide' (bytes): 4611686018427387904 x 4 overflows"),
+            }).find("'wide' (bytes): 4611686018427387904 x 8 overflows"),
             std::string::npos);
   EXPECT_EQ(eng.num_params(), 0);
   eng.add_param({"proj", 0, {4, 6}, DType::kF32});
