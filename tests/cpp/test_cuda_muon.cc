@@ -83,7 +83,7 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
   dx.download(be, x);
   for (int64_t i = 0; i < count; ++i) {
     Mat got = x.get(i);
-    ASSERT_FALSE(got.hasNaN()) << "NaN in X of matrix " << i << " (scale " << scale << ")";
+    EXPECT_FALSE(got.hasNaN()) << "NaN in X of matrix " << i << " (scale " << scale << ")";
     if (cst[i] == 0 && xc.get(i).norm() > 0) EXPECT_LT(rel_err(got, xc.get(i)), 1e-2) << i;
     if (cst[i] != 0) EXPECT_EQ(got.norm(), 0.0);
     HostBatch bb(DType::kF32, 1, rows, cols);
