@@ -9,12 +9,12 @@ BUILD_DIR ?= build
 CMAKE_PRESET ?= release
 
 APT_PACKAGES := cmake pkg-config g++ make libopenblas-dev openmpi-bin libopenmpi-dev \
-                coinor-libcbc-dev nlohmann-json3-dev libeigen3-dev libgtest-dev
+                coinor-libcbc-dev nlohmann-json3-dev libeigen3-dev libgtest-dev libcli11-dev
 # name[:module] — the module whose import proves the package is there.
 PIP_PACKAGES := numpy pytest torch nanobind scikit-build-core:scikit_build_core matplotlib \
                 nvidia-cutlass:cutlass_library
 
-.PHONY: all deps deps-apt deps-pip build build-cpp python test test-cpp test-python test-gpu demo format tidy clean help
+.PHONY: all deps deps-apt deps-pip build build-cpp python test test-cpp test-python test-gpu sanitize demo format tidy clean help
 
 all: build
 
@@ -25,6 +25,7 @@ help:
 	@echo "make build   configure and build Release into $(BUILD_DIR)/ (executables in $(BUILD_DIR)/bin), pip-install the Python package"
 	@echo "make python  only (re)install the Python package distmuon when its sources changed"
 	@echo "make deps    only install the Debian and Python dependencies"
+	@echo "make sanitize  the C++ CPU test suite built with AddressSanitizer + UBSan (build-sanitize/)"
 	@echo "make format  clang-format the C++ sources; make tidy runs clang-tidy"
 
 deps: deps-apt deps-pip
@@ -88,6 +89,17 @@ test-python: python
 test-gpu:
 	$(if $(STAGED),,$(MAKE) deps &&) STAGED=$(STAGED) PYTHON=$(PYTHON) tests/gpu/verify.sh
 
+# The C++ CPU tests (gtest, MPI ranks, fuzz and fault tests) built with AddressSanitizer and
+# UndefinedBehaviorSanitizer: any report fails the test that made it. Open MPI's own allocations
+# at exit are not leaks of ours (tests/sanitize/lsan.supp).
+SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitize/lsan.supp:print_suppressions=0
+sanitize: deps
+	@cmake --preset sanitize >/dev/null
+	@cmake --build build-sanitize -j $(JOBS)
+	cd build-sanitize && $(SANITIZE_ENV) ctest --output-on-failure -j $(JOBS) --timeout 1200
+
 # The demo needs only the Python package (whose build compiles the core once, CPU-only without a
 # GPU); `make test` is what compiles every CUDA source.
 demo: deps python
@@ -100,4 +112,4 @@ tidy: build
 	clang-tidy -p $(BUILD_DIR) $$(git ls-files 'src/*.cc' 'tools/*.cc')
 
 clean:
-	rm -rf $(BUILD_DIR) build-py
+	rm -rf $(BUILD_DIR) build-py build-sanitize

@@ -66,12 +66,12 @@ json breakdown(CudaBackend& be) {
     BatchRef w = dev_batch(be, keep, DType::kF32, 1, n, m, 60 + i, 0.02f);
     slots.push_back({g.matrix(0), b.matrix(0), w.matrix(0)});
   }
-  Buffer nb = be.alloc(sizeof(float) * c), sb = be.alloc(sizeof(int32_t) * c);
+  Buffer nb = be.alloc(sizeof(double) * c), sb = be.alloc(sizeof(int32_t) * c);
   BatchRef xb = dev_batch(be, keep, DType::kBF16, c, m, n, 99, 1.0f);
   const double bytes = double(c) * m * n;
-  const double t1 = graph_ms(be, 10, [&] { be.muon_momentum_norm(slots, 0.95f, true, nb.as<float>(), sb.as<int32_t>()); });
+  const double t1 = graph_ms(be, 10, [&] { be.muon_momentum_norm(slots, 0.95f, true, nb.as<double>(), sb.as<int32_t>()); });
   const double t2 = graph_ms(be, 10, [&] {
-    be.muon_momentum_apply(slots, 0.95f, true, sb.as<int32_t>(), {nb.as<float>(), 1.0, 1e-7, 1.0}, true, xb);
+    be.muon_momentum_apply(slots, 0.95f, true, sb.as<int32_t>(), {nb.as<double>(), 1.0, 1e-7, 1.0}, true, xb);
   });
   const double t3 = graph_ms(be, 10, [&] { be.muon_update(slots, coef, sb.as<int32_t>(), xb, true); });
   j["muon_norm_ms"] = t1;

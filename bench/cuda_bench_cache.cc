@@ -34,12 +34,12 @@ json cache_hit_cost(CudaBackend& be) {
   keep.push_back(be.alloc(x0.bytes()));
   x0.data = keep.back().data();
   {  // normalised random input, built in fp32 one matrix at a time
-    Buffer u = be.alloc(static_cast<size_t>(m * n) * 4), nrm = be.alloc(4);
+    Buffer u = be.alloc(static_cast<size_t>(m * n) * 4), nrm = be.alloc(sizeof(double));
     for (int64_t i = 0; i < c; ++i) {
       BatchRef ui = BatchRef::packed(u.data(), DType::kF32, 1, m, n);
       be.fill_normal(ui, 0xcace, static_cast<uint64_t>(i * m * n));
-      be.frob_norm(ui, nrm.as<float>());
-      be.scale_copy(ui, false, ScaleSpec{nrm.as<float>(), 1.0, 1e-7, 1.0}, x0.slice(i, 1));
+      be.frob_norm(ui, nrm.as<double>());
+      be.scale_copy(ui, false, ScaleSpec{nrm.as<double>(), 1.0, 1e-7, 1.0}, x0.slice(i, 1));
     }
     be.synchronize();
   }

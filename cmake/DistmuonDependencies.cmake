@@ -15,6 +15,14 @@ target_link_libraries(distmuon_blas INTERFACE ${OPENBLAS_LIBRARY})
 
 find_package(nlohmann_json 3 REQUIRED)
 
+# CLI11 for the command lines of the tools (header-only).
+if(DISTMUON_BUILD_TOOLS)
+  find_package(CLI11 2 CONFIG)
+  if(NOT CLI11_FOUND)
+    message(FATAL_ERROR "CLI11 not found: run `make deps` (apt-get install libcli11-dev)")
+  endif()
+endif()
+
 # COIN-OR CBC for the planner's MILP.
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(CBC REQUIRED IMPORTED_TARGET cbc)

@@ -5,29 +5,17 @@
 
 namespace distmuon::bench {
 
-void declare_cache_options(cli::Args& args) {
-  args.option("cache", "", "CacheMuon: comma list of gammas, each run beside the fresh runs");
-  args.option("cache-residual", "exact", "exact | probe");
-  args.option("cache-probes", "8", "Gaussian probes for --cache-residual probe");
-  args.option("cache-staleness", "0", "refresh an entry after S reuses (0: no limit)");
-  args.option("cache-dtype", "f32", "precision of the cached transforms (f32, f16, bf16)");
-  args.option("cache-layout", "product", "product | factors (restarted solves)");
-  args.option("cache-shadow", "0", "also run the fresh solve to measure the update error (syncs)",
-              true);
-  args.option("cache-per-matrix", "0", "print per-matrix cache statistics", true);
-}
-
-CacheOptions cache_options(const cli::Args& args, double gamma) {
+CacheOptions cache_options(const BenchOptions& o, double gamma) {
   CacheOptions c;
   c.enabled = true;
   c.gamma = gamma;
-  c.residual = parse_cache_residual(args.str("cache-residual"));
-  c.probes = static_cast<int>(args.integer("cache-probes"));
-  c.max_staleness = static_cast<int>(args.integer("cache-staleness"));
-  c.dtype = parse_dtype(args.str("cache-dtype"));
-  c.layout = parse_cache_layout(args.str("cache-layout"));
-  c.shadow = args.flag("cache-shadow");
-  c.per_matrix_stats = args.flag("cache-per-matrix");
+  c.residual = parse_cache_residual(o.cache_residual);
+  c.probes = o.cache_probes;
+  c.max_staleness = o.cache_staleness;
+  c.dtype = parse_dtype(o.cache_dtype);
+  c.layout = parse_cache_layout(o.cache_layout);
+  c.shadow = o.cache_shadow;
+  c.per_matrix_stats = o.cache_per_matrix;
   return c;
 }
 
@@ -58,7 +46,7 @@ void print_cache_table(const std::vector<RunResult>& results) {
   }
 }
 
-nlohmann::json cache_json(const RunResult& r, const cli::Args& args) {
+nlohmann::json cache_json(const RunResult& r, const BenchOptions& o) {
   const CacheStats& c = r.cache;
   nlohmann::json j = {{"gamma", *r.gamma},
                       {"hit_rate", c.hit_rate()},
@@ -77,12 +65,12 @@ nlohmann::json cache_json(const RunResult& r, const cli::Args& args) {
                       {"flops", c.flops},
                       {"fresh_flops", c.fresh_flops},
                       {"memory_bytes", c.memory_bytes},
-                      {"residual_mode", args.str("cache-residual")},
-                      {"probes", args.integer("cache-probes")},
-                      {"max_staleness", args.integer("cache-staleness")},
-                      {"dtype", args.str("cache-dtype")},
-                      {"layout", args.str("cache-layout")},
-                      {"drift", args.number("drift")}};
+                      {"residual_mode", o.cache_residual},
+                      {"probes", o.cache_probes},
+                      {"max_staleness", o.cache_staleness},
+                      {"dtype", o.cache_dtype},
+                      {"layout", o.cache_layout},
+                      {"drift", o.drift}};
   if (c.compared) {
     j["update_error"] = {
         {"mean", c.update_error_mean}, {"max", c.update_error_max}, {"compared", c.compared}};

@@ -1,5 +1,5 @@
-// CacheMuon parts of distmuon-bench: its command-line options, the results table and the
-// runs[].cache JSON object.
+// CacheMuon parts of distmuon-bench: its options as the engine takes them, the results table
+// and the runs[].cache JSON object.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_options.h"
 #include "cli.h"
 #include "distmuon/cache.h"
 
@@ -20,11 +21,9 @@ struct RunResult {
   CacheStats cache;        // over every step of the run, warm-up included
 };
 
-// Declares --cache and the --cache-* options.
-void declare_cache_options(cli::Args& args);
 // The cache options of a run with this gamma, from the command line.
-CacheOptions cache_options(const cli::Args& args, double gamma);
+CacheOptions cache_options(const BenchOptions& o, double gamma);
 void print_cache_table(const std::vector<RunResult>& results);
-nlohmann::json cache_json(const RunResult& r, const cli::Args& args);
+nlohmann::json cache_json(const RunResult& r, const BenchOptions& o);
 
 }  // namespace distmuon::bench

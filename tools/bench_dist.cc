@@ -22,6 +22,7 @@
 #include <random>
 #include <thread>
 
+#include "bench_model.h"
 #include "common/half.h"
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
@@ -97,14 +98,15 @@ std::vector<double> over_ranks(Communicator& mpi, std::vector<double> v, ReduceO
 
 class Comparison {
  public:
-  Comparison(const cli::Args& args, Communicator& mpi, Communicator& comm, Backend& be)
-      : args_(args), mpi_(mpi), comm_(comm), be_(be) {
-    Workload w = load_workload(args.str("workload"));
-    if (args.integer("layers") > 0) w = w.first_layers(args.integer("layers"));
+  Comparison(const BenchOptions& o, Communicator& mpi, Communicator& comm, Backend& be)
+      : o_(o), mpi_(mpi), comm_(comm), be_(be) {
+    Workload w = load_workload(o.workload);
+    if (o.layers > 0) w = w.first_layers(o.layers);
     workload_ = w.name;
-    dtype_ = parse_dtype(args.str("dtype"));
-    Filler weights(be, dtype_, static_cast<uint64_t>(args.integer("seed")));
-    Filler grads(be, dtype_, static_cast<uint64_t>(args.integer("seed")) + 1 + comm.rank());
+    dtype_ = parse_dtype(o.dtype);
+    check_fits(be, w, dtype_, !o.no_adamw);
+    Filler weights(be, dtype_, o.seed);
+    Filler grads(be, dtype_, o.seed + 1 + comm.rank());
     const int p = comm.size();
     auto add = [&](const WorkloadEntry& e, bool muon) {
       for (int64_t l = 0; l < e.count; ++l) {
@@ -127,7 +129,7 @@ class Comparison {
       }
     };
     for (const auto& e : w.muon) add(e, true);
-    if (!args.flag("no-adamw"))
+    if (!o.no_adamw)
       for (const auto& e : w.adamw) add(e, false);
     for (const DTensor& t : tensors_) {
       (t.muon ? muon_params_ : adamw_params_) += t.numel;
@@ -155,13 +157,13 @@ class Comparison {
     run->algo = algo;
     DistOptions opt;
     opt.mode = mode;
-    opt.bucket_bytes = static_cast<int64_t>(args_.number("bucket-mb") * (1 << 20));
-    opt.planner = args_.str("planner");
+    opt.bucket_bytes = static_cast<int64_t>(o_.bucket_mb * (1 << 20));
+    opt.planner = o_.planner;
     run->engine = std::make_unique<Engine>(be_, comm_, opt);
     Engine& engine = *run->engine;
     GroupOptions gm;
     gm.muon.ortho = parse_algorithm(algo);
-    const std::string wd = args_.str("work-dtype");
+    const std::string& wd = o_.work_dtype;
     gm.muon.ortho.work_dtype =
         parse_dtype(wd == "auto" ? (be_.device().kind == DeviceKind::kCUDA ? "bf16" : "f32") : wd);
     engine.add_group(gm);
@@ -196,7 +198,7 @@ class Comparison {
     const DistMode mode = run.mode;
     const bool sharded = mode == DistMode::kSharded || mode == DistMode::kGather;
     const int p = comm_.size(), me = comm_.rank();
-    const int64_t warmup = args_.integer("warmup"), steps = args_.integer("steps");
+    const int64_t warmup = o_.warmup, steps = o_.steps;
     const CommType ct = comm_type(dtype_);
     Communicator& fsdp = *run.fsdp;
     if (i == warmup) {
@@ -265,7 +267,7 @@ class Comparison {
     // A step takes as long as its slowest rank.
     r.step_ms = cli::summarize(over_ranks(mpi_, run.step_ms, ReduceOp::kMax));
     r.engine_ms = cli::summarize(over_ranks(mpi_, run.engine_ms, ReduceOp::kMax));
-    const double n = static_cast<double>(args_.integer("steps"));
+    const double n = static_cast<double>(o_.steps);
     const CommStats e = s1.comm - run.s0.comm, f = f1 - run.f0;
     const double bytes = (e.bytes_sent + e.bytes_received + f.bytes_sent + f.bytes_received) / n;
     const double ebytes = (e.bytes_sent + e.bytes_received) / n;
@@ -288,7 +290,7 @@ class Comparison {
   int64_t adamw_params() const { return adamw_params_; }
 
  private:
-  const cli::Args& args_;
+  const BenchOptions& o_;
   Communicator& mpi_;
   Communicator& comm_;
   Backend& be_;
@@ -311,34 +313,17 @@ int threads_per_rank(int world_size) {
 
 }  // namespace
 
-void declare_distributed_options(cli::Args& args) {
-  args.option("mode", "single",
-              "single (one process) or a comma list of gather, replicated, sharded, dedicated "
-              "(run under mpirun; each timed in the same run)");
-  args.option("bucket-mb", "32", "distributed modes: MiB of full matrices per bucket");
-  args.option("planner", "milp", "distributed modes: owner planner (milp | lpt | round-robin)");
-}
-
-// The rank's index on its node, from the launcher (one GPU per rank, in order).
-int local_rank(int world_rank) {
-  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID",
-                          "LOCAL_RANK"})
-    if (const char* v = std::getenv(var)) return std::atoi(v);
-  return world_rank;
-}
-
-bool wants_distributed(const cli::Args& args) { return args.str("mode") != "single"; }
-
-int run_distributed(const cli::Args& args) {
+int run_distributed(const BenchOptions& o) {
   std::unique_ptr<Communicator> mpi = make_mpi_world();
   const int rank = mpi->rank(), p = mpi->size();
-  const std::string backend = args.str("backend");
+  const std::string& backend = o.backend;
   int threads = 0;
   if (backend == "cpu") {
     threads = threads_per_rank(p);
     omp_set_num_threads(threads);
   }
-  auto be = make_backend(backend == "cuda" ? "cuda:" + std::to_string(local_rank(rank)) : backend);
+  auto be = make_backend(
+      backend == "cuda" ? rank_device(rank, o.ranks_per_gpu, cuda_device_count()) : backend);
   // CPU: the MPI communicator moves host memory. CUDA: an NCCL communicator whose id rank 0
   // shares over MPI.
   std::unique_ptr<Communicator> nccl;
@@ -350,17 +335,16 @@ int run_distributed(const cli::Args& args) {
   }
   Communicator& comm = nccl ? *nccl : *mpi;
   std::vector<DistMode> modes;
-  for (const std::string& m : args.list("mode")) modes.push_back(parse_dist_mode(m));
-  const std::vector<std::string> algos =
-      args.given("algo") ? args.list("algo") : std::vector<std::string>{"auto"};
+  for (const std::string& m : o.modes) modes.push_back(parse_dist_mode(m));
+  const std::vector<std::string> algos = o.algos_given ? o.algos : std::vector<std::string>{"auto"};
 
-  Comparison cmp(args, *mpi, comm, *be);
+  Comparison cmp(o, *mpi, comm, *be);
   if (rank == 0)
     std::fprintf(stderr, "distmuon-bench: %s on %d ranks, %s%s\n", cmp.workload().c_str(), p,
                  be->name().c_str(),
                  threads ? (", " + std::to_string(threads) + " threads per rank").c_str() : "");
   std::vector<ModeResult> results;
-  const int64_t total = args.integer("warmup") + args.integer("steps");
+  const int64_t total = o.warmup + o.steps;
   for (const std::string& algo : algos) {
     std::vector<std::unique_ptr<Comparison::Run>> runs;
     for (DistMode m : modes) runs.push_back(cmp.prepare(m, algo));
@@ -400,19 +384,20 @@ int run_distributed(const cli::Args& args) {
                 r.algo.c_str(), r.step_ms.median, r.engine_ms.median, r.bytes_max / 1e6,
                 r.engine_bytes_max / 1e6, r.flops_max / 1e9, r.flops_mean / 1e9, ratios);
   }
-  if (!args.str("json").empty()) {
+  if (!o.json.empty()) {
     nlohmann::json j;
     j["workload"] = cmp.workload();
     j["backend"] = backend;
     j["device"] = be->name();
     j["world_size"] = p;
     j["threads_per_rank"] = threads;
-    j["layers"] = args.integer("layers");
-    j["steps"] = args.integer("steps");
-    j["warmup"] = args.integer("warmup");
-    j["dtype"] = args.str("dtype");
-    j["bucket_mb"] = args.number("bucket-mb");
-    j["planner"] = args.str("planner");
+    j["layers"] = o.layers;
+    j["steps"] = o.steps;
+    j["warmup"] = o.warmup;
+    j["dtype"] = o.dtype;
+    j["bucket_mb"] = o.bucket_mb;
+    j["planner"] = o.planner;
+    j["ranks_per_gpu"] = o.ranks_per_gpu;
     j["step_definition"] =
         "from local unreduced gradients on every rank to full updated weights on every rank; "
         "gather/sharded include the FSDP2 reduce-scatter and weight all-gather, replicated the "
@@ -440,8 +425,8 @@ int run_distributed(const cli::Args& args) {
            {"speedup_vs_gather",
             g ? nlohmann::json(g->step_ms.median / r.step_ms.median) : nlohmann::json()}});
     }
-    std::ofstream f(args.str("json"));
-    DM_CHECK(f.good(), "cannot write ", args.str("json"));
+    std::ofstream f(o.json);
+    DM_CHECK(f.good(), "cannot write ", o.json);
     f << j.dump(2) << "\n";
   }
   return 0;

@@ -2,15 +2,11 @@
 // side in one run under mpirun (bench_dist.cc).
 #pragma once
 
-#include "cli.h"
+#include "bench_options.h"
 
 namespace distmuon::bench {
 
-// Declares the options of the distributed comparison.
-void declare_distributed_options(cli::Args& args);
-// True when --mode names distributed modes (anything but "single").
-bool wants_distributed(const cli::Args& args);
 // Runs the comparison; only rank 0 prints and writes the JSON. Returns the exit code.
-int run_distributed(const cli::Args& args);
+int run_distributed(const BenchOptions& o);
 
 }  // namespace distmuon::bench

@@ -11,6 +11,7 @@
 #include "bench_cache.h"
 #include "bench_dist.h"
 #include "bench_model.h"
+#include "bench_options.h"
 #include "cli.h"
 #include "distmuon/backend.h"
 #include "distmuon/engine.h"
@@ -21,24 +22,23 @@ namespace distmuon::bench {
 namespace {
 
 RunResult time_algorithm(Backend& be, BenchModel& model, const std::string& algo,
-                         std::optional<double> gamma, const cli::Args& args) {
+                         std::optional<double> gamma, const BenchOptions& o) {
   MuonOptions muon;
   muon.ortho = parse_algorithm(algo);
-  if (gamma) muon.cache = cache_options(args, *gamma);
-  const double drift = args.number("drift");
-  if (drift > 0) model.restart_gradients(static_cast<uint64_t>(args.integer("seed")) + 1);
-  muon.ortho.work_dtype = parse_dtype(args.str("work-dtype") == "auto"
+  if (gamma) muon.cache = cache_options(o, *gamma);
+  if (o.drift > 0) model.restart_gradients(o.seed + 1);
+  muon.ortho.work_dtype = parse_dtype(o.work_dtype == "auto"
                                           ? (be.device().kind == DeviceKind::kCUDA ? "bf16" : "f32")
-                                          : args.str("work-dtype"));
+                                          : o.work_dtype);
   Engine engine(be);
   model.register_with(engine, muon, AdamWOptions{});
   std::vector<ParamData> data = model.step_data();
-  const int64_t warmup = args.integer("warmup"), steps = args.integer("steps");
+  const int64_t warmup = o.warmup, steps = o.steps;
   std::vector<double> times;
   double flops_before = 0;
   const std::string label = gamma ? algo + " g=" + cli::format_number(*gamma) : algo;
   for (int64_t i = 0; i < warmup + steps; ++i) {
-    if (i > 0 && drift > 0) model.drift_gradients(drift);
+    if (i > 0 && o.drift > 0) model.drift_gradients(o.drift);
     if (i == warmup) flops_before = engine.stats().ortho.flops;
     be.synchronize();
     auto t0 = std::chrono::steady_clock::now();
@@ -61,42 +61,21 @@ RunResult time_algorithm(Backend& be, BenchModel& model, const std::string& algo
   return r;
 }
 
-int run(int argc, char** argv) {
-  cli::Args args("distmuon-bench", "Times optimizer steps on a workload's shapes.");
-  args.option("workload", "gpt2-small", "built-in name (gpt2-small, gpt2-large, pi0, qwen2.5-7b) or JSON file");
-  args.option("backend", "cpu", "cpu | cuda");
-  args.option("algo", "ns5,auto", "comma list of algorithms, each timed in the same run");
-  args.option("steps", "5", "timed steps per algorithm");
-  args.option("warmup", "1", "untimed steps first");
-  args.option("layers", "0", "keep only the first K of each repeated tensor (0: all)");
-  args.option("seed", "1", "random seed");
-  args.option("dtype", "f32", "parameter and gradient dtype");
-  args.option("work-dtype", "auto", "dtype of the iteration (auto: bf16 on cuda, f32 on cpu)");
-  args.option("no-adamw", "0", "leave the AdamW tensors out of the step", true);
-  args.option("json", "", "write the results as JSON to this path");
-  declare_distributed_options(args);
-  args.option("drift", "0", "each step's gradient = previous + relative noise EPS (0: fixed)");
-  declare_cache_options(args);
-  if (!args.parse(argc, argv)) return 0;
-  if (wants_distributed(args)) return run_distributed(args);
-  DM_CHECK(args.integer("steps") >= 1, "--steps must be >= 1");
-  DM_CHECK(args.integer("warmup") >= 0, "--warmup must be >= 0");
-
-  Workload w = load_workload(args.str("workload"));
-  if (args.integer("layers") > 0) w = w.first_layers(args.integer("layers"));
-  auto be = make_backend(args.str("backend"));
+int run(const BenchOptions& o) {
+  if (o.distributed()) return run_distributed(o);
+  Workload w = load_workload(o.workload);
+  if (o.layers > 0) w = w.first_layers(o.layers);
+  auto be = make_backend(o.backend);
   std::fprintf(stderr, "distmuon-bench: %s on %s, allocating %lld Muon + %lld AdamW parameters\n",
                w.name.c_str(), be->name().c_str(), static_cast<long long>(w.muon_params()),
-               static_cast<long long>(args.flag("no-adamw") ? 0 : w.adamw_params()));
-  BenchModel model(*be, w, parse_dtype(args.str("dtype")), !args.flag("no-adamw"),
-                   static_cast<uint64_t>(args.integer("seed")));
+               static_cast<long long>(o.no_adamw ? 0 : w.adamw_params()));
+  check_fits(*be, w, parse_dtype(o.dtype), !o.no_adamw);
+  BenchModel model(*be, w, parse_dtype(o.dtype), !o.no_adamw, o.seed);
 
-  DM_CHECK(args.number("drift") >= 0, "--drift must be >= 0");
   std::vector<RunResult> results;
-  for (const std::string& algo : args.list("algo")) {
-    results.push_back(time_algorithm(*be, model, algo, std::nullopt, args));
-    for (double g : args.numbers("cache"))
-      results.push_back(time_algorithm(*be, model, algo, g, args));
+  for (const std::string& algo : o.algos) {
+    results.push_back(time_algorithm(*be, model, algo, std::nullopt, o));
+    for (double g : o.cache) results.push_back(time_algorithm(*be, model, algo, g, o));
   }
 
   std::printf("\n%s on %s: %lld Muon matrices, %lld Muon + %lld AdamW parameters\n", w.name.c_str(),
@@ -109,19 +88,19 @@ int run(int argc, char** argv) {
                 r.step_ms.min, r.step_ms.max, r.ortho_flops / 1e9,
                 r.ortho_flops / (r.step_ms.median * 1e-3) / 1e12);
   }
-  if (!args.numbers("cache").empty()) print_cache_table(results);
+  if (!o.cache.empty()) print_cache_table(results);
 
-  if (!args.str("json").empty()) {
+  if (!o.json.empty()) {
     nlohmann::json j;
     j["workload"] = w.name;
-    j["backend"] = args.str("backend");
+    j["backend"] = o.backend;
     j["device"] = be->name();
     j["world_size"] = 1;
-    j["layers"] = args.integer("layers");
-    j["steps"] = args.integer("steps");
-    j["warmup"] = args.integer("warmup");
-    j["dtype"] = args.str("dtype");
-    j["drift"] = args.number("drift");
+    j["layers"] = o.layers;
+    j["steps"] = o.steps;
+    j["warmup"] = o.warmup;
+    j["dtype"] = o.dtype;
+    j["drift"] = o.drift;
     j["runs"] = nlohmann::json::array();
     for (const RunResult& r : results) {
       nlohmann::json& run = j["runs"].emplace_back();
@@ -133,10 +112,10 @@ int run(int argc, char** argv) {
                            {"params", model.muon_params() + model.adamw_params()},
                            {"muon_params", model.muon_params()},
                            {"adamw_params", model.adamw_params()}};
-      if (r.gamma) run["cache"] = cache_json(r, args);
+      if (r.gamma) run["cache"] = cache_json(r, o);
     }
-    std::ofstream f(args.str("json"));
-    DM_CHECK(f.good(), "cannot write ", args.str("json"));
+    std::ofstream f(o.json);
+    DM_CHECK(f.good(), "cannot write ", o.json);
     f << j.dump(2) << "\n";
   }
   return 0;
@@ -146,10 +125,9 @@ int run(int argc, char** argv) {
 }  // namespace distmuon::bench
 
 int main(int argc, char** argv) {
-  try {
-    return distmuon::bench::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
-    return 1;
-  }
+  using namespace distmuon;
+  CLI::App app("Times optimizer steps on a workload's shapes.", "distmuon-bench");
+  bench::BenchOptions o;
+  bench::add_bench_options(app, o);
+  return cli::run(app, argc, argv, [&] { return bench::run(o); });
 }

@@ -1,5 +1,7 @@
 #include "bench_model.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -8,10 +10,18 @@
 
 namespace distmuon::bench {
 
-int64_t Tensor::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+int64_t Tensor::numel() const { return checked_numel(shape, "tensor '" + name + "'"); }
+
+void check_fits(const Backend& be, const Workload& w, DType param_dtype, bool include_adamw) {
+  if (be.device().kind != DeviceKind::kCPU) return;
+  const int64_t muon = w.muon_params(), adamw = include_adamw ? w.adamw_params() : 0;
+  // Weights and gradients, momentum (f32) and the two Adam moments (f32).
+  const double need = static_cast<double>(muon + adamw) * 2 * dtype_size(param_dtype) +
+                      static_cast<double>(muon) * 4 + static_cast<double>(adamw) * 8;
+  const double have = static_cast<double>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  DM_CHECK(need < have, "workload ", w.name, " needs ", need / (1 << 30),
+           " GiB on the CPU but the machine has ", have / (1 << 30),
+           " GiB (use --layers to keep fewer layers)");
 }
 
 BenchModel::BenchModel(Backend& be, const Workload& w, DType dtype, bool include_adamw,

@@ -19,6 +19,11 @@ struct Tensor {
   int64_t numel() const;
 };
 
+// Refuses, before anything is allocated, a model that cannot fit: on the CPU backend more
+// weights, gradients and optimizer state than the machine's memory (the kernel would kill the
+// process part-way instead of failing an allocation). Device backends fail their allocations.
+void check_fits(const Backend& be, const Workload& w, DType param_dtype, bool include_adamw);
+
 class BenchModel {
  public:
   // Allocates and fills every tensor of `w` (Muon entries first); with include_adamw false the

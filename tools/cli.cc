@@ -1,127 +1,158 @@
 #include "cli.h"
 
+#include <unistd.h>
+
 #include <algorithm>
-#include <iostream>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <sstream>
 
 #include "distmuon/error.h"
+#include "distmuon/ortho.h"
+#include "distmuon/types.h"
+#include "distmuon/workload.h"
 
 namespace distmuon::cli {
+namespace {
 
-Args::Args(std::string program, std::string summary)
-    : program_(std::move(program)), summary_(std::move(summary)) {
-  option("help", "0", "print this help", true);
-}
-
-void Args::option(const std::string& name, const std::string& def, const std::string& help,
-                  bool is_flag) {
-  order_.push_back(name);
-  opts_[name] = Opt{def, help, def, is_flag, false};
-}
-
-bool Args::parse(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    std::string a = argv[i];
-    DM_CHECK(a.rfind("--", 0) == 0, "unexpected argument '", a, "' (options start with --; see --help)");
-    std::string key = a.substr(2), value;
-    bool inline_value = false;
-    if (auto eq = key.find('='); eq != std::string::npos) {
-      value = key.substr(eq + 1);
-      key = key.substr(0, eq);
-      inline_value = true;
-    }
-    auto it = opts_.find(key);
-    DM_CHECK(it != opts_.end(), "unknown option --", key, " (see --help)");
-    Opt& o = it->second;
-    if (o.is_flag) {
-      o.value = inline_value ? value : "1";
-    } else if (inline_value) {
-      o.value = value;
-    } else {
-      DM_CHECK(i + 1 < argc, "option --", key, " needs a value");
-      o.value = argv[++i];
-    }
-    o.given = true;
-  }
-  if (flag("help")) {
-    std::cout << help();
-    return false;
-  }
-  return true;
-}
-
-const Args::Opt& Args::get(const std::string& name) const {
-  auto it = opts_.find(name);
-  DM_CHECK(it != opts_.end(), "internal: option --", name, " was not declared");
-  return it->second;
-}
-
-std::string Args::str(const std::string& name) const { return get(name).value; }
-
-int64_t Args::integer(const std::string& name) const {
-  const std::string& v = get(name).value;
-  try {
-    size_t used = 0;
-    int64_t r = std::stoll(v, &used);
-    if (used == v.size()) return r;
-  } catch (const std::exception&) {
-  }
-  DM_FAIL("--", name, " expects an integer, got '", v, "'");
-}
-
-double Args::number(const std::string& name) const {
-  const std::string& v = get(name).value;
-  try {
-    size_t used = 0;
-    double r = std::stod(v, &used);
-    if (used == v.size()) return r;
-  } catch (const std::exception&) {
-  }
-  DM_FAIL("--", name, " expects a number, got '", v, "'");
-}
-
-bool Args::flag(const std::string& name) const {
-  const std::string& v = get(name).value;
-  return v == "1" || v == "true" || v == "yes";
-}
-
-bool Args::given(const std::string& name) const { return get(name).given; }
-
-std::vector<std::string> Args::list(const std::string& name) const {
-  std::vector<std::string> out;
-  std::stringstream ss(get(name).value);
-  for (std::string item; std::getline(ss, item, ',');)
-    if (!item.empty()) out.push_back(item);
-  return out;
-}
-
-std::vector<double> Args::numbers(const std::string& name) const {
-  std::vector<double> out;
-  for (const auto& s : list(name)) {
-    try {
-      size_t used = 0;
-      double r = std::stod(s, &used);
-      DM_CHECK(used == s.size(), "");
-      out.push_back(r);
-    } catch (const std::exception&) {
-      DM_FAIL("--", name, " expects numbers, got '", s, "'");
+// Levenshtein distance, for the "did you mean" of an unknown option.
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
     }
   }
-  return out;
+  return row[b.size()];
 }
 
-std::string Args::help() const {
+// The option of `app` nearest to the unknown argument `arg` ("--layer=3" -> "--layers"), or ""
+// when none is close.
+std::string nearest_option(const CLI::App& app, const std::string& arg) {
+  const std::string key = arg.substr(0, arg.find('='));
+  std::string best;
+  size_t best_d = std::max<size_t>(2, key.size() / 3) + 1;
+  for (const CLI::Option* o : app.get_options()) {
+    for (const std::string& n : o->get_lnames()) {
+      const size_t d = edit_distance(key, "--" + n);
+      if (d < best_d) best_d = d, best = "--" + n;
+    }
+  }
+  return best;
+}
+
+std::string usage_message(const CLI::App& app, const CLI::ParseError& e) {
   std::ostringstream os;
-  os << "usage: " << program_ << " [options]\n" << summary_ << "\n\noptions:\n";
-  for (const auto& name : order_) {
-    const Opt& o = opts_.at(name);
-    std::string left = "  --" + name + (o.is_flag ? "" : " VALUE");
-    os << left << std::string(left.size() < 28 ? 28 - left.size() : 1, ' ') << o.help;
-    if (!o.is_flag && !o.default_value.empty()) os << " (default: " << o.default_value << ")";
-    os << "\n";
+  if (dynamic_cast<const CLI::ExtrasError*>(&e)) {
+    // "--layer 3": the unknown option, not also its value.
+    std::vector<std::string> extras = app.remaining(), options;
+    for (const std::string& arg : extras)
+      if (arg.rfind("-", 0) == 0) options.push_back(arg);
+    for (const std::string& arg : options.empty() ? extras : options) {
+      os << (os.tellp() ? "; " : "") << "unknown argument '" << arg << "'";
+      const std::string near = arg.rfind("-", 0) == 0 ? nearest_option(app, arg) : "";
+      if (!near.empty()) os << " (did you mean " << near << "?)";
+    }
   }
+  if (!os.tellp()) os << e.what();
+  os << "; see " << app.get_name() << " --help";
   return os.str();
 }
+
+// What an error says without the "distmuon: " prefix and source location meant for logs.
+std::string run_message(const std::exception& e) {
+  if (const auto* de = dynamic_cast<const Error*>(&e)) return de->message();
+  return e.what();
+}
+
+// A validator that accepts what `parse` accepts, reporting its error message.
+template <typename Parse>
+CLI::Validator accepted_by(Parse parse, const std::string& desc, const std::string& name) {
+  return CLI::Validator(
+      [parse](std::string& v) -> std::string {
+        try {
+          parse(v);
+          return {};
+        } catch (const std::exception& e) {
+          return run_message(e);
+        }
+      },
+      desc, name);
+}
+
+CLI::Validator bound(double min, bool strict) {
+  const std::string rel = strict ? "> " : ">= ";
+  return CLI::Validator(
+      [=](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        if (v.empty() || *end != '\0' || x != x) return "'" + v + "' is not a number";
+        return (strict ? x > min : x >= min)
+                   ? ""
+                   : "must be " + rel + format_number(min) + " (got " + v + ")";
+      },
+      rel + format_number(min), "BOUND");
+}
+
+}  // namespace
+
+CLI::Validator at_least(double min) { return bound(min, false); }
+CLI::Validator above(double min) { return bound(min, true); }
+
+int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body) {
+  const std::string tool = app.get_name();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp&) {
+    std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "%s: error: %s\n", tool.c_str(), usage_message(app, e).c_str());
+    return kUsageError;
+  } catch (const std::exception& e) {  // the checks of the app's callback
+    std::fprintf(stderr, "%s: error: %s; see %s --help\n", tool.c_str(), run_message(e).c_str(),
+                 tool.c_str());
+    return kUsageError;
+  }
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s: error: %s\n", tool.c_str(), run_message(e).c_str());
+    return kRunError;
+  }
+}
+
+const CLI::Validator kWritableFile(
+    [](std::string& path) -> std::string {
+      namespace fs = std::filesystem;
+      const fs::path p(path);
+      const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+      std::error_code ec;
+      if (p.filename().empty() || fs::is_directory(p, ec)) return "'" + path + "' is a folder";
+      if (!fs::exists(dir, ec)) return "folder '" + dir.string() + "' does not exist";
+      if (!fs::is_directory(dir, ec)) return "'" + dir.string() + "' is not a folder";
+      if (fs::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0)
+        return "cannot write '" + path + "' (permission denied)";
+      return {};
+    },
+    "FILE (writable)", "WRITABLE");
+
+const CLI::Validator kAlgorithm = accepted_by(
+    [](const std::string& v) { parse_algorithm(v); },
+    "ALGO: ns5 | ns5-sym | gram-ns | auto [:jordan|polar-express|polar-express-1.05|you[:STEPS]]",
+    "ALGORITHM");
+
+const CLI::Validator kWorkload =
+    accepted_by([](const std::string& v) { load_workload(v); }, "NAME|FILE", "WORKLOAD");
+
+const CLI::Validator kDType =
+    accepted_by([](const std::string& v) { parse_dtype(v); }, "{f32, bf16, f16, f64}", "DTYPE");
 
 Summary summarize(std::vector<double> v) {
   if (v.empty()) return {};

@@ -1,43 +1,39 @@
-// A small command-line parser shared by the distmuon-* tools: --key value and --flag options,
-// each declared with its default and help line, with clear errors for unknown or bad options.
+// The command lines of the distmuon-* tools, on CLI11: every option has a type and a range or a
+// set of choices (shown by -h / --help), a bad value or an unknown option is refused before any
+// work (the nearest known option is suggested), and every error is printed once, as
+// "<tool>: error: <message>".
 #pragma once
 
-#include <cstdint>
-#include <map>
+#include <CLI/CLI.hpp>
+#include <functional>
 #include <string>
 #include <vector>
 
 namespace distmuon::cli {
 
-class Args {
- public:
-  Args(std::string program, std::string summary);
-  // Declares an option taking a value, or a flag when is_flag.
-  void option(const std::string& name, const std::string& default_value, const std::string& help,
-              bool is_flag = false);
-  // Parses argv; prints help and returns false for --help. Throws distmuon::Error on bad input.
-  bool parse(int argc, char** argv);
+// Exit codes of the tools: a refused command line, an error while running.
+constexpr int kUsageError = 2;
+constexpr int kRunError = 1;
 
-  std::string str(const std::string& name) const;
-  int64_t integer(const std::string& name) const;
-  double number(const std::string& name) const;
-  bool flag(const std::string& name) const;
-  bool given(const std::string& name) const;  // set on the command line
-  std::vector<std::string> list(const std::string& name) const;  // comma separated
-  std::vector<double> numbers(const std::string& name) const;
+// Parses argv into `app` (whose options are bound to the tool's settings; checks that involve
+// several options belong in app.callback(), which runs at the end of parsing), then runs `body`
+// and returns its exit code; --help prints the options and returns 0. Errors of the command
+// line give kUsageError, errors of `body` kRunError, each printed as above.
+int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body);
 
-  std::string help() const;
-
- private:
-  struct Opt {
-    std::string default_value, help, value;
-    bool is_flag = false, given = false;
-  };
-  std::string program_, summary_;
-  std::vector<std::string> order_;
-  std::map<std::string, Opt> opts_;
-  const Opt& get(const std::string& name) const;
-};
+// Validators shared by the tools (each also describes its values in --help).
+// A path a file can be written to: its folder exists and is writable, and so is the file if it
+// exists (checked before the run, so that results are not lost after it).
+extern const CLI::Validator kWritableFile;
+// An algorithm name distmuon::parse_algorithm accepts (ns5, gram-ns:polar-express, ...).
+extern const CLI::Validator kAlgorithm;
+// A workload distmuon::load_workload accepts (a built-in name or a valid JSON file).
+extern const CLI::Validator kWorkload;
+// A dtype name distmuon::parse_dtype accepts.
+extern const CLI::Validator kDType;
+// A number >= min (at_least) or > min (above).
+CLI::Validator at_least(double min);
+CLI::Validator above(double min);
 
 // Median, min and max of a list of timings.
 struct Summary {

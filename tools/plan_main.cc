@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
+#include "plan_options.h"
 #include "distmuon/backend.h"
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"
@@ -25,86 +26,33 @@ std::string hex(uint64_t h) {
   return buf;
 }
 
-void declare(cli::Args& a) {
-  a.option("workload", "pi0", "built-in name (gpt2-small, gpt2-large, pi0, qwen2.5-7b) or JSON");
-  a.option("layers", "0", "keep only the first K of each repeated tensor (0: all)");
-  a.option("world-size", "8", "ranks (owner slots)");
-  a.option("gpus-per-node", "8", "GPUs per node");
-  a.option("replicate", "1", "HSDP replicate degree (owner slots span replicate x shard)");
-  a.option("solver", "milp,lpt,round-robin", "comma list of milp | lpt | round-robin");
-  a.option("time-limit", "4",
-           "CPU seconds the MILP may take (a guard: node limits keep plans "
-           "deterministic)");
-  a.option("max-nodes", "20000", "branch-and-bound nodes CBC may explore");
-  a.option("gap", "5e-4", "relative optimality gap at which CBC stops");
-  a.option("formulation", "auto", "MILP formulation: auto | patterns | columns | owners");
-  a.option("comm-weight", "1e-3", "weight of the busiest owner's traffic time in the objective");
-  a.option("memory-cap-gib", "0", "per-owner memory cap in GiB (0: none)");
-  a.option("max-batch", "0", "largest batch an owner runs at once (0: no limit)");
-  a.option("no-spread", "0", "do not spread the matrices of one layer over owners", true);
-  a.option("no-symmetry-breaking", "0", "leave the owner ordering out of the MILP (to compare)",
-           true);
-  a.option("state-bytes", "4", "bytes per element of the momentum an owner keeps");
-  a.option("costs", "", "cost file (written by --measure on the target machine)");
-  a.option("device", "", "the device's table in --costs when it holds several");
-  a.option("analytic", "0", "analytic costs from --tflops, --hbm-tbs, --launch-us (default)", true);
-  a.option("measure", "0", "measure costs on --backend, cached in --cache", true);
-  a.option("backend", "cpu", "backend measured by --measure (cpu | cuda)");
-  a.option("cache", "",
-           "cost cache (default: DISTMUON_COST_CACHE or ~/.cache/distmuon/costs.json)");
-  a.option("profile-ks", "1,2,4,8", "batch sizes timed per shape by --measure");
-  a.option("profile-reps", "3", "timed repetitions per point (median kept)");
-  a.option("algo", "auto", "algorithm costed (see distmuon-bench --help)");
-  a.option("work-dtype", "auto", "iteration dtype (auto: bf16 for analytic/cuda, f32 on cpu)");
-  a.option("tflops", "759", "analytic: GEMM rate in TFLOP/s (H200 dense bf16, measured)");
-  a.option("hbm-tbs", "4.17", "analytic and simulate: memory bandwidth in TB/s (H200 copy, measured)");
-  a.option("launch-us", "4", "analytic: fixed cost per kernel launch in microseconds");
-  a.option("owners", "0", "print every owner's load", true);
-  a.option("simulate", "0", "predict step times of gather / sharded / dedicated, D = 1..1024",
-           true);
-  a.option("sim-max-world", "1024", "largest world size simulated (powers of two from 1)");
-  a.option("sim-solver", "", "planner used by --simulate (default: the first of --solver)");
-  a.option("intra-gbs", "450", "simulate: intra-node bandwidth per GPU per direction, GB/s");
-  a.option("inter-gbs", "50", "simulate: inter-node bandwidth per GPU, GB/s");
-  a.option("intra-us", "3", "simulate: intra-node latency, microseconds");
-  a.option("inter-us", "6", "simulate: inter-node latency, microseconds");
-  a.option("wire-bytes", "2", "simulate: bytes per element on the wire");
-  a.option("elementwise-bytes", "44",
-           "simulate: memory traffic of the elementwise passes per element orthogonalized (at "
-           "--hbm-tbs; 44: H200, f32 parameters; 0: left out)");
-  a.option("json", "", "write the results as JSON to this path");
-}
-
-CostTable load_costs(const cli::Args& a, const std::vector<PlanMatrix>& mats, OrthoConfig& cfg) {
-  const int sources = a.given("costs") + a.flag("analytic") + a.flag("measure");
-  DM_CHECK(sources <= 1, "choose one of --costs FILE, --analytic and --measure");
-  const std::string wd = a.str("work-dtype");
-  if (a.given("costs")) {
-    CostTable t =
-        select_cost_table(read_cost_file(a.str("costs")), a.str("device"), a.str("costs"));
+CostTable load_costs(const PlanArgs& a, const std::vector<PlanMatrix>& mats, OrthoConfig& cfg) {
+  const std::string& wd = a.work_dtype;
+  if (!a.costs.empty()) {
+    CostTable t = select_cost_table(read_cost_file(a.costs), a.device, a.costs);
     cfg = parse_algorithm(t.algorithm);
     cfg.work_dtype = parse_dtype(t.work_dtype);
     return t;
   }
-  if (a.flag("measure")) {
-    auto be = make_backend(a.str("backend"));
-    cfg.work_dtype = parse_dtype(wd != "auto" ? wd : a.str("backend") == "cuda" ? "bf16" : "f32");
+  cfg = parse_algorithm(a.algo);
+  if (a.measure) {
+    auto be = make_backend(a.backend);
+    cfg.work_dtype = parse_dtype(wd != "auto" ? wd : a.backend == "cuda" ? "bf16" : "f32");
     ProfileOptions po;
-    po.ks.clear();
-    for (double k : a.numbers("profile-ks")) po.ks.push_back(static_cast<int64_t>(k));
-    po.reps = static_cast<int>(a.integer("profile-reps"));
+    po.ks = a.profile_ks;
+    po.reps = a.profile_reps;
     std::fprintf(stderr, "distmuon-plan: costs of %s on %s\n", algorithm_name(cfg).c_str(),
                  be->name().c_str());
-    CachedCosts c = cached_cost_table(*be, shape_counts(mats), cfg, po, a.str("cache"));
+    CachedCosts c = cached_cost_table(*be, shape_counts(mats), cfg, po, a.cache);
     std::fprintf(stderr, "distmuon-plan: cost cache %s: %d shapes reused, %d measured\n",
                  c.path.c_str(), c.shapes_reused, c.shapes_measured);
     return c.table;
   }
   cfg.work_dtype = parse_dtype(wd == "auto" ? "bf16" : wd);
   AnalyticRates r;
-  r.flops_per_s = a.number("tflops") * 1e12;
-  r.bytes_per_s = a.number("hbm-tbs") * 1e12;
-  r.launch_s = a.number("launch-us") * 1e-6;
+  r.flops_per_s = a.tflops * 1e12;
+  r.bytes_per_s = a.hbm_tbs * 1e12;
+  r.launch_s = a.launch_us * 1e-6;
   return analytic_cost_table(shape_counts(mats), cfg, r);
 }
 
@@ -124,39 +72,28 @@ nlohmann::json plan_json(const Plan& p) {
           {"layer_collisions", p.layer_collisions}};
 }
 
-int run(int argc, char** argv) {
-  cli::Args a("distmuon-plan", "Assigns Muon matrices to owner ranks and predicts step times.");
-  declare(a);
-  if (!a.parse(argc, argv)) return 0;
-
-  Workload w = load_workload(a.str("workload"));
-  if (a.integer("layers") > 0) w = w.first_layers(a.integer("layers"));
-  const std::vector<PlanMatrix> mats = plan_matrices(w, a.integer("state-bytes"));
-  DM_CHECK(a.integer("world-size") >= 1, "--world-size must be >= 1 (got ", a.str("world-size"),
-           ")");
+int run(const PlanArgs& a) {
+  Workload w = load_workload(a.workload);
+  if (a.layers > 0) w = w.first_layers(a.layers);
+  const std::vector<PlanMatrix> mats = plan_matrices(w, a.state_bytes);
   Topology topo;
-  topo.world_size = static_cast<int>(a.integer("world-size"));
-  topo.gpus_per_node = static_cast<int>(a.integer("gpus-per-node"));
-  topo.replicate = static_cast<int>(a.integer("replicate"));
+  topo.world_size = a.world_size;
+  topo.gpus_per_node = a.gpus_per_node;
+  topo.replicate = a.replicate;
   topo.validate();
-
-  const std::vector<std::string> solvers = a.list("solver");
-  DM_CHECK(!solvers.empty(), "--solver needs at least one of milp, lpt, round-robin");
-  for (const std::string& s : solvers)
-    DM_CHECK(s == "milp" || s == "lpt" || s == "round-robin", "unknown solver '", s,
-             "' in --solver (milp, lpt, round-robin)");
+  const std::vector<std::string>& solvers = a.solvers;
 
   PlanOptions opts;
   const CostTable costs = load_costs(a, mats, opts.ortho);
-  opts.time_limit_s = a.number("time-limit");
-  opts.max_nodes = a.integer("max-nodes");
-  opts.relative_gap = a.number("gap");
-  opts.comm_weight = a.number("comm-weight");
-  opts.memory_cap_bytes = a.number("memory-cap-gib") * 1024.0 * 1024.0 * 1024.0;
-  opts.max_batch = a.integer("max-batch");
-  opts.spread_layers = !a.flag("no-spread");
-  opts.symmetry_breaking = !a.flag("no-symmetry-breaking");
-  opts.formulation = a.str("formulation");
+  opts.time_limit_s = a.time_limit;
+  opts.max_nodes = a.max_nodes;
+  opts.relative_gap = a.gap;
+  opts.comm_weight = a.comm_weight;
+  opts.memory_cap_bytes = a.memory_cap_gib * 1024.0 * 1024.0 * 1024.0;
+  opts.max_batch = a.max_batch;
+  opts.spread_layers = !a.no_spread;
+  opts.symmetry_breaking = !a.no_symmetry_breaking;
+  opts.formulation = a.formulation;
 
   std::printf("%s: %zu Muon matrices, %zu shapes; world %d (%d node%s x %d GPUs, replicate %d)\n",
               w.name.c_str(), mats.size(), costs.shapes().size(), topo.world_size, topo.nodes(),
@@ -176,7 +113,7 @@ int run(int argc, char** argv) {
                 static_cast<long long>(p.layer_collisions), hex(p.hash).c_str(), p.status.c_str(),
                 p.formulation.empty() ? "" : ", ", p.formulation.c_str());
   }
-  if (a.flag("owners")) {
+  if (a.owners) {
     for (const Plan& p : plans) {
       std::printf("\n%s owner loads (ms):", p.solver.c_str());
       for (size_t o = 0; o < p.owner_load.size(); ++o)
@@ -199,18 +136,18 @@ int run(int argc, char** argv) {
   j["solvers"] = nlohmann::json::array();
   for (const Plan& p : plans) j["solvers"].push_back(plan_json(p));
 
-  if (a.flag("simulate")) {
+  if (a.simulate) {
     CommModel cm;
-    cm.intra_bytes_per_s = a.number("intra-gbs") * 1e9;
-    cm.inter_bytes_per_s = a.number("inter-gbs") * 1e9;
-    cm.intra_latency_s = a.number("intra-us") * 1e-6;
-    cm.inter_latency_s = a.number("inter-us") * 1e-6;
-    cm.wire_elem_bytes = a.integer("wire-bytes");
-    cm.elementwise_bytes = a.number("elementwise-bytes");
-    cm.hbm_bytes_per_s = a.number("hbm-tbs") * 1e12;
-    const std::string solver = a.str("sim-solver").empty() ? solvers.front() : a.str("sim-solver");
+    cm.intra_bytes_per_s = a.intra_gbs * 1e9;
+    cm.inter_bytes_per_s = a.inter_gbs * 1e9;
+    cm.intra_latency_s = a.intra_us * 1e-6;
+    cm.inter_latency_s = a.inter_us * 1e-6;
+    cm.wire_elem_bytes = a.wire_bytes;
+    cm.elementwise_bytes = a.elementwise_bytes;
+    cm.hbm_bytes_per_s = a.hbm_tbs * 1e12;
+    const std::string solver = a.sim_solver.empty() ? solvers.front() : a.sim_solver;
     std::vector<int> worlds;
-    for (int d = 1; d <= a.integer("sim-max-world"); d *= 2) worlds.push_back(d);
+    for (int d = 1; d <= a.sim_max_world; d *= 2) worlds.push_back(d);
     std::printf("\nsimulated optimizer step (%s plans, %d GPUs per node, costs: %s)\n%s\n\n",
                 solver.c_str(), topo.gpus_per_node, costs.source.c_str(), cm.describe().c_str());
     const auto pts = simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts);
@@ -251,9 +188,9 @@ int run(int argc, char** argv) {
                                              owner_flops.begin(), owner_flops.end())}});
     }
   }
-  if (!a.str("json").empty()) {
-    std::ofstream f(a.str("json"));
-    DM_CHECK(f.good(), "cannot write ", a.str("json"));
+  if (!a.json.empty()) {
+    std::ofstream f(a.json);
+    DM_CHECK(f.good(), "cannot write ", a.json);
     f << j.dump(2) << "\n";
   }
   return 0;
@@ -263,10 +200,9 @@ int run(int argc, char** argv) {
 }  // namespace distmuon::plan_tool
 
 int main(int argc, char** argv) {
-  try {
-    return distmuon::plan_tool::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "distmuon-plan: %s\n", e.what());
-    return 1;
-  }
+  using namespace distmuon;
+  CLI::App app("Assigns Muon matrices to owner ranks and predicts step times.", "distmuon-plan");
+  plan_tool::PlanArgs a;
+  plan_tool::add_plan_options(app, a);
+  return cli::run(app, argc, argv, [&] { return plan_tool::run(a); });
 }

@@ -11,6 +11,7 @@
 // - Half-precision inputs are multiplied with fp32 accumulation and rounded once on output.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -49,9 +50,12 @@ class Buffer {
 };
 
 // How `scale_copy` scales each matrix b: factor_b = alpha / (norm_mul * norms[b] + eps) when
-// `norms` (device memory, one float per matrix) is given, else factor_b = alpha.
+// `norms` (device memory, one double per matrix) is given, else factor_b = alpha. Norms are
+// doubles because the Frobenius norm of a finite float32 matrix can exceed float's range (a
+// gradient near 3e38 has a norm of 1e40: as a float it overflowed to Inf and a finite gradient
+// was skipped as non-finite). They keep float's precision (src/backend/muon_ref.h).
 struct ScaleSpec {
-  const float* norms = nullptr;
+  const double* norms = nullptr;
   double norm_mul = 1.0;
   double eps = 1e-7;
   double alpha = 1.0;
@@ -63,6 +67,9 @@ struct MuonSlot {
   MatRef grad;
   MatRef momentum;
   MatRef weight;
+  // Optional (backend memory, one int64): how often pass 2 skipped this matrix, kept beside its
+  // momentum, so that a skipped step does not count as one taken.
+  int64_t* skips = nullptr;
 };
 
 // Per-matrix scalars of the final Muon update W <- W * decay - step * O.
@@ -155,9 +162,9 @@ enum CacheStatField : int {
 //   right key and a finite Q (stale or not) and r is finite, r enters the residual stats.
 struct CacheGateArgs {
   int64_t count = 0;
-  const float* residual = nullptr;  // raw norms from frob_norm
-  double residual_scale = 1.0;      // 1/sqrt(m) (exact) or 1/sqrt(m k) (k probes)
-  const float* q_norm = nullptr;    // ||Q_i||_F of the cached transform
+  const double* residual = nullptr;  // raw norms from frob_norm
+  double residual_scale = 1.0;       // 1/sqrt(m) (exact) or 1/sqrt(m k) (k probes)
+  const double* q_norm = nullptr;    // ||Q_i||_F of the cached transform
   const int32_t* status = nullptr;  // optional step status (kStatusOk = take part)
   double key = 0;                   // fingerprint of the current shape/dtype/algorithm, != 0
   double* entry_key = nullptr;      // in/out: key the entry was filled under (0: empty)
@@ -202,21 +209,25 @@ class Backend {
   // out = alpha * a + beta * b + diag * I (b may be null; diag needs square matrices).
   virtual void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                        const BatchRef& out) = 0;
-  // norms[i] = ||a_i||_F as float (accumulated in double so that huge inputs do not overflow
-  // before the square root). Non-finite entries make the norm NaN/Inf.
-  virtual void frob_norm(const BatchRef& a, float* norms) = 0;
+  // norms[i] = ||a_i||_F, accumulated in double and rounded to float's precision in double's
+  // range (src/backend/muon_ref.h): every finite input has a finite norm. Non-finite entries
+  // make the norm NaN/Inf.
+  virtual void frob_norm(const BatchRef& a, double* norms) = 0;
   // dst_i = factor_i * op(src_i) rounded to dst's dtype (transpose: dst is src^T).
   virtual void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                           const BatchRef& dst) = 0;
 
   // ---- fused Muon elementwise passes ---------------------------------------------------------
-  // Pass 1 (reads only): with U = G + mu * (mu * B + G) (nesterov) or mu * B + G, writes
-  // norms[i] = ||U_i||_F and status[i] = kStatusNonFinite if G_i or U_i has NaN/Inf.
+  // Pass 1 (reads only): with B' = mu * B + G, U = G + mu * B' (nesterov) or B', and V its
+  // scaled float form (src/backend/muon_ref.h), writes norms[i] = ||V_i||_F and status[i] =
+  // kStatusNonFinite if G_i has NaN/Inf or B'_i overflows B's dtype. Every finite gradient
+  // whose momentum fits has a finite norm.
   virtual void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                  float* norms, int32_t* status) = 0;
-  // Pass 2: for slots whose status is ok, B <- mu * B + G and x_i = factor_i * U_i (transposed
-  // when `transpose`), rounded to x's dtype, with factor_i from `scale` (normally the norms of
-  // pass 1). Skipped slots keep B and get x_i = 0.
+                                  double* norms, int32_t* status) = 0;
+  // Pass 2: for slots whose status is ok, B <- B' and x_i = factor_i * V_i (transposed when
+  // `transpose`; the product in double, rounded once to x's dtype), with factor_i from `scale`
+  // (normally the norms of pass 1, with eps * muon_ref::kMuonInputScale). Skipped slots keep B,
+  // get x_i = 0 and count one skip in their `skips` counter.
   virtual void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
                                    const int32_t* status, const ScaleSpec& scale, bool transpose,
                                    const BatchRef& x) = 0;
@@ -287,5 +298,7 @@ std::unique_ptr<Backend> make_backend(const std::string& kind);
 
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available();
+// CUDA devices visible to this process (0 without CUDA or without a device).
+int cuda_device_count();
 
 }  // namespace distmuon

@@ -18,9 +18,14 @@
 // - Timeouts: CommHandle::wait() throws distmuon::TimeoutError naming the operation, the
 //   communicator and its members when the operation does not complete in time
 //   (DISTMUON_COMM_TIMEOUT_S by default). An NCCL communicator is aborted after a timeout.
+//   After an operation fails (a timeout or an error), the handles of operations that were in
+//   flight on that communicator then, that one included, are abandoned when destroyed instead
+//   of each waiting out the timeout again: a dead member costs one timeout, not one per pending
+//   operation. (An explicit wait() on them still waits.)
 // - Counts and displacements are in elements of the given type.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -57,12 +62,19 @@ class CommRequest {
   virtual bool wait_on_stream() { return false; }
 };
 
+// The message of a collective that timed out (what: Communicator::describe's text).
+std::string comm_timeout_message(const std::string& what, double timeout_s);
+
 // Owning handle of one asynchronous operation (RAII: move-only; the destructor waits, because
-// the buffers of a pending operation are still in use, and logs instead of throwing).
+// the buffers of a pending operation are still in use, and logs instead of throwing; it does not
+// wait when an operation of its communicator failed after it was issued, see above).
 class CommHandle {
  public:
+  // Failures of a communicator, counted: a handle remembers the count when it was issued.
+  using FailureCount = std::shared_ptr<std::atomic<int64_t>>;
+
   CommHandle() = default;  // an empty handle is complete
-  CommHandle(std::unique_ptr<CommRequest> request, double timeout_s);
+  CommHandle(std::unique_ptr<CommRequest> request, double timeout_s, FailureCount failures);
   CommHandle(CommHandle&&) noexcept = default;
   CommHandle& operator=(CommHandle&& o) noexcept;
   CommHandle(const CommHandle&) = delete;
@@ -81,13 +93,16 @@ class CommHandle {
 
  private:
   void finish_quietly() noexcept;
+  void failed();  // records that this operation failed
 
   std::unique_ptr<CommRequest> request_;
   double timeout_s_ = 0;
+  FailureCount failures_;
+  int64_t failures_at_issue_ = 0;
 };
 
-// Waits for every handle in order (the first failure propagates; the rest wait in their
-// destructors).
+// Waits for every handle in order (the first failure propagates; the rest are finished by their
+// destructors, which abandon those of the failed communicator).
 void wait_all(std::vector<CommHandle>& handles);
 
 // Bytes this member moved, counted as direct point-to-point payload (each element once where
@@ -200,6 +215,7 @@ class Communicator {
   std::vector<int> world_ranks_;
   double timeout_s_;
   CommStats stats_;
+  CommHandle::FailureCount failures_ = std::make_shared<std::atomic<int64_t>>(0);
 };
 
 // ---- MPI (host memory) ------------------------------------------------------------------------

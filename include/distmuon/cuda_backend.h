@@ -96,10 +96,10 @@ class CudaBackend final : public Backend {
                       double beta, const BatchRef* c_in, const BatchRef& c) override;
   void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                const BatchRef& out) override;
-  void frob_norm(const BatchRef& a, float* norms) override;
+  void frob_norm(const BatchRef& a, double* norms) override;
   void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                   const BatchRef& dst) override;
-  void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, float* norms,
+  void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
                           int32_t* status) override;
   void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
                            const int32_t* status, const ScaleSpec& scale, bool transpose,

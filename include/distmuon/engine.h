@@ -229,9 +229,14 @@ class Engine {
   // its shape: tuned where the backend measured it, else the heuristic). Freezes the
   // registration (and tunes, per EngineOptions::autotune) as a first step does.
   OrthoConfig resolved_ortho(int param);
-  // Steps taken by this parameter (AdamW: kept on the device, read with a synchronisation; a
-  // step skipped for a non-finite gradient does not count).
+  // Steps taken by this parameter: steps with a gradient, less those skipped for a non-finite
+  // gradient (a 3D parameter: less the skips of its most-skipped matrix). Synchronises.
+  // Distributed, a Muon matrix's skips are known where its momentum is kept (its owner; the
+  // holders of its rows in gather mode): param_step() counts what this rank knows,
+  // param_steps() gives every rank every parameter's count (collective).
   int64_t param_step(int param) const;
+  std::vector<int64_t> param_steps();
+  // Sets a parameter's count (a checkpoint's); its skips start again from zero.
   void set_param_step(int param, int64_t step);
 
   // Synchronises the backend to read device-side counters.

@@ -13,8 +13,11 @@ class Error : public std::runtime_error {
   Error(const std::string& what, const char* file, int line);
   const char* file() const { return file_; }
   int line() const { return line_; }
+  // The message alone, without what()'s "distmuon: " prefix and " [file:line]" suffix.
+  const std::string& message() const { return message_; }
 
  private:
+  std::string message_;
   const char* file_;
   int line_;
 };

@@ -18,6 +18,15 @@ const char* dtype_name(DType t);
 // Parses the names above (also "float32", "bfloat16", "float16", "float64"); throws on others.
 DType parse_dtype(const std::string& s);
 
+// Products and sums of sizes, checked: the result, or an Error that names `what` when a size is
+// negative or the result does not fit in int64 (a wrapped size would allocate the wrong amount
+// or index out of bounds). checked_numel is the element count of a shape (1 for []).
+int64_t checked_mul(int64_t a, int64_t b, const std::string& what);
+int64_t checked_add(int64_t a, int64_t b, const std::string& what);
+int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& what);
+// Bytes of `numel` elements of `t` (checked as above).
+int64_t checked_bytes(int64_t numel, DType t, const std::string& what);
+
 enum class DeviceKind : int { kCPU = 0, kCUDA = 1 };
 
 struct Device {

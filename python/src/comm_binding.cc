@@ -41,10 +41,20 @@ nb::dlpack::dtype comm_dlpack_dtype(CommType t) {
   DM_FAIL("unknown communicator element type");
 }
 
+// A Python exception in one line: its type and the first line of its message, without the
+// traceback that nanobind's what() appends (the error reaches the user inside another one).
+std::string one_line(nb::python_error& e) {
+  const std::string type = nb::cast<std::string>(nb::handle(e.type()).attr("__name__"));
+  std::string msg = nb::cast<std::string>(nb::str(e.value()));
+  msg = msg.substr(0, msg.find('\n'));
+  return msg.empty() ? type : type + ": " + msg;
+}
+
 // Runs a Python call with the GIL held; a Python exception becomes a distmuon error (a
-// TimeoutError when the Python side says so), so that the engine's own error handling applies.
+// TimeoutError when the Python side says so, with the message of every communicator's timeouts
+// when the call waited timeout_s), so that the engine's own error handling applies.
 template <typename F>
-auto call_python(const std::string& what, F&& f) {
+auto call_python(const std::string& what, F&& f, double timeout_s = 0) {
   std::string message;
   bool timeout = false;
   {
@@ -53,9 +63,11 @@ auto call_python(const std::string& what, F&& f) {
       return f();
     } catch (nb::python_error& e) {
       timeout = e.matches(PyExc_TimeoutError);
-      message = e.what();
+      message = one_line(e);
     }
   }
+  if (timeout && timeout_s > 0)
+    throw TimeoutError(comm_timeout_message(what, timeout_s), __FILE__, __LINE__);
   if (timeout) throw TimeoutError(what + ": " + message, __FILE__, __LINE__);
   DM_FAIL(what, ": ", message);
 }
@@ -77,10 +89,13 @@ class PyRequest final : public CommRequest {
   }
   void wait(double timeout_s) override {
     if (done_) return;
-    call_python(what_, [&] {
-      pending_.attr("wait")(timeout_s);
-      return 0;
-    });
+    call_python(
+        what_,
+        [&] {
+          pending_.attr("wait")(timeout_s);
+          return 0;
+        },
+        timeout_s);
     done_ = true;
   }
 

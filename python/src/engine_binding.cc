@@ -339,7 +339,15 @@ void bind_engine(nb::module_& m) {
       .def("state_names", [](PyEngine& e, int i) { return e.engine().state_names(i); },
            nb::arg("index"))
       .def("param_step", [](PyEngine& e, int i) { return e.engine().param_step(i); },
-           nb::arg("index"))
+           nb::arg("index"), "The steps parameter `index` took, as this rank knows them.")
+      .def(
+          "param_steps",
+          [](PyEngine& e) {
+            nb::gil_scoped_release release;  // collective: Python communicators take the GIL
+            return e.engine().param_steps();
+          },
+          "Every parameter's step count, the same on every rank (collective when distributed: "
+          "a Muon matrix's skipped steps are counted where its momentum is kept).")
       .def("set_param_step",
            [](PyEngine& e, int i, int64_t s) { e.engine().set_param_step(i, s); },
            nb::arg("index"), nb::arg("step"))

@@ -87,6 +87,7 @@ void check_slots(const char* what, std::span<const MuonSlot> slots, const BatchR
 
 #ifndef DISTMUON_HAVE_CUDA
 bool cuda_available() { return false; }
+int cuda_device_count() { return 0; }
 #endif
 
 std::unique_ptr<Backend> make_cuda_backend(int device);  // backend/cuda (only with CUDA)
@@ -97,7 +98,7 @@ std::unique_ptr<Backend> make_backend(const std::string& spec) {
   int device = -1;
   if (kind.size() < spec.size()) {
     const std::string index = spec.substr(kind.size() + 1);
-    DM_CHECK(kind == "cuda" && !index.empty() &&
+    DM_CHECK(kind == "cuda" && !index.empty() && index.size() <= 6 &&
                  index.find_first_not_of("0123456789") == std::string::npos,
              "bad backend '", spec, "' (expected cpu, cuda or cuda:N)");
     device = std::stoi(index);

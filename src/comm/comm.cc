@@ -79,14 +79,28 @@ const char* reduce_op_name(ReduceOp op) {
 
 // ---- handles ----------------------------------------------------------------------------------
 
-CommHandle::CommHandle(std::unique_ptr<CommRequest> request, double timeout_s)
-    : request_(std::move(request)), timeout_s_(timeout_s) {}
+std::string comm_timeout_message(const std::string& what, double timeout_s) {
+  std::ostringstream os;
+  os << what << " did not complete within " << timeout_s
+     << " s (the timeout, DISTMUON_COMM_TIMEOUT_S): a member is slow, has died, or called a "
+        "different collective";
+  return os.str();
+}
+
+CommHandle::CommHandle(std::unique_ptr<CommRequest> request, double timeout_s,
+                       FailureCount failures)
+    : request_(std::move(request)),
+      timeout_s_(timeout_s),
+      failures_(std::move(failures)),
+      failures_at_issue_(failures_ ? failures_->load() : 0) {}
 
 CommHandle& CommHandle::operator=(CommHandle&& o) noexcept {
   if (this != &o) {
     finish_quietly();  // what this handle held must complete before its buffers are reused
     request_ = std::move(o.request_);
     timeout_s_ = o.timeout_s_;
+    failures_ = std::move(o.failures_);
+    failures_at_issue_ = o.failures_at_issue_;
   }
   return *this;
 }
@@ -95,6 +109,13 @@ CommHandle::~CommHandle() { finish_quietly(); }
 
 void CommHandle::finish_quietly() noexcept {
   if (!request_) return;
+  // An operation of this communicator failed since this one was issued (this one, or one it
+  // may depend on), and that failure was raised: waiting would most likely cost the whole
+  // timeout again for nothing.
+  if (failures_ && failures_->load() > failures_at_issue_) {
+    request_.reset();
+    return;
+  }
   try {
     request_->wait(timeout_s_);
   } catch (const std::exception& e) {
@@ -104,9 +125,18 @@ void CommHandle::finish_quietly() noexcept {
   request_.reset();
 }
 
+void CommHandle::failed() {
+  if (failures_) failures_->fetch_add(1);
+}
+
 bool CommHandle::test() {
   if (!request_) return true;
-  if (!request_->test()) return false;
+  try {
+    if (!request_->test()) return false;
+  } catch (...) {
+    failed();
+    throw;
+  }
   request_.reset();
   return true;
 }
@@ -115,7 +145,12 @@ void CommHandle::wait() { wait(timeout_s_); }
 
 void CommHandle::wait(double timeout_s) {
   if (!request_) return;
-  request_->wait(timeout_s);
+  try {
+    request_->wait(timeout_s);
+  } catch (...) {
+    failed();  // kept: waiting again is allowed, but the destructor will not
+    throw;
+  }
   request_.reset();
 }
 
@@ -179,7 +214,7 @@ void Communicator::count(int64_t sent_elems, int64_t recv_elems, CommType type) 
 }
 
 CommHandle Communicator::issue(std::unique_ptr<CommRequest> r) {
-  return CommHandle(std::move(r), timeout_s_);
+  return CommHandle(std::move(r), timeout_s_, failures_);
 }
 
 namespace {

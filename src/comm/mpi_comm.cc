@@ -159,10 +159,7 @@ class MpiRequest final : public CommRequest {
           return s_->done;
         },
         [&] {
-          throw TimeoutError(detail::concat(s_->what, " did not complete within ", timeout_s,
-                                            " s (DISTMUON_COMM_TIMEOUT_S): a member is slow, has "
-                                            "died, or called a different collective"),
-                             __FILE__, __LINE__);
+          throw TimeoutError(comm_timeout_message(s_->what, timeout_s), __FILE__, __LINE__);
         });
   }
 

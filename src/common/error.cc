@@ -14,6 +14,7 @@ const char* basename_of(const char* path) {
 Error::Error(const std::string& what, const char* file, int line)
     : std::runtime_error("distmuon: " + what + " [" + basename_of(file) + ":" +
                          std::to_string(line) + "]"),
+      message_(what),
       file_(file),
       line_(line) {}
 

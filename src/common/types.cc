@@ -32,6 +32,44 @@ DType parse_dtype(const std::string& s) {
   DM_FAIL("unsupported dtype '", s, "' (expected f64, f32, bf16 or f16)");
 }
 
+namespace {
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+}  // namespace
+
+int64_t checked_mul(int64_t a, int64_t b, const std::string& what) {
+  DM_CHECK(a >= 0 && b >= 0, what, ": negative size (", a, " x ", b, ")");
+  int64_t r = 0;
+  DM_CHECK(!__builtin_mul_overflow(a, b, &r), what, ": ", a, " x ", b,
+           " overflows a 64-bit size");
+  return r;
+}
+
+int64_t checked_add(int64_t a, int64_t b, const std::string& what) {
+  DM_CHECK(a >= 0 && b >= 0, what, ": negative size (", a, " + ", b, ")");
+  int64_t r = 0;
+  DM_CHECK(!__builtin_add_overflow(a, b, &r), what, ": ", a, " + ", b,
+           " overflows a 64-bit size");
+  return r;
+}
+
+int64_t checked_numel(const std::vector<int64_t>& shape, const std::string& what) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    DM_CHECK(d >= 0, what, ": shape ", shape_text(shape), " has a negative dimension");
+    DM_CHECK(!__builtin_mul_overflow(n, d, &n), what, ": shape ", shape_text(shape),
+             " has more elements than a 64-bit size holds");
+  }
+  return n;
+}
+
+int64_t checked_bytes(int64_t numel, DType t, const std::string& what) {
+  return checked_mul(numel, static_cast<int64_t>(dtype_size(t)), what + " (bytes)");
+}
+
 int64_t TensorView::numel() const {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;

@@ -27,8 +27,8 @@ struct CachedBuffers {
   std::vector<BatchRef> qw;  // per segment: the transforms the gate and the hits use
   BatchRef W, A, B, U;       // probes: W, two m x k scratch, U = X^T V (n x k)
   BatchRef cand, cand2;      // shadow: candidate for every matrix
-  float *res = nullptr, *res_exact = nullptr, *qnorm = nullptr;
-  float *fresh_norm = nullptr, *diff_norm = nullptr, *cand_norm = nullptr;
+  double *res = nullptr, *res_exact = nullptr, *qnorm = nullptr;
+  double *fresh_norm = nullptr, *diff_norm = nullptr, *cand_norm = nullptr;
   int32_t* decision = nullptr;
 };
 
@@ -66,19 +66,19 @@ CachedBuffers carve_cached(Carver& ws, const Setup& s, DType t, int64_t c, int64
     b.cand = ws.take(t, c, m, n);
     b.cand2 = ws.take(t, c, m, n);
   }
-  b.res = ws.take_array<float>(c);
-  b.res_exact = ws.take_array<float>(c);
-  b.qnorm = ws.take_array<float>(c);
-  b.fresh_norm = ws.take_array<float>(c);
-  b.diff_norm = ws.take_array<float>(c);
-  if (s.opt.shadow) b.cand_norm = ws.take_array<float>(c);
+  b.res = ws.take_array<double>(c);
+  b.res_exact = ws.take_array<double>(c);
+  b.qnorm = ws.take_array<double>(c);
+  b.fresh_norm = ws.take_array<double>(c);
+  b.diff_norm = ws.take_array<double>(c);
+  if (s.opt.shadow) b.cand_norm = ws.take_array<double>(c);
   b.decision = ws.take_array<int32_t>(c);
   return b;
 }
 
 // raw_i = ||Q_i R_i Q_i^T - I||_F with Q = Q_{S-1} ... Q_0, in Gram space (no m x n product).
 template <typename Exec>
-void exact_residual(Exec& e, const CachedBuffers& b, float* raw) {
+void exact_residual(Exec& e, const CachedBuffers& b, double* raw) {
   BatchRef M = b.g.R;
   for (const BatchRef& q : b.qw) {
     e.dense(Op::kN, q, Op::kN, M, 1.0, 0.0, nullptr, b.g.Z);    // Z = Q_s M
@@ -92,7 +92,7 @@ void exact_residual(Exec& e, const CachedBuffers& b, float* raw) {
 // raw_i = ||(Q R Q^T - I) W||_F for k Gaussian probes W, without forming R: O(m n k).
 template <typename Exec>
 void probe_residual(Exec& e, const CachedBuffers& b, const BatchRef& x, uint64_t seed,
-                    uint64_t counter, float* raw) {
+                    uint64_t counter, double* raw) {
   e.normal(b.W, seed, counter);
   auto flip = [&](const BatchRef& cur) { return cur.data == b.A.data ? b.B : b.A; };
   BatchRef cur = b.W;
@@ -202,14 +202,14 @@ void shadow_flow(BackendExec& e, const Setup& s, const Call& call, const CachedB
 
   const size_t c = static_cast<size_t>(x.count);
   std::vector<int32_t> dec(c);
-  std::vector<float> res(c), exact(c), fresh(c), diff(c), cand(c);
+  std::vector<double> res(c), exact(c), fresh(c), diff(c), cand(c);
   be.synchronize();
-  be.copy_to_host(cand.data(), b.cand_norm, c * sizeof(float));
+  be.copy_to_host(cand.data(), b.cand_norm, c * sizeof(double));
   be.copy_to_host(dec.data(), b.decision, c * sizeof(int32_t));
-  be.copy_to_host(res.data(), gate.residual, c * sizeof(float));
-  be.copy_to_host(exact.data(), b.res_exact, c * sizeof(float));
-  be.copy_to_host(fresh.data(), b.fresh_norm, c * sizeof(float));
-  be.copy_to_host(diff.data(), b.diff_norm, c * sizeof(float));
+  be.copy_to_host(res.data(), gate.residual, c * sizeof(double));
+  be.copy_to_host(exact.data(), b.res_exact, c * sizeof(double));
+  be.copy_to_host(fresh.data(), b.fresh_norm, c * sizeof(double));
+  be.copy_to_host(diff.data(), b.diff_norm, c * sizeof(double));
   for (size_t i = 0; i < c; ++i) {
     const size_t k = static_cast<size_t>(first) + i;
     if (dec[i] != kCacheHit) continue;

@@ -120,6 +120,19 @@ std::string algorithm_name(const OrthoConfig& cfg) {
   return s;
 }
 
+namespace {
+// The step count of an algorithm name: 1 to 1000 (a few dozen are ever useful).
+int parse_steps(const std::string& digits, const std::string& spec) {
+  DM_CHECK(!digits.empty() && digits.size() <= 4 &&
+               std::all_of(digits.begin(), digits.end(), ::isdigit),
+           "bad step count in algorithm '", spec, "' (expected 1 to 1000)");
+  const int steps = std::stoi(digits);
+  DM_CHECK(steps >= 1 && steps <= 1000, "bad step count in algorithm '", spec,
+           "' (expected 1 to 1000)");
+  return steps;
+}
+}  // namespace
+
 OrthoConfig parse_algorithm(const std::string& spec, OrthoConfig base) {
   std::vector<std::string> parts;
   std::stringstream ss(spec);
@@ -137,10 +150,7 @@ OrthoConfig parse_algorithm(const std::string& spec, OrthoConfig base) {
     std::string rest = name.substr(2);
     bool sym = rest.size() >= 4 && rest.compare(rest.size() - 4, 4, "-sym") == 0;
     if (sym) rest.resize(rest.size() - 4);
-    if (!rest.empty()) {
-      DM_CHECK(std::all_of(rest.begin(), rest.end(), ::isdigit), "bad algorithm '", spec, "'");
-      cfg.steps = std::stoi(rest);
-    }
+    if (!rest.empty()) cfg.steps = parse_steps(rest, spec);
     cfg.iteration = sym ? Iteration::kStandardSym : Iteration::kStandardDense;
   } else {
     DM_FAIL("unknown algorithm '", spec,
@@ -157,9 +167,7 @@ OrthoConfig parse_algorithm(const std::string& spec, OrthoConfig base) {
     else DM_FAIL("unknown coefficient set '", c, "' in '", spec, "'");
   }
   if (parts.size() >= 3) {
-    DM_CHECK(!parts[2].empty() && std::all_of(parts[2].begin(), parts[2].end(), ::isdigit),
-             "bad step count in '", spec, "'");
-    cfg.steps = std::stoi(parts[2]);
+    cfg.steps = parse_steps(parts[2], spec);
   }
   DM_CHECK(parts.size() <= 3, "bad algorithm '", spec, "'");
   DM_CHECK(cfg.steps >= 1 && cfg.steps <= 100, "step count ", cfg.steps, " out of range");

@@ -65,7 +65,7 @@ struct BackendExec {
   }
   // Operations without FLOPs of interest; never masked.
   void convert(const BatchRef& src, const BatchRef& dst) { be.scale_copy(src, false, {}, dst); }
-  void norm(const BatchRef& a, float* out) { be.frob_norm(a, out); }
+  void norm(const BatchRef& a, double* out) { be.frob_norm(a, out); }
   void normal(const BatchRef& dst, uint64_t seed, uint64_t counter) {
     be.fill_normal(dst, seed, counter);
   }
@@ -92,7 +92,7 @@ struct FlopCounter {
   void plus_identity(const BatchRef&, double, const BatchRef&) {}
   void copy(const BatchRef&, const BatchRef&) {}
   void convert(const BatchRef&, const BatchRef&) {}
-  void norm(const BatchRef&, float*) {}
+  void norm(const BatchRef&, double*) {}
   void normal(const BatchRef&, uint64_t, uint64_t) {}
   void gate(const CacheGateArgs&) {}
 };

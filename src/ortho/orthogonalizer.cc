@@ -82,13 +82,13 @@ void Orthogonalizer::orthogonalize(const OrthoConfig& cfg, const BatchRef& u, co
   const int64_t m = std::min(u.rows, u.cols), n = std::max(u.rows, u.cols);
   OrthoConfig r = resolve(cfg, m, n);
   const DType t = iteration_dtype(r);
-  Buffer norms = backend_.alloc(sizeof(float) * std::max<int64_t>(1, u.count));
+  Buffer norms = backend_.alloc(sizeof(double) * std::max<int64_t>(1, u.count));
   Buffer xbuf = backend_.alloc(static_cast<size_t>(u.count * m * n) * dtype_size(t));
   const size_t ws_bytes = workspace_bytes(r, u.count, m, n);
   Buffer ws = backend_.alloc(ws_bytes);
   BatchRef x = BatchRef::packed(xbuf.data(), t, u.count, m, n);
-  backend_.frob_norm(u, norms.as<float>());
-  ScaleSpec spec{norms.as<float>(), norm_multiplier(r.coefficients), r.eps, 1.0};
+  backend_.frob_norm(u, norms.as<double>());
+  ScaleSpec spec{norms.as<double>(), norm_multiplier(r.coefficients), r.eps, 1.0};
   backend_.scale_copy(u, tall, spec, x);
   run(r, x, x, ws.data(), ws_bytes, stats);
   backend_.scale_copy(x, tall, {}, out);

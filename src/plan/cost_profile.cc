@@ -66,19 +66,19 @@ double time_batch(Backend& be, const OrthoConfig& cfg, int64_t m, int64_t n, int
   for (float& v : host) v = normal(rng);
   Buffer src = be.alloc(elems * sizeof(float));
   Buffer x = be.alloc(elems * dtype_size(t));
-  Buffer norms = be.alloc(sizeof(float) * k);
+  Buffer norms = be.alloc(sizeof(double) * k);
   const size_t ws_bytes = Orthogonalizer::workspace_bytes(r, k, m, n);
   Buffer ws = be.alloc(std::max<size_t>(ws_bytes, 1));
   be.copy_from_host(src.data(), host.data(), elems * sizeof(float));
   const BatchRef u = BatchRef::packed(src.data(), DType::kF32, k, m, n);
   const BatchRef xb = BatchRef::packed(x.data(), t, k, m, n);
-  be.frob_norm(u, norms.as<float>());
+  be.frob_norm(u, norms.as<double>());
   Orthogonalizer ortho(be);
   std::vector<double> times;
   for (int rep = 0; rep < opts.warmup + opts.reps; ++rep) {
     // The iteration overwrites its input: restore a fresh normalised batch, untimed.
     be.scale_copy(u, false,
-                  ScaleSpec{norms.as<float>(), norm_multiplier(r.coefficients), r.eps, 1.0}, xb);
+                  ScaleSpec{norms.as<double>(), norm_multiplier(r.coefficients), r.eps, 1.0}, xb);
     be.synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     ortho.run(r, xb, xb, ws.data(), ws_bytes);

@@ -30,6 +30,10 @@ std::vector<PlanMatrix> plan_matrices(const Workload& w, int64_t elem_bytes) {
       next_layer += e.count;
     }
   }
+  // One entry per matrix: a bound keeps a mistyped count from exhausting memory.
+  constexpr int64_t kMaxMatrices = int64_t{1} << 20;
+  DM_CHECK(w.muon_matrices() <= kMaxMatrices, "workload ", w.name, " has ", w.muon_matrices(),
+           " Muon matrices; the planner handles at most ", kMaxMatrices);
   std::vector<PlanMatrix> out;
   for (const auto& e : w.muon) {
     DM_CHECK(e.shape.size() == 2 || e.shape.size() == 3, "workload ", w.name, ": Muon entry '",

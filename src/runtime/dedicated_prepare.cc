@@ -79,7 +79,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     }
     if (bytes > prep_x.bytes()) prep_x = backend.alloc(bytes);
     if (!prep_status) {
-      prep_norms = backend.alloc(sizeof(float) * std::max<int64_t>(owned, 1));
+      prep_norms = backend.alloc(sizeof(double) * std::max<int64_t>(owned, 1));
       prep_status = backend.alloc(sizeof(int32_t) * std::max<int64_t>(owned, 1));
     }
     prep_x_used = 0;
@@ -108,7 +108,8 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       slots.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), params[m.param].state0_dtype, m.rows, m.cols),
-           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
+           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+           skips_of(params[m.param], m.slice)});
     }
     const size_t xb = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
     DM_CHECK(prep_x_used + xb <= prep_x.bytes() &&
@@ -119,7 +120,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     prep_x_used += xb;
     prep_slots_used += count;
 
-    float* norms = prep_norms.as<float>() + pb.slot;
+    double* norms = prep_norms.as<double>() + pb.slot;
     int32_t* status = prep_status.as<int32_t>() + pb.slot;
     backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, norms, status);
     size_t cached_ws = 0;
@@ -133,9 +134,8 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
         BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
     const std::span<const MuonSlot> all(slots);
     per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
-      ScaleSpec norm{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0};
       backend.muon_momentum_apply(all.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                  norm, tall, x.slice(k0, len));
+                                  muon_input_scale(norms + k0, r), tall, x.slice(k0, len));
     });
     orthogonalize(cached ? m0.cache : -1, r, x, entries, status, workspace.data(), workspace_size);
     backend.count_status(status, count, skip_counter.as<int64_t>());

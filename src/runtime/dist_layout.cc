@@ -134,7 +134,7 @@ void Engine::Impl::allocate_state() {
   }
   const size_t ns = static_cast<size_t>(std::max<int64_t>(n_status, 1));
   step_status = backend.alloc(ns * sizeof(int32_t));
-  step_norms = backend.alloc(ns * sizeof(float));
+  step_norms = backend.alloc(ns * sizeof(double));
   adam_status = backend.alloc(ns * sizeof(int32_t));
   allocate_step_counts();
 }

@@ -235,7 +235,8 @@ void Engine::Impl::raise_check() {
   if (bad.empty()) return;
   std::ostringstream os;
   for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
-  DM_FAIL("non-finite gradient (NaN or Inf) in ", os.str(),
+  DM_FAIL("non-finite gradient (NaN or Inf), or a momentum beyond the range of its dtype, in ",
+          os.str(),
           "; the step was not applied on any rank (weights and optimizer state unchanged)");
 }
 

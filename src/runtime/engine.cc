@@ -116,13 +116,14 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
            " exist");
   Param p;
   p.spec = spec;
-  p.numel = 1;
-  for (int64_t d : spec.shape) {
+  for (int64_t d : spec.shape)
     DM_CHECK(d > 0, "parameter '", spec.name, "' has shape ", join_shape(spec.shape),
              ": empty parameters cannot be optimized");
-    p.numel *= d;
-  }
   DM_CHECK(!spec.shape.empty(), "parameter '", spec.name, "' is a scalar; give it shape [1]");
+  // Every buffer of it (the parameter, its gradient, its state: at most 8 bytes an element)
+  // must have a size in bytes that int64 holds.
+  p.numel = checked_numel(spec.shape, "parameter '" + spec.name + "'");
+  checked_bytes(p.numel, DType::kF64, "parameter '" + spec.name + "'");
   p.dim0 = spec.shape[0];
   p.inner = p.numel / p.dim0;
   const ShardSpec& sh = spec.shard;
@@ -139,6 +140,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
   if (g.kind == ParamKind::kMuon) {
     p.layout = matrix_layout(spec.name, spec.shape);
     p.state0_dtype = g.muon.momentum_dtype;
+    p.first_matrix = s.stats.muon_matrices;
     s.stats.muon_matrices += p.layout.count;
     s.stats.muon_params += p.numel;
   } else {
@@ -310,24 +312,69 @@ void Engine::Impl::allocate_step_counts() {
   std::vector<int64_t> h(params.size());
   for (size_t i = 0; i < params.size(); ++i) h[i] = params[i].step;
   backend.copy_from_host(step_counts.data(), h.data(), h.size() * sizeof(int64_t));
+  matrix_skips = backend.alloc(sizeof(int64_t) * std::max<int64_t>(1, stats.muon_matrices));
+  backend.fill_zero(matrix_skips.data(), matrix_skips.bytes());
+}
+
+std::vector<int64_t> Engine::Impl::local_skips() {
+  std::vector<int64_t> per_param(params.size(), 0);
+  if (!matrix_skips) return per_param;
+  std::vector<int64_t> m(static_cast<size_t>(stats.muon_matrices));
+  backend.synchronize();
+  backend.copy_to_host(m.data(), matrix_skips.data(), m.size() * sizeof(int64_t));
+  for (size_t i = 0; i < params.size(); ++i) {
+    const Param& p = params[i];
+    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
+    for (int64_t s = 0; s < p.layout.count; ++s)
+      per_param[i] = std::max(per_param[i], m[p.first_matrix + s]);
+  }
+  return per_param;
 }
 
 int64_t Engine::param_step(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  if (!s.step_counts || s.groups[s.params[i].spec.group].kind != ParamKind::kAdamW)
-    return s.params[i].step;
+  if (s.groups[s.params[i].spec.group].kind == ParamKind::kMuon)
+    return s.params[i].step - s.local_skips()[i];
+  if (!s.step_counts) return s.params[i].step;
   int64_t v = 0;
   s.backend.synchronize();
   s.backend.copy_to_host(&v, s.step_count(i), sizeof(int64_t));
   return v;
 }
+
+std::vector<int64_t> Engine::param_steps() {
+  Impl& s = *impl_;
+  std::vector<int64_t> skips = s.local_skips();
+  // Skips are counted where each matrix's momentum is: every rank takes the largest count.
+  if (s.world && s.built && s.world_size > 1) {
+    std::vector<int32_t> v(skips.begin(), skips.end());
+    host_all_reduce(*s.world, s.backend, v, ReduceOp::kMax);
+    skips.assign(v.begin(), v.end());
+  }
+  std::vector<int64_t> adamw(s.params.size());
+  if (s.step_counts) {
+    s.backend.synchronize();
+    s.backend.copy_to_host(adamw.data(), s.step_counts.data(), adamw.size() * sizeof(int64_t));
+  }
+  std::vector<int64_t> out(s.params.size());
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const Param& p = s.params[i];
+    const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
+    out[i] = muon ? p.step - skips[i] : s.step_counts ? adamw[i] : p.step;
+  }
+  return out;
+}
+
 void Engine::set_param_step(int i, int64_t step) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   DM_CHECK(step >= 0, "step must be >= 0");
   Impl& s = *impl_;
-  s.params[i].step = step;
+  Param& p = s.params[i];
+  p.step = step;
   if (s.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
+  if (s.matrix_skips && s.groups[p.spec.group].kind == ParamKind::kMuon)
+    s.backend.fill_zero(s.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
 }
 
 EngineStats Engine::stats() {

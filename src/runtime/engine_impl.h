@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/muon_ref.h"
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
 
@@ -27,7 +28,8 @@ struct Param {
   Buffer state0;            // momentum (single process, gather) or exp_avg (AdamW)
   Buffer state1;            // exp_avg_sq (AdamW)
   DType state0_dtype = DType::kF32;
-  int64_t step = 0;  // Muon: steps taken; AdamW: see Impl::step_counts
+  int64_t step = 0;  // Muon: steps with a gradient (see Impl::matrix_skips); AdamW: step_counts
+  int64_t first_matrix = 0;   // Muon: index of its first matrix among all Muon matrices
   std::vector<int> matrices;  // distributed Muon: indices into Impl::mats, one per slice
   int adam_index = -1;        // AdamW: position among the AdamW parameters
   int cls = -1;               // single process, Muon: its shape class
@@ -104,6 +106,13 @@ struct Bucket {
 class ModeRunner;
 struct StepContext;
 
+// How the fused Muon passes normalise their input V (backend/muon_ref.h) into the iteration's X,
+// from V's norms: X = V / (m ||V|| + eps * kMuonInputScale) = U / (m ||U|| + eps).
+inline ScaleSpec muon_input_scale(const double* norms, const OrthoConfig& resolved) {
+  return {norms, norm_multiplier(resolved.coefficients),
+          resolved.eps * muon_ref::kMuonInputScale, 1.0};
+}
+
 struct Engine::Impl {
   Backend& backend;
   EngineOptions options;
@@ -120,6 +129,16 @@ struct Engine::Impl {
   // adamw_update reads and advances them, so a replayed CUDA graph keeps counting. Until it is
   // allocated (the first step or setup) Param::step holds the count.
   Buffer step_counts;
+  // Muon: per matrix (Param::first_matrix + slice; distributed: its index in `mats`), the steps
+  // pass 2 skipped it, counted on the device where its momentum is kept (its owner; the rank of
+  // a single process; every holder of its rows in gather mode). A Muon parameter's step count is
+  // Param::step minus the most skips of its matrices.
+  Buffer matrix_skips;
+  int64_t* skips_of(const Param& p, int64_t slice) {
+    return matrix_skips.as<int64_t>() + p.first_matrix + slice;
+  }
+  // The skips of every parameter's most-skipped matrix as this rank counted them (synchronises).
+  std::vector<int64_t> local_skips();
 
   // ---- distributed (world == nullptr in a single process) ----
   Communicator* world = nullptr;
@@ -134,7 +153,7 @@ struct Engine::Impl {
   std::vector<int> adam_params;  // AdamW parameters in registration order
   int64_t n_status = 0;          // Muon matrices + AdamW parameters
   Buffer step_status;            // int32 per Muon matrix (bucket order) then per AdamW parameter
-  Buffer step_norms;             // float per Muon matrix (bucket order)
+  Buffer step_norms;             // double per Muon matrix (bucket order)
   std::unique_ptr<ModeRunner> runner;
   // Scratch of the owner computation, grown on demand and shared by all buckets (buckets
   // compute one after another).
@@ -184,7 +203,8 @@ struct Engine::Impl {
   int add_param(const ParamSpec& spec);
   std::vector<std::string> registration_errors;  // distributed: reported by setup() everywhere
   void build_classes();
-  void allocate_step_counts();  // uploads Param::step of every parameter
+  // Uploads Param::step of every parameter and zeroes the Muon skip counters.
+  void allocate_step_counts();
   int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
   void ensure_class_buffers(ShapeClass& c);
   void local_step(std::span<const ParamData> data);

@@ -71,7 +71,7 @@ void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
     c.x = backend.alloc(static_cast<size_t>(count * c.m * c.n) * dtype_size(iteration_dtype(r)));
     c.workspace_bytes = Orthogonalizer::workspace_bytes(r, count, c.m, c.n);
     c.workspace = backend.alloc(c.workspace_bytes);
-    if (!c.norms) c.norms = backend.alloc(sizeof(float) * count);
+    if (!c.norms) c.norms = backend.alloc(sizeof(double) * count);
     if (!c.status) c.status = backend.alloc(sizeof(int32_t) * count);
   }
   size_t need = 0;
@@ -102,7 +102,8 @@ void Engine::Impl::raise_if_nonfinite(const std::vector<std::vector<int>>& slot_
   if (bad.empty()) return;
   std::ostringstream os;
   for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
-  DM_FAIL("non-finite gradient (NaN or Inf) in ", os.str(),
+  DM_FAIL("non-finite gradient (NaN or Inf), or a momentum beyond the range of its dtype, in ",
+          os.str(),
           "; the step was not applied (weights and optimizer state unchanged)");
 }
 
@@ -133,6 +134,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       slot.grad = MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, rows, cols);
       slot.momentum = MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, rows, cols);
       slot.weight = MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols);
+      slot.skips = s.skips_of(p, slice);
       slots[ci].push_back(slot);
       slot_params[ci].push_back(pi);
       slot_member[ci].push_back(static_cast<int64_t>(mi));
@@ -160,7 +162,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     const MuonOptions& opt = s.groups[s.classes[ci].group].muon;
     if (slots[ci].empty()) continue;
     s.backend.muon_momentum_norm(slots[ci], opt.momentum, opt.nesterov,
-                                 s.classes[ci].norms.as<float>(),
+                                 s.classes[ci].norms.as<double>(),
                                  s.classes[ci].status.as<int32_t>());
   }
   if (!adam_slots.empty()) s.backend.adamw_check(adam_slots, s.adam_status.as<int32_t>());
@@ -183,10 +185,9 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       if (n > nw) pass(nw, n - nw, true);
     };
     per_orientation([&](int64_t k0, int64_t len, bool tall) {
-      ScaleSpec norm{c.norms.as<float>() + k0, norm_multiplier(c.resolved.coefficients),
-                     c.resolved.eps, 1.0};
       s.backend.muon_momentum_apply(all.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                    norm, tall, x.slice(k0, len));
+                                    muon_input_scale(c.norms.as<double>() + k0, c.resolved), tall,
+                                    x.slice(k0, len));
     });
     s.orthogonalize(c.cache, c.resolved, x, slot_member[ci], status, c.workspace.data(),
                     c.workspace_bytes);

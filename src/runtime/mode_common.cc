@@ -39,7 +39,7 @@ void ModeRunner::owner_pass1(const Bucket& b, const Bucket::Run& run,
   const DistMatrix& m0 = e_.mats[b.act[run.begin]];
   const MuonOptions& opt = e_.groups[m0.group].muon;
   const int64_t pos = b.status_offset + run.begin;
-  e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, e_.step_norms.as<float>() + pos,
+  e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, e_.step_norms.as<double>() + pos,
                                 e_.step_status.as<int32_t>() + pos);
 }
 
@@ -78,10 +78,9 @@ void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
   BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
   // One orthogonalization batch in the wide orientation; the fused passes once per orientation.
   for_each_orientation(run, [&](int k0, int len, bool tall) {
-    ScaleSpec norm{e_.step_norms.as<float>() + pos + k0, norm_multiplier(r.coefficients), r.eps,
-                   1.0};
     e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                   norm, tall, x.slice(k0, len));
+                                   muon_input_scale(e_.step_norms.as<double>() + pos + k0, r),
+                                   tall, x.slice(k0, len));
   });
   e_.orthogonalize(cache, r, x, entries, status, e_.workspace.data(), e_.workspace_size);
   if (!out) {
@@ -149,7 +148,8 @@ class ReplicatedRunner final : public ModeRunner {
       out.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols),
-           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
+           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+           e_.skips_of(p, m.slice)});
     }
     return out;
   }

@@ -170,7 +170,8 @@ class DedicatedRunner final : public ModeRunner {
       const DistMatrix& m = e_.mats[j];
       out.push_back({MatRef::of(gstage(j), m.wire, m.rows, m.cols),
                      MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
-                     MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols)});
+                     MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
+                     e_.skips_of(e_.params[m.param], m.slice)});
     }
     return out;
   }
@@ -188,7 +189,8 @@ class DedicatedRunner final : public ModeRunner {
       out.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
-           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols)});
+           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+           e_.skips_of(e_.params[m.param], m.slice)});
     }
     return out;
   }

@@ -74,7 +74,7 @@ class GatherRunner final : public ModeRunner {
     const int64_t rows = m.hi[me] - m.lo[me], off = local_offset(m, m.lo[me]);
     return {MatRef::of(at(d.grad, off, d.grad_dtype), d.grad_dtype, rows, m.cols),
             MatRef::of(at(p.state0.data(), off, p.state0_dtype), p.state0_dtype, rows, m.cols),
-            MatRef::of(at(d.param, off, m.wire), m.wire, rows, m.cols)};
+            MatRef::of(at(d.param, off, m.wire), m.wire, rows, m.cols), e_.skips_of(p, m.slice)};
   }
 
   // Statuses of my rows, one launch per segment of consecutive matrices of one group.
@@ -95,13 +95,14 @@ class GatherRunner final : public ModeRunner {
       const MuonOptions& opt = e_.groups[m0.group].muon;
       const int64_t pos = bk.status_offset + static_cast<int64_t>(k);
       e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov,
-                                    e_.step_norms.as<float>() + pos,
+                                    e_.step_norms.as<double>() + pos,
                                     e_.step_status.as<int32_t>() + pos);
       k = end;
     }
   }
 
-  // Pass 2 on my rows writes the unscaled U rows into the send buffer; then all-gather.
+  // Pass 2 on my rows writes the rows of V (the passes' float form of U, backend/muon_ref.h)
+  // into the send buffer, unnormalised; then all-gather.
   void gather(int b, const StepContext& ctx) {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
@@ -116,8 +117,9 @@ class GatherRunner final : public ModeRunner {
       MuonSlot slot = local_slot(m, ctx);
       const MuonOptions& opt = e_.groups[m.group].muon;
       e_.backend.muon_momentum_apply(
-          {&slot, 1}, opt.momentum, opt.nesterov, status_at(bk, static_cast<int>(k)), ScaleSpec{},
-          false, BatchRef::packed(at(s.send.data(), cur, w), w, 1, slot.grad.rows, m.cols));
+          {&slot, 1}, opt.momentum, opt.nesterov, status_at(bk, static_cast<int>(k)),
+          ScaleSpec{}, false,
+          BatchRef::packed(at(s.send.data(), cur, w), w, 1, slot.grad.rows, m.cols));
       cur += piece(m, e_.my_s);
     }
     int64_t total = 0;
@@ -155,22 +157,20 @@ class GatherRunner final : public ModeRunner {
     for (const Bucket::Run& run : bk.runs) {
       const DistMatrix& m0 = e_.mats[bk.act[run.begin]];
       const int64_t count = run.end - run.begin, pos = bk.status_offset + run.begin;
-      float* norms = e_.step_norms.as<float>() + pos;
+      double* norms = e_.step_norms.as<double>() + pos;
       OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());
       // CacheMuon: every rank holds every entry and sees the same input, so every rank takes
       // the same decisions without exchanging them.
       std::vector<int64_t> entries;
       const int cache = prepare_run(bk, run, r, &entries);
       BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
-      // U is staged in the weights' orientation: normalise each orientation's slice into X.
+      // V is staged in the weights' orientation: normalise each orientation's slice into X.
       for_each_orientation(run, [&](int k0, int len, bool tall) {
         const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
-        BatchRef u =
+        BatchRef v =
             BatchRef::packed(at(s.ustage.data(), uofs[run.begin + k0], w), w, len, rows, cols);
-        e_.backend.frob_norm(u, norms + k0);
-        e_.backend.scale_copy(u, tall,
-                              ScaleSpec{norms + k0, norm_multiplier(r.coefficients), r.eps, 1.0},
-                              x.slice(k0, len));
+        e_.backend.frob_norm(v, norms + k0);
+        e_.backend.scale_copy(v, tall, muon_input_scale(norms + k0, r), x.slice(k0, len));
       });
       e_.orthogonalize(cache, r, x, entries, status_at(bk, run.begin), e_.workspace.data(),
                        e_.workspace_size);

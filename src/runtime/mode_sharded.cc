@@ -146,8 +146,9 @@ class ShardedRunner final : public ModeRunner {
       MatRef g = MatRef::of(at(bufs_[m.bucket].gstage.data(), gofs_[bk.act[k]], m.wire), m.wire,
                             m.rows, m.cols);
       // The owner holds no weight: pass 3 runs on the shards, so the weight slot is unused.
-      out.push_back(
-          {g, MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols), g});
+      const Param& p = e_.params[m.param];
+      out.push_back({g, MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols), g,
+                     e_.skips_of(p, m.slice)});
     }
     return out;
   }

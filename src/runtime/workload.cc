@@ -1,12 +1,14 @@
 #include "distmuon/workload.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "distmuon/env.h"
 #include "distmuon/error.h"
+#include "distmuon/types.h"
 
 namespace distmuon {
 
@@ -19,25 +21,30 @@ extern const EmbeddedWorkload kEmbeddedWorkloads[];
 extern const int kNumEmbeddedWorkloads;
 
 int64_t WorkloadEntry::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+  return checked_numel(shape, "workload entry '" + name + "'");
 }
 
-int64_t Workload::muon_params() const {
+namespace {
+// Elements (or matrices, per = the matrices of one tensor) of a list of entries, checked.
+template <typename PerTensor>
+int64_t total(const std::vector<WorkloadEntry>& entries, PerTensor per, const char* what) {
   int64_t n = 0;
-  for (const auto& e : muon) n += e.numel() * e.count;
+  for (const auto& e : entries)
+    n = checked_add(n, checked_mul(per(e), e.count, "workload entry '" + e.name + "'"), what);
   return n;
+}
+}  // namespace
+
+int64_t Workload::muon_params() const {
+  return total(muon, [](const WorkloadEntry& e) { return e.numel(); }, "Muon parameters");
 }
 int64_t Workload::adamw_params() const {
-  int64_t n = 0;
-  for (const auto& e : adamw) n += e.numel() * e.count;
-  return n;
+  return total(adamw, [](const WorkloadEntry& e) { return e.numel(); }, "AdamW parameters");
 }
 int64_t Workload::muon_matrices() const {
-  int64_t n = 0;
-  for (const auto& e : muon) n += e.count * (e.shape.size() == 3 ? e.shape[0] : 1);
-  return n;
+  return total(
+      muon, [](const WorkloadEntry& e) { return e.shape.size() == 3 ? e.shape[0] : int64_t{1}; },
+      "Muon matrices");
 }
 
 Workload Workload::first_layers(int64_t k) const {
@@ -56,22 +63,36 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
   } catch (const std::exception& e) {
     DM_FAIL("workload ", origin, " is not valid JSON: ", e.what());
   }
+  // Sizes must be JSON integers: a float or an out-of-range number would be converted silently
+  // (or undefined) by a plain get<int64_t>().
+  auto size = [&](const nlohmann::json& v, const std::string& what) -> int64_t {
+    const bool fits =
+        v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX);
+    DM_CHECK(fits, "workload ", origin, ": ", what,
+             " must be an integer that fits in 64 bits (got ", v.dump(), ")");
+    return v.get<int64_t>();
+  };
   Workload w;
   try {
+    DM_CHECK(j.is_object(), "workload ", origin, " must be a JSON object");
     w.name = j.at("name").get<std::string>();
     w.source = j.value("source", "");
-    w.layers = j.value("layers", int64_t{0});
+    w.layers = j.contains("layers") ? size(j.at("layers"), "'layers'") : 0;
     auto entries = [&](const char* key, std::vector<WorkloadEntry>& out) {
       if (!j.contains(key)) return;
+      DM_CHECK(j.at(key).is_array(), "workload ", origin, ": '", key, "' must be a list");
       for (const auto& e : j.at(key)) {
         WorkloadEntry we;
         we.name = e.at("name").get<std::string>();
-        we.shape = e.at("shape").get<std::vector<int64_t>>();
-        we.count = e.value("count", int64_t{1});
-        DM_CHECK(!we.shape.empty() && we.count >= 1, "workload ", origin, ": entry '", we.name,
-                 "' has an empty shape or a count < 1");
+        const std::string what = "entry '" + we.name + "'";
+        DM_CHECK(e.at("shape").is_array(), "workload ", origin, ": ", what,
+                 " needs a list of sizes as its shape");
+        for (const auto& d : e.at("shape")) we.shape.push_back(size(d, what + " shape"));
+        we.count = e.contains("count") ? size(e.at("count"), what + " count") : 1;
+        DM_CHECK(!we.shape.empty() && we.count >= 1, "workload ", origin, ": ", what,
+                 " has an empty shape or a count < 1");
         for (int64_t d : we.shape)
-          DM_CHECK(d > 0, "workload ", origin, ": entry '", we.name, "' has a dimension <= 0");
+          DM_CHECK(d > 0, "workload ", origin, ": ", what, " has a dimension <= 0");
         out.push_back(std::move(we));
       }
     };
@@ -86,6 +107,15 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
   for (const auto& e : w.muon)
     DM_CHECK(e.shape.size() >= 2 && e.shape.size() <= 4, "workload ", origin, ": Muon entry '",
              e.name, "' must be 2D, 3D or 4D");
+  // Every size derived from the workload must fit in 64 bits: its elements in the widest dtype
+  // (f64), and its matrix count.
+  try {
+    checked_bytes(checked_add(w.muon_params(), w.adamw_params(), "parameters"), DType::kF64,
+                  "parameters");
+    w.muon_matrices();
+  } catch (const Error& e) {
+    DM_FAIL("workload ", origin, " is too large: ", e.message());
+  }
   return w;
 }
 

@@ -45,11 +45,11 @@ class FallbackBackend final : public Backend {
                const BatchRef& o) override {
     cpu_.lincomb(al, a, be, b, d, o);
   }
-  void frob_norm(const BatchRef& a, float* n) override { cpu_.frob_norm(a, n); }
+  void frob_norm(const BatchRef& a, double* n) override { cpu_.frob_norm(a, n); }
   void scale_copy(const BatchRef& s, bool t, const ScaleSpec& sc, const BatchRef& d) override {
     cpu_.scale_copy(s, t, sc, d);
   }
-  void muon_momentum_norm(std::span<const MuonSlot> s, float mu, bool nes, float* n,
+  void muon_momentum_norm(std::span<const MuonSlot> s, float mu, bool nes, double* n,
                           int32_t* st) override {
     cpu_.muon_momentum_norm(s, mu, nes, n, st);
   }
@@ -105,7 +105,8 @@ TEST(CacheOps, GateFollowsItsContractOnEveryCase) {
     CpuBackend cpu;
     FallbackBackend fb;
     Backend& be = variant == 0 ? static_cast<Backend&>(cpu) : fb;
-    std::vector<float> res(n), qn(n), age(n);
+    std::vector<double> res(n), qn(n);
+    std::vector<float> age(n);
     std::vector<int32_t> st(n), dec(n, -1);
     std::vector<double> keys(n), stats(n * kCacheStatFields, 0.0);
     for (int i = 0; i < n; ++i) {

@@ -148,17 +148,17 @@ TEST(CudaBackend, BatchedHelpersMatchCpu) {
     cpu.lincomb(0.5, a.ref, -2.0, &b.ref, 3.0, out_cpu.ref);
     for (int i = 0; i < count; ++i) EXPECT_LT(rel_err(out.get(i), out_cpu.get(i)), 1e-6) << dtype_name(t);
     // Norms.
-    Buffer nd = be.alloc(sizeof(float) * count);
-    be.frob_norm(da.ref, nd.as<float>());
-    std::vector<float> ng(count), nc(count);
-    be.copy_to_host(ng.data(), nd.data(), sizeof(float) * count);
+    Buffer nd = be.alloc(sizeof(double) * count);
+    be.frob_norm(da.ref, nd.as<double>());
+    std::vector<double> ng(count), nc(count);
+    be.copy_to_host(ng.data(), nd.data(), sizeof(double) * count);
     cpu.frob_norm(a.ref, nc.data());
     for (int i = 0; i < count; ++i) EXPECT_NEAR(ng[i], nc[i], 1e-5 * nc[i]);
     // Scaled transposed copy into another dtype.
     HostBatch tr(DType::kBF16, count, cols, rows), tr_cpu(DType::kBF16, count, cols, rows);
     tr.poison();
     DeviceBatch dtr(be, tr);
-    ScaleSpec spec{nd.as<float>(), 1.01, 1e-7, 2.0};
+    ScaleSpec spec{nd.as<double>(), 1.01, 1e-7, 2.0};
     be.scale_copy(da.ref, true, spec, dtr.ref);
     dtr.download(be, tr);
     ScaleSpec spec_cpu{nc.data(), 1.01, 1e-7, 2.0};

@@ -48,14 +48,15 @@ TEST(CudaCache, GateEqualsCpuOnEveryCase) {
   CpuBackend cpu;
   const double key = 777;
   const int n = 300;
-  std::vector<float> res(n), qn(n), age(n);
+  std::vector<double> res(n), qn(n);
+  std::vector<float> age(n);
   std::vector<int32_t> st(n);
   std::vector<double> keys(n), stats(n * kCacheStatFields, 0.0);
   std::mt19937_64& g = test::rng();
-  std::uniform_real_distribution<float> u(0.0f, 6.0f);
+  std::uniform_real_distribution<double> u(0.0, 6.0);
   for (int i = 0; i < n; ++i) {  // every branch: stale, empty, foreign key, NaN/Inf, skipped
     res[i] = i % 17 == 0 ? NAN : u(g);
-    qn[i] = i % 23 == 0 ? INFINITY : 1.0f;
+    qn[i] = i % 23 == 0 ? INFINITY : 1.0;
     age[i] = static_cast<float>(i % 5);
     st[i] = i % 19 == 0 ? kStatusNonFinite : kStatusOk;
     keys[i] = i % 13 == 0 ? 0.0 : (i % 11 == 0 ? 5.0 : key);
@@ -68,9 +69,9 @@ TEST(CudaCache, GateEqualsCpuOnEveryCase) {
   CacheGateArgs h{n,           res.data(), 0.5, qn.data(), st.data(),  key,
                   keys.data(), age.data(), 4,   2.0,       dec.data(), stats.data()};
   CacheGateArgs d{n,
-                  dres.as<float>(),
+                  dres.as<double>(),
                   0.5,
-                  dqn.as<float>(),
+                  dqn.as<double>(),
                   dst.as<int32_t>(),
                   key,
                   dkeys.as<double>(),

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 
@@ -272,6 +273,72 @@ TEST(Engine, NonFiniteGradientIsSkippedAndCounted) {
   const float* mom = static_cast<const float*>(eng.state(1, "momentum_buffer").data);
   for (int i = 0; i < 32; ++i) EXPECT_EQ(mom[i], 0.0f);
   EXPECT_EQ(eng.stats().nonfinite_skips, 1);
+  // Skipped means no state changes at all: its step count stays (it used to advance).
+  EXPECT_EQ(eng.param_step(0), 1);
+  EXPECT_EQ(eng.param_step(1), 0);
+  d[1].grad = g1.data();
+  eng.step(d);
+  EXPECT_EQ(eng.param_step(1), 1);
+  EXPECT_EQ(eng.param_steps(), (std::vector<int64_t>{2, 1}));
+  eng.set_param_step(1, 7);  // a checkpoint's count replaces it, skips included
+  EXPECT_EQ(eng.param_step(1), 7);
+}
+
+TEST(Engine, StepCountOfABatchFollowsItsMostSkippedMatrix) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(muon_group(0.02f));
+  eng.add_param({"experts", 0, {3, 4, 8}, DType::kF32});
+  std::vector<float> w(96, 1.0f), g = to_vec(random_matrix(12, 8));
+  ParamData d{w.data(), g.data(), DType::kF32, {}};
+  eng.step({&d, 1});
+  g[40] = std::numeric_limits<float>::quiet_NaN();  // expert 1 only
+  eng.step({&d, 1});
+  EXPECT_EQ(eng.param_step(0), 1);
+  EXPECT_EQ(eng.stats().nonfinite_skips, 1);
+}
+
+// Gradients near float's largest value are finite, and the step follows the update rule
+// computed in float64 (they used to be skipped as "non-finite": the Nesterov input reaches
+// 1.95 x 3e38 and the norm 1e40, beyond float). A momentum that would overflow its dtype is a
+// skip, and leaves everything as it was.
+TEST(Engine, NearFloatMaxGradientsFollowTheFloat64Rule) {
+  CpuBackend be;
+  Engine eng(be);
+  const float lr = 0.02f, wd = 0.1f, mu = 0.95f;
+  GroupOptions g = muon_group(lr, wd);
+  g.muon.ortho.work_dtype = DType::kF32;
+  eng.add_group(g);
+  const int64_t rows = 8, cols = 32;
+  eng.add_param({"w", 0, {rows, cols}, DType::kF32});
+  Mat r = random_matrix(rows, cols);
+  const Mat grad = (r / r.cwiseAbs().maxCoeff() * 3e38).cast<float>().cast<double>();
+  std::vector<float> w = to_vec(random_matrix(rows, cols, 0.02)), gv = to_vec(grad);
+  const std::vector<float> w0 = w;
+  ParamData d{w.data(), gv.data(), DType::kF32, {}};
+  eng.step({&d, 1});
+  // float64: B = G, U = G + mu B, O = NS5(U / (||U|| + eps)), W = W (1 - lr wd) - lr O.
+  const Mat u = grad + mu * grad;
+  const Mat o = test::reference_ns(u, Coefficients::kJordan, 5);
+  Mat got(rows, cols), want(rows, cols);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) {
+      got(i, j) = w[i * cols + j];
+      want(i, j) = w0[i * cols + j] * (1.0 - double(lr) * wd) - double(lr) * o(i, j);
+    }
+  const double err = test::rel_err(got, want);
+  std::printf("[measure] near-max gradient, one step: rel err %.2e vs the float64 rule\n", err);
+  EXPECT_LT(err, 1e-5);
+  EXPECT_EQ(eng.param_step(0), 1);
+  EXPECT_EQ(eng.stats().nonfinite_skips, 0);
+  // The same gradient again: B would be mu G + G = 5.9e38, beyond float. Skipped, unchanged.
+  const std::vector<float> w1 = w;
+  eng.step({&d, 1});
+  EXPECT_EQ(w, w1);
+  const float* mom = static_cast<const float*>(eng.state(0, "momentum_buffer").data);
+  for (int64_t k = 0; k < rows * cols; ++k) ASSERT_EQ(mom[k], gv[k]);
+  EXPECT_EQ(eng.param_step(0), 1);
+  EXPECT_EQ(eng.stats().nonfinite_skips, 1);
 }
 
 TEST(Engine, RaisePolicyThrowsBeforeTouchingState) {
@@ -327,6 +394,17 @@ TEST(Engine, ClearErrorsForBadParameters) {
             }).find("empty"),
             std::string::npos);
   EXPECT_THROW(eng.add_param({"w", 3, {4, 4}, DType::kF32}), Error);  // no such group
+  // Sizes that leave int64 are refused before anything is allocated: the element count, and
+  // the bytes of its state.
+  EXPECT_NE(message([&] {
+              eng.add_param({"huge", 0, {3037000500, 3037000500}, DType::kF32});
+            }).find("'huge': shape [3037000500, 3037000500] has more elements than a 64-bit"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              eng.add_param({"wide", 0, {int64_t{1} << 31, int64_t{1} << 31}, DType::kF32});
+            }).find("'wide' (bytes): 4611686018427387904 x 8 overflows"),
+            std::string::npos);
+  EXPECT_EQ(eng.num_params(), 0);
   eng.add_param({"proj", 0, {4, 6}, DType::kF32});
   std::vector<float> w(24), g(24);
   std::vector<int64_t> wrong = {6, 4};

@@ -6,6 +6,7 @@
 #include <functional>
 #include <limits>
 
+#include "backend/muon_ref.h"
 #include "common/half.h"
 
 namespace distmuon::test {
@@ -74,9 +75,10 @@ void HostBatch::poison() {
 Mat reference_ns(const Mat& u, Coefficients coeffs, int steps) {
   const bool tall = u.rows() > u.cols();
   Mat x = tall ? Mat(u.transpose()) : u;
-  // The library carries norms in fp32 (as the GPU does); round here too so that the comparison
-  // measures the iteration, not the 1e-7 of the norm that early Polar Express steps amplify.
-  const double norm = static_cast<float>(u.norm());
+  // The library keeps norms to float's precision (in double's range); round here too so that
+  // the comparison measures the iteration, not the 1e-7 of the norm that early Polar Express
+  // steps amplify.
+  const double norm = muon_ref::float_precision(u.norm());
   x /= (norm * norm_multiplier(coeffs) + 1e-7);
   for (const QuinticCoef& k : coefficient_schedule(coeffs, steps)) {
     Mat a = x * x.transpose();

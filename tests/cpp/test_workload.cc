@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include "distmuon/error.h"
+#include "distmuon/plan.h"
+#include "distmuon/types.h"
 #include "distmuon/workload.h"
 
 namespace distmuon {
@@ -24,6 +28,52 @@ TEST(Workload, ClearErrors) {
   EXPECT_THROW(parse_workload(R"({"name": "x", "muon": []})", "x"), Error);
   EXPECT_THROW(parse_workload(R"({"name": "x", "muon": [{"name": "a", "shape": [4, 0]}]})", "x"), Error);
   EXPECT_THROW(load_workload("gpt2-small").first_layers(0), Error);
+}
+
+std::string one_matrix(const std::string& shape, int64_t count = 1) {
+  return R"({"name": "big", "muon": [{"name": "w", "shape": )" + shape +
+         R"(, "count": )" + std::to_string(count) + "}]}";
+}
+
+std::string message_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "no error";
+}
+
+// Shapes whose element count leaves int64 were accepted and wrapped (to a negative count, or to
+// 0 for 2^32 x 2^32); every size derived from a workload is checked now.
+TEST(Workload, SizesThatOverflowAreRefused) {
+  EXPECT_EQ(message_of([] { parse_workload(one_matrix("[3037000500, 3037000500]"), "f.json"); }),
+            "workload f.json is too large: workload entry 'w': shape [3037000500, 3037000500] "
+            "has more elements than a 64-bit size holds");
+  EXPECT_THROW(parse_workload(one_matrix("[4294967296, 4294967296]"), "x"), Error);
+  // The element count fits but the count of tensors, or the bytes in f64, do not.
+  EXPECT_THROW(parse_workload(one_matrix("[1000000, 1000000]", 10000000), "x"), Error);
+  EXPECT_THROW(parse_workload(one_matrix("[2000000000, 2000000000]"), "x"), Error);
+  // A large but representable workload parses; the planner bounds its matrix count.
+  Workload w = parse_workload(one_matrix("[100000, 100000]", 1 << 21), "x");
+  EXPECT_EQ(w.muon_matrices(), 1 << 21);
+  EXPECT_EQ(message_of([&] { plan_matrices(w, 4); }),
+            "workload big has 2097152 Muon matrices; the planner handles at most 1048576");
+  // The C++ API checks as the parser does, whoever built the entry.
+  WorkloadEntry e{"hand", {int64_t{1} << 32, int64_t{1} << 32}, 1};
+  EXPECT_THROW(e.numel(), Error);
+}
+
+TEST(CheckedSizes, ProductsSumsAndBytes) {
+  EXPECT_EQ(checked_mul(3, 5, "x"), 15);
+  EXPECT_EQ(checked_numel({}, "x"), 1);
+  EXPECT_EQ(checked_numel({2, 3, 4}, "x"), 24);
+  EXPECT_EQ(checked_bytes(int64_t{1} << 60, DType::kBF16, "x"), int64_t{1} << 61);
+  EXPECT_THROW(checked_bytes(int64_t{1} << 61, DType::kF64, "x"), Error);
+  EXPECT_THROW(checked_mul(-1, 5, "x"), Error);
+  EXPECT_THROW(checked_add(INT64_MAX, 1, "x"), Error);
+  EXPECT_THROW(checked_numel({3037000500, 3037000500}, "x"), Error);
+  EXPECT_THROW(checked_numel({4, -1}, "x"), Error);
 }
 
 }  // namespace distmuon

@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+
+from distmuon.torch._dist import is_dtensor, local_tensor
+
+
+def check_layout(state_dict: Any) -> None:
+    """A dict with a 'state' dict and a 'param_groups' list of dicts, as state_dict() makes."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"a state dict must be a dict (got {type(state_dict).__name__})")
+    for key, kind in (("state", dict), ("param_groups", list)):
+        if key not in state_dict:
+            raise KeyError(f"the state dict has no '{key}' (keys: {sorted(map(str, state_dict))})")
+        if not isinstance(state_dict[key], kind):
+            raise TypeError(f"state dict '{key}' must be a {kind.__name__} (got {type(state_dict[key]).__name__})")
+    for gi, sg in enumerate(state_dict["param_groups"]):
+        if not isinstance(sg, dict) or not isinstance(sg.get("params"), list):
+            raise TypeError(f"loaded parameter group {gi} must be a dict with a 'params' list")
 
 
 def check_saved_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> None:
@@ -44,6 +61,8 @@ def checked_entry(
     missing (that state then starts fresh)."""
     if entry is None:
         return None
+    if not isinstance(entry, dict):
+        raise TypeError(f"loaded state of parameter '{name}' must be a dict (got {type(entry).__name__})")
     for key, numel in state_numel.items():
         value = entry.get(key)
         if value is None and key in optional:
@@ -51,14 +70,35 @@ def checked_entry(
         if not isinstance(value, torch.Tensor):
             kind = "Muon" if use_muon else "AdamW"
             raise ValueError(
-                f"loaded state of parameter '{name}' has no tensor '{key}' (keys: {sorted(entry)}); "
+                f"loaded state of parameter '{name}' has no tensor '{key}' (keys: {sorted(map(str, entry))}); "
                 f"is it a {kind} parameter there?"
             )
         if value.numel() != numel:
             raise ValueError(f"loaded '{key}' of parameter '{name}' has shape {tuple(value.shape)}, the parameter {tuple(shape)}")
         if value.is_complex() or not value.is_floating_point():
             raise ValueError(f"loaded '{key}' of parameter '{name}' has dtype {value.dtype}")
-    step = float(entry.get("step", 0))
-    if step < 0 or step != int(step):
-        raise ValueError(f"loaded step of parameter '{name}' is {step}")
-    return entry
+        # This rank's part (a DTensor's local shard): every rank checks its own, the caller
+        # shares the verdicts.
+        local = local_tensor(value) if is_dtensor(value) else value
+        if not bool(torch.isfinite(local).all()):
+            raise ValueError(f"loaded '{key}' of parameter '{name}' has NaN or Inf values")
+    _step_of(name, entry.get("step", 0))
+    return {k: v for k, v in entry.items() if not (v is None and k in optional)}
+
+
+def _step_of(name: str, value: Any) -> int:
+    """A saved step count: a non-negative integer (a number or a one-element tensor)."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex():
+            raise ValueError(f"loaded step of parameter '{name}' must be one number (got shape {tuple(value.shape)})")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"loaded step of parameter '{name}' must be a number (got {value!r:.40})")
+    if not math.isfinite(value) or value < 0 or value != int(value) or value >= 2**62:
+        raise ValueError(f"loaded step of parameter '{name}' is {value} (expected a count of steps)")
+    return int(value)
+
+
+def step_of(name: str, entry: dict[str, Any] | None) -> int:
+    """The step count of a checked entry (0 for fresh state)."""
+    return 0 if entry is None else _step_of(name, entry.get("step", 0))

@@ -40,11 +40,13 @@ class Pending:
         return True
 
     def wait(self, timeout_s: float) -> None:
+        """Waits at most timeout_s; TimeoutError when the operation is still pending then (the
+        engine words the error), the library's error when it failed."""
         try:
             self._work.wait(timeout=datetime.timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-                raise TimeoutError(str(e)) from e
+            if not self._work.is_completed():
+                raise TimeoutError("timed out") from None
             raise
         self._complete()
 

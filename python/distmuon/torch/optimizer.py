@@ -343,14 +343,34 @@ class Muon(torch.optim.Optimizer):
             out.append((detect(params, [named[k][1] for k in rest], mode, self._process_group), rest, None))
         return out
 
+    def _held_params_changed(self) -> bool:
+        """True when the groups no longer hold exactly the registered parameters, in order: a
+        group was added, or parameters were put into ``param_groups`` (as accelerate does after
+        ``fully_shard``, swapping in the DTensor parameters)."""
+        if not self._parts:
+            return True
+        held = [p for g in self.param_groups for p in g["params"]]
+        return len(held) != len(self._slots) or any(p is not s.param for p, s in zip(held, self._slots))
+
+    def _adopt_swapped_params(self) -> None:
+        """Parameters put into a group in place of others: each is checked like a parameter
+        given to the constructor and takes over what the model told about the one it replaced
+        (an embedding, a convolution kernel). Their optimizer state starts fresh."""
+        old = {(s.group, s.name): self._infos.get(id(s.param)) for s in self._slots}
+        for gi, name, p, _ in self._named_params():
+            check_tensor_param(p, name)
+            info = old.get((gi, name))
+            if id(p) not in self._infos and info is not None:
+                self._infos[id(p)] = info
+
     def _build_engine(self) -> None:
-        """(Re)creates the engines for the current groups, carrying over existing state.
-        Collective in distributed modes."""
+        """(Re)creates the engines for the current groups, carrying over the state of the
+        parameters that stayed (new ones start fresh). The distributed mode follows the
+        parameters: plain ones swapped for FSDP2's DTensors move the optimizer from the
+        replicated to the sharded mode. Collective in distributed modes."""
         layout = self._layout()
-        modes = [t.mode for t, _, _ in layout]
-        if self._parts and modes != [p.topo.mode for p in self._parts]:
-            raise ValueError(f"the new parameters need the {modes} mode(s), the optimizer runs in {self.dist_mode}")
         try:
+            self._adopt_swapped_params()
             slots = self._make_slots({k for _, keys, h in layout if h is not None for k in keys})
             device = common_device([s.local() for s in slots], [s.name for s in slots])
             options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
@@ -373,9 +393,13 @@ class Muon(torch.optim.Optimizer):
             )
         carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
         for old in old_parts:
+            steps = old.engine.param_steps()
             for s, entry in zip(old.slots, export_state(old.engine, old.topo, old.slots)):
-                carried[id(s.param)] = (entry, old.engine.param_step(s.index), s.use_muon)  # type: ignore[assignment]
+                carried[id(s.param)] = (entry, steps[s.index], s.use_muon)  # type: ignore[assignment]
         self._parts, self._slots, self._device = parts, slots, device
+        held = {id(s.param) for s in slots}
+        for p in [p for p in self.state if id(p) not in held]:
+            del self.state[p]  # parameters no longer held: their state would keep them alive
         for part in parts:
             if old_parts:
                 entries = []
@@ -409,9 +433,10 @@ class Muon(torch.optim.Optimizer):
         not in the parameter's placement); ``state_dict()`` gathers it."""
         for part in self._parts:
             exported = export_state(part.engine, part.topo, part.slots, gather_momentum=False)
+            steps = part.engine.param_steps()
             for s, entry in zip(part.slots, exported):
                 st = {k: v for k, v in entry.items() if not owner_held(part.topo, s, k)}
-                st["step"] = torch.tensor(float(part.engine.param_step(s.index)))
+                st["step"] = torch.tensor(float(steps[s.index]))
                 self.state[s.param] = st
 
     def _push_options(self) -> None:
@@ -503,7 +528,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._parts or sum(len(g["params"]) for g in self.param_groups) != len(self._slots):
+        if self._held_params_changed():
             self._build_engine()
         self._push_options()
         # The dedicated engine first: its publication to other replicas (HSDP) then travels
@@ -592,6 +617,8 @@ class Muon(torch.optim.Optimizer):
         torch.distributed.checkpoint can load it at another world size. Tensors alias the
         engine's live state where it is kept in that placement (as torch's do); momentum kept
         with each matrix's owner is gathered into new tensors (collective)."""
+        if self._held_params_changed():
+            self._build_engine()
         # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
         # changed it since the last step): bring them up to date, as the next step would.
         for gi, g in enumerate(self.param_groups):
@@ -601,8 +628,9 @@ class Muon(torch.optim.Optimizer):
         self._refresh_state()
         sd = super().state_dict()
         for part in self._parts:
+            steps = part.engine.param_steps()
             for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots)):
-                entry["step"] = torch.tensor(float(part.engine.param_step(s.index)))
+                entry["step"] = torch.tensor(float(steps[s.index]))
                 sd["state"][s.key] = entry
         return sd
 
@@ -610,13 +638,16 @@ class Muon(torch.optim.Optimizer):
         """Loads a state_dict() of an optimizer with the same groups, saved at any world size
         (DTensor entries in any placement of this mesh, or full tensors); nothing changes unless
         every entry checks out on every rank. Collective when distributed."""
+        if self._held_params_changed():
+            self._build_engine()
         topos = [p.topo for p in self._parts]
-        state_dict = state_dict.copy()
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
         try:
+            ckpt.check_layout(state_dict)
+            state_dict = state_dict.copy()
+            for hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
             merged, plan = self._checked_load(state_dict)
             error = None
         except (ValueError, TypeError, KeyError) as e:
@@ -632,7 +663,7 @@ class Muon(torch.optim.Optimizer):
             import_state(part.engine, part.topo, part.slots, [entries[s.key] for s in part.slots])
             for s in part.slots:
                 entry = entries[s.key]
-                part.engine.set_param_step(s.index, 0 if entry is None else int(float(entry.get("step", 0))))
+                part.engine.set_param_step(s.index, ckpt.step_of(s.name, entry))
         self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
         self._refresh_state()
         for hook in self._optimizer_load_state_dict_post_hooks.values():

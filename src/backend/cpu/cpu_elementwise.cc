@@ -8,6 +8,7 @@
 #include <new>
 
 #include "backend/adam_ref.h"
+#include "backend/muon_ref.h"
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_dtype.h"
@@ -22,6 +23,8 @@ namespace distmuon {
 using cpu::dispatch;
 using cpu::from_float;
 using cpu::to_float;
+using muon_ref::float_precision;
+using muon_ref::scaled_input;
 
 CpuBackend::CpuBackend() {
   int64_t threads = env::get_int("DISTMUON_NUM_THREADS");
@@ -86,7 +89,7 @@ void CpuBackend::lincomb(double alpha, const BatchRef& a, double beta, const Bat
   }
 }
 
-void CpuBackend::frob_norm(const BatchRef& a, float* norms) {
+void CpuBackend::frob_norm(const BatchRef& a, double* norms) {
   for (int64_t i = 0; i < a.count; ++i) {
     MatRef m = a.matrix(i);
     double sum = 0;
@@ -99,15 +102,14 @@ void CpuBackend::frob_norm(const BatchRef& a, float* norms) {
           sum += v * v;
         }
     });
-    norms[i] = static_cast<float>(std::sqrt(sum));
+    norms[i] = float_precision(std::sqrt(sum));
   }
 }
 
 namespace {
 double scale_factor(const ScaleSpec& s, int64_t i) {
   if (!s.norms) return s.alpha;
-  return static_cast<double>(s.alpha) /
-         (static_cast<double>(s.norm_mul) * static_cast<double>(s.norms[i]) + s.eps);
+  return s.alpha / (s.norm_mul * s.norms[i] + s.eps);
 }
 }  // namespace
 
@@ -125,14 +127,13 @@ void CpuBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec
       dispatch(md.dtype, [&](auto td) {
         using S = decltype(ts);
         using D = decltype(td);
-        using C = cpu::compute_t<D>;
         const S* ps = static_cast<const S*>(ms.data);
         D* pd = static_cast<D*>(md.data);
-        C cf = static_cast<C>(f);
+        // The product in double: a factor of a huge norm (1e-40) is not a normal float.
 #pragma omp parallel for if (ms.rows * ms.cols > (1 << 16))
         for (int64_t r = 0; r < ms.rows; ++r)
           for (int64_t c = 0; c < ms.cols; ++c) {
-            C v = cf * static_cast<C>(to_float(ps[r * ms.ld + c]));
+            const double v = f * static_cast<double>(to_float(ps[r * ms.ld + c]));
             int64_t at = transpose ? c * md.ld + r : r * md.ld + c;
             pd[at] = from_float<D>(v);
           }
@@ -157,30 +158,33 @@ void with_slot(const MuonSlot& s, F&& f) {
   });
 }
 
-inline float nesterov_input(float g, float b_new, float mu, bool nesterov) {
-  return nesterov ? g + mu * b_new : b_new;
+// Whether pass 2 can store the new momentum: finite once rounded to the momentum's dtype.
+template <typename B>
+inline bool momentum_fits(float b_new) {
+  return std::isfinite(to_float(from_float<B>(b_new)));
 }
 }  // namespace
 
 void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                    float* norms, int32_t* status) {
+                                    double* norms, int32_t* status) {
   cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
     double sum = 0;
     bool finite = true;
     with_slot(s, [&](auto* g, auto* b, auto*) {
+      using B = std::remove_pointer_t<decltype(b)>;
 #pragma omp parallel for reduction(+ : sum) reduction(&& : finite) if (s.grad.rows * s.grad.cols > (1 << 16))
       for (int64_t r = 0; r < s.grad.rows; ++r)
         for (int64_t c = 0; c < s.grad.cols; ++c) {
           float gv = to_float(g[r * s.grad.ld + c]);
           float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
-          float u = nesterov_input(gv, bn, mu, nesterov);
-          finite = finite && std::isfinite(gv) && std::isfinite(u);
-          sum += static_cast<double>(u) * u;
+          const float v = scaled_input(gv, bn, mu, nesterov);
+          finite = finite && std::isfinite(gv) && momentum_fits<B>(bn);
+          sum += static_cast<double>(v) * v;
         }
     });
-    norms[i] = static_cast<float>(std::sqrt(sum));
-    status[i] = finite && std::isfinite(norms[i]) ? kStatusOk : kStatusNonFinite;
+    norms[i] = float_precision(std::sqrt(sum));
+    status[i] = finite && std::isfinite(sum) ? kStatusOk : kStatusNonFinite;
   });
 }
 
@@ -192,7 +196,8 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, 
     const MuonSlot& s = slots[i];
     MatRef mx = x.matrix(i);
     const bool ok = status[i] == kStatusOk;
-    const float f = ok ? static_cast<float>(scale_factor(scale, i)) : 0.0f;
+    const double f = ok ? scale_factor(scale, i) : 0.0;
+    if (!ok && s.skips) *s.skips += 1;
     with_slot(s, [&](auto* g, auto* b, auto*) {
       using B = std::remove_pointer_t<decltype(b)>;
       dispatch(mx.dtype, [&](auto tx) {
@@ -201,14 +206,14 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, 
 #pragma omp parallel for if (s.grad.rows * s.grad.cols > (1 << 16))
         for (int64_t r = 0; r < s.grad.rows; ++r)
           for (int64_t c = 0; c < s.grad.cols; ++c) {
-            float u = 0.0f;
+            double xv = 0.0;
             if (ok) {
               float gv = to_float(g[r * s.grad.ld + c]);
               float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
               b[r * s.momentum.ld + c] = from_float<B>(bn);
-              u = nesterov_input(gv, bn, mu, nesterov) * f;
+              xv = static_cast<double>(scaled_input(gv, bn, mu, nesterov)) * f;
             }
-            px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(u);
+            px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(xv);
           }
       });
     });

@@ -8,6 +8,7 @@
 #include "backend/cuda/kernels/batch_arg.cuh"
 #include "backend/cuda/kernels/dtype.cuh"
 #include "backend/cuda/kernels/reduce.cuh"
+#include "backend/muon_ref.h"
 
 namespace distmuon::cuda {
 
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(256) lincomb_kernel(int64_t rows, int64_t cols
 
 // norms[i] = ||a_i||_F (double accumulation). grid (blocks per matrix, count).
 __global__ void __launch_bounds__(256) frob_norm_kernel(int64_t rows, int64_t cols, BatchArg a,
-                                                        float* norms, double* partials,
+                                                        double* norms, double* partials,
                                                         unsigned* counters, int first) {
   const int64_t m = blockIdx.y;
   const void* pa = mat_ptr(a, first + m);
@@ -66,27 +67,30 @@ __global__ void __launch_bounds__(256) frob_norm_kernel(int64_t rows, int64_t co
   }
   const double total = block_sum(acc);
   group_sum_last(total, partials + m * gridDim.x, counters + m, gridDim.x, blockIdx.x,
-                 [&](double sum) { norms[first + m] = static_cast<float>(sqrt(sum)); });
+                 [&](double sum) { norms[first + m] = muon_ref::float_precision(sqrt(sum)); });
 }
 
-__device__ __forceinline__ double copy_factor(const float* norms, double norm_mul, double eps,
+__device__ __forceinline__ double copy_factor(const double* norms, double norm_mul, double eps,
                                               double alpha, int64_t i) {
-  return norms ? alpha / (norm_mul * static_cast<double>(norms[i]) + eps) : alpha;
+  return norms ? alpha / (norm_mul * norms[i] + eps) : alpha;
 }
 
 // dst_i = factor_i * src_i. grid (blocks per matrix, count).
 template <typename C>
 __global__ void __launch_bounds__(256) scale_copy_kernel(int64_t rows, int64_t cols, BatchArg src,
-                                                         BatchArg dst, const float* norms,
+                                                         BatchArg dst, const double* norms,
                                                          double norm_mul, double eps, double alpha) {
   const int64_t m = blockIdx.y;
-  const C f = static_cast<C>(copy_factor(norms, norm_mul, eps, alpha, m));
+  // The product in double, rounded once to C: the factor of a huge norm (1e-40) is not a
+  // normal float.
+  const double f = copy_factor(norms, norm_mul, eps, alpha, m);
   const void* ps = mat_ptr(src, m);
   void* pd = const_cast<void*>(mat_ptr(dst, m));
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = i / cols, c = i - r * cols;
-    store1d(pd, dst.dt, r * dst.ld + c, static_cast<double>(f * static_cast<C>(load1d(ps, src.dt, r * src.ld + c))));
+    store1d(pd, dst.dt, r * dst.ld + c,
+            static_cast<double>(static_cast<C>(f * load1d(ps, src.dt, r * src.ld + c))));
   }
 }
 
@@ -94,12 +98,12 @@ __global__ void __launch_bounds__(256) scale_copy_kernel(int64_t rows, int64_t c
 // block (32, 8).
 template <typename C>
 __global__ void __launch_bounds__(256) scale_copy_t_kernel(int64_t rows, int64_t cols, BatchArg src,
-                                                           BatchArg dst, const float* norms,
+                                                           BatchArg dst, const double* norms,
                                                            double norm_mul, double eps,
                                                            double alpha) {
   __shared__ C tile[32][33];
   const int64_t m = blockIdx.z;
-  const C f = static_cast<C>(copy_factor(norms, norm_mul, eps, alpha, m));
+  const double f = copy_factor(norms, norm_mul, eps, alpha, m);
   const void* ps = mat_ptr(src, m);
   void* pd = const_cast<void*>(mat_ptr(dst, m));
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
@@ -107,7 +111,7 @@ __global__ void __launch_bounds__(256) scale_copy_t_kernel(int64_t rows, int64_t
   for (int k = 0; k < 4; ++k) {
     const int64_t r = r0 + threadIdx.y + 8 * k, c = c0 + threadIdx.x;
     tile[threadIdx.y + 8 * k][threadIdx.x] =
-        (r < rows && c < cols) ? f * static_cast<C>(load1d(ps, src.dt, r * src.ld + c)) : C(0);
+        (r < rows && c < cols) ? static_cast<C>(f * load1d(ps, src.dt, r * src.ld + c)) : C(0);
   }
   __syncthreads();
 #pragma unroll

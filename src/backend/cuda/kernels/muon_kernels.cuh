@@ -1,7 +1,11 @@
 // The fused Muon passes (docs/algorithms.md section 1), multi-tensor: one launch serves up to
 // kMaxMuonSlots matrices whose pointers travel by value in the kernel parameters.
 //   pass 1  muon_norm:   ||U||_F with U = G + mu (mu B + G) (or mu B + G), status on NaN/Inf
+//                        or a momentum that overflows its dtype
 //   pass 2  muon_apply:  B <- mu B + G, X = U / (norm_mul ||U|| + eps) cast (and transposed)
+// U is formed in double and carried as its scaled float form V, norms are accumulated in double
+// (backend/muon_ref.h, the CPU backend's rule): near float's largest value U itself overflows
+// float, and the norm of a large matrix does so long before that.
 //   pass 3  muon_update: W <- decay W - step O (O read transposed for tall matrices)
 // Flat kernels move 8 elements per thread step with 16-byte accesses; transposing kernels go
 // through 32x32 shared-memory tiles so that both the read and the write are coalesced.
@@ -11,6 +15,7 @@
 
 #include "backend/cuda/kernels/dtype.cuh"
 #include "backend/cuda/kernels/reduce.cuh"
+#include "backend/muon_ref.h"
 
 namespace distmuon::cuda {
 
@@ -22,6 +27,7 @@ struct MuonTable {
   void* w[kMaxMuonSlots];
   float decay[kMaxMuonSlots];
   float step[kMaxMuonSlots];
+  int64_t* skips[kMaxMuonSlots];  // pass 2: +1 where a matrix is skipped (null: not counted)
   int8_t g_dt[kMaxMuonSlots], b_dt[kMaxMuonSlots], w_dt[kMaxMuonSlots];
   int64_t rows, cols;  // every slot of a launch has this shape (checked on the host)
   int64_t ld_g, ld_b, ld_w;
@@ -37,25 +43,43 @@ struct MatOut {
 };
 
 struct ScaleArgs {
-  const float* norms;  // null: factor = alpha
+  const double* norms;  // null: factor = alpha
   double norm_mul, eps, alpha;
 };
 
 namespace dev {
 
-__device__ __forceinline__ float momentum_input(float g, float bn, float mu, bool nesterov) {
-  return nesterov ? g + mu * bn : bn;
+using muon_ref::float_precision;
+using muon_ref::scaled_input;
+
+// Pass 2's output: V times the matrix's factor, the product in double, rounded once to float.
+__device__ __forceinline__ float scaled_out(float g, float bn, float mu, bool nesterov, double f) {
+  return static_cast<float>(static_cast<double>(scaled_input(g, bn, mu, nesterov)) * f);
 }
 
-__device__ __forceinline__ float scale_factor(const ScaleArgs& s, int i) {
-  if (!s.norms) return static_cast<float>(s.alpha);
-  return static_cast<float>(s.alpha / (s.norm_mul * static_cast<double>(s.norms[i]) + s.eps));
+// Whether the new momentum bn survives its store into dtype dt (finite once rounded).
+__device__ __forceinline__ bool momentum_fits(float bn, int dt) {
+  switch (dt) {
+    case kBF16: return isfinite(__bfloat162float(__float2bfloat16_rn(bn)));
+    case kF16: return isfinite(__half2float(__float2half_rn(bn)));
+    default: return isfinite(bn);
+  }
+}
+
+__device__ __forceinline__ double scale_factor(const ScaleArgs& s, int i) {
+  if (!s.norms) return s.alpha;
+  return s.alpha / (s.norm_mul * s.norms[i] + s.eps);
+}
+
+// Pass 2's bookkeeping of a skipped matrix: one thread of its first block counts it.
+__device__ __forceinline__ void count_skip(const MuonTable& t, int s, bool ok, bool first_block) {
+  if (!ok && first_block && threadIdx.x == 0 && threadIdx.y == 0 && t.skips[s]) *t.skips[s] += 1;
 }
 
 // Pass 1. grid (blocks per matrix, n). Flat (ld == cols) when VEC.
 template <bool VEC>
 __global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, float mu, bool nesterov,
-                                                        float* norms, int32_t* status,
+                                                        double* norms, int32_t* status,
                                                         double* partials, unsigned* counters) {
   const int s = blockIdx.y;
   const int64_t numel = t.rows * t.cols;
@@ -66,8 +90,9 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, float mu, b
       F8 g = load8(t.g[s], t.g_dt[s], i), b = load8(t.b[s], t.b_dt[s], i);
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        const float u = momentum_input(g.v[k], mu * b.v[k] + g.v[k], mu, nesterov);
-        acc += static_cast<double>(u) * u;
+        const float bn = mu * b.v[k] + g.v[k];
+        const double v = scaled_input(g.v[k], bn, mu, nesterov);
+        acc += momentum_fits(bn, t.b_dt[s]) ? v * v : INFINITY;
       }
     }
   } else {
@@ -76,17 +101,17 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, float mu, b
       const int64_t r = i / t.cols, c = i % t.cols;
       const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
       const float b = load1(t.b[s], t.b_dt[s], r * t.ld_b + c);
-      const float u = momentum_input(g, mu * b + g, mu, nesterov);
-      acc += static_cast<double>(u) * u;
+      const float bn = mu * b + g;
+      const double v = scaled_input(g, bn, mu, nesterov);
+      acc += momentum_fits(bn, t.b_dt[s]) ? v * v : INFINITY;
     }
   }
   const double total = block_sum(acc);
   const int slot = t.first + s;
   group_sum_last(total, partials + static_cast<int64_t>(s) * gridDim.x, counters + s, gridDim.x,
                  blockIdx.x, [&](double sum) {
-                   const float nrm = static_cast<float>(sqrt(sum));
-                   norms[slot] = nrm;
-                   status[slot] = isfinite(sum) && isfinite(nrm) ? 0 : 1;
+                   norms[slot] = float_precision(sqrt(sum));
+                   status[slot] = isfinite(sum) ? 0 : 1;
                  });
 }
 
@@ -97,7 +122,8 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, 
                                                          MatOut x) {
   const int s = blockIdx.y, slot = t.first + s;
   const bool ok = status[slot] == 0;
-  const float f = ok ? scale_factor(sc, slot) : 0.0f;
+  const double f = ok ? scale_factor(sc, slot) : 0.0;
+  count_skip(t, s, ok, blockIdx.x == 0);
   void* xs = static_cast<char*>(x.data) +
              slot * x.stride * (x.dt == kF32 ? 4 : x.dt == kF64 ? 8 : 2);
   const int64_t numel = t.rows * t.cols;
@@ -110,7 +136,7 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, 
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           b.v[k] = mu * b.v[k] + g.v[k];
-          out.v[k] = momentum_input(g.v[k], b.v[k], mu, nesterov) * f;
+          out.v[k] = scaled_out(g.v[k], b.v[k], mu, nesterov, f);
         }
         store8(t.b[s], t.b_dt[s], i, b);
       } else {
@@ -128,7 +154,7 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, 
         const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
         const float bn = mu * load1(t.b[s], t.b_dt[s], r * t.ld_b + c) + g;
         store1(t.b[s], t.b_dt[s], r * t.ld_b + c, bn);
-        out = momentum_input(g, bn, mu, nesterov) * f;
+        out = scaled_out(g, bn, mu, nesterov, f);
       }
       store1(xs, x.dt, r * x.ld + c, out);
     }
@@ -143,7 +169,8 @@ __global__ void __launch_bounds__(256) muon_apply_t_kernel(MuonTable t, float mu
   __shared__ float tile[32][33];
   const int s = blockIdx.z, slot = t.first + s;
   const bool ok = status[slot] == 0;
-  const float f = ok ? scale_factor(sc, slot) : 0.0f;
+  const double f = ok ? scale_factor(sc, slot) : 0.0;
+  count_skip(t, s, ok, blockIdx.x == 0 && blockIdx.y == 0);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -153,7 +180,7 @@ __global__ void __launch_bounds__(256) muon_apply_t_kernel(MuonTable t, float mu
       const float g = load1(t.g[s], t.g_dt[s], r * t.ld_g + c);
       const float bn = mu * load1(t.b[s], t.b_dt[s], r * t.ld_b + c) + g;
       store1(t.b[s], t.b_dt[s], r * t.ld_b + c, bn);
-      out = momentum_input(g, bn, mu, nesterov) * f;
+      out = scaled_out(g, bn, mu, nesterov, f);
     }
     tile[threadIdx.y + 8 * k][threadIdx.x] = out;
   }
@@ -232,7 +259,8 @@ __global__ void __launch_bounds__(256) muon_apply_t64_kernel(MuonTable t, float 
   __shared__ float tile[64][65];  // [c][r]
   const int s = blockIdx.z, slot = t.first + s;
   const bool ok = status[slot] == 0;
-  const float f = ok ? scale_factor(sc, slot) : 0.0f;
+  const double f = ok ? scale_factor(sc, slot) : 0.0;
+  count_skip(t, s, ok, blockIdx.x == 0 && blockIdx.y == 0);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 64, c0 = static_cast<int64_t>(blockIdx.x) * 64;
   const int q = threadIdx.x & 15, rr = threadIdx.x >> 4;
   const float* g = static_cast<const float*>(t.g[s]);
@@ -250,10 +278,10 @@ __global__ void __launch_bounds__(256) muon_apply_t64_kernel(MuonTable t, float 
       bv.z = mu * bv.z + gv.z;
       bv.w = mu * bv.w + gv.w;
       *reinterpret_cast<float4*>(b + r * t.ld_b + c) = bv;
-      u[0] = momentum_input(gv.x, bv.x, mu, nesterov) * f;
-      u[1] = momentum_input(gv.y, bv.y, mu, nesterov) * f;
-      u[2] = momentum_input(gv.z, bv.z, mu, nesterov) * f;
-      u[3] = momentum_input(gv.w, bv.w, mu, nesterov) * f;
+      u[0] = scaled_out(gv.x, bv.x, mu, nesterov, f);
+      u[1] = scaled_out(gv.y, bv.y, mu, nesterov, f);
+      u[2] = scaled_out(gv.z, bv.z, mu, nesterov, f);
+      u[3] = scaled_out(gv.w, bv.w, mu, nesterov, f);
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) tile[4 * q + k][lr] = u[k];

@@ -30,14 +30,16 @@ const char* cublas_status_name(cublasStatus_t s) {
 }
 }  // namespace cuda
 
-bool cuda_available() {
+int cuda_device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {
     cudaGetLastError();  // clear the sticky "no device" error
-    return false;
+    return 0;
   }
-  return n > 0;
+  return n;
 }
+
+bool cuda_available() { return cuda_device_count() > 0; }
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {
   CudaBackendOptions o;
@@ -211,7 +213,7 @@ void CudaBackend::lincomb(double alpha, const BatchRef& a, double beta, const Ba
                           double diag, const BatchRef& out) {
   cuda::launch_lincomb(alpha, a, beta, b, diag, out, impl_->sm_count, impl_->stream);
 }
-void CudaBackend::frob_norm(const BatchRef& a, float* norms) {
+void CudaBackend::frob_norm(const BatchRef& a, double* norms) {
   cuda::launch_frob_norm(a, norms, impl_->scratch(), impl_->sm_count, impl_->stream);
 }
 void CudaBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
@@ -234,7 +236,7 @@ void for_shape_runs(std::span<const MuonSlot> slots, F&& f) {
 }  // namespace
 
 void CudaBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                     float* norms, int32_t* status) {
+                                     double* norms, int32_t* status) {
   for_shape_runs(slots, [&](size_t k0, size_t n) {
     cuda::launch_muon_norm(slots.subspan(k0, n), mu, nesterov, norms + k0, status + k0,
                            impl_->scratch(), impl_->sm_count, impl_->stream);

@@ -59,11 +59,11 @@ void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef
   });
 }
 
-void launch_frob_norm(const BatchRef& a, float* norms, const Scratch& scratch, int sm_count,
+void launch_frob_norm(const BatchRef& a, double* norms, const Scratch& scratch, int sm_count,
                       cudaStream_t stream) {
   if (a.count == 0) return;
   if (a.rows * a.cols == 0) {
-    DM_CHECK_CUDA(cudaMemsetAsync(norms, 0, sizeof(float) * a.count, stream));
+    DM_CHECK_CUDA(cudaMemsetAsync(norms, 0, sizeof(double) * a.count, stream));
     return;
   }
   const int64_t per = std::min<int64_t>(a.count, scratch.counter_count);
@@ -89,7 +89,7 @@ void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& sca
   const bool f64 = src.dtype == DType::kF64 || dst.dtype == DType::kF64;
   for_batch_chunks(src.count, [&](int64_t first, int64_t n) {
     BatchRef s = src.slice(first, n), d = dst.slice(first, n);
-    const float* norms = scale.norms ? scale.norms + first : nullptr;
+    const double* norms = scale.norms ? scale.norms + first : nullptr;
     if (transpose) {
       dim3 grid((src.cols + 31) / 32, (src.rows + 31) / 32, static_cast<unsigned>(n));
       if (f64)

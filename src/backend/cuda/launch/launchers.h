@@ -24,7 +24,7 @@ struct Scratch {
 // elements so that the per-block reduction and launch costs stay small.
 int blocks_per_matrix(int64_t numel, int64_t matrices, int sm_count);
 
-void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, float* norms,
+void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
                       int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream);
 void launch_muon_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
                        const int32_t* status, const ScaleSpec& scale, bool transpose,
@@ -35,7 +35,7 @@ void launch_muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpd
 
 void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                     const BatchRef& out, int sm_count, cudaStream_t stream);
-void launch_frob_norm(const BatchRef& a, float* norms, const Scratch& scratch, int sm_count,
+void launch_frob_norm(const BatchRef& a, double* norms, const Scratch& scratch, int sm_count,
                       cudaStream_t stream);
 void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                        const BatchRef& dst, int sm_count, cudaStream_t stream);

@@ -50,6 +50,7 @@ bool fill_table(MuonTable& t, std::span<const MuonSlot> slots, size_t first, int
     t.w_dt[i] = static_cast<int8_t>(s.weight.dtype);
     t.decay[i] = 1.0f;
     t.step[i] = 0.0f;
+    t.skips[i] = s.skips;
     vec = vec && aligned16(s.grad.data) && aligned16(s.momentum.data) && aligned16(s.weight.data);
   }
   return vec;
@@ -82,14 +83,14 @@ bool out_vec_ok(const BatchRef& x) {
 
 }  // namespace
 
-void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, float* norms,
+void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
                       int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream) {
   for (size_t first = 0; first < slots.size(); first += kMaxMuonSlots) {
     const int n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, slots.size() - first));
     MuonTable t{};
     const bool vec = fill_table(t, slots, first, n);
     if (t.rows * t.cols == 0) {
-      DM_CHECK_CUDA(cudaMemsetAsync(norms + first, 0, sizeof(float) * n, stream));
+      DM_CHECK_CUDA(cudaMemsetAsync(norms + first, 0, sizeof(double) * n, stream));
       DM_CHECK_CUDA(cudaMemsetAsync(status + first, 0, sizeof(int32_t) * n, stream));
       continue;
     }

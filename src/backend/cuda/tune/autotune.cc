@@ -22,11 +22,11 @@ namespace {
 // ||a - b||_F / ||b||_F over a whole batch, computed on the device (scratch: a copy of a).
 double rel_err_device(CudaBackend& be, const BatchRef& a, const BatchRef& b, const BatchRef& scratch) {
   be.lincomb(1.0, a, -1.0, &b, 0.0, scratch);
-  Buffer norms = be.alloc(sizeof(float) * 2 * std::max<int64_t>(1, a.count));
-  be.frob_norm(scratch, norms.as<float>());
-  be.frob_norm(b, norms.as<float>() + a.count);
-  std::vector<float> h(2 * a.count);
-  be.copy_to_host(h.data(), norms.data(), h.size() * sizeof(float));
+  Buffer norms = be.alloc(sizeof(double) * 2 * std::max<int64_t>(1, a.count));
+  be.frob_norm(scratch, norms.as<double>());
+  be.frob_norm(b, norms.as<double>() + a.count);
+  std::vector<double> h(2 * a.count);
+  be.copy_to_host(h.data(), norms.data(), h.size() * sizeof(double));
   double num = 0, den = 0;
   for (int64_t i = 0; i < a.count; ++i) {
     num += double(h[i]) * h[i];
@@ -136,9 +136,9 @@ AlgoChoice tune_algorithm(CudaBackend& be, int64_t rows, int64_t cols, int64_t c
   Buffer ub = be.alloc(u.bytes());
   u.data = ub.data();
   launch_fill_normal(u.data, DType::kF32, count * m * n, 0xa1c0 + m * 7 + n, 1.0f, be.stream());
-  Buffer nb = be.alloc(sizeof(float) * count);
-  be.frob_norm(u, nb.as<float>());
-  ScaleSpec spec{nb.as<float>(), norm_multiplier(base.coefficients), base.eps, 1.0};
+  Buffer nb = be.alloc(sizeof(double) * count);
+  be.frob_norm(u, nb.as<double>());
+  ScaleSpec spec{nb.as<double>(), norm_multiplier(base.coefficients), base.eps, 1.0};
   be.scale_copy(u, false, spec, u);  // in place: u is now X0 in fp32
   // Reference: the fp32 dense iteration on the first nchk matrices.
   OrthoConfig ref_cfg = base;

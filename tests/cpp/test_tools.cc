@@ -1,0 +1,154 @@
+// The command lines of distmuon-bench and distmuon-plan: every bad argument is refused before any
+// work with one clear error, unknown options suggest the nearest one, -h works, and the real
+// executables exit with code 2 (command line) or 1 (run) and never by a signal.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "bench_options.h"
+#include "distmuon/error.h"
+#include "tool_runner.h"
+
+namespace distmuon::test {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// One refused command line: exit code 2, the body never reached, the message once.
+void expect_refused(const std::string& tool, const std::vector<std::string>& args,
+                    const std::string& message) {
+  const Parsed p = parse_tool(tool, args);
+  EXPECT_EQ(p.code, 2) << p.err;
+  EXPECT_FALSE(p.ran);
+  EXPECT_THAT(p.err, HasSubstr(message));
+  EXPECT_EQ(p.err.rfind(tool + ": error: ", 0), 0u) << p.err;  // one prefix, at the start
+  EXPECT_THAT(p.err, Not(HasSubstr("distmuon: "))) << p.err;
+}
+
+TEST(Tools, NumbersOutOfRangeAreRefused) {
+  expect_refused("distmuon-bench", {"--layers", "-2"}, "--layers: must be >= 0 (got -2)");
+  expect_refused("distmuon-bench", {"--steps", "0"}, "--steps: must be >= 1");
+  expect_refused("distmuon-bench", {"--steps", "1.5"}, "--steps");
+  expect_refused("distmuon-bench", {"--bucket-mb=0"}, "--bucket-mb: must be > 0");
+  expect_refused("distmuon-plan", {"--time-limit", "-1"}, "--time-limit: must be > 0 (got -1)");
+  expect_refused("distmuon-plan", {"--world-size", "99999999999"}, "--world-size");
+  expect_refused("distmuon-plan", {"--gap", "nan"}, "--gap");
+}
+
+TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
+  expect_refused("distmuon-bench", {"--cache", "0.1,abc"}, "--cache: 'abc' is not a number");
+  expect_refused("distmuon-bench", {"--algo", "ns5,newton"}, "unknown algorithm 'newton'");
+  expect_refused("distmuon-bench", {"--algo", "ns99999999999"}, "bad step count");
+  expect_refused("distmuon-bench", {"--mode", "gather,ring"}, "--mode");
+  expect_refused("distmuon-bench", {"--dtype", "int8"}, "--dtype");
+  expect_refused("distmuon-bench", {"--workload", "no-such-model"}, "no workload 'no-such-model'");
+  expect_refused("distmuon-plan", {"--solver", "milp,greedy"}, "--solver");
+  expect_refused("distmuon-plan", {"--formulation", "best"}, "--formulation");
+  // An unwritable --json path used to fail only after the whole benchmark had run.
+  expect_refused("distmuon-bench", {"--json", "/no/such/folder/out.json"},
+                 "folder '/no/such/folder' does not exist");
+  expect_refused("distmuon-plan", {"--json", "/etc/hostname/out.json"},
+                 "'/etc/hostname' is not a folder");
+}
+
+TEST(Tools, OptionsThatConflictAreRefused) {
+  expect_refused("distmuon-bench", {"--mode", "single,gather"}, "cannot be combined");
+  expect_refused("distmuon-bench", {"--drift", "0.1", "--dtype", "bf16"}, "--drift needs f32");
+  expect_refused("distmuon-bench", {"--ranks-per-gpu", "2"},
+                 "--ranks-per-gpu applies to distributed runs with --backend cuda");
+  expect_refused("distmuon-bench", {"--ranks-per-gpu", "0"}, "--ranks-per-gpu: must be >= 1");
+  expect_refused("distmuon-plan", {"--measure", "--analytic"}, "choose one of");
+  expect_refused("distmuon-plan", {"--replicate", "3"}, "does not divide the world size 8");
+}
+
+TEST(Tools, UnknownOptionsSuggestTheNearestOne) {
+  expect_refused("distmuon-bench", {"--layer", "3"},
+                 "unknown argument '--layer' (did you mean --layers?)");
+  expect_refused("distmuon-plan", {"--timelimit=3"}, "(did you mean --time-limit?)");
+  expect_refused("distmuon-bench", {"positional"}, "unknown argument 'positional'");
+  const Parsed far = parse_tool("distmuon-bench", {"--zzzzzzzz"});
+  EXPECT_EQ(far.code, 2);
+  EXPECT_THAT(far.err, Not(HasSubstr("did you mean")));
+}
+
+TEST(Tools, ValidCommandLinesReachTheTool) {
+  EXPECT_TRUE(parse_tool("distmuon-bench", {}).ran);
+  const Parsed p =
+      parse_tool("distmuon-bench", {"--layers=2", "--algo", "ns5,gram-ns:polar-express", "--cache",
+                                    "0.05,0.1", "--json", "out.json"});
+  EXPECT_EQ(p.code, 0) << p.err;
+  EXPECT_TRUE(p.ran);
+  EXPECT_TRUE(parse_tool("distmuon-plan", {"--solver", "lpt", "--simulate", "-h"}).code == 0);
+}
+
+TEST(Tools, HelpShowsTypesRangesAndChoices) {
+  for (const char* flag : {"-h", "--help"}) {
+    CLI::App app("test", "distmuon-bench");
+    bench::BenchOptions o;
+    bench::add_bench_options(app, o);
+    const std::string help = app.help();
+    EXPECT_THAT(help, HasSubstr("-h,--help"));
+    EXPECT_THAT(help, HasSubstr("--layers INT:>= 0=0"));
+    EXPECT_THAT(help, HasSubstr("{cpu, cuda, cuda:N}"));
+    EXPECT_THAT(help, HasSubstr("--ranks-per-gpu INT:>= 1=1"));
+    EXPECT_THAT(help, HasSubstr("local_rank / K"));
+    const Parsed p = parse_tool("distmuon-bench", {flag});
+    EXPECT_EQ(p.code, 0);
+    EXPECT_FALSE(p.ran);
+  }
+}
+
+TEST(Tools, RanksPerGpuMapsLocalRanksToDevices) {
+  setenv("OMPI_COMM_WORLD_LOCAL_RANK", "5", 1);
+  EXPECT_EQ(bench::rank_device(13, 1, 8), "cuda:5");
+  EXPECT_EQ(bench::rank_device(13, 2, 8), "cuda:2");
+  EXPECT_EQ(bench::rank_device(13, 4, 2), "cuda:1");
+  try {
+    bench::rank_device(13, 2, 2);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr("would use CUDA device 2 with --ranks-per-gpu 2, but 2 "
+                                       "devices are visible; run at most 4 ranks per node or "
+                                       "raise --ranks-per-gpu"));
+  }
+  unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+}
+
+// The executables themselves: exit codes, one error line, no signal, nothing run before a
+// command line is refused.
+TEST(Tools, ExecutablesExitWithCodesNotSignals) {
+  const char* json = "/tmp/distmuon-test-tools.json";
+  std::remove(json);
+  Exit e = run_process(DISTMUON_BENCH_EXE,
+                       {"--layers", "1", "--steps", "1", "--cache", "abc", "--json", json});
+  EXPECT_TRUE(e.exited);
+  EXPECT_EQ(e.code, 2);
+  EXPECT_EQ(e.err,
+            "distmuon-bench: error: --cache: 'abc' is not a number; see distmuon-bench "
+            "--help\n");
+  EXPECT_FALSE(std::ifstream(json).good());
+
+  e = run_process(DISTMUON_PLAN_EXE, {"-h"});
+  EXPECT_EQ(e.code, 0);
+  EXPECT_THAT(e.out, HasSubstr("--time-limit FLOAT:> 0=4"));
+
+  // A workload whose sizes overflow: refused at parse time (it used to print a negative
+  // parameter count and die of SIGSEGV, or wrap to 0 elements and "succeed").
+  const char* big = "/tmp/distmuon-test-big.json";
+  for (const char* shape : {"[3037000500, 3037000500]", "[4294967296, 4294967296]"}) {
+    std::ofstream(big) << R"({"name": "big", "muon": [{"name": "w", "shape": )" << shape << "}]}";
+    for (const char* exe : {DISTMUON_BENCH_EXE, DISTMUON_PLAN_EXE}) {
+      e = run_process(exe, {"--workload", big});
+      EXPECT_TRUE(e.exited) << exe << " signal " << e.signal;
+      EXPECT_EQ(e.code, 2) << e.err;
+      EXPECT_THAT(e.err, HasSubstr("has more elements than a 64-bit size holds"));
+    }
+  }
+  std::remove(big);
+}
+
+}  // namespace
+}  // namespace distmuon::test

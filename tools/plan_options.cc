@@ -1,0 +1,142 @@
+#include "plan_options.h"
+
+#include "distmuon/error.h"
+#include "distmuon/plan.h"
+
+namespace distmuon::plan_tool {
+namespace {
+
+void check_plan_options(const CLI::App& app, const PlanArgs& a) {
+  DM_CHECK(a.analytic + a.measure + !a.costs.empty() <= 1,
+           "choose one of --costs FILE, --analytic and --measure");
+  DM_CHECK(!a.solvers.empty(), "--solver needs at least one of milp, lpt, round-robin");
+  DM_CHECK(!app.count("--device") || !a.costs.empty(), "--device selects a table of --costs");
+  Topology topo;
+  topo.world_size = a.world_size;
+  topo.gpus_per_node = a.gpus_per_node;
+  topo.replicate = a.replicate;
+  topo.validate();
+}
+
+}  // namespace
+
+void add_plan_options(CLI::App& app, PlanArgs& a) {
+  app.option_defaults()->always_capture_default();
+  const auto solver_names = CLI::IsMember({"milp", "lpt", "round-robin"});
+  app.add_option("--workload", a.workload,
+                 "built-in name (gpt2-small, gpt2-large, pi0, qwen2.5-7b) or JSON file")
+      ->check(cli::kWorkload);
+  app.add_option("--layers", a.layers, "keep only the first K of each repeated tensor (0: all)")
+      ->check(cli::at_least(0));
+  app.add_option("--world-size", a.world_size, "ranks (owner slots)")->check(cli::at_least(1));
+  app.add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")->check(cli::at_least(1));
+  app.add_option("--replicate", a.replicate,
+                 "HSDP replicate degree (owner slots span replicate x shard)")
+      ->check(cli::at_least(1));
+  app.add_option("--solver", a.solvers, "comma list of planners, compared side by side")
+      ->delimiter(',')
+      ->check(solver_names);
+  app.add_option("--time-limit", a.time_limit,
+                 "CPU seconds the MILP may take (a guard: node limits keep plans deterministic)")
+      ->check(cli::above(0));
+  app.add_option("--max-nodes", a.max_nodes, "branch-and-bound nodes CBC may explore")
+      ->check(cli::at_least(1));
+  app.add_option("--gap", a.gap, "relative optimality gap at which CBC stops")
+      ->check(cli::at_least(0));
+  app.add_option("--formulation", a.formulation, "MILP formulation")
+      ->check(CLI::IsMember({"auto", "patterns", "columns", "owners"}));
+  app.add_option("--comm-weight", a.comm_weight,
+                 "weight of the busiest owner's traffic time in the objective")
+      ->check(cli::at_least(0));
+  app.add_option("--memory-cap-gib", a.memory_cap_gib, "per-owner memory cap in GiB (0: none)")
+      ->check(cli::at_least(0));
+  app.add_option("--max-batch", a.max_batch, "largest batch an owner runs at once (0: no limit)")
+      ->check(cli::at_least(0));
+  app.add_flag("--no-spread", a.no_spread, "do not spread the matrices of one layer over owners");
+  app.add_flag("--no-symmetry-breaking", a.no_symmetry_breaking,
+               "leave the owner ordering out of the MILP (to compare)");
+  app.add_option("--state-bytes", a.state_bytes, "bytes per element of the momentum an owner keeps")
+      ->check(CLI::Range(int64_t{1}, int64_t{16}));
+
+  const std::string costs = "Costs (one source: --costs, --analytic (default) or --measure)";
+  app.add_option("--costs", a.costs, "cost file (written by --measure on the target machine)")
+      ->check(CLI::ExistingFile)
+      ->group(costs);
+  app.add_option("--device", a.device, "the device's table in --costs when it holds several")
+      ->group(costs);
+  app.add_flag("--analytic", a.analytic, "analytic costs from --tflops, --hbm-tbs, --launch-us")
+      ->group(costs);
+  app.add_flag("--measure", a.measure, "measure costs on --backend, cached in --cache")
+      ->group(costs);
+  app.add_option("--backend", a.backend, "backend measured by --measure")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->group(costs);
+  app.add_option("--cache", a.cache,
+                 "cost cache (default: DISTMUON_COST_CACHE or ~/.cache/distmuon/costs.json)")
+      ->group(costs);
+  app.add_option("--profile-ks", a.profile_ks, "batch sizes timed per shape by --measure")
+      ->delimiter(',')
+      ->check(cli::at_least(1))
+      ->group(costs);
+  app.add_option("--profile-reps", a.profile_reps, "timed repetitions per point (median kept)")
+      ->check(cli::at_least(1))
+      ->group(costs);
+  app.add_option("--algo", a.algo, "algorithm costed")->check(cli::kAlgorithm)->group(costs);
+  app.add_option("--work-dtype", a.work_dtype,
+                 "iteration dtype (auto: bf16 for analytic/cuda, f32 on cpu)")
+      ->check(cli::kDType | CLI::IsMember({"auto"}))
+      ->group(costs);
+  app.add_option("--tflops", a.tflops, "analytic: GEMM rate in TFLOP/s (H200 dense bf16, measured)")
+      ->check(cli::above(0))
+      ->group(costs);
+  app.add_option("--hbm-tbs", a.hbm_tbs,
+                 "analytic and simulate: memory bandwidth in TB/s (H200 copy, measured)")
+      ->check(cli::above(0))
+      ->group(costs);
+  app.add_option("--launch-us", a.launch_us,
+                 "analytic: fixed cost per kernel launch in microseconds")
+      ->check(cli::at_least(0))
+      ->group(costs);
+
+  const std::string out = "Output";
+  app.add_flag("--owners", a.owners, "print every owner's load")->group(out);
+  app.add_flag("--simulate", a.simulate,
+               "predict step times of gather / sharded / dedicated, D = 1..--sim-max-world")
+      ->group(out);
+  app.add_option("--json", a.json, "write the results as JSON to this path")
+      ->check(cli::kWritableFile)
+      ->group(out);
+
+  const std::string sim = "Simulation (--simulate)";
+  app.add_option("--sim-max-world", a.sim_max_world,
+                 "largest world size simulated (powers of two from 1)")
+      ->check(cli::at_least(1))
+      ->group(sim);
+  app.add_option("--sim-solver", a.sim_solver,
+                 "planner used by --simulate (default: the first of --solver)")
+      ->check(solver_names)
+      ->group(sim);
+  app.add_option("--intra-gbs", a.intra_gbs, "intra-node bandwidth per GPU per direction, GB/s")
+      ->check(cli::above(0))
+      ->group(sim);
+  app.add_option("--inter-gbs", a.inter_gbs, "inter-node bandwidth per GPU, GB/s")
+      ->check(cli::above(0))
+      ->group(sim);
+  app.add_option("--intra-us", a.intra_us, "intra-node latency, microseconds")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--inter-us", a.inter_us, "inter-node latency, microseconds")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--wire-bytes", a.wire_bytes, "bytes per element on the wire")
+      ->check(CLI::Range(int64_t{1}, int64_t{16}))
+      ->group(sim);
+  app.add_option("--elementwise-bytes", a.elementwise_bytes,
+                 "memory traffic of the elementwise passes per element orthogonalized (at "
+                 "--hbm-tbs; 44: H200, f32 parameters; 0: left out)")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.callback([&app, &a] { check_plan_options(app, a); });
+}
+
+}  // namespace distmuon::plan_tool
