@@ -43,8 +43,7 @@ int local_rank(int world_rank) {
 
 void add_bench_options(CLI::App& app, BenchOptions& o) {
   app.option_defaults()->always_capture_default();
-  app.add_option("--workload", o.workload,
-                 "built-in name (gpt2-small, gpt2-large, pi0, qwen2.5-7b) or JSON file")
+  app.add_option("--workload", o.workload, cli::workload_help())
       ->check(cli::kWorkload);
   app.add_option("--backend", o.backend,
                  "where the step runs (distributed cuda: each rank on the device of its local "

@@ -151,6 +151,12 @@ const CLI::Validator kAlgorithm = accepted_by(
 const CLI::Validator kWorkload =
     accepted_by([](const std::string& v) { load_workload(v); }, "NAME|FILE", "WORKLOAD");
 
+std::string workload_help() {
+  std::string names;
+  for (const auto& n : builtin_workloads()) names += (names.empty() ? "" : ", ") + n;
+  return "built-in name (" + names + ") or JSON file";
+}
+
 const CLI::Validator kDType =
     accepted_by([](const std::string& v) { parse_dtype(v); }, "{f32, bf16, f16, f64}", "DTYPE");
 

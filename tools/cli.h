@@ -29,6 +29,8 @@ extern const CLI::Validator kWritableFile;
 extern const CLI::Validator kAlgorithm;
 // A workload distmuon::load_workload accepts (a built-in name or a valid JSON file).
 extern const CLI::Validator kWorkload;
+// The --workload option's help: the built-in names (workloads/*.json, embedded) or a JSON file.
+std::string workload_help();
 // A dtype name distmuon::parse_dtype accepts.
 extern const CLI::Validator kDType;
 // A number >= min (at_least) or > min (above).

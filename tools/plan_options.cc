@@ -23,8 +23,7 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
 void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.option_defaults()->always_capture_default();
   const auto solver_names = CLI::IsMember({"milp", "lpt", "round-robin"});
-  app.add_option("--workload", a.workload,
-                 "built-in name (gpt2-small, gpt2-large, pi0, qwen2.5-7b) or JSON file")
+  app.add_option("--workload", a.workload, cli::workload_help())
       ->check(cli::kWorkload);
   app.add_option("--layers", a.layers, "keep only the first K of each repeated tensor (0: all)")
       ->check(cli::at_least(0));

@@ -118,14 +118,13 @@ class NcclRequest final : public CommRequest {
   }
   void wait(double timeout_s) override {
     comm_detail::poll_until_done(
-        timeout_s, std::chrono::microseconds(2), std::chrono::microseconds(500), [&] { return test(); },
+        timeout_s, std::chrono::microseconds(2), std::chrono::microseconds(500),
+        [&] { return test(); },
         [&] {
           sh_->abort();
-          throw TimeoutError(detail::concat(what_, " did not complete within ", timeout_s,
-                                            " s (DISTMUON_COMM_TIMEOUT_S); the NCCL communicator "
-                                            "was aborted: a member is slow, has died, or called "
-                                            "a different collective"),
-                             __FILE__, __LINE__);
+          throw TimeoutError(
+              comm_timeout_message(what_, timeout_s) + "; the NCCL communicator was aborted",
+              __FILE__, __LINE__);
         });
   }
 
@@ -201,9 +200,7 @@ class NcclComm final : public Communicator {
     if (!sh_->aborted) ncclCommDestroy(sh_->comm);
   }
   Device device() const override { return Device{DeviceKind::kCUDA, device_}; }
-  std::optional<void*> caller_stream() const override {
-    return static_cast<void*>(user_->stream);
-  }
+  std::optional<void*> caller_stream() const override { return static_cast<void*>(user_->stream); }
   void bind_stream(void* stream) override { user_->stream = static_cast<cudaStream_t>(stream); }
 
  protected:
@@ -282,9 +279,9 @@ class NcclComm final : public Communicator {
   }
   std::unique_ptr<CommRequest> do_barrier() override {
     return launch("barrier", [&] {
-      DM_CHECK_NCCL(ncclAllReduce(scratch(), scratch(), 1, ncclInt64, ncclSum, sh_->comm,
-                                  stream_.get()),
-                    describe("barrier"));
+      DM_CHECK_NCCL(
+          ncclAllReduce(scratch(), scratch(), 1, ncclInt64, ncclSum, sh_->comm, stream_.get()),
+          describe("barrier"));
     });
   }
 
@@ -294,13 +291,12 @@ class NcclComm final : public Communicator {
     // all-gather's timeout also catches members that never arrive.
     std::vector<int64_t> all(2 * static_cast<size_t>(size()));
     int64_t mine[2] = {color, key};
-    DM_CHECK_CUDA(
-        cudaMemcpy(scratch() + 2 * rank(), mine, sizeof(mine), cudaMemcpyHostToDevice),
-        describe("split"));
-    all_gather(scratch() + 2 * rank(), scratch(), 2, CommType::kI64).wait();
-    DM_CHECK_CUDA(cudaMemcpy(all.data(), scratch(), all.size() * sizeof(int64_t),
-                             cudaMemcpyDeviceToHost),
+    DM_CHECK_CUDA(cudaMemcpy(scratch() + 2 * rank(), mine, sizeof(mine), cudaMemcpyHostToDevice),
                   describe("split"));
+    all_gather(scratch() + 2 * rank(), scratch(), 2, CommType::kI64).wait();
+    DM_CHECK_CUDA(
+        cudaMemcpy(all.data(), scratch(), all.size() * sizeof(int64_t), cudaMemcpyDeviceToHost),
+        describe("split"));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t sub = nullptr;

@@ -114,9 +114,11 @@ std::string coefficients_name(Coefficients c) {
 std::string algorithm_name(const OrthoConfig& cfg) {
   std::string s = iteration_name(cfg.iteration);
   if (s == "ns" || s == "ns-sym") s.insert(2, std::to_string(cfg.steps));
-  if (cfg.coefficients != Coefficients::kJordan) s += ":" + coefficients_name(cfg.coefficients);
+  // Appended piecewise: GCC 12 warns falsely (-Wrestrict) on ":" + std::string temporaries.
+  if (cfg.coefficients != Coefficients::kJordan)
+    s.append(":").append(coefficients_name(cfg.coefficients));
   if ((s.rfind("ns", 0) != 0 || cfg.coefficients != Coefficients::kJordan) && cfg.steps != 5)
-    s += ":" + std::to_string(cfg.steps);
+    s.append(":").append(std::to_string(cfg.steps));
   return s;
 }
 

@@ -11,7 +11,7 @@ namespace distmuon {
 
 TEST(Workload, BuiltinsLoadWithTheirPublishedSizes) {
   auto names = builtin_workloads();
-  EXPECT_EQ(names.size(), 4u);
+  EXPECT_EQ(names.size(), 6u);
   Workload w = load_workload("gpt2-small");
   EXPECT_EQ(w.muon_params(), 84934656);
   EXPECT_EQ(w.adamw_params(), 39505152);
@@ -20,6 +20,14 @@ TEST(Workload, BuiltinsLoadWithTheirPublishedSizes) {
   EXPECT_EQ(q.muon.size(), 7u);
   Workload q8 = q.first_layers(8);
   EXPECT_EQ(q8.muon_matrices(), 56);
+  // DeepSeek-V2-Lite: 15.7B parameters; 26 MoE layers of 3 x 64 routed experts each.
+  Workload ds = load_workload("deepseek-v2-lite");
+  EXPECT_EQ(ds.muon_params() + ds.adamw_params(), 15706484224);
+  EXPECT_EQ(ds.muon_matrices(), 27 * 4 + 3 + 26 * (1 + 3 * 64 + 3));
+  // ResNet-18 as torchvision builds it: 11,689,512 parameters, 20 convolution kernels.
+  Workload rn = load_workload("resnet18");
+  EXPECT_EQ(rn.muon_params() + rn.adamw_params(), 11689512);
+  EXPECT_EQ(rn.muon_matrices(), 20);
 }
 
 TEST(Workload, ClearErrors) {

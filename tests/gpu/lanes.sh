@@ -52,9 +52,11 @@ nccl_dist_suites() {
   done
 }
 
-# The GPU pytest modules: one process, then the front over NCCL ranks.
+# The GPU pytest modules: one process (with the import order of distmuon and torch, which only a
+# CUDA build can get wrong), then the front over NCCL ranks.
 lane_python() {
-  run_suite pytest_gpu 1 300 "$PY" -m pytest tests/python/test_gpu.py -q -rs -p no:cacheprovider \
+  run_suite pytest_gpu 1 300 "$PY" -m pytest tests/python/test_gpu.py tests/python/test_import_order.py \
+    -q -rs -p no:cacheprovider \
     --junitxml="$WORK/pytest_gpu.xml"
   DISTMUON_TEST_RANKS="$RANKS" DISTMUON_TEST_REPORT="$WORK/front.json" \
     run_suite pytest_gpu_distributed 0 $(( LANE_TIMEOUT_S - 80 )) "$PY" -m pytest \
