@@ -116,6 +116,10 @@ int run(int argc, char** argv) {
     }
     try {
       e.step(data);
+      // The dedicated mode's broadcasts are still in flight here: wait for them under the
+      // communicator's deadline first. A host synchronize on a stream that waits for an NCCL
+      // kernel has no deadline of its own (it ends only when NCCL notices the dead peer).
+      e.wait_published();
       be->synchronize();
     } catch (const Error& err) {
       std::printf("raised %.2f %s\n", seconds_since(last), err.what());
