@@ -24,13 +24,6 @@ char* at(const void* base, int64_t elems, DType t) {
 
 int64_t full_offset(const DistMatrix& m) { return m.slice * m.rows * m.cols; }
 
-// Calls f(k0, len, tall) for the wide part [0, tall_begin) and the tall part of a batch.
-template <typename F>
-void per_orientation(int count, int tall_begin, F&& f) {
-  if (tall_begin > 0) f(0, tall_begin, false);
-  if (count > tall_begin) f(tall_begin, count - tall_begin, true);
-}
-
 }  // namespace
 
 void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> data) {
@@ -73,7 +66,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     int64_t owned = 0;
     for (const DistMatrix& m : mats) {
       if (m.owner != rank) continue;
-      const OrthoConfig r = resolve(groups[m.group].muon.ortho, m.m(), m.n());
+      const OrthoConfig r = resolve_shape(m.group, m.m(), m.n());
       bytes += static_cast<size_t>(m.numel()) * dtype_size(iteration_dtype(r));
       owned += 1;
     }
@@ -93,8 +86,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       if (m.batch != m0.batch || m.group != m0.group || m.m() != m0.m() || m.n() != m0.n()) break;
     }
     const int count = static_cast<int>(b1 - b0);
-    const MuonOptions& opt = groups[m0.group].muon;
-    const OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
+    const OrthoConfig r = resolve_shape(m0.group, m0.m(), m0.n());
     PreparedBatch pb;
     pb.x_dtype = iteration_dtype(r);
     pb.tall_begin = count;
@@ -111,34 +103,33 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
            skips_of(params[m.param], m.slice)});
     }
-    const size_t xb = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
-    DM_CHECK(prep_x_used + xb <= prep_x.bytes() &&
+    const size_t x_bytes = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
+    DM_CHECK(prep_x_used + x_bytes <= prep_x.bytes() &&
                  prep_slots_used + count <= static_cast<int64_t>(prep_status.bytes() / 4),
              "internal: prepare arena exhausted");
     pb.x_offset = prep_x_used;
     pb.slot = prep_slots_used;
-    prep_x_used += xb;
+    prep_x_used += x_bytes;
     prep_slots_used += count;
 
-    double* norms = prep_norms.as<double>() + pb.slot;
-    int32_t* status = prep_status.as<int32_t>() + pb.slot;
-    backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, norms, status);
-    size_t cached_ws = 0;
-    const bool cached = m0.cache >= 0 && prepare_cache(caches[m0.cache], r, count, &cached_ws);
+    const MuonBatch batch{backend, groups[m0.group].muon, r, count, pb.tall_begin, slots,
+                          prep_norms.as<double>() + pb.slot, prep_status.as<int32_t>() + pb.slot};
+    batch.momentum_norm();
+    size_t cached_workspace = 0;
+    const bool cached =
+        m0.cache >= 0 && prepare_cache(caches[m0.cache], r, count, &cached_workspace);
     std::vector<int64_t> entries;
     if (cached)
       for (int j : pb.mats) entries.push_back(mats[j].cache_entry);
+    // The iteration buffer is the arena's slot, so the shared scratch holds only the workspace.
     ensure_scratch(r, 0, m0.m(), m0.n(),
-                   std::max(cached_ws, Orthogonalizer::workspace_bytes(r, count, m0.m(), m0.n())));
-    BatchRef x =
+                   std::max(cached_workspace,
+                            Orthogonalizer::workspace_bytes(r, count, m0.m(), m0.n())));
+    const BatchRef x =
         BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
-    const std::span<const MuonSlot> all(slots);
-    per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
-      backend.muon_momentum_apply(all.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                  muon_input_scale(norms + k0, r), tall, x.slice(k0, len));
-    });
-    orthogonalize(cached ? m0.cache : -1, r, x, entries, status, workspace.data(), workspace_size);
-    backend.count_status(status, count, skip_counter.as<int64_t>());
+    batch.orthogonalize_momentum(
+        x, batch_ortho(cached ? m0.cache : -1, entries, workspace.data(), workspace_size),
+        skip_counter.as<int64_t>());
     for (int j : pb.mats) is_prepared[j] = 1;
     prepared.push_back(std::move(pb));
   }
@@ -158,15 +149,10 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
       slots.push_back({ref, ref, ref});  // the update reads only the weight
       coefs.push_back(ctx.coef[j]);
     }
-    const int32_t* status = prep_status.as<int32_t>() + pb.slot;
-    BatchRef x =
-        BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
-    const std::span<const MuonSlot> all(slots);
-    const std::span<const MuonUpdateCoef> all_coefs(coefs);
-    per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
-      backend.muon_update(all.subspan(k0, len), all_coefs.subspan(k0, len), status + k0,
-                          x.slice(k0, len), tall);
-    });
+    const MuonBatch batch{backend, groups[m0.group].muon, {},     count, pb.tall_begin, slots,
+                          nullptr, prep_status.as<int32_t>() + pb.slot};
+    batch.update(coefs, BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count,
+                                         m0.m(), m0.n()));
   }
   prepared.clear();
   std::fill(is_prepared.begin(), is_prepared.end(), 0);

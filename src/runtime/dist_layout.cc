@@ -132,10 +132,7 @@ void Engine::Impl::allocate_state() {
       backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  const size_t ns = static_cast<size_t>(std::max<int64_t>(n_status, 1));
-  step_status = backend.alloc(ns * sizeof(int32_t));
-  step_norms = backend.alloc(ns * sizeof(double));
-  adam_status = backend.alloc(ns * sizeof(int32_t));
+  allocate_step_status();
   allocate_step_counts();
 }
 
@@ -147,10 +144,6 @@ CommStats Engine::Impl::comm_stats() const {
   return s;
 }
 
-std::string Engine::Impl::matrix_name(int j) const {
-  const DistMatrix& m = mats[j];
-  const Param& p = params[m.param];
-  return p.layout.count > 1 ? p.spec.name + "[" + std::to_string(m.slice) + "]" : p.spec.name;
-}
+std::string Engine::Impl::matrix_name(int j) const { return slice_name(mats[j].param, mats[j].slice); }
 
 }  // namespace distmuon

@@ -120,8 +120,6 @@ std::vector<std::string> lines(const char* p, int64_t n) {
   return out;
 }
 
-bool is_sharded_mode(DistMode m) { return m == DistMode::kSharded || m == DistMode::kGather; }
-
 }  // namespace
 
 void Engine::Impl::dist_setup() {

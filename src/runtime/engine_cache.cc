@@ -42,24 +42,11 @@ bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, in
   return true;
 }
 
-void Engine::Impl::orthogonalize(int cache, const OrthoConfig& resolved, const BatchRef& x,
-                                 std::span<const int64_t> entries, const int32_t* status,
-                                 void* workspace, size_t workspace_bytes) {
-  if (cache < 0 || !caches[cache].use) {
-    ortho.run(resolved, x, x, workspace, workspace_bytes, &stats.ortho);
-    return;
-  }
-  DM_CHECK(static_cast<int64_t>(entries.size()) == x.count, "internal: ", entries.size(),
-           " cache entries for a batch of ", x.count);
-  // Matrices without a gradient in this step leave gaps in the entries, so the batch goes in
-  // runs of consecutive entries (usually one).
-  TransformCache& tc = *caches[cache].cache;
-  for (size_t k0 = 0, k1; k0 < entries.size(); k0 = k1) {
-    for (k1 = k0 + 1; k1 < entries.size() && entries[k1] == entries[k1 - 1] + 1;) ++k1;
-    BatchRef part = x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(k1 - k0));
-    ortho.run_cached(resolved, tc, entries[k0], part, part, status + k0, workspace, workspace_bytes,
-                     &stats.ortho);
-  }
+BatchOrtho Engine::Impl::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
+                                     size_t workspace_bytes) {
+  const bool cached = cache >= 0 && caches[cache].use;
+  return {&ortho,   &stats.ortho, cached ? caches[cache].cache.get() : nullptr,
+          cached ? entries : std::span<const int64_t>{}, workspace, workspace_bytes};
 }
 
 void Engine::Impl::assign_cache_entries() {

@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
-#include "backend/muon_ref.h"
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
+#include "runtime/muon_batch.h"
 
 namespace distmuon {
 
@@ -59,7 +59,7 @@ struct ShapeClass {
   std::vector<std::pair<int, int64_t>> members;  // (param index, slice within a 3D parameter)
   int64_t wide_members = 0;                      // members [0, wide_members) are not tall
   OrthoConfig resolved;
-  Buffer x, workspace, norms, status;
+  Buffer x, workspace;
   size_t workspace_bytes = 0;
   int cache = -1;  // its entries in Impl::caches (entry k = member k)
 };
@@ -104,14 +104,20 @@ struct Bucket {
 };
 
 class ModeRunner;
-struct StepContext;
 
-// How the fused Muon passes normalise their input V (backend/muon_ref.h) into the iteration's X,
-// from V's norms: X = V / (m ||V|| + eps * kMuonInputScale) = U / (m ||U|| + eps).
-inline ScaleSpec muon_input_scale(const double* norms, const OrthoConfig& resolved) {
-  return {norms, norm_multiplier(resolved.coefficients),
-          resolved.eps * muon_ref::kMuonInputScale, 1.0};
+// Modes where each rank holds dim-0 shards of the weights (and of the AdamW state).
+inline bool is_sharded_mode(DistMode m) {
+  return m == DistMode::kSharded || m == DistMode::kGather;
 }
+
+// What one step knows beyond the registry.
+struct StepContext {
+  std::vector<ParamData> data;       // a copy: deferred stages outlive the caller's array
+  std::vector<char> active;          // per parameter: stepped on every rank in this step
+  std::vector<char> has_local;       // per parameter: this rank passed a gradient
+  std::vector<MuonUpdateCoef> coef;  // distributed: per Muon matrix (index into Impl::mats)
+  bool raise = false;                // NonFinitePolicy::kRaise
+};
 
 struct Engine::Impl {
   Backend& backend;
@@ -124,7 +130,6 @@ struct Engine::Impl {
   Orthogonalizer ortho;
   EngineStats stats;
   Buffer skip_counter;  // int64 on the device
-  Buffer adam_status;
   // AdamW step counts on the device, one int64 per parameter (only AdamW entries are used):
   // adamw_update reads and advances them, so a replayed CUDA graph keeps counting. Until it is
   // allocated (the first step or setup) Param::step holds the count.
@@ -209,8 +214,8 @@ struct Engine::Impl {
   void ensure_class_buffers(ShapeClass& c);
   void local_step(std::span<const ParamData> data);
   void check_inputs(std::span<const ParamData> data) const;
-  void raise_if_nonfinite(const std::vector<std::vector<int>>& slot_params,
-                          const std::vector<int>& adam_params);
+  // "param" or "param[slice]" (a 3D parameter's matrix).
+  std::string slice_name(int param, int64_t slice) const;
 
   // Per-shape algorithms of `auto` (engine_tune.cc). resolve_shape is the one place the runtime
   // resolves a group's config for a wide m x n shape: the tuned choice when tune_shapes found
@@ -232,12 +237,10 @@ struct Engine::Impl {
   // this step uses it and, if so, the workspace bytes run_cached needs for `count` matrices.
   bool prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
                      size_t* workspace_bytes);
-  // The orthogonalization of a batch x (wide) in place: fresh, or through the cache class `cache`
-  // (-1: none) where matrix k uses entry entries[k] (runs of consecutive entries become one
-  // call each). status: per matrix, the skip flags of the step.
-  void orthogonalize(int cache, const OrthoConfig& resolved, const BatchRef& x,
-                     std::span<const int64_t> entries, const int32_t* status, void* workspace,
-                     size_t workspace_bytes);
+  // How a batch is orthogonalized: fresh, or through the cache class `cache` (-1: none, or
+  // not used in this step) where matrix k uses entry entries[k].
+  BatchOrtho batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
+                         size_t workspace_bytes);
   // Gives every matrix this rank orthogonalizes its cache entry, in the order the runs use them.
   void assign_cache_entries();
   // The cache entries of matrix `slice` of Muon parameter i on this rank: (class, entry), or
@@ -263,8 +266,16 @@ struct Engine::Impl {
   void prepare_buckets(StepContext& ctx);
   void adam_begin(StepContext& ctx);
   void adam_check(StepContext& ctx);
-  void adam_update(StepContext& ctx);
-  void raise_check();
+  void adam_update();
+  // Dedicated mode moving gradients itself: AdamW gradients are all-reduced in the wire dtype.
+  bool reduces_adam_gradients() const {
+    return world && dist.mode == DistMode::kDedicated && !dist.caller_transfers;
+  }
+  // The step's statuses and norms (n_status entries).
+  void allocate_step_status();
+  // Raise policy: fails, naming every entry that is not ok on some rank, before anything changes.
+  // muon_names: per Muon status entry, the matrix it belongs to this step ("" when none).
+  void raise_if_nonfinite(const std::vector<std::string>& muon_names);
   // Dedicated mode with caller transfers (dedicated_prepare.cc).
   void prepare(std::span<const int> params, std::span<const ParamData> data);
   void apply_prepared(const StepContext& ctx);

@@ -34,72 +34,73 @@ void ModeRunner::copy_block(const void* src, DType src_t, void* dst, DType dst_t
                         ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
 }
 
-void ModeRunner::owner_pass1(const Bucket& b, const Bucket::Run& run,
-                             std::span<const MuonSlot> slots) {
+MuonBatch ModeRunner::run_batch(const Bucket& b, const Bucket::Run& run,
+                                std::span<const MuonSlot> slots) const {
   const DistMatrix& m0 = e_.mats[b.act[run.begin]];
-  const MuonOptions& opt = e_.groups[m0.group].muon;
-  const int64_t pos = b.status_offset + run.begin;
-  e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, e_.step_norms.as<double>() + pos,
-                                e_.step_status.as<int32_t>() + pos);
+  const int64_t first = b.status_offset + run.begin;
+  return {e_.backend,
+          e_.groups[m0.group].muon,
+          e_.resolve_shape(m0.group, m0.m(), m0.n()),
+          run.end - run.begin,
+          run.tall_begin - run.begin,
+          slots,
+          e_.step_norms.as<double>() + first,
+          e_.step_status.as<int32_t>() + first};
 }
 
-void ModeRunner::for_each_orientation(const Bucket::Run& run,
-                                      const std::function<void(int k0, int len, bool tall)>& f) {
-  if (run.tall_begin > run.begin) f(0, run.tall_begin - run.begin, false);
-  if (run.end > run.tall_begin) f(run.tall_begin - run.begin, run.end - run.tall_begin, true);
+void ModeRunner::owner_norms(const Bucket& b, const Bucket::Run& run,
+                             std::span<const MuonSlot> slots) {
+  run_batch(b, run, slots).momentum_norm();
 }
 
-int ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
-                            std::vector<int64_t>* entries) {
+BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
+                                   const OrthoConfig& resolved, std::vector<int64_t>* entries,
+                                   BatchRef* x) {
   const DistMatrix& m0 = e_.mats[b.act[run.begin]];
   const int64_t count = run.end - run.begin;
-  size_t cached_ws = 0;
+  size_t cached_workspace = 0;
   // The matrices of a run share the group and shape, so their entries are of one cache class.
   const bool cached =
-      m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], resolved, count, &cached_ws);
+      m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], resolved, count, &cached_workspace);
   entries->clear();
   if (cached)
     for (int k = run.begin; k < run.end; ++k) entries->push_back(e_.mats[b.act[k]].cache_entry);
-  e_.ensure_scratch(resolved, count, m0.m(), m0.n(), cached_ws);
-  return cached ? m0.cache : -1;
+  e_.ensure_scratch(resolved, count, m0.m(), m0.n(), cached_workspace);
+  *x = BatchRef::packed(e_.x.data(), iteration_dtype(resolved), count, m0.m(), m0.n());
+  return e_.batch_ortho(cached ? m0.cache : -1, *entries, e_.workspace.data(), e_.workspace_size);
 }
 
-void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
-                            std::span<const MuonSlot> slots, const StepContext& ctx,
-                            const std::function<void*(int k)>* out) {
-  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
-  const MuonOptions& opt = e_.groups[m0.group].muon;
-  const int64_t count = run.end - run.begin;
-  const int64_t pos = b.status_offset + run.begin;
-  const int32_t* status = e_.step_status.as<int32_t>() + pos;
-  OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());
+BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run,
+                                         const MuonBatch& batch) {
   std::vector<int64_t> entries;
-  const int cache = prepare_run(b, run, r, &entries);  // decided here, on the owner's device
-  BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
-  // One orthogonalization batch in the wide orientation; the fused passes once per orientation.
-  for_each_orientation(run, [&](int k0, int len, bool tall) {
-    e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                   muon_input_scale(e_.step_norms.as<double>() + pos + k0, r),
-                                   tall, x.slice(k0, len));
-  });
-  e_.orthogonalize(cache, r, x, entries, status, e_.workspace.data(), e_.workspace_size);
-  if (!out) {
-    std::vector<MuonUpdateCoef> coefs;
-    for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);
-    const std::span<const MuonUpdateCoef> all(coefs);
-    for_each_orientation(run, [&](int k0, int len, bool tall) {
-      e_.backend.muon_update(slots.subspan(k0, len), all.subspan(k0, len), status + k0,
-                             x.slice(k0, len), tall);
-    });
-  } else {
-    // The update in the weight's orientation and the wire dtype, for the matrix's shards.
-    for (int k = 0; k < count; ++k) {
-      const DistMatrix& m = e_.mats[b.act[run.begin + k]];
-      e_.backend.scale_copy(x.slice(k, 1), m.tall(), ScaleSpec{},
-                            BatchRef::packed((*out)(k), m.wire, 1, m.rows, m.cols));
-    }
+  BatchRef x;
+  // CacheMuon is decided here, on the owner's device.
+  const BatchOrtho how = prepare_run(b, run, batch.resolved, &entries, &x);
+  batch.orthogonalize_momentum(x, how, e_.skip_counter.as<int64_t>());
+  return x;
+}
+
+void ModeRunner::owner_update(const Bucket& b, const Bucket::Run& run,
+                              std::span<const MuonSlot> slots, const StepContext& ctx) {
+  const MuonBatch batch = run_batch(b, run, slots);
+  const BatchRef x = owner_orthogonalize(b, run, batch);
+  std::vector<MuonUpdateCoef> coefs;
+  for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);
+  batch.update(coefs, x);
+}
+
+void ModeRunner::owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
+                                      std::span<const MuonSlot> slots,
+                                      const std::function<void*(int j)>& out) {
+  const MuonBatch batch = run_batch(b, run, slots);
+  const BatchRef x = owner_orthogonalize(b, run, batch);
+  // The update in the weight's orientation and the wire dtype, for the matrix's shards.
+  for (int k = run.begin; k < run.end; ++k) {
+    const int j = b.act[k];
+    const DistMatrix& m = e_.mats[j];
+    e_.backend.scale_copy(x.slice(k - run.begin, 1), m.tall(), ScaleSpec{},
+                          BatchRef::packed(out(j), m.wire, 1, m.rows, m.cols));
   }
-  e_.backend.count_status(status, count, e_.skip_counter.as<int64_t>());
 }
 
 namespace {
@@ -116,7 +117,7 @@ class ReplicatedRunner final : public ModeRunner {
   void pass1(int b, StepContext& ctx) override {
     const Bucket& bk = e_.buckets[b];
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
+      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_norms(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
@@ -127,9 +128,9 @@ class ReplicatedRunner final : public ModeRunner {
     }
     for (const Bucket::Run& run : bk.runs) {
       if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
-      std::vector<MuonSlot> s = slots(bk, run, ctx);
-      if (!ctx.raise) owner_pass1(bk, run, s);
-      owner_rest(bk, run, s, ctx, nullptr);
+      const std::vector<MuonSlot> run_slots = slots(bk, run, ctx);
+      if (!ctx.raise) owner_norms(bk, run, run_slots);
+      owner_update(bk, run, run_slots, ctx);
     }
     for (int j : bk.act) {
       const DistMatrix& m = e_.mats[j];

@@ -51,13 +51,13 @@ class DedicatedRunner final : public ModeRunner {
     if (caller_) {
       for (const Bucket::Run& run : bk.runs)
         if (e_.mats[bk.act[run.begin]].owner == e_.rank)
-          owner_pass1(bk, run, caller_slots(bk, run, ctx));
+          owner_norms(bk, run, caller_slots(bk, run, ctx));
       return;
     }
     e_.wait_on_stream(bufs_[b].h1);
     scale(bk);
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
+      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_norms(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
@@ -91,9 +91,9 @@ class DedicatedRunner final : public ModeRunner {
         if (!ctx.raise) scale(bk);
         for (const Bucket::Run& run : bk.runs) {
           if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
-          std::vector<MuonSlot> sl = slots(bk, run, ctx);
-          if (!ctx.raise) owner_pass1(bk, run, sl);
-          owner_rest(bk, run, sl, ctx, nullptr);
+          const std::vector<MuonSlot> run_slots = slots(bk, run, ctx);
+          if (!ctx.raise) owner_norms(bk, run, run_slots);
+          owner_update(bk, run, run_slots, ctx);
         }
         for (int j : bk.act) {
           const DistMatrix& m = e_.mats[j];
@@ -197,9 +197,9 @@ class DedicatedRunner final : public ModeRunner {
   void caller_step(const Bucket& bk, StepContext& ctx) {
     for (const Bucket::Run& run : bk.runs) {
       if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
-      std::vector<MuonSlot> sl = caller_slots(bk, run, ctx);
-      if (!ctx.raise) owner_pass1(bk, run, sl);
-      owner_rest(bk, run, sl, ctx, nullptr);
+      const std::vector<MuonSlot> run_slots = caller_slots(bk, run, ctx);
+      if (!ctx.raise) owner_norms(bk, run, run_slots);
+      owner_update(bk, run, run_slots, ctx);
     }
   }
 

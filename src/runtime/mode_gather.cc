@@ -61,7 +61,7 @@ class GatherRunner final : public ModeRunner {
  private:
   struct B {
     Buffer send, recv, ustage;
-    std::vector<int64_t> rc, rd;
+    std::vector<int64_t> recv_counts, recv_displs;  // all-gather, per shard position
     CommHandle h;
   };
 
@@ -92,11 +92,13 @@ class GatherRunner final : public ModeRunner {
       while (end < bk.act.size() && piece(e_.mats[bk.act[end]], e_.my_s) > 0 &&
              e_.mats[bk.act[end]].group == m0.group)
         slots.push_back(local_slot(e_.mats[bk.act[end++]], ctx));
-      const MuonOptions& opt = e_.groups[m0.group].muon;
-      const int64_t pos = bk.status_offset + static_cast<int64_t>(k);
-      e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov,
-                                    e_.step_norms.as<double>() + pos,
-                                    e_.step_status.as<int32_t>() + pos);
+      const int64_t first = bk.status_offset + static_cast<int64_t>(k);
+      const int64_t count = static_cast<int64_t>(slots.size());
+      // Rows of matrices of any shape: only pass 1 runs on this batch (no orthogonalization).
+      const MuonBatch rows{e_.backend, e_.groups[m0.group].muon, OrthoConfig{},
+                           count,      count,                     slots,
+                           e_.step_norms.as<double>() + first,    e_.step_status.as<int32_t>() + first};
+      rows.momentum_norm();
       k = end;
     }
   }
@@ -107,7 +109,7 @@ class GatherRunner final : public ModeRunner {
     const Bucket& bk = e_.buckets[b];
     B& s = bufs_[b];
     const int S = e_.shard_size;
-    s.rc.assign(S, 0), s.rd.assign(S, 0);
+    s.recv_counts.assign(S, 0), s.recv_displs.assign(S, 0);
     if (bk.act.empty()) return;
     const DType w = e_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
@@ -124,11 +126,11 @@ class GatherRunner final : public ModeRunner {
     }
     int64_t total = 0;
     for (int q = 0; q < S; ++q) {
-      s.rd[q] = total;
+      s.recv_displs[q] = total;
       for (int j : bk.act) total += piece(e_.mats[j], q);
-      s.rc[q] = total - s.rd[q];
+      s.recv_counts[q] = total - s.recv_displs[q];
     }
-    s.h = e_.shard->all_gather_v(s.send.data(), cur, s.recv.data(), s.rc, s.rd, comm_type(w));
+    s.h = e_.shard->all_gather_v(s.send.data(), cur, s.recv.data(), s.recv_counts, s.recv_displs, comm_type(w));
   }
 
   void compute(int b, const StepContext& ctx) {
@@ -138,42 +140,41 @@ class GatherRunner final : public ModeRunner {
     if (bk.act.empty()) return;
     const DType w = e_.mats[bk.mats[0]].wire;
     // Full matrices packed in act order, so that every run is one batch.
-    std::vector<int64_t> uofs(bk.act.size());
+    std::vector<int64_t> matrix_offset(bk.act.size());
     int64_t cur = 0;
     for (size_t k = 0; k < bk.act.size(); ++k) {
-      uofs[k] = cur;
+      matrix_offset[k] = cur;
       cur += e_.mats[bk.act[k]].numel();
     }
     for (int q = 0; q < e_.shard_size; ++q) {
-      int64_t c = s.rd[q];
+      int64_t c = s.recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
         const DistMatrix& m = e_.mats[bk.act[k]];
         if (piece(m, q) == 0) continue;
-        copy_block(at(s.recv.data(), c, w), w, at(s.ustage.data(), uofs[k] + m.lo[q] * m.cols, w),
+        copy_block(at(s.recv.data(), c, w), w, at(s.ustage.data(), matrix_offset[k] + m.lo[q] * m.cols, w),
                    w, m.hi[q] - m.lo[q], m.cols);
         c += piece(m, q);
       }
     }
     for (const Bucket::Run& run : bk.runs) {
       const DistMatrix& m0 = e_.mats[bk.act[run.begin]];
-      const int64_t count = run.end - run.begin, pos = bk.status_offset + run.begin;
-      double* norms = e_.step_norms.as<double>() + pos;
-      OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());
+      // V was staged by pass 2 on every holder: this batch only orthogonalizes.
+      const MuonBatch batch = run_batch(bk, run, {});
       // CacheMuon: every rank holds every entry and sees the same input, so every rank takes
       // the same decisions without exchanging them.
       std::vector<int64_t> entries;
-      const int cache = prepare_run(bk, run, r, &entries);
-      BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
+      BatchRef x;
+      const BatchOrtho how = prepare_run(bk, run, batch.resolved, &entries, &x);
       // V is staged in the weights' orientation: normalise each orientation's slice into X.
-      for_each_orientation(run, [&](int k0, int len, bool tall) {
+      batch.for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
         const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
-        BatchRef v =
-            BatchRef::packed(at(s.ustage.data(), uofs[run.begin + k0], w), w, len, rows, cols);
-        e_.backend.frob_norm(v, norms + k0);
-        e_.backend.scale_copy(v, tall, muon_input_scale(norms + k0, r), x.slice(k0, len));
+        BatchRef v = BatchRef::packed(at(s.ustage.data(), matrix_offset[run.begin + k0], w), w,
+                                      len, rows, cols);
+        e_.backend.frob_norm(v, batch.norms + k0);
+        e_.backend.scale_copy(v, tall, muon_input_scale(batch.norms + k0, batch.resolved),
+                              x.slice(k0, len));
       });
-      e_.orthogonalize(cache, r, x, entries, status_at(bk, run.begin), e_.workspace.data(),
-                       e_.workspace_size);
+      batch.orthogonalize(x, how);
       for (int k = run.begin; k < run.end; ++k) {
         const DistMatrix& m = e_.mats[bk.act[k]];
         if (piece(m, e_.my_s) == 0) continue;
@@ -199,7 +200,7 @@ class GatherRunner final : public ModeRunner {
         MuonUpdateCoef coef = ctx.coef[bk.act[k]];
         e_.backend.muon_update({&slot, 1}, {&coef, 1}, status_at(bk, k), o, m.tall());
       }
-      e_.backend.count_status(status_at(bk, run.begin), count, e_.skip_counter.as<int64_t>());
+      batch.count_skips(e_.skip_counter.as<int64_t>());
     }
   }
 

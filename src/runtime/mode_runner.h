@@ -13,15 +13,6 @@
 
 namespace distmuon {
 
-// What one distributed step knows beyond the registry.
-struct StepContext {
-  std::vector<ParamData> data;       // a copy: deferred stages outlive the caller's array
-  std::vector<char> active;          // per parameter: stepped on every rank in this step
-  std::vector<char> has_local;       // per parameter: this rank passed a gradient
-  std::vector<MuonUpdateCoef> coef;  // per Muon matrix (index into Impl::mats)
-  bool raise = false;                // NonFinitePolicy::kRaise
-};
-
 class ModeRunner {
  public:
   explicit ModeRunner(Engine::Impl& e) : e_(e) {}
@@ -38,21 +29,26 @@ class ModeRunner {
   virtual void pass1(int b, StepContext& ctx) = 0;
 
  protected:
-  // The owner's work on one run of bucket b (matrices act[run.begin, run.end) with one owner,
-  // group and shape). Pass 1: momentum norms and statuses into step_norms / step_status.
-  void owner_pass1(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
-  // Pass 2, orthogonalization and either the weight update on the slots' weights (out ==
-  // nullptr) or the orthogonalized matrices written to out(k), rows x cols in the wire dtype.
-  void owner_rest(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
-                  const StepContext& ctx, const std::function<void*(int k)>* out);
-  // Before a run is orthogonalized: grows the shared scratch for it and, where the run uses
-  // CacheMuon on this rank, returns its cache class and fills the matrices' entries (else -1).
-  int prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
-                  std::vector<int64_t>* entries);
-  // Calls f(k0, len, tall) for the wide and the tall part of a run (positions relative to
-  // run.begin), skipping an empty part: the fused passes take one orientation per call.
-  static void for_each_orientation(const Bucket::Run& run,
-                                   const std::function<void(int k0, int len, bool tall)>& f);
+  // Every run of bucket b (matrices act[run.begin, run.end) of one owner -- gather: every rank --
+  // plan batch, group and wide shape) is one MuonBatch, with its statuses and norms in the step's.
+  MuonBatch run_batch(const Bucket& b, const Bucket::Run& run,
+                      std::span<const MuonSlot> slots) const;
+  // The owner's work on a run: pass 1 (norms and statuses) ...
+  void owner_norms(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
+  // ... then pass 2, the orthogonalization and the update of the slots' weights ...
+  void owner_update(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
+                    const StepContext& ctx);
+  // ... or, instead of the update, the orthogonalized matrix j written to out(j), rows x cols in
+  // the wire dtype (the shards apply it).
+  void owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
+                            std::span<const MuonSlot> slots, const std::function<void*(int j)>& out);
+  // Before a run is orthogonalized: grows the shared scratch for it (x: the run's iteration
+  // buffer) and says how it is orthogonalized -- through CacheMuon where the run uses it on this
+  // rank (its matrices' entries go to `entries`), else fresh.
+  BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
+                         std::vector<int64_t>* entries, BatchRef* x);
+  // Pass 2 and the orthogonalization of an owner's run: the run's iteration buffer.
+  BatchRef owner_orthogonalize(const Bucket& b, const Bucket::Run& run, const MuonBatch& batch);
   int32_t* status_at(const Bucket& b, int pos) const {
     return e_.step_status.as<int32_t>() + b.status_offset + pos;
   }

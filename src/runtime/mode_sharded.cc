@@ -56,7 +56,7 @@ class ShardedRunner final : public ModeRunner {
     unpack(b);
     const Bucket& bk = e_.buckets[b];
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run));
+      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_norms(bk, run, slots(bk, run));
     (void)ctx;
   }
 
@@ -161,7 +161,7 @@ class ShardedRunner final : public ModeRunner {
     for (size_t r = 0; r < bk.runs.size(); ++r) {
       if (e_.mats[bk.act[bk.runs[r].begin]].owner != e_.rank) continue;
       run_slots[r] = slots(bk, bk.runs[r]);
-      if (!ctx.raise) owner_pass1(bk, bk.runs[r], run_slots[r]);
+      if (!ctx.raise) owner_norms(bk, bk.runs[r], run_slots[r]);
     }
     // Shards apply the update, so they must learn whether the owner skipped the matrix.
     if (!ctx.raise && !bk.act.empty())
@@ -170,12 +170,9 @@ class ShardedRunner final : public ModeRunner {
                                static_cast<int64_t>(bk.act.size()), CommType::kI32, ReduceOp::kMax);
     for (size_t r = 0; r < bk.runs.size(); ++r) {
       if (run_slots[r].empty()) continue;
-      const Bucket::Run& run = bk.runs[r];
-      std::function<void*(int)> out = [&](int k) {
-        const int j = bk.act[run.begin + k];
+      owner_orthogonalized(bk, bk.runs[r], run_slots[r], [&](int j) {
         return static_cast<void*>(at(s.ostage.data(), oofs_[j], e_.mats[j].wire));
-      };
-      owner_rest(bk, run, run_slots[r], ctx, &out);
+      });
     }
     if (!e_.replica) return;
     for (int j : bk.act) {  // the update reaches the other replicas while the next bucket runs
