@@ -132,11 +132,11 @@ void Engine::Impl::allocate_state() {
       backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  allocate_step_status();
+  allocate_step_status(backend);
   allocate_step_counts();
 }
 
-CommStats Engine::Impl::comm_stats() const {
+CommStats DistState::comm_stats() const {
   CommStats s;
   if (world) s += world->stats();
   if (shard && shard != world) s += shard->stats();
@@ -144,6 +144,5 @@ CommStats Engine::Impl::comm_stats() const {
   return s;
 }
 
-std::string Engine::Impl::matrix_name(int j) const { return slice_name(mats[j].param, mats[j].slice); }
 
 }  // namespace distmuon

@@ -341,16 +341,16 @@ void Engine::Impl::dist_setup() {
   assign_cache_entries();
   switch (dist.mode) {
     case DistMode::kGather:
-      runner = make_gather_runner(*this);
+      runner = make_gather_runner(runner_context());
       break;
     case DistMode::kReplicated:
-      runner = make_replicated_runner(*this);
+      runner = make_replicated_runner(runner_context());
       break;
     case DistMode::kSharded:
-      runner = make_sharded_runner(*this);
+      runner = make_sharded_runner(runner_context());
       break;
     case DistMode::kDedicated:
-      runner = make_dedicated_runner(*this);
+      runner = make_dedicated_runner(runner_context());
       break;
   }
   runner->setup();

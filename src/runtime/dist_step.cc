@@ -99,7 +99,8 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
     b.act.clear();
     b.runs.clear();
     for (int j : b.mats)  // prepared matrices only take their update (apply_prepared)
-      if (ctx.active[mats[j].param] && (is_prepared.empty() || !is_prepared[j])) b.act.push_back(j);
+      if (ctx.active[mats[j].param] &&
+          (prepared.is_prepared.empty() || !prepared.is_prepared[j])) b.act.push_back(j);
     for (int k = 0; k < static_cast<int>(b.act.size()); ++k) {
       const DistMatrix& m = mats[b.act[k]];
       bool same = false;
@@ -155,7 +156,7 @@ void Engine::Impl::bind_streams() {
     if (c) c->bind_stream(backend.native_stream());
 }
 
-void Engine::Impl::wait_unchecked() {
+void DistState::wait_unchecked() {
   try {
     wait_all(unchecked);
   } catch (...) {
@@ -176,7 +177,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   prepare_buckets(*ctx);
   backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
   adam_begin(*ctx);
-  if (!prepared.empty()) apply_prepared(*ctx);
+  if (!prepared.batches.empty()) apply_prepared(*ctx);
 
   // Three phases. (1) The stages before the compute stage (gradients on their way to the
   // owners) for every bucket first: they depend on no rank's compute, so all inbound traffic is

@@ -49,6 +49,34 @@ BatchOrtho Engine::Impl::batch_ortho(int cache, std::span<const int64_t> entries
           cached ? entries : std::span<const int64_t>{}, workspace, workspace_bytes};
 }
 
+BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
+                                       std::vector<int64_t>& entries, int64_t count, int64_t m,
+                                       int64_t n, BatchRef* x) {
+  size_t cached_workspace = 0;
+  const bool cached =
+      cache >= 0 && prepare_cache(caches[cache], resolved, count, &cached_workspace);
+  if (!cached) entries.clear();
+  ensure_scratch(resolved, x ? count : 0, m, n,
+                 std::max(cached_workspace, Orthogonalizer::workspace_bytes(resolved, count, m, n)));
+  if (x) *x = BatchRef::packed(this->x.data(), iteration_dtype(resolved), count, m, n);
+  return batch_ortho(cached ? cache : -1, entries, workspace.data(), workspace_size);
+}
+
+void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
+                                  size_t workspace_bytes) {
+  const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
+  if (xb > x_bytes) {
+    x = backend.alloc(xb);
+    x_bytes = xb;
+  }
+  const size_t wb =
+      std::max(workspace_bytes, Orthogonalizer::workspace_bytes(resolved, count, m, n));
+  if (wb > workspace_size) {
+    workspace = backend.alloc(wb);
+    workspace_size = wb;
+  }
+}
+
 void Engine::Impl::assign_cache_entries() {
   caches.clear();
   // Bucket order, and inside a bucket the sorted order of its runs: the matrices of a run get

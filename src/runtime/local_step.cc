@@ -4,7 +4,7 @@
 #include <map>
 
 #include "distmuon/error.h"
-#include "runtime/mode_runner.h"
+#include "runtime/engine_impl.h"
 
 namespace distmuon {
 
@@ -57,7 +57,7 @@ void Engine::Impl::build_classes() {
       adam_params.push_back(static_cast<int>(i));
     }
   n_status = muon_matrices + static_cast<int64_t>(adam_params.size());
-  allocate_step_status();
+  allocate_step_status(backend);
   allocate_step_counts();
   std::vector<TuneShape> shapes;
   for (const ShapeClass& c : classes)

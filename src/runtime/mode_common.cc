@@ -8,44 +8,29 @@
 
 namespace distmuon {
 
-void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
-                                  size_t workspace_bytes) {
-  const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
-  if (xb > x_bytes) {
-    x = backend.alloc(xb);
-    x_bytes = xb;
-  }
-  const size_t wb =
-      std::max(workspace_bytes, Orthogonalizer::workspace_bytes(resolved, count, m, n));
-  if (wb > workspace_size) {
-    workspace = backend.alloc(wb);
-    workspace_size = wb;
-  }
-}
-
 void ModeRunner::copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows,
                             int64_t cols) {
   if (rows * cols == 0) return;
   if (src_t == dst_t) {
-    e_.backend.copy(dst, src, static_cast<size_t>(rows * cols) * dtype_size(src_t));
+    backend_.copy(dst, src, static_cast<size_t>(rows * cols) * dtype_size(src_t));
     return;
   }
-  e_.backend.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
+  backend_.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
                         ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
 }
 
 MuonBatch ModeRunner::run_batch(const Bucket& b, const Bucket::Run& run,
                                 std::span<const MuonSlot> slots) const {
-  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
+  const DistMatrix& m0 = dist_.mats[b.act[run.begin]];
   const int64_t first = b.status_offset + run.begin;
-  return {e_.backend,
-          e_.groups[m0.group].muon,
-          e_.resolve_shape(m0.group, m0.m(), m0.n()),
+  return {backend_,
+          registry_.groups[m0.group].muon,
+          resources_.resolve_shape(m0.group, m0.m(), m0.n()),
           run.end - run.begin,
           run.tall_begin - run.begin,
           slots,
-          e_.step_norms.as<double>() + first,
-          e_.step_status.as<int32_t>() + first};
+          record_.step_norms.as<double>() + first,
+          record_.step_status.as<int32_t>() + first};
 }
 
 void ModeRunner::owner_norms(const Bucket& b, const Bucket::Run& run,
@@ -56,18 +41,12 @@ void ModeRunner::owner_norms(const Bucket& b, const Bucket::Run& run,
 BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
                                    const OrthoConfig& resolved, std::vector<int64_t>* entries,
                                    BatchRef* x) {
-  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
-  const int64_t count = run.end - run.begin;
-  size_t cached_workspace = 0;
+  const DistMatrix& m0 = dist_.mats[b.act[run.begin]];
   // The matrices of a run share the group and shape, so their entries are of one cache class.
-  const bool cached =
-      m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], resolved, count, &cached_workspace);
   entries->clear();
-  if (cached)
-    for (int k = run.begin; k < run.end; ++k) entries->push_back(e_.mats[b.act[k]].cache_entry);
-  e_.ensure_scratch(resolved, count, m0.m(), m0.n(), cached_workspace);
-  *x = BatchRef::packed(e_.x.data(), iteration_dtype(resolved), count, m0.m(), m0.n());
-  return e_.batch_ortho(cached ? m0.cache : -1, *entries, e_.workspace.data(), e_.workspace_size);
+  for (int k = run.begin; k < run.end; ++k) entries->push_back(dist_.mats[b.act[k]].cache_entry);
+  return resources_.prepare_batch(resolved, m0.cache, *entries, run.end - run.begin, m0.m(),
+                                  m0.n(), x);
 }
 
 BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run,
@@ -76,7 +55,7 @@ BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run
   BatchRef x;
   // CacheMuon is decided here, on the owner's device.
   const BatchOrtho how = prepare_run(b, run, batch.resolved, &entries, &x);
-  batch.orthogonalize_momentum(x, how, e_.skip_counter.as<int64_t>());
+  batch.orthogonalize_momentum(x, how, record_.skip_counter.as<int64_t>());
   return x;
 }
 
@@ -97,8 +76,8 @@ void ModeRunner::owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
   // The update in the weight's orientation and the wire dtype, for the matrix's shards.
   for (int k = run.begin; k < run.end; ++k) {
     const int j = b.act[k];
-    const DistMatrix& m = e_.mats[j];
-    e_.backend.scale_copy(x.slice(k - run.begin, 1), m.tall(), ScaleSpec{},
+    const DistMatrix& m = dist_.mats[j];
+    backend_.scale_copy(x.slice(k - run.begin, 1), m.tall(), ScaleSpec{},
                           BatchRef::packed(out(j), m.wire, 1, m.rows, m.cols));
   }
 }
@@ -110,32 +89,32 @@ namespace {
 class ReplicatedRunner final : public ModeRunner {
  public:
   using ModeRunner::ModeRunner;
-  void setup() override { handles_.resize(e_.buckets.size()); }
+  void setup() override { handles_.resize(dist_.buckets.size()); }
   int num_stages() const override { return 2; }
   int compute_stage() const override { return 0; }
 
   void pass1(int b, StepContext& ctx) override {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_norms(bk, run, slots(bk, run, ctx));
+      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank) owner_norms(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
-    Bucket& bk = e_.buckets[b];
+    Bucket& bk = dist_.buckets[b];
     if (stage == 1) {
-      e_.wait_on_stream(handles_[b]);
+      dist_.wait_on_stream(handles_[b]);
       return;
     }
     for (const Bucket::Run& run : bk.runs) {
-      if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
+      if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
       const std::vector<MuonSlot> run_slots = slots(bk, run, ctx);
       if (!ctx.raise) owner_norms(bk, run, run_slots);
       owner_update(bk, run, run_slots, ctx);
     }
     for (int j : bk.act) {
-      const DistMatrix& m = e_.mats[j];
+      const DistMatrix& m = dist_.mats[j];
       void* w = at(ctx.data[m.param].param, full_offset(m), m.wire);
-      handles_[b].push_back(e_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
+      handles_[b].push_back(dist_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
     }
   }
 
@@ -143,14 +122,14 @@ class ReplicatedRunner final : public ModeRunner {
   std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run, const StepContext& ctx) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = e_.mats[bk.act[k]];
+      const DistMatrix& m = dist_.mats[bk.act[k]];
       const ParamData& d = ctx.data[m.param];
-      const Param& p = e_.params[m.param];
+      const Param& p = registry_.params[m.param];
       out.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           e_.skips_of(p, m.slice)});
+           record_.skips_of(p, m.slice)});
     }
     return out;
   }
@@ -159,8 +138,8 @@ class ReplicatedRunner final : public ModeRunner {
 
 }  // namespace
 
-std::unique_ptr<ModeRunner> make_replicated_runner(Engine::Impl& e) {
-  return std::make_unique<ReplicatedRunner>(e);
+std::unique_ptr<ModeRunner> make_replicated_runner(const RunnerContext& c) {
+  return std::make_unique<ReplicatedRunner>(c);
 }
 
 }  // namespace distmuon

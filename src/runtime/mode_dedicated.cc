@@ -20,26 +20,26 @@ class DedicatedRunner final : public ModeRunner {
   using ModeRunner::ModeRunner;
 
   void setup() override {
-    caller_ = e_.dist.caller_transfers;
-    gofs_.assign(e_.mats.size(), -1);
-    cofs_.assign(e_.mats.size(), -1);
-    bufs_.resize(e_.buckets.size());
-    for (size_t b = 0; b < e_.buckets.size(); ++b) {
-      const Bucket& bk = e_.buckets[b];
+    caller_ = dist_.dist.caller_transfers;
+    gofs_.assign(dist_.mats.size(), -1);
+    cofs_.assign(dist_.mats.size(), -1);
+    bufs_.resize(dist_.buckets.size());
+    for (size_t b = 0; b < dist_.buckets.size(); ++b) {
+      const Bucket& bk = dist_.buckets[b];
       int64_t g = 0, c = 0;
       for (int j : bk.mats) {
-        const DistMatrix& m = e_.mats[j];
-        if (m.owner_s == e_.my_s) {  // reduced here (the owner, or the relay of its replica)
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner_s == dist_.my_s) {  // reduced here (the owner, or the relay of its replica)
           gofs_[j] = g;
           g += m.numel();
         }
         cofs_[j] = c;
         c += m.numel();
       }
-      const DType w = e_.mats[bk.mats[0]].wire;
+      const DType w = dist_.mats[bk.mats[0]].wire;
       if (!caller_)
         bufs_[b].gstage =
-            e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
+            backend_.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
       conv_elems_.push_back(c);
     }
   }
@@ -47,21 +47,21 @@ class DedicatedRunner final : public ModeRunner {
   int compute_stage() const override { return 2; }
 
   void pass1(int b, StepContext& ctx) override {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     if (caller_) {
       for (const Bucket::Run& run : bk.runs)
-        if (e_.mats[bk.act[run.begin]].owner == e_.rank)
+        if (dist_.mats[bk.act[run.begin]].owner == dist_.rank)
           owner_norms(bk, run, caller_slots(bk, run, ctx));
       return;
     }
-    e_.wait_on_stream(bufs_[b].h1);
+    dist_.wait_on_stream(bufs_[b].h1);
     scale(bk);
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_norms(bk, run, slots(bk, run, ctx));
+      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank) owner_norms(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     B& s = bufs_[b];
     if (caller_) {
       if (stage == 2) caller_step(bk, ctx);
@@ -70,54 +70,54 @@ class DedicatedRunner final : public ModeRunner {
     switch (stage) {
       case 0:
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
-          void* recv = m.owner_s == e_.my_s ? gstage(j) : nullptr;
-          s.h0.push_back(e_.shard->reduce(source(b, j, ctx), recv, m.numel(), comm_type(m.wire),
+          const DistMatrix& m = dist_.mats[j];
+          void* recv = m.owner_s == dist_.my_s ? gstage(j) : nullptr;
+          s.h0.push_back(dist_.shard->reduce(source(b, j, ctx), recv, m.numel(), comm_type(m.wire),
                                           ReduceOp::kSum, m.owner_s));
         }
         break;
       case 1:
-        e_.wait_on_stream(s.h0);
-        if (!e_.replica) break;
+        dist_.wait_on_stream(s.h0);
+        if (!dist_.replica) break;
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
-          if (m.owner_s != e_.my_s) continue;
-          s.h1.push_back(e_.replica->reduce(gstage(j), gstage(j), m.numel(), comm_type(m.wire),
+          const DistMatrix& m = dist_.mats[j];
+          if (m.owner_s != dist_.my_s) continue;
+          s.h1.push_back(dist_.replica->reduce(gstage(j), gstage(j), m.numel(), comm_type(m.wire),
                                             ReduceOp::kSum, m.owner_r));
         }
         break;
       case 2:
-        e_.wait_on_stream(s.h1);
+        dist_.wait_on_stream(s.h1);
         if (!ctx.raise) scale(bk);
         for (const Bucket::Run& run : bk.runs) {
-          if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
+          if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
           const std::vector<MuonSlot> run_slots = slots(bk, run, ctx);
           if (!ctx.raise) owner_norms(bk, run, run_slots);
           owner_update(bk, run, run_slots, ctx);
         }
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
+          const DistMatrix& m = dist_.mats[j];
           void* w = weight(j, ctx);
-          if (e_.replica) {
-            if (m.owner_s == e_.my_s)
-              s.h2.push_back(e_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+          if (dist_.replica) {
+            if (m.owner_s == dist_.my_s)
+              s.h2.push_back(dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
           } else {
-            s.h2.push_back(e_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+            s.h2.push_back(dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
           }
         }
         break;
       case 3:
-        if (!e_.replica) break;
-        e_.wait_on_stream(s.h2);
+        if (!dist_.replica) break;
+        dist_.wait_on_stream(s.h2);
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
+          const DistMatrix& m = dist_.mats[j];
           s.h3.push_back(
-              e_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
+              dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
         }
         break;
       case 4:
-        e_.wait_on_stream(s.h2);
-        e_.wait_on_stream(s.h3);
+        dist_.wait_on_stream(s.h2);
+        dist_.wait_on_stream(s.h3);
         break;
     }
   }
@@ -129,49 +129,49 @@ class DedicatedRunner final : public ModeRunner {
   };
 
   void* gstage(int j) {
-    const DistMatrix& m = e_.mats[j];
+    const DistMatrix& m = dist_.mats[j];
     return at(bufs_[m.bucket].gstage.data(), gofs_[j], m.wire);
   }
   void* weight(int j, const StepContext& ctx) {
-    const DistMatrix& m = e_.mats[j];
+    const DistMatrix& m = dist_.mats[j];
     return at(ctx.data[m.param].param, full_offset(m), m.wire);
   }
   // This rank's contribution: the caller's gradient when it already has the wire dtype, else a
   // converted copy, or zeros when this rank computed no gradient for the matrix.
   const void* source(int b, int j, const StepContext& ctx) {
-    const DistMatrix& m = e_.mats[j];
+    const DistMatrix& m = dist_.mats[j];
     const ParamData& d = ctx.data[m.param];
     if (ctx.has_local[m.param] && d.grad_dtype == m.wire) return at(d.grad, full_offset(m), m.wire);
     B& s = bufs_[b];
     if (!s.conv)
-      s.conv = e_.backend.alloc(static_cast<size_t>(conv_elems_[b]) * dtype_size(m.wire));
+      s.conv = backend_.alloc(static_cast<size_t>(conv_elems_[b]) * dtype_size(m.wire));
     void* dst = at(s.conv.data(), cofs_[j], m.wire);
     if (ctx.has_local[m.param])
       copy_block(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, dst, m.wire, m.rows,
                  m.cols);
     else
-      e_.backend.fill_zero(dst, static_cast<size_t>(m.numel()) * dtype_size(m.wire));
+      backend_.fill_zero(dst, static_cast<size_t>(m.numel()) * dtype_size(m.wire));
     return dst;
   }
   // The owner turns the sum of the local gradients into their mean (DDP semantics).
   void scale(const Bucket& bk) {
-    if (!e_.dist.grad_mean || e_.world_size == 1) return;
+    if (!dist_.dist.grad_mean || dist_.world_size == 1) return;
     for (int j : bk.act) {
-      const DistMatrix& m = e_.mats[j];
-      if (m.owner != e_.rank) continue;
+      const DistMatrix& m = dist_.mats[j];
+      if (m.owner != dist_.rank) continue;
       BatchRef g = BatchRef::packed(gstage(j), m.wire, 1, m.rows, m.cols);
-      e_.backend.lincomb(1.0 / e_.world_size, g, 0.0, nullptr, 0.0, g);
+      backend_.lincomb(1.0 / dist_.world_size, g, 0.0, nullptr, 0.0, g);
     }
   }
   std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run, const StepContext& ctx) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
       const int j = bk.act[k];
-      const DistMatrix& m = e_.mats[j];
+      const DistMatrix& m = dist_.mats[j];
       out.push_back({MatRef::of(gstage(j), m.wire, m.rows, m.cols),
-                     MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
+                     MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
                      MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
-                     e_.skips_of(e_.params[m.param], m.slice)});
+                     record_.skips_of(registry_.params[m.param], m.slice)});
     }
     return out;
   }
@@ -181,22 +181,22 @@ class DedicatedRunner final : public ModeRunner {
                                      const StepContext& ctx) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = e_.mats[bk.act[k]];
+      const DistMatrix& m = dist_.mats[bk.act[k]];
       const ParamData& d = ctx.data[m.param];
-      DM_CHECK(ctx.has_local[m.param], "matrix '", e_.matrix_name(bk.act[k]),
-               "' has a gradient on some rank but none on its owner, rank ", e_.rank,
+      DM_CHECK(ctx.has_local[m.param], "matrix '", registry_.slice_name(m.param, m.slice),
+               "' has a gradient on some rank but none on its owner, rank ", dist_.rank,
                ": with caller_transfers the caller reduces every gradient onto its owner");
       out.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
-           MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           e_.skips_of(e_.params[m.param], m.slice)});
+           record_.skips_of(registry_.params[m.param], m.slice)});
     }
     return out;
   }
   void caller_step(const Bucket& bk, StepContext& ctx) {
     for (const Bucket::Run& run : bk.runs) {
-      if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
+      if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
       const std::vector<MuonSlot> run_slots = caller_slots(bk, run, ctx);
       if (!ctx.raise) owner_norms(bk, run, run_slots);
       owner_update(bk, run, run_slots, ctx);
@@ -210,8 +210,8 @@ class DedicatedRunner final : public ModeRunner {
 
 }  // namespace
 
-std::unique_ptr<ModeRunner> make_dedicated_runner(Engine::Impl& e) {
-  return std::make_unique<DedicatedRunner>(e);
+std::unique_ptr<ModeRunner> make_dedicated_runner(const RunnerContext& c) {
+  return std::make_unique<DedicatedRunner>(c);
 }
 
 }  // namespace distmuon

@@ -9,13 +9,50 @@
 #include <span>
 #include <vector>
 
-#include "runtime/engine_impl.h"
+#include "runtime/dist_state.h"
+#include "runtime/muon_batch.h"
+#include "runtime/registry.h"
+#include "runtime/step_state.h"
 
 namespace distmuon {
 
+// What the owner computation needs from the engine beyond the state: the algorithm of a shape,
+// and the scratch and CacheMuon binding of a batch (Engine::Impl implements it).
+class BatchResources {
+ public:
+  // The algorithm the group runs on a wide m x n shape (its tuned choice where there is one).
+  virtual OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const = 0;
+  // Before a batch of `count` m x n matrices is orthogonalized: binds the CacheMuon class
+  // `cache` (-1: none) to its group's options, grows the shared workspace -- and, when x is not
+  // null, the shared iteration buffer, returned in x -- and says how the batch is
+  // orthogonalized: through the cache where this step uses it (matrix k on entry entries[k]),
+  // else fresh (entries is then cleared).
+  virtual BatchOrtho prepare_batch(const OrthoConfig& resolved, int cache,
+                                   std::vector<int64_t>& entries, int64_t count, int64_t m,
+                                   int64_t n, BatchRef* x) = 0;
+
+ protected:
+  ~BatchResources() = default;
+};
+
+// What a runner's stages see: the registry (read-only), the distributed layout and
+// communicators, the step's statuses and counters, and the batch resources -- not the engine.
+struct RunnerContext {
+  Backend& backend;
+  const Registry& registry;
+  DistState& dist;
+  StepRecord& record;
+  BatchResources& resources;
+};
+
 class ModeRunner {
  public:
-  explicit ModeRunner(Engine::Impl& e) : e_(e) {}
+  explicit ModeRunner(const RunnerContext& c)
+      : backend_(c.backend),
+        registry_(c.registry),
+        dist_(c.dist),
+        record_(c.record),
+        resources_(c.resources) {}
   virtual ~ModeRunner() = default;
 
   virtual void setup() = 0;  // buffers, once the plan and the buckets exist
@@ -42,15 +79,14 @@ class ModeRunner {
   // the wire dtype (the shards apply it).
   void owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
                             std::span<const MuonSlot> slots, const std::function<void*(int j)>& out);
-  // Before a run is orthogonalized: grows the shared scratch for it (x: the run's iteration
-  // buffer) and says how it is orthogonalized -- through CacheMuon where the run uses it on this
-  // rank (its matrices' entries go to `entries`), else fresh.
+  // prepare_batch for a run (its matrices' cache entries go to `entries`; x: the run's shared
+  // iteration buffer).
   BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
                          std::vector<int64_t>* entries, BatchRef* x);
   // Pass 2 and the orthogonalization of an owner's run: the run's iteration buffer.
   BatchRef owner_orthogonalize(const Bucket& b, const Bucket::Run& run, const MuonBatch& batch);
   int32_t* status_at(const Bucket& b, int pos) const {
-    return e_.step_status.as<int32_t>() + b.status_offset + pos;
+    return record_.step_status.as<int32_t>() + b.status_offset + pos;
   }
   // Element `elems` of a buffer of dtype t.
   static char* at(const void* base, int64_t elems, DType t) {
@@ -59,7 +95,7 @@ class ModeRunner {
   }
   // Where row `row` of matrix j starts in this rank's local shard of its parameter.
   int64_t local_offset(const DistMatrix& m, int64_t row) const {
-    const Param& p = e_.params[m.param];
+    const Param& p = registry_.params[m.param];
     return m.slice * m.rows * m.cols + row * m.cols - p.spec.shard.row_begin * p.inner;
   }
   // Element offset of matrix j in its (unsharded) parameter.
@@ -67,12 +103,16 @@ class ModeRunner {
   // Copies (converting dtype when needed) a rows x cols block.
   void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows, int64_t cols);
 
-  Engine::Impl& e_;
+  Backend& backend_;
+  const Registry& registry_;
+  DistState& dist_;
+  StepRecord& record_;
+  BatchResources& resources_;
 };
 
-std::unique_ptr<ModeRunner> make_gather_runner(Engine::Impl& e);
-std::unique_ptr<ModeRunner> make_sharded_runner(Engine::Impl& e);
-std::unique_ptr<ModeRunner> make_replicated_runner(Engine::Impl& e);
-std::unique_ptr<ModeRunner> make_dedicated_runner(Engine::Impl& e);
+std::unique_ptr<ModeRunner> make_gather_runner(const RunnerContext& c);
+std::unique_ptr<ModeRunner> make_sharded_runner(const RunnerContext& c);
+std::unique_ptr<ModeRunner> make_replicated_runner(const RunnerContext& c);
+std::unique_ptr<ModeRunner> make_dedicated_runner(const RunnerContext& c);
 
 }  // namespace distmuon

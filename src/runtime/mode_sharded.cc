@@ -18,29 +18,29 @@ class ShardedRunner final : public ModeRunner {
   using ModeRunner::ModeRunner;
 
   void setup() override {
-    const size_t n = e_.mats.size();
+    const size_t n = dist_.mats.size();
     gofs_.assign(n, -1);
     oofs_.assign(n, -1);
-    bufs_.resize(e_.buckets.size());
-    for (size_t b = 0; b < e_.buckets.size(); ++b) {
-      const Bucket& bk = e_.buckets[b];
+    bufs_.resize(dist_.buckets.size());
+    for (size_t b = 0; b < dist_.buckets.size(); ++b) {
+      const Bucket& bk = dist_.buckets[b];
       B& s = bufs_[b];
       int64_t g = 0, o = 0, send = 0, recv = 0;
       for (int j : bk.mats) {
-        const DistMatrix& m = e_.mats[j];
-        const int64_t mine = (m.hi[e_.my_s] - m.lo[e_.my_s]) * m.cols;
-        if (m.owner == e_.rank) {
+        const DistMatrix& m = dist_.mats[j];
+        const int64_t mine = (m.hi[dist_.my_s] - m.lo[dist_.my_s]) * m.cols;
+        if (m.owner == dist_.rank) {
           gofs_[j] = g;
           g += m.numel();
         }
-        if (m.owner_s == e_.my_s) {
+        if (m.owner_s == dist_.my_s) {
           oofs_[j] = o;
           o += m.numel();
         }
-        if (m.owner_r == e_.my_r) send += mine;
+        if (m.owner_r == dist_.my_r) send += mine;
         recv += mine;
       }
-      const DType w = e_.mats[bk.mats[0]].wire;
+      const DType w = dist_.mats[bk.mats[0]].wire;
       s.gstage = alloc(g, w);
       s.recv_g = alloc(g, w);
       s.ostage = alloc(o, w);
@@ -54,9 +54,9 @@ class ShardedRunner final : public ModeRunner {
 
   void pass1(int b, StepContext& ctx) override {
     unpack(b);
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_norms(bk, run, slots(bk, run));
+      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank) owner_norms(bk, run, slots(bk, run));
     (void)ctx;
   }
 
@@ -87,23 +87,23 @@ class ShardedRunner final : public ModeRunner {
   };
 
   Buffer alloc(int64_t elems, DType t) {
-    return e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(elems, 1)) * dtype_size(t));
+    return backend_.alloc(static_cast<size_t>(std::max<int64_t>(elems, 1)) * dtype_size(t));
   }
   int64_t piece(const DistMatrix& m, int q) const { return (m.hi[q] - m.lo[q]) * m.cols; }
 
   void collect(int b, StepContext& ctx) {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     B& s = bufs_[b];
-    const int S = e_.shard_size, me = e_.my_s;
+    const int S = dist_.shard_size, me = dist_.my_s;
     s.sc.assign(S, 0), s.sd.assign(S, 0), s.rc.assign(S, 0), s.rd.assign(S, 0);
     if (bk.act.empty()) return;
-    const DType w = e_.mats[bk.mats[0]].wire;
+    const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the matrices owned at position q of my replica
       s.sd[q] = cur;
       for (int j : bk.act) {
-        const DistMatrix& m = e_.mats[j];
-        if (m.owner_r != e_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner_r != dist_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
         const ParamData& d = ctx.data[m.param];
         copy_block(at(d.grad, local_offset(m, m.lo[me]), d.grad_dtype), d.grad_dtype,
                    at(s.send_g.data(), cur, w), w, m.hi[me] - m.lo[me], m.cols);
@@ -115,22 +115,22 @@ class ShardedRunner final : public ModeRunner {
     for (int q = 0; q < S; ++q) {  // every position's rows of the matrices I own
       s.rd[q] = cur;
       for (int j : bk.act)
-        if (e_.mats[j].owner == e_.rank) cur += piece(e_.mats[j], q);
+        if (dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
       s.rc[q] = cur - s.rd[q];
     }
-    s.collect = e_.shard->all_to_all_v(s.send_g.data(), s.sc, s.sd, s.recv_g.data(), s.rc, s.rd,
+    s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.sc, s.sd, s.recv_g.data(), s.rc, s.rd,
                                        comm_type(w));
   }
 
   void unpack(int b) {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     B& s = bufs_[b];
-    e_.wait_on_stream(s.collect);
-    for (int q = 0; q < e_.shard_size; ++q) {
+    dist_.wait_on_stream(s.collect);
+    for (int q = 0; q < dist_.shard_size; ++q) {
       int64_t cur = s.rd[q];
       for (int j : bk.act) {
-        const DistMatrix& m = e_.mats[j];
-        if (m.owner != e_.rank || piece(m, q) == 0) continue;
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner != dist_.rank || piece(m, q) == 0) continue;
         copy_block(at(s.recv_g.data(), cur, m.wire), m.wire,
                    at(s.gstage.data(), gofs_[j] + m.lo[q] * m.cols, m.wire), m.wire,
                    m.hi[q] - m.lo[q], m.cols);
@@ -142,60 +142,60 @@ class ShardedRunner final : public ModeRunner {
   std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = e_.mats[bk.act[k]];
+      const DistMatrix& m = dist_.mats[bk.act[k]];
       MatRef g = MatRef::of(at(bufs_[m.bucket].gstage.data(), gofs_[bk.act[k]], m.wire), m.wire,
                             m.rows, m.cols);
       // The owner holds no weight: pass 3 runs on the shards, so the weight slot is unused.
-      const Param& p = e_.params[m.param];
+      const Param& p = registry_.params[m.param];
       out.push_back({g, MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols), g,
-                     e_.skips_of(p, m.slice)});
+                     record_.skips_of(p, m.slice)});
     }
     return out;
   }
 
   void compute(int b, StepContext& ctx) {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     B& s = bufs_[b];
     if (!ctx.raise) unpack(b);
     std::vector<std::vector<MuonSlot>> run_slots(bk.runs.size());
     for (size_t r = 0; r < bk.runs.size(); ++r) {
-      if (e_.mats[bk.act[bk.runs[r].begin]].owner != e_.rank) continue;
+      if (dist_.mats[bk.act[bk.runs[r].begin]].owner != dist_.rank) continue;
       run_slots[r] = slots(bk, bk.runs[r]);
       if (!ctx.raise) owner_norms(bk, bk.runs[r], run_slots[r]);
     }
     // Shards apply the update, so they must learn whether the owner skipped the matrix.
     if (!ctx.raise && !bk.act.empty())
       s.status =
-          e_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
+          dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
                                static_cast<int64_t>(bk.act.size()), CommType::kI32, ReduceOp::kMax);
     for (size_t r = 0; r < bk.runs.size(); ++r) {
       if (run_slots[r].empty()) continue;
       owner_orthogonalized(bk, bk.runs[r], run_slots[r], [&](int j) {
-        return static_cast<void*>(at(s.ostage.data(), oofs_[j], e_.mats[j].wire));
+        return static_cast<void*>(at(s.ostage.data(), oofs_[j], dist_.mats[j].wire));
       });
     }
-    if (!e_.replica) return;
+    if (!dist_.replica) return;
     for (int j : bk.act) {  // the update reaches the other replicas while the next bucket runs
-      const DistMatrix& m = e_.mats[j];
-      if (m.owner_s != e_.my_s) continue;
-      s.bcast.push_back(e_.replica->broadcast(at(s.ostage.data(), oofs_[j], m.wire), m.numel(),
+      const DistMatrix& m = dist_.mats[j];
+      if (m.owner_s != dist_.my_s) continue;
+      s.bcast.push_back(dist_.replica->broadcast(at(s.ostage.data(), oofs_[j], m.wire), m.numel(),
                                               comm_type(m.wire), m.owner_r));
     }
   }
 
   void relay(int b) {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     B& s = bufs_[b];
-    e_.wait_on_stream(s.bcast);
-    const int S = e_.shard_size, me = e_.my_s;
+    dist_.wait_on_stream(s.bcast);
+    const int S = dist_.shard_size, me = dist_.my_s;
     s.osc.assign(S, 0), s.osd.assign(S, 0), s.orc.assign(S, 0), s.ord.assign(S, 0);
     if (bk.act.empty()) return;
-    const DType w = e_.mats[bk.mats[0]].wire;
+    const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // rows of position q of the updates held at my position
       s.osd[q] = cur;
       for (int j : bk.act) {
-        const DistMatrix& m = e_.mats[j];
+        const DistMatrix& m = dist_.mats[j];
         if (m.owner_s != me || piece(m, q) == 0) continue;
         copy_block(at(s.ostage.data(), oofs_[j] + m.lo[q] * m.cols, w), w,
                    at(s.send_o.data(), cur, w), w, m.hi[q] - m.lo[q], m.cols);
@@ -207,30 +207,30 @@ class ShardedRunner final : public ModeRunner {
     for (int q = 0; q < S; ++q) {  // my rows of the updates held at position q
       s.ord[q] = cur;
       for (int j : bk.act)
-        if (e_.mats[j].owner_s == q) cur += piece(e_.mats[j], me);
+        if (dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
       s.orc[q] = cur - s.ord[q];
     }
-    s.ret = e_.shard->all_to_all_v(s.send_o.data(), s.osc, s.osd, s.recv_o.data(), s.orc, s.ord,
+    s.ret = dist_.shard->all_to_all_v(s.send_o.data(), s.osc, s.osd, s.recv_o.data(), s.orc, s.ord,
                                    comm_type(w));
   }
 
   void apply(int b, StepContext& ctx) {
-    const Bucket& bk = e_.buckets[b];
+    const Bucket& bk = dist_.buckets[b];
     B& s = bufs_[b];
-    e_.wait_on_stream(s.ret);
-    e_.wait_on_stream(s.status);
-    const int me = e_.my_s;
-    for (int q = 0; q < e_.shard_size; ++q) {
+    dist_.wait_on_stream(s.ret);
+    dist_.wait_on_stream(s.status);
+    const int me = dist_.my_s;
+    for (int q = 0; q < dist_.shard_size; ++q) {
       int64_t cur = s.ord[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
-        const DistMatrix& m = e_.mats[bk.act[k]];
+        const DistMatrix& m = dist_.mats[bk.act[k]];
         if (m.owner_s != q || piece(m, me) == 0) continue;
         const int64_t rows = m.hi[me] - m.lo[me];
         MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.wire),
                                  m.wire, rows, m.cols);
         MuonSlot slot{wref, wref, wref};
         MuonUpdateCoef coef = ctx.coef[bk.act[k]];
-        e_.backend.muon_update(
+        backend_.muon_update(
             {&slot, 1}, {&coef, 1}, status_at(bk, static_cast<int>(k)),
             BatchRef::packed(at(s.recv_o.data(), cur, m.wire), m.wire, 1, rows, m.cols), false);
         cur += piece(m, me);
@@ -244,8 +244,8 @@ class ShardedRunner final : public ModeRunner {
 
 }  // namespace
 
-std::unique_ptr<ModeRunner> make_sharded_runner(Engine::Impl& e) {
-  return std::make_unique<ShardedRunner>(e);
+std::unique_ptr<ModeRunner> make_sharded_runner(const RunnerContext& c) {
+  return std::make_unique<ShardedRunner>(c);
 }
 
 }  // namespace distmuon
