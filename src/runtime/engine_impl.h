@@ -13,6 +13,7 @@
 
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
+#include "plan/runtime_plan.h"  // the start-up plan (dist_setup.cc)
 #include "runtime/dist_state.h"
 #include "runtime/mode_runner.h"
 #include "runtime/muon_batch.h"
@@ -196,21 +197,5 @@ std::vector<char> host_all_gather_v(Communicator& comm, Backend& be, const std::
 void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& values, ReduceOp op);
 
 std::string join_shape(std::span<const int64_t> s);
-
-// What the start-up plan is made from.
-struct RuntimePlanSpec {
-  std::string solver = "milp";           // milp | lpt | round-robin
-  OrthoConfig ortho;                     // the algorithm costed
-  DeviceKind device = DeviceKind::kCPU;  // picks the analytic rates
-  std::string cost_file;                 // measured costs instead (distmuon-plan --measure)
-  std::string device_name;               // whose table cost_file must hold (Backend::name())
-  std::vector<int> owners;               // fixed owners (DistOptions::owners): only batched
-};
-// The plan call site: the solver on analytic (or measured) costs, with a CPU-time guard on the
-// MILP and LPT for instances too large to solve at start-up.
-Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
-                       const RuntimePlanSpec& spec);
-// The layer index parsed from a parameter name (see dist_setup.cc), -1 when it has none.
-int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids);
 
 }  // namespace distmuon
