@@ -65,7 +65,7 @@ void Engine::Impl::adam_check(StepContext& ctx) {
       continue;
     }
     AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
-               p.spec.dtype, d.grad_dtype, p.local_numel, step_count(i)};
+               p.spec.dtype, d.grad_dtype, p.local_numel,   step_count(i)};
     if (reduces_adam_gradients()) {
       s.grad = adam_stage.as<char>() + adam_offset[k];
       s.grad_dtype = p.spec.dtype;

@@ -113,8 +113,14 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     arena.x_used += x_bytes;
     arena.slots_used += count;
 
-    const MuonBatch batch{backend, groups[m0.group].muon, r, count, pb.tall_begin, slots,
-                          arena.norms.as<double>() + pb.slot, arena.status.as<int32_t>() + pb.slot};
+    const MuonBatch batch{backend,
+                          groups[m0.group].muon,
+                          r,
+                          count,
+                          pb.tall_begin,
+                          slots,
+                          arena.norms.as<double>() + pb.slot,
+                          arena.status.as<int32_t>() + pb.slot};
     batch.momentum_norm();
     std::vector<int64_t> entries;
     for (int j : pb.mats) entries.push_back(mats[j].cache_entry);
@@ -142,8 +148,14 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
       slots.push_back({ref, ref, ref});  // the update reads only the weight
       coefs.push_back(ctx.coef[j]);
     }
-    const MuonBatch batch{backend, groups[m0.group].muon, {},     count, pb.tall_begin, slots,
-                          nullptr, prepared.status.as<int32_t>() + pb.slot};
+    const MuonBatch batch{backend,
+                          groups[m0.group].muon,
+                          {},
+                          count,
+                          pb.tall_begin,
+                          slots,
+                          nullptr,
+                          prepared.status.as<int32_t>() + pb.slot};
     batch.update(coefs, BatchRef::packed(prepared.x.as<char>() + pb.x_offset, pb.x_dtype, count,
                                          m0.m(), m0.n()));
   }

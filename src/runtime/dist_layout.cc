@@ -80,9 +80,8 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
   for (size_t j = 0; j < mats.size(); ++j) {
     DistMatrix& m = mats[j];
     const int64_t mb = m.numel() * static_cast<int64_t>(dtype_size(m.wire));
-    const bool split =
-        !buckets.empty() && ((bucket_bytes > 0 && bytes + mb > bucket_bytes) ||
-                             mats[buckets.back().mats[0]].wire != m.wire);
+    const bool split = !buckets.empty() && ((bucket_bytes > 0 && bytes + mb > bucket_bytes) ||
+                                            mats[buckets.back().mats[0]].wire != m.wire);
     if (buckets.empty() || split) {
       buckets.emplace_back();
       bytes = 0;
@@ -143,6 +142,5 @@ CommStats DistState::comm_stats() const {
   if (replica) s += replica->stats();
   return s;
 }
-
 
 }  // namespace distmuon

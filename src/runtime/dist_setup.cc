@@ -132,7 +132,7 @@ void Engine::Impl::dist_setup() {
     const int64_t layer = layer_of(p.spec.name, layer_ids);
     for (int64_t s = 0; s < p.layout.count; ++s) {
       PlanMatrix m;
-      m.name = p.layout.count > 1 ? p.spec.name + "[" + std::to_string(s) + "]" : p.spec.name;
+      m.name = slice_name(static_cast<int>(i), s);
       m.rows = p.layout.rows;
       m.cols = p.layout.cols;
       m.layer = layer;

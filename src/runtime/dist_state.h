@@ -26,8 +26,8 @@ struct DistMatrix {
   // Rows [lo[q], hi[q]) of the matrix are held by shard position q (sharded and gather).
   std::vector<int64_t> lo, hi;
   Buffer momentum;  // owner modes: on the owner only
-  // CacheMuon: its entry in Engine::Impl::caches, where this rank orthogonalizes it (owner modes: on the
-  // owner; gather: everywhere), else -1.
+  // CacheMuon: its entry in Engine::Impl::caches, where this rank orthogonalizes it (owner modes:
+  // on the owner; gather: everywhere), else -1.
   int cache = -1;
   int64_t cache_entry = -1;
   bool tall() const { return rows > cols; }

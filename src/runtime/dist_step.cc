@@ -99,8 +99,8 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
     b.act.clear();
     b.runs.clear();
     for (int j : b.mats)  // prepared matrices only take their update (apply_prepared)
-      if (ctx.active[mats[j].param] &&
-          (prepared.is_prepared.empty() || !prepared.is_prepared[j])) b.act.push_back(j);
+      if (ctx.active[mats[j].param] && (prepared.is_prepared.empty() || !prepared.is_prepared[j]))
+        b.act.push_back(j);
     for (int k = 0; k < static_cast<int>(b.act.size()); ++k) {
       const DistMatrix& m = mats[b.act[k]];
       bool same = false;

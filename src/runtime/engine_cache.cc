@@ -45,8 +45,12 @@ bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, in
 BatchOrtho Engine::Impl::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
                                      size_t workspace_bytes) {
   const bool cached = cache >= 0 && caches[cache].use;
-  return {&ortho,   &stats.ortho, cached ? caches[cache].cache.get() : nullptr,
-          cached ? entries : std::span<const int64_t>{}, workspace, workspace_bytes};
+  return {&ortho,
+          &stats.ortho,
+          cached ? caches[cache].cache.get() : nullptr,
+          cached ? entries : std::span<const int64_t>{},
+          workspace,
+          workspace_bytes};
 }
 
 BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
@@ -56,8 +60,9 @@ BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
   const bool cached =
       cache >= 0 && prepare_cache(caches[cache], resolved, count, &cached_workspace);
   if (!cached) entries.clear();
-  ensure_scratch(resolved, x ? count : 0, m, n,
-                 std::max(cached_workspace, Orthogonalizer::workspace_bytes(resolved, count, m, n)));
+  ensure_scratch(
+      resolved, x ? count : 0, m, n,
+      std::max(cached_workspace, Orthogonalizer::workspace_bytes(resolved, count, m, n)));
   if (x) *x = BatchRef::packed(this->x.data(), iteration_dtype(resolved), count, m, n);
   return batch_ortho(cached ? cache : -1, entries, workspace.data(), workspace_size);
 }

@@ -122,10 +122,10 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
         return const_cast<char*>(static_cast<const char*>(base)) + offset * dtype_size(t);
       };
       status_names[status_offset + cs.slots.size()] = slice_name(pi, slice);
-      cs.slots.push_back({MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, rows, cols),
-                          MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, rows, cols),
-                          MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols),
-                          skips_of(p, slice)});
+      cs.slots.push_back(
+          {MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, rows, cols),
+           MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, rows, cols),
+           MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols), skips_of(p, slice)});
       cs.coefs.push_back(muon_update_coef(groups[c.group].muon, rows, cols));
       cs.entries.push_back(static_cast<int64_t>(k));
       if (static_cast<int64_t>(k) < c.wide_members) cs.tall_begin += 1;

@@ -16,7 +16,7 @@ void ModeRunner::copy_block(const void* src, DType src_t, void* dst, DType dst_t
     return;
   }
   backend_.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
-                        ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
+                      ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
 }
 
 MuonBatch ModeRunner::run_batch(const Bucket& b, const Bucket::Run& run,
@@ -45,8 +45,8 @@ BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
   // The matrices of a run share the group and shape, so their entries are of one cache class.
   entries->clear();
   for (int k = run.begin; k < run.end; ++k) entries->push_back(dist_.mats[b.act[k]].cache_entry);
-  return resources_.prepare_batch(resolved, m0.cache, *entries, run.end - run.begin, m0.m(),
-                                  m0.n(), x);
+  return resources_.prepare_batch(resolved, m0.cache, *entries, run.end - run.begin, m0.m(), m0.n(),
+                                  x);
 }
 
 BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run,
@@ -78,7 +78,7 @@ void ModeRunner::owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
     const int j = b.act[k];
     const DistMatrix& m = dist_.mats[j];
     backend_.scale_copy(x.slice(k - run.begin, 1), m.tall(), ScaleSpec{},
-                          BatchRef::packed(out(j), m.wire, 1, m.rows, m.cols));
+                        BatchRef::packed(out(j), m.wire, 1, m.rows, m.cols));
   }
 }
 
@@ -96,7 +96,8 @@ class ReplicatedRunner final : public ModeRunner {
   void pass1(int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
     for (const Bucket::Run& run : bk.runs)
-      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank) owner_norms(bk, run, slots(bk, run, ctx));
+      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank)
+        owner_norms(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {

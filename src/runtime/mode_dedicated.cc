@@ -21,8 +21,8 @@ class DedicatedRunner final : public ModeRunner {
 
   void setup() override {
     caller_ = dist_.dist.caller_transfers;
-    gofs_.assign(dist_.mats.size(), -1);
-    cofs_.assign(dist_.mats.size(), -1);
+    grad_stage_offset_.assign(dist_.mats.size(), -1);
+    convert_offset_.assign(dist_.mats.size(), -1);
     bufs_.resize(dist_.buckets.size());
     for (size_t b = 0; b < dist_.buckets.size(); ++b) {
       const Bucket& bk = dist_.buckets[b];
@@ -30,17 +30,17 @@ class DedicatedRunner final : public ModeRunner {
       for (int j : bk.mats) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_s == dist_.my_s) {  // reduced here (the owner, or the relay of its replica)
-          gofs_[j] = g;
+          grad_stage_offset_[j] = g;
           g += m.numel();
         }
-        cofs_[j] = c;
+        convert_offset_[j] = c;
         c += m.numel();
       }
       const DType w = dist_.mats[bk.mats[0]].wire;
       if (!caller_)
         bufs_[b].gstage =
             backend_.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
-      conv_elems_.push_back(c);
+      convert_elems_.push_back(c);
     }
   }
   int num_stages() const override { return 5; }
@@ -54,15 +54,16 @@ class DedicatedRunner final : public ModeRunner {
           owner_norms(bk, run, caller_slots(bk, run, ctx));
       return;
     }
-    dist_.wait_on_stream(bufs_[b].h1);
+    dist_.wait_on_stream(bufs_[b].reduce_across_replicas);
     scale(bk);
     for (const Bucket::Run& run : bk.runs)
-      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank) owner_norms(bk, run, slots(bk, run, ctx));
+      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank)
+        owner_norms(bk, run, slots(bk, run, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     if (caller_) {
       if (stage == 2) caller_step(bk, ctx);
       return;
@@ -72,22 +73,22 @@ class DedicatedRunner final : public ModeRunner {
         for (int j : bk.act) {
           const DistMatrix& m = dist_.mats[j];
           void* recv = m.owner_s == dist_.my_s ? gstage(j) : nullptr;
-          s.h0.push_back(dist_.shard->reduce(source(b, j, ctx), recv, m.numel(), comm_type(m.wire),
-                                          ReduceOp::kSum, m.owner_s));
+          s.reduce_in_shard.push_back(dist_.shard->reduce(
+              source(b, j, ctx), recv, m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_s));
         }
         break;
       case 1:
-        dist_.wait_on_stream(s.h0);
+        dist_.wait_on_stream(s.reduce_in_shard);
         if (!dist_.replica) break;
         for (int j : bk.act) {
           const DistMatrix& m = dist_.mats[j];
           if (m.owner_s != dist_.my_s) continue;
-          s.h1.push_back(dist_.replica->reduce(gstage(j), gstage(j), m.numel(), comm_type(m.wire),
-                                            ReduceOp::kSum, m.owner_r));
+          s.reduce_across_replicas.push_back(dist_.replica->reduce(
+              gstage(j), gstage(j), m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_r));
         }
         break;
       case 2:
-        dist_.wait_on_stream(s.h1);
+        dist_.wait_on_stream(s.reduce_across_replicas);
         if (!ctx.raise) scale(bk);
         for (const Bucket::Run& run : bk.runs) {
           if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
@@ -100,37 +101,42 @@ class DedicatedRunner final : public ModeRunner {
           void* w = weight(j, ctx);
           if (dist_.replica) {
             if (m.owner_s == dist_.my_s)
-              s.h2.push_back(dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+              s.broadcast_first.push_back(
+                  dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
           } else {
-            s.h2.push_back(dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+            s.broadcast_first.push_back(
+                dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
           }
         }
         break;
       case 3:
         if (!dist_.replica) break;
-        dist_.wait_on_stream(s.h2);
+        dist_.wait_on_stream(s.broadcast_first);
         for (int j : bk.act) {
           const DistMatrix& m = dist_.mats[j];
-          s.h3.push_back(
+          s.broadcast_in_shard.push_back(
               dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
         }
         break;
       case 4:
-        dist_.wait_on_stream(s.h2);
-        dist_.wait_on_stream(s.h3);
+        dist_.wait_on_stream(s.broadcast_first);
+        dist_.wait_on_stream(s.broadcast_in_shard);
         break;
     }
   }
 
  private:
-  struct B {
+  struct BucketBuffers {
     Buffer gstage, conv;
-    std::vector<CommHandle> h0, h1, h2, h3;
+    // Per stage: 0 reduce in the shard group, 1 reduce across replicas, 2 broadcast across
+    // replicas (flat: to everyone), 3 broadcast in the shard group.
+    std::vector<CommHandle> reduce_in_shard, reduce_across_replicas, broadcast_first,
+        broadcast_in_shard;
   };
 
   void* gstage(int j) {
     const DistMatrix& m = dist_.mats[j];
-    return at(bufs_[m.bucket].gstage.data(), gofs_[j], m.wire);
+    return at(bufs_[m.bucket].gstage.data(), grad_stage_offset_[j], m.wire);
   }
   void* weight(int j, const StepContext& ctx) {
     const DistMatrix& m = dist_.mats[j];
@@ -142,10 +148,10 @@ class DedicatedRunner final : public ModeRunner {
     const DistMatrix& m = dist_.mats[j];
     const ParamData& d = ctx.data[m.param];
     if (ctx.has_local[m.param] && d.grad_dtype == m.wire) return at(d.grad, full_offset(m), m.wire);
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     if (!s.conv)
-      s.conv = backend_.alloc(static_cast<size_t>(conv_elems_[b]) * dtype_size(m.wire));
-    void* dst = at(s.conv.data(), cofs_[j], m.wire);
+      s.conv = backend_.alloc(static_cast<size_t>(convert_elems_[b]) * dtype_size(m.wire));
+    void* dst = at(s.conv.data(), convert_offset_[j], m.wire);
     if (ctx.has_local[m.param])
       copy_block(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, dst, m.wire, m.rows,
                  m.cols);
@@ -168,10 +174,11 @@ class DedicatedRunner final : public ModeRunner {
     for (int k = run.begin; k < run.end; ++k) {
       const int j = bk.act[k];
       const DistMatrix& m = dist_.mats[j];
-      out.push_back({MatRef::of(gstage(j), m.wire, m.rows, m.cols),
-                     MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
-                     MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
-                     record_.skips_of(registry_.params[m.param], m.slice)});
+      out.push_back(
+          {MatRef::of(gstage(j), m.wire, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
+           record_.skips_of(registry_.params[m.param], m.slice)});
     }
     return out;
   }
@@ -204,8 +211,8 @@ class DedicatedRunner final : public ModeRunner {
   }
 
   bool caller_ = false;
-  std::vector<B> bufs_;
-  std::vector<int64_t> gofs_, cofs_, conv_elems_;
+  std::vector<BucketBuffers> bufs_;
+  std::vector<int64_t> grad_stage_offset_, convert_offset_, convert_elems_;
 };
 
 }  // namespace

@@ -47,8 +47,8 @@ class GatherRunner final : public ModeRunner {
       // Every holder must skip a matrix whose rows are non-finite anywhere.
       if (!bk.act.empty()) {
         CommHandle h = dist_.shard->all_reduce(status_at(bk, 0), status_at(bk, 0),
-                                            static_cast<int64_t>(bk.act.size()), CommType::kI32,
-                                            ReduceOp::kMax);
+                                               static_cast<int64_t>(bk.act.size()), CommType::kI32,
+                                               ReduceOp::kMax);
         dist_.wait_on_stream(h);
       }
       gather(b, ctx);
@@ -59,7 +59,7 @@ class GatherRunner final : public ModeRunner {
   }
 
  private:
-  struct B {
+  struct BucketBuffers {
     Buffer send, recv, ustage;
     std::vector<int64_t> recv_counts, recv_displs;  // all-gather, per shard position
     CommHandle h;
@@ -74,7 +74,8 @@ class GatherRunner final : public ModeRunner {
     const int64_t rows = m.hi[me] - m.lo[me], off = local_offset(m, m.lo[me]);
     return {MatRef::of(at(d.grad, off, d.grad_dtype), d.grad_dtype, rows, m.cols),
             MatRef::of(at(p.state0.data(), off, p.state0_dtype), p.state0_dtype, rows, m.cols),
-            MatRef::of(at(d.param, off, m.wire), m.wire, rows, m.cols), record_.skips_of(p, m.slice)};
+            MatRef::of(at(d.param, off, m.wire), m.wire, rows, m.cols),
+            record_.skips_of(p, m.slice)};
   }
 
   // Statuses of my rows, one launch per segment of consecutive matrices of one group.
@@ -95,9 +96,14 @@ class GatherRunner final : public ModeRunner {
       const int64_t first = bk.status_offset + static_cast<int64_t>(k);
       const int64_t count = static_cast<int64_t>(slots.size());
       // Rows of matrices of any shape: only pass 1 runs on this batch (no orthogonalization).
-      const MuonBatch rows{backend_, registry_.groups[m0.group].muon, OrthoConfig{},
-                           count,      count,                     slots,
-                           record_.step_norms.as<double>() + first,    record_.step_status.as<int32_t>() + first};
+      const MuonBatch rows{backend_,
+                           registry_.groups[m0.group].muon,
+                           OrthoConfig{},
+                           count,
+                           count,
+                           slots,
+                           record_.step_norms.as<double>() + first,
+                           record_.step_status.as<int32_t>() + first};
       rows.momentum_norm();
       k = end;
     }
@@ -107,7 +113,7 @@ class GatherRunner final : public ModeRunner {
   // into the send buffer, unnormalised; then all-gather.
   void gather(int b, const StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     const int S = dist_.shard_size;
     s.recv_counts.assign(S, 0), s.recv_displs.assign(S, 0);
     if (bk.act.empty()) return;
@@ -119,9 +125,8 @@ class GatherRunner final : public ModeRunner {
       MuonSlot slot = local_slot(m, ctx);
       const MuonOptions& opt = registry_.groups[m.group].muon;
       backend_.muon_momentum_apply(
-          {&slot, 1}, opt.momentum, opt.nesterov, status_at(bk, static_cast<int>(k)),
-          ScaleSpec{}, false,
-          BatchRef::packed(at(s.send.data(), cur, w), w, 1, slot.grad.rows, m.cols));
+          {&slot, 1}, opt.momentum, opt.nesterov, status_at(bk, static_cast<int>(k)), ScaleSpec{},
+          false, BatchRef::packed(at(s.send.data(), cur, w), w, 1, slot.grad.rows, m.cols));
       cur += piece(m, dist_.my_s);
     }
     int64_t total = 0;
@@ -130,12 +135,13 @@ class GatherRunner final : public ModeRunner {
       for (int j : bk.act) total += piece(dist_.mats[j], q);
       s.recv_counts[q] = total - s.recv_displs[q];
     }
-    s.h = dist_.shard->all_gather_v(s.send.data(), cur, s.recv.data(), s.recv_counts, s.recv_displs, comm_type(w));
+    s.h = dist_.shard->all_gather_v(s.send.data(), cur, s.recv.data(), s.recv_counts, s.recv_displs,
+                                    comm_type(w));
   }
 
   void compute(int b, const StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.h);
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
@@ -151,8 +157,9 @@ class GatherRunner final : public ModeRunner {
       for (size_t k = 0; k < bk.act.size(); ++k) {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (piece(m, q) == 0) continue;
-        copy_block(at(s.recv.data(), c, w), w, at(s.ustage.data(), matrix_offset[k] + m.lo[q] * m.cols, w),
-                   w, m.hi[q] - m.lo[q], m.cols);
+        copy_block(at(s.recv.data(), c, w), w,
+                   at(s.ustage.data(), matrix_offset[k] + m.lo[q] * m.cols, w), w,
+                   m.hi[q] - m.lo[q], m.cols);
         c += piece(m, q);
       }
     }
@@ -168,11 +175,11 @@ class GatherRunner final : public ModeRunner {
       // V is staged in the weights' orientation: normalise each orientation's slice into X.
       batch.for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
         const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
-        BatchRef v = BatchRef::packed(at(s.ustage.data(), matrix_offset[run.begin + k0], w), w,
-                                      len, rows, cols);
+        BatchRef v = BatchRef::packed(at(s.ustage.data(), matrix_offset[run.begin + k0], w), w, len,
+                                      rows, cols);
         backend_.frob_norm(v, batch.norms + k0);
         backend_.scale_copy(v, tall, muon_input_scale(batch.norms + k0, batch.resolved),
-                              x.slice(k0, len));
+                            x.slice(k0, len));
       });
       batch.orthogonalize(x, how);
       for (int k = run.begin; k < run.end; ++k) {
@@ -204,7 +211,7 @@ class GatherRunner final : public ModeRunner {
     }
   }
 
-  std::vector<B> bufs_;
+  std::vector<BucketBuffers> bufs_;
 };
 
 }  // namespace

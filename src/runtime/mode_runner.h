@@ -78,7 +78,8 @@ class ModeRunner {
   // ... or, instead of the update, the orthogonalized matrix j written to out(j), rows x cols in
   // the wire dtype (the shards apply it).
   void owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
-                            std::span<const MuonSlot> slots, const std::function<void*(int j)>& out);
+                            std::span<const MuonSlot> slots,
+                            const std::function<void*(int j)>& out);
   // prepare_batch for a run (its matrices' cache entries go to `entries`; x: the run's shared
   // iteration buffer).
   BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,

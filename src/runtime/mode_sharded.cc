@@ -19,22 +19,22 @@ class ShardedRunner final : public ModeRunner {
 
   void setup() override {
     const size_t n = dist_.mats.size();
-    gofs_.assign(n, -1);
-    oofs_.assign(n, -1);
+    grad_stage_offset_.assign(n, -1);
+    update_stage_offset_.assign(n, -1);
     bufs_.resize(dist_.buckets.size());
     for (size_t b = 0; b < dist_.buckets.size(); ++b) {
       const Bucket& bk = dist_.buckets[b];
-      B& s = bufs_[b];
+      BucketBuffers& s = bufs_[b];
       int64_t g = 0, o = 0, send = 0, recv = 0;
       for (int j : bk.mats) {
         const DistMatrix& m = dist_.mats[j];
         const int64_t mine = (m.hi[dist_.my_s] - m.lo[dist_.my_s]) * m.cols;
         if (m.owner == dist_.rank) {
-          gofs_[j] = g;
+          grad_stage_offset_[j] = g;
           g += m.numel();
         }
         if (m.owner_s == dist_.my_s) {
-          oofs_[j] = o;
+          update_stage_offset_[j] = o;
           o += m.numel();
         }
         if (m.owner_r == dist_.my_r) send += mine;
@@ -78,10 +78,13 @@ class ShardedRunner final : public ModeRunner {
   }
 
  private:
-  struct B {
+  struct BucketBuffers {
     Buffer send_g, recv_g, gstage, ostage, send_o, recv_o;
-    std::vector<int64_t> sc, sd, rc, rd;      // gradient all-to-all, per shard position
-    std::vector<int64_t> osc, osd, orc, ord;  // update all-to-all
+    // Per shard position: counts and displacements of the gradient all-to-all ...
+    std::vector<int64_t> grad_send_counts, grad_send_displs, grad_recv_counts, grad_recv_displs;
+    // ... and of the update all-to-all.
+    std::vector<int64_t> update_send_counts, update_send_displs, update_recv_counts,
+        update_recv_displs;
     CommHandle collect, ret, status;
     std::vector<CommHandle> bcast;
   };
@@ -93,14 +96,15 @@ class ShardedRunner final : public ModeRunner {
 
   void collect(int b, StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     const int S = dist_.shard_size, me = dist_.my_s;
-    s.sc.assign(S, 0), s.sd.assign(S, 0), s.rc.assign(S, 0), s.rd.assign(S, 0);
+    s.grad_send_counts.assign(S, 0), s.grad_send_displs.assign(S, 0),
+        s.grad_recv_counts.assign(S, 0), s.grad_recv_displs.assign(S, 0);
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the matrices owned at position q of my replica
-      s.sd[q] = cur;
+      s.grad_send_displs[q] = cur;
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_r != dist_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
@@ -109,30 +113,31 @@ class ShardedRunner final : public ModeRunner {
                    at(s.send_g.data(), cur, w), w, m.hi[me] - m.lo[me], m.cols);
         cur += piece(m, me);
       }
-      s.sc[q] = cur - s.sd[q];
+      s.grad_send_counts[q] = cur - s.grad_send_displs[q];
     }
     cur = 0;
     for (int q = 0; q < S; ++q) {  // every position's rows of the matrices I own
-      s.rd[q] = cur;
+      s.grad_recv_displs[q] = cur;
       for (int j : bk.act)
         if (dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
-      s.rc[q] = cur - s.rd[q];
+      s.grad_recv_counts[q] = cur - s.grad_recv_displs[q];
     }
-    s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.sc, s.sd, s.recv_g.data(), s.rc, s.rd,
-                                       comm_type(w));
+    s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.grad_send_counts, s.grad_send_displs,
+                                          s.recv_g.data(), s.grad_recv_counts, s.grad_recv_displs,
+                                          comm_type(w));
   }
 
   void unpack(int b) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.collect);
     for (int q = 0; q < dist_.shard_size; ++q) {
-      int64_t cur = s.rd[q];
+      int64_t cur = s.grad_recv_displs[q];
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner != dist_.rank || piece(m, q) == 0) continue;
         copy_block(at(s.recv_g.data(), cur, m.wire), m.wire,
-                   at(s.gstage.data(), gofs_[j] + m.lo[q] * m.cols, m.wire), m.wire,
+                   at(s.gstage.data(), grad_stage_offset_[j] + m.lo[q] * m.cols, m.wire), m.wire,
                    m.hi[q] - m.lo[q], m.cols);
         cur += piece(m, q);
       }
@@ -143,8 +148,9 @@ class ShardedRunner final : public ModeRunner {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
       const DistMatrix& m = dist_.mats[bk.act[k]];
-      MatRef g = MatRef::of(at(bufs_[m.bucket].gstage.data(), gofs_[bk.act[k]], m.wire), m.wire,
-                            m.rows, m.cols);
+      MatRef g =
+          MatRef::of(at(bufs_[m.bucket].gstage.data(), grad_stage_offset_[bk.act[k]], m.wire),
+                     m.wire, m.rows, m.cols);
       // The owner holds no weight: pass 3 runs on the shards, so the weight slot is unused.
       const Param& p = registry_.params[m.param];
       out.push_back({g, MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols), g,
@@ -155,7 +161,7 @@ class ShardedRunner final : public ModeRunner {
 
   void compute(int b, StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     if (!ctx.raise) unpack(b);
     std::vector<std::vector<MuonSlot>> run_slots(bk.runs.size());
     for (size_t r = 0; r < bk.runs.size(); ++r) {
@@ -165,63 +171,66 @@ class ShardedRunner final : public ModeRunner {
     }
     // Shards apply the update, so they must learn whether the owner skipped the matrix.
     if (!ctx.raise && !bk.act.empty())
-      s.status =
-          dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
-                               static_cast<int64_t>(bk.act.size()), CommType::kI32, ReduceOp::kMax);
+      s.status = dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
+                                         static_cast<int64_t>(bk.act.size()), CommType::kI32,
+                                         ReduceOp::kMax);
     for (size_t r = 0; r < bk.runs.size(); ++r) {
       if (run_slots[r].empty()) continue;
       owner_orthogonalized(bk, bk.runs[r], run_slots[r], [&](int j) {
-        return static_cast<void*>(at(s.ostage.data(), oofs_[j], dist_.mats[j].wire));
+        return static_cast<void*>(at(s.ostage.data(), update_stage_offset_[j], dist_.mats[j].wire));
       });
     }
     if (!dist_.replica) return;
     for (int j : bk.act) {  // the update reaches the other replicas while the next bucket runs
       const DistMatrix& m = dist_.mats[j];
       if (m.owner_s != dist_.my_s) continue;
-      s.bcast.push_back(dist_.replica->broadcast(at(s.ostage.data(), oofs_[j], m.wire), m.numel(),
-                                              comm_type(m.wire), m.owner_r));
+      s.bcast.push_back(
+          dist_.replica->broadcast(at(s.ostage.data(), update_stage_offset_[j], m.wire), m.numel(),
+                                   comm_type(m.wire), m.owner_r));
     }
   }
 
   void relay(int b) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.bcast);
     const int S = dist_.shard_size, me = dist_.my_s;
-    s.osc.assign(S, 0), s.osd.assign(S, 0), s.orc.assign(S, 0), s.ord.assign(S, 0);
+    s.update_send_counts.assign(S, 0), s.update_send_displs.assign(S, 0),
+        s.update_recv_counts.assign(S, 0), s.update_recv_displs.assign(S, 0);
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // rows of position q of the updates held at my position
-      s.osd[q] = cur;
+      s.update_send_displs[q] = cur;
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_s != me || piece(m, q) == 0) continue;
-        copy_block(at(s.ostage.data(), oofs_[j] + m.lo[q] * m.cols, w), w,
+        copy_block(at(s.ostage.data(), update_stage_offset_[j] + m.lo[q] * m.cols, w), w,
                    at(s.send_o.data(), cur, w), w, m.hi[q] - m.lo[q], m.cols);
         cur += piece(m, q);
       }
-      s.osc[q] = cur - s.osd[q];
+      s.update_send_counts[q] = cur - s.update_send_displs[q];
     }
     cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the updates held at position q
-      s.ord[q] = cur;
+      s.update_recv_displs[q] = cur;
       for (int j : bk.act)
         if (dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
-      s.orc[q] = cur - s.ord[q];
+      s.update_recv_counts[q] = cur - s.update_recv_displs[q];
     }
-    s.ret = dist_.shard->all_to_all_v(s.send_o.data(), s.osc, s.osd, s.recv_o.data(), s.orc, s.ord,
-                                   comm_type(w));
+    s.ret = dist_.shard->all_to_all_v(s.send_o.data(), s.update_send_counts, s.update_send_displs,
+                                      s.recv_o.data(), s.update_recv_counts, s.update_recv_displs,
+                                      comm_type(w));
   }
 
   void apply(int b, StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.ret);
     dist_.wait_on_stream(s.status);
     const int me = dist_.my_s;
     for (int q = 0; q < dist_.shard_size; ++q) {
-      int64_t cur = s.ord[q];
+      int64_t cur = s.update_recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (m.owner_s != q || piece(m, me) == 0) continue;
@@ -238,8 +247,10 @@ class ShardedRunner final : public ModeRunner {
     }
   }
 
-  std::vector<B> bufs_;
-  std::vector<int64_t> gofs_, oofs_;  // per matrix: offset in gstage (owned) / ostage (my position)
+  std::vector<BucketBuffers> bufs_;
+  // Per matrix: element offset in gstage (matrices I own) and in ostage (matrices owned at my
+  // shard position).
+  std::vector<int64_t> grad_stage_offset_, update_stage_offset_;
 };
 
 }  // namespace

@@ -16,16 +16,16 @@
 #include "backend/muon_ref.h"
 #include "distmuon/backend.h"
 #include "distmuon/cache.h"
-#include "distmuon/ortho.h"
 #include "distmuon/optimizer.h"
+#include "distmuon/ortho.h"
 
 namespace distmuon {
 
 // How the fused Muon passes normalise their input V (backend/muon_ref.h) into the iteration's X,
 // from V's norms: X = V / (m ||V|| + eps * kMuonInputScale) = U / (m ||U|| + eps).
 inline ScaleSpec muon_input_scale(const double* norms, const OrthoConfig& resolved) {
-  return {norms, norm_multiplier(resolved.coefficients),
-          resolved.eps * muon_ref::kMuonInputScale, 1.0};
+  return {norms, norm_multiplier(resolved.coefficients), resolved.eps * muon_ref::kMuonInputScale,
+          1.0};
 }
 
 // Where a batch is orthogonalized: fresh, or through the CacheMuon entries of a cache class,

@@ -21,7 +21,8 @@ struct Param {
   Buffer state0;            // momentum (single process, gather) or exp_avg (AdamW)
   Buffer state1;            // exp_avg_sq (AdamW)
   DType state0_dtype = DType::kF32;
-  int64_t step = 0;  // Muon: steps with a gradient (see StepRecord::matrix_skips); AdamW: step_counts
+  int64_t step =
+      0;  // Muon: steps with a gradient (see StepRecord::matrix_skips); AdamW: step_counts
   int64_t first_matrix = 0;   // Muon: index of its first matrix among all Muon matrices
   std::vector<int> matrices;  // distributed Muon: indices into DistState::mats, one per slice
   int adam_index = -1;        // AdamW: position among the AdamW parameters
