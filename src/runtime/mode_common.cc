@@ -38,6 +38,20 @@ void ModeRunner::owner_norms(const Bucket& b, const Bucket::Run& run,
   run_batch(b, run, slots).momentum_norm();
 }
 
+void ModeRunner::owned_norms(const Bucket& b, const SlotsOf& slots_of) {
+  for (const Bucket::Run& run : b.runs)
+    if (dist_.mats[b.act[run.begin]].owner == dist_.rank) owner_norms(b, run, slots_of(run));
+}
+
+void ModeRunner::step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of) {
+  for (const Bucket::Run& run : b.runs) {
+    if (dist_.mats[b.act[run.begin]].owner != dist_.rank) continue;
+    const std::vector<MuonSlot> run_slots = slots_of(run);
+    if (!ctx.raise) owner_norms(b, run, run_slots);
+    owner_update(b, run, run_slots, ctx);
+  }
+}
+
 BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
                                    const OrthoConfig& resolved, std::vector<int64_t>* entries,
                                    BatchRef* x) {
@@ -95,9 +109,7 @@ class ReplicatedRunner final : public ModeRunner {
 
   void pass1(int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
-    for (const Bucket::Run& run : bk.runs)
-      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank)
-        owner_norms(bk, run, slots(bk, run, ctx));
+    owned_norms(bk, [&](const Bucket::Run& run) { return slots(bk, run, ctx); });
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
@@ -106,12 +118,7 @@ class ReplicatedRunner final : public ModeRunner {
       dist_.wait_on_stream(handles_[b]);
       return;
     }
-    for (const Bucket::Run& run : bk.runs) {
-      if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
-      const std::vector<MuonSlot> run_slots = slots(bk, run, ctx);
-      if (!ctx.raise) owner_norms(bk, run, run_slots);
-      owner_update(bk, run, run_slots, ctx);
-    }
+    step_owned_runs(bk, ctx, [&](const Bucket::Run& run) { return slots(bk, run, ctx); });
     for (int j : bk.act) {
       const DistMatrix& m = dist_.mats[j];
       void* w = at(ctx.data[m.param].param, full_offset(m), m.wire);

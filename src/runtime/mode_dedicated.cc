@@ -48,24 +48,18 @@ class DedicatedRunner final : public ModeRunner {
 
   void pass1(int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
-    if (caller_) {
-      for (const Bucket::Run& run : bk.runs)
-        if (dist_.mats[bk.act[run.begin]].owner == dist_.rank)
-          owner_norms(bk, run, caller_slots(bk, run, ctx));
-      return;
+    if (!caller_) {
+      dist_.wait_on_stream(bufs_[b].reduce_across_replicas);
+      scale(bk);
     }
-    dist_.wait_on_stream(bufs_[b].reduce_across_replicas);
-    scale(bk);
-    for (const Bucket::Run& run : bk.runs)
-      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank)
-        owner_norms(bk, run, slots(bk, run, ctx));
+    owned_norms(bk, owned_slots(bk, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
     BucketBuffers& s = bufs_[b];
     if (caller_) {
-      if (stage == 2) caller_step(bk, ctx);
+      if (stage == 2) step_owned_runs(bk, ctx, owned_slots(bk, ctx));
       return;
     }
     switch (stage) {
@@ -90,12 +84,7 @@ class DedicatedRunner final : public ModeRunner {
       case 2:
         dist_.wait_on_stream(s.reduce_across_replicas);
         if (!ctx.raise) scale(bk);
-        for (const Bucket::Run& run : bk.runs) {
-          if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
-          const std::vector<MuonSlot> run_slots = slots(bk, run, ctx);
-          if (!ctx.raise) owner_norms(bk, run, run_slots);
-          owner_update(bk, run, run_slots, ctx);
-        }
+        step_owned_runs(bk, ctx, owned_slots(bk, ctx));
         for (int j : bk.act) {
           const DistMatrix& m = dist_.mats[j];
           void* w = weight(j, ctx);
@@ -201,13 +190,11 @@ class DedicatedRunner final : public ModeRunner {
     }
     return out;
   }
-  void caller_step(const Bucket& bk, StepContext& ctx) {
-    for (const Bucket::Run& run : bk.runs) {
-      if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
-      const std::vector<MuonSlot> run_slots = caller_slots(bk, run, ctx);
-      if (!ctx.raise) owner_norms(bk, run, run_slots);
-      owner_update(bk, run, run_slots, ctx);
-    }
+  // The owner's slots: the staged reduced gradients, or the caller's buffers.
+  SlotsOf owned_slots(const Bucket& bk, const StepContext& ctx) {
+    return [this, &bk, &ctx](const Bucket::Run& run) {
+      return caller_ ? caller_slots(bk, run, ctx) : slots(bk, run, ctx);
+    };
   }
 
   bool caller_ = false;

@@ -84,6 +84,13 @@ class ModeRunner {
   // iteration buffer).
   BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
                          std::vector<int64_t>* entries, BatchRef* x);
+  // The slots of a run's matrices, as the mode holds them.
+  using SlotsOf = std::function<std::vector<MuonSlot>(const Bucket::Run& run)>;
+  // Pass 1 on every run of bucket b this rank owns (the raise policy's pass1()).
+  void owned_norms(const Bucket& b, const SlotsOf& slots_of);
+  // The owner's step on every run of bucket b it owns: pass 1 (unless the raise policy ran it
+  // already), then owner_update.
+  void step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of);
   // Pass 2 and the orthogonalization of an owner's run: the run's iteration buffer.
   BatchRef owner_orthogonalize(const Bucket& b, const Bucket::Run& run, const MuonBatch& batch);
   int32_t* status_at(const Bucket& b, int pos) const {

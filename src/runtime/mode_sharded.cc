@@ -55,8 +55,7 @@ class ShardedRunner final : public ModeRunner {
   void pass1(int b, StepContext& ctx) override {
     unpack(b);
     const Bucket& bk = dist_.buckets[b];
-    for (const Bucket::Run& run : bk.runs)
-      if (dist_.mats[bk.act[run.begin]].owner == dist_.rank) owner_norms(bk, run, slots(bk, run));
+    owned_norms(bk, [&](const Bucket::Run& run) { return slots(bk, run); });
     (void)ctx;
   }
 
@@ -78,13 +77,17 @@ class ShardedRunner final : public ModeRunner {
   }
 
  private:
+  // Elements to and from each shard position in one all-to-all.
+  struct AllToAllLayout {
+    std::vector<int64_t> send_counts, send_displs, recv_counts, recv_displs;
+    void reset(int positions) {
+      for (auto* v : {&send_counts, &send_displs, &recv_counts, &recv_displs})
+        v->assign(positions, 0);
+    }
+  };
   struct BucketBuffers {
     Buffer send_g, recv_g, gstage, ostage, send_o, recv_o;
-    // Per shard position: counts and displacements of the gradient all-to-all ...
-    std::vector<int64_t> grad_send_counts, grad_send_displs, grad_recv_counts, grad_recv_displs;
-    // ... and of the update all-to-all.
-    std::vector<int64_t> update_send_counts, update_send_displs, update_recv_counts,
-        update_recv_displs;
+    AllToAllLayout grad, update;  // the gradient rows' all-to-all and the update rows' one
     CommHandle collect, ret, status;
     std::vector<CommHandle> bcast;
   };
@@ -98,13 +101,12 @@ class ShardedRunner final : public ModeRunner {
     const Bucket& bk = dist_.buckets[b];
     BucketBuffers& s = bufs_[b];
     const int S = dist_.shard_size, me = dist_.my_s;
-    s.grad_send_counts.assign(S, 0), s.grad_send_displs.assign(S, 0),
-        s.grad_recv_counts.assign(S, 0), s.grad_recv_displs.assign(S, 0);
+    s.grad.reset(S);
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the matrices owned at position q of my replica
-      s.grad_send_displs[q] = cur;
+      s.grad.send_displs[q] = cur;
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_r != dist_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
@@ -113,17 +115,17 @@ class ShardedRunner final : public ModeRunner {
                    at(s.send_g.data(), cur, w), w, m.hi[me] - m.lo[me], m.cols);
         cur += piece(m, me);
       }
-      s.grad_send_counts[q] = cur - s.grad_send_displs[q];
+      s.grad.send_counts[q] = cur - s.grad.send_displs[q];
     }
     cur = 0;
     for (int q = 0; q < S; ++q) {  // every position's rows of the matrices I own
-      s.grad_recv_displs[q] = cur;
+      s.grad.recv_displs[q] = cur;
       for (int j : bk.act)
         if (dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
-      s.grad_recv_counts[q] = cur - s.grad_recv_displs[q];
+      s.grad.recv_counts[q] = cur - s.grad.recv_displs[q];
     }
-    s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.grad_send_counts, s.grad_send_displs,
-                                          s.recv_g.data(), s.grad_recv_counts, s.grad_recv_displs,
+    s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.grad.send_counts, s.grad.send_displs,
+                                          s.recv_g.data(), s.grad.recv_counts, s.grad.recv_displs,
                                           comm_type(w));
   }
 
@@ -132,7 +134,7 @@ class ShardedRunner final : public ModeRunner {
     BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.collect);
     for (int q = 0; q < dist_.shard_size; ++q) {
-      int64_t cur = s.grad_recv_displs[q];
+      int64_t cur = s.grad.recv_displs[q];
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner != dist_.rank || piece(m, q) == 0) continue;
@@ -195,13 +197,12 @@ class ShardedRunner final : public ModeRunner {
     BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.bcast);
     const int S = dist_.shard_size, me = dist_.my_s;
-    s.update_send_counts.assign(S, 0), s.update_send_displs.assign(S, 0),
-        s.update_recv_counts.assign(S, 0), s.update_recv_displs.assign(S, 0);
+    s.update.reset(S);
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // rows of position q of the updates held at my position
-      s.update_send_displs[q] = cur;
+      s.update.send_displs[q] = cur;
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_s != me || piece(m, q) == 0) continue;
@@ -209,17 +210,17 @@ class ShardedRunner final : public ModeRunner {
                    at(s.send_o.data(), cur, w), w, m.hi[q] - m.lo[q], m.cols);
         cur += piece(m, q);
       }
-      s.update_send_counts[q] = cur - s.update_send_displs[q];
+      s.update.send_counts[q] = cur - s.update.send_displs[q];
     }
     cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the updates held at position q
-      s.update_recv_displs[q] = cur;
+      s.update.recv_displs[q] = cur;
       for (int j : bk.act)
         if (dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
-      s.update_recv_counts[q] = cur - s.update_recv_displs[q];
+      s.update.recv_counts[q] = cur - s.update.recv_displs[q];
     }
-    s.ret = dist_.shard->all_to_all_v(s.send_o.data(), s.update_send_counts, s.update_send_displs,
-                                      s.recv_o.data(), s.update_recv_counts, s.update_recv_displs,
+    s.ret = dist_.shard->all_to_all_v(s.send_o.data(), s.update.send_counts, s.update.send_displs,
+                                      s.recv_o.data(), s.update.recv_counts, s.update.recv_displs,
                                       comm_type(w));
   }
 
@@ -230,7 +231,7 @@ class ShardedRunner final : public ModeRunner {
     dist_.wait_on_stream(s.status);
     const int me = dist_.my_s;
     for (int q = 0; q < dist_.shard_size; ++q) {
-      int64_t cur = s.update_recv_displs[q];
+      int64_t cur = s.update.recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (m.owner_s != q || piece(m, me) == 0) continue;
