@@ -7,19 +7,6 @@
 #include "runtime/engine_impl.h"
 
 namespace distmuon {
-namespace {
-
-void convert(Backend& be, const void* src, DType st, void* dst, DType dt, int64_t n) {
-  if (n == 0) return;
-  if (st == dt) {
-    be.copy(dst, src, static_cast<size_t>(n) * dtype_size(st));
-    return;
-  }
-  be.scale_copy(BatchRef::packed(const_cast<void*>(src), st, 1, 1, n), false, ScaleSpec{},
-                BatchRef::packed(dst, dt, 1, 1, n));
-}
-
-}  // namespace
 
 void Engine::Impl::adam_begin(StepContext& ctx) {
   if (adam_params.empty()) return;
@@ -39,7 +26,7 @@ void Engine::Impl::adam_begin(StepContext& ctx) {
     const Param& p = params[i];
     void* dst = adam_stage.as<char>() + adam_offset[k];
     if (ctx.has_local[i])
-      convert(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, p.numel);
+      copy_block(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, 1, p.numel);
     else
       backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
     adam_handles.push_back(

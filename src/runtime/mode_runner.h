@@ -16,6 +16,10 @@
 
 namespace distmuon {
 
+// Copies a rows x cols block from src to dst, converting the dtype when they differ.
+void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
+                int64_t rows, int64_t cols);
+
 // What the owner computation needs from the engine beyond the state: the algorithm of a shape,
 // and the scratch and CacheMuon binding of a batch (Engine::Impl implements it).
 class BatchResources {
@@ -109,7 +113,10 @@ class ModeRunner {
   // Element offset of matrix j in its (unsharded) parameter.
   static int64_t full_offset(const DistMatrix& m) { return m.slice * m.rows * m.cols; }
   // Copies (converting dtype when needed) a rows x cols block.
-  void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows, int64_t cols);
+  void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows,
+                  int64_t cols) {
+    distmuon::copy_block(backend_, src, src_t, dst, dst_t, rows, cols);
+  }
 
   Backend& backend_;
   const Registry& registry_;
