@@ -63,7 +63,7 @@ void Engine::Impl::adam_check(StepContext& ctx) {
     }
     adam_slots.push_back(s);
   }
-  int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
+  int32_t* status = adam_status();
   backend.adamw_check(adam_slots, status);
   // Shard holders must skip a tensor whose rows are non-finite anywhere.
   if (world && !ctx.raise && is_sharded_mode(dist.mode)) {
@@ -80,7 +80,7 @@ void Engine::Impl::adam_update() {
     const AdamWOptions& a = groups[params[i].spec.group].adamw;
     coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, params[i].step + 1});
   }
-  int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
+  int32_t* status = adam_status();
   backend.adamw_update(adam_slots, coefs, status);
   backend.count_status(status, static_cast<int64_t>(adam_params.size()),
                        skip_counter.as<int64_t>());
