@@ -20,6 +20,10 @@ std::string get(const char* name);  // the environment's value, else the default
 int64_t get_int(const char* name);
 double get_double(const char* name);
 bool get_bool(const char* name);  // 1/true/yes/on
+// Where a measurement cache (the autotuner's, the cost profile's) keeps its file: the knob's
+// value, else $XDG_CACHE_HOME/distmuon/<file_name>, else $HOME/.cache/distmuon/<file_name>,
+// else ./.cache/distmuon/<file_name>.
+std::string cache_file(const char* knob, const char* file_name);
 // DISTMUON_* variables set in the environment that no knob declares (typos), for a warning.
 std::vector<std::string> unknown_variables();
 

@@ -47,6 +47,14 @@ std::string get(const char* name) {
   return v ? std::string(v) : std::string(k.default_value);
 }
 
+std::string cache_file(const char* knob, const char* file_name) {
+  if (std::string path = get(knob); !path.empty()) return path;
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
+    return std::string(xdg) + "/distmuon/" + file_name;
+  const char* home = std::getenv("HOME");
+  return std::string(home && *home ? home : ".") + "/.cache/distmuon/" + file_name;
+}
+
 int64_t get_int(const char* name) {
   std::string v = get(name);
   try {

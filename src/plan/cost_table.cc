@@ -202,13 +202,6 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
           "versions)");
 }
 
-std::string default_cost_cache_path() {
-  const std::string knob = env::get("DISTMUON_COST_CACHE");
-  if (!knob.empty()) return knob;
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg)
-    return std::string(xdg) + "/distmuon/costs.json";
-  const char* home = std::getenv("HOME");
-  return std::string(home && *home ? home : ".") + "/.cache/distmuon/costs.json";
-}
+std::string default_cost_cache_path() { return env::cache_file("DISTMUON_COST_CACHE", "costs.json"); }
 
 }  // namespace distmuon

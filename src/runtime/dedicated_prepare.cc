@@ -24,13 +24,6 @@ char* at(const void* base, int64_t elems, DType t) {
 
 int64_t full_offset(const DistMatrix& m) { return m.slice * m.rows * m.cols; }
 
-// Calls f(k0, len, tall) for the wide part [0, tall_begin) and the tall part of a batch.
-template <typename F>
-void per_orientation(int count, int tall_begin, F&& f) {
-  if (tall_begin > 0) f(0, tall_begin, false);
-  if (count > tall_begin) f(tall_begin, count - tall_begin, true);
-}
-
 }  // namespace
 
 void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> data) {
@@ -41,7 +34,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
            "the whole step are known (prepare nothing, or use the skip policy)");
   DM_CHECK(ps.size() == data.size(), "prepare() got ", ps.size(), " parameters and ", data.size(),
            " data entries");
-  if (is_prepared.empty()) is_prepared.assign(mats.size(), 0);
+  if (prepared.is_prepared.empty()) prepared.is_prepared.assign(mats.size(), 0);
 
   // The owned matrices among `ps`, in step()'s batching order.
   std::vector<std::pair<int, const ParamData*>> sel;
@@ -55,7 +48,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       if (mats[j].owner != rank) continue;
       DM_CHECK(data[k].grad != nullptr && data[k].param != nullptr, "prepare(): parameter '",
                p.spec.name, "' needs its gradient and weights on its owner, rank ", rank);
-      DM_CHECK(!is_prepared[j], "prepare(): matrix '", matrix_name(j),
+      DM_CHECK(!prepared.is_prepared[j], "prepare(): matrix '", matrix_name(j),
                "' was already prepared in this step (gradients must be final when prepared)");
       sel.emplace_back(j, &data[k]);
     }
@@ -68,22 +61,23 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
   std::sort(sel.begin(), sel.end(), [&](auto& x, auto& y) { return key(x.first) < key(y.first); });
 
   // The arena: sized at the first prepare() of a step for every matrix this rank owns.
-  if (prepared.empty()) {
+  PreparedUpdates& arena = prepared;
+  if (arena.batches.empty()) {
     size_t bytes = 0;
     int64_t owned = 0;
     for (const DistMatrix& m : mats) {
       if (m.owner != rank) continue;
-      const OrthoConfig r = resolve(groups[m.group].muon.ortho, m.m(), m.n());
+      const OrthoConfig r = resolve_shape(m.group, m.m(), m.n());
       bytes += static_cast<size_t>(m.numel()) * dtype_size(iteration_dtype(r));
       owned += 1;
     }
-    if (bytes > prep_x.bytes()) prep_x = backend.alloc(bytes);
-    if (!prep_status) {
-      prep_norms = backend.alloc(sizeof(double) * std::max<int64_t>(owned, 1));
-      prep_status = backend.alloc(sizeof(int32_t) * std::max<int64_t>(owned, 1));
+    if (bytes > arena.x.bytes()) arena.x = backend.alloc(bytes);
+    if (!arena.status) {
+      arena.norms = backend.alloc(sizeof(double) * std::max<int64_t>(owned, 1));
+      arena.status = backend.alloc(sizeof(int32_t) * std::max<int64_t>(owned, 1));
     }
-    prep_x_used = 0;
-    prep_slots_used = 0;
+    arena.x_used = 0;
+    arena.slots_used = 0;
   }
 
   for (size_t b0 = 0, b1; b0 < sel.size(); b0 = b1) {
@@ -93,9 +87,8 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       if (m.batch != m0.batch || m.group != m0.group || m.m() != m0.m() || m.n() != m0.n()) break;
     }
     const int count = static_cast<int>(b1 - b0);
-    const MuonOptions& opt = groups[m0.group].muon;
-    const OrthoConfig r = resolve(opt.ortho, m0.m(), m0.n());
-    PreparedBatch pb;
+    const OrthoConfig r = resolve_shape(m0.group, m0.m(), m0.n());
+    PreparedUpdates::Batch pb;
     pb.x_dtype = iteration_dtype(r);
     pb.tall_begin = count;
     std::vector<MuonSlot> slots;
@@ -111,41 +104,38 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
            skips_of(params[m.param], m.slice)});
     }
-    const size_t xb = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
-    DM_CHECK(prep_x_used + xb <= prep_x.bytes() &&
-                 prep_slots_used + count <= static_cast<int64_t>(prep_status.bytes() / 4),
+    const size_t x_bytes = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
+    DM_CHECK(arena.x_used + x_bytes <= arena.x.bytes() &&
+                 arena.slots_used + count <= static_cast<int64_t>(arena.status.bytes() / 4),
              "internal: prepare arena exhausted");
-    pb.x_offset = prep_x_used;
-    pb.slot = prep_slots_used;
-    prep_x_used += xb;
-    prep_slots_used += count;
+    pb.x_offset = arena.x_used;
+    pb.slot = arena.slots_used;
+    arena.x_used += x_bytes;
+    arena.slots_used += count;
 
-    double* norms = prep_norms.as<double>() + pb.slot;
-    int32_t* status = prep_status.as<int32_t>() + pb.slot;
-    backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, norms, status);
-    size_t cached_ws = 0;
-    const bool cached = m0.cache >= 0 && prepare_cache(caches[m0.cache], r, count, &cached_ws);
+    const MuonBatch batch{backend,
+                          groups[m0.group].muon,
+                          r,
+                          count,
+                          pb.tall_begin,
+                          slots,
+                          arena.norms.as<double>() + pb.slot,
+                          arena.status.as<int32_t>() + pb.slot};
+    batch.momentum_norm();
     std::vector<int64_t> entries;
-    if (cached)
-      for (int j : pb.mats) entries.push_back(mats[j].cache_entry);
-    ensure_scratch(r, 0, m0.m(), m0.n(),
-                   std::max(cached_ws, Orthogonalizer::workspace_bytes(r, count, m0.m(), m0.n())));
-    BatchRef x =
-        BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
-    const std::span<const MuonSlot> all(slots);
-    per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
-      backend.muon_momentum_apply(all.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                  muon_input_scale(norms + k0, r), tall, x.slice(k0, len));
-    });
-    orthogonalize(cached ? m0.cache : -1, r, x, entries, status, workspace.data(), workspace_size);
-    backend.count_status(status, count, skip_counter.as<int64_t>());
-    for (int j : pb.mats) is_prepared[j] = 1;
-    prepared.push_back(std::move(pb));
+    for (int j : pb.mats) entries.push_back(mats[j].cache_entry);
+    // The iteration buffer is the arena's slot: the shared scratch holds only the workspace.
+    const BatchOrtho how = prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
+    batch.orthogonalize_momentum(
+        BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n()), how,
+        skip_counter.as<int64_t>());
+    for (int j : pb.mats) arena.is_prepared[j] = 1;
+    arena.batches.push_back(std::move(pb));
   }
 }
 
 void Engine::Impl::apply_prepared(const StepContext& ctx) {
-  for (const PreparedBatch& pb : prepared) {
+  for (const PreparedUpdates::Batch& pb : prepared.batches) {
     const DistMatrix& m0 = mats[pb.mats[0]];
     const int count = static_cast<int>(pb.mats.size());
     std::vector<MuonSlot> slots;
@@ -158,20 +148,25 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
       slots.push_back({ref, ref, ref});  // the update reads only the weight
       coefs.push_back(ctx.coef[j]);
     }
-    const int32_t* status = prep_status.as<int32_t>() + pb.slot;
-    BatchRef x =
-        BatchRef::packed(prep_x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
-    const std::span<const MuonSlot> all(slots);
-    const std::span<const MuonUpdateCoef> all_coefs(coefs);
-    per_orientation(count, pb.tall_begin, [&](int k0, int len, bool tall) {
-      backend.muon_update(all.subspan(k0, len), all_coefs.subspan(k0, len), status + k0,
-                          x.slice(k0, len), tall);
-    });
+    const MuonBatch batch{backend,
+                          groups[m0.group].muon,
+                          {},
+                          count,
+                          pb.tall_begin,
+                          slots,
+                          nullptr,
+                          prepared.status.as<int32_t>() + pb.slot};
+    batch.update(coefs, BatchRef::packed(prepared.x.as<char>() + pb.x_offset, pb.x_dtype, count,
+                                         m0.m(), m0.n()));
   }
-  prepared.clear();
+  prepared.reset();
+}
+
+void PreparedUpdates::reset() {
+  batches.clear();
   std::fill(is_prepared.begin(), is_prepared.end(), 0);
-  prep_x_used = 0;
-  prep_slots_used = 0;
+  x_used = 0;
+  slots_used = 0;
 }
 
 void Engine::prepare(std::span<const int> params, std::span<const ParamData> data) {
@@ -179,17 +174,11 @@ void Engine::prepare(std::span<const int> params, std::span<const ParamData> dat
   impl_->prepare(params, data);
 }
 
-void Engine::discard_prepared() {
-  Impl& s = *impl_;
-  s.prepared.clear();
-  std::fill(s.is_prepared.begin(), s.is_prepared.end(), 0);
-  s.prep_x_used = 0;
-  s.prep_slots_used = 0;
-}
+void Engine::discard_prepared() { impl_->prepared.reset(); }
 
 int64_t Engine::prepared_matrices() const {
   int64_t n = 0;
-  for (char p : impl_->is_prepared) n += p;
+  for (char p : impl_->prepared.is_prepared) n += p;
   return n;
 }
 

@@ -80,9 +80,8 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
   for (size_t j = 0; j < mats.size(); ++j) {
     DistMatrix& m = mats[j];
     const int64_t mb = m.numel() * static_cast<int64_t>(dtype_size(m.wire));
-    const bool split =
-        !buckets.empty() && ((bucket_bytes > 0 && bytes + mb > bucket_bytes) ||
-                             mats[buckets.back().mats[0]].wire != m.wire);
+    const bool split = !buckets.empty() && ((bucket_bytes > 0 && bytes + mb > bucket_bytes) ||
+                                            mats[buckets.back().mats[0]].wire != m.wire);
     if (buckets.empty() || split) {
       buckets.emplace_back();
       bytes = 0;
@@ -132,25 +131,16 @@ void Engine::Impl::allocate_state() {
       backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  const size_t ns = static_cast<size_t>(std::max<int64_t>(n_status, 1));
-  step_status = backend.alloc(ns * sizeof(int32_t));
-  step_norms = backend.alloc(ns * sizeof(double));
-  adam_status = backend.alloc(ns * sizeof(int32_t));
+  allocate_step_status(backend);
   allocate_step_counts();
 }
 
-CommStats Engine::Impl::comm_stats() const {
+CommStats DistState::comm_stats() const {
   CommStats s;
   if (world) s += world->stats();
   if (shard && shard != world) s += shard->stats();
   if (replica) s += replica->stats();
   return s;
-}
-
-std::string Engine::Impl::matrix_name(int j) const {
-  const DistMatrix& m = mats[j];
-  const Param& p = params[m.param];
-  return p.layout.count > 1 ? p.spec.name + "[" + std::to_string(m.slice) + "]" : p.spec.name;
 }
 
 }  // namespace distmuon

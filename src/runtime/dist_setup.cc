@@ -13,70 +13,6 @@
 
 namespace distmuon {
 
-namespace {
-
-// Above these sizes the start-up plan is LPT: every rank solves the plan itself, and the MILP
-// (well under a second up to Pi0's 420 matrices in 11 shapes) must not delay start-up.
-constexpr size_t kMilpMaxMatrices = 2048;
-constexpr size_t kMilpMaxShapes = 64;
-// CPU seconds the MILP may take at start-up. It is a guard, not a tuning knob: the node limits
-// decide the plan, and a rank that hits the time limit makes every rank fall back to LPT
-// (dist_setup), so ranks never disagree because one of them was slower.
-constexpr double kMilpTimeLimitS = 2.0;
-
-}  // namespace
-
-// Analytic rates by device kind. CUDA: the H200's measured ceilings, where a fixed cost per
-// kernel launch makes batching same-shape matrices on one owner pay. CPU: one core's order of
-// magnitude, where a batched call costs little beyond its arithmetic, so the plan balances
-// FLOPs. Only ratios matter, and they are the same on every rank.
-AnalyticRates runtime_rates(DeviceKind kind) {
-  if (kind == DeviceKind::kCUDA) return AnalyticRates{};
-  AnalyticRates r;
-  r.flops_per_s = 50e9;
-  r.bytes_per_s = 10e9;
-  r.launch_s = 1e-6;
-  return r;
-}
-
-Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
-                       const RuntimePlanSpec& spec) {
-  CostTable costs;
-  if (spec.cost_file.empty())
-    costs = analytic_cost_table(shape_counts(matrices), spec.ortho, runtime_rates(spec.device));
-  else
-    costs = select_cost_table(read_cost_file(spec.cost_file), spec.device_name, spec.cost_file);
-  PlanOptions opts;
-  opts.ortho = spec.ortho;
-  opts.time_limit_s = kMilpTimeLimitS;
-  if (!spec.owners.empty()) return plan_fixed(matrices, topo, costs, spec.owners, opts);
-  std::string solver = spec.solver;
-  if (solver == "milp" &&
-      (matrices.size() > kMilpMaxMatrices || shape_counts(matrices).size() > kMilpMaxShapes))
-    solver = "lpt";
-  return make_plan(solver, matrices, topo, costs, opts);
-}
-
-// The layer a parameter belongs to, from its name: the first dotted component made of digits
-// is the layer index, and the text before it names the stack ("transformer.h.3.mlp.c_fc.weight"
-// is layer 3 of "transformer.h"). Each distinct (stack, index) gets an id in first-seen order;
-// -1 when the name has no such component (the planner then leaves the matrix unconstrained).
-int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids) {
-  size_t begin = 0;
-  while (begin <= name.size()) {
-    size_t end = name.find('.', begin);
-    if (end == std::string::npos) end = name.size();
-    const bool digits = end > begin && std::all_of(name.begin() + begin, name.begin() + end,
-                                                   [](char c) { return c >= '0' && c <= '9'; });
-    if (digits) {
-      const std::string key = name.substr(0, end);
-      return ids.emplace(key, static_cast<int64_t>(ids.size())).first->second;
-    }
-    begin = end + 1;
-  }
-  return -1;
-}
-
 Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const DistOptions& dist,
                  const OrthoConfig& ortho, DeviceKind device, const std::string& device_name) {
   DM_CHECK(!matrices.empty(), "plan_owners: no matrices");
@@ -119,8 +55,6 @@ std::vector<std::string> lines(const char* p, int64_t n) {
   if (!cur.empty()) out.push_back(cur);
   return out;
 }
-
-bool is_sharded_mode(DistMode m) { return m == DistMode::kSharded || m == DistMode::kGather; }
 
 }  // namespace
 
@@ -198,7 +132,7 @@ void Engine::Impl::dist_setup() {
     const int64_t layer = layer_of(p.spec.name, layer_ids);
     for (int64_t s = 0; s < p.layout.count; ++s) {
       PlanMatrix m;
-      m.name = p.layout.count > 1 ? p.spec.name + "[" + std::to_string(s) + "]" : p.spec.name;
+      m.name = slice_name(static_cast<int>(i), s);
       m.rows = p.layout.rows;
       m.cols = p.layout.cols;
       m.layer = layer;
@@ -343,16 +277,16 @@ void Engine::Impl::dist_setup() {
   assign_cache_entries();
   switch (dist.mode) {
     case DistMode::kGather:
-      runner = make_gather_runner(*this);
+      runner = make_gather_runner(runner_context());
       break;
     case DistMode::kReplicated:
-      runner = make_replicated_runner(*this);
+      runner = make_replicated_runner(runner_context());
       break;
     case DistMode::kSharded:
-      runner = make_sharded_runner(*this);
+      runner = make_sharded_runner(runner_context());
       break;
     case DistMode::kDedicated:
-      runner = make_dedicated_runner(*this);
+      runner = make_dedicated_runner(runner_context());
       break;
   }
   runner->setup();

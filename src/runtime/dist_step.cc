@@ -11,18 +11,6 @@
 namespace distmuon {
 namespace {
 
-bool is_sharded_mode(DistMode m) { return m == DistMode::kSharded || m == DistMode::kGather; }
-
-void convert(Backend& be, const void* src, DType st, void* dst, DType dt, int64_t n) {
-  if (n == 0) return;
-  if (st == dt) {
-    be.copy(dst, src, static_cast<size_t>(n) * dtype_size(st));
-    return;
-  }
-  be.scale_copy(BatchRef::packed(const_cast<void*>(src), st, 1, 1, n), false, ScaleSpec{},
-                BatchRef::packed(dst, dt, 1, 1, n));
-}
-
 std::string rank_list(const std::vector<int>& r) {
   std::ostringstream os;
   for (size_t i = 0; i < r.size(); ++i) os << (i ? ", " : "") << r[i];
@@ -111,7 +99,8 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
     b.act.clear();
     b.runs.clear();
     for (int j : b.mats)  // prepared matrices only take their update (apply_prepared)
-      if (ctx.active[mats[j].param] && (is_prepared.empty() || !is_prepared[j])) b.act.push_back(j);
+      if (ctx.active[mats[j].param] && (prepared.is_prepared.empty() || !prepared.is_prepared[j]))
+        b.act.push_back(j);
     for (int k = 0; k < static_cast<int>(b.act.size()); ++k) {
       const DistMatrix& m = mats[b.act[k]];
       bool same = false;
@@ -132,103 +121,19 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
     }
   }
   ctx.coef.resize(mats.size());
-  for (size_t j = 0; j < mats.size(); ++j) {
-    const MuonOptions& opt = groups[mats[j].group].muon;
-    const double scale = shape_scale(opt.scale, mats[j].rows, mats[j].cols);
-    ctx.coef[j] = {1.0f - opt.lr * opt.weight_decay, static_cast<float>(opt.lr * scale)};
-  }
-}
-
-void Engine::Impl::adam_begin(StepContext& ctx) {
-  if (adam_params.empty()) return;
-  if (!adam_dummy) adam_dummy = backend.alloc(64);
-  if (dist.mode != DistMode::kDedicated || dist.caller_transfers) return;
-  if (!adam_stage) {
-    size_t bytes = 0;
-    for (int i : adam_params) {
-      adam_offset.push_back(static_cast<int64_t>(bytes));
-      bytes += static_cast<size_t>(params[i].numel) * dtype_size(params[i].spec.dtype);
-    }
-    adam_stage = backend.alloc(std::max<size_t>(bytes, 1));
-  }
-  for (size_t k = 0; k < adam_params.size(); ++k) {
-    const int i = adam_params[k];
-    if (!ctx.active[i]) continue;
-    const Param& p = params[i];
-    void* dst = adam_stage.as<char>() + adam_offset[k];
-    if (ctx.has_local[i])
-      convert(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, p.numel);
-    else
-      backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
-    adam_handles.push_back(
-        world->all_reduce(dst, dst, p.numel, comm_type(p.spec.dtype), ReduceOp::kSum));
-  }
-}
-
-void Engine::Impl::adam_check(StepContext& ctx) {
-  if (adam_params.empty()) return;
-  wait_on_stream(adam_handles);
-  const bool dedicated = dist.mode == DistMode::kDedicated && !dist.caller_transfers;
-  adam_slots.clear();
-  for (size_t k = 0; k < adam_params.size(); ++k) {
-    const int i = adam_params[k];
-    const Param& p = params[i];
-    const ParamData& d = ctx.data[i];
-    // Every AdamW parameter keeps its slot (empty when idle here), so statuses line up on
-    // every rank.
-    if (!ctx.active[i] || p.local_numel == 0) {
-      // An empty shard of a stepping tensor still counts the step, as its other shards do.
-      void* z = adam_dummy.data();
-      adam_slots.push_back(
-          {z, z, z, z, DType::kF32, DType::kF32, 0, ctx.active[i] ? step_count(i) : nullptr});
-      continue;
-    }
-    AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
-               p.spec.dtype, d.grad_dtype, p.local_numel, step_count(i)};
-    if (dedicated) {
-      s.grad = adam_stage.as<char>() + adam_offset[k];
-      s.grad_dtype = p.spec.dtype;
-      if (dist.grad_mean && world_size > 1) {
-        BatchRef g = BatchRef::packed(const_cast<void*>(s.grad), s.grad_dtype, 1, 1, p.numel);
-        backend.lincomb(1.0 / world_size, g, 0.0, nullptr, 0.0, g);
-      }
-    }
-    adam_slots.push_back(s);
-  }
-  int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
-  backend.adamw_check(adam_slots, status);
-  // Shard holders must skip a tensor whose rows are non-finite anywhere.
-  if (!ctx.raise && is_sharded_mode(dist.mode)) {
-    CommHandle h = shard->all_reduce(status, status, static_cast<int64_t>(adam_params.size()),
-                                     CommType::kI32, ReduceOp::kMax);
-    wait_on_stream(h);
-  }
-}
-
-void Engine::Impl::adam_update(StepContext& ctx) {
-  if (adam_params.empty()) return;
-  std::vector<AdamCoef> coefs;
-  for (int i : adam_params) {
-    const AdamWOptions& a = groups[params[i].spec.group].adamw;
-    coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, params[i].step + 1});
-  }
-  int32_t* status = step_status.as<int32_t>() + (n_status - adam_params.size());
-  backend.adamw_update(adam_slots, coefs, status);
-  backend.count_status(status, static_cast<int64_t>(adam_params.size()),
-                       skip_counter.as<int64_t>());
-  (void)ctx;
+  for (size_t j = 0; j < mats.size(); ++j)
+    ctx.coef[j] = muon_update_coef(groups[mats[j].group].muon, mats[j].rows, mats[j].cols);
 }
 
 // Raise policy: every rank sees every status before anything changes, so all raise together.
-void Engine::Impl::raise_check() {
+void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names) {
   backend.synchronize();
   std::vector<int32_t> st(static_cast<size_t>(n_status));
   backend.copy_to_host(st.data(), step_status.data(), st.size() * sizeof(int32_t));
-  host_all_reduce(*world, backend, st, ReduceOp::kMax);
+  if (world) host_all_reduce(*world, backend, st, ReduceOp::kMax);
   std::vector<std::string> bad;
-  for (const Bucket& b : buckets)
-    for (size_t k = 0; k < b.act.size(); ++k)
-      if (st[b.status_offset + k] != kStatusOk) bad.push_back(matrix_name(b.act[k]));
+  for (size_t k = 0; k < muon_names.size(); ++k)
+    if (st[k] != kStatusOk && !muon_names[k].empty()) bad.push_back(muon_names[k]);
   const size_t first_adam = static_cast<size_t>(n_status) - adam_params.size();
   for (size_t k = 0; k < adam_params.size(); ++k)
     if (st[first_adam + k] != kStatusOk) bad.push_back(params[adam_params[k]].spec.name);
@@ -236,8 +141,8 @@ void Engine::Impl::raise_check() {
   std::ostringstream os;
   for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
   DM_FAIL("non-finite gradient (NaN or Inf), or a momentum beyond the range of its dtype, in ",
-          os.str(),
-          "; the step was not applied on any rank (weights and optimizer state unchanged)");
+          os.str(), "; the step was not applied", world ? " on any rank" : "",
+          " (weights and optimizer state unchanged)");
 }
 
 // Stages order each other's collectives on the device (wait_on_stream makes the communicator's
@@ -251,7 +156,7 @@ void Engine::Impl::bind_streams() {
     if (c) c->bind_stream(backend.native_stream());
 }
 
-void Engine::Impl::wait_unchecked() {
+void DistState::wait_unchecked() {
   try {
     wait_all(unchecked);
   } catch (...) {
@@ -272,7 +177,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   prepare_buckets(*ctx);
   backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
   adam_begin(*ctx);
-  if (!prepared.empty()) apply_prepared(*ctx);
+  if (!prepared.batches.empty()) apply_prepared(*ctx);
 
   // Three phases. (1) The stages before the compute stage (gradients on their way to the
   // owners) for every bucket first: they depend on no rank's compute, so all inbound traffic is
@@ -290,8 +195,11 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   if (ctx->raise) {
     for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
     adam_check(*ctx);
-    wait_unchecked();  // the transfers' deadlines before raise_check's device synchronisation
-    raise_check();
+    wait_unchecked();  // the transfers' deadlines before the statuses' device synchronisation
+    std::vector<std::string> names(static_cast<size_t>(n_status) - adam_params.size());
+    for (const Bucket& b : buckets)
+      for (size_t k = 0; k < b.act.size(); ++k) names[b.status_offset + k] = matrix_name(b.act[k]);
+    raise_if_nonfinite(names);
   }
   const int tail = stages - 1 > compute ? stages - 1 : stages;  // phase 3's stage, if any
   auto run_or_defer = [&](int s, int b, bool after_last_compute) {
@@ -309,7 +217,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   if (tail < stages)
     for (int b = 0; b < n; ++b) run_or_defer(tail, b, true);
   if (!ctx->raise) adam_check(*ctx);
-  adam_update(*ctx);
+  adam_update();
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
   wait_unchecked();

@@ -316,6 +316,17 @@ void Engine::Impl::allocate_step_counts() {
   backend.fill_zero(matrix_skips.data(), matrix_skips.bytes());
 }
 
+void StepRecord::allocate_step_status(Backend& backend) {
+  const size_t entries = static_cast<size_t>(std::max<int64_t>(n_status, 1));
+  step_status = backend.alloc(entries * sizeof(int32_t));
+  step_norms = backend.alloc(entries * sizeof(double));
+}
+
+std::string Registry::slice_name(int param, int64_t slice) const {
+  const Param& p = params[param];
+  return p.layout.count > 1 ? p.spec.name + "[" + std::to_string(slice) + "]" : p.spec.name;
+}
+
 std::vector<int64_t> Engine::Impl::local_skips() {
   std::vector<int64_t> per_param(params.size(), 0);
   if (!matrix_skips) return per_param;

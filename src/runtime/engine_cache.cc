@@ -42,23 +42,43 @@ bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, in
   return true;
 }
 
-void Engine::Impl::orthogonalize(int cache, const OrthoConfig& resolved, const BatchRef& x,
-                                 std::span<const int64_t> entries, const int32_t* status,
-                                 void* workspace, size_t workspace_bytes) {
-  if (cache < 0 || !caches[cache].use) {
-    ortho.run(resolved, x, x, workspace, workspace_bytes, &stats.ortho);
-    return;
+BatchOrtho Engine::Impl::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
+                                     size_t workspace_bytes) {
+  const bool cached = cache >= 0 && caches[cache].use;
+  return {&ortho,
+          &stats.ortho,
+          cached ? caches[cache].cache.get() : nullptr,
+          cached ? entries : std::span<const int64_t>{},
+          workspace,
+          workspace_bytes};
+}
+
+BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
+                                       std::vector<int64_t>& entries, int64_t count, int64_t m,
+                                       int64_t n, BatchRef* x) {
+  size_t cached_workspace = 0;
+  const bool cached =
+      cache >= 0 && prepare_cache(caches[cache], resolved, count, &cached_workspace);
+  if (!cached) entries.clear();
+  ensure_scratch(
+      resolved, x ? count : 0, m, n,
+      std::max(cached_workspace, Orthogonalizer::workspace_bytes(resolved, count, m, n)));
+  if (x) *x = BatchRef::packed(this->x.data(), iteration_dtype(resolved), count, m, n);
+  return batch_ortho(cached ? cache : -1, entries, workspace.data(), workspace_size);
+}
+
+void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
+                                  size_t workspace_bytes) {
+  const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
+  if (xb > x_bytes) {
+    x = backend.alloc(xb);
+    x_bytes = xb;
   }
-  DM_CHECK(static_cast<int64_t>(entries.size()) == x.count, "internal: ", entries.size(),
-           " cache entries for a batch of ", x.count);
-  // Matrices without a gradient in this step leave gaps in the entries, so the batch goes in
-  // runs of consecutive entries (usually one).
-  TransformCache& tc = *caches[cache].cache;
-  for (size_t k0 = 0, k1; k0 < entries.size(); k0 = k1) {
-    for (k1 = k0 + 1; k1 < entries.size() && entries[k1] == entries[k1 - 1] + 1;) ++k1;
-    BatchRef part = x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(k1 - k0));
-    ortho.run_cached(resolved, tc, entries[k0], part, part, status + k0, workspace, workspace_bytes,
-                     &stats.ortho);
+  const size_t wb =
+      std::max(workspace_bytes, Orthogonalizer::workspace_bytes(resolved, count, m, n));
+  if (wb > workspace_size) {
+    workspace = backend.alloc(wb);
+    workspace_size = wb;
   }
 }
 

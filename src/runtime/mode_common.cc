@@ -8,98 +8,92 @@
 
 namespace distmuon {
 
-void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
-                                  size_t workspace_bytes) {
-  const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
-  if (xb > x_bytes) {
-    x = backend.alloc(xb);
-    x_bytes = xb;
-  }
-  const size_t wb =
-      std::max(workspace_bytes, Orthogonalizer::workspace_bytes(resolved, count, m, n));
-  if (wb > workspace_size) {
-    workspace = backend.alloc(wb);
-    workspace_size = wb;
-  }
-}
-
-void ModeRunner::copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows,
-                            int64_t cols) {
+void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
+                int64_t rows, int64_t cols) {
   if (rows * cols == 0) return;
   if (src_t == dst_t) {
-    e_.backend.copy(dst, src, static_cast<size_t>(rows * cols) * dtype_size(src_t));
+    backend.copy(dst, src, static_cast<size_t>(rows * cols) * dtype_size(src_t));
     return;
   }
-  e_.backend.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
-                        ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
+  backend.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
+                     ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
 }
 
-void ModeRunner::owner_pass1(const Bucket& b, const Bucket::Run& run,
+MuonBatch ModeRunner::run_batch(const Bucket& b, const Bucket::Run& run,
+                                std::span<const MuonSlot> slots) const {
+  const DistMatrix& m0 = dist_.mats[b.act[run.begin]];
+  const int64_t first = b.status_offset + run.begin;
+  return {backend_,
+          registry_.groups[m0.group].muon,
+          resources_.resolve_shape(m0.group, m0.m(), m0.n()),
+          run.end - run.begin,
+          run.tall_begin - run.begin,
+          slots,
+          record_.step_norms.as<double>() + first,
+          record_.step_status.as<int32_t>() + first};
+}
+
+void ModeRunner::owner_norms(const Bucket& b, const Bucket::Run& run,
                              std::span<const MuonSlot> slots) {
-  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
-  const MuonOptions& opt = e_.groups[m0.group].muon;
-  const int64_t pos = b.status_offset + run.begin;
-  e_.backend.muon_momentum_norm(slots, opt.momentum, opt.nesterov, e_.step_norms.as<double>() + pos,
-                                e_.step_status.as<int32_t>() + pos);
+  run_batch(b, run, slots).momentum_norm();
 }
 
-void ModeRunner::for_each_orientation(const Bucket::Run& run,
-                                      const std::function<void(int k0, int len, bool tall)>& f) {
-  if (run.tall_begin > run.begin) f(0, run.tall_begin - run.begin, false);
-  if (run.end > run.tall_begin) f(run.tall_begin - run.begin, run.end - run.tall_begin, true);
+void ModeRunner::owned_norms(const Bucket& b, const SlotsOf& slots_of) {
+  for (const Bucket::Run& run : b.runs)
+    if (dist_.mats[b.act[run.begin]].owner == dist_.rank) owner_norms(b, run, slots_of(run));
 }
 
-int ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
-                            std::vector<int64_t>* entries) {
-  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
-  const int64_t count = run.end - run.begin;
-  size_t cached_ws = 0;
-  // The matrices of a run share the group and shape, so their entries are of one cache class.
-  const bool cached =
-      m0.cache >= 0 && e_.prepare_cache(e_.caches[m0.cache], resolved, count, &cached_ws);
-  entries->clear();
-  if (cached)
-    for (int k = run.begin; k < run.end; ++k) entries->push_back(e_.mats[b.act[k]].cache_entry);
-  e_.ensure_scratch(resolved, count, m0.m(), m0.n(), cached_ws);
-  return cached ? m0.cache : -1;
-}
-
-void ModeRunner::owner_rest(const Bucket& b, const Bucket::Run& run,
-                            std::span<const MuonSlot> slots, const StepContext& ctx,
-                            const std::function<void*(int k)>* out) {
-  const DistMatrix& m0 = e_.mats[b.act[run.begin]];
-  const MuonOptions& opt = e_.groups[m0.group].muon;
-  const int64_t count = run.end - run.begin;
-  const int64_t pos = b.status_offset + run.begin;
-  const int32_t* status = e_.step_status.as<int32_t>() + pos;
-  OrthoConfig r = e_.resolve_shape(m0.group, m0.m(), m0.n());
-  std::vector<int64_t> entries;
-  const int cache = prepare_run(b, run, r, &entries);  // decided here, on the owner's device
-  BatchRef x = BatchRef::packed(e_.x.data(), iteration_dtype(r), count, m0.m(), m0.n());
-  // One orthogonalization batch in the wide orientation; the fused passes once per orientation.
-  for_each_orientation(run, [&](int k0, int len, bool tall) {
-    e_.backend.muon_momentum_apply(slots.subspan(k0, len), opt.momentum, opt.nesterov, status + k0,
-                                   muon_input_scale(e_.step_norms.as<double>() + pos + k0, r),
-                                   tall, x.slice(k0, len));
-  });
-  e_.orthogonalize(cache, r, x, entries, status, e_.workspace.data(), e_.workspace_size);
-  if (!out) {
-    std::vector<MuonUpdateCoef> coefs;
-    for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);
-    const std::span<const MuonUpdateCoef> all(coefs);
-    for_each_orientation(run, [&](int k0, int len, bool tall) {
-      e_.backend.muon_update(slots.subspan(k0, len), all.subspan(k0, len), status + k0,
-                             x.slice(k0, len), tall);
-    });
-  } else {
-    // The update in the weight's orientation and the wire dtype, for the matrix's shards.
-    for (int k = 0; k < count; ++k) {
-      const DistMatrix& m = e_.mats[b.act[run.begin + k]];
-      e_.backend.scale_copy(x.slice(k, 1), m.tall(), ScaleSpec{},
-                            BatchRef::packed((*out)(k), m.wire, 1, m.rows, m.cols));
-    }
+void ModeRunner::step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of) {
+  for (const Bucket::Run& run : b.runs) {
+    if (dist_.mats[b.act[run.begin]].owner != dist_.rank) continue;
+    const std::vector<MuonSlot> run_slots = slots_of(run);
+    if (!ctx.raise) owner_norms(b, run, run_slots);
+    owner_update(b, run, run_slots, ctx);
   }
-  e_.backend.count_status(status, count, e_.skip_counter.as<int64_t>());
+}
+
+BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
+                                   const OrthoConfig& resolved, std::vector<int64_t>* entries,
+                                   BatchRef* x) {
+  const DistMatrix& m0 = dist_.mats[b.act[run.begin]];
+  // The matrices of a run share the group and shape, so their entries are of one cache class.
+  entries->clear();
+  for (int k = run.begin; k < run.end; ++k) entries->push_back(dist_.mats[b.act[k]].cache_entry);
+  return resources_.prepare_batch(resolved, m0.cache, *entries, run.end - run.begin, m0.m(), m0.n(),
+                                  x);
+}
+
+BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run,
+                                         const MuonBatch& batch) {
+  std::vector<int64_t> entries;
+  BatchRef x;
+  // CacheMuon is decided here, on the owner's device.
+  const BatchOrtho how = prepare_run(b, run, batch.resolved, &entries, &x);
+  batch.orthogonalize_momentum(x, how, record_.skip_counter.as<int64_t>());
+  return x;
+}
+
+void ModeRunner::owner_update(const Bucket& b, const Bucket::Run& run,
+                              std::span<const MuonSlot> slots, const StepContext& ctx) {
+  const MuonBatch batch = run_batch(b, run, slots);
+  const BatchRef x = owner_orthogonalize(b, run, batch);
+  std::vector<MuonUpdateCoef> coefs;
+  for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);
+  batch.update(coefs, x);
+}
+
+void ModeRunner::owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
+                                      std::span<const MuonSlot> slots,
+                                      const std::function<void*(int j)>& out) {
+  const MuonBatch batch = run_batch(b, run, slots);
+  const BatchRef x = owner_orthogonalize(b, run, batch);
+  // The update in the weight's orientation and the wire dtype, for the matrix's shards.
+  for (int k = run.begin; k < run.end; ++k) {
+    const int j = b.act[k];
+    const DistMatrix& m = dist_.mats[j];
+    backend_.scale_copy(x.slice(k - run.begin, 1), m.tall(), ScaleSpec{},
+                        BatchRef::packed(out(j), m.wire, 1, m.rows, m.cols));
+  }
 }
 
 namespace {
@@ -109,32 +103,26 @@ namespace {
 class ReplicatedRunner final : public ModeRunner {
  public:
   using ModeRunner::ModeRunner;
-  void setup() override { handles_.resize(e_.buckets.size()); }
+  void setup() override { handles_.resize(dist_.buckets.size()); }
   int num_stages() const override { return 2; }
   int compute_stage() const override { return 0; }
 
   void pass1(int b, StepContext& ctx) override {
-    const Bucket& bk = e_.buckets[b];
-    for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
+    const Bucket& bk = dist_.buckets[b];
+    owned_norms(bk, [&](const Bucket::Run& run) { return slots(bk, run, ctx); });
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
-    Bucket& bk = e_.buckets[b];
+    Bucket& bk = dist_.buckets[b];
     if (stage == 1) {
-      e_.wait_on_stream(handles_[b]);
+      dist_.wait_on_stream(handles_[b]);
       return;
     }
-    for (const Bucket::Run& run : bk.runs) {
-      if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
-      std::vector<MuonSlot> s = slots(bk, run, ctx);
-      if (!ctx.raise) owner_pass1(bk, run, s);
-      owner_rest(bk, run, s, ctx, nullptr);
-    }
+    step_owned_runs(bk, ctx, [&](const Bucket::Run& run) { return slots(bk, run, ctx); });
     for (int j : bk.act) {
-      const DistMatrix& m = e_.mats[j];
+      const DistMatrix& m = dist_.mats[j];
       void* w = at(ctx.data[m.param].param, full_offset(m), m.wire);
-      handles_[b].push_back(e_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
+      handles_[b].push_back(dist_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
     }
   }
 
@@ -142,14 +130,14 @@ class ReplicatedRunner final : public ModeRunner {
   std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run, const StepContext& ctx) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = e_.mats[bk.act[k]];
+      const DistMatrix& m = dist_.mats[bk.act[k]];
       const ParamData& d = ctx.data[m.param];
-      const Param& p = e_.params[m.param];
+      const Param& p = registry_.params[m.param];
       out.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           e_.skips_of(p, m.slice)});
+           record_.skips_of(p, m.slice)});
     }
     return out;
   }
@@ -158,8 +146,8 @@ class ReplicatedRunner final : public ModeRunner {
 
 }  // namespace
 
-std::unique_ptr<ModeRunner> make_replicated_runner(Engine::Impl& e) {
-  return std::make_unique<ReplicatedRunner>(e);
+std::unique_ptr<ModeRunner> make_replicated_runner(const RunnerContext& c) {
+  return std::make_unique<ReplicatedRunner>(c);
 }
 
 }  // namespace distmuon

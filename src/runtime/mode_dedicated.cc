@@ -20,158 +20,154 @@ class DedicatedRunner final : public ModeRunner {
   using ModeRunner::ModeRunner;
 
   void setup() override {
-    caller_ = e_.dist.caller_transfers;
-    gofs_.assign(e_.mats.size(), -1);
-    cofs_.assign(e_.mats.size(), -1);
-    bufs_.resize(e_.buckets.size());
-    for (size_t b = 0; b < e_.buckets.size(); ++b) {
-      const Bucket& bk = e_.buckets[b];
+    caller_ = dist_.dist.caller_transfers;
+    grad_stage_offset_.assign(dist_.mats.size(), -1);
+    convert_offset_.assign(dist_.mats.size(), -1);
+    bufs_.resize(dist_.buckets.size());
+    for (size_t b = 0; b < dist_.buckets.size(); ++b) {
+      const Bucket& bk = dist_.buckets[b];
       int64_t g = 0, c = 0;
       for (int j : bk.mats) {
-        const DistMatrix& m = e_.mats[j];
-        if (m.owner_s == e_.my_s) {  // reduced here (the owner, or the relay of its replica)
-          gofs_[j] = g;
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner_s == dist_.my_s) {  // reduced here (the owner, or the relay of its replica)
+          grad_stage_offset_[j] = g;
           g += m.numel();
         }
-        cofs_[j] = c;
+        convert_offset_[j] = c;
         c += m.numel();
       }
-      const DType w = e_.mats[bk.mats[0]].wire;
+      const DType w = dist_.mats[bk.mats[0]].wire;
       if (!caller_)
         bufs_[b].gstage =
-            e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
-      conv_elems_.push_back(c);
+            backend_.alloc(static_cast<size_t>(std::max<int64_t>(g, 1)) * dtype_size(w));
+      convert_elems_.push_back(c);
     }
   }
   int num_stages() const override { return 5; }
   int compute_stage() const override { return 2; }
 
   void pass1(int b, StepContext& ctx) override {
-    const Bucket& bk = e_.buckets[b];
-    if (caller_) {
-      for (const Bucket::Run& run : bk.runs)
-        if (e_.mats[bk.act[run.begin]].owner == e_.rank)
-          owner_pass1(bk, run, caller_slots(bk, run, ctx));
-      return;
+    const Bucket& bk = dist_.buckets[b];
+    if (!caller_) {
+      dist_.wait_on_stream(bufs_[b].reduce_across_replicas);
+      scale(bk);
     }
-    e_.wait_on_stream(bufs_[b].h1);
-    scale(bk);
-    for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run, ctx));
+    owned_norms(bk, owned_slots(bk, ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
-    const Bucket& bk = e_.buckets[b];
-    B& s = bufs_[b];
+    const Bucket& bk = dist_.buckets[b];
+    BucketBuffers& s = bufs_[b];
     if (caller_) {
-      if (stage == 2) caller_step(bk, ctx);
+      if (stage == 2) step_owned_runs(bk, ctx, owned_slots(bk, ctx));
       return;
     }
     switch (stage) {
       case 0:
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
-          void* recv = m.owner_s == e_.my_s ? gstage(j) : nullptr;
-          s.h0.push_back(e_.shard->reduce(source(b, j, ctx), recv, m.numel(), comm_type(m.wire),
-                                          ReduceOp::kSum, m.owner_s));
+          const DistMatrix& m = dist_.mats[j];
+          void* recv = m.owner_s == dist_.my_s ? gstage(j) : nullptr;
+          s.reduce_in_shard.push_back(dist_.shard->reduce(
+              source(b, j, ctx), recv, m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_s));
         }
         break;
       case 1:
-        e_.wait_on_stream(s.h0);
-        if (!e_.replica) break;
+        dist_.wait_on_stream(s.reduce_in_shard);
+        if (!dist_.replica) break;
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
-          if (m.owner_s != e_.my_s) continue;
-          s.h1.push_back(e_.replica->reduce(gstage(j), gstage(j), m.numel(), comm_type(m.wire),
-                                            ReduceOp::kSum, m.owner_r));
+          const DistMatrix& m = dist_.mats[j];
+          if (m.owner_s != dist_.my_s) continue;
+          s.reduce_across_replicas.push_back(dist_.replica->reduce(
+              gstage(j), gstage(j), m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_r));
         }
         break;
       case 2:
-        e_.wait_on_stream(s.h1);
+        dist_.wait_on_stream(s.reduce_across_replicas);
         if (!ctx.raise) scale(bk);
-        for (const Bucket::Run& run : bk.runs) {
-          if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
-          std::vector<MuonSlot> sl = slots(bk, run, ctx);
-          if (!ctx.raise) owner_pass1(bk, run, sl);
-          owner_rest(bk, run, sl, ctx, nullptr);
-        }
+        step_owned_runs(bk, ctx, owned_slots(bk, ctx));
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
+          const DistMatrix& m = dist_.mats[j];
           void* w = weight(j, ctx);
-          if (e_.replica) {
-            if (m.owner_s == e_.my_s)
-              s.h2.push_back(e_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+          if (dist_.replica) {
+            if (m.owner_s == dist_.my_s)
+              s.broadcast_first.push_back(
+                  dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
           } else {
-            s.h2.push_back(e_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+            s.broadcast_first.push_back(
+                dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
           }
         }
         break;
       case 3:
-        if (!e_.replica) break;
-        e_.wait_on_stream(s.h2);
+        if (!dist_.replica) break;
+        dist_.wait_on_stream(s.broadcast_first);
         for (int j : bk.act) {
-          const DistMatrix& m = e_.mats[j];
-          s.h3.push_back(
-              e_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
+          const DistMatrix& m = dist_.mats[j];
+          s.broadcast_in_shard.push_back(
+              dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
         }
         break;
       case 4:
-        e_.wait_on_stream(s.h2);
-        e_.wait_on_stream(s.h3);
+        dist_.wait_on_stream(s.broadcast_first);
+        dist_.wait_on_stream(s.broadcast_in_shard);
         break;
     }
   }
 
  private:
-  struct B {
+  struct BucketBuffers {
     Buffer gstage, conv;
-    std::vector<CommHandle> h0, h1, h2, h3;
+    // Per stage: 0 reduce in the shard group, 1 reduce across replicas, 2 broadcast across
+    // replicas (flat: to everyone), 3 broadcast in the shard group.
+    std::vector<CommHandle> reduce_in_shard, reduce_across_replicas, broadcast_first,
+        broadcast_in_shard;
   };
 
   void* gstage(int j) {
-    const DistMatrix& m = e_.mats[j];
-    return at(bufs_[m.bucket].gstage.data(), gofs_[j], m.wire);
+    const DistMatrix& m = dist_.mats[j];
+    return at(bufs_[m.bucket].gstage.data(), grad_stage_offset_[j], m.wire);
   }
   void* weight(int j, const StepContext& ctx) {
-    const DistMatrix& m = e_.mats[j];
+    const DistMatrix& m = dist_.mats[j];
     return at(ctx.data[m.param].param, full_offset(m), m.wire);
   }
   // This rank's contribution: the caller's gradient when it already has the wire dtype, else a
   // converted copy, or zeros when this rank computed no gradient for the matrix.
   const void* source(int b, int j, const StepContext& ctx) {
-    const DistMatrix& m = e_.mats[j];
+    const DistMatrix& m = dist_.mats[j];
     const ParamData& d = ctx.data[m.param];
     if (ctx.has_local[m.param] && d.grad_dtype == m.wire) return at(d.grad, full_offset(m), m.wire);
-    B& s = bufs_[b];
+    BucketBuffers& s = bufs_[b];
     if (!s.conv)
-      s.conv = e_.backend.alloc(static_cast<size_t>(conv_elems_[b]) * dtype_size(m.wire));
-    void* dst = at(s.conv.data(), cofs_[j], m.wire);
+      s.conv = backend_.alloc(static_cast<size_t>(convert_elems_[b]) * dtype_size(m.wire));
+    void* dst = at(s.conv.data(), convert_offset_[j], m.wire);
     if (ctx.has_local[m.param])
       copy_block(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, dst, m.wire, m.rows,
                  m.cols);
     else
-      e_.backend.fill_zero(dst, static_cast<size_t>(m.numel()) * dtype_size(m.wire));
+      backend_.fill_zero(dst, static_cast<size_t>(m.numel()) * dtype_size(m.wire));
     return dst;
   }
   // The owner turns the sum of the local gradients into their mean (DDP semantics).
   void scale(const Bucket& bk) {
-    if (!e_.dist.grad_mean || e_.world_size == 1) return;
+    if (!dist_.dist.grad_mean || dist_.world_size == 1) return;
     for (int j : bk.act) {
-      const DistMatrix& m = e_.mats[j];
-      if (m.owner != e_.rank) continue;
+      const DistMatrix& m = dist_.mats[j];
+      if (m.owner != dist_.rank) continue;
       BatchRef g = BatchRef::packed(gstage(j), m.wire, 1, m.rows, m.cols);
-      e_.backend.lincomb(1.0 / e_.world_size, g, 0.0, nullptr, 0.0, g);
+      backend_.lincomb(1.0 / dist_.world_size, g, 0.0, nullptr, 0.0, g);
     }
   }
   std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run, const StepContext& ctx) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
       const int j = bk.act[k];
-      const DistMatrix& m = e_.mats[j];
-      out.push_back({MatRef::of(gstage(j), m.wire, m.rows, m.cols),
-                     MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
-                     MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
-                     e_.skips_of(e_.params[m.param], m.slice)});
+      const DistMatrix& m = dist_.mats[j];
+      out.push_back(
+          {MatRef::of(gstage(j), m.wire, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
+           record_.skips_of(registry_.params[m.param], m.slice)});
     }
     return out;
   }
@@ -181,37 +177,35 @@ class DedicatedRunner final : public ModeRunner {
                                      const StepContext& ctx) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = e_.mats[bk.act[k]];
+      const DistMatrix& m = dist_.mats[bk.act[k]];
       const ParamData& d = ctx.data[m.param];
-      DM_CHECK(ctx.has_local[m.param], "matrix '", e_.matrix_name(bk.act[k]),
-               "' has a gradient on some rank but none on its owner, rank ", e_.rank,
+      DM_CHECK(ctx.has_local[m.param], "matrix '", registry_.slice_name(m.param, m.slice),
+               "' has a gradient on some rank but none on its owner, rank ", dist_.rank,
                ": with caller_transfers the caller reduces every gradient onto its owner");
       out.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
-           MatRef::of(m.momentum.data(), e_.params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           e_.skips_of(e_.params[m.param], m.slice)});
+           record_.skips_of(registry_.params[m.param], m.slice)});
     }
     return out;
   }
-  void caller_step(const Bucket& bk, StepContext& ctx) {
-    for (const Bucket::Run& run : bk.runs) {
-      if (e_.mats[bk.act[run.begin]].owner != e_.rank) continue;
-      std::vector<MuonSlot> sl = caller_slots(bk, run, ctx);
-      if (!ctx.raise) owner_pass1(bk, run, sl);
-      owner_rest(bk, run, sl, ctx, nullptr);
-    }
+  // The owner's slots: the staged reduced gradients, or the caller's buffers.
+  SlotsOf owned_slots(const Bucket& bk, const StepContext& ctx) {
+    return [this, &bk, &ctx](const Bucket::Run& run) {
+      return caller_ ? caller_slots(bk, run, ctx) : slots(bk, run, ctx);
+    };
   }
 
   bool caller_ = false;
-  std::vector<B> bufs_;
-  std::vector<int64_t> gofs_, cofs_, conv_elems_;
+  std::vector<BucketBuffers> bufs_;
+  std::vector<int64_t> grad_stage_offset_, convert_offset_, convert_elems_;
 };
 
 }  // namespace
 
-std::unique_ptr<ModeRunner> make_dedicated_runner(Engine::Impl& e) {
-  return std::make_unique<DedicatedRunner>(e);
+std::unique_ptr<ModeRunner> make_dedicated_runner(const RunnerContext& c) {
+  return std::make_unique<DedicatedRunner>(c);
 }
 
 }  // namespace distmuon

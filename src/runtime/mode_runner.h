@@ -9,22 +9,54 @@
 #include <span>
 #include <vector>
 
-#include "runtime/engine_impl.h"
+#include "runtime/dist_state.h"
+#include "runtime/muon_batch.h"
+#include "runtime/registry.h"
+#include "runtime/step_state.h"
 
 namespace distmuon {
 
-// What one distributed step knows beyond the registry.
-struct StepContext {
-  std::vector<ParamData> data;       // a copy: deferred stages outlive the caller's array
-  std::vector<char> active;          // per parameter: stepped on every rank in this step
-  std::vector<char> has_local;       // per parameter: this rank passed a gradient
-  std::vector<MuonUpdateCoef> coef;  // per Muon matrix (index into Impl::mats)
-  bool raise = false;                // NonFinitePolicy::kRaise
+// Copies a rows x cols block from src to dst, converting the dtype when they differ.
+void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
+                int64_t rows, int64_t cols);
+
+// What the owner computation needs from the engine beyond the state: the algorithm of a shape,
+// and the scratch and CacheMuon binding of a batch (Engine::Impl implements it).
+class BatchResources {
+ public:
+  // The algorithm the group runs on a wide m x n shape (its tuned choice where there is one).
+  virtual OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const = 0;
+  // Before a batch of `count` m x n matrices is orthogonalized: binds the CacheMuon class
+  // `cache` (-1: none) to its group's options, grows the shared workspace -- and, when x is not
+  // null, the shared iteration buffer, returned in x -- and says how the batch is
+  // orthogonalized: through the cache where this step uses it (matrix k on entry entries[k]),
+  // else fresh (entries is then cleared).
+  virtual BatchOrtho prepare_batch(const OrthoConfig& resolved, int cache,
+                                   std::vector<int64_t>& entries, int64_t count, int64_t m,
+                                   int64_t n, BatchRef* x) = 0;
+
+ protected:
+  ~BatchResources() = default;
+};
+
+// What a runner's stages see: the registry (read-only), the distributed layout and
+// communicators, the step's statuses and counters, and the batch resources -- not the engine.
+struct RunnerContext {
+  Backend& backend;
+  const Registry& registry;
+  DistState& dist;
+  StepRecord& record;
+  BatchResources& resources;
 };
 
 class ModeRunner {
  public:
-  explicit ModeRunner(Engine::Impl& e) : e_(e) {}
+  explicit ModeRunner(const RunnerContext& c)
+      : backend_(c.backend),
+        registry_(c.registry),
+        dist_(c.dist),
+        record_(c.record),
+        resources_(c.resources) {}
   virtual ~ModeRunner() = default;
 
   virtual void setup() = 0;  // buffers, once the plan and the buckets exist
@@ -38,23 +70,35 @@ class ModeRunner {
   virtual void pass1(int b, StepContext& ctx) = 0;
 
  protected:
-  // The owner's work on one run of bucket b (matrices act[run.begin, run.end) with one owner,
-  // group and shape). Pass 1: momentum norms and statuses into step_norms / step_status.
-  void owner_pass1(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
-  // Pass 2, orthogonalization and either the weight update on the slots' weights (out ==
-  // nullptr) or the orthogonalized matrices written to out(k), rows x cols in the wire dtype.
-  void owner_rest(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
-                  const StepContext& ctx, const std::function<void*(int k)>* out);
-  // Before a run is orthogonalized: grows the shared scratch for it and, where the run uses
-  // CacheMuon on this rank, returns its cache class and fills the matrices' entries (else -1).
-  int prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
-                  std::vector<int64_t>* entries);
-  // Calls f(k0, len, tall) for the wide and the tall part of a run (positions relative to
-  // run.begin), skipping an empty part: the fused passes take one orientation per call.
-  static void for_each_orientation(const Bucket::Run& run,
-                                   const std::function<void(int k0, int len, bool tall)>& f);
+  // Every run of bucket b (matrices act[run.begin, run.end) of one owner -- gather: every rank --
+  // plan batch, group and wide shape) is one MuonBatch, with its statuses and norms in the step's.
+  MuonBatch run_batch(const Bucket& b, const Bucket::Run& run,
+                      std::span<const MuonSlot> slots) const;
+  // The owner's work on a run: pass 1 (norms and statuses) ...
+  void owner_norms(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
+  // ... then pass 2, the orthogonalization and the update of the slots' weights ...
+  void owner_update(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
+                    const StepContext& ctx);
+  // ... or, instead of the update, the orthogonalized matrix j written to out(j), rows x cols in
+  // the wire dtype (the shards apply it).
+  void owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
+                            std::span<const MuonSlot> slots,
+                            const std::function<void*(int j)>& out);
+  // prepare_batch for a run (its matrices' cache entries go to `entries`; x: the run's shared
+  // iteration buffer).
+  BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
+                         std::vector<int64_t>* entries, BatchRef* x);
+  // The slots of a run's matrices, as the mode holds them.
+  using SlotsOf = std::function<std::vector<MuonSlot>(const Bucket::Run& run)>;
+  // Pass 1 on every run of bucket b this rank owns (the raise policy's pass1()).
+  void owned_norms(const Bucket& b, const SlotsOf& slots_of);
+  // The owner's step on every run of bucket b it owns: pass 1 (unless the raise policy ran it
+  // already), then owner_update.
+  void step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of);
+  // Pass 2 and the orthogonalization of an owner's run: the run's iteration buffer.
+  BatchRef owner_orthogonalize(const Bucket& b, const Bucket::Run& run, const MuonBatch& batch);
   int32_t* status_at(const Bucket& b, int pos) const {
-    return e_.step_status.as<int32_t>() + b.status_offset + pos;
+    return record_.step_status.as<int32_t>() + b.status_offset + pos;
   }
   // Element `elems` of a buffer of dtype t.
   static char* at(const void* base, int64_t elems, DType t) {
@@ -63,20 +107,27 @@ class ModeRunner {
   }
   // Where row `row` of matrix j starts in this rank's local shard of its parameter.
   int64_t local_offset(const DistMatrix& m, int64_t row) const {
-    const Param& p = e_.params[m.param];
+    const Param& p = registry_.params[m.param];
     return m.slice * m.rows * m.cols + row * m.cols - p.spec.shard.row_begin * p.inner;
   }
   // Element offset of matrix j in its (unsharded) parameter.
   static int64_t full_offset(const DistMatrix& m) { return m.slice * m.rows * m.cols; }
   // Copies (converting dtype when needed) a rows x cols block.
-  void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows, int64_t cols);
+  void copy_block(const void* src, DType src_t, void* dst, DType dst_t, int64_t rows,
+                  int64_t cols) {
+    distmuon::copy_block(backend_, src, src_t, dst, dst_t, rows, cols);
+  }
 
-  Engine::Impl& e_;
+  Backend& backend_;
+  const Registry& registry_;
+  DistState& dist_;
+  StepRecord& record_;
+  BatchResources& resources_;
 };
 
-std::unique_ptr<ModeRunner> make_gather_runner(Engine::Impl& e);
-std::unique_ptr<ModeRunner> make_sharded_runner(Engine::Impl& e);
-std::unique_ptr<ModeRunner> make_replicated_runner(Engine::Impl& e);
-std::unique_ptr<ModeRunner> make_dedicated_runner(Engine::Impl& e);
+std::unique_ptr<ModeRunner> make_gather_runner(const RunnerContext& c);
+std::unique_ptr<ModeRunner> make_sharded_runner(const RunnerContext& c);
+std::unique_ptr<ModeRunner> make_replicated_runner(const RunnerContext& c);
+std::unique_ptr<ModeRunner> make_dedicated_runner(const RunnerContext& c);
 
 }  // namespace distmuon

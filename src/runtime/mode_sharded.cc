@@ -18,29 +18,29 @@ class ShardedRunner final : public ModeRunner {
   using ModeRunner::ModeRunner;
 
   void setup() override {
-    const size_t n = e_.mats.size();
-    gofs_.assign(n, -1);
-    oofs_.assign(n, -1);
-    bufs_.resize(e_.buckets.size());
-    for (size_t b = 0; b < e_.buckets.size(); ++b) {
-      const Bucket& bk = e_.buckets[b];
-      B& s = bufs_[b];
+    const size_t n = dist_.mats.size();
+    grad_stage_offset_.assign(n, -1);
+    update_stage_offset_.assign(n, -1);
+    bufs_.resize(dist_.buckets.size());
+    for (size_t b = 0; b < dist_.buckets.size(); ++b) {
+      const Bucket& bk = dist_.buckets[b];
+      BucketBuffers& s = bufs_[b];
       int64_t g = 0, o = 0, send = 0, recv = 0;
       for (int j : bk.mats) {
-        const DistMatrix& m = e_.mats[j];
-        const int64_t mine = (m.hi[e_.my_s] - m.lo[e_.my_s]) * m.cols;
-        if (m.owner == e_.rank) {
-          gofs_[j] = g;
+        const DistMatrix& m = dist_.mats[j];
+        const int64_t mine = (m.hi[dist_.my_s] - m.lo[dist_.my_s]) * m.cols;
+        if (m.owner == dist_.rank) {
+          grad_stage_offset_[j] = g;
           g += m.numel();
         }
-        if (m.owner_s == e_.my_s) {
-          oofs_[j] = o;
+        if (m.owner_s == dist_.my_s) {
+          update_stage_offset_[j] = o;
           o += m.numel();
         }
-        if (m.owner_r == e_.my_r) send += mine;
+        if (m.owner_r == dist_.my_r) send += mine;
         recv += mine;
       }
-      const DType w = e_.mats[bk.mats[0]].wire;
+      const DType w = dist_.mats[bk.mats[0]].wire;
       s.gstage = alloc(g, w);
       s.recv_g = alloc(g, w);
       s.ostage = alloc(o, w);
@@ -54,9 +54,8 @@ class ShardedRunner final : public ModeRunner {
 
   void pass1(int b, StepContext& ctx) override {
     unpack(b);
-    const Bucket& bk = e_.buckets[b];
-    for (const Bucket::Run& run : bk.runs)
-      if (e_.mats[bk.act[run.begin]].owner == e_.rank) owner_pass1(bk, run, slots(bk, run));
+    const Bucket& bk = dist_.buckets[b];
+    owned_norms(bk, [&](const Bucket::Run& run) { return slots(bk, run); });
     (void)ctx;
   }
 
@@ -78,61 +77,69 @@ class ShardedRunner final : public ModeRunner {
   }
 
  private:
-  struct B {
+  // Elements to and from each shard position in one all-to-all.
+  struct AllToAllLayout {
+    std::vector<int64_t> send_counts, send_displs, recv_counts, recv_displs;
+    void reset(int positions) {
+      for (auto* v : {&send_counts, &send_displs, &recv_counts, &recv_displs})
+        v->assign(positions, 0);
+    }
+  };
+  struct BucketBuffers {
     Buffer send_g, recv_g, gstage, ostage, send_o, recv_o;
-    std::vector<int64_t> sc, sd, rc, rd;      // gradient all-to-all, per shard position
-    std::vector<int64_t> osc, osd, orc, ord;  // update all-to-all
+    AllToAllLayout grad, update;  // the gradient rows' all-to-all and the update rows' one
     CommHandle collect, ret, status;
     std::vector<CommHandle> bcast;
   };
 
   Buffer alloc(int64_t elems, DType t) {
-    return e_.backend.alloc(static_cast<size_t>(std::max<int64_t>(elems, 1)) * dtype_size(t));
+    return backend_.alloc(static_cast<size_t>(std::max<int64_t>(elems, 1)) * dtype_size(t));
   }
   int64_t piece(const DistMatrix& m, int q) const { return (m.hi[q] - m.lo[q]) * m.cols; }
 
   void collect(int b, StepContext& ctx) {
-    const Bucket& bk = e_.buckets[b];
-    B& s = bufs_[b];
-    const int S = e_.shard_size, me = e_.my_s;
-    s.sc.assign(S, 0), s.sd.assign(S, 0), s.rc.assign(S, 0), s.rd.assign(S, 0);
+    const Bucket& bk = dist_.buckets[b];
+    BucketBuffers& s = bufs_[b];
+    const int S = dist_.shard_size, me = dist_.my_s;
+    s.grad.reset(S);
     if (bk.act.empty()) return;
-    const DType w = e_.mats[bk.mats[0]].wire;
+    const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the matrices owned at position q of my replica
-      s.sd[q] = cur;
+      s.grad.send_displs[q] = cur;
       for (int j : bk.act) {
-        const DistMatrix& m = e_.mats[j];
-        if (m.owner_r != e_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner_r != dist_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
         const ParamData& d = ctx.data[m.param];
         copy_block(at(d.grad, local_offset(m, m.lo[me]), d.grad_dtype), d.grad_dtype,
                    at(s.send_g.data(), cur, w), w, m.hi[me] - m.lo[me], m.cols);
         cur += piece(m, me);
       }
-      s.sc[q] = cur - s.sd[q];
+      s.grad.send_counts[q] = cur - s.grad.send_displs[q];
     }
     cur = 0;
     for (int q = 0; q < S; ++q) {  // every position's rows of the matrices I own
-      s.rd[q] = cur;
+      s.grad.recv_displs[q] = cur;
       for (int j : bk.act)
-        if (e_.mats[j].owner == e_.rank) cur += piece(e_.mats[j], q);
-      s.rc[q] = cur - s.rd[q];
+        if (dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
+      s.grad.recv_counts[q] = cur - s.grad.recv_displs[q];
     }
-    s.collect = e_.shard->all_to_all_v(s.send_g.data(), s.sc, s.sd, s.recv_g.data(), s.rc, s.rd,
-                                       comm_type(w));
+    s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.grad.send_counts, s.grad.send_displs,
+                                          s.recv_g.data(), s.grad.recv_counts, s.grad.recv_displs,
+                                          comm_type(w));
   }
 
   void unpack(int b) {
-    const Bucket& bk = e_.buckets[b];
-    B& s = bufs_[b];
-    e_.wait_on_stream(s.collect);
-    for (int q = 0; q < e_.shard_size; ++q) {
-      int64_t cur = s.rd[q];
+    const Bucket& bk = dist_.buckets[b];
+    BucketBuffers& s = bufs_[b];
+    dist_.wait_on_stream(s.collect);
+    for (int q = 0; q < dist_.shard_size; ++q) {
+      int64_t cur = s.grad.recv_displs[q];
       for (int j : bk.act) {
-        const DistMatrix& m = e_.mats[j];
-        if (m.owner != e_.rank || piece(m, q) == 0) continue;
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner != dist_.rank || piece(m, q) == 0) continue;
         copy_block(at(s.recv_g.data(), cur, m.wire), m.wire,
-                   at(s.gstage.data(), gofs_[j] + m.lo[q] * m.cols, m.wire), m.wire,
+                   at(s.gstage.data(), grad_stage_offset_[j] + m.lo[q] * m.cols, m.wire), m.wire,
                    m.hi[q] - m.lo[q], m.cols);
         cur += piece(m, q);
       }
@@ -142,98 +149,98 @@ class ShardedRunner final : public ModeRunner {
   std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run) {
     std::vector<MuonSlot> out;
     for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = e_.mats[bk.act[k]];
-      MatRef g = MatRef::of(at(bufs_[m.bucket].gstage.data(), gofs_[bk.act[k]], m.wire), m.wire,
-                            m.rows, m.cols);
+      const DistMatrix& m = dist_.mats[bk.act[k]];
+      MatRef g =
+          MatRef::of(at(bufs_[m.bucket].gstage.data(), grad_stage_offset_[bk.act[k]], m.wire),
+                     m.wire, m.rows, m.cols);
       // The owner holds no weight: pass 3 runs on the shards, so the weight slot is unused.
-      const Param& p = e_.params[m.param];
+      const Param& p = registry_.params[m.param];
       out.push_back({g, MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols), g,
-                     e_.skips_of(p, m.slice)});
+                     record_.skips_of(p, m.slice)});
     }
     return out;
   }
 
   void compute(int b, StepContext& ctx) {
-    const Bucket& bk = e_.buckets[b];
-    B& s = bufs_[b];
+    const Bucket& bk = dist_.buckets[b];
+    BucketBuffers& s = bufs_[b];
     if (!ctx.raise) unpack(b);
     std::vector<std::vector<MuonSlot>> run_slots(bk.runs.size());
     for (size_t r = 0; r < bk.runs.size(); ++r) {
-      if (e_.mats[bk.act[bk.runs[r].begin]].owner != e_.rank) continue;
+      if (dist_.mats[bk.act[bk.runs[r].begin]].owner != dist_.rank) continue;
       run_slots[r] = slots(bk, bk.runs[r]);
-      if (!ctx.raise) owner_pass1(bk, bk.runs[r], run_slots[r]);
+      if (!ctx.raise) owner_norms(bk, bk.runs[r], run_slots[r]);
     }
     // Shards apply the update, so they must learn whether the owner skipped the matrix.
     if (!ctx.raise && !bk.act.empty())
-      s.status =
-          e_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
-                               static_cast<int64_t>(bk.act.size()), CommType::kI32, ReduceOp::kMax);
+      s.status = dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
+                                         static_cast<int64_t>(bk.act.size()), CommType::kI32,
+                                         ReduceOp::kMax);
     for (size_t r = 0; r < bk.runs.size(); ++r) {
       if (run_slots[r].empty()) continue;
-      const Bucket::Run& run = bk.runs[r];
-      std::function<void*(int)> out = [&](int k) {
-        const int j = bk.act[run.begin + k];
-        return static_cast<void*>(at(s.ostage.data(), oofs_[j], e_.mats[j].wire));
-      };
-      owner_rest(bk, run, run_slots[r], ctx, &out);
+      owner_orthogonalized(bk, bk.runs[r], run_slots[r], [&](int j) {
+        return static_cast<void*>(at(s.ostage.data(), update_stage_offset_[j], dist_.mats[j].wire));
+      });
     }
-    if (!e_.replica) return;
+    if (!dist_.replica) return;
     for (int j : bk.act) {  // the update reaches the other replicas while the next bucket runs
-      const DistMatrix& m = e_.mats[j];
-      if (m.owner_s != e_.my_s) continue;
-      s.bcast.push_back(e_.replica->broadcast(at(s.ostage.data(), oofs_[j], m.wire), m.numel(),
-                                              comm_type(m.wire), m.owner_r));
+      const DistMatrix& m = dist_.mats[j];
+      if (m.owner_s != dist_.my_s) continue;
+      s.bcast.push_back(
+          dist_.replica->broadcast(at(s.ostage.data(), update_stage_offset_[j], m.wire), m.numel(),
+                                   comm_type(m.wire), m.owner_r));
     }
   }
 
   void relay(int b) {
-    const Bucket& bk = e_.buckets[b];
-    B& s = bufs_[b];
-    e_.wait_on_stream(s.bcast);
-    const int S = e_.shard_size, me = e_.my_s;
-    s.osc.assign(S, 0), s.osd.assign(S, 0), s.orc.assign(S, 0), s.ord.assign(S, 0);
+    const Bucket& bk = dist_.buckets[b];
+    BucketBuffers& s = bufs_[b];
+    dist_.wait_on_stream(s.bcast);
+    const int S = dist_.shard_size, me = dist_.my_s;
+    s.update.reset(S);
     if (bk.act.empty()) return;
-    const DType w = e_.mats[bk.mats[0]].wire;
+    const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
     for (int q = 0; q < S; ++q) {  // rows of position q of the updates held at my position
-      s.osd[q] = cur;
+      s.update.send_displs[q] = cur;
       for (int j : bk.act) {
-        const DistMatrix& m = e_.mats[j];
+        const DistMatrix& m = dist_.mats[j];
         if (m.owner_s != me || piece(m, q) == 0) continue;
-        copy_block(at(s.ostage.data(), oofs_[j] + m.lo[q] * m.cols, w), w,
+        copy_block(at(s.ostage.data(), update_stage_offset_[j] + m.lo[q] * m.cols, w), w,
                    at(s.send_o.data(), cur, w), w, m.hi[q] - m.lo[q], m.cols);
         cur += piece(m, q);
       }
-      s.osc[q] = cur - s.osd[q];
+      s.update.send_counts[q] = cur - s.update.send_displs[q];
     }
     cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the updates held at position q
-      s.ord[q] = cur;
+      s.update.recv_displs[q] = cur;
       for (int j : bk.act)
-        if (e_.mats[j].owner_s == q) cur += piece(e_.mats[j], me);
-      s.orc[q] = cur - s.ord[q];
+        if (dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
+      s.update.recv_counts[q] = cur - s.update.recv_displs[q];
     }
-    s.ret = e_.shard->all_to_all_v(s.send_o.data(), s.osc, s.osd, s.recv_o.data(), s.orc, s.ord,
-                                   comm_type(w));
+    s.ret = dist_.shard->all_to_all_v(s.send_o.data(), s.update.send_counts, s.update.send_displs,
+                                      s.recv_o.data(), s.update.recv_counts, s.update.recv_displs,
+                                      comm_type(w));
   }
 
   void apply(int b, StepContext& ctx) {
-    const Bucket& bk = e_.buckets[b];
-    B& s = bufs_[b];
-    e_.wait_on_stream(s.ret);
-    e_.wait_on_stream(s.status);
-    const int me = e_.my_s;
-    for (int q = 0; q < e_.shard_size; ++q) {
-      int64_t cur = s.ord[q];
+    const Bucket& bk = dist_.buckets[b];
+    BucketBuffers& s = bufs_[b];
+    dist_.wait_on_stream(s.ret);
+    dist_.wait_on_stream(s.status);
+    const int me = dist_.my_s;
+    for (int q = 0; q < dist_.shard_size; ++q) {
+      int64_t cur = s.update.recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
-        const DistMatrix& m = e_.mats[bk.act[k]];
+        const DistMatrix& m = dist_.mats[bk.act[k]];
         if (m.owner_s != q || piece(m, me) == 0) continue;
         const int64_t rows = m.hi[me] - m.lo[me];
         MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.wire),
                                  m.wire, rows, m.cols);
         MuonSlot slot{wref, wref, wref};
         MuonUpdateCoef coef = ctx.coef[bk.act[k]];
-        e_.backend.muon_update(
+        backend_.muon_update(
             {&slot, 1}, {&coef, 1}, status_at(bk, static_cast<int>(k)),
             BatchRef::packed(at(s.recv_o.data(), cur, m.wire), m.wire, 1, rows, m.cols), false);
         cur += piece(m, me);
@@ -241,14 +248,16 @@ class ShardedRunner final : public ModeRunner {
     }
   }
 
-  std::vector<B> bufs_;
-  std::vector<int64_t> gofs_, oofs_;  // per matrix: offset in gstage (owned) / ostage (my position)
+  std::vector<BucketBuffers> bufs_;
+  // Per matrix: element offset in gstage (matrices I own) and in ostage (matrices owned at my
+  // shard position).
+  std::vector<int64_t> grad_stage_offset_, update_stage_offset_;
 };
 
 }  // namespace
 
-std::unique_ptr<ModeRunner> make_sharded_runner(Engine::Impl& e) {
-  return std::make_unique<ShardedRunner>(e);
+std::unique_ptr<ModeRunner> make_sharded_runner(const RunnerContext& c) {
+  return std::make_unique<ShardedRunner>(c);
 }
 
 }  // namespace distmuon

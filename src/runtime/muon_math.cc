@@ -59,7 +59,7 @@ MatrixLayout matrix_layout(const std::string& name, const std::vector<int64_t>& 
       return {1, shape[0], shape[1]};
     case 3:
       return {shape[0], shape[1], shape[2]};  // a batch of matrices
-    case 4: {  // conv: out x (in*kh*kw)
+    case 4: {                                 // conv: out x (in*kh*kw)
       const std::string what = "parameter '" + name + "'";
       const int64_t inner = checked_numel({shape[1], shape[2], shape[3]}, what);
       return {1, shape[0], inner};

@@ -2,11 +2,13 @@
 // foreign files) and the measured path with its cache.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "distmuon/cost_table.h"
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
 #include "distmuon/workload.h"
@@ -206,3 +208,26 @@ TEST(CostTable, MeasuredTableIsCachedAndReused) {
 
 }  // namespace
 }  // namespace distmuon
+
+// The cost profile and the autotuner keep their measurements where env::cache_file says: the
+// knob, else the XDG cache directory, else the home directory's.
+TEST(CostTable, MeasurementCachesShareOneLocationRule) {
+  auto saved = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v ? std::string(v) : std::string();
+  };
+  const std::string saved_xdg = saved("XDG_CACHE_HOME"), saved_home = saved("HOME");
+  setenv("DISTMUON_COST_CACHE", "/tmp/explicit-costs.json", 1);
+  EXPECT_EQ(distmuon::default_cost_cache_path(), "/tmp/explicit-costs.json");
+  unsetenv("DISTMUON_COST_CACHE");
+  setenv("XDG_CACHE_HOME", "/tmp/xdg", 1);
+  EXPECT_EQ(distmuon::default_cost_cache_path(), "/tmp/xdg/distmuon/costs.json");
+  EXPECT_EQ(distmuon::env::cache_file("DISTMUON_TUNE_CACHE", "tune.json"),
+            "/tmp/xdg/distmuon/tune.json");
+  unsetenv("XDG_CACHE_HOME");
+  setenv("HOME", "/tmp/home", 1);
+  EXPECT_EQ(distmuon::env::cache_file("DISTMUON_TUNE_CACHE", "tune.json"),
+            "/tmp/home/.cache/distmuon/tune.json");
+  setenv("HOME", saved_home.c_str(), 1);
+  if (!saved_xdg.empty()) setenv("XDG_CACHE_HOME", saved_xdg.c_str(), 1);
+}

@@ -33,13 +33,7 @@ TuneKey TuneKey::current(const std::string& gpu_name) {
   return k;
 }
 
-std::string tune_cache_path() {
-  std::string p = env::get("DISTMUON_TUNE_CACHE");
-  if (!p.empty()) return p;
-  if (const char* x = std::getenv("XDG_CACHE_HOME"); x && *x) return std::string(x) + "/distmuon/tune.json";
-  if (const char* h = std::getenv("HOME"); h && *h) return std::string(h) + "/.cache/distmuon/tune.json";
-  return "distmuon-tune.json";
-}
+std::string tune_cache_path() { return env::cache_file("DISTMUON_TUNE_CACHE", "tune.json"); }
 
 namespace {
 

@@ -1,0 +1,89 @@
+// AdamW for the parameters of AdamW groups, one path for the single-process and every
+// distributed step: adam_begin (dedicated mode: the local gradients all-reduced in the wire
+// dtype), adam_check (statuses; sharded modes agree on them), adam_update (the update and the
+// skip count). Every AdamW parameter keeps its status entry, idle or not, so that statuses line
+// up on every rank.
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+
+namespace distmuon {
+
+void Engine::Impl::adam_begin(StepContext& ctx) {
+  if (adam_params.empty()) return;
+  if (!adam_dummy) adam_dummy = backend.alloc(64);
+  if (!reduces_adam_gradients()) return;
+  if (!adam_stage) {
+    size_t bytes = 0;
+    for (int i : adam_params) {
+      adam_offset.push_back(static_cast<int64_t>(bytes));
+      bytes += static_cast<size_t>(params[i].numel) * dtype_size(params[i].spec.dtype);
+    }
+    adam_stage = backend.alloc(std::max<size_t>(bytes, 1));
+  }
+  for (size_t k = 0; k < adam_params.size(); ++k) {
+    const int i = adam_params[k];
+    if (!ctx.active[i]) continue;
+    const Param& p = params[i];
+    void* dst = adam_stage.as<char>() + adam_offset[k];
+    if (ctx.has_local[i])
+      copy_block(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, 1, p.numel);
+    else
+      backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
+    adam_handles.push_back(
+        world->all_reduce(dst, dst, p.numel, comm_type(p.spec.dtype), ReduceOp::kSum));
+  }
+}
+
+void Engine::Impl::adam_check(StepContext& ctx) {
+  if (adam_params.empty()) return;
+  wait_on_stream(adam_handles);
+  adam_slots.clear();
+  for (size_t k = 0; k < adam_params.size(); ++k) {
+    const int i = adam_params[k];
+    const Param& p = params[i];
+    const ParamData& d = ctx.data[i];
+    // Every AdamW parameter keeps its slot (empty when idle here), so statuses line up on
+    // every rank.
+    if (!ctx.active[i] || p.local_numel == 0) {
+      // An empty shard of a stepping tensor still counts the step, as its other shards do.
+      void* z = adam_dummy.data();
+      adam_slots.push_back(
+          {z, z, z, z, DType::kF32, DType::kF32, 0, ctx.active[i] ? step_count(i) : nullptr});
+      continue;
+    }
+    AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
+               p.spec.dtype, d.grad_dtype, p.local_numel,   step_count(i)};
+    if (reduces_adam_gradients()) {
+      s.grad = adam_stage.as<char>() + adam_offset[k];
+      s.grad_dtype = p.spec.dtype;
+      if (dist.grad_mean && world_size > 1) {
+        BatchRef g = BatchRef::packed(const_cast<void*>(s.grad), s.grad_dtype, 1, 1, p.numel);
+        backend.lincomb(1.0 / world_size, g, 0.0, nullptr, 0.0, g);
+      }
+    }
+    adam_slots.push_back(s);
+  }
+  int32_t* status = adam_status();
+  backend.adamw_check(adam_slots, status);
+  // Shard holders must skip a tensor whose rows are non-finite anywhere.
+  if (world && !ctx.raise && is_sharded_mode(dist.mode)) {
+    CommHandle h = shard->all_reduce(status, status, static_cast<int64_t>(adam_params.size()),
+                                     CommType::kI32, ReduceOp::kMax);
+    wait_on_stream(h);
+  }
+}
+
+void Engine::Impl::adam_update() {
+  if (adam_params.empty()) return;
+  std::vector<AdamCoef> coefs;
+  for (int i : adam_params) {
+    const AdamWOptions& a = groups[params[i].spec.group].adamw;
+    coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, params[i].step + 1});
+  }
+  int32_t* status = adam_status();
+  backend.adamw_update(adam_slots, coefs, status);
+  backend.count_status(status, static_cast<int64_t>(adam_params.size()),
+                       skip_counter.as<int64_t>());
+}
+
+}  // namespace distmuon

@@ -1,0 +1,52 @@
+#include "runtime/muon_batch.h"
+
+#include "distmuon/error.h"
+
+namespace distmuon {
+
+void MuonBatch::momentum_norm() const {
+  backend.muon_momentum_norm(slots, options.momentum, options.nesterov, norms, status);
+}
+
+void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
+                                       int64_t* skip_counter) const {
+  DM_CHECK(static_cast<int64_t>(slots.size()) == count, "internal: ", slots.size(),
+           " slots for a batch of ", count);
+  for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
+    backend.muon_momentum_apply(slots.subspan(k0, len), options.momentum, options.nesterov,
+                                status + k0, muon_input_scale(norms + k0, resolved), tall,
+                                x.slice(k0, len));
+  });
+  orthogonalize(x, how);
+  count_skips(skip_counter);
+}
+
+void MuonBatch::orthogonalize(const BatchRef& x, const BatchOrtho& how) const {
+  if (!how.cache) {
+    how.ortho->run(resolved, x, x, how.workspace, how.workspace_bytes, how.stats);
+    return;
+  }
+  DM_CHECK(static_cast<int64_t>(how.entries.size()) == x.count, "internal: ", how.entries.size(),
+           " cache entries for a batch of ", x.count);
+  // Matrices without a gradient in this step leave gaps in the entries, so the batch goes in
+  // runs of consecutive entries (usually one).
+  for (size_t k0 = 0, k1; k0 < how.entries.size(); k0 = k1) {
+    for (k1 = k0 + 1; k1 < how.entries.size() && how.entries[k1] == how.entries[k1 - 1] + 1;) ++k1;
+    BatchRef part = x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(k1 - k0));
+    how.ortho->run_cached(resolved, *how.cache, how.entries[k0], part, part, status + k0,
+                          how.workspace, how.workspace_bytes, how.stats);
+  }
+}
+
+void MuonBatch::count_skips(int64_t* skip_counter) const {
+  backend.count_status(status, count, skip_counter);
+}
+
+void MuonBatch::update(std::span<const MuonUpdateCoef> coefs, const BatchRef& x) const {
+  for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
+    backend.muon_update(slots.subspan(k0, len), coefs.subspan(k0, len), status + k0,
+                        x.slice(k0, len), tall);
+  });
+}
+
+}  // namespace distmuon
