@@ -23,7 +23,10 @@ def load(name, layers):
     for dst, key in ((muon, "muon"), (adamw, "adamw")):
         for e in w[key]:
             n = e["count"] if layers <= 0 else min(e["count"], layers)
-            dst += [tuple(e["shape"])] * n
+            shape = tuple(e["shape"])
+            if key == "muon" and len(shape) == 3:  # stacked experts: torch.optim.Muon takes 2D
+                n, shape = n * shape[0], shape[1:]
+            dst += [shape] * n
     return muon, adamw
 
 
