@@ -222,5 +222,6 @@ def save_results(path: str, meta: dict, results: list[ArmResult]) -> None:
     meta = dict(meta, command=command,
                 device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 torch=torch.__version__)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"meta": meta, "arms": [asdict(r) for r in results]}, f, indent=1)

@@ -34,9 +34,9 @@ SIZES = {
     "tiny": dict(layers=2, width=64, heads=4, context=32, batch=4, steps=8, eval_every=4, warmup=2,
                  adamw_lrs=(1e-3,)),
     "small": dict(layers=6, width=384, heads=6, context=256, batch=8, steps=960, eval_every=80, warmup=50,
-                  adamw_lrs=(1e-3, 3e-3)),
+                  adamw_lrs=(1e-3, 2e-3, 4e-3)),
     "medium": dict(layers=12, width=768, heads=12, context=256, batch=8, steps=480, eval_every=40, warmup=30,
-                   adamw_lrs=(3e-4, 1e-3)),
+                   adamw_lrs=(3e-4, 6e-4, 1.2e-3)),
 }
 # The optimizer arms every size runs (besides AdamW at its size's learning rates; common.py
 # parses them): the references, fresh Gram NS, CacheMuon's residual trigger at several gammas,
