@@ -75,6 +75,8 @@ def parse_arm(spec: str) -> Arm:
             arm.shadow = value not in ("0", "false", "no")
         else:
             raise ValueError(f"unknown key '{key}' in arm '{spec}'")
+    if arm.probes is not None and arm.probes < 1 or arm.staleness < 0:
+        raise ValueError(f"arm '{spec}': probes must be >= 1 and staleness >= 0")
     if (arm.probes or arm.staleness or arm.shadow) and arm.gamma is None:
         raise ValueError(f"arm '{spec}': probes, staleness and shadow are CacheMuon options (give gamma)")
     return arm

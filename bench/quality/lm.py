@@ -207,11 +207,14 @@ def main(argv=None) -> list[ArmResult]:
     meta = dict(vars(args), kind="lm", command=command, epochs=epochs, train_tokens=tokens, train_chars=len(corpus.train),
                 params=params, val_tokens=len(val_starts) * args.context)
     print(f"size {args.size}: {args.layers} x {args.width}, {params / 1e6:.2f} M parameters; {args.steps} steps of "
-          f"{args.batch} x {args.context} = {tokens / 1e6:.2f} M tokens = {epochs:.2f} epochs of "
+          f"{args.batch} x {args.context} = {tokens:,} tokens = {epochs:.2f} epochs of "
           f"{len(corpus.train) / 1e6:.2f} M; validation {meta['val_tokens']} tokens", flush=True)
+    specs, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
+    for spec in specs:
+        parse_arm(spec)  # every arm's spelling checked before the first one trains
     results = []
-    for seed in (int(s) for s in args.seeds.split(",")):
-        for spec in args.arms.split(","):
+    for seed in seeds:
+        for spec in specs:
             results.append(train_arm(spec, seed, args, corpus, val_starts, device))
             save_results(args.out, meta, results)
     print(f"\n{'arm':44s} {'seed':>4s} {'final val':>10s} {'best val':>9s} {'opt ms':>8s} {'ortho GF/step':>14s}")

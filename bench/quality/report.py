@@ -43,12 +43,14 @@ def by_arm(study: dict) -> dict[str, list[dict]]:
     return out
 
 
-def inputs_identical(study: dict) -> bool:
-    """Whether every arm of each seed started from the same weights and saw the same batches
-    (records without digests, from before they were kept, say nothing and count as identical)."""
+def inputs_identical(study: dict) -> bool | None:
+    """Whether every arm of each seed started from the same weights and saw the same batches;
+    None for records without digests (from before they were kept)."""
+    if not all(a.get("batch_digest") and a.get("init_digest") for a in study["arms"]):
+        return None
     seen: dict[int, set] = {}
     for a in study["arms"]:
-        seen.setdefault(a.get("seed", 0), set()).add((a.get("init_digest", ""), a.get("batch_digest", "")))
+        seen.setdefault(a.get("seed", 0), set()).add((a["init_digest"], a["batch_digest"]))
     return all(len(v) == 1 for v in seen.values())
 
 
@@ -102,25 +104,39 @@ def plot_curves(study: dict, ylabel: str, path: str) -> None:
     plt.close(fig)
 
 
+def marker(arm: str) -> str:
+    """One marker per family: AdamW, torch.optim.Muon, fresh distmuon, residual, probes, staleness."""
+    if arm.startswith("adamw"):
+        return "^"
+    if arm == "torch-muon":
+        return "D"
+    if "staleness" in arm:
+        return "X"
+    if "probes" in arm:
+        return "P"
+    return "s" if "gamma" in arm else "o"
+
+
 def plot_frontier(rows: list[dict], ylabel: str, title: str, path: str) -> None:
     """Each arm's final value (bars: the spread over seeds) against its optimizer time per step
     and its orthogonalization FLOPs per step; the band is fresh Gram NS +- 1 %."""
     pts = [r for r in rows if "shadow" not in r["arm"] and r["final"] == r["final"]]
     fresh = next((r for r in rows if r["arm"] == FRESH_ARM), None)
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 5.2))
     for ax, key in ((a1, "opt_ms"), (a2, "ortho_gflop")):
-        for r in pts:
-            ax.errorbar(r[key], r["final"], yerr=r["final_spread"] / 2, fmt="s" if r["overfit"] else "o", capsize=2)
-            ax.annotate(r["label"].replace("distmuon ", ""), (r[key], r["final"]), fontsize=6)
+        for i, r in enumerate(pts):
+            label = r["label"] + (" (final > best + 1 %)" if r["overfit"] else "")
+            ax.errorbar(r[key], r["final"], yerr=r["final_spread"] / 2, fmt=marker(r["arm"]), color=f"C{i % 10}",
+                        mfc="none" if r["overfit"] else None, capsize=2, label=label)
         if fresh is not None:
-            ax.axhspan(fresh["final"] * (1 - OVERFIT), fresh["final"] * (1 + OVERFIT), color="0.85", zorder=0)
+            ax.axhspan(fresh["final"] * (1 - OVERFIT), fresh["final"] * (1 + OVERFIT), color="0.88", zorder=0)
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     a1.set_xlabel("optimizer time per step (ms, median)")
     a2.set_xlabel("orthogonalization GFLOP per step")
-    fig.suptitle(title + (" (squares: final worse than best by > 1 %)" if any(r["overfit"] for r in pts) else ""),
-                 fontsize=9)
-    fig.tight_layout()
+    fig.suptitle(title + "; grey: fresh Gram NS +- 1 %", fontsize=9)
+    fig.legend(*a1.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=7)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
@@ -216,17 +232,18 @@ def study_section(path: str, kind: str, out: str) -> list[str]:
     has_hits = plot_hits(study, f"{out}-{name}-hits.png")
     has_align = plot_residual_alignment(study, f"{out}-{name}-align.png")
     if kind == "lm":
-        heading = f"## Language model, size {meta.get('size', '?')} (lower is better)"
+        heading = f"## Language model{', size ' + meta['size'] if meta.get('size') else ''} (lower is better)"
         setting = [f"{meta['layers']} x {meta['width']} char GPT"
-                   + (f", {meta['params'] / 1e6:.2f} M parameters; {meta['train_tokens'] / 1e6:.2f} M training "
+                   + (f", {meta['params'] / 1e6:.2f} M parameters; {meta['train_tokens']:,} training "
                       f"tokens = {meta['epochs']:.2f} epochs; validation on {meta['val_tokens']} tokens"
                       if "epochs" in meta else "") + f"; seeds {meta.get('seeds', meta.get('seed', 0))}.", ""]
     else:
         heading, setting = "## Vision (higher is better)", []
-    same = inputs_identical(study)
+    same = {True: "Every arm of a seed had the same initial weights and the same batches (digests equal).",
+            False: "**Warning: the arms of a seed did not all see the same initial weights and batches.**",
+            None: "The records keep no digests of the initial weights and batches."}[inputs_identical(study)]
     md = [heading, "", f"Command: `{meta.get('command', 'see meta in ' + os.path.basename(path))}`", "", *setting,
-          ("Every arm of a seed had the same initial weights and the same batches (digests equal)." if same else
-           "**Warning: the arms of a seed did not all see the same initial weights and batches.**"), "",
+          same, "",
           table(rows, metric), "",
           f"![curves]({base}-{name}-curves.png)", f"![frontier]({base}-{name}-frontier.png)"]
     if has_hits:

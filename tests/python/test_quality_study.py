@@ -55,6 +55,15 @@ def test_arm_options_are_parsed_and_checked():
         common.parse_arm("distmuon:algo=gram-ns:probes=8")
     with pytest.raises(ValueError, match="unknown key"):
         common.parse_arm("distmuon:algo=gram-ns:gama=2")
+    with pytest.raises(ValueError, match="staleness >= 0"):
+        common.parse_arm("distmuon:algo=gram-ns:gamma=2:staleness=-1")
+
+
+def test_a_misspelt_arm_fails_before_any_arm_trains(tmp_path):
+    out = tmp_path / "lm.json"
+    with pytest.raises(ValueError, match="unknown arm"):
+        lm.main(["--size", "tiny", "--device", "cpu", "--arms", "adamw:lr=1e-3,sgd", "--out", str(out)])
+    assert not out.exists()
 
 
 @pytest.fixture(scope="module")
@@ -132,4 +141,5 @@ def test_summary_flags_an_arm_that_ends_worse_than_its_best(study):
     row = report.summarize({"meta": {"kind": "lm"}, "arms": seeds})[0]
     assert row["final"] == pytest.approx(1.6) and row["final_spread"] == pytest.approx(0.2)
     assert report.inputs_identical({"arms": seeds})
-    assert not report.inputs_identical({"arms": [dict(arm), dict(arm, batch_digest="0" * 16)]})
+    assert report.inputs_identical({"arms": [dict(arm), dict(arm, batch_digest="0" * 16)]}) is False
+    assert report.inputs_identical({"arms": [dict(arm, batch_digest="")]}) is None  # not recorded
