@@ -26,7 +26,7 @@ from common import (ArmResult, Timer, batch_plan, cache_stats, record_cache, mak
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
-# Model sizes sized to the corpus (900k training characters; README.md has the arithmetic): a
+# Model sizes sized to the corpus (1.0 M training characters; README.md has the arithmetic): a
 # batch of 8 x 256 characters makes 490 steps an epoch; 'small' trains 1.96 epochs, 'medium'
 # (GPT-2 small's shape, the matrices of the old study) 0.98, so no character is a target twice.
 # 'tiny' is the CPU test's.
@@ -200,8 +200,8 @@ def main(argv=None) -> list[ArmResult]:
     if args.val_windows:
         val_starts = val_starts[torch.linspace(0, len(val_starts) - 1, args.val_windows).long()]
     _, epochs = batch_plan(len(corpus.train), args.context, args.batch, args.steps, 0)
-    probe = GPT(corpus.vocab, args.width, args.layers, args.heads, args.context)
-    params = sum(p.numel() for p in probe.parameters())
+    shaped = GPT(corpus.vocab, args.width, args.layers, args.heads, args.context)
+    params = sum(p.numel() for p in shaped.parameters())
     tokens = args.steps * args.batch * args.context
     command = None if argv is None else "python bench/quality/lm.py " + " ".join(argv)
     meta = dict(vars(args), kind="lm", command=command, epochs=epochs, train_tokens=tokens, train_chars=len(corpus.train),

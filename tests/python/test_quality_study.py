@@ -126,6 +126,21 @@ def test_report_renders_the_frontier_and_the_table(study):
     assert stale["flops_saved"] > 0 and fresh["flops_saved"] == 0
     assert stale["final_vs_fresh"] == pytest.approx(stale["final"] / fresh["final"] - 1)
     assert rows["adamw:lr=1e-3"]["flops_saved"] is None
+    assert "no slower than fresh: " in md  # the targets, checked on these rows
+
+
+def test_targets_are_judged_against_fresh():
+    def row(arm, saved, time, loss):
+        return {"arm": arm, "label": arm, "flops_saved": saved, "time_vs_fresh": time, "final_vs_fresh": loss}
+
+    lines = "\n".join(report.target_lines([
+        row(FRESH, 0.0, 1.0, 0.0),
+        row("gram-ns:gamma=2", -0.1, 1.2, 0.0),        # slower than fresh
+        row("gram-ns:gamma=30", 0.6, 0.6, 0.005),      # >= 50 % saved, fast and accurate enough
+        row("gram-ns:gamma=1e6:staleness=3", 0.7, 0.6, 0.02)]))  # fast, but 2 % worse
+    assert "not met** by gram-ns:gamma=2 (1.20x)" in lines and "gamma=30 (" not in lines
+    assert "gram-ns:gamma=30 saves 60.0 % of the FLOPs: time 0.60x" in lines
+    assert lines.count("): met") == 1 and "+2.0 % (target <= +1 %): **not met**" in lines
 
 
 def test_summary_flags_an_arm_that_ends_worse_than_its_best(study):
