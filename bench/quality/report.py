@@ -72,7 +72,7 @@ def summarize(study: dict) -> list[dict]:
     rows = []
     for arm, recs in by_arm(study).items():
         finals = [r["final"] for r in recs]
-        bests = [best_of(v for v in r["val"] if v == v) for r in recs]
+        bests = [best_of((v for v in r["val"] if v == v), default=math.nan) for r in recs]  # NaN: diverged
         # Worse than its best by more than OVERFIT at the end, on any seed: the final value is
         # then not the quality the arm reached.
         overfit = any((b - f if higher else f - b) > OVERFIT * abs(b) for f, b in zip(finals, bests))

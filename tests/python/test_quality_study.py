@@ -151,6 +151,10 @@ def test_summary_flags_an_arm_that_ends_worse_than_its_best(study):
     rows = {r["arm"]: r for r in report.summarize({"meta": {"kind": "lm"}, "arms": [ended_worse, ended_near]})}
     assert rows["worse"]["overfit"] and not rows["near"]["overfit"]
     assert rows["worse"]["best"] == 1.5
+    # An arm that diverged (every evaluation NaN) is reported, not a crash.
+    diverged = dict(arm, arm="nan", val=[math.nan, math.nan], final=math.nan)
+    row = report.summarize({"meta": {"kind": "lm"}, "arms": [diverged]})[0]
+    assert math.isnan(row["final"]) and math.isnan(row["best"]) and not row["overfit"]
     # Seeds are averaged, and a differing batch digest within a seed is caught.
     seeds = [dict(arm, seed=0, final=1.5, val=[1.5]), dict(arm, seed=1, final=1.7, val=[1.7])]
     row = report.summarize({"meta": {"kind": "lm"}, "arms": seeds})[0]
