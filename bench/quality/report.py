@@ -80,7 +80,7 @@ def summarize(study: dict) -> list[dict]:
         hits = [h for r in recs for h in r["hit_rate"] if h is not None]
         rows.append({
             "label": recs[0]["label"], "arm": arm, "seeds": [r.get("seed", 0) for r in recs],
-            "final": sum(finals) / len(finals), "final_spread": max(finals) - min(finals),
+            "final": sum(finals) / len(finals), "final_spread": max(finals) - min(finals) if all(f == f for f in finals) else math.nan,
             "best": sum(bests) / len(bests), "overfit": overfit,
             "opt_ms": median([x for r in recs for x in steady(r["opt_ms"])]),
             "ortho_gflop": sum(flops) / max(1, len(flops)) / 1e9,
