@@ -10,8 +10,8 @@
 # SEEDS (default 0,1), LM_ARGS (more lm.py options), T_SIZE (seconds per size, default 570: an
 # arm cut short is lost, the arms before it are kept), PYTHON (default python3).
 #
-# Expected device time on one H200 (estimated from the previous study's 33 ms per step at batch
-# 32 of the medium shape; README.md): about 4 minutes per size at two seeds, plus the extension's
+# Expected device time on one H200 (estimated, not measured, from the previous study's 33 ms per
+# step at batch 32 of the medium shape; README.md): about 4 minutes per size at two seeds, plus the extension's
 # build on a cold machine. One device call runs at most 10 minutes, so run one size per call on
 # the same warm machine: `run_study.sh small`, then `run_study.sh medium` (its report covers both).
 set -o pipefail
