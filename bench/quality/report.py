@@ -254,7 +254,7 @@ def study_section(path: str, kind: str, out: str) -> list[str]:
     write_summary(study, rows, f"{out}-{name}-summary.json")
     base = os.path.basename(out)
     plot_curves(study, metric, f"{out}-{name}-curves.png")
-    title = name if kind != "lm" else (f"{meta.get('size', '')}: {meta['layers']} x {meta['width']} char GPT, "
+    title = name if kind != "lm" else (f"{name}: {meta['layers']} x {meta['width']} char GPT, "
                                        f"{meta['steps']} steps")
     plot_frontier(rows, f"final {metric}", title, f"{out}-{name}-frontier.png")
     has_hits = plot_hits(study, f"{out}-{name}-hits.png")
