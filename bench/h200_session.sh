@@ -53,7 +53,7 @@ quality() {
   say "vision study (ResNet on the digits set)"
   $PY bench/quality/vision.py --digits .gpubin/digits.npz --out $Q/quality-vision.json ${VISION_ARGS:-} 2>&1 \
     | tee -a "$LOG" | grep -vE "^\[" ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  say "language-model study (12x768 char GPT on tinyshakespeare)"
+  say "language-model study (lm.py --size small by default; bench/quality/run_study.sh runs both sizes)"
   timeout ${T_QUALITY:-420} $PY bench/quality/lm.py --out $Q/quality-lm.json ${LM_ARGS:-} 2>&1 | tee -a "$LOG" | grep -vE "^\[" \
     ; [ "${PIPESTATUS[0]}" = 0 ] || status=1
   $PY bench/quality/report.py --lm $Q/quality-lm.json --vision $Q/quality-vision.json --out $Q/quality 2>&1 | tee -a "$LOG"

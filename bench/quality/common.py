@@ -1,11 +1,15 @@
 """Shared pieces of the training-quality studies: optimizer arms, timing, and result records.
 
-An arm is a string such as "adamw:lr=6e-4", "torch-muon", "distmuon:algo=ns5" or
-"distmuon:algo=gram-ns:gamma=2". Every arm of a study starts from the same initial weights and
-sees the same batches in the same order, so the curves differ only by the optimizer.
+An arm is a string such as "adamw:lr=6e-4", "torch-muon", "distmuon:algo=ns5",
+"distmuon:algo=gram-ns:gamma=2" (CacheMuon, residual trigger), "...:gamma=15:probes=8" (the
+residual estimated with 8 Gaussian probes) or "...:gamma=1e6:staleness=3" (a staleness
+schedule: the residual never refuses, every entry is refreshed after 3 reuses). Every arm of a
+study starts from the same initial weights and sees the same batches in the same order, so the
+curves differ only by the optimizer.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -17,12 +21,17 @@ from typing import Callable
 import torch
 
 
+RESIDUAL_OFF = 1e6  # a cache_gamma at or above this never refuses a reuse (the residuals seen: 10-30)
+
+
 @dataclass
 class Arm:
     kind: str  # "adamw" | "torch-muon" | "distmuon"
     lr: float | None = None
     algo: str = "ns5"
     gamma: float | None = None
+    probes: int | None = None  # CacheMuon residual from k Gaussian probes (None: exact)
+    staleness: int = 0  # CacheMuon: refresh an entry after this many reuses (0: no limit)
     shadow: bool = False  # CacheMuon also runs the fresh solve, to measure the cached updates' alignment
 
     @property
@@ -32,7 +41,11 @@ class Arm:
         if self.kind == "torch-muon":
             return "torch.optim.Muon"
         s = f"distmuon {self.algo}"
-        s += f" cache γ={self.gamma:g}" if self.gamma is not None else ""
+        if self.gamma is not None:
+            # A gamma no residual reaches leaves the staleness schedule as the only trigger.
+            s += " cache" + (f" γ={self.gamma:g}" if self.gamma < RESIDUAL_OFF else "")
+            s += f" probes={self.probes}" if self.probes else ""
+            s += f" staleness={self.staleness}" if self.staleness else ""
         return s + (" (shadow)" if self.shadow else "")
 
 
@@ -54,10 +67,18 @@ def parse_arm(spec: str) -> Arm:
             arm.algo = value
         elif key == "gamma":
             arm.gamma = float(value)
+        elif key == "probes":
+            arm.probes = int(value)
+        elif key == "staleness":
+            arm.staleness = int(value)
         elif key == "shadow":
             arm.shadow = value not in ("0", "false", "no")
         else:
             raise ValueError(f"unknown key '{key}' in arm '{spec}'")
+    if arm.probes is not None and arm.probes < 1 or arm.staleness < 0:
+        raise ValueError(f"arm '{spec}': probes must be >= 1 and staleness >= 0")
+    if (arm.probes or arm.staleness or arm.shadow) and arm.gamma is None:
+        raise ValueError(f"arm '{spec}': probes, staleness and shadow are CacheMuon options (give gamma)")
     return arm
 
 
@@ -88,7 +109,8 @@ def make_optimizer(arm: Arm, model: torch.nn.Module, muon_lr: float, adamw_lr: f
     from distmuon.torch import Muon  # imported here: the other arms must run without it
 
     return Muon(named, lr=muon_lr, momentum=0.95, nesterov=True, weight_decay=weight_decay,
-                adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma, cache_shadow=arm.shadow,
+                adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma, cache_probes=arm.probes,
+                cache_max_staleness=arm.staleness, cache_shadow=arm.shadow,
                 adamw_lr=adamw_lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=weight_decay,
                 muon_filter=lambda n, p: is_muon_param(n, p))
 
@@ -101,6 +123,35 @@ def step_all(opt) -> None:
 def zero_all(opt) -> None:
     for o in opt if isinstance(opt, list) else [opt]:
         o.zero_grad(set_to_none=True)
+
+
+def batch_plan(n_tokens: int, context: int, batch: int, steps: int, seed: int) -> tuple[torch.Tensor, float]:
+    """The start of every training window of every step, (steps, batch), from the seed alone (so
+    every arm of a seed trains on the same batches), and how many epochs that is.
+
+    Each epoch cuts the corpus into non-overlapping windows of `context` tokens (an offset drawn
+    per epoch moves their boundaries) and visits them in a random order, so within an epoch no
+    token is a target twice: the number of epochs, not the number of steps, is what a model can
+    memorise."""
+    gen = torch.Generator().manual_seed(seed)
+    epochs, need = [], steps * batch
+    per_epoch = (n_tokens - 1 - (context - 1)) // context  # windows that fit at any offset
+    if per_epoch < batch:
+        raise ValueError(f"{n_tokens} tokens hold {per_epoch} windows of {context}: fewer than a batch of {batch}")
+    while need > 0:
+        offset = int(torch.randint(0, context, (1,), generator=gen))
+        starts = offset + context * torch.randperm(per_epoch, generator=gen)
+        epochs.append(starts[:need])
+        need -= len(epochs[-1])
+    return torch.cat(epochs).view(steps, batch), steps * batch / per_epoch
+
+
+def tensor_digest(tensors) -> str:
+    """SHA-256 of the tensors' bytes, in order: equal digests, equal inputs."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def ns5_flops(rows: int, cols: int, steps: int = 5) -> float:
@@ -152,6 +203,9 @@ class Timer:
 class ArmResult:
     arm: str
     label: str
+    seed: int = 0
+    init_digest: str = ""   # of the initial weights: equal for every arm of a seed
+    batch_digest: str = ""  # of every training batch fed, in order: equal for every arm of a seed
     steps: list[int] = field(default_factory=list)
     val: list[float] = field(default_factory=list)        # loss (LM) or accuracy (vision)
     train_loss: list[float] = field(default_factory=list)
@@ -166,8 +220,10 @@ class ArmResult:
 
 def save_results(path: str, meta: dict, results: list[ArmResult]) -> None:
     """Written after every arm (a run cut short keeps what it finished), with the command line."""
-    meta = dict(meta, command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+    command = meta.get("command") or "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+    meta = dict(meta, command=command,
                 device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 torch=torch.__version__)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump({"meta": meta, "arms": [asdict(r) for r in results]}, f, indent=1)
