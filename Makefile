@@ -91,10 +91,12 @@ test-gpu:
 
 # The C++ CPU tests (gtest, MPI ranks, fuzz and fault tests) built with AddressSanitizer and
 # UndefinedBehaviorSanitizer: any report fails the test that made it. Open MPI's own allocations
-# at exit are not leaks of ours (tests/sanitize/lsan.supp).
+# at exit are not leaks of ours (tests/sanitize/lsan.supp); full stacks and Open MPI's plugins
+# kept loaded, so that leaks inside third-party code are named and matched, not "unknown module".
 SANITIZE_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
   UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitize/lsan.supp:print_suppressions=0
+  LSAN_OPTIONS=suppressions=$(CURDIR)/tests/sanitize/lsan.supp:print_suppressions=0:fast_unwind_on_malloc=0 \
+  OMPI_MCA_mca_base_component_disable_dlclose=1
 sanitize: deps
 	@cmake --preset sanitize >/dev/null
 	@cmake --build build-sanitize -j $(JOBS)

@@ -96,6 +96,11 @@ CbcResult CbcModel::solve(const CbcLimits& limits) {
   Cbc_setParameter(m, "randomSeed", std::to_string(std::max<int64_t>(1, limits.seed)).c_str());
   Cbc_setParameter(m, "randomCbcSeed", std::to_string(std::max<int64_t>(1, limits.seed)).c_str());
   Cbc_setParameter(m, "timeMode", "cpu");
+  // No CglPreProcess: when the time limit ends the search while the preprocessed model is in
+  // use, CBC 2.10's postProcess can dereference a null pointer (seen under AddressSanitizer in
+  // test_plan_milp: SIGSEGV in CglPreProcess::postProcess). Our models are small and already
+  // tight (assignment rows, a makespan column), so preprocessing gains little.
+  Cbc_setParameter(m, "preprocess", "off");
   Cbc_setMaximumSeconds(m, std::max(0.01, limits.seconds));
   Cbc_setMaximumNodes(m, static_cast<int>(std::min<int64_t>(limits.max_nodes, 2000000000)));
   Cbc_setAllowableFractionGap(m, std::max(0.0, limits.relative_gap));

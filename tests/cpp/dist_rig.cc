@@ -149,7 +149,7 @@ std::vector<uint8_t> read_bytes(Backend& be, const TensorView& v) {
 std::vector<float> read(Backend& be, const TensorView& v) {
   const std::vector<uint8_t> b = read_bytes(be, v);
   std::vector<float> out(b.size() / sizeof(float));
-  std::memcpy(out.data(), b.data(), out.size() * sizeof(float));
+  if (!out.empty()) std::memcpy(out.data(), b.data(), out.size() * sizeof(float));  // never null
   return out;
 }
 
