@@ -16,7 +16,7 @@ def main(out: str) -> None:
             r = runs.setdefault((side, w["name"]), {"eager": [], "graph": []})
             r["eager"].append(w["distmuon_eager_ms"])
             r["graph"].append(w["distmuon_graph_ms"])
-    names = sorted({n for _, n in runs}, key=lambda n: [k for _, k in runs].index(n))
+    names = list(dict.fromkeys(n for _, n in runs))  # workloads in the order the runs list them
     print("| workload | A eager ms | B eager ms | B / A | A graph ms | B graph ms | B / A | rounds |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in names:
