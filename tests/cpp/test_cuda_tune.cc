@@ -74,6 +74,46 @@ TEST(CudaTune, SelectionKeepsRestartTwoUnlessAllowed) {
   EXPECT_EQ(find_choice(all, 3584, 14336, 24, "jordan:5"), nullptr);
 }
 
+// Dense ns5 is a candidate: where it is the fastest accepted one (small, launch-bound shapes),
+// `auto` runs it, as the dense iteration; and measurements of the older candidate set, stored
+// under a key without the tuner's version, are not reused.
+TEST(CudaTune, DenseNs5IsACandidateAndOlderSetsAreNotReused) {
+  AlgoChoice c;
+  c.rows = 512;
+  c.cols = 4608;
+  c.count = 3;
+  c.candidates = {{"ns5", {}, DType::kBF16, 0.050, 4.0e-3, true},
+                  {"ns5-sym", {}, DType::kBF16, 0.061, 4.0e-3, true},
+                  {"gram-ns", {2}, DType::kF16, 0.083, 2.0e-3, true},
+                  {"gram-ns", {}, DType::kF16, 0.079, 3.2e-3, true}};
+  const AlgoCandidate* pick = select_candidate(c, false);
+  ASSERT_NE(pick, nullptr);
+  EXPECT_EQ(pick->algorithm, "ns5");
+  OrthoConfig base;
+  base.iteration = Iteration::kAuto;
+  EXPECT_EQ(config_of(*pick, base).iteration, Iteration::kStandardDense);
+  EXPECT_EQ(config_of(*pick, base).steps, 5);
+
+  const TuneKey now{"NVIDIA H200", 13000, 13000, 130100};
+  EXPECT_NE(now.str().find("|tuner " + std::to_string(TuneKey::kTunerVersion)), std::string::npos);
+  const std::string path = (std::filesystem::temp_directory_path() /
+                            ("dm_tune_old_" + std::to_string(::getpid()) + ".json"))
+                               .string();
+  {  // what the previous tuner wrote: the same device and versions, no tuner field
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(R"({"NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100": {"algo": [)"
+               R"({"rows": 512, "cols": 4608, "count": 3, "algorithm": "ns5-sym", "restarts": [],)"
+               R"( "work_dtype": "bf16", "ms": 0.061, "rel_err": 0.004, "schedule": "jordan:5"}]}})",
+               f);
+    std::fclose(f);
+  }
+  setenv("DISTMUON_TUNE_CACHE", path.c_str(), 1);
+  EXPECT_TRUE(load_algo_choices(now).empty()) << "an older tuner's choice was reused";
+  std::filesystem::remove(path);
+  unsetenv("DISTMUON_TUNE_CACHE");
+}
+
 TEST(CudaTune, TriangleTileCounts) {
   // 4096 with 128x128 tiles: 32 rows of tiles, 528 in the lower triangle (4 waves of 132).
   EXPECT_EQ(sym_tiles(SymKernel::kTri128, 4096), 528);

@@ -159,7 +159,11 @@ AlgoChoice tune_algorithm(CudaBackend& be, int64_t rows, int64_t cols, int64_t c
     std::vector<int> restarts;
     DType dt;
   };
-  std::vector<Cand> cands = {{"ns5-sym", {}, DType::kBF16},
+  // Dense ns5 too: on small, launch-bound shapes (ResNet-18's convolutions, 64 x 147 to
+  // 512 x 4608) cuBLAS's dense products beat the one-triangle kernels and the Gram iteration's
+  // extra launches (bench/results/2026-12-01-h200-perf: ns5 1.77 ms, the tuned pick 2.14).
+  std::vector<Cand> cands = {{"ns5", {}, DType::kBF16},
+                             {"ns5-sym", {}, DType::kBF16},
                              {"gram-ns", {2}, DType::kF16},
                              {"gram-ns", {}, DType::kF16}};
   AlgoChoice best;

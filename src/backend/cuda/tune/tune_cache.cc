@@ -20,7 +20,8 @@ using nlohmann::json;
 
 std::string TuneKey::str() const {
   std::ostringstream os;
-  os << gpu << "|driver " << driver << "|runtime " << runtime << "|cublasLt " << cublaslt;
+  os << gpu << "|driver " << driver << "|runtime " << runtime << "|cublasLt " << cublaslt
+     << "|tuner " << kTunerVersion;
   return os.str();
 }
 

@@ -14,10 +14,13 @@
 namespace distmuon::cuda {
 
 struct TuneKey {
+  // The tuner's candidate set: measurements of an older set are not reused (they never timed
+  // the candidates added since). 2: dense ns5 joined ns5-sym and gram-ns.
+  static constexpr int kTunerVersion = 2;
   std::string gpu;
   int driver = 0, runtime = 0;
   size_t cublaslt = 0;
-  std::string str() const;  // "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100"
+  std::string str() const;  // "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100|tuner 2"
   static TuneKey current(const std::string& gpu_name);
 };
 
