@@ -1,12 +1,15 @@
 // The runtime's owner plan under mpirun: layers parsed from parameter names, the planner the
 // options name (MILP by default, never worse than round-robin or LPT on the same costs) on
-// analytic costs or on a measured cost file, and the engine following the plan's owners.
+// analytic costs, on a measured cost file or on rank 0's store when ranks hold different ones,
+// and the engine following the plan's owners.
 // That every mode still equals the single process whatever the plan is checked by
 // test_dist_engine.cc.
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <memory>
 #include <tuple>
 
 #include "backend/cpu/cpu_backend.h"
@@ -93,6 +96,92 @@ TEST(MpiPlan, OwnersComeFromThePlanner) {
     }
   }
   std::remove(path.c_str());
+}
+
+// The dedicated engine of mlp_layers' shapes (named as the planner reads layers).
+std::unique_ptr<Engine> mlp_engine(Backend& be, Communicator& c, const DistOptions& opt) {
+  auto e = std::make_unique<Engine>(be, c, opt);
+  e->add_group(GroupOptions{});
+  for (int l = 0; l < 4; ++l)
+    for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
+      e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
+  e->setup();
+  return e;
+}
+
+// The plan setup() makes from `measured` (every rank can compute it: no collective).
+uint64_t plan_hash_on(const CostTable* measured, int world_size) {
+  std::vector<PlanMatrix> pm;
+  for (int64_t l = 0; l < 4; ++l)
+    for (auto [r, k] : {std::pair{8, 20}, {20, 8}, {8, 8}}) pm.push_back({"", r, k, l, 4});
+  RuntimePlanSpec spec;
+  spec.ortho = GroupOptions{}.muon.ortho;
+  if (measured) spec.measured = *measured;
+  return make_runtime_plan(pm, Topology{world_size, 8, 1}, spec).hash;
+}
+
+class CostStore {  // this rank's DISTMUON_COST_CACHE for one test
+ public:
+  explicit CostStore(const std::string& path) : path_(path) {
+    if (const char* v = std::getenv("DISTMUON_COST_CACHE")) saved_ = v;
+    setenv("DISTMUON_COST_CACHE", path.c_str(), 1);
+  }
+  ~CostStore() {
+    std::remove(path_.c_str());
+    if (saved_.empty()) unsetenv("DISTMUON_COST_CACHE");
+    else setenv("DISTMUON_COST_CACHE", saved_.c_str(), 1);
+  }
+
+ private:
+  std::string path_, saved_;
+};
+
+TEST(MpiPlan, RanksWithDifferentStoresPlanOnRankZerosTable) {
+  // Every rank's store holds measurements of the 8 x 20 class, different on every rank (rank
+  // 0's: a launch costs a second, so the class is batched on few owners; the others': no launch
+  // cost and a rate that depends on the rank). Every rank plans on rank 0's table (with analytic
+  // costs for the 8 x 8 matrices), and setup() does not fail the plan-hash check.
+  Communicator& c = world();
+  CpuBackend be;
+  auto table_of = [&](int rank) {
+    AnalyticRates rates;
+    rates.launch_s = rank == 0 ? 1.0 : 0.0;
+    rates.flops_per_s *= 1 + rank;
+    CostTable t = analytic_cost_table({{8, 20, 8}}, GroupOptions{}.muon.ortho, rates);
+    t.source = "measured";
+    t.device = be.name();
+    return t;
+  };
+  CostStore store(::testing::TempDir() + "distmuon_store_rank" + std::to_string(c.rank()) +
+                  ".json");
+  write_cost_file(std::getenv("DISTMUON_COST_CACHE"), {table_of(c.rank())});
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = "auto";
+  const auto e = mlp_engine(be, c, opt);
+  const CostTable rank0 = table_of(0), mine = table_of(c.rank());
+  EXPECT_EQ(e->plan()->hash, plan_hash_on(&rank0, c.size()));
+  if (c.rank() > 0)  // this rank's own store would have made another plan
+    EXPECT_NE(plan_hash_on(&mine, c.size()), plan_hash_on(&rank0, c.size()));
+  EXPECT_NE(e->plan()->costs.find("measured costs for 1 of 2 shapes (" + be.name() + ")"),
+            std::string::npos)
+      << e->plan()->costs;
+}
+
+TEST(MpiPlan, AutoWithAnEmptyStorePlansAsAnalytic) {
+  Communicator& c = world();
+  CpuBackend be;
+  CostStore store(::testing::TempDir() + "distmuon_no_store_rank" + std::to_string(c.rank()) +
+                  ".json");
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = "auto";
+  const auto automatic = mlp_engine(be, c, opt);
+  opt.plan_costs = "analytic";
+  const auto analytic = mlp_engine(be, c, opt);
+  EXPECT_EQ(automatic->plan()->hash, analytic->plan()->hash);
+  EXPECT_EQ(automatic->plan()->hash, plan_hash_on(nullptr, c.size()));
+  EXPECT_EQ(automatic->plan()->costs, "analytic costs for 2 shapes");
 }
 
 }  // namespace
