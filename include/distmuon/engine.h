@@ -162,8 +162,9 @@ struct EngineStats {
 // (HSDP: topo.replicate), with the options' planner and plan_costs (read here: call it on one
 // rank and share the result), costing `ortho` with the rates of `device`; a measured table is
 // looked up for `device_name` (Backend::name(); empty: a backend of `device` is made to ask).
-// Layers are parsed from the matrix names as setup() does. For a front end that must know the owners before it
-// registers anything (distmuon.torch.dedicate); pass the result as DistOptions::owners.
+// Layers are parsed from the matrix names as setup() does. For a front end that must know the
+// owners before it registers anything (distmuon.torch.dedicate); pass the result as
+// DistOptions::owners.
 Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const DistOptions& dist,
                  const OrthoConfig& ortho, DeviceKind device, const std::string& device_name = "");
 

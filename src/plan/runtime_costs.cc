@@ -53,13 +53,13 @@ MeasuredCosts read_measured_costs(const PlanCostSource& source,
   const std::vector<CostTable> tables = read_cost_file(source.path);
   const CostTable want = wanted_key(device_name(), ortho);
   for (const CostTable& t : tables)
-    if (t.same_key(want)) return {t, source.path};
+    if (t.same_key(want)) return {t, "from " + source.path};
   const std::string missing = "no table for " + describe_key(want);
   if (source.kind == Kind::kAuto) return {std::nullopt, missing + " in " + source.path};
   std::string held;
   for (const CostTable& t : tables) held += "\n  " + describe_key(t);
-  DM_FAIL("cost file ", source.path, " has ", missing, "; it holds:",
-          held.empty() ? std::string("\n  (no tables)") : held,
+  DM_FAIL("cost file ", source.path, " has ", missing,
+          "; it holds:", held.empty() ? std::string("\n  (no tables)") : held,
           "\nmeasure this run's costs with distmuon-plan --measure");
 }
 

@@ -28,8 +28,9 @@ Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const D
   // The caller decides the costs alone (distmuon.torch.dedicate: one rank, and shares the plan).
   // A backend is made for its name only when a measured table is looked up.
   auto name = [&] {
-    return !device_name.empty() ? device_name
-                                : make_backend(device == DeviceKind::kCUDA ? "cuda" : "cpu")->name();
+    return !device_name.empty()
+               ? device_name
+               : make_backend(device == DeviceKind::kCUDA ? "cuda" : "cpu")->name();
   };
   spec.measured = read_measured_costs(plan_cost_source(dist.plan_costs), name, ortho).table;
   spec.owners = dist.owners;
@@ -57,7 +58,8 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
   std::string text;
   if (world.rank() == 0 && wanted && local_error.empty()) {
     try {
-      out = read_measured_costs(plan_cost_source(setting), [&] { return be.name(); }, ortho);
+      out = read_measured_costs(
+          plan_cost_source(setting), [&] { return be.name(); }, ortho);
       if (out.table) text = cost_table_json({*out.table});
     } catch (const Error& e) {
       local_error = error_text(e);
@@ -196,8 +198,6 @@ void Engine::Impl::dist_setup() {
   } catch (const Error& e) {
     local_error = error_text(e);
   }
-  if (rank == 0 && !plan.costs.empty())
-    DM_LOG(kInfo, "planner: ", plan.solver, " on ", plan.costs, "; ", measured.note);
   const bool time_limited = plan.status.find("time limit") != std::string::npos;
 
   // 4. Exchange a fixed-size header, then details only where something differs.
@@ -224,6 +224,8 @@ void Engine::Impl::dist_setup() {
     plan = make_runtime_plan(pm, topo, spec);
     plans_differ = false;
   }
+  if (rank == 0 && !any_error && !plan.costs.empty())
+    DM_LOG(kInfo, "planner: ", plan.solver, " on ", plan.costs, "; ", measured.note);
   if (any_error) {
     std::vector<char> msgs = host_all_gather_v(*world, backend, local_error, err_len);
     std::ostringstream os;

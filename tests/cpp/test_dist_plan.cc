@@ -128,8 +128,10 @@ class CostStore {  // this rank's DISTMUON_COST_CACHE for one test
   }
   ~CostStore() {
     std::remove(path_.c_str());
-    if (saved_.empty()) unsetenv("DISTMUON_COST_CACHE");
-    else setenv("DISTMUON_COST_CACHE", saved_.c_str(), 1);
+    if (saved_.empty())
+      unsetenv("DISTMUON_COST_CACHE");
+    else
+      setenv("DISTMUON_COST_CACHE", saved_.c_str(), 1);
   }
 
  private:

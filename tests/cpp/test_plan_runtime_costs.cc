@@ -72,8 +72,10 @@ class EnvGuard {  // restores an environment variable at the end of a test
     if (const char* v = std::getenv(name)) saved_ = v;
   }
   ~EnvGuard() {
-    if (saved_) setenv(name_, saved_->c_str(), 1);
-    else unsetenv(name_);
+    if (saved_)
+      setenv(name_, saved_->c_str(), 1);
+    else
+      unsetenv(name_);
   }
 
  private:
@@ -117,9 +119,10 @@ TEST(RuntimeCosts, TheScaleIsTheMedianRatioOverMeasuredPoints) {
   const OrthoConfig ortho = parse_algorithm("auto");
   const AnalyticRates rates = runtime_rates(DeviceKind::kCPU);
   CostTable measured = measured_up_down(ortho, rates, 1.0);
-  measured.set(8, 20, {{1, 2 * analytic_batch_seconds(ortho, rates, 8, 20, 1)},
-                       {2, 4 * analytic_batch_seconds(ortho, rates, 8, 20, 2)},
-                       {3, 10 * analytic_batch_seconds(ortho, rates, 8, 20, 3)}});
+  measured.set(8, 20,
+               {{1, 2 * analytic_batch_seconds(ortho, rates, 8, 20, 1)},
+                {2, 4 * analytic_batch_seconds(ortho, rates, 8, 20, 2)},
+                {3, 10 * analytic_batch_seconds(ortho, rates, 8, 20, 3)}});
   // A shape the workload does not have is not part of the scale.
   measured.set(64, 64, {{1, 1000.0}});
   const RuntimeCosts c = runtime_costs(shape_counts(mlp_layers()), ortho, rates, &measured);
@@ -193,8 +196,9 @@ TEST(RuntimeCosts, AutoReadsTheStoreWhereItHoldsThisRunsTable) {
             std::string::npos);
   // Analytic never looks at a store or asks for the device.
   bool asked = false;
-  m = read_measured_costs({PlanCostSource::Kind::kAnalytic, ""},
-                          [&] { return asked = true, std::string(kDevice); }, ortho);
+  m = read_measured_costs(
+      {PlanCostSource::Kind::kAnalytic, ""}, [&] { return asked = true, std::string(kDevice); },
+      ortho);
   EXPECT_FALSE(m.table);
   EXPECT_FALSE(asked);
 }
@@ -207,14 +211,15 @@ TEST(RuntimeCosts, AFileMustHoldThisRunsTable) {
   CostTable other_device = measured_up_down(ortho, rates, 2.0);
   other_device.device = "another device";
   write_cost_file(file, {other_device});
-  const std::string msg =
-      error_of([&] { read_measured_costs({PlanCostSource::Kind::kFile, file}, device, ortho); });
+  const std::string msg = error_of([&] {
+    read_measured_costs({PlanCostSource::Kind::kFile, file}, device, ortho);
+  });
   EXPECT_NE(msg.find("no table for auto/f32 on 'test device'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("'another device'"), std::string::npos) << msg;  // what it holds
-  const std::string typo = error_of(
-      [&] { read_measured_costs({PlanCostSource::Kind::kFile, "analytics"}, device, ortho); });
-  EXPECT_NE(typo.find("'analytics' are neither auto, analytic nor a cost file"),
-            std::string::npos)
+  const std::string typo = error_of([&] {
+    read_measured_costs({PlanCostSource::Kind::kFile, "analytics"}, device, ortho);
+  });
+  EXPECT_NE(typo.find("'analytics' are neither auto, analytic nor a cost file"), std::string::npos)
       << typo;
 }
 
