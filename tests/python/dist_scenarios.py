@@ -8,7 +8,6 @@ The model has a 3-row matrix (an empty FSDP2 shard at 4 ranks) and a 3D paramete
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon
-from helpers import TinyGPT, make_batch, scenario_device
+from helpers import TinyGPT, make_batch, scenario_device, write_cost_store
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -280,20 +279,9 @@ def run_plan_costs(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     """Every rank's measurement store holds other times for the 16 x 64 class (rank 0's: a batch
     costs a second whatever its size; the others': microseconds): the engine plans on rank 0's
     table, with scaled analytic costs for the other shapes, on every rank."""
-    from distmuon import _C
-
-    seconds = [1.0, 1.0] if rank == 0 else [1e-6 * (rank + 1), 2e-6 * (rank + 1)]
-    table = {
-        "source": "measured",
-        "device": _C.Engine("cpu").backend_name,
-        "version": _C.__version__,
-        "algorithm": "auto",
-        "work_dtype": "f32",  # the front's iteration dtype on the CPU
-        "shapes": [{"m": 16, "n": 64, "points": [[1, seconds[0]], [2, seconds[1]]]}],
-    }
     store = os.path.join(store_dir, f"rank{rank}.json")
-    with open(store, "w") as f:
-        json.dump({"format": "distmuon-cost-table", "format_version": 1, "tables": [table]}, f)
+    seconds = [(1, 1.0), (2, 1.0)] if rank == 0 else [(1, 1e-6 * rank), (2, 2e-6 * rank)]
+    write_cost_store(store, {(16, 64): seconds})
     saved = os.environ["DISTMUON_COST_CACHE"]
     os.environ["DISTMUON_COST_CACHE"] = store
     try:
