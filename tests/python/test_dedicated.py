@@ -100,6 +100,12 @@ def test_the_plan_of_dedicate_is_costed_on_the_store(tmp_path: Path, monkeypatch
     assert plan()["costs"].startswith("measured costs for 1 of 2 shapes (cpu")
 
 
+def test_a_corrupt_store_on_member_0_raises_on_every_rank(world2: list[dict[str, Any]]) -> None:
+    for r in world2:
+        err = r["corrupt_store"].get("error", "")
+        assert "planning the owners failed on member 0" in err and "corrupt" in err, r["corrupt_store"]
+
+
 def test_one_process_through_dedicate_is_the_plain_optimizer(world1: list[dict[str, Any]]) -> None:
     """World size 1: nothing moves, and the engine's dedicated mode (with overlap_step: the
     updates prepared during backward) computes the plain optimizer's step bit for bit, also
