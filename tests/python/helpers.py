@@ -30,10 +30,13 @@ def newton_schulz_fp32(
 
 def write_cost_store(path: str, points: dict[tuple[int, int], list[tuple[int, float]]]) -> None:
     """A measurement store as `distmuon-plan --measure` writes it, with one table: seconds per
-    batch size of each (rows, cols) on this machine's CPU backend, for the front's default
-    algorithm and CPU iteration dtype (the key the engine looks up)."""
+    batch size of each (rows, cols) on this machine's CPU backend as the front runs it (its BLAS
+    thread count is part of the name), for the front's default algorithm and CPU iteration dtype:
+    the key the engine looks up."""
     from distmuon import _C
+    from distmuon.torch._device import _cpu_threads
 
+    _cpu_threads()
     table = {
         "source": "measured",
         "device": _C.Engine("cpu").backend_name,
