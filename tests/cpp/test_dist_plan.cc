@@ -35,6 +35,18 @@ TEST(MpiPlan, LayersAreParsedFromParameterNames) {
   EXPECT_EQ(layer_of("enc.b12.w", ids), -1);  // digits inside a component are not a layer index
 }
 
+// An engine, set up, over four layers of an MLP block: wide up, tall down (one 8 x 20 class
+// with up) and square attention, named as the planner reads layers ("h.3.up" is layer 3).
+std::unique_ptr<Engine> mlp_engine(Backend& be, Communicator& c, const DistOptions& opt) {
+  auto e = std::make_unique<Engine>(be, c, opt);
+  e->add_group(GroupOptions{});
+  for (int l = 0; l < 4; ++l)
+    for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
+      e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
+  e->setup();
+  return e;
+}
+
 TEST(MpiPlan, OwnersComeFromThePlanner) {
   // Four layers of an MLP block (wide up, tall down, square attention): the MILP's plan on
   // analytic costs is never worse than round-robin's on the same costs, and the engine follows
@@ -47,12 +59,8 @@ TEST(MpiPlan, OwnersComeFromThePlanner) {
     DistOptions opt;
     opt.mode = DistMode::kReplicated;
     opt.planner = planner;
-    auto e = std::make_unique<Engine>(be, c, opt);
-    e->add_group(GroupOptions{});
-    for (int l = 0; l < 4; ++l)
-      for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
-        e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
-    e->setup();
+    opt.plan_costs = "analytic";
+    auto e = mlp_engine(be, c, opt);
     plans.push_back(e->plan());
     engines.push_back(std::move(e));
   }
@@ -76,37 +84,17 @@ TEST(MpiPlan, OwnersComeFromThePlanner) {
   DistOptions opt;
   opt.mode = DistMode::kDedicated;
   opt.plan_costs = path;
-  Engine e(be, c, opt);
-  e.add_group(GroupOptions{});
-  for (int l = 0; l < 4; ++l)
-    for (const char* name : {"up", "down", "attn"})
-      e.add_param({"h." + std::to_string(l) + "." + name, 0,
-                   name[0] == 'a' ? std::vector<int64_t>{8, 8}
-                                  : (name[0] == 'u' ? std::vector<int64_t>{8, 20}
-                                                    : std::vector<int64_t>{20, 8}),
-                   DType::kF32});
-  e.setup();
+  const auto e = mlp_engine(be, c, opt);
   for (int o = 0; o < c.size(); ++o)
-    EXPECT_LE(e.plan()->batches[o].size(), c.size() > 1 ? 1u : 2u) << "owner " << o;
+    EXPECT_LE(e->plan()->batches[o].size(), c.size() > 1 ? 1u : 2u) << "owner " << o;
   if (c.size() <= 2) {  // the 8 x 20 class fits one owner: tall and wide in one batch
-    for (int i = 0; i < e.num_params(); ++i) {
+    for (int i = 0; i < e->num_params(); ++i) {
       if (i % 3 != 2) {
-        EXPECT_EQ(e.owner(i), e.owner(0)) << e.param(i).name;
+        EXPECT_EQ(e->owner(i), e->owner(0)) << e->param(i).name;
       }
     }
   }
   std::remove(path.c_str());
-}
-
-// The dedicated engine of mlp_layers' shapes (named as the planner reads layers).
-std::unique_ptr<Engine> mlp_engine(Backend& be, Communicator& c, const DistOptions& opt) {
-  auto e = std::make_unique<Engine>(be, c, opt);
-  e->add_group(GroupOptions{});
-  for (int l = 0; l < 4; ++l)
-    for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
-      e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
-  e->setup();
-  return e;
 }
 
 // The plan setup() makes from `measured` (every rank can compute it: no collective).
