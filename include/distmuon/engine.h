@@ -97,9 +97,12 @@ struct DistOptions {
   // "round-robin". Layers, which the planner spreads over owners, are parsed from the parameter
   // names ("h.3.mlp.c_fc.weight" is layer 3 of "h").
   std::string planner = "milp";
-  // Costs the planner balances: empty for analytic costs (counted FLOPs and bytes, with an
-  // H200's rates on CUDA and a CPU's on the CPU backend), or a cost file written by
-  // `distmuon-plan --measure` holding a table for this backend's device (Backend::name()).
+  // Costs the planner balances. "auto": measured times from the store of `distmuon-plan
+  // --measure` (DISTMUON_COST_CACHE) where it holds this device's (Backend::name()) table and
+  // the shape, analytic costs for the other shapes (counted FLOPs and bytes, with an H200's
+  // rates on CUDA and a CPU's on the CPU backend, scaled to the measured ones). "analytic": no
+  // measurements. Else a cost file that must hold this device's table. Empty: the value of
+  // DISTMUON_PLAN_COSTS (default auto). Rank 0's setting and files decide for every rank.
   std::string plan_costs;
   // Fixed owners instead of the planner: the world rank of every Muon matrix in registration
   // order (a 3D parameter: one per slice), e.g. from plan_owners() made before the engine
@@ -156,10 +159,12 @@ struct EngineStats {
 };
 
 // The owners Engine::setup() plans for these Muon matrices on a world of topo.world_size ranks
-// (HSDP: topo.replicate), with the options' planner and plan_costs, costing `ortho` with the
-// rates of `device` (a cost file needs `device_name`, as Backend::name()). Layers are parsed from
-// the matrix names as setup() does. For a front end that must know the owners before it
-// registers anything (distmuon.torch.dedicate); pass the result as DistOptions::owners.
+// (HSDP: topo.replicate), with the options' planner and plan_costs (read here: call it on one
+// rank and share the result), costing `ortho` with the rates of `device`; a measured table is
+// looked up for `device_name` (Backend::name(); empty: a backend of `device` is made to ask).
+// Layers are parsed from the matrix names as setup() does. For a front end that must know the
+// owners before it registers anything (distmuon.torch.dedicate); pass the result as
+// DistOptions::owners.
 Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const DistOptions& dist,
                  const OrthoConfig& ortho, DeviceKind device, const std::string& device_name = "");
 

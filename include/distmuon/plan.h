@@ -54,6 +54,7 @@ struct Plan {
   std::string status;       // "optimal", "time limit", "node limit", "heuristic", ...
   std::string formulation;  // how the MILP was posed: "patterns", "columns", "owners", or empty
   int64_t layer_collisions = 0;  // matrices sharing an owner with more of their layer than needed
+  std::string costs;  // what the costs were (the engine's start-up plan), e.g. "analytic costs ..."
 };
 
 // A hash of the assignment and batching (not of timings), identical on every rank that computed

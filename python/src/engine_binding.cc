@@ -248,14 +248,11 @@ void bind_engine(nb::module_& m) {
           pm.push_back(m);
         }
         const DeviceKind kind = device == "cuda" ? DeviceKind::kCUDA : DeviceKind::kCPU;
-        // A cost file is read for this device's table, named as the backend names itself.
-        const std::string device_name =
-            dist.plan_costs.empty() ? std::string() : make_backend(device)->name();
         Plan p;
         {
           nb::gil_scoped_release release;
           p = plan_owners(pm, Topology{world_size, dist.gpus_per_node, replicate}, dist, ortho,
-                          kind, device_name);
+                          kind);
         }
         nb::dict d;
         d["owner"] = p.owner;
@@ -265,13 +262,14 @@ void bind_engine(nb::module_& m) {
         d["solver"] = p.solver;
         d["status"] = p.status;
         d["hash"] = p.hash;
+        d["costs"] = p.costs;
         return d;
       },
       nb::arg("names"), nb::arg("shapes"), nb::arg("elem_bytes"), nb::arg("world_size"),
       nb::arg("replicate"), nb::arg("dist"), nb::arg("ortho"), nb::arg("device") = "cpu",
       "The owners Engine.setup() would plan for these Muon matrices (rows, cols), with the "
       "planner and costs of `dist`: a dict with 'owner' (world rank per matrix), 'owner_load', "
-      "'makespan', 'imbalance', 'solver', 'status', 'hash'.");
+      "'makespan', 'imbalance', 'solver', 'status', 'hash', 'costs' (what the costs were).");
 
   nb::class_<PyEngine>(m, "Engine",
                        "The C++ optimizer engine on one backend ('cpu' or 'cuda'). Register "
@@ -308,6 +306,14 @@ void bind_engine(nb::module_& m) {
            "CUDA: issue the backend's work on this cudaStream_t (an integer; 0 is the legacy default "
            "stream, torch's default stream).")
       .def_prop_ro("distributed", [](PyEngine& e) { return e.engine().distributed(); })
+      .def_prop_ro(
+          "plan_costs",
+          [](PyEngine& e) -> std::optional<std::string> {
+            const Plan* p = e.engine().plan();
+            return p ? std::optional<std::string>(p->costs) : std::nullopt;
+          },
+          "What the owner plan was costed on (distributed, after setup), e.g. 'measured costs "
+          "for 5 of 7 shapes (...)'; None otherwise.")
       .def("owner", [](PyEngine& e, int i, int64_t slice) { return e.engine().owner(i, slice); },
            nb::arg("index"), nb::arg("slice") = 0,
            "World rank that orthogonalizes matrix `slice` of Muon parameter `index`.")

@@ -22,7 +22,12 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_TUNE_CACHE", "",
        "autotuner cache file (default: $XDG_CACHE_HOME or ~/.cache, distmuon/tune.json)"},
       {"DISTMUON_COST_CACHE", "",
-       "planner cost-table cache (default: $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)"},
+       "the measurement store of the planner's costs, written by distmuon-plan --measure "
+       "(default: $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)"},
+      {"DISTMUON_PLAN_COSTS", "auto",
+       "costs of the engine's start-up plan when DistOptions::plan_costs is empty: auto "
+       "(measured where the store holds the shapes, analytic elsewhere) | analytic | <cost file>; "
+       "read on rank 0 only"},
       {"DISTMUON_DEBUG_SYNC", "0", "synchronise and check errors after every backend operation"},
       {"DISTMUON_AUTOTUNE", "",
        "off | cached | on: how `auto` picks per-shape algorithms on CUDA (unset: EngineOptions)"},

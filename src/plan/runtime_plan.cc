@@ -36,20 +36,20 @@ AnalyticRates runtime_rates(DeviceKind kind) {
 
 Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
                        const RuntimePlanSpec& spec) {
-  CostTable costs;
-  if (spec.cost_file.empty())
-    costs = analytic_cost_table(shape_counts(matrices), spec.ortho, runtime_rates(spec.device));
-  else
-    costs = select_cost_table(read_cost_file(spec.cost_file), spec.device_name, spec.cost_file);
+  const RuntimeCosts costs =
+      runtime_costs(shape_counts(matrices), spec.ortho, runtime_rates(spec.device),
+                    spec.measured ? &*spec.measured : nullptr);
   PlanOptions opts;
   opts.ortho = spec.ortho;
   opts.time_limit_s = kMilpTimeLimitS;
-  if (!spec.owners.empty()) return plan_fixed(matrices, topo, costs, spec.owners, opts);
   std::string solver = spec.solver;
   if (solver == "milp" &&
       (matrices.size() > kMilpMaxMatrices || shape_counts(matrices).size() > kMilpMaxShapes))
     solver = "lpt";
-  return make_plan(solver, matrices, topo, costs, opts);
+  Plan plan = spec.owners.empty() ? make_plan(solver, matrices, topo, costs.table, opts)
+                                  : plan_fixed(matrices, topo, costs.table, spec.owners, opts);
+  plan.costs = costs.describe();
+  return plan;
 }
 
 // The layer a parameter belongs to, from its name: the first dotted component made of digits

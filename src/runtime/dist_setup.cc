@@ -7,6 +7,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "common/log.h"
 #include "distmuon/error.h"
 #include "runtime/engine_impl.h"
 #include "runtime/mode_runner.h"
@@ -24,13 +25,54 @@ Plan plan_owners(std::vector<PlanMatrix> matrices, const Topology& topo, const D
   spec.solver = dist.planner;
   spec.ortho = ortho;
   spec.device = device;
-  spec.cost_file = dist.plan_costs;
-  spec.device_name = device_name;
+  // The caller decides the costs alone (distmuon.torch.dedicate: one rank, and shares the plan).
+  // A backend is made for its name only when a measured table is looked up.
+  auto name = [&] {
+    return !device_name.empty()
+               ? device_name
+               : make_backend(device == DeviceKind::kCUDA ? "cuda" : "cpu")->name();
+  };
+  spec.measured = read_measured_costs(plan_cost_source(dist.plan_costs), name, ortho).table;
   spec.owners = dist.owners;
   return make_runtime_plan(matrices, topo, spec);
 }
 
 namespace {
+
+std::string error_text(const Error& e) {
+  std::string s = e.what();
+  if (s.rfind("distmuon: ", 0) == 0) s.erase(0, 10);
+  return s;
+}
+
+// Rank 0 reads the measured costs (its DistOptions::plan_costs, its store) and every rank plans
+// from the same numbers: ranks whose stores differ would otherwise plan differently and fail
+// the plan-hash check. Every rank, rank 0 included, parses the text rank 0 sent, so the doubles
+// are identical. Rank 0's read error becomes its set-up error (reported on every rank with the
+// other set-up errors); the other ranks then plan on analytic costs, a plan nobody uses.
+// The note (where the table came from, or why there is none) is rank 0's only.
+MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::string& setting,
+                                   const OrthoConfig& ortho, bool wanted,
+                                   std::string& local_error) {
+  MeasuredCosts out;
+  std::string text;
+  if (world.rank() == 0 && wanted && local_error.empty()) {
+    try {
+      out = read_measured_costs(
+          plan_cost_source(setting), [&] { return be.name(); }, ortho);
+      if (out.table) text = cost_table_json({*out.table});
+    } catch (const Error& e) {
+      local_error = error_text(e);
+    }
+  }
+  const std::vector<int64_t> lens = host_all_gather(world, be, {static_cast<int64_t>(text.size())});
+  out.table.reset();
+  if (lens[0] > 0) {
+    const std::vector<char> all = host_all_gather_v(world, be, text, lens);
+    out.table = parse_cost_tables(std::string(all.data(), all.size()), "rank 0's costs").front();
+  }
+  return out;
+}
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 1469598103934665603ull;
@@ -91,8 +133,8 @@ void Engine::Impl::dist_setup() {
 
   // 2. What must be identical on every rank.
   std::ostringstream common;
-  common << "mode " << mode << ", planner " << dist.planner << " on "
-         << (dist.plan_costs.empty() ? "analytic" : "measured") << " costs, device "
+  // Not the plan costs: rank 0's decide (rank0_measured_costs).
+  common << "mode " << mode << ", planner " << dist.planner << ", device "
          << (backend.device().kind == DeviceKind::kCUDA ? "cuda" : "cpu") << ", replicate "
          << dist.replicate << ", bucket_bytes " << dist.bucket_bytes << ", grad_mean "
          << dist.grad_mean << ", check_grad_presence " << dist.check_grad_presence
@@ -120,8 +162,6 @@ void Engine::Impl::dist_setup() {
   RuntimePlanSpec spec;
   spec.solver = dist.planner;
   spec.device = backend.device().kind;
-  spec.device_name = backend.name();
-  spec.cost_file = dist.plan_costs;
   spec.owners = dist.owners;
   bool have_ortho = false;
   for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
@@ -147,14 +187,16 @@ void Engine::Impl::dist_setup() {
   if (local_error.empty() && dist.caller_transfers && dist.mode != DistMode::kDedicated)
     local_error = detail::concat("caller_transfers is an option of the dedicated mode, not of ",
                                  mode, " mode");
-  try {  // a planner error (e.g. a cost file without these shapes) must reach every rank
+  MeasuredCosts measured =
+      rank0_measured_costs(*world, backend, dist.plan_costs, spec.ortho, !pm.empty(), local_error);
+  spec.measured = std::move(measured.table);
+  try {  // a planner error must reach every rank
     if (local_error.empty() && !pm.empty())
       plan = make_runtime_plan(pm, topo, spec);
     else if (local_error.empty())
       plan = plan_round_robin(pm, topo);  // no Muon matrices: the planner has nothing to do
   } catch (const Error& e) {
-    local_error = e.what();
-    if (local_error.rfind("distmuon: ", 0) == 0) local_error.erase(0, 10);
+    local_error = error_text(e);
   }
   const bool time_limited = plan.status.find("time limit") != std::string::npos;
 
@@ -182,6 +224,8 @@ void Engine::Impl::dist_setup() {
     plan = make_runtime_plan(pm, topo, spec);
     plans_differ = false;
   }
+  if (rank == 0 && !any_error && !plan.costs.empty())
+    DM_LOG(kInfo, "planner: ", plan.solver, " on ", plan.costs, "; ", measured.note);
   if (any_error) {
     std::vector<char> msgs = host_all_gather_v(*world, backend, local_error, err_len);
     std::ostringstream os;

@@ -121,20 +121,22 @@ TEST_F(MpiErrors, PlannersThatDifferOrDoNotExist) {
              {"rank 1: unknown planner 'greedy'"});
 }
 
-TEST_F(MpiErrors, ACostFileOnOneRankOnlyFailsEverywhere) {
-  // Rank 1's cost file does not exist: the planner's error reaches every rank before any data
-  // moves, and the others do not wait for rank 1 in a collective.
+TEST_F(MpiErrors, ACostFileRankZeroCannotReadFailsEverywhere) {
+  // Rank 0 reads the plan costs for every rank: its missing cost file is an error on every rank
+  // before any data moves, and nobody waits for rank 0 in a collective. (The other ranks' cost
+  // settings are not read.)
   auto be = test::make_backend();
   DistOptions opt;
   opt.mode = DistMode::kDedicated;
-  if (odd_one()) opt.plan_costs = "/nonexistent/costs.json";
+  opt.plan_costs = world().rank() == 0 ? "/nonexistent/costs.json" : "analytic";
   expect_has(error_everywhere([&] {
                Engine e(*be, world(), opt);
                e.add_group(GroupOptions{});
                e.add_param({"w", 0, {8, 6}, DType::kF32});
                e.setup();
              }),
-             {"rank 1: cannot read cost file /nonexistent/costs.json"});
+             {"rank 0: plan costs '/nonexistent/costs.json' are neither auto, analytic nor a "
+              "cost file"});
 }
 
 TEST_F(MpiErrors, ShardsThatDoNotTileDimZero) {

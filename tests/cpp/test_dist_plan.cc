@@ -1,12 +1,15 @@
 // The runtime's owner plan under mpirun: layers parsed from parameter names, the planner the
 // options name (MILP by default, never worse than round-robin or LPT on the same costs) on
-// analytic costs or on a measured cost file, and the engine following the plan's owners.
+// analytic costs, on a measured cost file or on rank 0's store when ranks hold different ones,
+// and the engine following the plan's owners.
 // That every mode still equals the single process whatever the plan is checked by
 // test_dist_engine.cc.
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <map>
+#include <memory>
 #include <tuple>
 
 #include "backend/cpu/cpu_backend.h"
@@ -32,6 +35,18 @@ TEST(MpiPlan, LayersAreParsedFromParameterNames) {
   EXPECT_EQ(layer_of("enc.b12.w", ids), -1);  // digits inside a component are not a layer index
 }
 
+// An engine, set up, over four layers of an MLP block: wide up, tall down (one 8 x 20 class
+// with up) and square attention, named as the planner reads layers ("h.3.up" is layer 3).
+std::unique_ptr<Engine> mlp_engine(Backend& be, Communicator& c, const DistOptions& opt) {
+  auto e = std::make_unique<Engine>(be, c, opt);
+  e->add_group(GroupOptions{});
+  for (int l = 0; l < 4; ++l)
+    for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
+      e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
+  e->setup();
+  return e;
+}
+
 TEST(MpiPlan, OwnersComeFromThePlanner) {
   // Four layers of an MLP block (wide up, tall down, square attention): the MILP's plan on
   // analytic costs is never worse than round-robin's on the same costs, and the engine follows
@@ -44,12 +59,8 @@ TEST(MpiPlan, OwnersComeFromThePlanner) {
     DistOptions opt;
     opt.mode = DistMode::kReplicated;
     opt.planner = planner;
-    auto e = std::make_unique<Engine>(be, c, opt);
-    e->add_group(GroupOptions{});
-    for (int l = 0; l < 4; ++l)
-      for (auto [name, r, k] : {std::tuple{"up", 8, 20}, {"down", 20, 8}, {"attn", 8, 8}})
-        e->add_param({"h." + std::to_string(l) + "." + name, 0, {r, k}, DType::kF32});
-    e->setup();
+    opt.plan_costs = "analytic";
+    auto e = mlp_engine(be, c, opt);
     plans.push_back(e->plan());
     engines.push_back(std::move(e));
   }
@@ -73,26 +84,100 @@ TEST(MpiPlan, OwnersComeFromThePlanner) {
   DistOptions opt;
   opt.mode = DistMode::kDedicated;
   opt.plan_costs = path;
-  Engine e(be, c, opt);
-  e.add_group(GroupOptions{});
-  for (int l = 0; l < 4; ++l)
-    for (const char* name : {"up", "down", "attn"})
-      e.add_param({"h." + std::to_string(l) + "." + name, 0,
-                   name[0] == 'a' ? std::vector<int64_t>{8, 8}
-                                  : (name[0] == 'u' ? std::vector<int64_t>{8, 20}
-                                                    : std::vector<int64_t>{20, 8}),
-                   DType::kF32});
-  e.setup();
+  const auto e = mlp_engine(be, c, opt);
   for (int o = 0; o < c.size(); ++o)
-    EXPECT_LE(e.plan()->batches[o].size(), c.size() > 1 ? 1u : 2u) << "owner " << o;
+    EXPECT_LE(e->plan()->batches[o].size(), c.size() > 1 ? 1u : 2u) << "owner " << o;
   if (c.size() <= 2) {  // the 8 x 20 class fits one owner: tall and wide in one batch
-    for (int i = 0; i < e.num_params(); ++i) {
+    for (int i = 0; i < e->num_params(); ++i) {
       if (i % 3 != 2) {
-        EXPECT_EQ(e.owner(i), e.owner(0)) << e.param(i).name;
+        EXPECT_EQ(e->owner(i), e->owner(0)) << e->param(i).name;
       }
     }
   }
   std::remove(path.c_str());
+}
+
+// The plan setup() makes from `measured` (every rank can compute it: no collective).
+Plan plan_on(const CostTable* measured, int world_size) {
+  std::vector<PlanMatrix> pm;
+  for (int64_t l = 0; l < 4; ++l)
+    for (auto [r, k] : {std::pair{8, 20}, {20, 8}, {8, 8}}) pm.push_back({"", r, k, l, 4});
+  RuntimePlanSpec spec;
+  spec.ortho = GroupOptions{}.muon.ortho;
+  if (measured) spec.measured = *measured;
+  return make_runtime_plan(pm, Topology{world_size, 8, 1}, spec);
+}
+
+class CostStore {  // this rank's DISTMUON_COST_CACHE for one test
+ public:
+  explicit CostStore(const std::string& path) : path_(path) {
+    if (const char* v = std::getenv("DISTMUON_COST_CACHE")) saved_ = v;
+    setenv("DISTMUON_COST_CACHE", path.c_str(), 1);
+  }
+  ~CostStore() {
+    std::remove(path_.c_str());
+    if (saved_.empty())
+      unsetenv("DISTMUON_COST_CACHE");
+    else
+      setenv("DISTMUON_COST_CACHE", saved_.c_str(), 1);
+  }
+
+ private:
+  std::string path_, saved_;
+};
+
+TEST(MpiPlan, RanksWithDifferentStoresPlanOnRankZerosTable) {
+  // Every rank's store holds measurements of the 8 x 20 class, different on every rank (rank
+  // 0's: a launch costs a second, so the class is batched on few owners; the others': no launch
+  // cost and a rate that depends on the rank). Every rank plans on rank 0's table (with analytic
+  // costs for the 8 x 8 matrices), and setup() does not fail the plan-hash check.
+  Communicator& c = world();
+  CpuBackend be;
+  auto table_of = [&](int rank) {
+    AnalyticRates rates;
+    rates.launch_s = rank == 0 ? 1.0 : 0.0;
+    rates.flops_per_s *= 1 + rank;
+    CostTable t = analytic_cost_table({{8, 20, 8}}, GroupOptions{}.muon.ortho, rates);
+    t.source = "measured";
+    t.device = be.name();
+    return t;
+  };
+  CostStore store(::testing::TempDir() + "distmuon_store_rank" + std::to_string(c.rank()) +
+                  ".json");
+  write_cost_file(std::getenv("DISTMUON_COST_CACHE"), {table_of(c.rank())});
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = "auto";
+  const auto e = mlp_engine(be, c, opt);
+  const CostTable rank0 = table_of(0), mine = table_of(c.rank());
+  const Plan want = plan_on(&rank0, c.size());
+  EXPECT_EQ(e->plan()->hash, want.hash);
+  EXPECT_EQ(e->plan()->costs, want.costs);  // the scale of the analytic costs is rank 0's too
+  EXPECT_NE(want.costs.find("measured costs for 1 of 2 shapes (" + be.name() + ")"),
+            std::string::npos)
+      << want.costs;
+  if (c.rank() > 0) {  // this rank's own store would have costed (and at 2 ranks planned) otherwise
+    EXPECT_NE(plan_on(&mine, c.size()).costs, want.costs);
+    if (c.size() == 2) {
+      EXPECT_NE(plan_on(&mine, c.size()).hash, want.hash);
+    }
+  }
+}
+
+TEST(MpiPlan, AutoWithAnEmptyStorePlansAsAnalytic) {
+  Communicator& c = world();
+  CpuBackend be;
+  CostStore store(::testing::TempDir() + "distmuon_no_store_rank" + std::to_string(c.rank()) +
+                  ".json");
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = "auto";
+  const auto automatic = mlp_engine(be, c, opt);
+  opt.plan_costs = "analytic";
+  const auto analytic = mlp_engine(be, c, opt);
+  EXPECT_EQ(automatic->plan()->hash, analytic->plan()->hash);
+  EXPECT_EQ(automatic->plan()->hash, plan_on(nullptr, c.size()).hash);
+  EXPECT_EQ(automatic->plan()->costs, "analytic costs for 2 shapes");
 }
 
 }  // namespace

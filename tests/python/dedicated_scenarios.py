@@ -8,7 +8,9 @@ per micro-batch), so the mean gradient equals the single process's.
 
 from __future__ import annotations
 
+import os
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -228,6 +230,22 @@ def run_late_gradient(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_corrupt_store(rank: int, world: int, store_dir: str) -> dict[str, Any]:
+    """Rank 0's measurement store is corrupt (the other ranks have none): dedicate() raises on
+    every rank instead of leaving them waiting for rank 0's plan."""
+    store = os.path.join(store_dir, f"corrupt-rank{rank}.json")
+    if rank == 0:
+        with open(store, "w") as f:
+            f.write("{not json")
+    saved = os.environ["DISTMUON_COST_CACHE"]
+    os.environ["DISTMUON_COST_CACHE"] = store
+    try:
+        build("fsdp", world, overlap=False)
+        return {"built": True}
+    finally:
+        os.environ["DISTMUON_COST_CACHE"] = saved
+
+
 def run_single(rank: int, world: int, overlap: bool) -> dict[str, Any]:
     """World size 1: every matrix owned here, nothing moves; overlap_step prepares during
     backward (through the engine's dedicated mode all the same)."""
@@ -280,6 +298,7 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "accum_overlap": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, True)),
         "accum_sync": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False, sync_all=True)),
         "late_gradient": guarded(lambda: run_late_gradient(rank, world)),
+        "corrupt_store": guarded(lambda: run_corrupt_store(rank, world, str(Path(ckpt).parent))),
     }
 
 

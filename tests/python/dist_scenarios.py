@@ -8,7 +8,9 @@ The model has a 3-row matrix (an empty FSDP2 shard at 4 ranks) and a 3D paramete
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon
-from helpers import TinyGPT, make_batch, scenario_device
+from helpers import TinyGPT, make_batch, scenario_device, write_cost_store
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -273,6 +275,24 @@ def run_collectives(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_plan_costs(rank: int, world: int, store_dir: str) -> dict[str, Any]:
+    """Every rank's measurement store holds other times for the 16 x 64 class (rank 0's: a batch
+    costs a second whatever its size; the others': microseconds): the engine plans on rank 0's
+    table, with scaled analytic costs for the other shapes, on every rank."""
+    store = os.path.join(store_dir, f"rank{rank}.json")
+    seconds = [(1, 1.0), (2, 1.0)] if rank == 0 else [(1, 1e-6 * rank), (2, 2e-6 * rank)]
+    write_cost_store(store, {(16, 64): seconds})
+    saved = os.environ["DISTMUON_COST_CACHE"]
+    os.environ["DISTMUON_COST_CACHE"] = store
+    try:
+        model = make_model()
+        wrap(model, "fsdp", world)
+        opt = Muon(model, **OPT_KW)  # set-up plans the owners and checks the ranks agree
+        return {"costs": opt._parts[0].engine.plan_costs}
+    finally:
+        os.environ["DISTMUON_COST_CACHE"] = saved
+
+
 # ---- what each launch runs --------------------------------------------------------------------
 
 
@@ -283,6 +303,7 @@ def cache_ckpt(ckpt: str) -> str:
 
 def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     return {
+        "plan_costs": guarded(lambda: run_plan_costs(rank, world, str(Path(ckpt).parent))),
         "fsdp": guarded(lambda: run_train(rank, world, "fsdp", ckpt)),
         "resume2": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
         "fsdp_cache": guarded(lambda: run_train(rank, world, "fsdp", cache_ckpt(ckpt), kw=CACHE_KW)),

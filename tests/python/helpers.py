@@ -4,6 +4,7 @@ torch.optim.Muon's Newton-Schulz in float32 (torch always iterates in bfloat16).
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,27 @@ def newton_schulz_fp32(
         gram = x @ x.T
         x = a * x + (b * gram + c * (gram @ gram)) @ x
     return x.T if tall else x
+
+
+def write_cost_store(path: str, points: dict[tuple[int, int], list[tuple[int, float]]]) -> None:
+    """A measurement store as `distmuon-plan --measure` writes it, with one table: seconds per
+    batch size of each (rows, cols) on this machine's CPU backend as the front runs it (its BLAS
+    thread count is part of the name), for the front's default algorithm and CPU iteration dtype:
+    the key the engine looks up."""
+    from distmuon import _C
+    from distmuon.torch._device import _cpu_threads
+
+    _cpu_threads()
+    table = {
+        "source": "measured",
+        "device": _C.Engine("cpu").backend_name,
+        "version": _C.__version__,
+        "algorithm": "auto",
+        "work_dtype": "f32",
+        "shapes": [{"m": m, "n": n, "points": [list(p) for p in pts]} for (m, n), pts in points.items()],
+    }
+    with open(path, "w") as f:
+        json.dump({"format": "distmuon-cost-table", "format_version": 1, "tables": [table]}, f)
 
 
 def scenario_device() -> torch.device:

@@ -28,6 +28,7 @@ import torch
 
 import dedicated_scenarios as ds
 from dist_harness import launch, max_diff, ok
+from helpers import write_cost_store
 from distmuon.torch import Muon
 from distmuon.torch._dedicated_layout import unit_prefix
 
@@ -80,6 +81,29 @@ def test_unit_of_a_parameter_is_its_layer() -> None:
     assert unit_prefix("blocks.0.qkv.weight") == "blocks.0"
     assert unit_prefix("gate.weight") == "gate"
     assert unit_prefix("w") == ""
+
+
+def test_the_plan_of_dedicate_is_costed_on_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # dedicate() plans on one rank through plan_owners and shares the plan: measured costs where
+    # the store holds the shape, analytic for the rest; analytic with an empty store.
+    from distmuon import _C
+
+    def plan() -> dict[str, Any]:
+        names = [f"h.{layer}.{part}" for layer in range(2) for part in ("up", "attn")]
+        shapes = [[8, 20] if n.endswith("up") else [8, 8] for n in names]
+        return _C.plan_owners(names, shapes, 4, 2, 1, _C.DistOptions(), _C.parse_algorithm("auto", _C.OrthoConfig()))
+
+    store = tmp_path / "costs.json"
+    monkeypatch.setenv("DISTMUON_COST_CACHE", str(store))
+    assert plan()["costs"] == "analytic costs for 2 shapes"
+    write_cost_store(str(store), {(8, 20): [(1, 0.5), (2, 0.6)]})
+    assert plan()["costs"].startswith("measured costs for 1 of 2 shapes (cpu")
+
+
+def test_a_corrupt_store_on_member_0_raises_on_every_rank(world2: list[dict[str, Any]]) -> None:
+    for r in world2:
+        err = r["corrupt_store"].get("error", "")
+        assert "planning the owners failed on member 0" in err and "corrupt" in err, r["corrupt_store"]
 
 
 def test_one_process_through_dedicate_is_the_plain_optimizer(world1: list[dict[str, Any]]) -> None:

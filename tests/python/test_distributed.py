@@ -173,6 +173,15 @@ def test_torch_state_dict_api_round_trips_with_fqn_keys(world2: list[dict[str, A
         assert res["same"]
 
 
+def test_ranks_plan_on_rank_zeros_measured_costs(world2: list[dict[str, Any]]) -> None:
+    # Each rank's store holds other times for one of the four Muon shape classes: both ranks
+    # plan on rank 0's (the plans agree, or set-up would have failed), analytic for the rest.
+    costs = [ok(r["plan_costs"])["costs"] for r in world2]
+    assert costs[0] == costs[1], costs
+    assert costs[0].startswith("measured costs for 1 of 4 shapes (cpu"), costs[0]
+    assert "analytic for the rest" in costs[0]
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 

@@ -174,7 +174,9 @@ def make_groups(grid: Grid) -> Groups:
 
 def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.device, planner: str) -> dict[str, Any]:
     """Owners from the engine's planner (balanced on costs, layers spread), computed by member 0
-    and shared, so that every rank holds the same plan."""
+    (on its costs: DISTMUON_PLAN_COSTS, its measurement store) and shared, so that every rank
+    holds the same plan. Member 0's error (a corrupt store, an unknown planner) is raised on
+    every member."""
     result: list[Any] = [None]
     if grid.member == 0:
         opts = _C.DistOptions()
@@ -183,12 +185,17 @@ def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.devic
             opts.gpus_per_node = gpu_ranks_per_node()
         ortho = _C.parse_algorithm("auto", _C.OrthoConfig())
         ortho.work_dtype = _C.DType.bf16 if device.type == "cuda" else _C.DType.f32
-        result[0] = _C.plan_owners(
-            [m.name for m in matrices], [[m.rows, m.cols] for m in matrices], 4, grid.size, grid.replicate,
-            opts, ortho, device.type,
-        )
+        try:
+            result[0] = _C.plan_owners(
+                [m.name for m in matrices], [[m.rows, m.cols] for m in matrices], 4, grid.size, grid.replicate,
+                opts, ortho, device.type,
+            )
+        except Exception as e:  # noqa: BLE001 - raised on every member below
+            result[0] = f"{type(e).__name__}: {e}"
     if grid.size > 1:
         dist.broadcast_object_list(result, src=grid.ranks[0], group=groups.control)
+    if isinstance(result[0], str):
+        raise RuntimeError(f"dedicate(): planning the owners failed on member 0: {result[0]}")
     return result[0]
 
 
