@@ -243,9 +243,36 @@ def table(rows: list[dict], metric: str) -> str:
     return "\n".join(out)
 
 
-def study_section(path: str, kind: str, out: str) -> list[str]:
+def merge_runs(studies: list[dict]) -> dict:
+    """One study from the raw records of several runs of one size (seeds run in separate device
+    calls): the arms of all runs, the seeds and commands of each. An arm and seed recorded twice
+    is refused rather than averaged twice."""
+    merged = {"meta": dict(studies[0]["meta"]), "arms": []}
+    seen: set = set()
+    for s in studies:
+        for a in s["arms"]:
+            key = (a["arm"], a.get("seed", 0))
+            if key in seen:
+                raise SystemExit(f"report.py: arm {key[0]} seed {key[1]} is in two of the raw records")
+            seen.add(key)
+            merged["arms"].append(a)
+    if len(studies) > 1:
+        merged["meta"]["seeds"] = ",".join(str(s["meta"].get("seeds", s["meta"].get("seed", 0))) for s in studies)
+        merged["meta"]["command"] = "`; `".join(s["meta"].get("command", "?") for s in studies)
+    return merged
+
+
+def load_lm(paths: list[str]) -> list[dict]:
+    """The LM studies in the order their sizes first appear; records of one size are merged."""
+    by_size: dict[str, list[dict]] = {}
+    for path in paths:
+        study = json.load(open(path))
+        by_size.setdefault(study["meta"].get("size", path), []).append(study)
+    return [merge_runs(v) for v in by_size.values()]
+
+
+def study_section(study: dict, kind: str, out: str) -> list[str]:
     """Summary JSON, plots and the markdown of one study (an LM size or the vision study)."""
-    study = json.load(open(path))
     study["meta"]["kind"] = kind
     meta = study["meta"]
     name = f"{kind}-{meta['size']}" if kind == "lm" and meta.get("size") else kind
@@ -270,7 +297,7 @@ def study_section(path: str, kind: str, out: str) -> list[str]:
     same = {True: "Every arm of a seed had the same initial weights and the same batches (digests equal).",
             False: "**Warning: the arms of a seed did not all see the same initial weights and batches.**",
             None: "The records keep no digests of the initial weights and batches."}[inputs_identical(study)]
-    md = [heading, "", f"Command: `{meta.get('command', 'see meta in ' + os.path.basename(path))}`", "", *setting,
+    md = [heading, "", f"Command: `{meta.get('command', '(not recorded)')}`", "", *setting,
           same, "",
           table(rows, metric), "", *(target_lines(rows) if kind == "lm" else []),
           f"![curves]({base}-{name}-curves.png)", f"![frontier]({base}-{name}-frontier.png)"]
@@ -283,7 +310,8 @@ def study_section(path: str, kind: str, out: str) -> list[str]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lm", nargs="*", default=[], help="raw records of lm.py, one per model size")
+    ap.add_argument("--lm", nargs="*", default=[],
+                    help="raw records of lm.py; several of one model size (seeds run apart) are merged")
     ap.add_argument("--vision")
     ap.add_argument("--out", required=True, help="output prefix (a .md and PNGs beside it)")
     args = ap.parse_args(argv)
@@ -295,10 +323,10 @@ def main(argv=None) -> None:
           "`step()` alone (median over steps after the first 10 %); 'vs fresh' compares with fresh Gram NS "
           "(`distmuon gram-ns`, the cache off). Arms marked (shadow) also run the fresh solve on every step "
           "to measure how well the cached update aligns with it: their optimizer time is not the cache's.", ""]
-    for path in args.lm:
-        md += study_section(path, "lm", args.out)
+    for study in load_lm(args.lm):
+        md += study_section(study, "lm", args.out)
     if args.vision:
-        md += study_section(args.vision, "vision", args.out)
+        md += study_section(json.load(open(args.vision)), "vision", args.out)
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(md) + "\n")
     print(f"wrote {args.out}.md")

@@ -161,3 +161,20 @@ def test_summary_flags_an_arm_that_ends_worse_than_its_best(study):
     assert report.inputs_identical({"arms": seeds})
     assert report.inputs_identical({"arms": [dict(arm), dict(arm, batch_digest="0" * 16)]}) is False
     assert report.inputs_identical({"arms": [dict(arm, batch_digest="")]}) is None  # not recorded
+
+
+def test_runs_of_one_size_are_merged_and_a_seed_twice_is_refused(study, tmp_path):
+    """Seeds run in separate device calls report as one study of their size."""
+    _, rec = study
+    seed1 = {"meta": dict(rec["meta"], seeds="1", command="lm.py --seeds 1"),
+             "arms": [dict(a, seed=1, final=a["final"] + 0.5) for a in rec["arms"]]}
+    paths = [tmp_path / "s0.json", tmp_path / "s1.json"]
+    paths[0].write_text(json.dumps(rec))
+    paths[1].write_text(json.dumps(seed1))
+    [merged] = report.load_lm([str(p) for p in paths])
+    assert merged["meta"]["seeds"] == "0,1" and "lm.py --seeds 1" in merged["meta"]["command"]
+    assert len(merged["arms"]) == 2 * len(rec["arms"])
+    row = {r["arm"]: r for r in report.summarize(merged)}[FRESH]
+    assert row["seeds"] == [0, 1] and row["final_spread"] == pytest.approx(0.5)
+    with pytest.raises(SystemExit, match="seed 0 is in two"):
+        report.load_lm([str(paths[0]), str(paths[0])])
