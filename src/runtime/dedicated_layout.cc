@@ -19,10 +19,11 @@ std::string dedicated_unit(const std::string& param_name) {
 DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
                                  const std::vector<std::string>& modules,
                                  const DedicatedWorld& world) {
-  DM_CHECK(world.size >= 1 && world.replicate >= 1 && world.size % world.replicate == 0 &&
-               world.member >= 0 && world.member < world.size,
-           "dedicated layout: member ", world.member, " of a world of ", world.size,
-           " that is not ", world.replicate, " replicas of equal shard groups");
+  DM_CHECK(world.size >= 1 && world.replicate >= 1 && world.size % world.replicate == 0,
+           "dedicated layout: a world of ", world.size, " members is not ", world.replicate,
+           " replicas of equal shard groups");
+  DM_CHECK(world.member >= 0 && world.member < world.size, "dedicated layout: member ",
+           world.member, " is outside the world of ", world.size);
   const int shard = world.size / world.replicate;
   std::map<std::string, size_t> forward_position;
   for (size_t k = 0; k < modules.size(); ++k) forward_position.emplace(modules[k], k);
@@ -35,7 +36,6 @@ DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
 
   // Units in forward order; each keeps its matrices in the order given.
   std::map<size_t, std::vector<int>> by_position;
-  std::map<size_t, std::string> module_at;
   for (int j = 0; j < n; ++j) {
     const DedicatedMatrix& m = matrices[j];
     DM_CHECK(m.owner >= 0 && m.owner < world.size, "dedicated layout: matrix '", m.name,
@@ -45,11 +45,10 @@ DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
     DM_CHECK(it != forward_position.end(), "dedicated layout: the layer '", unit,
              "' of matrix '", m.name, "' is not a module of the model");
     by_position[it->second].push_back(j);
-    module_at[it->second] = unit;
   }
   for (auto& [position, js] : by_position) {
     const int u = static_cast<int>(out.units.size());
-    out.units.push_back({module_at[position], js, {}});
+    out.units.push_back({modules[position], js, {}});
     for (int j : js) out.unit_of[j] = u;
   }
 

@@ -84,6 +84,8 @@ TEST(DedicatedLayout, RejectsOwnersOutsideTheWorldAndUnitsThatAreNoModule) {
                Error);
   EXPECT_THROW(dedicated_layout({{"h.0.up.weight", 4, DType::kF32, 0}}, kModules, {3, 2, 0}),
                Error);  // 3 members are not 2 equal replicas
+  EXPECT_THROW(dedicated_layout({{"h.0.up.weight", 4, DType::kF32, 0}}, kModules, {2, 1, 2}),
+               Error);  // this member is not in the world
 }
 
 }  // namespace
