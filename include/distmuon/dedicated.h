@@ -50,8 +50,8 @@ struct DedicatedLayout {
     // owner's shard position in the other replicas (they relay it inside their shard group).
     bool kept = false;
   };
-  std::vector<Unit> units;      // in forward order (the order of `modules`)
-  std::vector<Bucket> buckets;  // unit by unit; inside one by (owner, dtype name)
+  std::vector<Unit> units;              // in forward order (the order of `modules`)
+  std::vector<Bucket> buckets;          // unit by unit; inside one by (owner, dtype name)
   std::vector<int> unit_of, bucket_of;  // per matrix
   std::vector<int64_t> offset;          // per matrix: elements into its bucket's buffer
 };

@@ -1,5 +1,4 @@
 // The dedicated runtime's units and buckets (distmuon/dedicated.h).
-#include <algorithm>
 #include <map>
 #include <tuple>
 
@@ -42,8 +41,8 @@ DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
              "' has owner ", m.owner, " outside the world of ", world.size);
     const std::string unit = dedicated_unit(m.name);
     const auto it = forward_position.find(unit);
-    DM_CHECK(it != forward_position.end(), "dedicated layout: the layer '", unit,
-             "' of matrix '", m.name, "' is not a module of the model");
+    DM_CHECK(it != forward_position.end(), "dedicated layout: the layer '", unit, "' of matrix '",
+             m.name, "' is not a module of the model");
     by_position[it->second].push_back(j);
   }
   for (auto& [position, js] : by_position) {
@@ -65,7 +64,7 @@ DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
       b.owner = std::get<0>(key);
       b.dtype = matrices[js[0]].dtype;
       b.matrices = js;
-      b.kept = b.owner == world.member || (world.replicate > 1 && b.owner % shard == my_s);
+      b.kept = b.owner % shard == my_s;  // flat (shard == size): the owner alone
       const int index = static_cast<int>(out.buckets.size());
       for (int j : js) {
         out.bucket_of[j] = index;

@@ -31,15 +31,15 @@ TEST(DedicatedLayout, UnitIsThePlannersLayerElseTheModule) {
       EXPECT_EQ(layer_of(a, ids) == layer_of(b, ids), dedicated_unit(a) == dedicated_unit(b));
 }
 
-const std::vector<std::string> kModules = {"", "embed", "h", "h.0", "h.0.up", "h.0.attn", "h.1",
-                                           "h.1.up", "head"};
+const std::vector<std::string> kModules = {"",         "embed", "h",      "h.0", "h.0.up",
+                                           "h.0.attn", "h.1",   "h.1.up", "head"};
 
 TEST(DedicatedLayout, UnitsInForwardOrderAndBucketsPerOwnerAndDtype) {
   // Registration order differs from the forward order: head first.
   const std::vector<DedicatedMatrix> mats = {
-      {"head.weight", 12, DType::kF32, 0},    {"h.1.up.weight", 6, DType::kF32, 1},
-      {"h.0.up.weight", 10, DType::kF32, 1},  {"h.0.attn.weight", 4, DType::kF32, 0},
-      {"h.0.attn.bias2", 3, DType::kF32, 1},  {"h.0.up.scale", 5, DType::kBF16, 1},
+      {"head.weight", 12, DType::kF32, 0},   {"h.1.up.weight", 6, DType::kF32, 1},
+      {"h.0.up.weight", 10, DType::kF32, 1}, {"h.0.attn.weight", 4, DType::kF32, 0},
+      {"h.0.attn.bias2", 3, DType::kF32, 1}, {"h.0.up.scale", 5, DType::kBF16, 1},
   };
   const DedicatedLayout l = dedicated_layout(mats, kModules, {2, 1, 1});
   ASSERT_EQ(l.units.size(), 3u);
