@@ -52,24 +52,23 @@ Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& 
   return plan;
 }
 
-// The layer a parameter belongs to, from its name: the first dotted component made of digits
-// is the layer index, and the text before it names the stack ("transformer.h.3.mlp.c_fc.weight"
-// is layer 3 of "transformer.h"). Each distinct (stack, index) gets an id in first-seen order;
-// -1 when the name has no such component (the planner then leaves the matrix unconstrained).
-int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids) {
+std::string layer_prefix(const std::string& path) {
   size_t begin = 0;
-  while (begin <= name.size()) {
-    size_t end = name.find('.', begin);
-    if (end == std::string::npos) end = name.size();
-    const bool digits = end > begin && std::all_of(name.begin() + begin, name.begin() + end,
+  while (begin <= path.size()) {
+    size_t end = path.find('.', begin);
+    if (end == std::string::npos) end = path.size();
+    const bool digits = end > begin && std::all_of(path.begin() + begin, path.begin() + end,
                                                    [](char c) { return c >= '0' && c <= '9'; });
-    if (digits) {
-      const std::string key = name.substr(0, end);
-      return ids.emplace(key, static_cast<int64_t>(ids.size())).first->second;
-    }
+    if (digits) return path.substr(0, end);
     begin = end + 1;
   }
-  return -1;
+  return "";
+}
+
+int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids) {
+  const std::string key = layer_prefix(name);
+  if (key.empty()) return -1;
+  return ids.emplace(key, static_cast<int64_t>(ids.size())).first->second;
 }
 
 }  // namespace distmuon

@@ -67,7 +67,13 @@ struct RuntimePlanSpec {
 // for instances too large to solve at start-up. Plan::costs describes the costs.
 Plan make_runtime_plan(const std::vector<PlanMatrix>& matrices, const Topology& topo,
                        const RuntimePlanSpec& spec);
-// The layer index parsed from a parameter name (see runtime_plan.cc), -1 when it has none.
+// The layer rule, the one place that reads layers from names: the prefix of a dotted path up to
+// its first all-digit component ("transformer.h.3.mlp.c_fc.weight" -> "transformer.h.3"), ""
+// when it has none. The planner spreads layers over owners; the dedicated runtime broadcasts
+// weights per layer (distmuon/dedicated.h).
+std::string layer_prefix(const std::string& path);
+// The layer index of a parameter name: an id per distinct layer_prefix, in first-seen order; -1
+// when the name has no layer (the planner then leaves the matrix unconstrained).
 int64_t layer_of(const std::string& name, std::map<std::string, int64_t>& ids);
 
 }  // namespace distmuon

@@ -1,6 +1,7 @@
 """What ``dedicate()`` decides once: the dedicated world (replicate x shard ranks), which
-matrices, the layer ("unit") each belongs to, their owners (the engine's planner) and the flat
-buffers that make one broadcast per owner per layer.
+matrices, their owners (the engine's planner), and from the engine's layout (distmuon/dedicated.h:
+the planner's layer rule) the layer ("unit") each belongs to and the flat buffers that make one
+broadcast per owner per layer.
 
 Every dedicated parameter becomes a view into the flat buffer of its (unit, owner) bucket. The
 ranks that keep a bucket between steps hold its storage: the owner and, in HSDP, the ranks at
@@ -10,7 +11,6 @@ every other rank the storage is freed (resized to 0) and only materialised aroun
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,7 @@ from torch import nn
 
 from distmuon import _C
 from distmuon.torch._device import gpu_ranks_per_node
+from distmuon.torch._options import engine_dtype
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class Matrix:
     param: nn.Parameter
     rows: int
     cols: int
-    unit: int
     owner: int = 0  # member
+    unit: int = 0
     bucket: int = 0
     offset: int = 0  # elements into the bucket's flat buffer
 
@@ -113,15 +114,8 @@ class Unit:
     buckets: list[int] = field(default_factory=list)
 
 
-def unit_prefix(name: str) -> str:
-    """The layer a parameter belongs to: the prefix up to its first all-digit component
-    ('transformer.h.3.mlp.c_fc.weight' -> 'transformer.h.3', as the engine's planner reads
-    layers), else its owning module ('proj.weight' -> 'proj', 'w' -> '')."""
-    parts = name.split(".")
-    for i, p in enumerate(parts[:-1]):
-        if re.fullmatch(r"\d+", p):
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1])
+# The unit (layer module) of a parameter name: the engine's rule, the planner's layer rule.
+unit_prefix = _C.dedicated_unit
 
 
 def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
@@ -199,39 +193,35 @@ def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.devic
     return result[0]
 
 
-def build_buckets(matrices: list[Matrix], units: list[Unit], grid: Grid) -> list[Bucket]:
-    """Flat buffers per (unit, owner, dtype); each parameter becomes a view into its bucket and the
+def lay_out(model: nn.Module, matrices: list[Matrix], grid: Grid) -> tuple[list[Unit], list[Bucket]]:
+    """The units (in forward order: the order of the modules) and buckets of the engine's layout
+    of the owned matrices; each parameter becomes a view into its bucket's flat buffer and the
     storage of buckets this rank does not keep is freed."""
-    my_s = grid.coords(grid.member)[1]
+    layout = _C.dedicated_layout(
+        [m.name for m in matrices], [m.param.numel() for m in matrices],
+        [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
+        [name for name, _ in model.named_modules()], grid.size, grid.replicate, grid.member,
+    )
+    units = [Unit(u.module, model.get_submodule(u.module), list(u.matrices), list(u.buckets)) for u in layout.units]
+    for j, m in enumerate(matrices):
+        m.unit, m.bucket, m.offset = layout.unit_of[j], layout.bucket_of[j], layout.offset[j]
     buckets: list[Bucket] = []
-    for u, unit in enumerate(units):
-        keys: dict[tuple[int, torch.dtype], list[int]] = {}
-        for j in unit.matrices:
-            keys.setdefault((matrices[j].owner, matrices[j].param.dtype), []).append(j)
-        for (owner, dtype), js in sorted(keys.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-            params = [matrices[j].param for j in js]
-            flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-            owner_s = grid.coords(owner)[1]
-            kept = owner == grid.member or (grid.replicate > 1 and owner_s == my_s)
-            b = Bucket(u, owner, js, flat, kept)
-            offset = 0
-            for j in js:
-                m = matrices[j]
-                flat[offset : offset + m.param.numel()].copy_(m.param.detach().reshape(-1))
-                m.param.data = flat[offset : offset + m.param.numel()].view(m.param.shape)
-                m.bucket, m.offset = len(buckets), offset
-                offset += m.param.numel()
-            unit.buckets.append(len(buckets))
-            buckets.append(b)
-            b.free()
-    return buckets
+    for b in layout.buckets:
+        first = matrices[b.matrices[0]].param
+        flat = torch.empty(b.numel, dtype=first.dtype, device=first.device)
+        for j in b.matrices:
+            m = matrices[j]
+            view = flat[m.offset : m.offset + m.param.numel()]
+            view.copy_(m.param.detach().reshape(-1))
+            m.param.data = view.view(m.param.shape)
+        bucket = Bucket(b.unit, b.owner, list(b.matrices), flat, b.kept)
+        bucket.free()
+        buckets.append(bucket)
+    return units, buckets
 
 
-def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> tuple[list[Matrix], list[Unit]]:
-    """The selected parameters (named as model.named_parameters() names them) and their units in
-    forward order (the order of the modules)."""
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    units: dict[str, Unit] = {}
+def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> list[Matrix]:
+    """The selected parameters, named as model.named_parameters() names them."""
     matrices: list[Matrix] = []
     for name, p in model.named_parameters():
         if not predicate(name, p):
@@ -244,15 +234,7 @@ def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> tuple[list[Mat
                 f"dedicate(): parameter '{name}' of shape {tuple(p.shape)} holds {count} matrices; a dedicated "
                 "parameter is one matrix owned whole (leave stacked matrices to FSDP2)"
             )
-        prefix = unit_prefix(name)
-        if prefix not in units:
-            units[prefix] = Unit(prefix, model.get_submodule(prefix))
-        matrices.append(Matrix(len(matrices), name, p, rows, cols, unit=-1))
-        units[prefix].matrices.append(matrices[-1].index)
+        matrices.append(Matrix(len(matrices), name, p, rows, cols))
     if not matrices:
         raise ValueError("dedicate(): the predicate selected no parameter")
-    ordered = sorted(units.values(), key=lambda u: order[u.prefix])
-    for k, unit in enumerate(ordered):
-        for j in unit.matrices:
-            matrices[j].unit = k
-    return matrices, ordered
+    return matrices
