@@ -1,4 +1,8 @@
 // Backend-independent pieces: Buffer, argument checks and the backend factory.
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/error.h"
@@ -23,9 +27,28 @@ void Buffer::reset() {
   bytes_ = 0;
 }
 
-bool Backend::tuned_config(const OrthoConfig&, int64_t, int64_t, int64_t, const TunePolicy&,
-                           OrthoConfig*) {
-  return false;
+double Backend::time_ms(int repeats, const std::function<void()>& prepare,
+                        const std::function<void()>& run) {
+  DM_CHECK(repeats >= 1, "time_ms: need at least one repetition (got ", repeats, ")");
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    if (prepare) prepare();
+    synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                     .count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+void Backend::tune_kernels(int64_t, int64_t, int64_t) {}
+
+void Backend::load_kernel_choices_json(const std::string& json) {
+  DM_CHECK(json == "[]" || json.empty(), "backend '", name(),
+           "' has no kernel variants, yet kernel choices were given: ", json.substr(0, 80));
 }
 
 int64_t Backend::batch_parts(int64_t) const { return 1; }
