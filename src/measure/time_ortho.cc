@@ -1,8 +1,6 @@
 #include "measure/time_ortho.h"
 
 #include <algorithm>
-#include <cmath>
-#include <vector>
 
 #include "distmuon/error.h"
 
@@ -53,28 +51,6 @@ double time_orthogonalizer(Backend& be, const OrthoConfig& cfg, const BatchRef& 
     run();
   }
   return be.time_ms(timing.repeats, restore, run);
-}
-
-double relative_error(Backend& be, const BatchRef& a, const BatchRef& b) {
-  DM_CHECK(a.count == b.count && a.rows == b.rows && a.cols == b.cols && a.dtype == DType::kF32 &&
-               b.dtype == DType::kF32,
-           "measure: relative_error needs two fp32 batches of one shape");
-  BatchRef diff = BatchRef::packed(nullptr, DType::kF32, a.count, a.rows, a.cols);
-  Buffer db = be.alloc(diff.bytes());
-  diff.data = db.data();
-  be.lincomb(1.0, a, -1.0, &b, 0.0, diff);
-  Buffer norms = be.alloc(sizeof(double) * 2 * std::max<int64_t>(1, a.count));
-  be.frob_norm(diff, norms.as<double>());
-  be.frob_norm(b, norms.as<double>() + a.count);
-  std::vector<double> h(2 * a.count);
-  be.copy_to_host(h.data(), norms.data(), h.size() * sizeof(double));
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < a.count; ++i) {
-    num += h[i] * h[i];
-    den += h[a.count + i] * h[a.count + i];
-  }
-  const double r = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-  return std::isfinite(r) ? r : INFINITY;
 }
 
 }  // namespace distmuon::measure

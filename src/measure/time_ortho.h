@@ -30,8 +30,4 @@ struct OrthoTiming {
 double time_orthogonalizer(Backend& be, const OrthoConfig& cfg, const BatchRef& input,
                            const OrthoTiming& timing, const BatchRef* results = nullptr);
 
-// ||a - b||_F / ||b||_F over whole batches of the same shape (fp32), computed on the backend;
-// infinity when it is not finite.
-double relative_error(Backend& be, const BatchRef& a, const BatchRef& b);
-
 }  // namespace distmuon::measure

@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "distmuon/error.h"
 #include "measure/store.h"
+#include "backend/relative_error.h"
 #include "measure/time_ortho.h"
 
 namespace distmuon::measure {

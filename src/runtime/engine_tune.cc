@@ -1,8 +1,9 @@
 // `auto` per shape (docs/algorithms.md section 4: chosen per shape, measured where it can be): the
 // measurement layer's choice (measure/tuner.h: stored or measured for this backend) under the
-// engine's policy, or the pure heuristic of resolve(). Distributed engines take rank 0's choices everywhere, so that
-// every rank runs the same algorithm on the same matrix (gather mode solves every matrix on
-// every rank and keeps its own rows: different algorithms would tear a matrix apart).
+// engine's policy, or the pure heuristic of resolve(). Distributed engines take rank 0's choices
+// everywhere, so that every rank runs the same algorithm on the same matrix (gather mode solves
+// every matrix on every rank and keeps its own rows: different algorithms would tear a matrix
+// apart).
 #include <sstream>
 
 #include "distmuon/env.h"

@@ -13,6 +13,7 @@
 
 #include <unistd.h>
 
+#include "backend/relative_error.h"
 #include "distmuon/backend.h"
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"

@@ -17,6 +17,7 @@
 #include "backend/cuda/cuda_handles.h"
 #include "backend/cuda/launch/cuda_backend_impl.h"
 #include "backend/cuda/launch/launchers.h"
+#include "backend/relative_error.h"
 #include "distmuon/error.h"
 
 namespace distmuon::cuda {
@@ -28,23 +29,6 @@ double median_of(std::vector<double> v) {
 }
 
 namespace {
-
-// ||a - b||_F / ||b||_F over a whole batch, computed on the device (scratch: a copy of a).
-double rel_err_device(CudaBackend& be, const BatchRef& a, const BatchRef& b, const BatchRef& scratch) {
-  be.lincomb(1.0, a, -1.0, &b, 0.0, scratch);
-  Buffer norms = be.alloc(sizeof(double) * 2 * std::max<int64_t>(1, a.count));
-  be.frob_norm(scratch, norms.as<double>());
-  be.frob_norm(b, norms.as<double>() + a.count);
-  std::vector<double> h(2 * a.count);
-  be.copy_to_host(h.data(), norms.data(), h.size() * sizeof(double));
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < a.count; ++i) {
-    num += double(h[i]) * h[i];
-    den += double(h[a.count + i]) * h[a.count + i];
-  }
-  const double r = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
-  return std::isfinite(r) ? r : INFINITY;
-}
 
 bool exactly_symmetric(CudaBackend& be, const BatchRef& c) {
   const size_t es = dtype_size(c.dtype);
@@ -70,11 +54,10 @@ SymChoice tune_sym(CudaBackend& be, int64_t m, int64_t k, int64_t count, DType d
   x.data = xb.data();
   launch_fill_normal(x.data, dtype, count * m * k, 0x5eed + m * 31 + k, 1.0f / std::sqrt(double(k)),
                      be.stream());
-  BatchRef ref = BatchRef::packed(nullptr, dtype, count, m, m), out = ref, tmp = ref;
-  Buffer rb = be.alloc(ref.bytes()), ob = be.alloc(ref.bytes()), tb = be.alloc(ref.bytes());
+  BatchRef ref = BatchRef::packed(nullptr, dtype, count, m, m), out = ref;
+  Buffer rb = be.alloc(ref.bytes()), ob = be.alloc(ref.bytes());
   ref.data = rb.data();
   out.data = ob.data();
-  tmp.data = tb.data();
   const SymKernel saved = be.sym_kernel();
   be.set_sym_kernel(SymKernel::kDenseMirror);
   best.dense_ms = time_ms(be, opt.repeats, [&] {
@@ -92,7 +75,7 @@ SymChoice tune_sym(CudaBackend& be, int64_t m, int64_t k, int64_t count, DType d
       be.set_sym_kernel(v);
       DM_CHECK_CUDA(cudaMemsetAsync(out.data, 0xff, out.bytes(), be.stream()));  // NaN poison
       be.gemm_symmetric(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, out);
-      const double err = rel_err_device(be, out, ref, tmp);
+      const double err = relative_error(be, out, ref);
       const bool sym = exactly_symmetric(be, out);
       if (!(err <= 1e-2) || !sym) {
         std::snprintf(buf, sizeof(buf), ", %s rejected (err %.2g%s)", sym_kernel_name(v), err,
