@@ -183,7 +183,10 @@ TEST(MeasureStore, TakesOverTheOldTuneCache) {
                   R"( "count": 3, "algorithm": "ns5", "restarts": [], "work_dtype": "bf16",)"
                   R"( "ms": 0.05, "rel_err": 0.004, "schedule": "jordan:5"}]},)"
                   R"( "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100": {"algo": []}})");
+  ::testing::internal::CaptureStderr();
   const std::vector<AlgoChoice> algo = load_algo_choices(store, kKey);
+  EXPECT_NE(::testing::internal::GetCapturedStderr().find("took the tuner's choices for"),
+            std::string::npos);
   ASSERT_EQ(algo.size(), 1u);
   EXPECT_EQ(algo[0].algorithm, "ns5");
   ASSERT_EQ(algo[0].candidates.size(), 1u) << "an entry without candidates stands for itself";
