@@ -133,14 +133,16 @@ TEST(MeasureStore, RoundTripKeepsEverySection) {
 
 TEST(MeasureStore, VersionMismatchAndCorruptFilesAreClearErrorsAndStayUntouched) {
   const std::string path = temp_path("store.json");
-  const std::string newer = R"({"format": "distmuon-cost-table", "format_version": 99, "tables": []})";
+  const std::string newer =
+      R"({"format": "distmuon-cost-table", "format_version": 99, "tables": []})";
   write_text(path, newer);
   EXPECT_NE(error_of([&] { read_store(path); }).find("format version 99"), std::string::npos);
   EXPECT_NE(error_of([&] { save_tuning(path, kKey, {choice_of(8, 8, 1, "ns5")}, "[]"); })
                 .find("format version 99"),
             std::string::npos);
   std::ifstream f(path);
-  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), newer) << "a bad store was overwritten";
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), newer)
+      << "a bad store was overwritten";
 
   write_text(path, "{ not json");
   EXPECT_NE(error_of([&] { read_store(path); }).find("corrupt"), std::string::npos);
@@ -166,7 +168,8 @@ TEST(MeasureStore, WritesAtomically) {
   EXPECT_THROW(write_store(blocked + "/store.json", StoreContents{}), Error);
   const std::string target = temp_path("target.json");
   write_store(target, StoreContents{{table_for("cpu A", 0.5)}, json::object()});
-  fs::create_directories(target + ".tmp." + std::to_string(::getpid()));  // the temporary name is taken
+  // The temporary file's name is taken by a folder: the write fails before the rename.
+  fs::create_directories(target + ".tmp." + std::to_string(::getpid()));
   EXPECT_THROW(write_store(target, StoreContents{{table_for("cpu B", 0.5)}, json::object()}),
                Error);
   ASSERT_EQ(read_store(target).tables.size(), 1u);

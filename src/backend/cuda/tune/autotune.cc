@@ -134,7 +134,9 @@ double CudaBackend::time_ms(int repeats, const std::function<void()>& prepare,
   return cuda::median_of(ms);
 }
 
-std::string CudaBackend::tuning_fingerprint() const { return cuda::tuning_fingerprint(impl_->name); }
+std::string CudaBackend::tuning_fingerprint() const {
+  return cuda::tuning_fingerprint(impl_->name);
+}
 
 void CudaBackend::tune_kernels(int64_t m, int64_t n, int64_t count) {
   cuda::TuneOptions to;
