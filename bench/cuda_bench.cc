@@ -4,7 +4,8 @@
 //  3. CacheMuon: a cache hit against a fresh solve on qwen's MLP shapes, and gpt2-small engine
 //     steps with the cache under drifting gradients (cuda_bench_cache.cc);
 //  4. per workload: the autotuner per shape class, then whole optimizer steps (Muon matrices,
-//     fp32 parameters, random gradients, `auto` resolved by the engine from the tune cache)
+//     fp32 parameters, random gradients, `auto` resolved by the engine from the measurement
+//     store)
 //     timed eagerly and as a replayed CUDA graph, and the floor (counted FLOPs of the cheapest
 //     algorithm over the GEMM rate + 20 bytes per parameter over the copy bandwidth).
 // Writes one JSON file; bench/make_report.py merges it with the torch baselines.
@@ -17,6 +18,8 @@
 #include "cuda_bench.h"
 #include "distmuon/engine.h"
 #include "distmuon/workload.h"
+#include "measure/store.h"
+#include "measure/tuner.h"
 
 namespace distmuon::bench {
 namespace {
@@ -180,7 +183,7 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
   std::vector<ShapeClass> cls = classes_of(w);
   json jc = json::array();
   std::vector<cuda::SymChoice> syms;
-  std::vector<cuda::AlgoChoice> algos;
+  std::vector<measure::AlgoChoice> algos;
   double floor_flops = 0, floor_bytes = 0, tuned_total_flops = 0;
   for (const ShapeClass& s : cls) {
     const int64_t m = s.rows, n = s.cols;
@@ -199,23 +202,27 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
           syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
           ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(syms.back().kernel);
         }
-      algos.push_back(cuda::tune_algorithm(be, m, n, s.count, base, to));
+      measure::TuneOptions mo;
+      mo.repeats = to.repeats;
+      algos.push_back(measure::tune_algorithm(be, m, n, s.count, base, mo));
       e["sym_kernels"] = ks;
       e["tuner_fastest"] = algos.back().algorithm + (algos.back().algorithm == "gram-ns"
                                                          ? (algos.back().restarts.empty() ? "{}" : "{2}")
                                                          : "");
       e["rel_err_vs_fp32"] = algos.back().rel_err;
       json cands = json::array();
-      for (const cuda::AlgoCandidate& k : algos.back().candidates)
+      for (const measure::AlgoCandidate& k : algos.back().candidates)
         cands.push_back({{"algorithm", k.algorithm}, {"restarts", k.restarts}, {"ms", k.ms},
                          {"rel_err", k.rel_err}, {"accepted", k.accepted}});
       e["candidates"] = cands;
     }
     jc.push_back(e);
   }
-  if (o.tune) cuda::save_choices(cuda::TuneKey::current(be.device_name()), syms, algos);
-  // The model: one Muon group with `auto`, resolved per shape by the engine from the tune cache
-  // under its default policy (restart set {2} kept); fp32 weights and gradients.
+  if (o.tune)  // into the measurement store (DISTMUON_COST_CACHE), where the engine reads them
+    measure::save_tuning(measure::store_path(), measure::tuner_key(be.tuning_fingerprint()), algos,
+                         be.kernel_choices_json());
+  // The model: one Muon group with `auto`, resolved per shape by the engine from the measurement
+  // store under its default policy (restart set {2} kept); fp32 weights and gradients.
   EngineOptions eo;
   eo.autotune = o.tune ? AutoTune::kCached : AutoTune::kOff;
   Engine engine(be, eo);
@@ -249,10 +256,10 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
     const double f = cls[i].count * ortho_flops(chosen, cls[i].rows, cls[i].cols);
     tuned_total_flops += f;
     jc[i]["tuned_gflop"] = f / 1e9;
-    for (const cuda::AlgoChoice& a : algos)  // the chosen candidate's own measurement
+    for (const measure::AlgoChoice& a : algos)  // the chosen candidate's own measurement
       if (a.rows == cls[i].rows && a.cols == cls[i].cols)
-        for (const cuda::AlgoCandidate& k : a.candidates) {
-          const OrthoConfig kc = resolve(cuda::config_of(k, base), a.rows, a.cols);
+        for (const measure::AlgoCandidate& k : a.candidates) {
+          const OrthoConfig kc = resolve(measure::config_of(k, base), a.rows, a.cols);
           if (kc.iteration == chosen.iteration &&
               (kc.iteration != Iteration::kGram || kc.restarts == chosen.restarts)) {
             jc[i]["algo_ms"] = k.ms;

@@ -100,17 +100,6 @@ struct AdamCoef {
   int64_t step = 1;  // 1-based step count for bias correction of slots without a step counter
 };
 
-struct OrthoConfig;  // distmuon/ortho.h
-
-// What a backend may do when asked for the algorithm of Iteration::kAuto (tuned_config).
-struct TunePolicy {
-  bool measure = true;  // measure shapes it has no stored choice for (slow; progress on stderr)
-  // Also accept Gram NS without a restart. Off by default: the autotuner's error check runs on
-  // random inputs, whose spectra do not show the half-precision drift that restarts correct on
-  // real momentum (bench/NOTES.md); the published choice keeps a restart before step 2.
-  bool allow_restart_free = false;
-};
-
 // Status values written by the checking kernels (int32 per matrix/tensor, device memory).
 enum StepStatus : int32_t { kStatusOk = 0, kStatusNonFinite = 1 };
 
@@ -272,13 +261,25 @@ class Backend {
   // every backend draws the same numbers), rounded to dst's dtype.
   virtual void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter);
 
-  // ---- algorithm choice ------------------------------------------------------------------------
-  // The algorithm this backend measured as fastest for Iteration::kAuto on `count` wide m x n
-  // matrices (an autotuner's choice): writes base with the iteration, restarts and work dtypes
-  // set into *out and returns true, or returns false and the caller uses resolve()'s heuristic.
-  // Called when an engine sets up its shapes, never inside a step. Default: false.
-  virtual bool tuned_config(const OrthoConfig& base, int64_t m, int64_t n, int64_t count,
-                            const TunePolicy& policy, OrthoConfig* out);
+  // ---- measurement support (src/measure times algorithms through these) ---------------------
+  // Median milliseconds of `repeats` runs of `run`, each after an untimed `prepare` (may be
+  // empty; e.g. restoring an input the run overwrites). Callers warm up first. On a device the
+  // time between events on the backend's stream around each run; default: the host clock
+  // around synchronize().
+  virtual double time_ms(int repeats, const std::function<void()>& prepare,
+                         const std::function<void()>& run);
+  // What this backend's measurements depend on (device, driver, library versions), so that a
+  // stored measurement is never applied to another machine or library; empty: this backend is
+  // not tuned (its algorithm for Iteration::kAuto is the heuristic of resolve()). Default: empty.
+  virtual std::string tuning_fingerprint() const { return {}; }
+  // Kernel-variant tuning, the backend's own business: measures its variants of the products an
+  // orthogonalization of `count` m x n matrices (m <= n) issues and uses the fastest from now
+  // on. Default: nothing to tune.
+  virtual void tune_kernels(int64_t m, int64_t n, int64_t count);
+  // The per-shape kernel choices as JSON array text, for the measurement store to keep, and
+  // taking such a text back (entries it does not understand are an error). Default: "[]".
+  virtual std::string kernel_choices_json() const { return "[]"; }
+  virtual void load_kernel_choices_json(const std::string& json);
 
   // ---- host concurrency ----------------------------------------------------------------------
   // How many consecutive parts an algorithm may split a batch of `count` independent matrices

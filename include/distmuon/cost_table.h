@@ -70,7 +70,9 @@ std::vector<CostTable> parse_cost_tables(const std::string& json_text, const std
 // library version; throws naming the devices/versions present when none matches.
 CostTable select_cost_table(const std::vector<CostTable>& tables, const std::string& device,
                             const std::string& origin);
-// DISTMUON_COST_CACHE, else $XDG_CACHE_HOME/distmuon/costs.json, else ~/.cache/distmuon/costs.json.
+// The measurement store's path (src/measure/store.h: a cost file that also holds the tuner's
+// choices): DISTMUON_COST_CACHE, else $XDG_CACHE_HOME/distmuon/costs.json, else
+// ~/.cache/distmuon/costs.json.
 std::string default_cost_cache_path();
 
 // ---- analytic ---------------------------------------------------------------------------------
@@ -98,7 +100,7 @@ double analytic_batch_seconds(const OrthoConfig& cfg, const AnalyticRates& rates
 CostTable analytic_cost_table(const std::vector<ShapeCount>& shapes, const OrthoConfig& cfg,
                               const AnalyticRates& rates);
 
-// ---- measured ---------------------------------------------------------------------------------
+// ---- measured (src/measure/cost_profile.cc) ------------------------------------------------
 
 struct ProfileOptions {
   std::vector<int64_t> ks = {1, 2, 4, 8};  // batch sizes timed (capped at each shape's count)
@@ -120,9 +122,10 @@ struct CachedCosts {
   int shapes_reused = 0;    // shapes whose every point came from the cache
   int shapes_measured = 0;  // shapes with at least one new point
 };
-// Loads the table of (be.name(), DISTMUON_VERSION, cfg) from `cache_path` (empty: the default
-// path), measures what is missing and writes the merged file back (other tables are kept). A
-// corrupt or foreign cache file is an error, not silently overwritten.
+// Loads the table of (be.name(), DISTMUON_VERSION, cfg) from `cache_path` (empty: the
+// measurement store), measures what is missing and writes the merged file back (other tables
+// and the tuner's choices are kept). A corrupt or foreign file is an error, not silently
+// overwritten.
 CachedCosts cached_cost_table(Backend& be, const std::vector<ShapeCount>& shapes,
                               const OrthoConfig& cfg, const ProfileOptions& opts,
                               const std::string& cache_path = "");

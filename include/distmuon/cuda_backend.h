@@ -22,7 +22,7 @@ typedef struct CUstream_st* cudaStream_t;  // identical to the CUDA runtime's de
 
 namespace distmuon {
 
-// Which kernel computes a symmetric product. kAuto: the tuning cache, else a shape heuristic.
+// Which kernel computes a symmetric product. kAuto: the tuned choice, else a shape heuristic.
 enum class SymKernel : int {
   kAuto = 0,
   kDenseMirror = 1,    // cuBLASLt dense product + mirror (any dtype, any layout)
@@ -41,9 +41,6 @@ struct CudaBackendOptions {
   // Workspace the backend allocates for itself at construction (0: recommended size). Ignored
   // once set_workspace() hands it caller memory.
   size_t workspace_bytes = 0;
-  // Read kernel and algorithm choices from the autotuner cache (DISTMUON_TUNE_CACHE) at
-  // construction, and let tuned_config() measure and store new shapes.
-  bool use_tune_cache = true;
 };
 
 class CudaBackend final : public Backend {
@@ -73,8 +70,10 @@ class CudaBackend final : public Backend {
   SymKernel sym_kernel() const;
   // The kernel a symmetric product of `count` m x m outputs with inner size k would use now.
   SymKernel resolve_sym_kernel(int64_t m, int64_t k, int64_t count, DType dtype) const;
-  // Records a per-shape choice (the autotuner's result) for kAuto.
-  void set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel choice);
+  // Records a per-shape choice (the kernel tuner's result) for kAuto, with the times it measured
+  // (kept in kernel_choices_json for the record; 0: not measured).
+  void set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel choice,
+                      double ms = 0, double dense_ms = 0);
   bool has_sm90_kernels() const;  // built with CUTLASS and running on compute capability 9.0
 
   std::string device_name() const;
@@ -118,10 +117,15 @@ class CudaBackend final : public Backend {
   void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst) override;
   void cache_gate(const CacheGateArgs& args) override;
   void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) override;
-  // The tune cache's measurements for the shape (restart sets filtered by the policy), tuning it
-  // now when the policy says so; false without use_tune_cache or for non-bf16 work dtypes.
-  bool tuned_config(const OrthoConfig& base, int64_t m, int64_t n, int64_t count,
-                    const TunePolicy& policy, OrthoConfig* out) override;
+  // Measurement support (src/backend/cuda/tune/autotune.cc): device-event timing; the GPU, driver,
+  // runtime and cuBLASLt versions as the fingerprint; the symmetric-kernel choices as JSON
+  // entries {"m", "k", "count", "dtype", "kernel", "ms", "dense_ms"}.
+  double time_ms(int repeats, const std::function<void()>& prepare,
+                 const std::function<void()>& run) override;
+  std::string tuning_fingerprint() const override;
+  void tune_kernels(int64_t m, int64_t n, int64_t count) override;
+  std::string kernel_choices_json() const override;
+  void load_kernel_choices_json(const std::string& json) override;
 
   struct Impl;  // src/backend/cuda/launch/cuda_backend_impl.h
 

@@ -30,10 +30,11 @@ enum class NonFinitePolicy : int {
   kRaise = 1,  // throw before any state is touched (synchronises once per step)
 };
 
-// How Iteration::kAuto picks each shape's algorithm on a backend that measures (CUDA).
+// How Iteration::kAuto picks each shape's algorithm on a backend that is tuned (CUDA; see
+// Backend::tuning_fingerprint).
 enum class AutoTune : int {
   kOff = 0,     // the shape heuristic (resolve()), as on the CPU backend
-  kCached = 1,  // the backend's stored measurements (tune cache) where it has them, else kOff
+  kCached = 1,  // the measurement store's choices for this device where it has them, else kOff
   kOn = 2,      // kCached, measuring the shapes it lacks when the engine sets up (slow, once per
                 // shape and device; progress on stderr)
 };

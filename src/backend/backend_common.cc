@@ -1,5 +1,11 @@
 // Backend-independent pieces: Buffer, argument checks and the backend factory.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <vector>
+
 #include "backend/backend_checks.h"
+#include "backend/relative_error.h"
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/error.h"
 
@@ -23,9 +29,49 @@ void Buffer::reset() {
   bytes_ = 0;
 }
 
-bool Backend::tuned_config(const OrthoConfig&, int64_t, int64_t, int64_t, const TunePolicy&,
-                           OrthoConfig*) {
-  return false;
+double Backend::time_ms(int repeats, const std::function<void()>& prepare,
+                        const std::function<void()>& run) {
+  DM_CHECK(repeats >= 1, "time_ms: need at least one repetition (got ", repeats, ")");
+  std::vector<double> ms;
+  for (int i = 0; i < repeats; ++i) {
+    if (prepare) prepare();
+    synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    run();
+    synchronize();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0)
+                     .count());
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double relative_error(Backend& be, const BatchRef& a, const BatchRef& b) {
+  DM_CHECK(a.count == b.count && a.rows == b.rows && a.cols == b.cols && a.dtype == b.dtype,
+           "relative_error needs two batches of one shape and dtype");
+  BatchRef diff = BatchRef::packed(nullptr, a.dtype, a.count, a.rows, a.cols);
+  Buffer db = be.alloc(diff.bytes());
+  diff.data = db.data();
+  be.lincomb(1.0, a, -1.0, &b, 0.0, diff);
+  Buffer norms = be.alloc(sizeof(double) * 2 * std::max<int64_t>(1, a.count));
+  be.frob_norm(diff, norms.as<double>());
+  be.frob_norm(b, norms.as<double>() + a.count);
+  std::vector<double> h(2 * a.count);
+  be.copy_to_host(h.data(), norms.data(), h.size() * sizeof(double));
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < a.count; ++i) {
+    num += h[i] * h[i];
+    den += h[a.count + i] * h[a.count + i];
+  }
+  const double r = std::sqrt(num) / std::max(std::sqrt(den), 1e-30);
+  return std::isfinite(r) ? r : INFINITY;
+}
+
+void Backend::tune_kernels(int64_t, int64_t, int64_t) {}
+
+void Backend::load_kernel_choices_json(const std::string& json) {
+  DM_CHECK(json == "[]" || json.empty(), "backend '", name(),
+           "' has no kernel variants, yet kernel choices were given: ", json.substr(0, 80));
 }
 
 int64_t Backend::batch_parts(int64_t) const { return 1; }

@@ -19,11 +19,12 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_MPI_PROGRESS_THREAD", "1",
        "drive non-blocking MPI operations from a background thread so they overlap compute"},
       {"DISTMUON_MPI_PROGRESS_US", "200", "microseconds between two sweeps of the MPI progress thread"},
-      {"DISTMUON_TUNE_CACHE", "",
-       "autotuner cache file (default: $XDG_CACHE_HOME or ~/.cache, distmuon/tune.json)"},
       {"DISTMUON_COST_CACHE", "",
-       "the measurement store of the planner's costs, written by distmuon-plan --measure "
-       "(default: $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)"},
+       "the measurement store: the planner's costs (distmuon-plan --measure) and the tuner's "
+       "algorithm and kernel choices (default: $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)"},
+      {"DISTMUON_TUNE_CACHE", "",
+       "the autotuner cache of earlier builds, taken over into the measurement store once "
+       "(default: $XDG_CACHE_HOME or ~/.cache, distmuon/tune.json)"},
       {"DISTMUON_PLAN_COSTS", "auto",
        "costs of the engine's start-up plan when DistOptions::plan_costs is empty: auto "
        "(measured where the store holds the shapes, analytic elsewhere) | analytic | <cost file>; "

@@ -1,5 +1,5 @@
 // The cost table: lookup with interpolation, and its JSON file format.
-#include "distmuon/cost_table.h"
+#include "plan/cost_json.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -9,6 +9,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/atomic_write.h"
 #include "distmuon/env.h"
 #include "distmuon/error.h"
 
@@ -86,7 +87,7 @@ std::string CostTable::describe() const {
   return os.str();
 }
 
-std::string cost_table_json(const std::vector<CostTable>& tables) {
+nlohmann::json cost_tables_to_json(const std::vector<CostTable>& tables) {
   nlohmann::json j;
   j["format"] = kFormat;
   j["format_version"] = kFormatVersion;
@@ -102,10 +103,10 @@ std::string cost_table_json(const std::vector<CostTable>& tables) {
     }
     j["tables"].push_back(std::move(jt));
   }
-  return j.dump(1);
+  return j;
 }
 
-std::vector<CostTable> parse_cost_tables(const std::string& text, const std::string& origin) {
+nlohmann::json parse_cost_json(const std::string& text, const std::string& origin) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
@@ -120,6 +121,10 @@ std::vector<CostTable> parse_cost_tables(const std::string& text, const std::str
   const int fv = j["format_version"].get<int>();
   DM_CHECK(fv == kFormatVersion, "cost file ", origin, " has format version ", fv,
            "; this build reads version ", kFormatVersion);
+  return j;
+}
+
+std::vector<CostTable> cost_tables_from_json(const nlohmann::json& j, const std::string& origin) {
   std::vector<CostTable> out;
   try {
     for (const auto& jt : j.at("tables")) {
@@ -145,33 +150,28 @@ std::vector<CostTable> parse_cost_tables(const std::string& text, const std::str
   return out;
 }
 
-std::vector<CostTable> read_cost_file(const std::string& path) {
+std::string read_text_file(const std::string& path) {
   std::ifstream f(path);
   DM_CHECK(f.good(), "cannot read cost file ", path);
   std::stringstream ss;
   ss << f.rdbuf();
-  return parse_cost_tables(ss.str(), path);
+  return ss.str();
+}
+
+std::string cost_table_json(const std::vector<CostTable>& tables) {
+  return cost_tables_to_json(tables).dump(1);
+}
+
+std::vector<CostTable> parse_cost_tables(const std::string& text, const std::string& origin) {
+  return cost_tables_from_json(parse_cost_json(text, origin), origin);
+}
+
+std::vector<CostTable> read_cost_file(const std::string& path) {
+  return parse_cost_tables(read_text_file(path), path);
 }
 
 void write_cost_file(const std::string& path, const std::vector<CostTable>& tables) {
-  namespace fs = std::filesystem;
-  const fs::path p(path);
-  if (p.has_parent_path()) {
-    std::error_code ec;
-    fs::create_directories(p.parent_path(), ec);
-    DM_CHECK(!ec, "cannot create directory ", p.parent_path().string(), ": ", ec.message());
-  }
-  // Write next to the target and rename, so that a crash never leaves a half-written cache.
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    DM_CHECK(f.good(), "cannot write cost file ", tmp);
-    f << cost_table_json(tables) << "\n";
-    DM_CHECK(f.good(), "cannot write cost file ", tmp);
-  }
-  std::error_code ec;
-  fs::rename(tmp, p, ec);
-  DM_CHECK(!ec, "cannot move ", tmp, " to ", path, ": ", ec.message());
+  write_file_atomically(path, cost_table_json(tables) + "\n");
 }
 
 CostTable select_cost_table(const std::vector<CostTable>& tables, const std::string& device,

@@ -1,12 +1,14 @@
 // `auto` per shape (docs/algorithms.md section 4: chosen per shape, measured where it can be): the
-// backend's measured choice (the CUDA autotuner, Backend::tuned_config) under the engine's policy,
-// or the pure heuristic of resolve(). Distributed engines take rank 0's choices everywhere, so that
-// every rank runs the same algorithm on the same matrix (gather mode solves every matrix on
-// every rank and keeps its own rows: different algorithms would tear a matrix apart).
+// measurement layer's choice (measure/tuner.h: stored or measured for this backend) under the
+// engine's policy, or the pure heuristic of resolve(). Distributed engines take rank 0's choices
+// everywhere, so that every rank runs the same algorithm on the same matrix (gather mode solves
+// every matrix on every rank and keeps its own rows: different algorithms would tear a matrix
+// apart).
 #include <sstream>
 
 #include "distmuon/env.h"
 #include "distmuon/error.h"
+#include "measure/tuner.h"
 #include "runtime/engine_impl.h"
 
 namespace distmuon {
@@ -72,20 +74,21 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   bool restart_free = options.allow_restart_free;
   if (!env::get("DISTMUON_AUTOTUNE_RESTART_FREE").empty())
     restart_free = env::get_bool("DISTMUON_AUTOTUNE_RESTART_FREE");
+  measure::install_kernel_choices(backend);  // kernel variants: on every rank, each its device
   std::vector<TuneShape> todo;
   for (const TuneShape& t : shapes)
     if (groups[t.group].kind == ParamKind::kMuon &&
         groups[t.group].muon.ortho.iteration == Iteration::kAuto)
       todo.push_back(t);
   if (mode == AutoTune::kOff || todo.empty()) return;
-  const TunePolicy policy{mode == AutoTune::kOn, restart_free};
+  const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
   std::string answers;  // one line per shape: an encoded config, or "-" for the heuristic
   if (!world || rank == 0) {
+    std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend);
     for (const TuneShape& t : todo) {
-      OrthoConfig out;
-      const bool ok =
-          backend.tuned_config(groups[t.group].muon.ortho, t.m, t.n, t.count, policy, &out);
-      answers += (ok ? encode(out) : std::string("-")) + "\n";
+      std::optional<OrthoConfig> out;
+      if (tuner) out = tuner->config_for(groups[t.group].muon.ortho, t.m, t.n, t.count, policy);
+      answers += (out ? encode(*out) : std::string("-")) + "\n";
     }
   }
   if (world && world_size > 1) {  // every rank takes rank 0's answers

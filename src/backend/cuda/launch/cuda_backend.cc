@@ -7,7 +7,6 @@
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/launch/cuda_backend_impl.h"
 #include "backend/cuda/launch/sym_gemm.h"
-#include "backend/cuda/tune/tune_cache.h"
 #include "common/log.h"
 
 namespace distmuon {
@@ -120,13 +119,6 @@ CudaBackend::CudaBackend(CudaBackendOptions options) : impl_(std::make_unique<Im
   s.use_workspace(static_cast<char*>(s.own_workspace.get()), ws);
   s.counters = cuda::device_alloc(sizeof(unsigned) * Impl::kCounters);
   DM_CHECK_CUDA(cudaMemset(s.counters.get(), 0, sizeof(unsigned) * Impl::kCounters));
-  s.use_tune_cache = options.use_tune_cache;
-  if (options.use_tune_cache) {
-    const cuda::TuneKey key = cuda::TuneKey::current(s.name);
-    for (const auto& e : cuda::load_sym_choices(key))
-      s.sym_choices[{e.m, e.k, e.count, static_cast<int>(e.dtype)}] = e.kernel;
-    s.algo_choices = cuda::load_algo_choices(key);
-  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -149,8 +141,10 @@ void CudaBackend::set_workspace(void* ptr, size_t bytes) {
 
 void CudaBackend::set_sym_kernel(SymKernel k) { impl_->forced = k; }
 SymKernel CudaBackend::sym_kernel() const { return impl_->forced; }
-void CudaBackend::set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel c) {
-  impl_->sym_choices[{m, k, count, static_cast<int>(dtype)}] = c;
+void CudaBackend::set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel c,
+                                 double ms, double dense_ms) {
+  impl_->sym_choices[{m, k, count, static_cast<int>(dtype)}] =
+      cuda::SymChoice{m, k, count, dtype, c, ms, dense_ms};
 }
 bool CudaBackend::has_sm90_kernels() const {
   return cuda::sym_sm90_built() && impl_->cc_major == 9 && impl_->cc_minor == 0;
@@ -161,7 +155,7 @@ SymKernel CudaBackend::resolve_sym_kernel(int64_t m, int64_t k, int64_t count, D
   if (!half || !has_sm90_kernels()) return SymKernel::kDenseMirror;
   if (impl_->forced != SymKernel::kAuto) return impl_->forced;
   auto it = impl_->sym_choices.find({m, k, count, static_cast<int>(dtype)});
-  if (it != impl_->sym_choices.end()) return it->second;
+  if (it != impl_->sym_choices.end()) return it->second.kernel;
   return cuda::heuristic_sym_kernel(m, k, count, impl_->sm_count, true);
 }
 

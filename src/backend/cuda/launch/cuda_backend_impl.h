@@ -14,7 +14,7 @@
 
 #include "backend/cuda/cuda_handles.h"
 #include "backend/cuda/launch/launchers.h"
-#include "backend/cuda/tune/tune_cache.h"
+#include "backend/cuda/tune/autotune.h"
 #include "distmuon/cuda_backend.h"
 
 namespace distmuon {
@@ -46,9 +46,7 @@ struct CudaBackend::Impl {
   cuda::DevicePtr counters;
   static constexpr int kCounters = 4096;
   SymKernel forced = SymKernel::kAuto;
-  std::map<SymKey, SymKernel> sym_choices;
-  bool use_tune_cache = true;
-  std::vector<cuda::AlgoChoice> algo_choices;  // the tune cache's, for tuned_config
+  std::map<SymKey, cuda::SymChoice> sym_choices;  // tuned or loaded from the measurement store
   std::map<std::string, std::unique_ptr<LtPlan>> plans;
   std::mutex plans_mu;
 

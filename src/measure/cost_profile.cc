@@ -1,15 +1,15 @@
-// The measured cost table: times the Orthogonalizer on the active backend for batches of k
-// same-shape matrices, and keeps the results in a cache file keyed by device and version.
+// The planner's measured cost table: the Orthogonalizer timed on the active backend
+// (time_ortho.h) for batches of k same-shape matrices, kept in the measurement store under the
+// device name and library version.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
-#include <filesystem>
 #include <map>
-#include <random>
 #include <set>
 
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"
+#include "measure/store.h"
+#include "measure/time_ortho.h"
 
 namespace distmuon {
 namespace {
@@ -57,37 +57,9 @@ CostTable empty_table(Backend& be, const OrthoConfig& cfg) {
 // Median seconds of one orthogonalization of k random m x n matrices.
 double time_batch(Backend& be, const OrthoConfig& cfg, int64_t m, int64_t n, int64_t k,
                   const ProfileOptions& opts) {
-  const OrthoConfig r = resolve(cfg, m, n);
-  const DType t = iteration_dtype(r);
-  const size_t elems = static_cast<size_t>(k * m * n);
-  std::vector<float> host(elems);
-  std::mt19937_64 rng(opts.seed + static_cast<uint64_t>(m * 1000003 + n * 101 + k));
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  for (float& v : host) v = normal(rng);
-  Buffer src = be.alloc(elems * sizeof(float));
-  Buffer x = be.alloc(elems * dtype_size(t));
-  Buffer norms = be.alloc(sizeof(double) * k);
-  const size_t ws_bytes = Orthogonalizer::workspace_bytes(r, k, m, n);
-  Buffer ws = be.alloc(std::max<size_t>(ws_bytes, 1));
-  be.copy_from_host(src.data(), host.data(), elems * sizeof(float));
-  const BatchRef u = BatchRef::packed(src.data(), DType::kF32, k, m, n);
-  const BatchRef xb = BatchRef::packed(x.data(), t, k, m, n);
-  be.frob_norm(u, norms.as<double>());
-  Orthogonalizer ortho(be);
-  std::vector<double> times;
-  for (int rep = 0; rep < opts.warmup + opts.reps; ++rep) {
-    // The iteration overwrites its input: restore a fresh normalised batch, untimed.
-    be.scale_copy(u, false,
-                  ScaleSpec{norms.as<double>(), norm_multiplier(r.coefficients), r.eps, 1.0}, xb);
-    be.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    ortho.run(r, xb, xb, ws.data(), ws_bytes);
-    be.synchronize();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (rep >= opts.warmup) times.push_back(s);
-  }
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  const uint64_t seed = opts.seed + static_cast<uint64_t>(m * 1000003 + n * 101 + k);
+  const measure::OrthoInput input = measure::make_ortho_input(be, m, n, k, cfg, seed);
+  return measure::time_orthogonalizer(be, cfg, input.batch, {opts.warmup, opts.reps}) * 1e-3;
 }
 
 }  // namespace
@@ -127,10 +99,9 @@ CachedCosts cached_cost_table(Backend& be, const std::vector<ShapeCount>& shapes
                               const OrthoConfig& cfg, const ProfileOptions& opts,
                               const std::string& cache_path) {
   CachedCosts out;
-  out.path = cache_path.empty() ? default_cost_cache_path() : cache_path;
-  std::vector<CostTable> tables;
-  if (std::filesystem::exists(out.path)) tables = read_cost_file(out.path);
+  out.path = cache_path.empty() ? measure::store_path() : cache_path;
   const CostTable want = empty_table(be, cfg);
+  const std::vector<CostTable> tables = measure::read_store(out.path).tables;
   const CostTable* cached = nullptr;
   for (const CostTable& t : tables)
     if (t.same_key(want)) cached = &t;
@@ -143,11 +114,10 @@ CachedCosts cached_cost_table(Backend& be, const std::vector<ShapeCount>& shapes
   }
   out.table = measure_cost_table(be, shapes, cfg, opts, cached);
   if (out.shapes_measured > 0) {
-    std::vector<CostTable> merged;
-    for (const CostTable& t : tables)
-      if (!t.same_key(want)) merged.push_back(t);
-    merged.push_back(out.table);
-    write_cost_file(out.path, merged);
+    measure::update_store(out.path, [&](measure::StoreContents& s) {
+      std::erase_if(s.tables, [&](const CostTable& t) { return t.same_key(want); });
+      s.tables.push_back(out.table);
+    });
   }
   return out;
 }

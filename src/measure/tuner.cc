@@ -1,0 +1,289 @@
+// The algorithm tuner (see tuner.h).
+#include "measure/tuner.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "distmuon/error.h"
+#include "measure/store.h"
+#include "backend/relative_error.h"
+#include "measure/time_ortho.h"
+
+namespace distmuon::measure {
+
+using nlohmann::json;
+
+std::string tuner_key(const std::string& fingerprint) {
+  return fingerprint + "|tuner " + std::to_string(kTunerVersion);
+}
+
+std::vector<AlgoCandidate> tuner_candidates() {
+  // Dense ns5 too: on small, launch-bound shapes (ResNet-18's convolutions, 64 x 147 to
+  // 512 x 4608) cuBLAS's dense products beat the one-triangle kernels and the Gram iteration's
+  // extra launches (bench/results/2026-12-01-h200-perf: ns5 1.77 ms, the tuned pick 2.14).
+  return {{"ns5", {}, DType::kBF16},
+          {"ns5-sym", {}, DType::kBF16},
+          {"gram-ns", {2}, DType::kF16},
+          {"gram-ns", {}, DType::kF16}};
+}
+
+OrthoConfig config_of(const AlgoCandidate& c, const OrthoConfig& base) {
+  OrthoConfig cfg = parse_algorithm(c.algorithm, base);
+  cfg.restarts = c.restarts;
+  cfg.work_dtype = DType::kBF16;
+  if (cfg.iteration == Iteration::kGram) cfg.gram_work_dtype = c.work_dtype;
+  return cfg;
+}
+
+std::string schedule_name(const OrthoConfig& base) {
+  return coefficients_name(base.coefficients) + ":" + std::to_string(base.steps);
+}
+
+namespace {
+
+bool is_gram(const AlgoCandidate& c) { return c.algorithm.rfind("gram", 0) == 0; }
+
+std::string candidate_name(const AlgoCandidate& c) {
+  return c.algorithm + (is_gram(c) ? (c.restarts.empty() ? "{}" : "{2}") : "");
+}
+
+}  // namespace
+
+const AlgoCandidate* select_candidate(const AlgoChoice& c, bool allow_restart_free) {
+  const AlgoCandidate* best = nullptr;
+  for (const AlgoCandidate& k : c.candidates) {
+    if (!k.accepted) continue;
+    const bool has2 = std::find(k.restarts.begin(), k.restarts.end(), 2) != k.restarts.end();
+    if (is_gram(k) && !has2 && !allow_restart_free) continue;
+    if (!best || k.ms < best->ms) best = &k;
+  }
+  return best;
+}
+
+const AlgoChoice* find_choice(const std::vector<AlgoChoice>& all, int64_t m, int64_t n,
+                              int64_t count, const std::string& schedule) {
+  const AlgoChoice* best = nullptr;
+  for (const AlgoChoice& c : all) {
+    if (std::min(c.rows, c.cols) != m || std::max(c.rows, c.cols) != n || c.schedule != schedule)
+      continue;
+    if (!best || std::llabs(c.count - count) < std::llabs(best->count - count)) best = &c;
+  }
+  return best;
+}
+
+AlgoChoice choose_algorithm(int64_t rows, int64_t cols, int64_t count, const OrthoConfig& base,
+                            const TuneOptions& opt, const MeasureCandidate& measure) {
+  const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
+  AlgoChoice best;
+  best.rows = rows;
+  best.cols = cols;
+  best.count = count;
+  best.ms = INFINITY;
+  best.schedule = schedule_name(base);
+  std::string line;
+  char buf[160];
+  for (AlgoCandidate c : tuner_candidates()) {
+    const CandidateResult r = measure(resolve(config_of(c, base), m, n));
+    c.ms = r.ms;
+    c.rel_err = r.rel_err;
+    c.accepted = r.rel_err <= opt.tolerance;  // false for NaN
+    std::snprintf(buf, sizeof(buf), "%s%s %.3f ms err %.2e%s", line.empty() ? "" : ", ",
+                  candidate_name(c).c_str(), c.ms, c.rel_err, c.accepted ? "" : " (rejected)");
+    line += buf;
+    best.candidates.push_back(c);
+    if (c.accepted && c.ms < best.ms) {
+      best.algorithm = c.algorithm;
+      best.restarts = c.restarts;
+      best.work_dtype = c.work_dtype;
+      best.ms = c.ms;
+      best.rel_err = c.rel_err;
+    }
+  }
+  DM_CHECK(std::isfinite(best.ms), "autotune: no algorithm passed the numerical check for ", rows,
+           "x", cols, " (", line, ")");
+  if (opt.verbose)
+    std::fprintf(stderr, "[tune] algo %lldx%lldx%lld: %s -> %s\n", (long long)count,
+                 (long long)rows, (long long)cols, line.c_str(), best.algorithm.c_str());
+  return best;
+}
+
+AlgoChoice tune_algorithm(Backend& be, int64_t rows, int64_t cols, int64_t count,
+                          const OrthoConfig& base, const TuneOptions& opt) {
+  const int64_t m = std::min(rows, cols), n = std::max(rows, cols);
+  const int64_t nchk = std::max<int64_t>(1, std::min<int64_t>(count, opt.check_matrices));
+  const OrthoInput input = make_ortho_input(be, m, n, count, base, 0xa1c0 + m * 7 + n);
+  // Reference: the fp32 dense iteration on the first nchk matrices.
+  OrthoConfig ref_cfg = base;
+  ref_cfg.iteration = Iteration::kStandardDense;
+  ref_cfg.work_dtype = DType::kF32;
+  ref_cfg.gram_work_dtype.reset();
+  BatchRef ref = BatchRef::packed(nullptr, DType::kF32, nchk, m, n), out = ref;
+  Buffer rb = be.alloc(ref.bytes()), ob = be.alloc(out.bytes());
+  ref.data = rb.data();
+  out.data = ob.data();
+  time_orthogonalizer(be, ref_cfg, input.batch.slice(0, nchk), {0, 0}, &ref);
+  return choose_algorithm(rows, cols, count, base, opt, [&](const OrthoConfig& cfg) {
+    CandidateResult r;
+    r.ms = time_orthogonalizer(be, cfg, input.batch, {1, opt.repeats}, &out);
+    r.rel_err = relative_error(be, out, ref);
+    return r;
+  });
+}
+
+// ---- the store -------------------------------------------------------------------------------
+
+namespace {
+
+json to_json(const AlgoChoice& c) {
+  json cands = json::array();
+  for (const AlgoCandidate& a : c.candidates)
+    cands.push_back({{"algorithm", a.algorithm}, {"restarts", a.restarts},
+                     {"work_dtype", dtype_name(a.work_dtype)}, {"ms", a.ms},
+                     {"rel_err", a.rel_err}, {"accepted", a.accepted}});
+  return {{"rows", c.rows},     {"cols", c.cols},         {"count", c.count},
+          {"algorithm", c.algorithm}, {"restarts", c.restarts},
+          {"work_dtype", dtype_name(c.work_dtype)}, {"ms", c.ms}, {"rel_err", c.rel_err},
+          {"schedule", c.schedule}, {"candidates", cands}};
+}
+
+AlgoChoice algo_from_json(const json& e) {
+  AlgoChoice c;
+  c.rows = e.at("rows");
+  c.cols = e.at("cols");
+  c.count = e.at("count");
+  c.algorithm = e.at("algorithm");
+  c.restarts = e.at("restarts").get<std::vector<int>>();
+  c.work_dtype = parse_dtype(e.at("work_dtype"));
+  c.ms = e.value("ms", 0.0);
+  c.rel_err = e.value("rel_err", 0.0);
+  c.schedule = e.value("schedule", std::string("jordan:5"));
+  for (const json& k : e.value("candidates", json::array())) {
+    AlgoCandidate a;
+    a.algorithm = k.at("algorithm");
+    a.restarts = k.at("restarts").get<std::vector<int>>();
+    a.work_dtype = parse_dtype(k.at("work_dtype"));
+    a.ms = k.value("ms", 0.0);
+    a.rel_err = k.value("rel_err", 0.0);
+    a.accepted = k.value("accepted", false);
+    c.candidates.push_back(a);
+  }
+  if (c.candidates.empty())
+    c.candidates.push_back({c.algorithm, c.restarts, c.work_dtype, c.ms, c.rel_err, true});
+  return c;
+}
+
+bool same_entry(const AlgoChoice& a, const AlgoChoice& b) {
+  return a.rows == b.rows && a.cols == b.cols && a.count == b.count && a.schedule == b.schedule;
+}
+
+}  // namespace
+
+std::vector<AlgoChoice> load_algo_choices(const std::string& store, const std::string& key) {
+  const json section = tuner_section(store, key);
+  std::vector<AlgoChoice> out;
+  try {
+    for (const json& e : section.value("algo", json::array())) out.push_back(algo_from_json(e));
+  } catch (const std::exception& e) {
+    DM_FAIL("measurement store ", store, " has a bad algorithm choice under '", key, "' (",
+            e.what(), "); remove the file or that entry");
+  }
+  return out;
+}
+
+void save_tuning(const std::string& store, const std::string& key,
+                 const std::vector<AlgoChoice>& algo, const std::string& kernel_choices_json) {
+  json kernels;
+  try {
+    kernels = json::parse(kernel_choices_json);
+  } catch (const std::exception& e) {
+    DM_FAIL("internal: kernel choices are not JSON (", e.what(), ")");
+  }
+  DM_CHECK(kernels.is_array(), "internal: kernel choices are not a JSON array");
+  std::vector<AlgoChoice> merged = load_algo_choices(store, key);  // migrates an old cache
+  for (const AlgoChoice& c : algo) {
+    merged.erase(std::remove_if(merged.begin(), merged.end(),
+                                [&](const AlgoChoice& o) { return same_entry(o, c); }),
+                 merged.end());
+    merged.push_back(c);
+  }
+  update_store(store, [&](StoreContents& s) {
+    json& mine = s.tuner[key];
+    if (!mine.is_object()) mine = json::object();
+    json ja = json::array();
+    for (const AlgoChoice& c : merged) ja.push_back(to_json(c));
+    mine["algo"] = ja;
+    if (!kernels.empty()) mine["sym"] = kernels;
+  });
+}
+
+AlgorithmTuner::AlgorithmTuner(std::string store, std::string key, MeasureShape measure,
+                               KernelChoices kernels)
+    : store_(std::move(store)), key_(std::move(key)), measure_(std::move(measure)),
+      kernels_(std::move(kernels)) {}
+
+std::optional<OrthoConfig> AlgorithmTuner::config_for(const OrthoConfig& base, int64_t m,
+                                                      int64_t n, int64_t count,
+                                                      const TunePolicy& policy) {
+  // The candidates are half-precision iterations with the built-in schedules.
+  if (base.iteration != Iteration::kAuto || base.work_dtype != DType::kBF16 ||
+      base.coefficients == Coefficients::kCustom || m <= 0 || count <= 0)
+    return std::nullopt;
+  const std::string schedule = schedule_name(base);
+  if (!stored_) stored_ = load_algo_choices(store_, key_);
+  const AlgoChoice* c = find_choice(*stored_, m, n, count, schedule);
+  const AlgoCandidate* pick = c ? select_candidate(*c, policy.allow_restart_free) : nullptr;
+  if (!pick) {  // the store may have gained entries since (another tuner run)
+    stored_ = load_algo_choices(store_, key_);
+    c = find_choice(*stored_, m, n, count, schedule);
+    pick = c ? select_candidate(*c, policy.allow_restart_free) : nullptr;
+  }
+  if (!pick && policy.measure) {
+    std::fprintf(stderr, "[tune] %lld x %lldx%lld (%s): no stored measurement, tuning now\n",
+                 static_cast<long long>(count), static_cast<long long>(m),
+                 static_cast<long long>(n), schedule.c_str());
+    const AlgoChoice fresh = measure_(m, n, count, base);
+    save_tuning(store_, key_, {fresh}, kernels_ ? kernels_() : "[]");
+    std::erase_if(*stored_, [&](const AlgoChoice& o) { return same_entry(o, fresh); });
+    stored_->push_back(fresh);
+    c = &stored_->back();
+    pick = select_candidate(*c, policy.allow_restart_free);
+  }
+  if (!pick) return std::nullopt;
+  std::fprintf(stderr, "[tune] %lld x %lldx%lld: %s%s (measured at batch %lld, %.3f ms)\n",
+               static_cast<long long>(count), static_cast<long long>(m), static_cast<long long>(n),
+               pick->algorithm.c_str(),
+               is_gram(*pick) ? (pick->restarts.empty() ? " restarts {}" : " restarts {2}") : "",
+               static_cast<long long>(c->count), pick->ms);
+  return resolve(config_of(*pick, base), m, n);
+}
+
+std::optional<AlgorithmTuner> backend_tuner(Backend& be) {
+  const std::string fingerprint = be.tuning_fingerprint();
+  if (fingerprint.empty()) return std::nullopt;
+  auto measure = [&be](int64_t m, int64_t n, int64_t count, const OrthoConfig& base) {
+    be.tune_kernels(m, n, count);
+    TuneOptions to;
+    to.repeats = 5;
+    return tune_algorithm(be, m, n, count, base, to);
+  };
+  return AlgorithmTuner(store_path(), tuner_key(fingerprint), measure,
+                        [&be] { return be.kernel_choices_json(); });
+}
+
+void install_kernel_choices(Backend& be) {
+  const std::string fingerprint = be.tuning_fingerprint();
+  if (fingerprint.empty()) return;
+  const std::string path = store_path();
+  try {
+    const json section = tuner_section(path, tuner_key(fingerprint));
+    if (section.contains("sym")) be.load_kernel_choices_json(section["sym"].dump());
+  } catch (const Error& e) {
+    DM_LOG(kWarn, "kernel choices of the measurement store ", path, " not used: ", e.what());
+  }
+}
+
+}  // namespace distmuon::measure
