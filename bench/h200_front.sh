@@ -48,8 +48,8 @@ if [ "$smoke" != 0 ]; then
   $PY -X faulthandler /tmp/dm_smoke_first.py 2>&1 | tail -4 | tee -a "$LOG"
   say "variant: the toolkit's and the NCCL wheel's libraries first"
   LD_LIBRARY_PATH=$CXX_LD_PATH $PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -4 | tee -a "$LOG"
-  say "variant: no tune cache lookup"
-  DISTMUON_TUNE_CACHE=/nonexistent/tune.json $PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -4 | tee -a "$LOG"
+  say "variant: no measurement store (no tuned choices, analytic plan costs)"
+  DISTMUON_COST_CACHE=/nonexistent/costs.json $PY -X faulthandler /tmp/dm_smoke.py 2>&1 | tail -4 | tee -a "$LOG"
 fi
 
 # The dedicated runtime (distmuon.torch.dedicate) against the plain optimizer, one GPU.

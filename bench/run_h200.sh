@@ -44,7 +44,8 @@ for t in ${TESTS:-test_cuda_backend test_cuda_muon test_cuda_cache}; do
 done
 say "tests: $([ $fail = 0 ] && echo all passed || echo FAILURES)"
 
-export DISTMUON_TUNE_CACHE="$OUT/tune.json"
+# The measurement store (src/measure/store.h) of this run: the autotuner's choices land here.
+export DISTMUON_COST_CACHE="$OUT/tune.json"
 if [ -n "${WL:-}" ]; then
   :
 elif [ "$MODE" = quick ]; then
