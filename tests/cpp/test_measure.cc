@@ -2,6 +2,7 @@
 // atomic write, the old tune cache taken over), the tuner's choice rules with a fake clock, and
 // the timing both the tuner and the cost profile use.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -11,8 +12,6 @@
 #include <optional>
 #include <string>
 
-#include <unistd.h>
-
 #include "backend/relative_error.h"
 #include "distmuon/backend.h"
 #include "distmuon/cost_table.h"
@@ -20,54 +19,17 @@
 #include "measure/store.h"
 #include "measure/time_ortho.h"
 #include "measure/tuner.h"
+#include "test_files.h"
 
 namespace distmuon::measure {
 namespace {
 
 namespace fs = std::filesystem;
+using test::EnvGuard;
+using test::error_of;
+
+std::string temp_path(const std::string& name) { return test::temp_path("test_measure", name); }
 using nlohmann::json;
-
-std::string temp_path(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("distmuon_test_measure_" +
-                                                    std::to_string(::getpid()));
-  fs::create_directories(dir);
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  const std::string path = (dir / (std::string(info->name()) + "_" + name)).string();
-  fs::remove(path);
-  return path;
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream f(path);
-  f << text;
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
-class EnvGuard {  // restores an environment variable at the end of a test
- public:
-  explicit EnvGuard(const char* name) : name_(name) {
-    if (const char* v = std::getenv(name)) saved_ = v;
-  }
-  ~EnvGuard() {
-    if (saved_)
-      setenv(name_, saved_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
 
 CostTable table_for(const std::string& device, double seconds) {
   CostTable t;
@@ -127,31 +89,33 @@ TEST(MeasureStore, RoundTripKeepsEverySection) {
   EXPECT_EQ(read_cost_file(path).size(), 1u);
   // Another device, and the same device under another tuner version, see nothing.
   EXPECT_TRUE(load_algo_choices(path, tuner_key("NVIDIA H100|driver 13000")).empty());
-  EXPECT_TRUE(load_algo_choices(path, "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100")
-                  .empty());
+  EXPECT_TRUE(
+      load_algo_choices(path, "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100").empty());
 }
 
 TEST(MeasureStore, VersionMismatchAndCorruptFilesAreClearErrorsAndStayUntouched) {
   const std::string path = temp_path("store.json");
   const std::string newer =
       R"({"format": "distmuon-cost-table", "format_version": 99, "tables": []})";
-  write_text(path, newer);
+  test::write_text(path, newer);
   EXPECT_NE(error_of([&] { read_store(path); }).find("format version 99"), std::string::npos);
-  EXPECT_NE(error_of([&] { save_tuning(path, kKey, {choice_of(8, 8, 1, "ns5")}, "[]"); })
-                .find("format version 99"),
+  EXPECT_NE(error_of([&] {
+              save_tuning(path, kKey, {choice_of(8, 8, 1, "ns5")}, "[]");
+            }).find("format version 99"),
             std::string::npos);
   std::ifstream f(path);
   EXPECT_EQ(std::string(std::istreambuf_iterator<char>(f), {}), newer)
       << "a bad store was overwritten";
 
-  write_text(path, "{ not json");
+  test::write_text(path, "{ not json");
   EXPECT_NE(error_of([&] { read_store(path); }).find("corrupt"), std::string::npos);
-  write_text(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [],)"
-                   R"( "tuner": [1, 2]})");
+  test::write_text(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [],)"
+                         R"( "tuner": [1, 2]})");
   EXPECT_NE(error_of([&] { read_store(path); }).find("\"tuner\" is not an object"),
             std::string::npos);
-  write_text(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [],)"
-                   R"( "tuner": {")" + kKey + R"(": {"algo": [{"rows": 8}]}}})");
+  test::write_text(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [],)"
+                         R"( "tuner": {")" +
+                             kKey + R"(": {"algo": [{"rows": 8}]}}})");
   EXPECT_NE(error_of([&] { load_algo_choices(path, kKey); }).find("bad algorithm choice"),
             std::string::npos);
 }
@@ -164,7 +128,7 @@ TEST(MeasureStore, WritesAtomically) {
     EXPECT_EQ(e.path().filename(), "store.json") << "a temporary file was left behind";
   // A store that cannot be written (its folder is a file): an error, the old file untouched.
   const std::string blocked = temp_path("blocked");
-  write_text(blocked, "a file, not a folder");
+  test::write_text(blocked, "a file, not a folder");
   EXPECT_THROW(write_store(blocked + "/store.json", StoreContents{}), Error);
   const std::string target = temp_path("target.json");
   write_store(target, StoreContents{{table_for("cpu A", 0.5)}, json::object()});
@@ -182,10 +146,12 @@ TEST(MeasureStore, TakesOverTheOldTuneCache) {
   EnvGuard guard("DISTMUON_TUNE_CACHE");
   const std::string store = temp_path("store.json"), old = temp_path("tune.json");
   setenv("DISTMUON_TUNE_CACHE", old.c_str(), 1);
-  write_text(old, R"({")" + kKey + R"(": {"sym": [{"m": 64}], "algo": [{"rows": 512, "cols": 4608,)"
-                  R"( "count": 3, "algorithm": "ns5", "restarts": [], "work_dtype": "bf16",)"
-                  R"( "ms": 0.05, "rel_err": 0.004, "schedule": "jordan:5"}]},)"
-                  R"( "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100": {"algo": []}})");
+  test::write_text(
+      old, R"({")" + kKey +
+               R"(": {"sym": [{"m": 64}], "algo": [{"rows": 512, "cols": 4608,)"
+               R"( "count": 3, "algorithm": "ns5", "restarts": [], "work_dtype": "bf16",)"
+               R"( "ms": 0.05, "rel_err": 0.004, "schedule": "jordan:5"}]},)"
+               R"( "NVIDIA H200|driver 13000|runtime 13000|cublasLt 130100": {"algo": []}})");
   ::testing::internal::CaptureStderr();
   const std::vector<AlgoChoice> algo = load_algo_choices(store, kKey);
   EXPECT_NE(::testing::internal::GetCapturedStderr().find("took the tuner's choices for"),
@@ -199,7 +165,7 @@ TEST(MeasureStore, TakesOverTheOldTuneCache) {
   EXPECT_EQ(tuner_section(store, kKey)["sym"].size(), 1u);
 
   const std::string store2 = temp_path("store2.json");
-  write_text(old, "{ not json");
+  test::write_text(old, "{ not json");
   EXPECT_TRUE(load_algo_choices(store2, kKey).empty());
   EXPECT_FALSE(fs::exists(store2)) << "nothing to take over, nothing written";
 }
@@ -226,8 +192,10 @@ TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
   TuneOptions opt;
   opt.verbose = false;
   FakeClock clock;
-  clock.results = {{"ns5", {3.0, 4e-3}}, {"ns5-sym", {2.0, 4e-3}},
-                   {"gram-ns{2}", {1.5, 2e-3}}, {"gram-ns{}", {1.0, 5e-2}}};
+  clock.results = {{"ns5", {3.0, 4e-3}},
+                   {"ns5-sym", {2.0, 4e-3}},
+                   {"gram-ns{2}", {1.5, 2e-3}},
+                   {"gram-ns{}", {1.0, 5e-2}}};
   AlgoChoice c = choose_algorithm(18944, 3584, 16, base, opt, clock.fn());
   EXPECT_EQ(clock.asked, (std::vector<std::string>{"ns5", "ns5-sym", "gram-ns{2}", "gram-ns{}"}));
   EXPECT_EQ(c.algorithm, "gram-ns");  // restart-free Gram NS failed the check
@@ -239,8 +207,9 @@ TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
   clock.results["gram-ns{2}"].rel_err = NAN;  // a NaN error is a rejection, not a pass
   EXPECT_EQ(choose_algorithm(18944, 3584, 16, base, opt, clock.fn()).algorithm, "ns5-sym");
   for (auto& [name, r] : clock.results) r.rel_err = 1.0;
-  EXPECT_NE(error_of([&] { choose_algorithm(64, 64, 1, base, opt, clock.fn()); })
-                .find("no algorithm passed the numerical check for 64x64"),
+  EXPECT_NE(error_of([&] {
+              choose_algorithm(64, 64, 1, base, opt, clock.fn());
+            }).find("no algorithm passed the numerical check for 64x64"),
             std::string::npos);
 }
 
@@ -299,8 +268,10 @@ TEST(MeasureTuner, MeasuresOnlyWhatTheStoreLacksAndOnlyWhenAllowed) {
     TuneOptions opt;
     opt.verbose = false;
     FakeClock clock;
-    clock.results = {{"ns5", {3.0, 4e-3}}, {"ns5-sym", {2.0, 4e-3}},
-                     {"gram-ns{2}", {1.5, 2e-3}}, {"gram-ns{}", {1.0, 3e-3}}};
+    clock.results = {{"ns5", {3.0, 4e-3}},
+                     {"ns5-sym", {2.0, 4e-3}},
+                     {"gram-ns{2}", {1.5, 2e-3}},
+                     {"gram-ns{}", {1.0, 3e-3}}};
     return choose_algorithm(m, n, count, base, opt, clock.fn());
   };
   AlgorithmTuner tuner(path, kKey, measure, [] { return std::string(R"([{"m": 1}])"); });
@@ -341,7 +312,7 @@ TEST(MeasureTuner, MeasuresOnlyWhatTheStoreLacksAndOnlyWhenAllowed) {
 TEST(MeasureTiming, CpuBackendIsNotTunedButTimesTheOrthogonalizer) {
   EnvGuard guard("DISTMUON_COST_CACHE");
   const std::string path = temp_path("store.json");
-  write_text(path, "{ not json");
+  test::write_text(path, "{ not json");
   setenv("DISTMUON_COST_CACHE", path.c_str(), 1);
   auto be = make_backend("cpu");
   EXPECT_FALSE(backend_tuner(*be));

@@ -12,40 +12,16 @@
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
 #include "distmuon/workload.h"
+#include "test_files.h"
 
 namespace distmuon {
 namespace {
 
 namespace fs = std::filesystem;
+using test::EnvGuard;
+using test::error_of;
 
-std::string temp_path(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / "distmuon_test_plan";
-  fs::create_directories(dir);
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return (dir / (std::string(info->name()) + "_" + name)).string();
-}
-
-std::string slurp(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-void spit(const std::string& path, const std::string& text) {
-  std::ofstream f(path);
-  f << text;
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+std::string temp_path(const std::string& name) { return test::temp_path("test_plan", name); }
 
 CostTable sample(const std::string& device, const std::string& version = DISTMUON_VERSION) {
   CostTable t;
@@ -117,27 +93,30 @@ TEST(CostTable, FileRoundTripKeepsEveryField) {
 
 TEST(CostTable, CorruptAndForeignFilesAreClearErrors) {
   const std::string path = temp_path("bad.json");
-  spit(path, "{\"format\": \"distmuon-cost-table\", \"tabl");
+  test::write_text(path, "{\"format\": \"distmuon-cost-table\", \"tabl");
   std::string msg = error_of([&] { read_cost_file(path); });
   EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
   EXPECT_NE(msg.find(path), std::string::npos) << msg;
 
-  spit(path, R"({"name": "gpt2-small", "muon": []})");  // a workload file, not a cost table
+  test::write_text(path,
+                   R"({"name": "gpt2-small", "muon": []})");  // a workload file, not a cost table
   msg = error_of([&] { read_cost_file(path); });
   EXPECT_NE(msg.find("not a distmuon cost table"), std::string::npos) << msg;
 
-  spit(path, R"({"format": "distmuon-cost-table", "format_version": 99, "tables": []})");
+  test::write_text(path,
+                   R"({"format": "distmuon-cost-table", "format_version": 99, "tables": []})");
   msg = error_of([&] { read_cost_file(path); });
   EXPECT_NE(msg.find("format version 99"), std::string::npos) << msg;
 
-  spit(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [
+  test::write_text(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [
       {"source": "measured", "device": "x", "version": "1", "algorithm": "ns5",
        "work_dtype": "f32", "shapes": [{"m": 4, "n": 8, "points": [[1, -2.0]]}]}]})");
   msg = error_of([&] { read_cost_file(path); });
   EXPECT_NE(msg.find("corrupt"), std::string::npos) << msg;
   EXPECT_NE(msg.find("-2"), std::string::npos) << msg;
 
-  spit(path, R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [{}]})");
+  test::write_text(path,
+                   R"({"format": "distmuon-cost-table", "format_version": 1, "tables": [{}]})");
   EXPECT_NE(error_of([&] { read_cost_file(path); }).find("corrupt"), std::string::npos);
   EXPECT_THROW(read_cost_file(temp_path("missing.json")), Error);
 }
@@ -187,11 +166,11 @@ TEST(CostTable, MeasuredTableIsCachedAndReused) {
   EXPECT_EQ(first.table.find(24, 24)->points.size(), 1u);
   EXPECT_EQ(first.table.device, be->name());
 
-  const std::string before = slurp(path);
+  const std::string before = test::read_text(path);
   CachedCosts second = cached_cost_table(*be, shapes, cfg, po, path);
   EXPECT_EQ(second.shapes_measured, 0);
   EXPECT_EQ(second.shapes_reused, 2);
-  EXPECT_EQ(slurp(path), before);  // nothing new: the file is not rewritten
+  EXPECT_EQ(test::read_text(path), before);  // nothing new: the file is not rewritten
   EXPECT_DOUBLE_EQ(second.table.batch_seconds(16, 40, 2), first.table.batch_seconds(16, 40, 2));
 
   po.ks = {1, 2, 4, 8};  // 8 is capped at the shape's 5 matrices: one new point
@@ -201,9 +180,9 @@ TEST(CostTable, MeasuredTableIsCachedAndReused) {
   EXPECT_EQ(third.table.find(16, 40)->points.back().k, 5);
 
   // A corrupt cache is an error and is left alone for the user to look at.
-  spit(path, "garbage");
+  test::write_text(path, "garbage");
   EXPECT_THROW(cached_cost_table(*be, shapes, cfg, po, path), Error);
-  EXPECT_EQ(slurp(path), "garbage");
+  EXPECT_EQ(test::read_text(path), "garbage");
 }
 
 }  // namespace

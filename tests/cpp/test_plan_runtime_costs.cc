@@ -15,30 +15,20 @@
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
 #include "plan/runtime_plan.h"
+#include "test_files.h"
 
 namespace distmuon {
 namespace {
 
 namespace fs = std::filesystem;
-
-constexpr const char* kDevice = "test device";
+using test::EnvGuard;
+using test::error_of;
 
 std::string temp_path(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / "distmuon_test_runtime_costs";
-  fs::create_directories(dir);
-  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  return (dir / (std::string(info->name()) + "_" + name)).string();
+  return test::temp_path("test_runtime_costs", name);
 }
 
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+constexpr const char* kDevice = "test device";
 
 // Four layers of an MLP block: wide up (8 x 20), tall down (20 x 8, one class with up) and
 // square attention (8 x 8).
@@ -65,23 +55,6 @@ CostTable measured_up_down(const OrthoConfig& ortho, const AnalyticRates& rates,
   t.set(8, 20, pts);
   return t;
 }
-
-class EnvGuard {  // restores an environment variable at the end of a test
- public:
-  explicit EnvGuard(const char* name) : name_(name) {
-    if (const char* v = std::getenv(name)) saved_ = v;
-  }
-  ~EnvGuard() {
-    if (saved_)
-      setenv(name_, saved_->c_str(), 1);
-    else
-      unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
 
 TEST(RuntimeCosts, MeasuredShapesKeepTheirPointsAndTheRestIsScaledAnalytic) {
   const OrthoConfig ortho = parse_algorithm("auto");
