@@ -15,7 +15,7 @@ namespace distmuon::test {
 
 inline CudaBackend& cuda_backend() {
   static std::unique_ptr<CudaBackend> be;
-  if (!be) be = std::make_unique<CudaBackend>(CudaBackendOptions{0, 0, false});
+  if (!be) be = std::make_unique<CudaBackend>(CudaBackendOptions{0, 0});
   return *be;
 }
 
