@@ -34,6 +34,10 @@ struct ShapeCost {
 
 class CostTable {
  public:
+  // A table without shapes for the algorithm and work dtype of cfg, costed by `source`
+  // ("analytic" or "measured") on `device`, by this library version.
+  static CostTable empty(std::string source, std::string device, const OrthoConfig& cfg);
+
   std::string source;      // "analytic" or "measured"
   std::string device;      // Backend::name() of the measuring device, or the analytic rates
   std::string version;     // DISTMUON_VERSION of the library that produced the table

@@ -44,16 +44,6 @@ bool has_point(const ShapeCost* sc, int64_t k) {
                      [&](const CostPoint& p) { return p.k == k; });
 }
 
-CostTable empty_table(Backend& be, const OrthoConfig& cfg) {
-  CostTable t;
-  t.source = "measured";
-  t.device = be.name();
-  t.version = DISTMUON_VERSION;
-  t.algorithm = algorithm_name(cfg);
-  t.work_dtype = dtype_name(cfg.work_dtype);
-  return t;
-}
-
 // Median seconds of one orthogonalization of k random m x n matrices.
 double time_batch(Backend& be, const OrthoConfig& cfg, int64_t m, int64_t n, int64_t k,
                   const ProfileOptions& opts) {
@@ -69,7 +59,7 @@ CostTable measure_cost_table(Backend& be, const std::vector<ShapeCount>& shapes,
                              const CostTable* reuse) {
   DM_CHECK(opts.reps >= 1 && opts.warmup >= 0, "profiler: need reps >= 1 and warmup >= 0 (got ",
            opts.reps, ", ", opts.warmup, ")");
-  CostTable table = reuse ? *reuse : empty_table(be, cfg);
+  CostTable table = reuse ? *reuse : CostTable::empty("measured", be.name(), cfg);
   std::vector<std::pair<Wide, int64_t>> todo;
   for (const auto& [shape, count] : wide_counts(shapes))
     for (int64_t k : wanted_ks(count, opts.ks))
@@ -100,7 +90,7 @@ CachedCosts cached_cost_table(Backend& be, const std::vector<ShapeCount>& shapes
                               const std::string& cache_path) {
   CachedCosts out;
   out.path = cache_path.empty() ? measure::store_path() : cache_path;
-  const CostTable want = empty_table(be, cfg);
+  const CostTable want = CostTable::empty("measured", be.name(), cfg);
   const std::vector<CostTable> tables = measure::read_store(out.path).tables;
   const CostTable* cached = nullptr;
   for (const CostTable& t : tables)

@@ -94,12 +94,7 @@ double analytic_batch_seconds(const OrthoConfig& cfg, const AnalyticRates& rates
 
 CostTable analytic_cost_table(const std::vector<ShapeCount>& shapes, const OrthoConfig& cfg,
                               const AnalyticRates& rates) {
-  CostTable t;
-  t.source = "analytic";
-  t.device = rates.describe();
-  t.version = DISTMUON_VERSION;
-  t.algorithm = algorithm_name(cfg);
-  t.work_dtype = dtype_name(cfg.work_dtype);
+  CostTable t = CostTable::empty("analytic", rates.describe(), cfg);
   // Both orientations of a shape batch together, so a wide shape needs points up to the sum.
   std::map<std::pair<int64_t, int64_t>, int64_t> total;
   for (const ShapeCount& s : shapes) {

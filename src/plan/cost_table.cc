@@ -1,6 +1,4 @@
 // The cost table: lookup with interpolation, and its JSON file format.
-#include "plan/cost_json.h"
-
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +10,7 @@
 #include "common/atomic_write.h"
 #include "distmuon/env.h"
 #include "distmuon/error.h"
+#include "plan/cost_json.h"
 
 namespace distmuon {
 namespace {
@@ -73,6 +72,16 @@ double CostTable::batch_seconds(int64_t rows, int64_t cols, int64_t k) const {
   slope = std::max(slope, 0.0);
   if (slope == 0.0) slope = b.seconds / static_cast<double>(b.k);
   return b.seconds + slope * static_cast<double>(k - b.k);
+}
+
+CostTable CostTable::empty(std::string source, std::string device, const OrthoConfig& cfg) {
+  CostTable t;
+  t.source = std::move(source);
+  t.device = std::move(device);
+  t.version = DISTMUON_VERSION;
+  t.algorithm = algorithm_name(cfg);
+  t.work_dtype = dtype_name(cfg.work_dtype);
+  return t;
 }
 
 bool CostTable::same_key(const CostTable& o) const {
@@ -202,6 +211,8 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
           "versions)");
 }
 
-std::string default_cost_cache_path() { return env::cache_file("DISTMUON_COST_CACHE", "costs.json"); }
+std::string default_cost_cache_path() {
+  return env::cache_file("DISTMUON_COST_CACHE", "costs.json");
+}
 
 }  // namespace distmuon

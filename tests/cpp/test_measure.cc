@@ -186,17 +186,28 @@ struct FakeClock {
   }
 };
 
-TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
-  OrthoConfig base;
-  base.iteration = Iteration::kAuto;
-  TuneOptions opt;
-  opt.verbose = false;
+// The four candidates at 3.0 / 2.0 / 1.5 / 1.0 ms: the restart-free Gram NS is the fastest and
+// has error `restart_free_err`, the others pass the default tolerance.
+FakeClock clock_with(double restart_free_err) {
   FakeClock clock;
   clock.results = {{"ns5", {3.0, 4e-3}},
                    {"ns5-sym", {2.0, 4e-3}},
                    {"gram-ns{2}", {1.5, 2e-3}},
-                   {"gram-ns{}", {1.0, 5e-2}}};
-  AlgoChoice c = choose_algorithm(18944, 3584, 16, base, opt, clock.fn());
+                   {"gram-ns{}", {1.0, restart_free_err}}};
+  return clock;
+}
+
+TuneOptions quiet() {
+  TuneOptions opt;
+  opt.verbose = false;
+  return opt;
+}
+
+TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
+  OrthoConfig base;
+  base.iteration = Iteration::kAuto;
+  FakeClock clock = clock_with(5e-2);
+  AlgoChoice c = choose_algorithm(18944, 3584, 16, base, quiet(), clock.fn());
   EXPECT_EQ(clock.asked, (std::vector<std::string>{"ns5", "ns5-sym", "gram-ns{2}", "gram-ns{}"}));
   EXPECT_EQ(c.algorithm, "gram-ns");  // restart-free Gram NS failed the check
   EXPECT_EQ(c.restarts, std::vector<int>{2});
@@ -205,10 +216,10 @@ TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
   ASSERT_EQ(c.candidates.size(), 4u);
   EXPECT_FALSE(c.candidates[3].accepted);
   clock.results["gram-ns{2}"].rel_err = NAN;  // a NaN error is a rejection, not a pass
-  EXPECT_EQ(choose_algorithm(18944, 3584, 16, base, opt, clock.fn()).algorithm, "ns5-sym");
+  EXPECT_EQ(choose_algorithm(18944, 3584, 16, base, quiet(), clock.fn()).algorithm, "ns5-sym");
   for (auto& [name, r] : clock.results) r.rel_err = 1.0;
   EXPECT_NE(error_of([&] {
-              choose_algorithm(64, 64, 1, base, opt, clock.fn());
+              choose_algorithm(64, 64, 1, base, quiet(), clock.fn());
             }).find("no algorithm passed the numerical check for 64x64"),
             std::string::npos);
 }
@@ -265,14 +276,8 @@ TEST(MeasureTuner, MeasuresOnlyWhatTheStoreLacksAndOnlyWhenAllowed) {
   int measured = 0;
   auto measure = [&](int64_t m, int64_t n, int64_t count, const OrthoConfig& base) {
     ++measured;
-    TuneOptions opt;
-    opt.verbose = false;
-    FakeClock clock;
-    clock.results = {{"ns5", {3.0, 4e-3}},
-                     {"ns5-sym", {2.0, 4e-3}},
-                     {"gram-ns{2}", {1.5, 2e-3}},
-                     {"gram-ns{}", {1.0, 3e-3}}};
-    return choose_algorithm(m, n, count, base, opt, clock.fn());
+    FakeClock clock = clock_with(3e-3);
+    return choose_algorithm(m, n, count, base, quiet(), clock.fn());
   };
   AlgorithmTuner tuner(path, kKey, measure, [] { return std::string(R"([{"m": 1}])"); });
   OrthoConfig base;
