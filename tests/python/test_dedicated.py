@@ -30,7 +30,7 @@ import dedicated_scenarios as ds
 from dist_harness import launch, max_diff, ok
 from helpers import write_cost_store
 from distmuon.torch import Muon
-from distmuon.torch._dedicated_layout import unit_prefix
+from distmuon._C import dedicated_unit as unit_prefix  # the engine's layer rule
 
 PARAM_TOL = 5e-6
 LOSS_TOL = 2e-6

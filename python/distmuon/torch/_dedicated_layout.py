@@ -114,10 +114,6 @@ class Unit:
     buckets: list[int] = field(default_factory=list)
 
 
-# The unit (layer module) of a parameter name: the engine's rule, the planner's layer rule.
-unit_prefix = _C.dedicated_unit
-
-
 def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
     """The Grid of a 1D mesh (flat), a 2D (replicate, shard) mesh, or a 1D shard mesh with a 1D
     replicate mesh."""
