@@ -150,8 +150,8 @@ class MpiRequest final : public CommRequest {
     return s_->done;
   }
   void wait(double timeout_s) override {
-    comm_detail::poll_until_done(
-        timeout_s, std::chrono::microseconds(5), std::chrono::microseconds(1000),
+    comm_detail::poll_until(
+        deadline(timeout_s), std::chrono::microseconds(5), std::chrono::microseconds(1000),
         [&] {
           std::lock_guard<std::mutex> lk(mpi_mutex());
           s_->test_locked();
