@@ -69,8 +69,8 @@ class CommRequest {
  protected:
   // When an operation issued at this object's construction has had timeout_s seconds.
   Clock::time_point deadline(double timeout_s) const {
-    return issued_ + std::chrono::duration_cast<Clock::duration>(
-                         std::chrono::duration<double>(timeout_s));
+    return issued_ +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
   }
   // Seconds left until deadline(timeout_s) (negative once it has passed).
   double seconds_left(double timeout_s) const {

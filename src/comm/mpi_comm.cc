@@ -17,8 +17,8 @@
 #include <mutex>
 #include <thread>
 
-#include "common/half.h"
 #include "comm/poll.h"
+#include "common/half.h"
 #include "common/log.h"
 #include "distmuon/comm.h"
 #include "distmuon/env.h"
@@ -158,9 +158,7 @@ class MpiRequest final : public CommRequest {
           check_error_locked();
           return s_->done;
         },
-        [&] {
-          throw TimeoutError(comm_timeout_message(s_->what, timeout_s), __FILE__, __LINE__);
-        });
+        [&] { throw TimeoutError(comm_timeout_message(s_->what, timeout_s), __FILE__, __LINE__); });
   }
 
  private:

@@ -24,8 +24,8 @@ void poll_until(std::chrono::steady_clock::time_point deadline, std::chrono::mic
 
 // The same with a deadline `timeout_s` from now.
 template <typename Done, typename TimedOut>
-void poll_until_done(double timeout_s, std::chrono::microseconds first, std::chrono::microseconds cap,
-                     Done&& done, TimedOut&& timed_out) {
+void poll_until_done(double timeout_s, std::chrono::microseconds first,
+                     std::chrono::microseconds cap, Done&& done, TimedOut&& timed_out) {
   poll_until(std::chrono::steady_clock::now() +
                  std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                      std::chrono::duration<double>(timeout_s)),
