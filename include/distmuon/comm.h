@@ -26,6 +26,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -50,16 +51,34 @@ const char* reduce_op_name(ReduceOp op);
 // One operation in flight, as an implementation tracks it.
 class CommRequest {
  public:
+  using Clock = std::chrono::steady_clock;
   virtual ~CommRequest() = default;
   // True once the operation completed. Never blocks; throws distmuon::Error if it failed.
   virtual bool test() = 0;
-  // Blocks until completion. After timeout_s seconds throws TimeoutError (the operation may
-  // still be pending; waiting again is allowed unless the communicator was aborted).
+  // Blocks until completion, at most until timeout_s seconds after the operation was issued,
+  // then throws TimeoutError (the operation may still be pending; waiting again is allowed
+  // unless the communicator was aborted). The deadline runs from the issue, not from the call:
+  // a step that waits for its collectives one after another is bounded by one timeout, not one
+  // per collective, however long the host took to reach each wait.
   virtual void wait(double timeout_s) = 0;
   // Makes work issued afterwards on the bound stream wait for the results on the device, and
   // returns true; false where the implementation has no stream (host memory), and then the
   // caller must wait().
   virtual bool wait_on_stream() { return false; }
+
+ protected:
+  // When an operation issued at this object's construction has had timeout_s seconds.
+  Clock::time_point deadline(double timeout_s) const {
+    return issued_ +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  }
+  // Seconds left until deadline(timeout_s) (negative once it has passed).
+  double seconds_left(double timeout_s) const {
+    return std::chrono::duration<double>(deadline(timeout_s) - Clock::now()).count();
+  }
+
+ private:
+  Clock::time_point issued_ = Clock::now();
 };
 
 // The message of a collective that timed out (what: Communicator::describe's text).

@@ -89,10 +89,13 @@ class PyRequest final : public CommRequest {
   }
   void wait(double timeout_s) override {
     if (done_) return;
+    // What is left of the deadline from the issue; at least 1 ms, because a zero duration means
+    // "no limit" to torch's Work.wait.
+    const double left = std::max(seconds_left(timeout_s), 1e-3);
     call_python(
         what_,
         [&] {
-          pending_.attr("wait")(timeout_s);
+          pending_.attr("wait")(left);
           return 0;
         },
         timeout_s);

@@ -17,8 +17,8 @@
 #include <mutex>
 #include <thread>
 
-#include "common/half.h"
 #include "comm/poll.h"
+#include "common/half.h"
 #include "common/log.h"
 #include "distmuon/comm.h"
 #include "distmuon/env.h"
@@ -150,17 +150,15 @@ class MpiRequest final : public CommRequest {
     return s_->done;
   }
   void wait(double timeout_s) override {
-    comm_detail::poll_until_done(
-        timeout_s, std::chrono::microseconds(5), std::chrono::microseconds(1000),
+    comm_detail::poll_until(
+        deadline(timeout_s), std::chrono::microseconds(5), std::chrono::microseconds(1000),
         [&] {
           std::lock_guard<std::mutex> lk(mpi_mutex());
           s_->test_locked();
           check_error_locked();
           return s_->done;
         },
-        [&] {
-          throw TimeoutError(comm_timeout_message(s_->what, timeout_s), __FILE__, __LINE__);
-        });
+        [&] { throw TimeoutError(comm_timeout_message(s_->what, timeout_s), __FILE__, __LINE__); });
   }
 
  private:

@@ -117,8 +117,8 @@ class NcclRequest final : public CommRequest {
     return true;
   }
   void wait(double timeout_s) override {
-    comm_detail::poll_until_done(
-        timeout_s, std::chrono::microseconds(2), std::chrono::microseconds(500),
+    comm_detail::poll_until(
+        deadline(timeout_s), std::chrono::microseconds(2), std::chrono::microseconds(500),
         [&] { return test(); },
         [&] {
           sh_->abort();

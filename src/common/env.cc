@@ -15,7 +15,7 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_LOG_LEVEL", "warn", "error | warn | info | debug"},
       {"DISTMUON_NUM_THREADS", "0", "BLAS threads of the CPU backend (0: library default)"},
       {"DISTMUON_COMM_TIMEOUT_S", "300",
-       "seconds a collective may wait before it fails with a timeout naming the operation"},
+       "seconds a collective may take from its issue before it fails with a timeout naming the operation"},
       {"DISTMUON_MPI_PROGRESS_THREAD", "1",
        "drive non-blocking MPI operations from a background thread so they overlap compute"},
       {"DISTMUON_MPI_PROGRESS_US", "200", "microseconds between two sweeps of the MPI progress thread"},
