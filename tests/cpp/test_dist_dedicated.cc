@@ -114,6 +114,8 @@ struct Rig {
     return s;
   }
   bool mine(int j) const { return mats[j].owner == world.member; }
+  // The stages order their results on the backend's stream, which the Mirrors synchronise.
+  void* stream() const { return be->native_stream(); }
 
   std::unique_ptr<Backend> be = test::make_backend();
   DedicatedWorld world;
@@ -138,10 +140,10 @@ TEST(DedicatedTransfers, GradientsReachTheirOwnersSummedInAnyCompletionOrder) {
     std::vector<int> landed;
     for (int j : order) {
       rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
-      for (const std::vector<int>& js : rig.transfers->grad_ready(j, nullptr))
+      for (const std::vector<int>& js : rig.transfers->grad_ready(j, rig.stream()))
         landed.insert(landed.end(), js.begin(), js.end());
     }
-    std::vector<int> to_average = rig.transfers->finish(nullptr);
+    std::vector<int> to_average = rig.transfers->finish(rig.stream());
     std::vector<int> owned;
     for (int j = 0; j < n; ++j) {
       if (!rig.mine(j)) {
@@ -164,9 +166,9 @@ TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
   // Matrix 0: a gradient on rank 0 only (the others send zeros at finish); matrix 1: none.
   if (rig.world.member == 0) {
     rig.memory->accumulate(0, rig.grad_of(0, 0, 0));
-    rig.transfers->grad_ready(0, nullptr);
+    rig.transfers->grad_ready(0, rig.stream());
   }
-  const std::vector<int> to_average = rig.transfers->finish(nullptr);
+  const std::vector<int> to_average = rig.transfers->finish(rig.stream());
   if (rig.mine(0)) {
     test::expect_close(*rig.memory->grad_values(0), rig.grad_of(0, 0, 0), "matrix 0");
     EXPECT_EQ(to_average, rig.world.size > 1 ? std::vector<int>{0} : std::vector<int>{});
@@ -182,9 +184,9 @@ TEST(DedicatedTransfers, ASecondBackwardBeforeTheStepIsReducedAgain) {
   for (int round = 0; round < 2; ++round)
     for (int j = n - 1; j >= 0; --j) {
       rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, round));
-      rig.transfers->grad_ready(j, nullptr);
+      rig.transfers->grad_ready(j, rig.stream());
     }
-  rig.transfers->finish(nullptr);
+  rig.transfers->finish(rig.stream());
   for (int j = 0; j < n; ++j)
     if (rig.mine(j)) test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0, 1}), kNames[j]);
 }
@@ -195,8 +197,8 @@ TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
   const int n = static_cast<int>(kNames.size());
   auto backward = [&](int j, int round) {
     rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, round));
-    for (const std::vector<int>& js : rig.transfers->grad_ready(j, nullptr)) {
-      rig.transfers->wait(js, nullptr);  // the owner prepares the landed layer's updates
+    for (const std::vector<int>& js : rig.transfers->grad_ready(j, rig.stream())) {
+      rig.transfers->wait(js, rig.stream());  // the owner prepares the landed layer's updates
       rig.transfers->prepared(js);
     }
   };
@@ -207,7 +209,7 @@ TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
   backward(0, 0);
   for (int j = n - 1; j >= 0; --j) backward(j, 1);
   try {
-    rig.transfers->finish(nullptr);
+    rig.transfers->finish(rig.stream());
     ADD_FAILURE() << "a late gradient did not fail";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("no_sync()"), std::string::npos) << e.what();
@@ -215,8 +217,8 @@ TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
   // The state was reset: the next step reduces afresh.
   for (int j = 0; j < n; ++j)
     if (!rig.mine(j)) rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
-  for (int j = n - 1; j >= 0; --j) rig.transfers->grad_ready(j, nullptr);
-  rig.transfers->finish(nullptr);
+  for (int j = n - 1; j >= 0; --j) rig.transfers->grad_ready(j, rig.stream());
+  rig.transfers->finish(rig.stream());
 }
 
 TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGradients) {
@@ -233,14 +235,14 @@ TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGr
       if (rig.layout.buckets[b].owner == rig.world.member)
         rig.memory->set_bucket(static_cast<int>(b), owner_values(static_cast<int>(b)));
     // HSDP: owners publish to their replicas first (the relays then hold the weights).
-    rig.transfers->publish(nullptr);
-    rig.transfers->wait_published(nullptr);
+    rig.transfers->publish(rig.stream());
+    rig.transfers->wait_published(rig.stream());
     rig.transfers->begin_forward();
-    rig.transfers->issue(0, nullptr);
+    rig.transfers->issue(0, rig.stream());
     const int units = static_cast<int>(rig.layout.units.size());
     for (int u = 0; u < units; ++u) {
-      rig.transfers->wait_unit(u, nullptr);
-      rig.transfers->issue(u + 1, nullptr);
+      rig.transfers->wait_unit(u, rig.stream());
+      rig.transfers->issue(u + 1, rig.stream());
       for (int b : rig.layout.units[u].buckets)
         test::expect_close(rig.memory->bucket_values(b), owner_values(b),
                            "bucket " + std::to_string(b) + " (replica " + std::to_string(my_r) +
@@ -254,7 +256,7 @@ TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGr
       }
       EXPECT_EQ(rig.memory->released[b], 1) << "bucket " << b;
     }
-    rig.transfers->release_all(nullptr);
+    rig.transfers->release_all(rig.stream());
   }
 }
 
