@@ -131,7 +131,7 @@ class DedicatedTransfers {
   // Completes `f` for work issued afterwards on the bound stream (host communicators: waits).
   void order(InFlight& f);
   void complete(int j);  // order() on matrix j's reduction; its gradient is no longer needed
-  void retire();  // drops the ordered collectives that completed (polled)
+  void retire();         // drops the ordered collectives that completed (polled)
   void reset();
   void send(int j);
   void advance(bool blocking, std::vector<std::vector<int>>* landed);
@@ -155,17 +155,17 @@ class DedicatedTransfers {
 
   // Forward.
   std::vector<InFlight> broadcast_, publication_;  // per bucket
-  std::vector<bool> issued_;         // per bucket: its broadcast started in this forward
-  std::vector<int> pending_grads_;      // per bucket: gradients still to come
+  std::vector<bool> issued_;        // per bucket: its broadcast started in this forward
+  std::vector<int> pending_grads_;  // per bucket: gradients still to come
 
   // Backward.
   std::vector<int> order_;  // the fixed reduction order
   std::vector<int> mine_per_unit_;
   std::vector<State> state_;
-  std::vector<InFlight> reduction_;             // per matrix: the stage in flight
-  std::vector<DedicatedMemory::Region> grad_;   // per matrix: the gradient the stages reduce
-  size_t next_send_ = 0, next_move_ = 0;  // positions in order_
-  std::vector<int> arriving_;  // owner: final stage issued, not known complete
+  std::vector<InFlight> reduction_;            // per matrix: the stage in flight
+  std::vector<DedicatedMemory::Region> grad_;  // per matrix: the gradient the stages reduce
+  size_t next_send_ = 0, next_move_ = 0;       // positions in order_
+  std::vector<int> arriving_;                  // owner: final stage issued, not known complete
   std::vector<bool> dirty_, prepared_, late_;
   std::vector<int> landed_per_unit_;
   bool collecting_ = false;

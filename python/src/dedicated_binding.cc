@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
+#include "comm_binding.h"
 #include "distmuon/dedicated.h"
 #include "distmuon/dedicated_transfers.h"
-#include "comm_binding.h"
 #include "dlpack.h"
 
 namespace distmuon::py {
@@ -51,7 +51,8 @@ class PyMemory final : public DedicatedMemory {
       nb::gil_scoped_acquire gil;  // the last reference may go where the GIL is not held
       delete a;
     });
-    if (!is_contiguous(*array)) value_error("dedicated: a buffer the transfers move is not contiguous");
+    if (!is_contiguous(*array))
+      value_error("dedicated: a buffer the transfers move is not contiguous");
     return {array->data(), array};
   }
   nb::object impl_;
@@ -96,8 +97,8 @@ void bind_dedicated(nb::module_& m) {
         return dedicated_layout(dedicated_matrices(names, numels, dtypes, owners), modules,
                                 DedicatedWorld{world_size, replicate, member});
       },
-      nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"), nb::arg("owners"),
-      nb::arg("modules"), nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),
+      nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"), nb::arg("owners"), nb::arg("modules"),
+      nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),
       "The dedicated runtime's units (layers, in the forward order of `modules`) and buckets "
       "(per unit, owner and dtype: one flat buffer, one broadcast) of these matrices, owners "
       "given as members of a world of replicate x shard.");
@@ -125,30 +126,50 @@ void bind_dedicated(nb::module_& m) {
           "in HSDP); `control`: a host communicator over it for the vote; `memory`: lends the "
           "buffers (bucket, release_bucket, grad, drop_grad, has_grad).")
       .def("begin_forward", [](PyTransfers& t) { t.transfers->begin_forward(); })
-      .def("issue", [](PyTransfers& t, int unit, uintptr_t s) { t.transfers->issue(unit, stream_of(s)); },
-           nb::arg("unit"), nb::arg("stream"))
-      .def("wait_unit", [](PyTransfers& t, int unit, uintptr_t s) { t.transfers->wait_unit(unit, stream_of(s)); },
-           nb::arg("unit"), nb::arg("stream"))
-      .def("used", [](PyTransfers& t, int b) { t.transfers->used(b); }, nb::arg("bucket"))
-      .def("release_unit", [](PyTransfers& t, int u) { t.transfers->release_unit(u); },
-           nb::arg("unit"))
-      .def("release_all", [](PyTransfers& t, uintptr_t s) { t.transfers->release_all(stream_of(s)); },
-           nb::arg("stream"))
-      .def("grad_ready",
-           [](PyTransfers& t, int j, uintptr_t s) { return t.transfers->grad_ready(j, stream_of(s)); },
-           nb::arg("matrix"), nb::arg("stream"),
-           "Returns, per unit whose matrices owned here all landed now, those matrices.")
-      .def("wait", [](PyTransfers& t, const std::vector<int>& js, uintptr_t s) { t.transfers->wait(js, stream_of(s)); },
-           nb::arg("matrices"), nb::arg("stream"))
-      .def("prepared", [](PyTransfers& t, const std::vector<int>& js) { t.transfers->prepared(js); },
-           nb::arg("matrices"))
-      .def("finish", [](PyTransfers& t, uintptr_t s) { return t.transfers->finish(stream_of(s)); },
-           nb::arg("stream"),
-           "Returns the matrices owned here whose gradients are sums to divide by the world size.")
-      .def("publish", [](PyTransfers& t, uintptr_t s) { t.transfers->publish(stream_of(s)); },
-           nb::arg("stream"))
-      .def("wait_published", [](PyTransfers& t, uintptr_t s) { t.transfers->wait_published(stream_of(s)); },
-           nb::arg("stream"))
+      .def(
+          "issue",
+          [](PyTransfers& t, int unit, uintptr_t s) { t.transfers->issue(unit, stream_of(s)); },
+          nb::arg("unit"), nb::arg("stream"))
+      .def(
+          "wait_unit",
+          [](PyTransfers& t, int unit, uintptr_t s) { t.transfers->wait_unit(unit, stream_of(s)); },
+          nb::arg("unit"), nb::arg("stream"))
+      .def(
+          "used", [](PyTransfers& t, int b) { t.transfers->used(b); }, nb::arg("bucket"))
+      .def(
+          "release_unit", [](PyTransfers& t, int u) { t.transfers->release_unit(u); },
+          nb::arg("unit"))
+      .def(
+          "release_all",
+          [](PyTransfers& t, uintptr_t s) { t.transfers->release_all(stream_of(s)); },
+          nb::arg("stream"))
+      .def(
+          "grad_ready",
+          [](PyTransfers& t, int j, uintptr_t s) {
+            return t.transfers->grad_ready(j, stream_of(s));
+          },
+          nb::arg("matrix"), nb::arg("stream"),
+          "Returns, per unit whose matrices owned here all landed now, those matrices.")
+      .def(
+          "wait",
+          [](PyTransfers& t, const std::vector<int>& js, uintptr_t s) {
+            t.transfers->wait(js, stream_of(s));
+          },
+          nb::arg("matrices"), nb::arg("stream"))
+      .def(
+          "prepared", [](PyTransfers& t, const std::vector<int>& js) { t.transfers->prepared(js); },
+          nb::arg("matrices"))
+      .def(
+          "finish", [](PyTransfers& t, uintptr_t s) { return t.transfers->finish(stream_of(s)); },
+          nb::arg("stream"),
+          "Returns the matrices owned here whose gradients are sums to divide by the world size.")
+      .def(
+          "publish", [](PyTransfers& t, uintptr_t s) { t.transfers->publish(stream_of(s)); },
+          nb::arg("stream"))
+      .def(
+          "wait_published",
+          [](PyTransfers& t, uintptr_t s) { t.transfers->wait_published(stream_of(s)); },
+          nb::arg("stream"))
       .def(
           "broadcast_bucket",
           [](PyTransfers& t, int b, Array buf, uintptr_t s) {

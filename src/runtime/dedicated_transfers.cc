@@ -29,8 +29,9 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
              "dedicated transfers: the communicators (", world_comm_->name(), ", ",
              control_->name(), ") are not the dedicated world of ", world_.size, " (member ",
              world_.member, ")");
-    DM_CHECK(control_->device().kind == DeviceKind::kCPU, "dedicated transfers: the control "
-             "communicator ", control_->name(), " must move host memory");
+    DM_CHECK(control_->device().kind == DeviceKind::kCPU,
+             "dedicated transfers: the control communicator ", control_->name(),
+             " must move host memory");
   }
   const int my_r = replica_of(world_.member), my_s = shard_position(world_.member);
   if (world_.replicate > 1) {  // the engine's HSDP split (dist_setup.cc)
@@ -48,9 +49,10 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
   for (auto u = layout_.units.rbegin(); u != layout_.units.rend(); ++u)
     order_.insert(order_.end(), u->matrices.rbegin(), u->matrices.rend());
   for (const DedicatedLayout::Unit& u : layout_.units)
-    mine_per_unit_.push_back(static_cast<int>(std::count_if(
-        u.matrices.begin(), u.matrices.end(),
-        [&](int j) { return matrices_[j].owner == world_.member; })));
+    mine_per_unit_.push_back(
+        static_cast<int>(std::count_if(u.matrices.begin(), u.matrices.end(), [&](int j) {
+          return matrices_[j].owner == world_.member;
+        })));
   reduction_.resize(n);
   reset();
 }
@@ -181,17 +183,16 @@ void DedicatedTransfers::broadcast_bucket(int b, void* buf, void* stream) {
   if (shard_size_ == 1) return;
   bind(stream);
   const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
-  InFlight f{shard_->broadcast(buf, bucket.numel, comm_type(bucket.dtype),
-                               shard_position(bucket.owner)),
-             nullptr};
+  InFlight f{
+      shard_->broadcast(buf, bucket.numel, comm_type(bucket.dtype), shard_position(bucket.owner)),
+      nullptr};
   order(f);
 }
 
 // ---- backward ---------------------------------------------------------------------------------
 
 std::vector<std::vector<int>> DedicatedTransfers::grad_ready(int j, void* stream) {
-  DM_CHECK(j >= 0 && j < static_cast<int>(matrices_.size()), "dedicated transfers: no matrix ",
-           j);
+  DM_CHECK(j >= 0 && j < static_cast<int>(matrices_.size()), "dedicated transfers: no matrix ", j);
   std::vector<std::vector<int>> landed;
   if (state_[j] == State::kReady) return landed;  // not sent yet: accumulated in place
   if (state_[j] != State::kNone) {
@@ -235,8 +236,8 @@ void DedicatedTransfers::advance(bool blocking, std::vector<std::vector<int>>* l
     const DedicatedMatrix& m = matrices_[j];
     if (world_.replicate > 1 && r != Role::kSender) {
       order(reduction_[j]);  // stage 0 complete (on a stream: for the bound stream)
-      reduction_[j] = {replica_->reduce(grad_[j].data, grad_[j].data, m.numel,
-                                        comm_type(m.dtype), ReduceOp::kSum, replica_of(m.owner)),
+      reduction_[j] = {replica_->reduce(grad_[j].data, grad_[j].data, m.numel, comm_type(m.dtype),
+                                        ReduceOp::kSum, replica_of(m.owner)),
                        grad_[j].keep};
     } else if (r == Role::kSender) {
       // Nothing here reads the result: only the memory and the deadline are left to check.
@@ -259,8 +260,7 @@ void DedicatedTransfers::advance(bool blocking, std::vector<std::vector<int>>* l
 void DedicatedTransfers::arrived(int j, std::vector<std::vector<int>>* landed) {
   state_[j] = State::kLanded;
   const int unit = layout_.unit_of[j];
-  if (++landed_per_unit_[unit] != mine_per_unit_[unit] || collecting_ || landed == nullptr)
-    return;
+  if (++landed_per_unit_[unit] != mine_per_unit_[unit] || collecting_ || landed == nullptr) return;
   std::vector<int> mine;
   for (int k : layout_.units[unit].matrices)
     if (matrices_[k].owner == world_.member) mine.push_back(k);

@@ -24,8 +24,8 @@ namespace {
 using test::Mirror;
 
 // Three layers of two matrices; owners spread over the world.
-const std::vector<std::string> kModules = {"", "h", "h.0", "h.0.a", "h.0.b", "h.1", "h.1.a",
-                                           "h.1.b", "h.2", "h.2.a", "h.2.b"};
+const std::vector<std::string> kModules = {"",      "h",     "h.0", "h.0.a", "h.0.b", "h.1",
+                                           "h.1.a", "h.1.b", "h.2", "h.2.a", "h.2.b"};
 const std::vector<std::string> kNames = {"h.0.a.w", "h.0.b.w", "h.1.a.w",
                                          "h.1.b.w", "h.2.a.w", "h.2.b.w"};
 constexpr int64_t kNumel = 5;
@@ -188,7 +188,8 @@ TEST(DedicatedTransfers, ASecondBackwardBeforeTheStepIsReducedAgain) {
     }
   rig.transfers->finish(rig.stream());
   for (int j = 0; j < n; ++j)
-    if (rig.mine(j)) test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0, 1}), kNames[j]);
+    if (rig.mine(j))
+      test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0, 1}), kNames[j]);
 }
 
 TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
@@ -244,9 +245,9 @@ TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGr
       rig.transfers->wait_unit(u, rig.stream());
       rig.transfers->issue(u + 1, rig.stream());
       for (int b : rig.layout.units[u].buckets)
-        test::expect_close(rig.memory->bucket_values(b), owner_values(b),
-                           "bucket " + std::to_string(b) + " (replica " + std::to_string(my_r) +
-                               ")");
+        test::expect_close(
+            rig.memory->bucket_values(b), owner_values(b),
+            "bucket " + std::to_string(b) + " (replica " + std::to_string(my_r) + ")");
     }
     for (size_t b = 0; b < rig.layout.buckets.size(); ++b) {
       const int grads = static_cast<int>(rig.layout.buckets[b].matrices.size());
