@@ -25,6 +25,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "distmuon/comm.h"
@@ -118,8 +119,11 @@ class DedicatedTransfers {
   enum class State { kNone, kReady, kSkipped, kSent, kLanded };
   enum class Role { kOwner, kRelay, kSender };
   struct InFlight {  // one collective and the memory it uses
-    CommHandle handle;
+    InFlight() = default;
+    InFlight(CommHandle h, std::shared_ptr<void> k) : keep(std::move(k)), handle(std::move(h)) {}
+    // Declared first, so destroyed last: after the handle, whose destructor waits.
     std::shared_ptr<void> keep;
+    CommHandle handle;
   };
 
   void bind(void* stream);

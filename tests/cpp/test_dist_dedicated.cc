@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -50,20 +51,20 @@ class Memory final : public DedicatedMemory {
   Region grad(int j) override {
     if (!grads_[j]) {  // none here: zeros (the owner keeps them as its gradient)
       ++zero_filled;
-      grads_[j].emplace(be_, std::vector<float>(kNumel, 0.0f));
+      grads_[j] = std::make_shared<Mirror<float>>(be_, std::vector<float>(kNumel, 0.0f));
     }
-    return {grads_[j]->data(), nullptr};
+    return {grads_[j]->data(), grads_[j]};  // a dropped gradient lives on while it travels
   }
   void drop_grad(int j) override {
     EXPECT_NE(mats_[j].owner, member_) << "the owner keeps its gradient";
     grads_[j].reset();
   }
-  bool has_grad(int j) override { return grads_[j].has_value(); }
+  bool has_grad(int j) override { return grads_[j] != nullptr; }
 
   // Backward accumulating into matrix j's gradient.
   void accumulate(int j, const std::vector<float>& g) {
     if (!grads_[j]) {
-      grads_[j].emplace(be_, g);
+      grads_[j] = std::make_shared<Mirror<float>>(be_, g);
       return;
     }
     std::vector<float> v = grads_[j]->get();
@@ -85,7 +86,7 @@ class Memory final : public DedicatedMemory {
   int member_;
   const std::vector<DedicatedMatrix>& mats_;
   std::vector<Mirror<float>> buckets_;
-  std::vector<std::optional<Mirror<float>>> grads_;
+  std::vector<std::shared_ptr<Mirror<float>>> grads_;
 };
 
 struct Rig {
@@ -181,11 +182,17 @@ TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
 TEST(DedicatedTransfers, ASecondBackwardBeforeTheStepIsReducedAgain) {
   Rig rig(1);
   const int n = static_cast<int>(kNames.size());
-  for (int round = 0; round < 2; ++round)
+  std::vector<int> all(n);
+  for (int j = 0; j < n; ++j) all[j] = j;
+  for (int round = 0; round < 2; ++round) {
     for (int j = n - 1; j >= 0; --j) {
       rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, round));
       rig.transfers->grad_ready(j, rig.stream());
     }
+    // The owner accumulates into the buffer its reduction writes: the first backward's
+    // reductions complete before the second backward runs (autograd's order on one stream).
+    if (round == 0) rig.transfers->wait(all, rig.stream());
+  }
   rig.transfers->finish(rig.stream());
   for (int j = 0; j < n; ++j)
     if (rig.mine(j))
