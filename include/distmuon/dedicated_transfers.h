@@ -111,8 +111,8 @@ class DedicatedTransfers {
   // other replicas (waited before the bucket's next broadcast, or by wait_published()).
   void publish(void* stream);
   void wait_published(void* stream);
-  // Member-wide: bucket b as its owner holds it, into `buf` (of the bucket's size) on every
-  // member of the shard group (blocking; for a model state_dict).
+  // Collective: bucket b as its owner holds it, into `buf` (of the bucket's size) on every
+  // member of the shard group, complete for `stream` on return (for a model state_dict).
   void broadcast_bucket(int b, void* buf, void* stream);
 
  private:
