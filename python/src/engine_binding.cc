@@ -11,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "distmuon/dedicated.h"
 #include "distmuon/engine.h"
 #include "comm_binding.h"
 #include "dlpack.h"
@@ -271,45 +270,6 @@ void bind_engine(nb::module_& m) {
       "The owners Engine.setup() would plan for these Muon matrices (rows, cols), with the "
       "planner and costs of `dist`: a dict with 'owner' (world rank per matrix), 'owner_load', "
       "'makespan', 'imbalance', 'solver', 'status', 'hash', 'costs' (what the costs were).");
-
-  m.def("dedicated_unit", &dedicated_unit, nb::arg("name"),
-        "The unit (layer module) of a dedicated parameter: the planner's layer rule on its module "
-        "path ('transformer.h.3.mlp.c_fc.weight' -> 'transformer.h.3'), else its module.");
-  nb::class_<DedicatedLayout::Unit>(m, "DedicatedUnit")
-      .def_ro("module", &DedicatedLayout::Unit::module)
-      .def_ro("matrices", &DedicatedLayout::Unit::matrices)
-      .def_ro("buckets", &DedicatedLayout::Unit::buckets);
-  nb::class_<DedicatedLayout::Bucket>(m, "DedicatedBucket")
-      .def_ro("unit", &DedicatedLayout::Bucket::unit)
-      .def_ro("owner", &DedicatedLayout::Bucket::owner)
-      .def_ro("dtype", &DedicatedLayout::Bucket::dtype)
-      .def_ro("matrices", &DedicatedLayout::Bucket::matrices)
-      .def_ro("numel", &DedicatedLayout::Bucket::numel)
-      .def_ro("kept", &DedicatedLayout::Bucket::kept);
-  nb::class_<DedicatedLayout>(m, "DedicatedLayout")
-      .def_ro("units", &DedicatedLayout::units)
-      .def_ro("buckets", &DedicatedLayout::buckets)
-      .def_ro("unit_of", &DedicatedLayout::unit_of)
-      .def_ro("bucket_of", &DedicatedLayout::bucket_of)
-      .def_ro("offset", &DedicatedLayout::offset);
-  m.def(
-      "dedicated_layout",
-      [](const std::vector<std::string>& names, const std::vector<int64_t>& numels,
-         const std::vector<DType>& dtypes, const std::vector<int>& owners,
-         const std::vector<std::string>& modules, int world_size, int replicate, int member) {
-        if (numels.size() != names.size() || dtypes.size() != names.size() ||
-            owners.size() != names.size())
-          value_error("dedicated_layout: one numel, dtype and owner per name");
-        std::vector<DedicatedMatrix> mats;
-        for (size_t k = 0; k < names.size(); ++k)
-          mats.push_back({names[k], numels[k], dtypes[k], owners[k]});
-        return dedicated_layout(mats, modules, DedicatedWorld{world_size, replicate, member});
-      },
-      nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"), nb::arg("owners"),
-      nb::arg("modules"), nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),
-      "The dedicated runtime's units (layers, in the forward order of `modules`) and buckets "
-      "(per unit, owner and dtype: one flat buffer, one broadcast) of these matrices, owners "
-      "given as members of a world of replicate x shard.");
 
   nb::class_<PyEngine>(m, "Engine",
                        "The C++ optimizer engine on one backend ('cpu' or 'cuda'). Register "

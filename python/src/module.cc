@@ -18,6 +18,7 @@ using namespace distmuon;
 namespace distmuon::py {
 void bind_engine(nb::module_& m);
 void bind_comm(nb::module_& m);
+void bind_dedicated(nb::module_& m);
 }
 
 namespace {
@@ -147,5 +148,6 @@ NB_MODULE(_C, m) {
   bind_options(m);
   distmuon::py::bind_comm(m);
   distmuon::py::bind_engine(m);
+  distmuon::py::bind_dedicated(m);
   bind_functions(m);
 }

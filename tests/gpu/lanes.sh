@@ -42,7 +42,7 @@ ENGINE_FILTER_LARGE='*EveryMode*:*RanksThatOwnNothing*:*DedicatedCaller*'
 nccl_dist_suites() {
   local n t
   for n in ${1//,/ }; do
-    for t in comm engine errors; do
+    for t in comm engine errors dedicated; do
       mkdir -p "$WORK/nccl_dist_$t-$n"
       local filter=()
       [ "$t" = engine ] && [ "$n" -gt 4 ] && filter=(--gtest_filter="$ENGINE_FILTER_LARGE")

@@ -18,7 +18,8 @@ JOBS=${JOBS:-2}
 mkdir -p .gpubin
 
 targets="test_cuda_backend test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm
-         test_nccl_dist_comm test_nccl_dist_engine test_nccl_dist_errors nccl_fault_probe
+         test_nccl_dist_comm test_nccl_dist_engine test_nccl_dist_errors test_nccl_dist_dedicated
+         nccl_fault_probe
          distmuon-bench distmuon-plan distmuon-cuda-bench"
 echo "[stage] C++ binaries (build/, CUDA on)"
 cmake --preset release -DDISTMUON_WITH_CUDA=ON -DPython3_EXECUTABLE="$(command -v python3)" > /dev/null

@@ -131,12 +131,12 @@ def main() -> int:
         reports = [j for p in sorted(glob.glob(os.path.join(d, "rank*.json"))) if (j := load_json(p))]
         cases = gtest_cases(reports)
         if len(reports) < int(n) or (rc.get(base, {}).get("rc", 1) != 0 and all(c["ok"] for c in cases.values())):
-            suites.add("cpp", {"engine": "engine", "comm": "nccl-comm", "errors": "errors"}[kind], int(n), False,
+            suites.add("cpp", {"engine": "engine", "comm": "nccl-comm", "errors": "errors", "dedicated": "dedicated-transfers"}[kind], int(n), False,
                        case=f"{base}: exit {rc.get(base, {}).get('rc')}, {len(reports)} of {n} rank reports")
         for case, c in cases.items():
             if c["skipped"]:
                 continue
-            name = suite_of_engine_test(case) if kind == "engine" else {"comm": "nccl-comm", "errors": "errors"}[kind]
+            name = suite_of_engine_test(case) if kind == "engine" else {"comm": "nccl-comm", "errors": "errors", "dedicated": "dedicated-transfers"}[kind]
             suites.add("cpp", name, int(n), c["ok"], c["diff"], case=f"{base} {case}")
     # Fault tests.
     faults = load_json(os.path.join(w, "faults.json")) or []

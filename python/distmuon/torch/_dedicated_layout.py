@@ -1,7 +1,8 @@
 """What ``dedicate()`` decides once: the dedicated world (replicate x shard ranks), which
 matrices, their owners (the engine's planner), and from the engine's layout (distmuon/dedicated.h:
 the planner's layer rule) the layer ("unit") each belongs to and the flat buffers that make one
-broadcast per owner per layer.
+broadcast per owner per layer; and the memory the engine's transfers move
+(distmuon/dedicated_transfers.h), which stays here.
 
 Every dedicated parameter becomes a view into the flat buffer of its (unit, owner) bucket. The
 ranks that keep a bucket between steps hold its storage: the owner and, in HSDP, the ranks at
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon import _C
-from distmuon.torch._device import gpu_ranks_per_node
+from distmuon.torch._device import gpu_ranks_per_node, to_dlpack
 from distmuon.torch._options import engine_dtype
 
 
@@ -114,6 +115,38 @@ class Unit:
     buckets: list[int] = field(default_factory=list)
 
 
+class Memory:
+    """What the engine's transfers ask for when a stage moves data (DedicatedMemory): a bucket's
+    flat buffer, materialised on demand, and each matrix's gradient, dropped by non-owners once
+    sent (the transfers hold the tensor until the collective is done)."""
+
+    def __init__(self, matrices: list[Matrix], buckets: list[Bucket], member: int) -> None:
+        self.matrices, self.buckets, self.member = matrices, buckets, member
+
+    def bucket(self, b: int) -> Any:
+        bucket = self.buckets[b]
+        bucket.materialise()
+        return to_dlpack(bucket.flat)
+
+    def release_bucket(self, b: int) -> None:
+        self.buckets[b].free()
+
+    def grad(self, j: int) -> Any:
+        m = self.matrices[j]
+        g = m.param.grad
+        if g is None:
+            g = torch.zeros_like(m.param)
+            if m.owner == self.member:
+                m.param.grad = g
+        return to_dlpack(g)
+
+    def drop_grad(self, j: int) -> None:
+        self.matrices[j].param.grad = None
+
+    def has_grad(self, j: int) -> bool:
+        return self.matrices[j].param.grad is not None
+
+
 def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
     """The Grid of a 1D mesh (flat), a 2D (replicate, shard) mesh, or a 1D shard mesh with a 1D
     replicate mesh."""
@@ -189,10 +222,10 @@ def plan(matrices: list[Matrix], grid: Grid, groups: Groups, device: torch.devic
     return result[0]
 
 
-def lay_out(model: nn.Module, matrices: list[Matrix], grid: Grid) -> tuple[list[Unit], list[Bucket]]:
+def lay_out(model: nn.Module, matrices: list[Matrix], grid: Grid) -> tuple[list[Unit], list[Bucket], Any]:
     """The units (in forward order: the order of the modules) and buckets of the engine's layout
-    of the owned matrices; each parameter becomes a view into its bucket's flat buffer and the
-    storage of buckets this rank does not keep is freed."""
+    of the owned matrices, and the layout itself; each parameter becomes a view into its
+    bucket's flat buffer and the storage of buckets this rank does not keep is freed."""
     layout = _C.dedicated_layout(
         [m.name for m in matrices], [m.param.numel() for m in matrices],
         [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
@@ -213,7 +246,7 @@ def lay_out(model: nn.Module, matrices: list[Matrix], grid: Grid) -> tuple[list[
         bucket = Bucket(b.unit, b.owner, list(b.matrices), flat, b.kept)
         bucket.free()
         buckets.append(bucket)
-    return units, buckets
+    return units, buckets, layout
 
 
 def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> list[Matrix]:

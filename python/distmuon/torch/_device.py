@@ -75,6 +75,11 @@ def _stream(device: torch.device) -> int:
 COMMUNICATORS = ("auto", "torch", "nccl", "mpi")
 
 
+def check_communicator(kind: str) -> None:
+    if kind not in COMMUNICATORS:
+        raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
+
+
 def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") -> _C.Communicator:
     """The engine's communicator for `topo`.
 
@@ -85,8 +90,7 @@ def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") 
     - 'mpi': the engine's MPI communicator over MPI_COMM_WORLD (CPU; launched by mpirun, with the
       torch ranks equal to the MPI ranks).
     """
-    if kind not in COMMUNICATORS:
-        raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
+    check_communicator(kind)
     if kind == "auto":
         kind = "nccl" if device.type == "cuda" and _C.nccl_available() else "torch"
     if kind == "nccl":

@@ -14,6 +14,10 @@ steps:
   that ``step()`` only applies the updates of those;
 - HSDP: after the step each owner sends its updated weights to its replicas asynchronously.
 
+The data movement is the engine's (distmuon/dedicated_transfers.h, over the communicator made
+here, which the optimizer's dedicated engine shares); this module keeps the PyTorch hooks that
+call its stages, and the memory (bucket storage, gradients) they move.
+
 ``distmuon.torch.Muon`` built on the model (after ``fully_shard``) finds these parameters and
 steps them in the engine's dedicated mode; its checkpoints have the format of the other modes.
 """
@@ -28,12 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from distmuon.torch._dedicated_comm import Publisher, Reducer
+from distmuon import _C
 from distmuon.torch._dedicated_layout import (
     Bucket,
     Grid,
     Groups,
     Matrix,
+    Memory,
     Unit,
     collect,
     lay_out,
@@ -41,8 +46,11 @@ from distmuon.torch._dedicated_layout import (
     make_groups,
     plan,
 )
+from distmuon.torch._device import check_communicator, make_communicator, to_dlpack
 from distmuon.torch._dist import Topology
+from distmuon.torch._options import engine_dtype
 from distmuon.torch._params import default_muon_filter, matrix_shape, module_param_infos
+from distmuon.torch._torch_comm import TorchCollectives
 
 # The attribute by which a dedicated parameter names its handle (a weak reference), so that the
 # optimizer finds it. (Tensors are no dictionary keys: their == is elementwise.) The model keeps
@@ -72,7 +80,7 @@ class Dedicated:
 
     def __init__(
         self, model: nn.Module, grid: Grid, groups: Groups, matrices: list[Matrix], units: list[Unit],
-        buckets: list[Bucket], plan_info: dict[str, Any], overlap_step: bool,
+        buckets: list[Bucket], layout: Any, plan_info: dict[str, Any], overlap_step: bool, communicator: str,
     ) -> None:
         self.grid, self.groups, self.matrices, self.units, self.buckets = grid, groups, matrices, units, buckets
         self.plan = plan_info
@@ -80,8 +88,21 @@ class Dedicated:
         self.device = matrices[0].param.device
         self.cuda = self.device.type == "cuda"
         self.side = torch.cuda.Stream(self.device) if self.cuda else None
-        self.publisher = Publisher(grid, groups, units, self.buckets)
-        self.reducer = Reducer(grid, groups, matrices, units, self.cuda, self._landed)
+        # The engine's communicator of the dedicated world (the optimizer's dedicated engine
+        # shares it) and a host one for the vote of each step; none in one process.
+        self.comm: Any = None
+        control = None
+        if grid.size > 1:
+            self.comm = make_communicator(self.topology(), self.device, communicator)
+            control = _C.make_python_communicator(
+                TorchCollectives(groups.control, torch.device("cpu")), grid.member, grid.size,
+                "torch-gloo:dedicated-control", list(grid.ranks),
+            )
+        self.transfers = _C.DedicatedTransfers(
+            layout, [m.name for m in matrices], [m.numel for m in matrices],
+            [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
+            grid.size, grid.replicate, grid.member, self.comm, control, Memory(matrices, buckets, grid.member),
+        )
         self._sync = True
         self._prepare: Callable[[list[nn.Parameter], Any], None] | None = None
         self._discard: Callable[[], None] | None = None
@@ -140,7 +161,7 @@ class Dedicated:
 
     def wait(self) -> None:
         """Completes the HSDP publication of the last step (forward does it before use)."""
-        self.publisher.wait_published()
+        self.transfers.wait_published(self._stream())
 
     def remove(self) -> None:
         """Removes the hooks (the parameters stay views of their buckets)."""
@@ -164,21 +185,26 @@ class Dedicated:
             for m in self.matrices:
                 self._handles.append(m.param.register_post_accumulate_grad_hook(self._grad_hook(m.index)))
 
+    def _stream(self) -> int:
+        """torch's current stream, which the transfers' stages order their results on."""
+        return int(torch.cuda.current_stream(self.device).cuda_stream) if self.cuda else 0
+
     def _begin_forward(self, module: nn.Module, args: Any) -> None:
-        self.publisher.begin_forward()
-        self.publisher.issue(0)
+        self.transfers.begin_forward()
+        self.transfers.issue(0, self._stream())
 
     def _before_unit(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any) -> None:
-            self.publisher.wait(k)
-            self.publisher.issue(k + 1)  # prefetch: the next layer travels while this one runs
+            stream = self._stream()
+            self.transfers.wait_unit(k, stream)
+            self.transfers.issue(k + 1, stream)  # prefetch: the next layer travels while this one runs
 
         return hook
 
     def _after_unit(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():  # no backward will use them
-                self.publisher.release_unit(k)
+                self.transfers.release_unit(k)
 
         return hook
 
@@ -187,38 +213,39 @@ class Dedicated:
 
         def hook(p: torch.Tensor) -> None:
             if self._sync:
-                self.reducer.grad_ready(j)
+                for js in self.transfers.grad_ready(j, self._stream()):
+                    self._landed(js)
             if self.grid.size > 1:
-                self.publisher.used(bucket)
+                self.transfers.used(bucket)
 
         return hook
 
-    def _landed(self, js: list[int]) -> bool:
+    def _landed(self, js: list[int]) -> None:
         """Owner: the reduced gradients of its matrices of one layer are in (or on their way, on
-        CUDA): their momentum and orthogonalization start now. False: left to step()."""
+        CUDA): their momentum and orthogonalization start now, unless left to step()."""
         if not self.overlap_step or self._prepare is None:
-            return False
+            return
         params = [self.matrices[j].param for j in js]
         if not all(p.grad is not None and p.grad.is_contiguous() for p in params):
-            return False  # unusual layouts: step() copies them
+            return  # unusual layouts: step() copies them
         size = self.grid.size
         if self.side is None:
-            self.reducer.wait(js)
+            self.transfers.wait(js, 0)
             for p in params:
                 if size > 1:
                     p.grad.div_(size)  # type: ignore[union-attr]
             self._prepare(params, None)
-            return True
-        self.side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.side):
-            self.reducer.wait(js)
-            for p in params:
-                assert p.grad is not None
-                if size > 1:
-                    p.grad.div_(size)
-                p.grad.record_stream(self.side)
-            self._prepare(params, self.side)
-        return True
+        else:
+            self.side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.side):
+                self.transfers.wait(js, int(self.side.cuda_stream))
+                for p in params:
+                    assert p.grad is not None
+                    if size > 1:
+                        p.grad.div_(size)
+                    p.grad.record_stream(self.side)
+                self._prepare(params, self.side)
+        self.transfers.prepared(js)
 
     # ---- the optimizer's side -------------------------------------------------------------------
 
@@ -232,18 +259,22 @@ class Dedicated:
         before the step on CUDA."""
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
+        stream = self._stream()
         try:
-            self.reducer.finish()
+            sums = self.transfers.finish(stream)
         except RuntimeError:
             if self._discard is not None:
                 self._discard()
-            self.publisher.release_all()
+            self.transfers.release_all(stream)
             raise
+        for j in sums:  # a division, as one process's mean is: the same numbers bit for bit
+            self.matrices[j].param.grad.div_(self.grid.size)  # type: ignore[union-attr]
 
     def after_step(self) -> None:
         """Non-owners' copies go; HSDP owners publish to their replicas."""
-        self.publisher.release_all()
-        self.publisher.publish()
+        stream = self._stream()
+        self.transfers.release_all(stream)
+        self.transfers.publish(stream)
 
     # ---- model state_dict -----------------------------------------------------------------------
 
@@ -251,12 +282,9 @@ class Dedicated:
         """Every rank's model state_dict shows the dedicated weights whole (fresh tensors where
         this rank does not keep them; collective), as a plain tensor every rank holds alike."""
         self.wait()
-        my_r = self.grid.coords(self.grid.member)[0]
-        for bucket in self.buckets:
+        for b, bucket in enumerate(self.buckets):
             src = bucket.flat if bucket.kept else torch.empty_like(bucket.flat)
-            if self.grid.shard > 1:
-                owner_s = self.grid.coords(bucket.owner)[1]
-                torch.distributed.broadcast(src, src=self.grid.at(my_r, owner_s), group=self.groups.shard)
+            self.transfers.broadcast_bucket(b, to_dlpack(src), self._stream())
             for j in bucket.matrices:
                 m = self.matrices[j]
                 key = prefix + m.name
@@ -281,6 +309,7 @@ def dedicate(
     *,
     planner: str = "milp",
     overlap_step: bool | None = None,
+    communicator: str = "auto",
 ) -> Dedicated:
     """Dedicates the matrices of `model` that `predicate(name, param)` selects (default: those
     distmuon.torch.Muon gives Muon, 2D or convolution kernels) to owner ranks; call it after
@@ -302,7 +331,12 @@ def dedicate(
     run backward once per synchronised micro-batch. Mixed precision: FSDP2's
     ``MixedPrecisionPolicy`` does not reach these matrices (they are ignored_params), so they keep
     their dtype; run the forward under ``torch.autocast`` (or keep the model in one dtype).
+
+    `communicator` moves the dedicated traffic and serves the optimizer's dedicated engine:
+    'auto', 'torch', 'nccl' or 'mpi', as ``Muon(communicator=...)`` (the vote of each step runs
+    on a gloo group whatever it is).
     """
+    check_communicator(communicator)
     infos = module_param_infos(model)
 
     def shape(name: str, p: nn.Parameter) -> tuple[int, int, int]:
@@ -327,9 +361,9 @@ def dedicate(
     info = plan(matrices, grid, groups, device, planner)
     for m, owner in zip(matrices, info["owner"]):
         m.owner = int(owner)
-    units, buckets = lay_out(model, matrices, grid)
+    units, buckets, layout = lay_out(model, matrices, grid)
     if overlap_step is None:
         # One rank has no transfer to hide, and the early solves run layer by layer in smaller
         # batches than step()'s (H200, GPT 12x768: 37.1 ms per step with them, 33.2 without).
         overlap_step = device.type == "cuda" and grid.size > 1
-    return Dedicated(model, grid, groups, matrices, units, buckets, info, overlap_step)
+    return Dedicated(model, grid, groups, matrices, units, buckets, layout, info, overlap_step, communicator)

@@ -98,6 +98,7 @@ class Muon(torch.optim.Optimizer):
         communicator: how the engine's collectives travel: 'auto' (NCCL for CUDA parameters
             when the build has it, else 'torch'), 'torch' (over the torch.distributed process
             group: gloo on the CPU), 'nccl', or 'mpi' (CPU, under mpirun, in a build with MPI).
+            Dedicated matrices travel on the communicator ``dedicate(communicator=...)`` chose.
 
     Distributed: every rank builds the optimizer and steps it together (the step is
     collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
@@ -388,6 +389,8 @@ class Muon(torch.optim.Optimizer):
             for i, s in enumerate(mine):
                 s.index = i
             comm = next((p.comm for p in old_parts if p.topo.mode == topo.mode), None)
+            if handle is not None:  # the dedicated engine shares the handle's transfers' communicator
+                comm = handle.comm
             parts.append(
                 build_part(topo, mine, options, device, self._nonfinite, self._bucket_mb, self._communicator, comm, handle)
             )

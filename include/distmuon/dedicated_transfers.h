@@ -1,0 +1,178 @@
+// The dedicated runtime's data movement for a front end that keeps the model's memory itself
+// (distmuon.torch.dedicate): weights out of the owners in forward, gradients into them in
+// backward, the vote at step() and, in HSDP, the publication of updated weights to the other
+// replicas. The front calls these stages from its hooks; the memory (a bucket's flat buffer, a
+// matrix's gradient) stays the front's and is asked for through DedicatedMemory when a stage
+// needs it.
+//
+// Ordering. Members must issue the collectives of one communicator in the same order. Forward
+// broadcasts follow the unit order of the forward pass; gradient reductions follow one fixed
+// order of the matrices (the expected backward order: units in reverse, matrices in reverse
+// inside): a matrix is reduced only once every matrix before it has been, so members whose
+// gradients complete in another order still agree. What is left at finish() (matrices without a
+// gradient here, or held back by an earlier one) is reduced then, after a vote on the host
+// control communicator says which matrices have a gradient anywhere.
+//
+// Streams. With communicators that follow a stream (NCCL) every stage binds them to the stream
+// it is given and orders results on it (CommHandle::wait_on_stream), so a stage is issued right
+// after the previous one and the host never waits mid-step; the handles are checked for
+// completion and deadline later (polled at each stage, host-waited at the next finish()). With
+// host communicators (MPI, gloo through the PyTorch front) a stage is issued once the previous
+// one completed, checked without blocking each time backward delivers a gradient.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "distmuon/comm.h"
+#include "distmuon/dedicated.h"
+
+namespace distmuon {
+
+// The front's side: the memory of the buffers a stage moves.
+class DedicatedMemory {
+ public:
+  virtual ~DedicatedMemory() = default;
+  // Memory a collective reads or writes, and what keeps it alive until the collective is done.
+  struct Region {
+    void* data = nullptr;
+    std::shared_ptr<void> keep;
+  };
+  // Bucket b's flat buffer, materialised where this member does not keep it between steps.
+  virtual Region bucket(int b) = 0;
+  // This member is done with bucket b's weights for now: their memory may go unless kept.
+  virtual void release_bucket(int b) = 0;
+  // Matrix j's gradient, contiguous (zeros where this member has none; the owner keeps it as
+  // the matrix's gradient).
+  virtual Region grad(int j) = 0;
+  // A non-owner sent matrix j's gradient: it may drop it (the transfers keep the region alive
+  // for the collective).
+  virtual void drop_grad(int j) = 0;
+  // This member has a gradient of matrix j (for the vote of finish()).
+  virtual bool has_grad(int j) = 0;
+};
+
+class DedicatedTransfers {
+ public:
+  // `world`: a communicator over the dedicated world in member order (nullptr for one member);
+  // with replicate > 1 it is split here into the shard and replica communicators (collective).
+  // `control`: a host-memory communicator over the same members for the vote (nullptr for one
+  // member). Both must outlive this object, as must `memory`.
+  DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout,
+                     DedicatedWorld world, Communicator* world_comm, Communicator* control,
+                     DedicatedMemory& memory);
+  ~DedicatedTransfers();
+  DedicatedTransfers(const DedicatedTransfers&) = delete;
+  DedicatedTransfers& operator=(const DedicatedTransfers&) = delete;
+
+  const DedicatedLayout& layout() const { return layout_; }
+
+  // Every stage takes the stream (a cudaStream_t; ignored by host communicators) it orders its
+  // results on; communicators that follow a stream are bound to it first.
+
+  // ---- forward: one broadcast per bucket, from its owner in the shard group -----------------
+  void begin_forward();
+  // Starts the broadcasts of a unit's buckets not started in this forward (none past the last).
+  void issue(int unit, void* stream);
+  // The unit's weights are in place (for work issued afterwards on `stream`).
+  void wait_unit(int unit, void* stream);
+  // One gradient of the bucket is complete; after its last one the weights may go.
+  void used(int bucket);
+  // The unit's weights may go (a forward without backward).
+  void release_unit(int unit);
+  // Every broadcast done, every bucket released.
+  void release_all(void* stream);
+
+  // ---- backward: gradients reduced to the owners --------------------------------------------
+  // Backward completed matrix j's gradient on this member. Returns, for each unit whose
+  // matrices owned here all landed now, those matrices (during backward only): the caller may
+  // wait() on them and prepare their updates, then report it with prepared().
+  std::vector<std::vector<int>> grad_ready(int j, void* stream);
+  // The matrices' reductions are complete for work issued afterwards on `stream`.
+  void wait(std::span<const int> js, void* stream);
+  // The owner prepared these matrices' updates from their landed gradients.
+  void prepared(std::span<const int> js);
+
+  // ---- step ---------------------------------------------------------------------------------
+  // Sends what is left (zeros from members without a gradient, nothing for matrices without
+  // one anywhere, as the vote says), reduces again the gradients that arrived after a matrix
+  // was sent (several synchronised backwards before one step) and orders everything on
+  // `stream`. Throws, on every member, when a gradient arrived after its matrix's update was
+  // prepared; the state is reset either way. Returns the matrices owned here that hold the sum
+  // of their gradients over the members and are not prepared: the caller divides them by the
+  // world size (a division, as one process's mean is, so that the numbers match bit for bit).
+  std::vector<int> finish(void* stream);
+
+  // HSDP: each owner sends its updated buckets to the members at its shard position in the
+  // other replicas (waited before the bucket's next broadcast, or by wait_published()).
+  void publish(void* stream);
+  void wait_published(void* stream);
+  // Collective: bucket b as its owner holds it, into `buf` (of the bucket's size) on every
+  // member of the shard group, complete for `stream` on return (for a model state_dict).
+  void broadcast_bucket(int b, void* buf, void* stream);
+
+ private:
+  enum class State { kNone, kReady, kSkipped, kSent, kLanded };
+  enum class Role { kOwner, kRelay, kSender };
+  struct InFlight {  // one collective and the memory it uses
+    InFlight() = default;
+    InFlight(CommHandle h, std::shared_ptr<void> k) : keep(std::move(k)), handle(std::move(h)) {}
+    // Declared first, so destroyed last: after the handle, whose destructor waits.
+    std::shared_ptr<void> keep;
+    CommHandle handle;
+  };
+
+  void bind(void* stream);
+  bool follows_stream() const;
+  Role role(int j) const;
+  int shard_position(int member) const { return member % shard_size_; }
+  int replica_of(int member) const { return member / shard_size_; }
+  bool done(InFlight& f);  // complete, or ordered on a stream (test() may finish it)
+  // Completes `f` for work issued afterwards on the bound stream (host communicators: waits).
+  void order(InFlight& f);
+  void complete(int j);  // order() on matrix j's reduction; its gradient is no longer needed
+  void retire();         // drops the ordered collectives that completed (polled)
+  void reset();
+  void send(int j);
+  void advance(bool blocking, std::vector<std::vector<int>>* landed);
+  void arrived(int j, std::vector<std::vector<int>>* landed);
+  void second_pass(const std::vector<int>& redo);
+  void wait_replica(int b);
+
+  std::vector<DedicatedMatrix> matrices_;
+  DedicatedLayout layout_;
+  DedicatedWorld world_;
+  int shard_size_ = 1;
+  Communicator* world_comm_ = nullptr;
+  Communicator* control_ = nullptr;
+  Communicator* shard_ = nullptr;  // the world itself when flat
+  std::unique_ptr<Communicator> shard_owned_, replica_;
+  DedicatedMemory& memory_;
+  // Collectives nothing waits for any more (ordered on a stream, or a sender's), kept until
+  // they complete for their memory and deadline; those of the last step are host-waited at the
+  // next finish().
+  std::vector<InFlight> unchecked_, last_step_;
+
+  // Forward.
+  std::vector<InFlight> broadcast_, publication_;  // per bucket
+  std::vector<bool> issued_;        // per bucket: its broadcast started in this forward
+  std::vector<int> pending_grads_;  // per bucket: gradients still to come
+
+  // Backward.
+  std::vector<int> order_;  // the fixed reduction order
+  std::vector<int> mine_per_unit_;
+  std::vector<State> state_;
+  std::vector<InFlight> reduction_;            // per matrix: the stage in flight
+  std::vector<DedicatedMemory::Region> grad_;  // per matrix: the gradient the stages reduce
+  size_t next_send_ = 0, next_move_ = 0;       // positions in order_
+  std::vector<int> arriving_;                  // owner: final stage issued, not known complete
+  std::vector<bool> dirty_, prepared_, late_;
+  std::vector<int> landed_per_unit_;
+  bool collecting_ = false;
+};
+
+}  // namespace distmuon

@@ -1,0 +1,356 @@
+// The dedicated runtime's data movement (distmuon/dedicated_transfers.h).
+#include "distmuon/dedicated_transfers.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "distmuon/error.h"
+
+namespace distmuon {
+
+DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
+                                       DedicatedLayout layout, DedicatedWorld world,
+                                       Communicator* world_comm, Communicator* control,
+                                       DedicatedMemory& memory)
+    : matrices_(std::move(matrices)),
+      layout_(std::move(layout)),
+      world_(world),
+      shard_size_(world.size / world.replicate),
+      world_comm_(world_comm),
+      control_(control),
+      memory_(memory) {
+  DM_CHECK(layout_.unit_of.size() == matrices_.size(), "dedicated transfers: a layout of ",
+           layout_.unit_of.size(), " matrices for ", matrices_.size());
+  if (world_.size > 1) {
+    DM_CHECK(world_comm_ && control_, "dedicated transfers: ", world_.size,
+             " members need a world and a control communicator");
+    DM_CHECK(world_comm_->size() == world_.size && world_comm_->rank() == world_.member &&
+                 control_->size() == world_.size && control_->rank() == world_.member,
+             "dedicated transfers: the communicators (", world_comm_->name(), ", ",
+             control_->name(), ") are not the dedicated world of ", world_.size, " (member ",
+             world_.member, ")");
+    DM_CHECK(control_->device().kind == DeviceKind::kCPU,
+             "dedicated transfers: the control communicator ", control_->name(),
+             " must move host memory");
+  }
+  const int my_r = replica_of(world_.member), my_s = shard_position(world_.member);
+  if (world_.replicate > 1) {  // the engine's HSDP split (dist_setup.cc)
+    shard_owned_ = world_comm_->split(my_r, my_s);
+    replica_ = world_comm_->split(my_s, my_r);
+    shard_ = shard_owned_.get();
+  } else {
+    shard_ = world_comm_;
+  }
+  const size_t buckets = layout_.buckets.size(), n = matrices_.size();
+  broadcast_.resize(buckets);
+  publication_.resize(buckets);
+  issued_.assign(buckets, false);
+  pending_grads_.assign(buckets, 0);
+  for (auto u = layout_.units.rbegin(); u != layout_.units.rend(); ++u)
+    order_.insert(order_.end(), u->matrices.rbegin(), u->matrices.rend());
+  for (const DedicatedLayout::Unit& u : layout_.units)
+    mine_per_unit_.push_back(
+        static_cast<int>(std::count_if(u.matrices.begin(), u.matrices.end(), [&](int j) {
+          return matrices_[j].owner == world_.member;
+        })));
+  reduction_.resize(n);
+  reset();
+}
+
+// Collectives still in flight are waited by their handles' destructors; a failed communicator's
+// are abandoned (CommHandle).
+DedicatedTransfers::~DedicatedTransfers() = default;
+
+void DedicatedTransfers::bind(void* stream) {
+  if (follows_stream()) world_comm_->bind_stream(stream);
+  retire();
+}
+
+bool DedicatedTransfers::follows_stream() const {
+  return world_comm_ != nullptr && world_comm_->caller_stream().has_value();
+}
+
+DedicatedTransfers::Role DedicatedTransfers::role(int j) const {
+  const int owner = matrices_[j].owner;
+  if (owner == world_.member) return Role::kOwner;
+  if (world_.replicate > 1 && shard_position(owner) == shard_position(world_.member))
+    return Role::kRelay;
+  return Role::kSender;
+}
+
+bool DedicatedTransfers::done(InFlight& f) {
+  return !f.handle.pending() || follows_stream() || f.handle.test();
+}
+
+void DedicatedTransfers::order(InFlight& f) {
+  if (follows_stream()) {
+    f.handle.wait_on_stream();
+    if (f.handle.pending()) unchecked_.push_back(std::move(f));
+  } else {
+    f.handle.wait();
+  }
+  f = {};
+}
+
+void DedicatedTransfers::retire() {
+  std::erase_if(unchecked_, [](InFlight& f) { return f.handle.test(); });
+}
+
+void DedicatedTransfers::reset() {
+  const size_t n = matrices_.size();
+  state_.assign(n, State::kNone);
+  next_send_ = next_move_ = 0;
+  arriving_.clear();
+  dirty_.assign(n, false);
+  prepared_.assign(n, false);
+  late_.assign(n, false);
+  landed_per_unit_.assign(layout_.units.size(), 0);
+  collecting_ = false;
+  grad_.assign(n, {});
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+void DedicatedTransfers::begin_forward() { issued_.assign(issued_.size(), false); }
+
+void DedicatedTransfers::issue(int unit, void* stream) {
+  if (unit < 0 || unit >= static_cast<int>(layout_.units.size())) return;
+  bind(stream);
+  for (int b : layout_.units[unit].buckets) {
+    if (issued_[b]) continue;
+    issued_[b] = true;
+    const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+    pending_grads_[b] = static_cast<int>(bucket.matrices.size());
+    wait_replica(b);
+    DedicatedMemory::Region buf = memory_.bucket(b);
+    if (shard_size_ > 1) {
+      broadcast_[b] = {shard_->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
+                                         shard_position(bucket.owner)),
+                       std::move(buf.keep)};
+    }
+  }
+}
+
+void DedicatedTransfers::wait_unit(int unit, void* stream) {
+  DM_CHECK(unit >= 0 && unit < static_cast<int>(layout_.units.size()),
+           "dedicated transfers: no unit ", unit);
+  issue(unit, stream);
+  for (int b : layout_.units[unit].buckets) order(broadcast_[b]);
+}
+
+void DedicatedTransfers::used(int bucket) {
+  if (--pending_grads_[bucket] <= 0 && !broadcast_[bucket].handle.pending())
+    memory_.release_bucket(bucket);
+}
+
+void DedicatedTransfers::release_unit(int unit) {
+  for (int b : layout_.units[unit].buckets)
+    if (!broadcast_[b].handle.pending()) memory_.release_bucket(b);
+}
+
+void DedicatedTransfers::release_all(void* stream) {
+  bind(stream);
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    order(broadcast_[b]);
+    memory_.release_bucket(static_cast<int>(b));
+  }
+}
+
+void DedicatedTransfers::publish(void* stream) {
+  if (world_.replicate == 1) return;
+  bind(stream);
+  const int my_s = shard_position(world_.member);
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) {
+    const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+    if (shard_position(bucket.owner) != my_s) continue;
+    DedicatedMemory::Region buf = memory_.bucket(static_cast<int>(b));
+    publication_[b] = {replica_->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
+                                           replica_of(bucket.owner)),
+                       std::move(buf.keep)};
+  }
+}
+
+void DedicatedTransfers::wait_replica(int b) { order(publication_[b]); }
+
+void DedicatedTransfers::wait_published(void* stream) {
+  bind(stream);
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) wait_replica(static_cast<int>(b));
+}
+
+void DedicatedTransfers::broadcast_bucket(int b, void* buf, void* stream) {
+  DM_CHECK(b >= 0 && b < static_cast<int>(layout_.buckets.size()),
+           "dedicated transfers: no bucket ", b);
+  if (shard_size_ == 1) return;
+  bind(stream);
+  const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+  InFlight f{
+      shard_->broadcast(buf, bucket.numel, comm_type(bucket.dtype), shard_position(bucket.owner)),
+      nullptr};
+  order(f);
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+
+std::vector<std::vector<int>> DedicatedTransfers::grad_ready(int j, void* stream) {
+  DM_CHECK(j >= 0 && j < static_cast<int>(matrices_.size()), "dedicated transfers: no matrix ", j);
+  std::vector<std::vector<int>> landed;
+  if (state_[j] == State::kReady) return landed;  // not sent yet: accumulated in place
+  if (state_[j] != State::kNone) {
+    // Raised at finish() on every member (raising here, on the owner alone, would leave the
+    // others waiting in a collective).
+    if (prepared_[j]) late_[j] = true;
+    dirty_[j] = true;
+    return landed;
+  }
+  bind(stream);
+  state_[j] = State::kReady;
+  while (next_send_ < order_.size() && state_[order_[next_send_]] == State::kReady)
+    send(order_[next_send_++]);
+  advance(/*blocking=*/false, &landed);
+  return landed;
+}
+
+// Stage 0: the reduction inside the shard group to the owner's shard position.
+void DedicatedTransfers::send(int j) {
+  const DedicatedMatrix& m = matrices_[j];
+  grad_[j] = memory_.grad(j);
+  state_[j] = State::kSent;
+  if (shard_size_ > 1) {
+    const int root = shard_position(m.owner);
+    void* recv = root == shard_position(world_.member) ? grad_[j].data : nullptr;
+    reduction_[j] = {
+        shard_->reduce(grad_[j].data, recv, m.numel, comm_type(m.dtype), ReduceOp::kSum, root),
+        grad_[j].keep};
+  }
+  if (role(j) != Role::kOwner) memory_.drop_grad(j);  // only the collective still needs it
+}
+
+// Moves sent matrices on, in the fixed order: stage 1 across replicas (HSDP, at the owner's
+// shard position), then arrival on the owner.
+void DedicatedTransfers::advance(bool blocking, std::vector<std::vector<int>>* landed) {
+  for (; next_move_ < next_send_; ++next_move_) {
+    const int j = order_[next_move_];
+    if (state_[j] == State::kSkipped) continue;
+    if (!blocking && !done(reduction_[j])) break;
+    const Role r = role(j);
+    const DedicatedMatrix& m = matrices_[j];
+    if (world_.replicate > 1 && r != Role::kSender) {
+      order(reduction_[j]);  // stage 0 complete (on a stream: for the bound stream)
+      reduction_[j] = {replica_->reduce(grad_[j].data, grad_[j].data, m.numel, comm_type(m.dtype),
+                                        ReduceOp::kSum, replica_of(m.owner)),
+                       grad_[j].keep};
+    } else if (r == Role::kSender) {
+      // Nothing here reads the result: only the memory and the deadline are left to check.
+      if (reduction_[j].handle.pending()) unchecked_.push_back(std::move(reduction_[j]));
+      reduction_[j] = {};
+      grad_[j] = {};
+    }
+    if (r == Role::kOwner) arriving_.push_back(j);
+  }
+  std::vector<int> still;
+  for (int j : arriving_) {
+    if (blocking || done(reduction_[j]))
+      arrived(j, landed);
+    else
+      still.push_back(j);
+  }
+  arriving_ = std::move(still);
+}
+
+void DedicatedTransfers::arrived(int j, std::vector<std::vector<int>>* landed) {
+  state_[j] = State::kLanded;
+  const int unit = layout_.unit_of[j];
+  if (++landed_per_unit_[unit] != mine_per_unit_[unit] || collecting_ || landed == nullptr) return;
+  std::vector<int> mine;
+  for (int k : layout_.units[unit].matrices)
+    if (matrices_[k].owner == world_.member) mine.push_back(k);
+  landed->push_back(std::move(mine));
+}
+
+void DedicatedTransfers::wait(std::span<const int> js, void* stream) {
+  bind(stream);
+  for (int j : js) complete(j);
+}
+
+void DedicatedTransfers::complete(int j) {
+  order(reduction_[j]);
+  grad_[j] = {};
+}
+
+void DedicatedTransfers::prepared(std::span<const int> js) {
+  for (int j : js) prepared_[j] = true;
+}
+
+// ---- step -------------------------------------------------------------------------------------
+
+std::vector<int> DedicatedTransfers::finish(void* stream) {
+  collecting_ = true;
+  const int n = static_cast<int>(matrices_.size());
+  if (world_.size == 1) {
+    reset();
+    return {};
+  }
+  bind(stream);
+  // The last step's collectives that only a stream waited for: long complete on a healthy run;
+  // a member that died since makes this raise after the timeout instead of hanging.
+  for (InFlight& f : last_step_) f.handle.wait();
+  last_step_.clear();
+
+  // The vote: which matrices have a gradient anywhere, were reduced again, arrived late.
+  std::vector<int32_t> flags(3 * static_cast<size_t>(n));
+  for (int j = 0; j < n; ++j) {
+    flags[j] = state_[j] != State::kNone || memory_.has_grad(j);
+    flags[n + j] = dirty_[j];
+    flags[2 * n + j] = late_[j];
+  }
+  control_->all_reduce(flags.data(), flags.data(), 3 * n, CommType::kI32, ReduceOp::kSum).wait();
+  const auto present = [&](int j) { return flags[j] > 0; };
+
+  for (size_t pos = next_send_; pos < order_.size(); ++pos) {
+    const int j = order_[pos];
+    if (present(j))
+      send(j);
+    else
+      state_[j] = State::kSkipped;
+  }
+  next_send_ = order_.size();
+  advance(/*blocking=*/true, nullptr);
+  for (int j = 0; j < n; ++j) complete(j);
+  const auto late = std::find_if(flags.begin() + 2 * n, flags.end(), [](int32_t f) { return f; });
+  if (late != flags.end()) {
+    const std::string name = matrices_[late - flags.begin() - 2 * n].name;
+    reset();
+    DM_FAIL("a second gradient of dedicated matrix '", name,
+            "' arrived after its update was prepared (overlap_step), so this step cannot include "
+            "it; the step was not applied (the prepared matrices' momentum has advanced: restore "
+            "a checkpoint). Accumulate micro-batches under Dedicated.no_sync() so that only the "
+            "last backward reduces, or pass overlap_step=False");
+  }
+  std::vector<int> redo;
+  for (int j : order_)
+    if (flags[n + j] > 0) redo.push_back(j);
+  if (!redo.empty()) second_pass(redo);
+
+  std::vector<int> to_average;
+  for (int j = 0; j < n; ++j)
+    if (present(j) && matrices_[j].owner == world_.member && !prepared_[j]) to_average.push_back(j);
+  last_step_ = std::move(unchecked_);
+  unchecked_.clear();
+  reset();
+  return to_average;
+}
+
+void DedicatedTransfers::second_pass(const std::vector<int>& redo) {
+  std::vector<int> saved = std::exchange(order_, redo);
+  next_send_ = next_move_ = 0;
+  arriving_.clear();
+  for (int j : redo) {
+    send(j);
+    ++next_send_;
+  }
+  advance(/*blocking=*/true, nullptr);
+  for (int j : redo) complete(j);
+  order_ = std::move(saved);
+}
+
+}  // namespace distmuon

@@ -1,0 +1,272 @@
+// The dedicated runtime's transfers (distmuon/dedicated_transfers.h) under mpirun at any world
+// size, flat and (at 4 ranks) HSDP 2 x 2: gradients reach their owners summed whatever order
+// each rank completes them in, the vote skips matrices without a gradient anywhere and sends
+// zeros for those missing here, a second backward before the step is reduced again, a gradient
+// after its update was prepared fails on every rank (and the next step still works), forward
+// broadcasts bring every bucket from its owner and free it after its last gradient, and HSDP
+// owners publish their weights to the other replicas.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dist_rig.h"
+#include "distmuon/dedicated_transfers.h"
+#include "distmuon/error.h"
+
+namespace distmuon {
+namespace {
+
+using test::Mirror;
+
+// Three layers of two matrices; owners spread over the world.
+const std::vector<std::string> kModules = {"",      "h",     "h.0", "h.0.a", "h.0.b", "h.1",
+                                           "h.1.a", "h.1.b", "h.2", "h.2.a", "h.2.b"};
+const std::vector<std::string> kNames = {"h.0.a.w", "h.0.b.w", "h.1.a.w",
+                                         "h.1.b.w", "h.2.a.w", "h.2.b.w"};
+constexpr int64_t kNumel = 5;
+
+float grad_value(int rank, int j, int k, int round) {
+  return static_cast<float>((rank + 1) * (j + 2) + k) * 0.5f + static_cast<float>(round * 3);
+}
+
+// The front's memory: one buffer per bucket, gradients as a front keeps them (dropped by
+// non-owners once sent), with what the transfers asked for counted.
+class Memory final : public DedicatedMemory {
+ public:
+  Memory(Backend& be, const DedicatedLayout& layout, int member,
+         const std::vector<DedicatedMatrix>& mats)
+      : be_(be), member_(member), mats_(mats), grads_(mats.size()) {
+    for (const DedicatedLayout::Bucket& b : layout.buckets)
+      buckets_.emplace_back(be, std::vector<float>(b.numel, -1.0f));
+    released.assign(layout.buckets.size(), 0);
+  }
+  Region bucket(int b) override { return {buckets_[b].data(), nullptr}; }
+  void release_bucket(int b) override { ++released[b]; }
+  Region grad(int j) override {
+    if (!grads_[j]) {  // none here: zeros (the owner keeps them as its gradient)
+      ++zero_filled;
+      grads_[j] = std::make_shared<Mirror<float>>(be_, std::vector<float>(kNumel, 0.0f));
+    }
+    return {grads_[j]->data(), grads_[j]};  // a dropped gradient lives on while it travels
+  }
+  void drop_grad(int j) override {
+    EXPECT_NE(mats_[j].owner, member_) << "the owner keeps its gradient";
+    grads_[j].reset();
+  }
+  bool has_grad(int j) override { return grads_[j] != nullptr; }
+
+  // Backward accumulating into matrix j's gradient.
+  void accumulate(int j, const std::vector<float>& g) {
+    if (!grads_[j]) {
+      grads_[j] = std::make_shared<Mirror<float>>(be_, g);
+      return;
+    }
+    std::vector<float> v = grads_[j]->get();
+    for (size_t k = 0; k < v.size(); ++k) v[k] += g[k];
+    grads_[j]->set(v);
+  }
+  std::optional<std::vector<float>> grad_values(int j) const {
+    if (!grads_[j]) return std::nullopt;
+    return grads_[j]->get();
+  }
+  std::vector<float> bucket_values(int b) const { return buckets_[b].get(); }
+  void set_bucket(int b, const std::vector<float>& v) { buckets_[b].set(v); }
+
+  std::vector<int> released;
+  int zero_filled = 0;
+
+ private:
+  Backend& be_;
+  int member_;
+  const std::vector<DedicatedMatrix>& mats_;
+  std::vector<Mirror<float>> buckets_;
+  std::vector<std::shared_ptr<Mirror<float>>> grads_;
+};
+
+struct Rig {
+  explicit Rig(int replicate) {
+    Communicator& w = test::world();
+    world = {w.size(), replicate, w.rank()};
+    for (size_t j = 0; j < kNames.size(); ++j)
+      mats.push_back({kNames[j], kNumel, DType::kF32, static_cast<int>((j * 5 + 1) % w.size())});
+    layout = dedicated_layout(mats, kModules, world);
+    memory.emplace(*be, layout, world.member, mats);
+    const bool many = w.size() > 1;
+    transfers.emplace(mats, layout, world, many ? &w : nullptr,
+                      many ? &test::host_world() : nullptr, *memory);
+  }
+  std::vector<float> grad_of(int rank, int j, int round) const {
+    std::vector<float> g(kNumel);
+    for (int k = 0; k < kNumel; ++k) g[k] = grad_value(rank, j, k, round);
+    return g;
+  }
+  // What the owner holds after the reduction: the sum over the ranks that sent a gradient.
+  std::vector<float> sum_of(int j, const std::vector<int>& rounds) const {
+    std::vector<float> s(kNumel, 0.0f);
+    for (int q = 0; q < world.size; ++q)
+      for (int round : rounds)
+        for (int k = 0; k < kNumel; ++k) s[k] += grad_value(q, j, k, round);
+    return s;
+  }
+  bool mine(int j) const { return mats[j].owner == world.member; }
+  // The stages order their results on the backend's stream, which the Mirrors synchronise.
+  void* stream() const { return be->native_stream(); }
+
+  std::unique_ptr<Backend> be = test::make_backend();
+  DedicatedWorld world;
+  std::vector<DedicatedMatrix> mats;
+  DedicatedLayout layout;
+  std::optional<Memory> memory;
+  std::optional<DedicatedTransfers> transfers;
+};
+
+std::vector<int> replicate_degrees() {
+  const int size = test::world().size();
+  return size == 4 ? std::vector<int>{1, 2} : std::vector<int>{1};
+}
+
+TEST(DedicatedTransfers, GradientsReachTheirOwnersSummedInAnyCompletionOrder) {
+  for (int replicate : replicate_degrees()) {
+    Rig rig(replicate);
+    const int n = static_cast<int>(kNames.size());
+    std::vector<int> order(n);
+    for (int j = 0; j < n; ++j) order[j] = j;  // forward order: against the expected one
+    std::rotate(order.begin(), order.begin() + rig.world.member % n, order.end());
+    std::vector<int> landed;
+    for (int j : order) {
+      rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
+      for (const std::vector<int>& js : rig.transfers->grad_ready(j, rig.stream()))
+        landed.insert(landed.end(), js.begin(), js.end());
+    }
+    std::vector<int> to_average = rig.transfers->finish(rig.stream());
+    std::vector<int> owned;
+    for (int j = 0; j < n; ++j) {
+      if (!rig.mine(j)) {
+        EXPECT_FALSE(rig.memory->has_grad(j)) << "a non-owner keeps the gradient it sent";
+        continue;
+      }
+      owned.push_back(j);
+      test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0}), kNames[j]);
+    }
+    std::sort(landed.begin(), landed.end());
+    EXPECT_EQ(to_average, rig.world.size > 1 ? owned : std::vector<int>{});
+    // Landed during backward (host communicators: once complete), never twice.
+    EXPECT_TRUE(std::includes(owned.begin(), owned.end(), landed.begin(), landed.end()));
+    EXPECT_EQ(std::adjacent_find(landed.begin(), landed.end()), landed.end());
+  }
+}
+
+TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
+  Rig rig(1);
+  // Matrix 0: a gradient on rank 0 only (the others send zeros at finish); matrix 1: none.
+  if (rig.world.member == 0) {
+    rig.memory->accumulate(0, rig.grad_of(0, 0, 0));
+    rig.transfers->grad_ready(0, rig.stream());
+  }
+  const std::vector<int> to_average = rig.transfers->finish(rig.stream());
+  if (rig.mine(0)) {
+    test::expect_close(*rig.memory->grad_values(0), rig.grad_of(0, 0, 0), "matrix 0");
+    EXPECT_EQ(to_average, rig.world.size > 1 ? std::vector<int>{0} : std::vector<int>{});
+  }
+  EXPECT_FALSE(rig.memory->has_grad(1));
+  const int expected_zeros = rig.world.member == 0 || rig.world.size == 1 ? 0 : 1;
+  EXPECT_EQ(rig.memory->zero_filled, expected_zeros);
+}
+
+TEST(DedicatedTransfers, ASecondBackwardBeforeTheStepIsReducedAgain) {
+  Rig rig(1);
+  const int n = static_cast<int>(kNames.size());
+  std::vector<int> all(n);
+  for (int j = 0; j < n; ++j) all[j] = j;
+  for (int round = 0; round < 2; ++round) {
+    for (int j = n - 1; j >= 0; --j) {
+      rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, round));
+      rig.transfers->grad_ready(j, rig.stream());
+    }
+    // The owner accumulates into the buffer its reduction writes: the first backward's
+    // reductions complete before the second backward runs (autograd's order on one stream).
+    if (round == 0) rig.transfers->wait(all, rig.stream());
+  }
+  rig.transfers->finish(rig.stream());
+  for (int j = 0; j < n; ++j)
+    if (rig.mine(j))
+      test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0, 1}), kNames[j]);
+}
+
+TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
+  Rig rig(1);
+  if (rig.world.size == 1) GTEST_SKIP() << "one rank reduces nothing";
+  const int n = static_cast<int>(kNames.size());
+  auto backward = [&](int j, int round) {
+    rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, round));
+    for (const std::vector<int>& js : rig.transfers->grad_ready(j, rig.stream())) {
+      rig.transfers->wait(js, rig.stream());  // the owner prepares the landed layer's updates
+      rig.transfers->prepared(js);
+    }
+  };
+  // The last matrix of the reduction order comes after the others completed, so its arrival
+  // lands (and prepares) the other layers; then a second backward reaches the prepared ones.
+  for (int j = n - 1; j >= 1; --j) backward(j, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  backward(0, 0);
+  for (int j = n - 1; j >= 0; --j) backward(j, 1);
+  try {
+    rig.transfers->finish(rig.stream());
+    ADD_FAILURE() << "a late gradient did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no_sync()"), std::string::npos) << e.what();
+  }
+  // The state was reset: the next step reduces afresh.
+  for (int j = 0; j < n; ++j)
+    if (!rig.mine(j)) rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
+  for (int j = n - 1; j >= 0; --j) rig.transfers->grad_ready(j, rig.stream());
+  rig.transfers->finish(rig.stream());
+}
+
+TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGradients) {
+  for (int replicate : replicate_degrees()) {
+    Rig rig(replicate);
+    const int shard = rig.world.size / replicate;
+    const int my_r = rig.world.member / shard;
+    auto owner_values = [&](int b) {
+      std::vector<float> v(rig.layout.buckets[b].numel);
+      for (size_t k = 0; k < v.size(); ++k) v[k] = static_cast<float>(b * 100 + k);
+      return v;
+    };
+    for (size_t b = 0; b < rig.layout.buckets.size(); ++b)
+      if (rig.layout.buckets[b].owner == rig.world.member)
+        rig.memory->set_bucket(static_cast<int>(b), owner_values(static_cast<int>(b)));
+    // HSDP: owners publish to their replicas first (the relays then hold the weights).
+    rig.transfers->publish(rig.stream());
+    rig.transfers->wait_published(rig.stream());
+    rig.transfers->begin_forward();
+    rig.transfers->issue(0, rig.stream());
+    const int units = static_cast<int>(rig.layout.units.size());
+    for (int u = 0; u < units; ++u) {
+      rig.transfers->wait_unit(u, rig.stream());
+      rig.transfers->issue(u + 1, rig.stream());
+      for (int b : rig.layout.units[u].buckets)
+        test::expect_close(
+            rig.memory->bucket_values(b), owner_values(b),
+            "bucket " + std::to_string(b) + " (replica " + std::to_string(my_r) + ")");
+    }
+    for (size_t b = 0; b < rig.layout.buckets.size(); ++b) {
+      const int grads = static_cast<int>(rig.layout.buckets[b].matrices.size());
+      for (int g = 0; g < grads; ++g) {
+        EXPECT_EQ(rig.memory->released[b], 0) << "bucket " << b << " freed before its gradients";
+        rig.transfers->used(static_cast<int>(b));
+      }
+      EXPECT_EQ(rig.memory->released[b], 1) << "bucket " << b;
+    }
+    rig.transfers->release_all(rig.stream());
+  }
+}
+
+}  // namespace
+}  // namespace distmuon
