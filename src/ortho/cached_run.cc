@@ -7,8 +7,8 @@
 //      is never taken; an empty or foreign entry is told by its key, an old one by its age;
 //   3. Backend::cache_gate decides hit / refresh / skip per matrix on the device;
 //   4. refresh (masked): the Gram-NS solve, reusing R, writes the entry's new transform into
-//      the storage itself (copied only where the storage dtype differs or a segment has a
-//      single step);
+//      the storage itself (copied only where the storage dtype differs, a segment has a
+//      single step, or in shadow mode);
 //   5. hit (masked): D = Q X.
 #include <algorithm>
 #include <cmath>
@@ -156,12 +156,12 @@ void fresh_solve(Exec& e, const Setup& s, const CachedBuffers& b, const BatchRef
       if (q.data != P.data) e.copy(q, P);
       return;
     }
-    // P = Q_k (Q_{k-1} ... Q_0) as a symmetric product, one triangle (m^3 where a dense product
-    // costs 2 m^3): the factors commute, as each is a polynomial of R_k = P R_0 P, itself a
-    // polynomial of R_0. Rounding leaves the computed factors commuting only to rounding, the
-    // size of the product's own rounding; the gate measures the stored P before any reuse.
-    // Keeping the factors instead (CacheLayout::kFactors) saves this m^3 per refresh but costs
-    // 2 m^2 n more per hit, so it only pays below m / n hits per refresh.
+    // P <- Q_k P as a symmetric product, one triangle (m^3; a dense product costs 2 m^3). The
+    // two commute: Q_k is a polynomial of R_k = P R_0 P and P one of R_0. Computed in floating
+    // point they commute up to rounding, so one triangle errs by about the product's own
+    // rounding; and the gate measures the stored P before any reuse. Keeping the factors
+    // instead (CacheLayout::kFactors) saves this m^3 per refresh but costs 2 m^2 n more per
+    // hit: it pays only below m / n hits per refresh.
     const bool final = k + 1 == s.solve_segs;
     const BatchRef dst = final && direct ? target[0] : P2;
     e.sym(Op::kN, q, Op::kN, P, 1.0, 0.0, nullptr, dst);

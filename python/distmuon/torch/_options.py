@@ -204,8 +204,9 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
     ``cache_probes`` None measures the residual exactly in Gram space, k estimates it with k
     Gaussian probes; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
-    ``cache_dtype`` stores the transforms (None: in the work dtype); ``cache_shadow`` also runs the fresh solve for
-    accepted matrices to measure how far their updates are (diagnostics; synchronises)."""
+    ``cache_dtype`` stores the transforms (None: in the work dtype); ``cache_shadow`` also runs
+    the fresh solve for accepted matrices to measure how far their updates are (diagnostics;
+    synchronises)."""
     gamma = group["cache_gamma"]
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < math.inf):
         raise ValueError(f"{where}: cache_gamma must be a positive number or None (got {gamma!r})")
