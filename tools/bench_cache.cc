@@ -12,7 +12,7 @@ CacheOptions cache_options(const BenchOptions& o, double gamma) {
   c.residual = parse_cache_residual(o.cache_residual);
   c.probes = o.cache_probes;
   c.max_staleness = o.cache_staleness;
-  c.dtype = parse_dtype(o.cache_dtype);
+  if (o.cache_dtype != "work") c.dtype = parse_dtype(o.cache_dtype);
   c.layout = parse_cache_layout(o.cache_layout);
   c.shadow = o.cache_shadow;
   c.per_matrix_stats = o.cache_per_matrix;

@@ -104,8 +104,9 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "refresh an entry after S reuses (0: no limit)")
       ->check(cli::at_least(0))
       ->group(cache);
-  app.add_option("--cache-dtype", o.cache_dtype, "precision of the cached transforms")
-      ->check(CLI::IsMember({"f32", "f16", "bf16"}))
+  app.add_option("--cache-dtype", o.cache_dtype,
+                 "precision of the cached transforms (work: the iteration's dtype)")
+      ->check(CLI::IsMember({"work", "f32", "f16", "bf16"}))
       ->group(cache);
   app.add_option("--cache-layout", o.cache_layout, "product | factors (restarted solves)")
       ->check(CLI::IsMember({"product", "factors"}))

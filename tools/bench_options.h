@@ -30,7 +30,7 @@ struct BenchOptions {
   std::vector<double> cache;
   std::string cache_residual = "exact";
   int cache_probes = 8, cache_staleness = 0;
-  std::string cache_dtype = "f32", cache_layout = "product";
+  std::string cache_dtype = "work", cache_layout = "product";
   bool cache_shadow = false, cache_per_matrix = false;
 
   bool distributed() const { return modes != std::vector<std::string>{"single"}; }

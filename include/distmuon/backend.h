@@ -130,7 +130,7 @@ enum CacheStatField : int {
   kCacheStatRefreshes,  // every refresh, forced ones included
   kCacheStatForced,     // refreshes without a usable entry: empty, stale, wrong key, non-finite
   kCacheStatSkips,
-  kCacheStatChecks,     // residuals measured against a valid entry (right key, finite Q; stale
+  kCacheStatChecks,     // finite residuals measured against an entry of the right key (stale
                         // ones included): the sums, extremes and histogram below
   kCacheStatResSum,
   kCacheStatResSqSum,
@@ -144,24 +144,24 @@ enum CacheStatField : int {
 // Arguments of Backend::cache_gate; every pointer is device memory with `count` entries.
 // For matrix i, with r = residual[i] * residual_scale:
 //   skip      if status != null and status[i] != kStatusOk: nothing is written but stats[Skips];
-//   usable    = entry_key[i] == key and q_norm[i] finite and (max_age <= 0 or age[i] < max_age);
+//   usable    = entry_key[i] == key and (max_age <= 0 or age[i] < max_age);
 //   hit       = usable and r finite and r <= gamma;
 //   on a hit: age[i] += 1; on a refresh: age[i] = 0, entry_key[i] = key (the caller then
 //   refills Q in the same stream). stats (if given) count the decision; when the entry has the
-//   right key and a finite Q (stale or not) and r is finite, r enters the residual stats.
+//   right key (stale or not) and r is finite, r enters the residual stats. A non-finite Q needs
+//   no test of its own: every residual is a product with Q, so it is non-finite too.
 struct CacheGateArgs {
   int64_t count = 0;
   const double* residual = nullptr;  // raw norms from frob_norm
   double residual_scale = 1.0;       // 1/sqrt(m) (exact) or 1/sqrt(m k) (k probes)
-  const double* q_norm = nullptr;    // ||Q_i||_F of the cached transform
-  const int32_t* status = nullptr;  // optional step status (kStatusOk = take part)
-  double key = 0;                   // fingerprint of the current shape/dtype/algorithm, != 0
-  double* entry_key = nullptr;      // in/out: key the entry was filled under (0: empty)
-  float* age = nullptr;             // in/out: hits since the entry was filled
-  int32_t max_age = 0;              // maximum staleness S (<= 0: unlimited)
+  const int32_t* status = nullptr;   // optional step status (kStatusOk = take part)
+  double key = 0;                    // fingerprint of the current shape/dtype/algorithm, != 0
+  double* entry_key = nullptr;       // in/out: key the entry was filled under (0: empty)
+  float* age = nullptr;              // in/out: hits since the entry was filled
+  int32_t max_age = 0;               // maximum staleness S (<= 0: unlimited)
   double gamma = 0;
-  int32_t* decision = nullptr;      // out: CacheDecision
-  double* stats = nullptr;          // optional, count x kCacheStatFields, accumulated
+  int32_t* decision = nullptr;       // out: CacheDecision
+  double* stats = nullptr;           // optional, count x kCacheStatFields, accumulated
 };
 
 class Backend {

@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,7 +29,7 @@ enum class CacheResidual : int {
 
 // What a fresh solve with restarts leaves in the cache.
 enum class CacheLayout : int {
-  kProduct = 0,  // one m x m matrix Q = Q_last ... Q_first (costs 2 m^3 per restart on refresh)
+  kProduct = 0,  // one m x m matrix Q = Q_last ... Q_first (costs m^3 per restart on refresh)
   kFactors = 1,  // every segment's Q (one per restart + 1); each use applies them in turn
 };
 
@@ -36,9 +37,11 @@ struct CacheOptions {
   bool enabled = false;  // off: every step runs the fresh solve and no cache memory is held
   double gamma = 2.0;    // accept while the residual is <= gamma (0 accepts nothing in practice)
   CacheResidual residual = CacheResidual::kExact;
-  int probes = 8;             // k, for kProbe
-  int max_staleness = 0;      // S: an entry serves at most S steps after its refresh (0: no limit)
-  DType dtype = DType::kF32;  // storage precision of Q (f32, f16, bf16; f64 for references)
+  int probes = 8;         // k, for kProbe
+  int max_staleness = 0;  // S: an entry serves at most S steps after its refresh (0: no limit)
+  // Storage precision of Q (f32, f16, bf16; f64 for references). Unset: the iteration's work
+  // dtype, so that no call converts Q and a refresh writes it straight from the solve.
+  std::optional<DType> dtype;
   CacheLayout layout = CacheLayout::kProduct;
   bool per_matrix_stats = false;  // CacheStats::per_matrix is filled
   // Diagnostics: also run the fresh solve for accepted matrices and record how far the accepted
@@ -53,6 +56,8 @@ CacheResidual parse_cache_residual(const std::string& s);
 CacheLayout parse_cache_layout(const std::string& s);
 const char* cache_residual_name(CacheResidual r);
 const char* cache_layout_name(CacheLayout l);
+// The storage dtype of Q for a solve configured by `resolved` (its work dtype unless set).
+DType cache_storage_dtype(const CacheOptions& o, const OrthoConfig& resolved);
 // Throws, naming `what`, when an option is out of range.
 void validate(const CacheOptions& o, const std::string& what);
 

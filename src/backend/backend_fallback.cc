@@ -47,20 +47,18 @@ void Backend::copy_masked(const BatchMask& mask, const BatchRef& src, const Batc
 
 void Backend::cache_gate(const CacheGateArgs& args) {
   const size_t n = static_cast<size_t>(args.count);
-  std::vector<double> residual(n), q_norm(n);
+  std::vector<double> residual(n);
   std::vector<float> age(n);
   std::vector<int32_t> status(n), decision(n);
   std::vector<double> key(n), stats(args.stats ? n * kCacheStatFields : 0);
   synchronize();
   copy_to_host(residual.data(), args.residual, n * sizeof(double));
-  copy_to_host(q_norm.data(), args.q_norm, n * sizeof(double));
   copy_to_host(age.data(), args.age, n * sizeof(float));
   copy_to_host(key.data(), args.entry_key, n * sizeof(double));
   if (args.status) copy_to_host(status.data(), args.status, n * sizeof(int32_t));
   if (args.stats) copy_to_host(stats.data(), args.stats, stats.size() * sizeof(double));
   CacheGateArgs h = args;
   h.residual = residual.data();
-  h.q_norm = q_norm.data();
   h.status = args.status ? status.data() : nullptr;
   h.entry_key = key.data();
   h.age = age.data();

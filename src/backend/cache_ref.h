@@ -60,7 +60,7 @@ DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i) {
   }
   const double r = static_cast<double>(g.residual[i]) * g.residual_scale;
   const bool fresh_enough = g.max_age <= 0 || g.age[i] < static_cast<float>(g.max_age);
-  const bool entry_ok = g.entry_key[i] == g.key && std::isfinite(g.q_norm[i]);
+  const bool entry_ok = g.entry_key[i] == g.key;
   const bool usable = entry_ok && fresh_enough;
   const bool hit = usable && std::isfinite(r) && r <= g.gamma;
   if (st && entry_ok && std::isfinite(r)) {

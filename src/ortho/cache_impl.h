@@ -58,7 +58,7 @@ struct TransformCache::Impl {
                                                     static_cast<size_t>(m * m) * dtype_size(qtype);
     return BatchRef{base, qtype, c, m, m, m, segs * m * m};
   }
-  // Entries [first, first + c) each seen as one (segs m) x m matrix (for norms).
+  // Entries [first, first + c) each seen as one (segs m) x m matrix (for a dtype conversion).
   BatchRef q_entries(int64_t first, int64_t c) const {
     auto* base = static_cast<char*>(q.data()) + static_cast<size_t>(first) * q_bytes_per_entry();
     return BatchRef{base, qtype, c, segs * m, m, m, segs * m * m};

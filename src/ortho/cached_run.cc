@@ -1,10 +1,14 @@
 // One CacheMuon call on a batch (docs/algorithms.md section 5), written as a template over the
 // executor like the plain iterations, so that the FLOPs charged per hit and per refresh are
-// exactly what the masked operations do:
-//   1. cached Q in the work dtype and ||Q||_F (a non-finite Q never passes the gate);
-//   2. residual: exact ||Q R Q^T - I|| from R = X X^T, or k probes ||(Q R Q^T - I) W||;
+// exactly what the masked operations do. The passes of a call, each for what it decides:
+//   1. only where the storage dtype was set apart from the work dtype: Q converted to it;
+//   2. residual: exact ||Q R Q^T - I|| from R = X X^T, or k probes ||(Q R Q^T - I) W||; it is
+//      also what refuses a non-finite Q (every residual is a product with Q), so Q's own norm
+//      is never taken; an empty or foreign entry is told by its key, an old one by its age;
 //   3. Backend::cache_gate decides hit / refresh / skip per matrix on the device;
-//   4. refresh (masked): the Gram-NS solve, reusing R, refills the entry;
+//   4. refresh (masked): the Gram-NS solve, reusing R, writes the entry's new transform into
+//      the storage itself (copied only where the storage dtype differs, a segment has a
+//      single step, or in shadow mode);
 //   5. hit (masked): D = Q X.
 #include <algorithm>
 #include <cmath>
@@ -27,7 +31,7 @@ struct CachedBuffers {
   std::vector<BatchRef> qw;  // per segment: the transforms the gate and the hits use
   BatchRef W, A, B, U;       // probes: W, two m x k scratch, U = X^T V (n x k)
   BatchRef cand, cand2;      // shadow: candidate for every matrix
-  double *res = nullptr, *res_exact = nullptr, *qnorm = nullptr;
+  double *res = nullptr, *res_exact = nullptr;
   double *fresh_norm = nullptr, *diff_norm = nullptr, *cand_norm = nullptr;
   int32_t* decision = nullptr;
 };
@@ -68,7 +72,6 @@ CachedBuffers carve_cached(Carver& ws, const Setup& s, DType t, int64_t c, int64
   }
   b.res = ws.take_array<double>(c);
   b.res_exact = ws.take_array<double>(c);
-  b.qnorm = ws.take_array<double>(c);
   b.fresh_norm = ws.take_array<double>(c);
   b.diff_norm = ws.take_array<double>(c);
   if (s.opt.shadow) b.cand_norm = ws.take_array<double>(c);
@@ -129,21 +132,43 @@ void apply_chain(Exec& e, const std::vector<BatchRef>& q, const BatchRef& src, c
   if (cur.data != dst.data) e.copy(cur, dst);
 }
 
-// The fresh Gram-NS solve with R already in b.g.R; store(src, dst) writes the entry's new
-// transform(s) into the cache storage `target` (one batch per stored segment).
+// The fresh Gram-NS solve with R already in b.g.R; it leaves the entry's new transform(s) in
+// the cache storage `target` (one batch per stored segment). With `direct` (the solve runs
+// under the refresh mask, which keeps the hits' entries untouched, and the storage has the
+// work dtype) the products write there themselves; otherwise store(src, dst) copies.
 template <typename Exec, typename Store>
 void fresh_solve(Exec& e, const Setup& s, const CachedBuffers& b, const BatchRef& x,
-                 const BatchRef& out, const std::vector<BatchRef>& target, Store&& store) {
+                 const BatchRef& out, const std::vector<BatchRef>& target, bool direct,
+                 Store&& store) {
+  const bool compose = s.opt.layout == CacheLayout::kProduct && s.solve_segs > 1;
+  std::vector<BatchRef> q_out;
+  if (compose)
+    q_out = {b.P};  // Q_0 starts the running product in place
+  else if (direct)
+    q_out = target;
   BatchRef P = b.P, P2 = b.P2;
   auto on_segment = [&](int k, const BatchRef& q) {
-    if (s.opt.layout == CacheLayout::kFactors) return store(q, target[k]);
-    if (s.solve_segs == 1) return store(q, target[0]);
-    if (k == 0) return e.copy(q, P);
-    e.dense(Op::kN, q, Op::kN, P, 1.0, 0.0, nullptr, P2);  // Q_k (Q_{k-1} ... Q_0)
+    if (!compose) {
+      if (q.data != target[k].data) store(q, target[k]);
+      return;
+    }
+    if (k == 0) {
+      if (q.data != P.data) e.copy(q, P);
+      return;
+    }
+    // P <- Q_k P as a symmetric product, one triangle (m^3; a dense product costs 2 m^3). The
+    // two commute: Q_k is a polynomial of R_k = P R_0 P and P one of R_0. Computed in floating
+    // point they commute up to rounding, so one triangle errs by about the product's own
+    // rounding; and the gate measures the stored P before any reuse. Keeping the factors
+    // instead (CacheLayout::kFactors) saves this m^3 per refresh but costs 2 m^2 n more per
+    // hit: it pays only below m / n hits per refresh.
+    const bool final = k + 1 == s.solve_segs;
+    const BatchRef dst = final && direct ? target[0] : P2;
+    e.sym(Op::kN, q, Op::kN, P, 1.0, 0.0, nullptr, dst);
+    if (final && !direct) store(dst, target[0]);
     std::swap(P, P2);
-    if (k + 1 == s.solve_segs) store(P, target[0]);
   };
-  gram_iteration(e, s.cfg, x, out, b.g, true, on_segment);
+  gram_iteration(e, s.cfg, x, out, b.g, true, on_segment, q_out);
 }
 
 struct Call {
@@ -157,7 +182,6 @@ template <typename Exec>
 void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers& b,
                  const BatchRef& x, const BatchRef& out) {
   if (s.convert) e.convert(call.q_entries, b.qw_all);
-  e.norm(call.q_entries, b.qnorm);
   const bool exact = s.opt.residual == CacheResidual::kExact;
   if (exact) {
     e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
@@ -169,7 +193,7 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
   e.set_mask(b.decision, kCacheRefresh);
   // Probe mode never formed R: only the refreshed matrices pay for it.
   if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
-  fresh_solve(e, s, b, x, out, call.q_seg,
+  fresh_solve(e, s, b, x, out, call.q_seg, !s.convert,
               [&](const BatchRef& src, const BatchRef& dst) { e.copy(src, dst); });
   e.set_mask(b.decision, kCacheHit);
   apply_chain(e, b.qw, x, out, b.g.other, x);
@@ -182,7 +206,6 @@ void shadow_flow(BackendExec& e, const Setup& s, const Call& call, const CachedB
                  const BatchRef& x, const BatchRef& out, TransformCache::Impl& ci, int64_t first) {
   Backend& be = e.be;
   if (s.convert) e.convert(call.q_entries, b.qw_all);
-  e.norm(call.q_entries, b.qnorm);
   e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   exact_residual(e, b, b.res_exact);
   const bool probe = s.opt.residual == CacheResidual::kProbe;
@@ -192,7 +215,7 @@ void shadow_flow(BackendExec& e, const Setup& s, const Call& call, const CachedB
   e.gate(gate);
   apply_chain(e, b.qw, x, b.cand, b.g.other, b.cand2);  // x stays intact
   const BatchMask refresh{b.decision, kCacheRefresh}, hit{b.decision, kCacheHit};
-  fresh_solve(e, s, b, x, out, call.q_seg,
+  fresh_solve(e, s, b, x, out, call.q_seg, false,  // unmasked: every entry goes through a copy
               [&](const BatchRef& src, const BatchRef& dst) { be.copy_masked(refresh, src, dst); });
   e.norm(out, b.fresh_norm);
   e.norm(b.cand, b.cand_norm);
@@ -249,7 +272,7 @@ size_t Orthogonalizer::cached_workspace_bytes(const OrthoConfig& cfg, const Cach
   OrthoConfig r = resolve(cfg, m, n);
   DM_CHECK(r.iteration == Iteration::kGram, "CacheMuon needs Gram NS");
   Carver ws{nullptr};
-  Setup s = make_setup(r, o, o.dtype, iteration_dtype(r));
+  Setup s = make_setup(r, o, cache_storage_dtype(o, r), iteration_dtype(r));
   carve_cached(ws, s, iteration_dtype(r), count, m, n);
   return ws.used;
 }
@@ -316,7 +339,6 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   g.residual = b.res;
   g.residual_scale = 1.0 / std::sqrt(static_cast<double>(m) *
                                      (o.residual == CacheResidual::kProbe ? o.probes : 1));
-  g.q_norm = b.qnorm;
   g.status = status;
   g.key = ci.key;
   g.entry_key = ci.key_at(first);

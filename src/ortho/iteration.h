@@ -188,11 +188,15 @@ void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const B
 // Gram Newton-Schulz: iterate polynomials of R = X X^T in the m x m space, apply Q once.
 // With r_ready, bufs.R already holds X X^T (CacheMuon computed it for its gate). After each
 // segment (a restart or the end) on_segment(s, Q_s) sees that segment's left transform; the
-// total transform is Q_last ... Q_0.
+// total transform is Q_last ... Q_0. Where q_out[s] has data, the last product of segment s
+// writes Q_s there instead of the workspace (CacheMuon: straight into the cache storage, with
+// no copy); a segment of one step has no product and leaves Q_s in the workspace.
 template <typename Exec, typename OnSegment>
 void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
-                    const GramBuffers& bufs, bool r_ready, OnSegment&& on_segment) {
+                    const GramBuffers& bufs, bool r_ready, OnSegment&& on_segment,
+                    const std::vector<BatchRef>& q_out = {}) {
   BatchRef R = bufs.R, Z = bufs.Z, T = bufs.T, Q = bufs.Q, Qn = bufs.Qn, other = bufs.other;
+  BatchRef seg_q = Q;  // the segment's Q: Q, or q_out[segment] once its last product ran
   auto coef = coefficient_schedule(cfg);
   BatchRef cur = x;
   bool have_q = false;
@@ -203,33 +207,42 @@ void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const Ba
     if (restarts_at(cfg, i) && have_q) {
       // Fold Q into X and recompute R: resets the spurious negative eigenvalues that half
       // precision leaves in R and that the recurrence would otherwise amplify.
-      on_segment(segment++, Q);
+      on_segment(segment++, seg_q);
       BatchRef next = cur.data == x.data ? other : x;
-      e.dense(Op::kN, Q, Op::kN, cur, 1.0f, 0.0f, nullptr, next);
+      e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, nullptr, next);
       cur = next;
       e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, R);
       have_q = false;
     }
+    const bool last = i + 1 == cfg.steps;
+    const bool segment_ends = last || restarts_at(cfg, i + 1);
     e.sym(Op::kN, R, Op::kN, R, cc, b, &R, Z);  // Z = b R + c R^2 (no aI here)
     if (!have_q) {
       e.plus_identity(Z, a, Q);  // Q = Z + a I
       have_q = true;
+      seg_q = Q;
     } else {
-      e.sym(Op::kN, Q, Op::kN, Z, 1.0f, a, &Q, Qn);  // Q = Q Z + a Q
-      std::swap(Q, Qn);
+      const bool direct = segment_ends && segment < static_cast<int>(q_out.size()) &&
+                          q_out[segment].data != nullptr;
+      e.sym(Op::kN, Q, Op::kN, Z, 1.0f, a, &Q, direct ? q_out[segment] : Qn);  // Q Z + a Q
+      if (direct) {
+        seg_q = q_out[segment];
+      } else {
+        std::swap(Q, Qn);
+        seg_q = Q;
+      }
     }
-    const bool last = i + 1 == cfg.steps;
-    if (!last && !restarts_at(cfg, i + 1)) {
+    if (!segment_ends) {
       e.sym(Op::kN, R, Op::kN, Z, 1.0f, a, &R, T);  // T = R Z + a R
       e.sym(Op::kN, Z, Op::kN, T, 1.0f, a, &T, R);  // R = Z T + a T
     }
   }
-  on_segment(segment, Q);
+  on_segment(segment, seg_q);
   if (out.data != cur.data) {
-    e.dense(Op::kN, Q, Op::kN, cur, 1.0f, 0.0f, nullptr, out);
+    e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, nullptr, out);
   } else {  // a product may not overwrite its own input
     BatchRef tmp = cur.data == x.data ? other : x;
-    e.dense(Op::kN, Q, Op::kN, cur, 1.0f, 0.0f, nullptr, tmp);
+    e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, nullptr, tmp);
     e.copy(tmp, out);
   }
 }

@@ -94,6 +94,10 @@ const char* cache_layout_name(CacheLayout l) {
   return l == CacheLayout::kProduct ? "product" : "factors";
 }
 
+DType cache_storage_dtype(const CacheOptions& o, const OrthoConfig& resolved) {
+  return o.dtype.value_or(iteration_dtype(resolved));
+}
+
 void validate(const CacheOptions& o, const std::string& what) {
   DM_CHECK(o.gamma >= 0 && std::isfinite(o.gamma), what, ": gamma must be finite and >= 0 (got ",
            o.gamma, ")");
@@ -237,7 +241,7 @@ void TransformCache::prepare(const OrthoConfig& resolved, int64_t count, int64_t
   DM_CHECK(count >= 0 && m >= 1 && m <= n, "cache: bad shape ", count, " x ", m, "x", n);
   const CacheLayout layout = s.opt.layout;
   const int segs = layout == CacheLayout::kProduct ? 1 : ortho_detail::gram_segments(resolved);
-  const DType qtype = s.opt.dtype;
+  const DType qtype = cache_storage_dtype(s.opt, resolved);
   const double key = cache_key(resolved, m, n, qtype, layout);
   const bool same_storage =
       s.prepared && s.count == count && s.m == m && s.segs == segs && s.qtype == qtype;

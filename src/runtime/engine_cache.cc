@@ -156,7 +156,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
       shape.push_back(ortho_detail::gram_segments(r));
     shape.push_back(m);
     shape.push_back(m);
-    t = g.muon.cache.dtype;
+    t = cache_storage_dtype(g.muon.cache, r);
   } else {
     DM_CHECK(name == "cache_age" || name == "cache_key", "no cache state '", name,
              "' (expected cache_q, cache_age or cache_key)");

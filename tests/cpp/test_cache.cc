@@ -211,8 +211,9 @@ TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   ASSERT_EQ(st.hits, 2);
   ASSERT_EQ(st.refreshes, 2);
   // Exact gate: R (SYRK) + Q R (2m^3) + (QR) Q^T (one triangle). Hit: D = Q X. Refresh: the
-  // fresh solve without its first SYRK plus one m^3 product to multiply the two segments.
-  const double gate = syrk + 2 * m3 + mm, hit = 2.0 * m * m * n, refresh = fresh - syrk + 2 * m3;
+  // fresh solve without its first SYRK plus one symmetric product (one triangle) to multiply
+  // the two segments.
+  const double gate = syrk + 2 * m3 + mm, hit = 2.0 * m * m * n, refresh = fresh - syrk + mm;
   EXPECT_DOUBLE_EQ(st.flops, 4 * gate + 2 * hit + 2 * refresh);
   EXPECT_DOUBLE_EQ(st.fresh_flops, 4 * fresh);
 

@@ -10,6 +10,7 @@
 
 #include "backend/cache_ref.h"
 #include "backend/cpu/cpu_backend.h"
+#include "forwarding_backend.h"
 #include "test_util.h"
 
 namespace distmuon {
@@ -21,61 +22,15 @@ using test::random_matrix;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-// A backend that forwards the required operations to the CPU backend and keeps the base class's
-// defaults for the masked and cache operations (the path a new device backend starts from).
-class FallbackBackend final : public Backend {
+// The base class's defaults for the masked and cache operations over the CPU backend's
+// required ones (the path a new device backend starts from).
+class FallbackBackend final : public test::ForwardingBackend {
  public:
-  Device device() const override { return cpu_.device(); }
   std::string name() const override { return "fallback over " + cpu_.name(); }
-  Buffer alloc(size_t b) override { return cpu_.alloc(b); }
-  void copy(void* d, const void* s, size_t b) override { cpu_.copy(d, s, b); }
-  void copy_to_host(void* d, const void* s, size_t b) override { cpu_.copy_to_host(d, s, b); }
-  void copy_from_host(void* d, const void* s, size_t b) override { cpu_.copy_from_host(d, s, b); }
-  void fill_zero(void* d, size_t b) override { cpu_.fill_zero(d, b); }
-  void synchronize() override {}
-  void gemm(Op oa, const BatchRef& a, Op ob, const BatchRef& b, double al, double be,
-            const BatchRef* ci, const BatchRef& c) override {
-    cpu_.gemm(oa, a, ob, b, al, be, ci, c);
-  }
-  void gemm_symmetric(Op oa, const BatchRef& a, Op ob, const BatchRef& b, double al, double be,
-                      const BatchRef* ci, const BatchRef& c) override {
-    cpu_.gemm_symmetric(oa, a, ob, b, al, be, ci, c);
-  }
-  void lincomb(double al, const BatchRef& a, double be, const BatchRef* b, double d,
-               const BatchRef& o) override {
-    cpu_.lincomb(al, a, be, b, d, o);
-  }
-  void frob_norm(const BatchRef& a, double* n) override { cpu_.frob_norm(a, n); }
-  void scale_copy(const BatchRef& s, bool t, const ScaleSpec& sc, const BatchRef& d) override {
-    cpu_.scale_copy(s, t, sc, d);
-  }
-  void muon_momentum_norm(std::span<const MuonSlot> s, float mu, bool nes, double* n,
-                          int32_t* st) override {
-    cpu_.muon_momentum_norm(s, mu, nes, n, st);
-  }
-  void muon_momentum_apply(std::span<const MuonSlot> s, float mu, bool nes, const int32_t* st,
-                           const ScaleSpec& sc, bool t, const BatchRef& x) override {
-    cpu_.muon_momentum_apply(s, mu, nes, st, sc, t, x);
-  }
-  void muon_update(std::span<const MuonSlot> s, std::span<const MuonUpdateCoef> c,
-                   const int32_t* st, const BatchRef& o, bool t) override {
-    cpu_.muon_update(s, c, st, o, t);
-  }
-  void adamw_check(std::span<const AdamSlot> s, int32_t* st) override { cpu_.adamw_check(s, st); }
-  void adamw_update(std::span<const AdamSlot> s, std::span<const AdamCoef> c,
-                    const int32_t* st) override {
-    cpu_.adamw_update(s, c, st);
-  }
-  void count_status(const int32_t* st, int64_t n, int64_t* c) override {
-    cpu_.count_status(st, n, c);
-  }
-
- private:
-  CpuBackend cpu_;
 };
 
 struct GateCase {
-  float residual, q_norm, age;
+  float residual, age;
   int32_t status;
   double entry_key;
   int32_t want;
@@ -89,36 +44,34 @@ TEST(CacheOps, GateFollowsItsContractOnEveryCase) {
   const float nan = std::nanf(""), inf = INFINITY;
   // gamma 2, residual_scale 0.5, max_age 3
   const GateCase cases[] = {
-      {2.0f, 1.0f, 0, kStatusOk, key, kCacheHit, 1, true, false},           // r = 1 <= 2
-      {4.0f, 1.0f, 2, kStatusOk, key, kCacheHit, 3, true, false},           // r = 2: boundary
-      {4.2f, 1.0f, 2, kStatusOk, key, kCacheRefresh, 0, true, false},       // r = 2.1 > gamma
-      {1.0f, 1.0f, 3, kStatusOk, key, kCacheRefresh, 0, true, true},        // stale (age 3)
-      {1.0f, 1.0f, 0, kStatusOk, 0, kCacheRefresh, 0, false, true},         // empty entry
-      {1.0f, 1.0f, 0, kStatusOk, 99, kCacheRefresh, 0, false, true},        // other key
-      {1.0f, nan, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite Q
-      {1.0f, inf, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite Q
-      {nan, 1.0f, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite residual
-      {1.0f, 1.0f, 1, kStatusNonFinite, key, kCacheSkip, 1, false, false},  // skipped step
+      {2.0f, 0, kStatusOk, key, kCacheHit, 1, true, false},           // r = 1 <= 2
+      {4.0f, 2, kStatusOk, key, kCacheHit, 3, true, false},           // r = 2: boundary
+      {4.2f, 2, kStatusOk, key, kCacheRefresh, 0, true, false},       // r = 2.1 > gamma
+      {1.0f, 3, kStatusOk, key, kCacheRefresh, 0, true, true},        // stale (age 3)
+      {1.0f, 0, kStatusOk, 0, kCacheRefresh, 0, false, true},         // empty entry
+      {1.0f, 0, kStatusOk, 99, kCacheRefresh, 0, false, true},        // other key
+      {nan, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // non-finite residual
+      {inf, 0, kStatusOk, key, kCacheRefresh, 0, false, true},        // (as from a non-finite Q)
+      {1.0f, 1, kStatusNonFinite, key, kCacheSkip, 1, false, false},  // skipped step
   };
   const int n = static_cast<int>(std::size(cases));
   for (int variant = 0; variant < 2; ++variant) {
     CpuBackend cpu;
     FallbackBackend fb;
     Backend& be = variant == 0 ? static_cast<Backend&>(cpu) : fb;
-    std::vector<double> res(n), qn(n);
+    std::vector<double> res(n);
     std::vector<float> age(n);
     std::vector<int32_t> st(n), dec(n, -1);
     std::vector<double> keys(n), stats(n * kCacheStatFields, 0.0);
     for (int i = 0; i < n; ++i) {
       res[i] = cases[i].residual;
-      qn[i] = cases[i].q_norm;
       age[i] = cases[i].age;
       st[i] = cases[i].status;
       keys[i] = cases[i].entry_key;
       stats[i * kCacheStatFields + kCacheStatResMin] = kInf;
     }
-    CacheGateArgs g{n,           res.data(), 0.5, qn.data(), st.data(),  key,
-                    keys.data(), age.data(), 3,   2.0,       dec.data(), stats.data()};
+    CacheGateArgs g{n,          res.data(), 0.5, st.data(),  key,         keys.data(),
+                    age.data(), 3,          2.0, dec.data(), stats.data()};
     be.cache_gate(g);
     for (int i = 0; i < n; ++i) {
       SCOPED_TRACE("case " + std::to_string(i) + (variant ? " (fallback)" : ""));

@@ -48,30 +48,28 @@ TEST(CudaCache, GateEqualsCpuOnEveryCase) {
   CpuBackend cpu;
   const double key = 777;
   const int n = 300;
-  std::vector<double> res(n), qn(n);
+  std::vector<double> res(n);
   std::vector<float> age(n);
   std::vector<int32_t> st(n);
   std::vector<double> keys(n), stats(n * kCacheStatFields, 0.0);
   std::mt19937_64& g = test::rng();
   std::uniform_real_distribution<double> u(0.0, 6.0);
   for (int i = 0; i < n; ++i) {  // every branch: stale, empty, foreign key, NaN/Inf, skipped
-    res[i] = i % 17 == 0 ? NAN : u(g);
-    qn[i] = i % 23 == 0 ? INFINITY : 1.0;
+    res[i] = i % 17 == 0 ? NAN : (i % 23 == 0 ? INFINITY : u(g));
     age[i] = static_cast<float>(i % 5);
     st[i] = i % 19 == 0 ? kStatusNonFinite : kStatusOk;
     keys[i] = i % 13 == 0 ? 0.0 : (i % 11 == 0 ? 5.0 : key);
     stats[i * kCacheStatFields + kCacheStatResMin] = INFINITY;
   }
-  Buffer dres = upload(be, res), dqn = upload(be, qn), dage = upload(be, age), dst = upload(be, st);
+  Buffer dres = upload(be, res), dage = upload(be, age), dst = upload(be, st);
   Buffer dkeys = upload(be, keys), dstats = upload(be, stats);
   Buffer ddec = be.alloc(n * sizeof(int32_t));
   std::vector<int32_t> dec(n, -1);
-  CacheGateArgs h{n,           res.data(), 0.5, qn.data(), st.data(),  key,
-                  keys.data(), age.data(), 4,   2.0,       dec.data(), stats.data()};
+  CacheGateArgs h{n,          res.data(), 0.5, st.data(),  key,
+                  keys.data(), age.data(), 4,  2.0, dec.data(), stats.data()};
   CacheGateArgs d{n,
                   dres.as<double>(),
                   0.5,
-                  dqn.as<double>(),
                   dst.as<int32_t>(),
                   key,
                   dkeys.as<double>(),

@@ -89,8 +89,8 @@ def test_stats_count_hits_and_the_last_step() -> None:
     assert all(s["last_mean_residual"] > 0 for s in seen[1:])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cache_entries_round_trip_through_state_dict(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype", [None, torch.float32, torch.bfloat16])
+def test_cache_entries_round_trip_through_state_dict(dtype: torch.dtype | None) -> None:
     """Saved entries (Q, age, key) restore exactly: the resumed run keeps reusing the same
     transforms and continues bit-identically, hits included."""
     torch.manual_seed(0)

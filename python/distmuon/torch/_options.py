@@ -204,8 +204,9 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
     ``cache_probes`` None measures the residual exactly in Gram space, k estimates it with k
     Gaussian probes; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
-    ``cache_dtype`` stores the transforms; ``cache_shadow`` also runs the fresh solve for
-    accepted matrices to measure how far their updates are (diagnostics; synchronises)."""
+    ``cache_dtype`` stores the transforms (None: in the work dtype); ``cache_shadow`` also runs
+    the fresh solve for accepted matrices to measure how far their updates are (diagnostics;
+    synchronises)."""
     gamma = group["cache_gamma"]
     if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma < math.inf):
         raise ValueError(f"{where}: cache_gamma must be a positive number or None (got {gamma!r})")
@@ -216,8 +217,8 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     staleness = 0 if staleness is None else staleness
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"{where}: cache_max_staleness must be an integer >= 0 or None (got {staleness!r})")
-    dtype = torch_dtype_name(group["cache_dtype"])
-    if dtype not in _CACHE_DTYPES:
+    dtype = None if group["cache_dtype"] is None else torch_dtype_name(group["cache_dtype"])
+    if dtype is not None and dtype not in _CACHE_DTYPES:
         raise ValueError(f"{where}: cache_dtype must be one of {_CACHE_DTYPES} (got {dtype})")
     if not isinstance(group["cache_shadow"], bool):
         raise TypeError(f"{where}: cache_shadow must be a bool (got {group['cache_shadow']!r})")
@@ -229,7 +230,7 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     if probes is not None:
         c.probes = probes
     c.max_staleness = staleness
-    c.dtype = _DTYPES[dtype]
+    c.dtype = None if dtype is None else _DTYPES[dtype]
     c.shadow = group["cache_shadow"]
     return c
 
@@ -300,7 +301,8 @@ def muon_group(group: dict[str, Any], use_muon: bool | None, defaults: dict[str,
     out = {k: group.get(k, defaults[k]) for k in MUON_KEYS}
     if out["ns_dtype"] is not None:
         out["ns_dtype"] = torch_dtype_name(out["ns_dtype"])
-    out["cache_dtype"] = torch_dtype_name(out["cache_dtype"])
+    if out["cache_dtype"] is not None:
+        out["cache_dtype"] = torch_dtype_name(out["cache_dtype"])
     if use_muon is not None and "initial_lr" in group:
         out["initial_lr"] = group["initial_lr"]
     out["use_muon"] = True

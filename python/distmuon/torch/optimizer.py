@@ -73,7 +73,8 @@ class Muon(torch.optim.Optimizer):
         cache_probes: None (default) measures the residual exactly in Gram space; k estimates it
             with k Gaussian probes (cheaper for large m).
         cache_max_staleness: refresh an entry after this many reuses (0 or None: no limit).
-        cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16).
+        cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16);
+            None (default): the Gram-NS work dtype, so that no step converts them.
         cache_shadow: diagnostics: also run the fresh solve for accepted matrices and report the
             relative error and alignment of the accepted updates in ``stats()`` (synchronises).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the AdamW part (embeddings,
@@ -128,7 +129,7 @@ class Muon(torch.optim.Optimizer):
         cache_gamma: float | None = None,
         cache_probes: int | None = None,
         cache_max_staleness: int | None = 0,
-        cache_dtype: torch.dtype | str = torch.float32,
+        cache_dtype: torch.dtype | str | None = None,
         cache_shadow: bool = False,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] | None = None,
@@ -163,7 +164,7 @@ class Muon(torch.optim.Optimizer):
             "cache_gamma": cache_gamma,
             "cache_probes": cache_probes,
             "cache_max_staleness": cache_max_staleness,
-            "cache_dtype": opt.torch_dtype_name(cache_dtype),
+            "cache_dtype": None if cache_dtype is None else opt.torch_dtype_name(cache_dtype),
             "cache_shadow": cache_shadow,
         }
         if adamw_lr is None:
