@@ -6,11 +6,15 @@
 # CXX_LD_PATH for C++ binaries that need the toolkit's and the NCCL wheel's libraries, and
 # PY_LD_PATH (= LD_LIBRARY_PATH on return) for Python processes.
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
-# A second script on the same (warm) machine reuses the installed extension: /tmp/dm/setup.env.
-if [ -f /tmp/dm/setup.env ] && [ -z "${DM_REBUILD:-}" ]; then
+# A second script on the same (warm) machine reuses the installed extension (/tmp/dm/setup.env)
+# when it was built from these very sources: a later call carries a newer tree to the same machine.
+DM_SRC_SUM=$(find CMakeLists.txt pyproject.toml cmake include src python -type f \
+  -not -name '*.pyc' -print0 2>/dev/null | sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16)
+if [ -f /tmp/dm/setup.env ] && [ -z "${DM_REBUILD:-}" ] &&
+   grep -q "DM_BUILT_SUM='$DM_SRC_SUM'" /tmp/dm/setup.env; then
   source /tmp/dm/setup.env
   export LD_LIBRARY_PATH=$PY_LD_PATH
-  say "extension already installed on this machine (/tmp/dm/setup.env; DM_REBUILD=1 rebuilds)"
+  say "extension already installed from these sources (/tmp/dm/setup.env; DM_REBUILD=1 rebuilds)"
   return 0
 fi
 say "sysroot from .gpubin/debs"
@@ -48,4 +52,4 @@ os.system('ldd ' + so + ' | grep -E \"not found|cublas|nccl|openblas\"')
 ") 2>&1 | tee -a "$LOG"
 PY_LD_PATH=$LD_LIBRARY_PATH
 mkdir -p /tmp/dm
-echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$PY_LD_PATH'" > /tmp/dm/setup.env
+echo "export CXX_LD_PATH='$CXX_LD_PATH' PY_LD_PATH='$PY_LD_PATH' DM_BUILT_SUM='$DM_SRC_SUM'" > /tmp/dm/setup.env
