@@ -319,7 +319,10 @@ int run(int argc, char** argv) {
   out["gemm_tflops"] = tflops;
   out["copy_tbps"] = tbps;
   if (o.cache) {  // CacheMuon on the device (cuda_bench_cache.cc)
-    if (o.cache_hit) out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
+    if (o.cache_hit) {
+      out["cache"]["masked_dense_order"] = masked_dense_order(be);
+      out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
+    }
     std::ofstream(o.json_path) << out.dump(2) << "\n";
     out["cache"]["engine_gpt2_small"] = cache_engine_drift(be, 30);
     std::ofstream(o.json_path) << out.dump(2) << "\n";

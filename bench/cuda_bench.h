@@ -38,6 +38,9 @@ double graph_ms(CudaBackend& be, int reps, F&& f) {
 // CacheMuon hit against a fresh solve on qwen2.5-7b's MLP shapes (24 x 3584 x 18944: 8 layers
 // of gate, up and down in one batch), exact and probe residuals.
 nlohmann::json cache_hit_cost(CudaBackend& be);
+// The masked dense product Q X on the same shapes, tiles row by row and column by column, against
+// cuBLASLt's unmasked product (what the kernel's tile order costs).
+nlohmann::json masked_dense_order(CudaBackend& be);
 // gpt2-small engine steps with the cache off and on (gamma 2) under drifting gradients: device
 // time per step, host issue time, hit rate, and a captured step (no host synchronisation).
 nlohmann::json cache_engine_drift(CudaBackend& be, int steps);

@@ -5,13 +5,17 @@
 //    entries all pass the gate (candidate Q X + residual + gate; the fresh-solve products are
 //    issued masked and skip every matrix on the device), exact and probe residuals, and a call
 //    whose entries all refresh (gamma 0: what the gate adds to a fresh solve).
+//  - masked_dense_order: the masked dense product Q X of hits and refreshes (our CUTLASS kernel,
+//    every matrix selected) with its tiles row by row and column by column, beside cuBLASLt.
 //  - cache_engine_drift: gpt2-small engine steps, cache off and on at gamma 2, the gradient
 //    drifting by 1% of its scale per step: device time per step, the host's issue time per step
 //    (no synchronisation: the host runs ahead of the device), hit rate, and a captured step.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <utility>
 
+#include "backend/cuda/launch/sym_gemm.h"
 #include "cuda_bench.h"
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
@@ -99,6 +103,41 @@ json cache_hit_cost(CudaBackend& be) {
     j[cache_residual_name(res)] = e;
   }
   j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];  // the default residual
+  return j;
+}
+
+json masked_dense_order(CudaBackend& be) {
+  const int64_t c = 24, m = 3584, n = 18944;
+  const DType t = DType::kF16;
+  std::vector<Buffer> keep;
+  const BatchRef q = dev_batch(be, keep, t, c, m, m, 11, 0.02f);
+  const BatchRef x = dev_batch(be, keep, t, c, m, n, 12, 0.02f);
+  const BatchRef y = dev_batch(be, keep, t, c, m, n, 13, 0.0f);
+  Buffer flags = be.alloc(c * sizeof(int32_t)), ws = be.alloc(size_t(64) << 20);
+  std::vector<int32_t> ones(c, 1);
+  DM_CHECK_CUDA(cudaMemcpy(flags.data(), ones.data(), c * sizeof(int32_t), cudaMemcpyHostToDevice));
+  int sms = 0;
+  DM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const double flops = 2.0 * m * m * n * c;
+  json j = {{"count", c}, {"m", m}, {"n", n}, {"k", m}, {"dtype", "f16"}};
+  auto record = [&](const char* name, double ms) {
+    j[name] = {{"ms", ms}, {"tflops", flops / ms * 1e-9}};
+    std::fprintf(stderr, "[cache] masked Q X 24x3584x3584 @ 3584x18944, %s: %.2f ms (%.0f TFLOP/s)\n",
+                 name, ms, flops / ms * 1e-9);
+  };
+  record("cublaslt_unmasked",
+         time_ms(be, 5, [&] { be.gemm(Op::kN, q, Op::kN, x, 1.0, 0.0, nullptr, y); }));
+  for (auto [name, order] : {std::pair{"masked_rows", cuda::TileOrder::kRows},
+                             std::pair{"masked_columns", cuda::TileOrder::kColumns}}) {
+    cuda::SymGemmArgs g = cuda::make_sym_args(q, x, nullptr, y, m, 1.0, 0.0);
+    g.lower = false;
+    g.flags = flags.as<int32_t>();
+    g.order = order;
+    record(name, time_ms(be, 5, [&] {
+             DM_CHECK(cuda::run_dense_nn_sm90_f16(g, sms, ws.data(), size_t(64) << 20, be.stream()),
+                      "the masked dense kernel cannot run this shape");
+           }));
+  }
   return j;
 }
 

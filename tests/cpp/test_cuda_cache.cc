@@ -7,11 +7,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "backend/cache_ref.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/cuda_handles.h"
+#include "backend/cuda/launch/sym_gemm.h"
 #include "distmuon/cache.h"
 #include "test_cuda_util.h"
 
@@ -248,6 +250,53 @@ TEST(CudaCache, MaskedDenseProducts) {
           EXPECT_TRUE(got.get(i).array().isNaN().all()) << "unselected matrix " << i;
       }
     }
+}
+
+// The dense kernel's two tile orders (row by row; column by column, the default where A is the
+// smaller operand) compute every tile the same way: bit-identical outputs, on shapes of both
+// sides (m < n and m > n) and with some matrices unselected.
+TEST(CudaCache, MaskedDenseTileOrdersAgreeBitForBit) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  if (!be.has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  int sms = 0;
+  DM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t ws_bytes = size_t(16) << 20;
+  Buffer ws = be.alloc(ws_bytes);
+  const int64_t c = 3;
+  const std::vector<int32_t> some = {1, 0, 1};
+  Buffer flags = upload(be, some);
+  for (auto [m, n] : {std::pair<int64_t, int64_t>{136, 520}, {520, 136}}) {
+    SCOPED_TRACE(std::to_string(m) + " x " + std::to_string(n));
+    HostBatch q(DType::kBF16, c, m, m), x(DType::kBF16, c, m, n);
+    for (int64_t i = 0; i < c; ++i) {
+      q.set(i, random_matrix(m, m, 1.0 / std::sqrt(double(m))));
+      x.set(i, random_matrix(m, n));
+    }
+    DeviceBatch dq(be, q), dx(be, x);
+    std::vector<HostBatch> outs;
+    for (cuda::TileOrder order : {cuda::TileOrder::kRows, cuda::TileOrder::kColumns}) {
+      HostBatch y(DType::kBF16, c, m, n);
+      y.poison();
+      DeviceBatch dy(be, y);
+      cuda::SymGemmArgs g = cuda::make_sym_args(dq.ref, dx.ref, nullptr, dy.ref, m, 1.0, 0.0);
+      g.lower = false;
+      g.flags = flags.as<int32_t>();
+      g.order = order;
+      ASSERT_TRUE(cuda::run_dense_nn_sm90_bf16(g, sms, ws.data(), ws_bytes, be.stream()));
+      dy.download(be, y);
+      outs.push_back(std::move(y));
+    }
+    for (int64_t i = 0; i < c; ++i) {
+      if (!some[i]) {
+        EXPECT_TRUE(outs[0].get(i).array().isNaN().all()) << "unselected matrix " << i;
+        EXPECT_TRUE(outs[1].get(i).array().isNaN().all()) << "unselected matrix " << i;
+        continue;
+      }
+      EXPECT_LT(rel_err(outs[0].get(i), Mat(q.get(i) * x.get(i))), 1e-2) << "matrix " << i;
+      EXPECT_TRUE(bits_equal(outs[0], outs[1], i)) << "matrix " << i;
+    }
+  }
 }
 
 // A product no device kernel covers (fp32) still honours the mask (host fallback).

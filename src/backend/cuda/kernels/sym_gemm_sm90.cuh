@@ -9,6 +9,9 @@
 // row I needs the column tiles j < q(I+1), the last row clipped to the matrix. Tiles beyond
 // the diagonal that a cluster tile drags in are computed and later overwritten by the mirror.
 // Linear order: batch-major, then row by row; CTAs stride over it (a static persistent grid).
+// Dense products may instead go column by column (`column_order`): the CTAs in flight then share
+// B's column tiles and sweep A, which stays in L2 where A is the smaller operand (Q X with Q
+// m x m and X m x n, n >> m: row by row streams all of X from memory once per row of tiles).
 //
 // Masking: every thread counts the selected matrices once (flags are written by an earlier
 // kernel in stream order) and the linear order runs over the selected matrices only, so the
@@ -36,6 +39,7 @@ struct TileArguments : cutlass::gemm::kernel::detail::PersistentTileSchedulerSm9
   bool lower = true;               // lower-triangle tiles only; false: every tile (dense)
   const int32_t* flags = nullptr;  // per matrix: computed only when flags[l] == flag_value
   int32_t flag_value = 1;
+  bool column_order = false;       // dense only: tiles column by column instead of row by row
 };
 
 class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentTileSchedulerSm90 {
@@ -57,6 +61,7 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
     int32_t q = 1;
     int32_t cluster_m = 1;
     int32_t lower = 1;
+    int32_t column_order = 0;
     const int32_t* flags = nullptr;
     int32_t flag_value = 1;
     int32_t batches = 0;
@@ -86,6 +91,7 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
     const int64_t last = std::min<int64_t>(int64_t(p.q) * p.rows, tiles_n);
     p.tiles_per_batch = p.full_rows + static_cast<uint64_t>(last);
     p.lower = args.lower ? 1 : 0;
+    p.column_order = !args.lower && args.column_order ? 1 : 0;
     if (!args.lower) {
       p.tiles_n = static_cast<uint64_t>((cute::get<1>(problem) + bn - 1) / bn);
       p.tiles_per_batch = p.tiles_n * static_cast<uint64_t>(p.rows);
@@ -143,7 +149,11 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
     const uint64_t l = tri_.flags ? static_cast<uint64_t>(selected(rank)) : rank;
     const uint64_t q = static_cast<uint64_t>(tri_.q);
     uint64_t row, col;
-    if (!tri_.lower) {
+    if (!tri_.lower && tri_.column_order) {
+      const uint64_t rows = static_cast<uint64_t>(tri_.rows);
+      col = r / rows;
+      row = r - col * rows;
+    } else if (!tri_.lower) {
       row = r / tri_.tiles_n;
       col = r - row * tri_.tiles_n;
     } else if (r < tri_.full_rows) {

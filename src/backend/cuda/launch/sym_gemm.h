@@ -16,6 +16,10 @@
 
 namespace distmuon::cuda {
 
+// The order in which a dense (lower == false) product's output tiles are handed out.
+// kAuto: column by column when A is the smaller operand (m <= n), else row by row.
+enum class TileOrder { kAuto, kRows, kColumns };
+
 struct SymGemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -29,6 +33,7 @@ struct SymGemmArgs {
   bool lower = true;  // only the tiles touching the lower triangle (needs n == m)
   const int32_t* flags = nullptr;
   int32_t flag_value = 1;
+  TileOrder order = TileOrder::kAuto;  // dense products only
 };
 
 // The arguments of D = alpha * op(A) op(B) + beta * Cin for batches of the backend (Cin null or

@@ -43,6 +43,8 @@ bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspa
   args.scheduler.lower = g.lower;
   args.scheduler.flags = g.flags;
   args.scheduler.flag_value = g.flag_value;
+  args.scheduler.column_order =
+      g.order == TileOrder::kColumns || (g.order == TileOrder::kAuto && m <= n);
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return false;
   if (Gemm::get_workspace_size(args) > workspace_bytes) return false;
