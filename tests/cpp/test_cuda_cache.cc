@@ -86,10 +86,13 @@ TEST(CudaCache, GateEqualsCpuOnEveryCase) {
   EXPECT_EQ(download<float>(be, dage, n), age);
   EXPECT_EQ(download<double>(be, dkeys, n), keys);
   const std::vector<double> gs = download<double>(be, dstats, stats.size());
-  for (size_t k = 0; k < stats.size();
-       ++k)                 // the sum of squares may differ by a fused multiply-add
-    if (gs[k] != stats[k])  // equal covers the +inf of minima never updated
+  // The sum of squares may differ by a fused multiply-add; equality covers the +inf of minima
+  // never updated.
+  for (size_t k = 0; k < stats.size(); ++k) {
+    if (gs[k] != stats[k]) {
       EXPECT_NEAR(gs[k], stats[k], 1e-12 * std::abs(stats[k])) << "stat " << k % kCacheStatFields;
+    }
+  }
 }
 
 TEST(CudaCache, NormalFillDrawsTheCpuSamples) {
