@@ -111,20 +111,23 @@ void bind_dedicated(nb::module_& m) {
           [](PyTransfers* self, const DedicatedLayout& layout,
              const std::vector<std::string>& names, const std::vector<int64_t>& numels,
              const std::vector<DType>& dtypes, const std::vector<int>& owners, int world_size,
-             int replicate, int member, PyComm* world, PyComm* control, nb::object memory) {
+             int replicate, int member, PyComm* world, PyComm* control, nb::object memory,
+             uintptr_t stream) {
             new (self) PyTransfers{PyMemory(std::move(memory)), nullptr};
             self->transfers = std::make_unique<DedicatedTransfers>(
                 dedicated_matrices(names, numels, dtypes, owners), layout,
                 DedicatedWorld{world_size, replicate, member}, world ? world->comm.get() : nullptr,
-                control ? control->comm.get() : nullptr, self->memory);
+                control ? control->comm.get() : nullptr, self->memory, stream_of(stream));
           },
           nb::arg("layout"), nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"),
           nb::arg("owners"), nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),
           nb::arg("world").none(), nb::arg("control").none(), nb::arg("memory"),
+          nb::arg("stream"),
           nb::keep_alive<1, 10>(), nb::keep_alive<1, 11>(),
           "`world`: the communicator of the dedicated world (None for one member; split here "
           "in HSDP); `control`: a host communicator over it for the vote; `memory`: lends the "
-          "buffers (bucket, release_bucket, grad, drop_grad, has_grad).")
+          "buffers (bucket, release_bucket, grad, drop_grad, has_grad); `stream`: orders the "
+          "split's collectives.")
       .def("begin_forward", [](PyTransfers& t) { t.transfers->begin_forward(); })
       .def(
           "issue",

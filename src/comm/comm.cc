@@ -117,6 +117,7 @@ void CommHandle::finish_quietly() noexcept {
     return;
   }
   try {
+    DM_LOG(kDebug, "a dropped handle waits for its collective");
     request_->wait(timeout_s_);
   } catch (const std::exception& e) {
     // Destructors must not throw; the error is reported and the request is abandoned.

@@ -336,6 +336,7 @@ class NcclComm final : public Communicator {
     issue();
     sh_->wait_ready(what, timeout_s());
     DM_CHECK_CUDA(cudaEventRecord(req->event(), stream_.get()), what);
+    DM_LOG(kDebug, what, " issued");
     return req;
   }
 

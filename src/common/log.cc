@@ -1,5 +1,7 @@
 #include "common/log.h"
 
+#include <chrono>
+#include <iomanip>
 #include <mutex>
 
 #include "distmuon/env.h"
@@ -17,11 +19,20 @@ Level level() {
   return lvl;
 }
 
+namespace {
+// Debug lines carry the seconds since the library was loaded: a timeline across ranks.
+const auto t_load = std::chrono::steady_clock::now();
+}  // namespace
+
 void write(Level lvl, const std::string& msg) {
   static std::mutex mu;
   static const char* names[] = {"error", "warn", "info", "debug"};
   std::lock_guard<std::mutex> lock(mu);
-  std::cerr << "[distmuon " << names[lvl] << "] " << msg << std::endl;
+  std::cerr << "[distmuon " << names[lvl];
+  if (lvl == kDebug)
+    std::cerr << " " << std::fixed << std::setprecision(3)
+              << std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  std::cerr << "] " << msg << std::endl;
 }
 
 }  // namespace distmuon::log

@@ -11,7 +11,7 @@ namespace distmuon {
 DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
                                        DedicatedLayout layout, DedicatedWorld world,
                                        Communicator* world_comm, Communicator* control,
-                                       DedicatedMemory& memory)
+                                       DedicatedMemory& memory, void* stream)
     : matrices_(std::move(matrices)),
       layout_(std::move(layout)),
       world_(world),
@@ -35,6 +35,7 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
   }
   const int my_r = replica_of(world_.member), my_s = shard_position(world_.member);
   if (world_.replicate > 1) {  // the engine's HSDP split (dist_setup.cc)
+    bind(stream);
     shard_owned_ = world_comm_->split(my_r, my_s);
     replica_ = world_comm_->split(my_s, my_r);
     shard_ = shard_owned_.get();

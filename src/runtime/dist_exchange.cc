@@ -2,6 +2,7 @@
 // communicator may only accept device buffers (NCCL).
 #include <numeric>
 
+#include "common/log.h"
 #include "distmuon/error.h"
 #include "runtime/engine_impl.h"
 
@@ -44,6 +45,7 @@ void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& valu
   const size_t n = values.size();
   Buffer buf = be.alloc(std::max<size_t>(n, 1) * sizeof(int32_t));
   be.copy_from_host(buf.data(), values.data(), n * sizeof(int32_t));
+  DM_LOG(kDebug, "the host waits for the device (before an all_reduce of ", n, " values)");
   be.synchronize();
   comm.all_reduce(buf.data(), buf.data(), static_cast<int64_t>(n), CommType::kI32, op).wait();
   be.synchronize();

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <sstream>
 
+#include "common/log.h"
 #include "distmuon/error.h"
 #include "runtime/engine_impl.h"
 #include "runtime/mode_runner.h"
@@ -127,7 +128,9 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
 
 // Raise policy: every rank sees every status before anything changes, so all raise together.
 void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names) {
+  DM_LOG(kDebug, "the host waits for the device (step statuses)");
   backend.synchronize();
+  DM_LOG(kDebug, "the device reached the step statuses");
   std::vector<int32_t> st(static_cast<size_t>(n_status));
   backend.copy_to_host(st.data(), step_status.data(), st.size() * sizeof(int32_t));
   if (world) host_all_reduce(*world, backend, st, ReduceOp::kMax);
@@ -166,6 +169,7 @@ void DistState::wait_unchecked() {
 }
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
+  DM_LOG(kDebug, "step ", stats.steps, " begins");
   bind_streams();
   if (publish_pending) finish_publish();
   wait_unchecked();  // left by a step that raised
@@ -220,6 +224,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   adam_update();
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
+  DM_LOG(kDebug, "step issued; waiting for ", unchecked.size(), " collectives");
   wait_unchecked();
   for (size_t i = 0; i < params.size(); ++i)
     if (ctx->active[i]) params[i].step += 1;

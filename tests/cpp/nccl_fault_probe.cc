@@ -128,6 +128,8 @@ int run(int argc, char** argv) {
       std::_Exit(0);  // the communicator was aborted; its destructor has nothing left to do
     }
     last = Clock::now();
+    std::printf("step %d done\n", step);
+    std::fflush(stdout);
   }
   std::printf("still stepping after %.0f s without a fault being seen\n", 4 * timeout);
   return 1;

@@ -99,8 +99,15 @@ struct Rig {
     memory.emplace(*be, layout, world.member, mats);
     const bool many = w.size() > 1;
     transfers.emplace(mats, layout, world, many ? &w : nullptr,
-                      many ? &test::host_world() : nullptr, *memory);
+                      many ? &test::host_world() : nullptr, *memory, be->native_stream());
   }
+  // The world outlives this rig's backend: back to the default stream before that stream goes.
+  ~Rig() {
+    transfers.reset();
+    if (world.size > 1) test::world().bind_stream(nullptr);
+  }
+  Rig(const Rig&) = delete;
+  Rig& operator=(const Rig&) = delete;
   std::vector<float> grad_of(int rank, int j, int round) const {
     std::vector<float> g(kNumel);
     for (int k = 0; k < kNumel; ++k) g[k] = grad_value(rank, j, k, round);

@@ -22,15 +22,16 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PATH -x LD_
         -x DISTMUON_AUTOTUNE -x DISTMUON_TEST_JSON_DIR)
 [ -n "${LD_PRELOAD:-}" ] && MPIRUN+=(-x LD_PRELOAD)
 
-# The CUDA gtests and the single-process NCCL test; the distributed tests on the NCCL rig at each
-# rank count (the fault tests run in the bench lane, which ends early).
+# The CUDA gtests and the single-process NCCL test; the distributed engine on the NCCL rig at each
+# rank count (the longest suites: the rig's other suites and the fault tests run in the bench
+# lane, which ends early).
 lane_cpp() {
   local t n
   for t in test_cuda_backend test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm; do
     [ -x "$BIN/$t" ] || continue
     run_suite "$t" 1 300 "$BIN/$t" --gtest_output="json:$WORK/$t.gtest.json"
   done
-  nccl_dist_suites "$RANKS"
+  nccl_dist_suites "$RANKS" engine
 }
 
 # Above 4 ranks (time-sliced on one GPU, 2-3x slower per case) the engine runs what depends on
@@ -38,11 +39,12 @@ lane_cpp() {
 # caller path. The raise policy, checkpoints and half-precision cases ran at 2 and 4 ranks.
 ENGINE_FILTER_LARGE='*EveryMode*:*RanksThatOwnNothing*:*DedicatedCaller*'
 
-# The distributed C++ tests on the NCCL rig at each rank count of the comma list $1.
+# The distributed C++ tests $2 (of comm, engine, errors, dedicated) on the NCCL rig at each rank
+# count of the comma list $1.
 nccl_dist_suites() {
   local n t
   for n in ${1//,/ }; do
-    for t in comm engine errors dedicated; do
+    for t in $2; do
       mkdir -p "$WORK/nccl_dist_$t-$n"
       local filter=()
       [ "$t" = engine ] && [ "$n" -gt 4 ] && filter=(--gtest_filter="$ENGINE_FILTER_LARGE")
@@ -89,8 +91,9 @@ lane_sanitizer() {
 }
 
 # Traffic and orthogonalization FLOPs per rank of each mode, beside the simulator's prediction
-# (bf16 parameters and gradients: the simulator's wire dtype); then the fault tests at up to 4
-# ranks (a stalled and a killed rank; tests/gpu/nccl_faults.py).
+# (bf16 parameters and gradients: the simulator's wire dtype); the NCCL rig's communicator, error
+# and dedicated-transfer suites; then the fault tests at up to 4 ranks (a stalled and a killed
+# rank; tests/gpu/nccl_faults.py).
 lane_bench() {
   local n
   for n in ${RANKS//,/ }; do
@@ -101,6 +104,7 @@ lane_bench() {
     run_suite "plan-$n" 1 120 "$BIN/distmuon-plan" --workload gpt2-small --world-size "$n" \
       --gpus-per-node "$n" --analytic --solver milp --simulate --json "$WORK/plan-$n.json"
   done
+  nccl_dist_suites "$RANKS" "comm errors dedicated"
   run_suite faults 0 300 "$PY" tests/gpu/nccl_faults.py --probe "$BIN/nccl_fault_probe" \
-    --ranks "$(tr , '\n' <<< "$RANKS" | awk '$1 <= 4' | paste -sd,)" --json "$WORK/faults.json"
+    --ranks "$(tr , '\n' <<< "$RANKS" | awk '$1 <= 4' | paste -sd,)" --repeat 2 --json "$WORK/faults.json"
 }

@@ -1,7 +1,7 @@
 """Fault tests of the distributed engine over NCCL: one rank stops stepping, or is killed in the
 middle of a step; every other rank must raise within DISTMUON_COMM_TIMEOUT_S plus SLACK_S.
 
-    python3 tests/gpu/nccl_faults.py --probe build/bin/nccl_fault_probe --ranks 2,4 --json out.json
+    python3 tests/gpu/nccl_faults.py --probe build/bin/nccl_fault_probe --ranks 2,4 [--repeat 3] --json out.json
 
 Each case starts the ranks as plain processes (nccl_fault_probe.cc says why there is no mpirun),
 all on the GPUs this machine has (several ranks per GPU need NCCL >= 2.30 and
@@ -25,7 +25,10 @@ SLACK_S = 5.0
 
 
 def run_case(probe: str, ranks: int, fault: str, mode: str) -> dict:
-    env = dict(os.environ, DISTMUON_COMM_TIMEOUT_S=str(TIMEOUT_S), DISTMUON_AUTOTUNE="off")
+    # Debug lines give each rank's timeline (collectives issued, host waits for the device, with
+    # seconds since start), kept for the ranks that raised late or not at all.
+    env = dict(os.environ, DISTMUON_COMM_TIMEOUT_S=str(TIMEOUT_S), DISTMUON_AUTOTUNE="off",
+               DISTMUON_LOG_LEVEL="debug")
     with tempfile.TemporaryDirectory() as rendezvous:
         t0 = time.monotonic()
         procs = [
@@ -49,16 +52,18 @@ def run_case(probe: str, ranks: int, fault: str, mode: str) -> dict:
             outs.append((p.returncode, out))
         wall = time.monotonic() - t0
     survivors = outs[:-1]
-    delays, problems = [], []
+    delays, problems, timelines = [], [], {}
     for r, (code, out) in enumerate(survivors):
         line = next((ln for ln in out.splitlines() if ln.startswith("raised ")), None)
         if code != 0 or line is None:
             problems.append(f"rank {r} (exit {code}): {out.strip()[-400:]}")
+            timelines[r] = out.splitlines()[-40:]
             continue
         delay = float(line.split()[1])
         delays.append(delay)
         if delay > TIMEOUT_S + SLACK_S:
             problems.append(f"rank {r} raised after {delay:.1f} s: {line}")
+            timelines[r] = out.splitlines()[-40:]
         elif "DISTMUON_COMM_TIMEOUT_S" not in line and "failed" not in line:
             problems.append(f"rank {r} raised an error that names neither the timeout nor a failure: {line}")
     faulty_code = outs[-1][0]
@@ -76,6 +81,7 @@ def run_case(probe: str, ranks: int, fault: str, mode: str) -> dict:
         "wall_s": round(wall, 1),
         "message": example[:300],
         "problems": problems,
+        "timelines": timelines,  # the last output lines of the ranks with a problem
     }
 
 
@@ -84,11 +90,12 @@ def main() -> int:
     ap.add_argument("--probe", required=True, help="the nccl_fault_probe executable")
     ap.add_argument("--ranks", default="2,4", help="comma list of rank counts")
     ap.add_argument("--modes", default="sharded,dedicated", help="engine modes, taken in turn by the cases")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each case (timing-dependent faults)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     results = []
     modes = args.modes.split(",")
-    cases = [(int(n), fault) for n in args.ranks.split(",") for fault in ("stop", "kill")]
+    cases = [(int(n), fault) for n in args.ranks.split(",") for fault in ("stop", "kill")] * args.repeat
     for i, (n, fault) in enumerate(cases):
         r = run_case(args.probe, n, fault, modes[i % len(modes)])  # the modes in turn
         results.append(r)
@@ -98,6 +105,10 @@ def main() -> int:
               f"(timeout {TIMEOUT_S:.0f} s + {SLACK_S:.0f} s slack)", flush=True)
         for p in r["problems"]:
             print(f"         {p}", flush=True)
+        for rank, lines in r["timelines"].items():
+            print(f"         rank {rank}'s last lines:", flush=True)
+            for ln in lines:
+                print(f"           {ln}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -8,16 +8,18 @@
 #   OUT_DIR=bench/results/2026-12-01-gpu-multirank tests/gpu/verify.sh
 #
 # What it runs, in four lanes at once (the small test models leave the GPU mostly idle):
-#   cpp        the CUDA gtests and the single-process NCCL test; the distributed C++ tests on the
-#              NCCL rig (test_nccl_dist_comm / _engine / _errors: every mode, HSDP 2 x 2 and
-#              CacheMuon against the single-process CUDA engine) at each rank count; the fault
-#              tests (a rank that stops stepping, a rank killed mid-step: tests/gpu/nccl_faults.py)
+#   cpp        the CUDA gtests and the single-process NCCL test; the distributed engine on the
+#              NCCL rig (test_nccl_dist_engine: every mode, HSDP 2 x 2 and CacheMuon against the
+#              single-process CUDA engine) at each rank count
 #   python     the GPU pytest modules (test_gpu.py; test_gpu_distributed.py: DDP, FSDP2, HSDP,
 #              dedicate(), mixed precision, DCP 4 -> 2 -> 1 over NCCL)
 #   sanitizer  compute-sanitizer memcheck over the GPU gtests, racecheck and synccheck over the
 #              kernels' tests, memcheck over a 2-rank NCCL engine run
 #   bench      distmuon-bench --mode gather,sharded,dedicated at each rank count (bytes and
-#              orthogonalization FLOPs per rank) beside distmuon-plan --simulate's prediction
+#              orthogonalization FLOPs per rank) beside distmuon-plan --simulate's prediction;
+#              the rig's other suites (test_nccl_dist_comm / _errors / _dedicated) at each rank
+#              count; the fault tests (a rank that stops stepping, a rank killed mid-step:
+#              tests/gpu/nccl_faults.py)
 #
 # Several ranks per GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1. When the NCCL that
 # torch and the toolkit bring is older, the script uses NCCL_LIB (a libnccl.so.2 >= 2.30) or

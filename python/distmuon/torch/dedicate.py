@@ -102,6 +102,7 @@ class Dedicated:
             layout, [m.name for m in matrices], [m.numel for m in matrices],
             [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
             grid.size, grid.replicate, grid.member, self.comm, control, Memory(matrices, buckets, grid.member),
+            self._stream(),
         )
         self._sync = True
         self._prepare: Callable[[list[nn.Parameter], Any], None] | None = None
