@@ -12,7 +12,9 @@ namespace distmuon::env {
 
 const std::vector<Knob>& knobs() {
   static const std::vector<Knob> table = {
-      {"DISTMUON_LOG_LEVEL", "warn", "error | warn | info | debug"},
+      {"DISTMUON_LOG_LEVEL", "warn",
+       "error | warn | info | debug (debug adds a timeline: each collective issued, each host wait "
+       "for the device, in seconds since start)"},
       {"DISTMUON_NUM_THREADS", "0", "BLAS threads of the CPU backend (0: library default)"},
       {"DISTMUON_COMM_TIMEOUT_S", "300",
        "seconds a collective may take from its issue before it fails with a timeout naming the operation"},
