@@ -17,7 +17,9 @@
 //   afterwards waits for them on the device, the host does not).
 // - Timeouts: CommHandle::wait() throws distmuon::TimeoutError naming the operation, the
 //   communicator and its members when the operation does not complete in time
-//   (DISTMUON_COMM_TIMEOUT_S by default). An NCCL communicator is aborted after a timeout.
+//   (DISTMUON_COMM_TIMEOUT_S by default). An NCCL communicator is aborted after a timeout. Over
+//   NCCL an operation that took 90 % of the timeout on the device also times out, complete or
+//   not: a member's abort can let it complete elsewhere with undefined data and no error.
 //   After an operation fails (a timeout or an error), the handles of operations that were in
 //   flight on that communicator then, that one included, are abandoned when destroyed instead
 //   of each waiting out the timeout again: a dead member costs one timeout, not one per pending

@@ -87,15 +87,27 @@ struct Shared {
   }
 };
 
+// A collective that ran this fraction of its timeout on the device counts as timed out, even
+// though it completed. When a member times out and aborts its communicator, the same collective
+// pending on the other members may complete on their devices -- with undefined data, and without
+// an error from NCCL -- instead of failing (seen on the H200 with 4 ranks on one GPU: a member's
+// wait returned 9.97 s into a 10 s timeout, and only its next collective failed, a whole
+// timeout later). Its device time then is the timeout less the members' skew in starting it.
+constexpr double kTimedOutFraction = 0.9;
+
 class NcclRequest final : public CommRequest {
  public:
+  // `start` was recorded on the communicator's stream where the collective begins.
   NcclRequest(std::shared_ptr<Shared> sh, int device, std::shared_ptr<StreamBinding> user,
-              std::string what)
+              std::string what, double timeout_s)
       : sh_(std::move(sh)),
         device_(device),
         user_(std::move(user)),
         what_(std::move(what)),
-        done_(cuda::make_event(false)) {}
+        timeout_s_(timeout_s),
+        start_(cuda::make_event(true)),
+        done_(cuda::make_event(true)) {}
+  cudaEvent_t start_event() const { return start_.get(); }
   cudaEvent_t event() const { return done_.get(); }
 
   bool test() override {
@@ -105,6 +117,19 @@ class NcclRequest final : public CommRequest {
     cudaError_t q = cudaEventQuery(done_.get());
     if (q == cudaErrorNotReady) return false;
     DM_CHECK_CUDA(q, what_);
+    sh_->check_async(what_);  // an error the library noticed while finishing it
+    float ms = 0;
+    DM_CHECK_CUDA(cudaEventElapsedTime(&ms, start_.get(), done_.get()), what_);
+    if (ms * 1e-3 >= kTimedOutFraction * timeout_s_) {
+      sh_->abort();
+      throw TimeoutError(detail::concat(what_, " took ", ms * 1e-3, " s on the device, ",
+                                        kTimedOutFraction * 100, " % or more of the timeout (",
+                                        timeout_s_,
+                                        " s, DISTMUON_COMM_TIMEOUT_S): a member most likely "
+                                        "failed and aborted it, leaving its result undefined; "
+                                        "the NCCL communicator was aborted"),
+                         __FILE__, __LINE__);
+    }
     // Results become visible to the caller's stream without a host round trip.
     DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, done_.get(), 0), what_);
     finished_ = true;
@@ -133,7 +158,8 @@ class NcclRequest final : public CommRequest {
   int device_;
   std::shared_ptr<StreamBinding> user_;
   std::string what_;
-  cuda::Event done_;
+  double timeout_s_;
+  cuda::Event start_, done_;
   bool finished_ = false;
 };
 
@@ -329,10 +355,11 @@ class NcclComm final : public Communicator {
     DeviceGuard g(device_);
     const std::string what = describe(op);
     sh_->check_async(what);
-    auto req = std::make_unique<NcclRequest>(sh_, device_, user_, what);
+    auto req = std::make_unique<NcclRequest>(sh_, device_, user_, what, timeout_s());
     // Start after everything the caller issued on its stream (the inputs are ready then).
     DM_CHECK_CUDA(cudaEventRecord(ready_.get(), user_->stream), what);
     DM_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), ready_.get(), 0), what);
+    DM_CHECK_CUDA(cudaEventRecord(req->start_event(), stream_.get()), what);
     issue();
     sh_->wait_ready(what, timeout_s());
     DM_CHECK_CUDA(cudaEventRecord(req->event(), stream_.get()), what);

@@ -109,6 +109,30 @@ TEST_F(NcclComm, TimeoutAbortsAndNamesTheOperation) {
   cudaStreamDestroy(user);
 }
 
+// A member's abort can let a collective pending elsewhere complete with undefined data and no
+// error; one that ran 90 % of its timeout on the device therefore times out although complete.
+// Here: a 256 MiB copy (~0.1-0.2 ms on the device) against a 20 us timeout, waited for only
+// once the device is idle, so that the deadline check never sees it pending.
+TEST_F(NcclComm, ACollectiveThatRanNearlyItsTimeoutOnTheDeviceTimesOut) {
+  const int64_t n = int64_t(64) << 20;  // floats
+  void *src = nullptr, *dst = nullptr;
+  ASSERT_EQ(cudaMalloc(&src, n * sizeof(float)), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dst, n * sizeof(float)), cudaSuccess);
+  comm_->all_reduce(src, dst, n, CommType::kF32, ReduceOp::kSum).wait();  // warm, 300 s timeout
+  comm_->set_timeout(20e-6);
+  CommHandle h = comm_->all_reduce(src, dst, n, CommType::kF32, ReduceOp::kSum);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  try {
+    h.wait();
+    ADD_FAILURE() << "expected a timeout";
+  } catch (const TimeoutError& e) {
+    EXPECT_NE(std::string(e.what()).find("on the device"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(comm_->barrier(), Error);  // aborted
+  cudaFree(src);
+  cudaFree(dst);
+}
+
 TEST_F(NcclComm, WaitOnStreamOrdersOnTheDeviceWithoutBlockingTheHost) {
   // The caller's stream is held busy by a host function: wait_on_stream() must return at once,
   // leave the handle pending, and still order a copy issued afterwards on that stream after the
@@ -143,7 +167,9 @@ TEST_F(NcclComm, EngineModesEqualTheSingleProcessEngine) {
        {DistMode::kGather, DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
     auto be = make_backend("cuda");
     auto comm = make_nccl_communicator(nccl_unique_id(), 0, 1, be->native_stream());
-    Engine ref(*be), dist(*be, *comm, DistOptions{mode});
+    DistOptions opt;
+    opt.mode = mode;
+    Engine ref(*be), dist(*be, *comm, opt);
     GroupOptions g;
     g.muon.ortho.work_dtype = DType::kF32;
     for (Engine* e : {&ref, &dist}) e->add_group(g);
@@ -185,7 +211,9 @@ TEST_F(NcclComm, EngineCommunicatorsFollowTheBackendsStream) {
     auto* cuda = dynamic_cast<CudaBackend*>(be.get());
     ASSERT_NE(cuda, nullptr);
     auto comm = make_nccl_communicator(nccl_unique_id(), 0, 1, nullptr);
-    Engine ref(*be), dist(*be, *comm, DistOptions{mode});
+    DistOptions opt;
+    opt.mode = mode;
+    Engine ref(*be), dist(*be, *comm, opt);
     GroupOptions g;
     g.muon.ortho.work_dtype = DType::kF32;
     for (Engine* e : {&ref, &dist}) e->add_group(g);
