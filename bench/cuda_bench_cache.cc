@@ -6,7 +6,8 @@
 //    issued masked and skip every matrix on the device), exact and probe residuals, and a call
 //    whose entries all refresh (gamma 0: what the gate adds to a fresh solve).
 //  - masked_dense_order: the masked dense product Q X of hits and refreshes (our CUTLASS kernel,
-//    every matrix selected) with its tiles row by row and column by column, beside cuBLASLt.
+//    every matrix selected) with its tiles row by row and column by column, and with 128 x 256
+//    tiles in 2 x 1 clusters, beside cuBLASLt.
 //  - cache_engine_drift: gpt2-small engine steps, cache off and on at gamma 2, the gradient
 //    drifting by 1% of its scale per step: device time per step, the host's issue time per step
 //    (no synchronisation: the host runs ahead of the device), hit rate, and a captured step.
@@ -127,13 +128,22 @@ json masked_dense_order(CudaBackend& be) {
   };
   record("cublaslt_unmasked",
          time_ms(be, 5, [&] { be.gemm(Op::kN, q, Op::kN, x, 1.0, 0.0, nullptr, y); }));
-  for (auto [name, order] : {std::pair{"masked_rows", cuda::TileOrder::kRows},
-                             std::pair{"masked_columns", cuda::TileOrder::kColumns}}) {
+  struct Variant {
+    const char* name;
+    cuda::TileOrder order;
+    cuda::DenseTile tile;
+  };
+  for (const Variant& v :
+       {Variant{"masked_rows", cuda::TileOrder::kRows, cuda::DenseTile::k256x128},
+        Variant{"masked_columns", cuda::TileOrder::kColumns, cuda::DenseTile::k256x128},
+        Variant{"masked_columns_128x256_c2", cuda::TileOrder::kColumns,
+                cuda::DenseTile::k128x256Cluster2}}) {
     cuda::SymGemmArgs g = cuda::make_sym_args(q, x, nullptr, y, m, 1.0, 0.0);
     g.lower = false;
     g.flags = flags.as<int32_t>();
-    g.order = order;
-    record(name, time_ms(be, 5, [&] {
+    g.order = v.order;
+    g.tile = v.tile;
+    record(v.name, time_ms(be, 5, [&] {
              DM_CHECK(cuda::run_dense_nn_sm90_f16(g, sms, ws.data(), size_t(64) << 20, be.stream()),
                       "the masked dense kernel cannot run this shape");
            }));

@@ -257,7 +257,8 @@ TEST(CudaCache, MaskedDenseProducts) {
 
 // The dense kernel's two tile orders (row by row; column by column, the default where A is the
 // smaller operand) compute every tile the same way: bit-identical outputs, on shapes of both
-// sides (m < n and m > n) and with some matrices unselected.
+// sides (m < n and m > n) and with some matrices unselected; the 128 x 256 tiles in 2 x 1
+// clusters against float64.
 TEST(CudaCache, MaskedDenseTileOrdersAgreeBitForBit) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();
@@ -278,26 +279,30 @@ TEST(CudaCache, MaskedDenseTileOrdersAgreeBitForBit) {
     }
     DeviceBatch dq(be, q), dx(be, x);
     std::vector<HostBatch> outs;
-    for (cuda::TileOrder order : {cuda::TileOrder::kRows, cuda::TileOrder::kColumns}) {
+    // Row order, column order, and the 128 x 256 tiles in 2 x 1 clusters.
+    for (int variant = 0; variant < 3; ++variant) {
       HostBatch y(DType::kBF16, c, m, n);
       y.poison();
       DeviceBatch dy(be, y);
       cuda::SymGemmArgs g = cuda::make_sym_args(dq.ref, dx.ref, nullptr, dy.ref, m, 1.0, 0.0);
       g.lower = false;
       g.flags = flags.as<int32_t>();
-      g.order = order;
+      g.order = variant == 0 ? cuda::TileOrder::kRows : cuda::TileOrder::kColumns;
+      g.tile = variant == 2 ? cuda::DenseTile::k128x256Cluster2 : cuda::DenseTile::k256x128;
       ASSERT_TRUE(cuda::run_dense_nn_sm90_bf16(g, sms, ws.data(), ws_bytes, be.stream()));
       dy.download(be, y);
       outs.push_back(std::move(y));
     }
     for (int64_t i = 0; i < c; ++i) {
       if (!some[i]) {
-        EXPECT_TRUE(outs[0].get(i).array().isNaN().all()) << "unselected matrix " << i;
-        EXPECT_TRUE(outs[1].get(i).array().isNaN().all()) << "unselected matrix " << i;
+        for (const HostBatch& o : outs)
+          EXPECT_TRUE(o.get(i).array().isNaN().all()) << "unselected matrix " << i;
         continue;
       }
-      EXPECT_LT(rel_err(outs[0].get(i), Mat(q.get(i) * x.get(i))), 1e-2) << "matrix " << i;
+      const Mat want = q.get(i) * x.get(i);
+      EXPECT_LT(rel_err(outs[0].get(i), want), 1e-2) << "matrix " << i;
       EXPECT_TRUE(bits_equal(outs[0], outs[1], i)) << "matrix " << i;
+      EXPECT_LT(rel_err(outs[2].get(i), want), 1e-2) << "128 x 256 tiles, matrix " << i;
     }
   }
 }

@@ -1,5 +1,5 @@
-// The masked dense product D = A B (B row-major k x n) in f16, every tile, 256x128 cooperative
-// (fp32 accumulation). A translation unit of its own: CUTLASS instantiations compile slowly.
+// The masked dense product D = A B (B row-major k x n) in f16, every tile, with the cooperative
+// kernel of args.tile (fp32 accumulation). A translation unit of its own: CUTLASS compiles slowly.
 #include "backend/cuda/launch/sym_gemm_sm90_run.h"
 
 namespace distmuon::cuda {

@@ -20,6 +20,11 @@ namespace distmuon::cuda {
 // kAuto: column by column when A is the smaller operand (m <= n), else row by row.
 enum class TileOrder { kAuto, kRows, kColumns };
 
+// The dense_nn kernel's CTA tile: 256 x 128 (1 x 1 cluster), or 128 x 256 with two CTAs stacked
+// along M sharing each B tile through TMA multicast (the shape cuBLASLt's kernels favour for
+// large bf16/fp16 products).
+enum class DenseTile { k256x128, k128x256Cluster2 };
+
 struct SymGemmArgs {
   const void* a = nullptr;
   const void* b = nullptr;
@@ -34,6 +39,7 @@ struct SymGemmArgs {
   const int32_t* flags = nullptr;
   int32_t flag_value = 1;
   TileOrder order = TileOrder::kAuto;  // dense products only
+  DenseTile tile = DenseTile::k256x128;  // run_dense_nn_* only
 };
 
 // The arguments of D = alpha * op(A) op(B) + beta * Cin for batches of the backend (Cin null or
@@ -73,8 +79,8 @@ bool run_sym_sm90_bf16(SymKernel variant, const SymGemmArgs& args, int sm_count,
 bool run_sym_sm90_f16(SymKernel variant, const SymGemmArgs& args, int sm_count, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
 
-// D = alpha * A B + beta * C (A m x k, B k x n, both row-major; every tile) with the 256x128
-// cooperative kernel. Returns false when it cannot run these arguments.
+// D = alpha * A B + beta * C (A m x k, B k x n, both row-major; every tile) with the cooperative
+// kernel of args.tile. Returns false when it cannot run these arguments.
 bool run_dense_nn_sm90_bf16(const SymGemmArgs& args, int sm_count, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream);
 bool run_dense_nn_sm90_f16(const SymGemmArgs& args, int sm_count, void* workspace,

@@ -92,6 +92,9 @@ bool run_dense_nn(const SymGemmArgs& g, int sm_count, void* ws, size_t ws_bytes,
     if (v % 8 != 0) return false;
   if (g.m > (1LL << 30) || g.n > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30))
     return false;
+  if (g.tile == DenseTile::k128x256Cluster2)
+    return run_sym<Element, Shape<_128, _256, _64>, Shape<_2, _1, _1>, false,
+                   cutlass::layout::RowMajor>(g, sm_count, ws, ws_bytes, stream);
   return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>, false,
                  cutlass::layout::RowMajor>(g, sm_count, ws, ws_bytes, stream);
 }
