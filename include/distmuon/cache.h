@@ -48,7 +48,9 @@ struct CacheOptions {
   // update is from it (and, in probe mode, the exact residual beside the estimate). Costs a
   // fresh solve and a host synchronisation per call; not counted in the FLOPs.
   bool shadow = false;
-  uint64_t seed = 0x5eed;  // probe stream
+  // Probe streams: matrix i's probes are drawn from seed ^ (a fingerprint of its input), so they
+  // depend on the matrix alone, not on its batch or on the calls before it.
+  uint64_t seed = 0x5eed;
 };
 
 // Parses "exact" | "probe", "product" | "factors"; throws on other names.
