@@ -195,9 +195,9 @@ TEST(CacheMuon, ProbeResidualsDoNotDependOnBatchesOrCallOrder) {
                              split.out.ref.slice(first, count), nullptr, split.ws.data(),
                              split.ws.bytes());
   };
-  for (const std::vector<Mat>* in : {&u, &v, &w}) {
-    whole.step(*in);
-    split_step(*in);
+  for (const std::vector<Mat>& in : {u, v, w}) {
+    whole.step(in);
+    split_step(in);
   }
   const CacheStats a = whole.cache.stats(), b = split.cache.stats();
   ASSERT_EQ(a.per_matrix.size(), 3u);
