@@ -97,6 +97,7 @@ TEST(CacheMuon, TransformCandidateAndResidualMatchFloat64Reference) {
     CacheOptions opt;
     opt.enabled = true;
     opt.gamma = 1e9;  // accept every usable entry: this test checks the math, not the gate
+    opt.residual = CacheResidual::kExact;  // against the float64 formula
     opt.dtype = DType::kF64;
     opt.layout = layout;
     opt.per_matrix_stats = true;
@@ -238,6 +239,7 @@ TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   CacheOptions opt;
   opt.enabled = true;
   opt.gamma = 1e9;
+  opt.residual = CacheResidual::kExact;  // first the exact residual's closed forms
   opt.dtype = DType::kF64;
   Rig rig(opt, 2, m, n);
   const double fresh = ortho_flops(rig.cfg, m, n);
@@ -320,6 +322,7 @@ TEST(CacheMuon, LatestCallSummaryAndShadowAlignment) {
   CacheOptions opt;
   opt.enabled = true;
   opt.gamma = 0.5;
+  opt.residual = CacheResidual::kExact;  // the summary against the exact float64 residual
   opt.shadow = true;
   opt.dtype = DType::kF64;
   Rig rig(opt, 3, m, n);
