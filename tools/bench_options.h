@@ -28,7 +28,7 @@ struct BenchOptions {
   int ranks_per_gpu = 1;
   // CacheMuon (bench_cache.cc).
   std::vector<double> cache;
-  std::string cache_residual = "exact";
+  std::string cache_residual = "probe";  // CacheOptions' default
   int cache_probes = 8, cache_staleness = 0;
   std::string cache_dtype = "work", cache_layout = "product";
   bool cache_shadow = false, cache_per_matrix = false;

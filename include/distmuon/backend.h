@@ -260,6 +260,15 @@ class Backend {
   // counter + (b * rows + r) * cols + c) (src/backend/cache_ref.h defines it exactly, so
   // every backend draws the same numbers), rounded to dst's dtype.
   virtual void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter);
+  // keys[b] (backend memory) = a hash of matrix b alone: of 64 of its elements, evenly spaced
+  // over its positions, with their bits and positions, and of its shape (cache_ref.h). The same
+  // matrix gives the same key in any batch and on any backend.
+  virtual void fingerprint(const BatchRef& x, uint64_t* keys);
+  // Normal values drawn per matrix: element (b, r, c) of dst gets normal_sample(seed ^ keys[b],
+  // r * cols + c), rounded to dst's dtype (keys in backend memory, one per matrix). With keys
+  // from fingerprint(), a matrix's draws depend on it alone, not on its batch (CacheMuon's
+  // probes: every mode decides as one process).
+  virtual void fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys);
 
   // ---- measurement support (src/measure times algorithms through these) ---------------------
   // Median milliseconds of `repeats` runs of `run`, each after an untimed `prepare` (may be

@@ -117,6 +117,8 @@ class CudaBackend final : public Backend {
   void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst) override;
   void cache_gate(const CacheGateArgs& args) override;
   void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) override;
+  void fingerprint(const BatchRef& x, uint64_t* keys) override;
+  void fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys) override;
   // Measurement support (src/backend/cuda/tune/autotune.cc): device-event timing; the GPU, driver,
   // runtime and cuBLASLt versions as the fingerprint; the symmetric-kernel choices as JSON
   // entries {"m", "k", "count", "dtype", "kernel", "ms", "dense_ms"}.

@@ -40,6 +40,27 @@ DM_CACHE_HD inline uint64_t splitmix64(uint64_t z) {
   return z ^ (z >> 31);
 }
 
+// Backend::fingerprint: kFingerprintSamples elements at evenly spaced row-major positions, each
+// hashed with its position number, combined by XOR (order-free: a device reduces them in any
+// order), then mixed with the shape.
+constexpr int kFingerprintSamples = 64;
+DM_CACHE_HD inline int64_t fingerprint_position(int t, int64_t total) {
+  return total <= 1 ? 0 : static_cast<int64_t>(t) * (total - 1) / (kFingerprintSamples - 1);
+}
+DM_CACHE_HD inline uint64_t fingerprint_term(uint64_t bits, int t) {
+  return splitmix64(bits ^ splitmix64(static_cast<uint64_t>(t) + 1));
+}
+DM_CACHE_HD inline uint64_t fingerprint_finish(uint64_t terms, int64_t rows, int64_t cols) {
+  return splitmix64(terms ^ splitmix64((static_cast<uint64_t>(rows) << 32) ^
+                                       static_cast<uint64_t>(cols)));
+}
+// The bits of an element of `size` bytes (2, 4 or 8) at p, zero-extended.
+DM_CACHE_HD inline uint64_t element_bits(const void* p, size_t size) {
+  if (size == 2) return *static_cast<const uint16_t*>(p);
+  if (size == 4) return *static_cast<const uint32_t*>(p);
+  return *static_cast<const uint64_t*>(p);
+}
+
 // Standard normal sample number `index` of stream `seed` (Box-Muller on two 53-bit uniforms
 // derived by hashing; u1 in (0, 1] so the logarithm is finite).
 DM_CACHE_HD inline double normal_sample(uint64_t seed, uint64_t index) {

@@ -24,7 +24,6 @@ struct TransformCache::Impl {
   double key = 0;
   Buffer q, age, keys, dstats;     // device: Q, f32 age, f64 key, stats (count x fields)
   std::vector<double> stats_init;  // device stats after a reset: zeros, +inf minima
-  uint64_t probe_counter = 0;
   bool dirty = false;  // calls issued since the last fold (device counters may be non-zero)
 
   // FLOP accounting. The fixed part of a call (gate) is known when it is issued; hits and

@@ -30,6 +30,7 @@ struct CachedBuffers {
   BatchRef qw_all;           // cached Q converted to the work dtype (when dtypes differ)
   std::vector<BatchRef> qw;  // per segment: the transforms the gate and the hits use
   BatchRef W, A, B, U;       // probes: W, two m x k scratch, U = X^T V (n x k)
+  uint64_t* keys = nullptr;  // probes: each matrix's fingerprint, the key of its probe stream
   BatchRef cand, cand2;      // shadow: candidate for every matrix
   double *res = nullptr, *res_exact = nullptr;
   double *fresh_norm = nullptr, *diff_norm = nullptr, *cand_norm = nullptr;
@@ -65,6 +66,7 @@ CachedBuffers carve_cached(Carver& ws, const Setup& s, DType t, int64_t c, int64
     b.A = ws.take(t, c, m, k);
     b.B = ws.take(t, c, m, k);
     b.U = ws.take(t, c, n, k);
+    b.keys = ws.take_array<uint64_t>(c);
   }
   if (s.opt.shadow) {
     b.cand = ws.take(t, c, m, n);
@@ -92,11 +94,15 @@ void exact_residual(Exec& e, const CachedBuffers& b, double* raw) {
   e.norm(b.g.T, raw);
 }
 
-// raw_i = ||(Q R Q^T - I) W||_F for k Gaussian probes W, without forming R: O(m n k).
+// raw_i = ||(Q R Q^T - I) W||_F for k Gaussian probes W, without forming R: O(m n k). Each
+// matrix's probes are keyed by its input's fingerprint: they depend on the matrix alone, not on
+// the batch it is in or on how many calls came before, so every mode (whose inputs are the same
+// bits) draws them, and decides, as one process does.
 template <typename Exec>
 void probe_residual(Exec& e, const CachedBuffers& b, const BatchRef& x, uint64_t seed,
-                    uint64_t counter, double* raw) {
-  e.normal(b.W, seed, counter);
+                    double* raw) {
+  e.fingerprint(x, b.keys);
+  e.normal(b.W, seed, b.keys);
   auto flip = [&](const BatchRef& cur) { return cur.data == b.A.data ? b.B : b.A; };
   BatchRef cur = b.W;
   for (size_t s = b.qw.size(); s-- > 0;) {  // V = Q^T W = Q_0^T ... Q_{S-1}^T W
@@ -175,7 +181,6 @@ struct Call {
   BatchRef q_entries;           // cache storage of the batch's entries, (segs m) x m each
   std::vector<BatchRef> q_seg;  // cache storage per stored segment
   CacheGateArgs gate;
-  uint64_t counter = 0;
 };
 
 template <typename Exec>
@@ -187,7 +192,7 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
     e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
     exact_residual(e, b, b.res);
   } else {
-    probe_residual(e, b, x, s.opt.seed, call.counter, b.res);
+    probe_residual(e, b, x, s.opt.seed, b.res);
   }
   e.gate(call.gate);
   e.set_mask(b.decision, kCacheRefresh);
@@ -209,7 +214,7 @@ void shadow_flow(BackendExec& e, const Setup& s, const Call& call, const CachedB
   e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   exact_residual(e, b, b.res_exact);
   const bool probe = s.opt.residual == CacheResidual::kProbe;
-  if (probe) probe_residual(e, b, x, s.opt.seed, call.counter, b.res);
+  if (probe) probe_residual(e, b, x, s.opt.seed, b.res);
   CacheGateArgs gate = call.gate;
   gate.residual = probe ? b.res : b.res_exact;
   e.gate(gate);
@@ -333,7 +338,6 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   call.q_entries = ci.q_entries(first, c);
   for (int k = 0; k < s.segs; ++k) call.q_seg.push_back(ci.q_segment(first, c, k));
   if (!s.convert) b.qw = call.q_seg;
-  call.counter = ci.probe_counter;
   CacheGateArgs& g = call.gate;
   g.count = c;
   g.residual = b.res;
@@ -354,8 +358,6 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
     shadow_flow(e, s, call, b, x, out, ci, first);
   else
     cached_flow(e, s, call, b, x, out);
-  if (o.residual == CacheResidual::kProbe)
-    ci.probe_counter += static_cast<uint64_t>(c * m * o.probes);
 }
 
 }  // namespace distmuon

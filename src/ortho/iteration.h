@@ -66,8 +66,9 @@ struct BackendExec {
   // Operations without FLOPs of interest; never masked.
   void convert(const BatchRef& src, const BatchRef& dst) { be.scale_copy(src, false, {}, dst); }
   void norm(const BatchRef& a, double* out) { be.frob_norm(a, out); }
-  void normal(const BatchRef& dst, uint64_t seed, uint64_t counter) {
-    be.fill_normal(dst, seed, counter);
+  void fingerprint(const BatchRef& x, uint64_t* keys) { be.fingerprint(x, keys); }
+  void normal(const BatchRef& dst, uint64_t seed, const uint64_t* keys) {
+    be.fill_normal_keyed(dst, seed, keys);
   }
   void gate(const CacheGateArgs& args) { be.cache_gate(args); }
 };
@@ -93,7 +94,8 @@ struct FlopCounter {
   void copy(const BatchRef&, const BatchRef&) {}
   void convert(const BatchRef&, const BatchRef&) {}
   void norm(const BatchRef&, double*) {}
-  void normal(const BatchRef&, uint64_t, uint64_t) {}
+  void fingerprint(const BatchRef&, uint64_t*) {}
+  void normal(const BatchRef&, uint64_t, const uint64_t*) {}
   void gate(const CacheGateArgs&) {}
 };
 

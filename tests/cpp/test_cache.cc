@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/cache.h"
@@ -96,6 +97,7 @@ TEST(CacheMuon, TransformCandidateAndResidualMatchFloat64Reference) {
     CacheOptions opt;
     opt.enabled = true;
     opt.gamma = 1e9;  // accept every usable entry: this test checks the math, not the gate
+    opt.residual = CacheResidual::kExact;  // against the float64 formula
     opt.dtype = DType::kF64;
     opt.layout = layout;
     opt.per_matrix_stats = true;
@@ -172,6 +174,42 @@ TEST(CacheMuon, ProbeEstimateStaysWithinFactorOfExactResidual) {
   }
 }
 
+// A matrix's probes depend on it alone: the same inputs called in other batches (as an owner
+// mode splits them) and in another order give every matrix the same probe residual, bit for bit,
+// so every distributed mode decides as one process.
+TEST(CacheMuon, ProbeResidualsDoNotDependOnBatchesOrCallOrder) {
+  CacheOptions opt;
+  opt.enabled = true;
+  opt.gamma = 1e9;
+  opt.residual = CacheResidual::kProbe;
+  opt.per_matrix_stats = true;
+  const int64_t m = 12, n = 40;
+  std::vector<Mat> u;
+  for (int i = 0; i < 3; ++i) u.push_back(random_matrix(m, n));
+  const std::vector<Mat> v = drifted(u, 0.05), w = drifted(u, 0.2);
+  Rig whole(opt, 3, m, n), split(opt, 3, m, n);
+  // split: matrix 2 alone first, then matrices 0 and 1, on every step.
+  auto split_step = [&](const std::vector<Mat>& in) {
+    for (int64_t i = 0; i < 3; ++i) split.x.set(i, normalised(in[i]));
+    for (auto [first, count] : {std::pair<int64_t, int64_t>{2, 1}, {0, 2}})
+      split.ortho.run_cached(split.cfg, split.cache, first, split.x.ref.slice(first, count),
+                             split.out.ref.slice(first, count), nullptr, split.ws.data(),
+                             split.ws.bytes());
+  };
+  for (const std::vector<Mat>& in : {u, v, w}) {
+    whole.step(in);
+    split_step(in);
+  }
+  const CacheStats a = whole.cache.stats(), b = split.cache.stats();
+  ASSERT_EQ(a.per_matrix.size(), 3u);
+  ASSERT_EQ(b.per_matrix.size(), 3u);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_GT(a.per_matrix[i].last_residual, 0.0) << "matrix " << i;
+    EXPECT_EQ(a.per_matrix[i].last_residual, b.per_matrix[i].last_residual) << "matrix " << i;
+    EXPECT_EQ(a.per_matrix[i].mean_residual, b.per_matrix[i].mean_residual) << "matrix " << i;
+  }
+}
+
 TEST(CacheMuon, GammaZeroReproducesFreshGramNsBitForBit) {
   for (DType work : {DType::kF32, DType::kF16}) {
     for (CacheResidual mode : {CacheResidual::kExact, CacheResidual::kProbe}) {
@@ -201,6 +239,7 @@ TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   CacheOptions opt;
   opt.enabled = true;
   opt.gamma = 1e9;
+  opt.residual = CacheResidual::kExact;  // first the exact residual's closed forms
   opt.dtype = DType::kF64;
   Rig rig(opt, 2, m, n);
   const double fresh = ortho_flops(rig.cfg, m, n);
@@ -283,6 +322,7 @@ TEST(CacheMuon, LatestCallSummaryAndShadowAlignment) {
   CacheOptions opt;
   opt.enabled = true;
   opt.gamma = 0.5;
+  opt.residual = CacheResidual::kExact;  // the summary against the exact float64 residual
   opt.shadow = true;
   opt.dtype = DType::kF64;
   Rig rig(opt, 3, m, n);

@@ -167,5 +167,49 @@ TEST(CacheOps, NormalGeneratorIsStandardDeterministicAndCounterAddressed) {
   EXPECT_GT((d.get(0) - a.get(0)).norm(), 10.0);
 }
 
+// The probes' keys and streams: a matrix's fingerprint and draws depend on the matrix alone
+// (not on its position in a batch), differ between matrices, see a change of one sampled
+// element, and the host fallback computes the CPU's bits.
+TEST(CacheOps, FingerprintKeysProbeStreamsByTheMatrixAlone) {
+  CpuBackend cpu;
+  FallbackBackend fb;
+  for (DType t : {DType::kF32, DType::kBF16, DType::kF64}) {
+    SCOPED_TRACE(dtype_name(t));
+    HostBatch x(t, 3, 12, 40), y(t, 2, 12, 40);
+    for (int i = 0; i < 3; ++i) x.set(i, random_matrix(12, 40));
+    y.set(0, x.get(2));  // x's third matrix, first in another batch
+    y.set(1, x.get(0));
+    std::vector<uint64_t> kx(3), ky(2), kf(3);
+    cpu.fingerprint(x.ref, kx.data());
+    cpu.fingerprint(y.ref, ky.data());
+    fb.fingerprint(x.ref, kf.data());
+    EXPECT_EQ(kf, kx);
+    EXPECT_EQ(ky[0], kx[2]);
+    EXPECT_EQ(ky[1], kx[0]);
+    EXPECT_NE(kx[0], kx[1]);
+    EXPECT_NE(kx[1], kx[2]);
+    // The first element is always sampled: changing it changes the key.
+    Mat changed = x.get(1);
+    changed(0, 0) += 1.0;
+    HostBatch z(t, 1, 12, 40);
+    z.set(0, changed);
+    uint64_t kz = 0;
+    cpu.fingerprint(z.ref, &kz);
+    EXPECT_NE(kz, kx[1]);
+
+    HostBatch wx(DType::kF32, 3, 12, 8), wy(DType::kF32, 2, 12, 8), wf(DType::kF32, 3, 12, 8);
+    cpu.fill_normal_keyed(wx.ref, 0x5eed, kx.data());
+    cpu.fill_normal_keyed(wy.ref, 0x5eed, ky.data());
+    fb.fill_normal_keyed(wf.ref, 0x5eed, kx.data());
+    EXPECT_EQ(wy.get(0), wx.get(2));
+    EXPECT_EQ(wy.get(1), wx.get(0));
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(wf.get(i), wx.get(i));
+    EXPECT_GT((wx.get(0) - wx.get(1)).norm(), 1.0);
+    // Element (r, c) of a matrix with key k is normal_sample(seed ^ k, r * cols + c).
+    const double want = cache_ref::normal_sample(0x5eed ^ kx[1], 3 * 8 + 5);
+    EXPECT_EQ(wx.get(1)(3, 5), static_cast<double>(static_cast<float>(want)));
+  }
+}
+
 }  // namespace
 }  // namespace distmuon

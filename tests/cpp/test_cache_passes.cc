@@ -45,6 +45,10 @@ class CountingBackend final : public test::ForwardingBackend {
   void fill_normal(const BatchRef& d, uint64_t seed, uint64_t counter) override {
     cpu_.fill_normal(d, seed, counter);
   }
+  void fingerprint(const BatchRef& x, uint64_t* keys) override { cpu_.fingerprint(x, keys); }
+  void fill_normal_keyed(const BatchRef& d, uint64_t seed, const uint64_t* keys) override {
+    cpu_.fill_normal_keyed(d, seed, keys);
+  }
 };
 
 // One shape class of 3 wide 12 x 40 matrices (Gram NS, 5 steps, restart before step 2).

@@ -115,6 +115,38 @@ TEST(CudaCache, NormalFillDrawsTheCpuSamples) {
   }
 }
 
+// The probes' keys and keyed streams: the device computes the CPU's fingerprints bit for bit
+// (every storage size) and draws the CPU's samples from them.
+TEST(CudaCache, FingerprintsAndKeyedFillEqualTheCpu) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  for (DType t : {DType::kF64, DType::kF32, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    HostBatch x(t, 5, 37, 53);
+    for (int64_t i = 0; i < 5; ++i) x.set(i, random_matrix(37, 53));
+    std::vector<uint64_t> want(5);
+    cpu.fingerprint(x.ref, want.data());
+    DeviceBatch dx(be, x);
+    Buffer keys = be.alloc(5 * sizeof(uint64_t));
+    be.fingerprint(dx.ref, keys.as<uint64_t>());
+    EXPECT_EQ(download<uint64_t>(be, keys, 5), want);
+
+    HostBatch wcpu(t, 5, 37, 8), wdev(t, 5, 37, 8);
+    wdev.poison();
+    DeviceBatch dw(be, wdev);
+    cpu.fill_normal_keyed(wcpu.ref, 0x5eed, want.data());
+    be.fill_normal_keyed(dw.ref, 0x5eed, keys.as<uint64_t>());
+    dw.download(be, wdev);
+    for (int64_t i = 0; i < 5; ++i) {
+      if (t == DType::kF64)  // device log/cos within an ulp or two of the host's
+        EXPECT_LT(rel_err(wdev.get(i), wcpu.get(i)), 1e-14);
+      else
+        EXPECT_TRUE(bits_equal(wdev, wcpu, i)) << "matrix " << i;
+    }
+  }
+}
+
 TEST(CudaCache, MaskedCopySelectsOnTheDevice) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();

@@ -202,8 +202,8 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     section 5).
 
     ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
-    ``cache_probes`` None measures the residual exactly in Gram space, k estimates it with k
-    Gaussian probes; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
+    ``cache_probes`` k (default 8) estimates the residual with k Gaussian probes, None measures it
+    exactly in Gram space; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
     ``cache_dtype`` stores the transforms (None: in the work dtype); ``cache_shadow`` also runs
     the fresh solve for accepted matrices to measure how far their updates are (diagnostics;
     synchronises)."""

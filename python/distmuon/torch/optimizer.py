@@ -70,8 +70,8 @@ class Muon(torch.optim.Optimizer):
             transform while ``||Q X (Q X)^T - I||_F / sqrt(m) <= cache_gamma``; None (default)
             keeps it off. It applies to the shapes orthogonalized with Gram NS ('gram-ns', or the
             elongated shapes of 'auto'). Its entries are saved by ``state_dict()``.
-        cache_probes: None (default) measures the residual exactly in Gram space; k estimates it
-            with k Gaussian probes (cheaper for large m).
+        cache_probes: k (default 8) estimates the residual with k Gaussian probes; None measures
+            it exactly in Gram space (a little cheaper only on small, launch-bound shapes).
         cache_max_staleness: refresh an entry after this many reuses (0 or None: no limit).
         cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16);
             None (default): the Gram-NS work dtype, so that no step converts them.
@@ -127,7 +127,7 @@ class Muon(torch.optim.Optimizer):
         algorithm: str = "auto",
         ns_dtype: torch.dtype | str | None = None,
         cache_gamma: float | None = None,
-        cache_probes: int | None = None,
+        cache_probes: int | None = 8,
         cache_max_staleness: int | None = 0,
         cache_dtype: torch.dtype | str | None = None,
         cache_shadow: bool = False,

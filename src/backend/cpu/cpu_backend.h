@@ -67,6 +67,8 @@ class CpuBackend final : public Backend {
   void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst) override;
   void cache_gate(const CacheGateArgs& args) override;
   void fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) override;
+  void fingerprint(const BatchRef& x, uint64_t* keys) override;
+  void fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys) override;
 
   int64_t batch_parts(int64_t count) const override;
   void run_parts(int64_t parts, const std::function<void(int64_t)>& f) override;

@@ -54,4 +54,34 @@ void CpuBackend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counte
   }
 }
 
+void CpuBackend::fingerprint(const BatchRef& x, uint64_t* keys) {
+  const size_t es = dtype_size(x.dtype);
+  const int64_t total = x.rows * x.cols;
+  for (int64_t b = 0; b < x.count; ++b) {
+    const char* base = static_cast<const char*>(x.matrix(b).data);
+    uint64_t terms = 0;
+    for (int t = 0; t < cache_ref::kFingerprintSamples; ++t) {
+      const int64_t p = cache_ref::fingerprint_position(t, total);
+      const int64_t r = x.cols ? p / x.cols : 0, c = x.cols ? p - r * x.cols : 0;
+      terms ^= cache_ref::fingerprint_term(
+          total ? cache_ref::element_bits(base + (r * x.ld + c) * es, es) : 0, t);
+    }
+    keys[b] = cache_ref::fingerprint_finish(terms, x.rows, x.cols);
+  }
+}
+
+void CpuBackend::fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys) {
+  for (int64_t b = 0; b < dst.count; ++b) {
+    MatRef m = dst.matrix(b);
+    dispatch(m.dtype, [&](auto tag) {
+      using S = decltype(tag);
+      S* p = static_cast<S*>(m.data);
+      for (int64_t r = 0; r < m.rows; ++r)
+        for (int64_t c = 0; c < m.cols; ++c)
+          p[r * m.ld + c] = from_float<S>(cache_ref::normal_sample(
+              seed ^ keys[b], static_cast<uint64_t>(r * m.cols + c)));
+    });
+  }
+}
+
 }  // namespace distmuon

@@ -1,6 +1,7 @@
 // Device side of the CacheMuon operations: the accept/refresh gate (one thread per matrix, the
 // same cache_ref::gate_one the CPU runs), the flag-checked copy that selects between cached and
-// fresh results on the device, and the counter-based normal fill of the probes.
+// fresh results on the device, the counter-based normal fills, and the per-matrix fingerprint
+// that keys the probes.
 #pragma once
 
 #include <cstdint>
@@ -56,6 +57,41 @@ __global__ void __launch_bounds__(256)
     const int64_t r = i / cols, c = i - r * cols;
     store1d(pd, dst.dt, r * dst.ld + c,
             cache_ref::normal_sample(seed, base + static_cast<uint64_t>(i)));
+  }
+}
+
+// Backend::fingerprint: one block of kFingerprintSamples threads per matrix (grid x: matrices);
+// each thread hashes one sampled element, the block XOR-reduces (order-free, as on the CPU).
+__global__ void __launch_bounds__(cache_ref::kFingerprintSamples)
+    fingerprint_kernel(int64_t rows, int64_t cols, BatchArg x, uint64_t* keys) {
+  static_assert(cache_ref::kFingerprintSamples == 64, "two warps");
+  const int t = threadIdx.x;
+  const int64_t total = rows * cols;
+  const int64_t p = cache_ref::fingerprint_position(t, total);
+  const int64_t r = cols ? p / cols : 0, c = cols ? p - r * cols : 0;
+  const size_t es = static_cast<size_t>(elem_bytes(x.dt));
+  const char* base = static_cast<const char*>(mat_ptr(x, blockIdx.x));
+  uint64_t h = cache_ref::fingerprint_term(
+      total ? cache_ref::element_bits(base + (r * x.ld + c) * es, es) : 0, t);
+  for (int o = 16; o > 0; o >>= 1) h ^= __shfl_xor_sync(0xffffffffu, h, o);
+  __shared__ uint64_t warp[2];
+  if ((t & 31) == 0) warp[t >> 5] = h;
+  __syncthreads();
+  if (t == 0) keys[blockIdx.x] = cache_ref::fingerprint_finish(warp[0] ^ warp[1], rows, cols);
+}
+
+// Backend::fill_normal_keyed: element (first + b, r, c) gets normal_sample(seed ^ keys[first +
+// b], r * cols + c). grid (blocks per matrix, matrices of this launch).
+__global__ void __launch_bounds__(256)
+    fill_normal_keyed_kernel(int64_t rows, int64_t cols, BatchArg dst, uint64_t seed,
+                             const uint64_t* keys, int64_t first) {
+  const int64_t m = blockIdx.y;
+  void* pd = const_cast<void*>(mat_ptr(dst, m));
+  const uint64_t s = seed ^ keys[first + m];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * cols;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i - r * cols;
+    store1d(pd, dst.dt, r * dst.ld + c, cache_ref::normal_sample(s, static_cast<uint64_t>(i)));
   }
 }
 

@@ -65,4 +65,25 @@ void launch_fill_normal_ref(const BatchRef& dst, uint64_t seed, uint64_t counter
   }
 }
 
+void launch_fingerprint(const BatchRef& x, uint64_t* keys, cudaStream_t stream) {
+  if (x.count == 0) return;
+  DM_CHECK(x.count < (int64_t{1} << 31), "fingerprint: ", x.count, " matrices in one batch");
+  dev::fingerprint_kernel<<<static_cast<unsigned>(x.count), cache_ref::kFingerprintSamples, 0,
+                            stream>>>(x.rows, x.cols, arg(x), keys);
+  DM_CHECK_LAUNCH();
+}
+
+void launch_fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys,
+                              int sm_count, cudaStream_t stream) {
+  if (dst.count == 0 || dst.rows * dst.cols == 0) return;
+  for (int64_t first = 0; first < dst.count; first += kMaxGridY) {
+    const int64_t n = std::min(kMaxGridY, dst.count - first);
+    BatchRef d = dst.slice(first, n);
+    dim3 grid(blocks_per_matrix(dst.rows * dst.cols, n, sm_count), static_cast<unsigned>(n));
+    dev::fill_normal_keyed_kernel<<<grid, 256, 0, stream>>>(dst.rows, dst.cols, arg(d), seed, keys,
+                                                            first);
+    DM_CHECK_LAUNCH();
+  }
+}
+
 }  // namespace distmuon::cuda

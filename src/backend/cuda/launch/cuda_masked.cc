@@ -95,4 +95,12 @@ void CudaBackend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t count
   cuda::launch_fill_normal_ref(dst, seed, counter, impl_->sm_count, impl_->stream);
 }
 
+void CudaBackend::fingerprint(const BatchRef& x, uint64_t* keys) {
+  cuda::launch_fingerprint(x, keys, impl_->stream);
+}
+
+void CudaBackend::fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys) {
+  cuda::launch_fill_normal_keyed(dst, seed, keys, impl_->sm_count, impl_->stream);
+}
+
 }  // namespace distmuon

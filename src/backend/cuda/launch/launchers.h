@@ -61,6 +61,10 @@ void launch_copy_masked(const BatchRef& src, const BatchRef& dst, const int32_t*
 // (b * rows + r) * cols + c), rounded to dst's dtype.
 void launch_fill_normal_ref(const BatchRef& dst, uint64_t seed, uint64_t counter, int sm_count,
                             cudaStream_t stream);
+// Backend::fingerprint and Backend::fill_normal_keyed (cache_ref.h defines both exactly).
+void launch_fingerprint(const BatchRef& x, uint64_t* keys, cudaStream_t stream);
+void launch_fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys,
+                              int sm_count, cudaStream_t stream);
 
 }  // namespace distmuon::cuda
 
