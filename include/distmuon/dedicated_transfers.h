@@ -67,6 +67,8 @@ class DedicatedTransfers {
   DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout,
                      DedicatedWorld world, Communicator* world_comm, Communicator* control,
                      DedicatedMemory& memory, void* stream);
+  // Waits for the collectives still in flight, ordered on the stream of the last stage: that
+  // stream (or the world's rebinding to another) must outlive this object.
   ~DedicatedTransfers();
   DedicatedTransfers(const DedicatedTransfers&) = delete;
   DedicatedTransfers& operator=(const DedicatedTransfers&) = delete;

@@ -114,10 +114,16 @@ void bind_dedicated(nb::module_& m) {
              int replicate, int member, PyComm* world, PyComm* control, nb::object memory,
              uintptr_t stream) {
             new (self) PyTransfers{PyMemory(std::move(memory)), nullptr};
-            self->transfers = std::make_unique<DedicatedTransfers>(
-                dedicated_matrices(names, numels, dtypes, owners), layout,
-                DedicatedWorld{world_size, replicate, member}, world ? world->comm.get() : nullptr,
-                control ? control->comm.get() : nullptr, self->memory, stream_of(stream));
+            try {
+              self->transfers = std::make_unique<DedicatedTransfers>(
+                  dedicated_matrices(names, numels, dtypes, owners), layout,
+                  DedicatedWorld{world_size, replicate, member},
+                  world ? world->comm.get() : nullptr, control ? control->comm.get() : nullptr,
+                  self->memory, stream_of(stream));
+            } catch (...) {
+              self->~PyTransfers();  // nanobind destroys only a constructed instance
+              throw;
+            }
           },
           nb::arg("layout"), nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"),
           nb::arg("owners"), nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),

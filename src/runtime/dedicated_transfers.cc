@@ -79,9 +79,11 @@ DedicatedTransfers::Role DedicatedTransfers::role(int j) const {
   return Role::kSender;
 }
 
-bool DedicatedTransfers::done(InFlight& f) {
-  return !f.handle.pending() || follows_stream() || f.handle.test();
-}
+// Complete, as far as the host can tell without waiting. Also on a stream: ordering an
+// incomplete reduction on the device during backward would make the compute (or side) stream wait
+// for a member that may issue its part only at finish(), after the vote (a matrix without a
+// gradient there), and a host synchronisation before step() would then never return.
+bool DedicatedTransfers::done(InFlight& f) { return !f.handle.pending() || f.handle.test(); }
 
 void DedicatedTransfers::order(InFlight& f) {
   if (follows_stream()) {
@@ -95,6 +97,8 @@ void DedicatedTransfers::order(InFlight& f) {
 
 void DedicatedTransfers::retire() {
   std::erase_if(unchecked_, [](InFlight& f) { return f.handle.test(); });
+  // The last step's too: they hold gradient buffers that backward would otherwise allocate anew.
+  std::erase_if(last_step_, [](InFlight& f) { return f.handle.test(); });
 }
 
 void DedicatedTransfers::reset() {
@@ -205,8 +209,10 @@ std::vector<std::vector<int>> DedicatedTransfers::grad_ready(int j, void* stream
   }
   bind(stream);
   state_[j] = State::kReady;
-  while (next_send_ < order_.size() && state_[order_[next_send_]] == State::kReady)
-    send(order_[next_send_++]);
+  while (next_send_ < order_.size() && state_[order_[next_send_]] == State::kReady) {
+    send(order_[next_send_]);  // may throw (the memory's gradient): the cursor stays on it
+    ++next_send_;
+  }
   advance(/*blocking=*/false, &landed);
   return landed;
 }
@@ -342,7 +348,12 @@ std::vector<int> DedicatedTransfers::finish(void* stream) {
 }
 
 void DedicatedTransfers::second_pass(const std::vector<int>& redo) {
-  std::vector<int> saved = std::exchange(order_, redo);
+  // The fixed order comes back even if a collective throws here (a later step uses it).
+  struct Restore {
+    std::vector<int>& order;
+    std::vector<int> saved;
+    ~Restore() { order = std::move(saved); }
+  } restore{order_, std::exchange(order_, redo)};
   next_send_ = next_move_ = 0;
   arriving_.clear();
   for (int j : redo) {
@@ -351,7 +362,6 @@ void DedicatedTransfers::second_pass(const std::vector<int>& redo) {
   }
   advance(/*blocking=*/true, nullptr);
   for (int j : redo) complete(j);
-  order_ = std::move(saved);
 }
 
 }  // namespace distmuon

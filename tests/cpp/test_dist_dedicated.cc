@@ -49,6 +49,10 @@ class Memory final : public DedicatedMemory {
   Region bucket(int b) override { return {buckets_[b].data(), nullptr}; }
   void release_bucket(int b) override { ++released[b]; }
   Region grad(int j) override {
+    if (j == fail_grad) {  // once: a front whose gradient cannot be lent (not contiguous, OOM)
+      fail_grad = -1;
+      DM_FAIL("gradient ", j, " cannot be lent");
+    }
     if (!grads_[j]) {  // none here: zeros (the owner keeps them as its gradient)
       ++zero_filled;
       grads_[j] = std::make_shared<Mirror<float>>(be_, std::vector<float>(kNumel, 0.0f));
@@ -80,6 +84,7 @@ class Memory final : public DedicatedMemory {
 
   std::vector<int> released;
   int zero_filled = 0;
+  int fail_grad = -1;  // the next request for this matrix's gradient throws
 
  private:
   Backend& be_;
@@ -167,6 +172,28 @@ TEST(DedicatedTransfers, GradientsReachTheirOwnersSummedInAnyCompletionOrder) {
     EXPECT_TRUE(std::includes(owned.begin(), owned.end(), landed.begin(), landed.end()));
     EXPECT_EQ(std::adjacent_find(landed.begin(), landed.end()), landed.end());
   }
+}
+
+// A member whose gradient could not be read when it was ready (the hook raised) sends it at the
+// next stage, still in its place in the order: the members stay matched and the sums are whole.
+TEST(DedicatedTransfers, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
+  Rig rig(1);
+  const int n = static_cast<int>(kNames.size());
+  std::vector<int> order(n);
+  for (int j = 0; j < n; ++j) order[j] = n - 1 - j;  // backward order
+  if (rig.world.member == 0) rig.memory->fail_grad = order[1];
+  for (int j : order) {
+    rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
+    try {
+      rig.transfers->grad_ready(j, rig.stream());
+    } catch (const Error& e) {
+      EXPECT_EQ(rig.world.member, 0);
+      EXPECT_NE(std::string(e.what()).find("cannot be lent"), std::string::npos) << e.what();
+    }
+  }
+  rig.transfers->finish(rig.stream());
+  for (int j = 0; j < n; ++j)
+    if (rig.mine(j)) test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0}), kNames[j]);
 }
 
 TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
