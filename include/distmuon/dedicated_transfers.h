@@ -79,6 +79,11 @@ class DedicatedTransfers {
   // results on; communicators that follow a stream are bound to it first.
 
   // ---- forward: one broadcast per bucket, from its owner in the shard group -----------------
+  // From the second forward since the last finish() on, first checks (a small all-reduce on the
+  // control communicator, on every member) that all members have sent the same gradients: a
+  // matrix without a gradient on some member is held back until finish(), and a forward's
+  // broadcasts would then meet another member's reductions. Throws on every member if not
+  // (nothing changed: step() still works).
   void begin_forward();
   // Starts the broadcasts of a unit's buckets not started in this forward (none past the last).
   void issue(int unit, void* stream);
@@ -177,6 +182,7 @@ class DedicatedTransfers {
   std::vector<bool> dirty_, prepared_, late_;
   std::vector<int> landed_per_unit_;
   bool collecting_ = false;
+  int forwards_since_finish_ = 0;
 };
 
 }  // namespace distmuon

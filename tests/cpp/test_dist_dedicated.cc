@@ -196,6 +196,40 @@ TEST(DedicatedTransfers, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
     if (rig.mine(j)) test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0}), kNames[j]);
 }
 
+// A member without a gradient for the first matrix of the order holds every matrix back until
+// step(); another forward before step() would pair its broadcasts with the others' reductions.
+// It fails on every member instead, changes nothing (step() then reduces everything), and a
+// forward after step() or after an even backward passes the check.
+TEST(DedicatedTransfers, AForwardAfterAnUnevenBackwardFailsOnEveryMemberAndStepStillWorks) {
+  Rig rig(1);
+  if (rig.world.size == 1) GTEST_SKIP() << "one member holds nothing back";
+  const int n = static_cast<int>(kNames.size());
+  const int first = n - 1;  // the reduction order starts with the last layer's last matrix
+  rig.transfers->begin_forward();
+  for (int j = n - 1; j >= 0; --j) {
+    if (rig.world.member == 1 && j == first) continue;  // no gradient here
+    rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
+    rig.transfers->grad_ready(j, rig.stream());
+  }
+  try {
+    rig.transfers->begin_forward();
+    ADD_FAILURE() << "a forward after an uneven backward did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("before step()"), std::string::npos) << e.what();
+  }
+  rig.transfers->finish(rig.stream());
+  for (int j = 0; j < n; ++j) {
+    if (!rig.mine(j)) continue;
+    std::vector<float> want = rig.sum_of(j, {0});
+    if (j == first)  // member 1 sent zeros
+      for (int k = 0; k < kNumel; ++k) want[k] -= grad_value(1, j, k, 0);
+    test::expect_close(*rig.memory->grad_values(j), want, kNames[j]);
+  }
+  rig.transfers->begin_forward();  // the first since step(): no check
+  rig.transfers->begin_forward();  // nothing sent anywhere: the check passes
+  rig.transfers->finish(rig.stream());
+}
+
 TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
   Rig rig(1);
   // Matrix 0: a gradient on rank 0 only (the others send zeros at finish); matrix 1: none.
