@@ -60,8 +60,9 @@ class DedicatedTransfers {
  public:
   // `world`: a communicator over the dedicated world in member order (nullptr for one member);
   // with replicate > 1 it is split here into the shard and replica communicators (collective).
-  // `control`: a host-memory communicator over the same members for the vote (nullptr for one
-  // member). Both must outlive this object, as must `memory`. `stream` orders the split's
+  // `control`: a host-memory communicator of its own over the same members for the vote and the
+  // forward's check (nullptr for one member): they run while the world's reductions may be
+  // pending, so not the world communicator itself. Both must outlive this object, as must `memory`. `stream` orders the split's
   // collectives, as every stage's: a world communicator that follows a stream is bound to it
   // first (it may still be bound to the stream of an earlier user, since gone).
   DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout,

@@ -32,6 +32,8 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
     DM_CHECK(control_->device().kind == DeviceKind::kCPU,
              "dedicated transfers: the control communicator ", control_->name(),
              " must move host memory");
+    DM_CHECK(control_ != world_comm_, "dedicated transfers: the control communicator must be one ",
+             "of its own (its vote runs while the world's reductions may be pending)");
   }
   const int my_r = replica_of(world_.member), my_s = shard_position(world_.member);
   if (world_.replicate > 1) {  // the engine's HSDP split (dist_setup.cc)

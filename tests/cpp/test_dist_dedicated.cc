@@ -103,8 +103,10 @@ struct Rig {
     layout = dedicated_layout(mats, kModules, world);
     memory.emplace(*be, layout, world.member, mats);
     const bool many = w.size() > 1;
-    transfers.emplace(mats, layout, world, many ? &w : nullptr,
-                      many ? &test::host_world() : nullptr, *memory, be->native_stream());
+    // The vote's communicator of its own (on the MPI rig the world is the host world).
+    if (many) control = test::host_world().split(0, w.rank());
+    transfers.emplace(mats, layout, world, many ? &w : nullptr, control.get(), *memory,
+                      be->native_stream());
   }
   // The world outlives this rig's backend: back to the default stream before that stream goes.
   ~Rig() {
@@ -135,6 +137,7 @@ struct Rig {
   std::vector<DedicatedMatrix> mats;
   DedicatedLayout layout;
   std::optional<Memory> memory;
+  std::unique_ptr<Communicator> control;
   std::optional<DedicatedTransfers> transfers;
 };
 
