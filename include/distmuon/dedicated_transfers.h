@@ -60,8 +60,9 @@ class DedicatedTransfers {
  public:
   // `world`: a communicator over the dedicated world in member order (nullptr for one member);
   // with replicate > 1 it is split here into the shard and replica communicators (collective).
-  // `control`: a host-memory communicator over the same members for the vote (nullptr for one
-  // member). Both must outlive this object, as must `memory`. `stream` orders the split's
+  // `control`: a host-memory communicator of its own over the same members for the vote and the
+  // forward's check (nullptr for one member): they run while the world's reductions may be
+  // pending, so not the world communicator itself. Both must outlive this object, as must `memory`. `stream` orders the split's
   // collectives, as every stage's: a world communicator that follows a stream is bound to it
   // first (it may still be bound to the stream of an earlier user, since gone).
   DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout,
@@ -79,6 +80,11 @@ class DedicatedTransfers {
   // results on; communicators that follow a stream are bound to it first.
 
   // ---- forward: one broadcast per bucket, from its owner in the shard group -----------------
+  // From the second forward since the last finish() on, first checks (a small all-reduce on the
+  // control communicator, on every member) that all members have sent the same gradients: a
+  // matrix without a gradient on some member is held back until finish(), and a forward's
+  // broadcasts would then meet another member's reductions. Throws on every member if not
+  // (nothing changed: step() still works).
   void begin_forward();
   // Starts the broadcasts of a unit's buckets not started in this forward (none past the last).
   void issue(int unit, void* stream);
@@ -177,6 +183,7 @@ class DedicatedTransfers {
   std::vector<bool> dirty_, prepared_, late_;
   std::vector<int> landed_per_unit_;
   bool collecting_ = false;
+  int forwards_since_finish_ = 0;
 };
 
 }  // namespace distmuon

@@ -32,6 +32,8 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
     DM_CHECK(control_->device().kind == DeviceKind::kCPU,
              "dedicated transfers: the control communicator ", control_->name(),
              " must move host memory");
+    DM_CHECK(control_ != world_comm_, "dedicated transfers: the control communicator must be one ",
+             "of its own (its vote runs while the world's reductions may be pending)");
   }
   const int my_r = replica_of(world_.member), my_s = shard_position(world_.member);
   if (world_.replicate > 1) {  // the engine's HSDP split (dist_setup.cc)
@@ -111,12 +113,30 @@ void DedicatedTransfers::reset() {
   late_.assign(n, false);
   landed_per_unit_.assign(layout_.units.size(), 0);
   collecting_ = false;
+  forwards_since_finish_ = 0;
   grad_.assign(n, {});
 }
 
 // ---- forward ----------------------------------------------------------------------------------
 
-void DedicatedTransfers::begin_forward() { issued_.assign(issued_.size(), false); }
+void DedicatedTransfers::begin_forward() {
+  if (forwards_since_finish_++ > 0 && world_.size > 1) {
+    // Every member runs the same forwards, so every member takes part.
+    std::vector<int64_t> sent = {static_cast<int64_t>(next_send_),
+                                 -static_cast<int64_t>(next_send_)};
+    control_->all_reduce(sent.data(), sent.data(), 2, CommType::kI64, ReduceOp::kMax).wait();
+    if (sent[0] != -sent[1]) {
+      --forwards_since_finish_;  // nothing changed: the check runs again at the next forward
+      DM_FAIL("a forward after a synchronised backward, before step(): members have sent ",
+              -sent[1], " to ", sent[0],
+              " gradients of dedicated matrices (one without a gradient on some member is held "
+              "back until step()), so this forward's broadcasts would meet other members' "
+              "reductions; call step() first, or accumulate micro-batches under "
+              "Dedicated.no_sync() (nothing was changed: step() still applies the gradients)");
+    }
+  }
+  issued_.assign(issued_.size(), false);
+}
 
 void DedicatedTransfers::issue(int unit, void* stream) {
   if (unit < 0 || unit >= static_cast<int>(layout_.units.size())) return;

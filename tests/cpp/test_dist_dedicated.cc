@@ -103,8 +103,10 @@ struct Rig {
     layout = dedicated_layout(mats, kModules, world);
     memory.emplace(*be, layout, world.member, mats);
     const bool many = w.size() > 1;
-    transfers.emplace(mats, layout, world, many ? &w : nullptr,
-                      many ? &test::host_world() : nullptr, *memory, be->native_stream());
+    // The vote's communicator of its own (on the MPI rig the world is the host world).
+    if (many) control = test::host_world().split(0, w.rank());
+    transfers.emplace(mats, layout, world, many ? &w : nullptr, control.get(), *memory,
+                      be->native_stream());
   }
   // The world outlives this rig's backend: back to the default stream before that stream goes.
   ~Rig() {
@@ -135,6 +137,7 @@ struct Rig {
   std::vector<DedicatedMatrix> mats;
   DedicatedLayout layout;
   std::optional<Memory> memory;
+  std::unique_ptr<Communicator> control;
   std::optional<DedicatedTransfers> transfers;
 };
 
@@ -194,6 +197,40 @@ TEST(DedicatedTransfers, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
   rig.transfers->finish(rig.stream());
   for (int j = 0; j < n; ++j)
     if (rig.mine(j)) test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0}), kNames[j]);
+}
+
+// A member without a gradient for the first matrix of the order holds every matrix back until
+// step(); another forward before step() would pair its broadcasts with the others' reductions.
+// It fails on every member instead, changes nothing (step() then reduces everything), and a
+// forward after step() or after an even backward passes the check.
+TEST(DedicatedTransfers, AForwardAfterAnUnevenBackwardFailsOnEveryMemberAndStepStillWorks) {
+  Rig rig(1);
+  if (rig.world.size == 1) GTEST_SKIP() << "one member holds nothing back";
+  const int n = static_cast<int>(kNames.size());
+  const int first = n - 1;  // the reduction order starts with the last layer's last matrix
+  rig.transfers->begin_forward();
+  for (int j = n - 1; j >= 0; --j) {
+    if (rig.world.member == 1 && j == first) continue;  // no gradient here
+    rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, 0));
+    rig.transfers->grad_ready(j, rig.stream());
+  }
+  try {
+    rig.transfers->begin_forward();
+    ADD_FAILURE() << "a forward after an uneven backward did not fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("before step()"), std::string::npos) << e.what();
+  }
+  rig.transfers->finish(rig.stream());
+  for (int j = 0; j < n; ++j) {
+    if (!rig.mine(j)) continue;
+    std::vector<float> want = rig.sum_of(j, {0});
+    if (j == first)  // member 1 sent zeros
+      for (int k = 0; k < kNumel; ++k) want[k] -= grad_value(1, j, k, 0);
+    test::expect_close(*rig.memory->grad_values(j), want, kNames[j]);
+  }
+  rig.transfers->begin_forward();  // the first since step(): no check
+  rig.transfers->begin_forward();  // nothing sent anywhere: the check passes
+  rig.transfers->finish(rig.stream());
 }
 
 TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
