@@ -72,36 +72,35 @@ void Backend::cache_gate(const CacheGateArgs& args) {
   synchronize();  // the host vectors die on return
 }
 
-void Backend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) {
+namespace {
+// Matrix b of dst = normal_sample(seed, first + j) for its elements j in row-major order.
+void fill_normals(Backend& be, const BatchRef& dst, int64_t b, uint64_t seed, uint64_t first) {
   std::vector<double> v(static_cast<size_t>(dst.rows * dst.cols));
-  BatchRef src = BatchRef::packed(v.data(), DType::kF64, 1, dst.rows, dst.cols);
-  for (int64_t b = 0; b < dst.count; ++b) {
-    const uint64_t base = counter + static_cast<uint64_t>(b * dst.rows * dst.cols);
-    for (size_t j = 0; j < v.size(); ++j) v[j] = cache_ref::normal_sample(seed, base + j);
-    // Stage through device memory: scale_copy reads device buffers on every backend.
-    Buffer staged = alloc(v.size() * sizeof(double));
-    copy_from_host(staged.data(), v.data(), v.size() * sizeof(double));
-    src.data = staged.data();
-    scale_copy(src, false, {}, one(dst, b));
-    synchronize();
-  }
+  for (size_t j = 0; j < v.size(); ++j) v[j] = cache_ref::normal_sample(seed, first + j);
+  // Stage through device memory: scale_copy reads device buffers on every backend.
+  Buffer staged = be.alloc(v.size() * sizeof(double));
+  be.copy_from_host(staged.data(), v.data(), v.size() * sizeof(double));
+  be.scale_copy(BatchRef::packed(staged.data(), DType::kF64, 1, dst.rows, dst.cols), false, {},
+                one(dst, b));
+  be.synchronize();
+}
+}  // namespace
+
+void Backend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) {
+  for (int64_t b = 0; b < dst.count; ++b)
+    fill_normals(*this, dst, b, seed, counter + static_cast<uint64_t>(b * dst.rows * dst.cols));
 }
 
 void Backend::fingerprint(const BatchRef& x, uint64_t* keys) {
   const size_t es = dtype_size(x.dtype);
-  const int64_t total = x.rows * x.cols;
   std::vector<uint64_t> k(static_cast<size_t>(x.count));
   for (int64_t b = 0; b < x.count; ++b) {
     const char* base = static_cast<const char*>(x.matrix(b).data);
-    uint64_t terms = 0;
-    for (int t = 0; t < cache_ref::kFingerprintSamples; ++t) {
-      const int64_t p = cache_ref::fingerprint_position(t, total);
-      const int64_t r = x.cols ? p / x.cols : 0, c = x.cols ? p - r * x.cols : 0;
+    k[b] = cache_ref::fingerprint_matrix(x.rows, x.cols, x.ld, [&](int64_t off) {
       uint64_t bits = 0;  // little-endian: the element's bytes are the low bytes
-      if (total) copy_to_host(&bits, base + (r * x.ld + c) * es, es);
-      terms ^= cache_ref::fingerprint_term(bits, t);
-    }
-    k[b] = cache_ref::fingerprint_finish(terms, x.rows, x.cols);
+      copy_to_host(&bits, base + off * es, es);
+      return bits;
+    });
   }
   copy_from_host(keys, k.data(), k.size() * sizeof(uint64_t));
   synchronize();  // k dies on return
@@ -110,16 +109,7 @@ void Backend::fingerprint(const BatchRef& x, uint64_t* keys) {
 void Backend::fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys) {
   std::vector<uint64_t> k(static_cast<size_t>(dst.count));
   copy_to_host(k.data(), keys, k.size() * sizeof(uint64_t));
-  std::vector<double> v(static_cast<size_t>(dst.rows * dst.cols));
-  BatchRef src = BatchRef::packed(v.data(), DType::kF64, 1, dst.rows, dst.cols);
-  for (int64_t b = 0; b < dst.count; ++b) {
-    for (size_t j = 0; j < v.size(); ++j) v[j] = cache_ref::normal_sample(seed ^ k[b], j);
-    Buffer staged = alloc(v.size() * sizeof(double));
-    copy_from_host(staged.data(), v.data(), v.size() * sizeof(double));
-    src.data = staged.data();
-    scale_copy(src, false, {}, one(dst, b));
-    synchronize();
-  }
+  for (int64_t b = 0; b < dst.count; ++b) fill_normals(*this, dst, b, seed ^ k[b], 0);
 }
 
 }  // namespace distmuon

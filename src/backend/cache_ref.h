@@ -44,8 +44,14 @@ DM_CACHE_HD inline uint64_t splitmix64(uint64_t z) {
 // hashed with its position number, combined by XOR (order-free: a device reduces them in any
 // order), then mixed with the shape.
 constexpr int kFingerprintSamples = 64;
-DM_CACHE_HD inline int64_t fingerprint_position(int t, int64_t total) {
-  return total <= 1 ? 0 : static_cast<int64_t>(t) * (total - 1) / (kFingerprintSamples - 1);
+// Offset, in elements from the matrix's first, of sample t of a rows x cols matrix with leading
+// dimension ld (rows * cols > 0).
+DM_CACHE_HD inline int64_t fingerprint_offset(int t, int64_t rows, int64_t cols, int64_t ld) {
+  const int64_t total = rows * cols;
+  const int64_t p =
+      total <= 1 ? 0 : static_cast<int64_t>(t) * (total - 1) / (kFingerprintSamples - 1);
+  const int64_t r = p / cols;
+  return r * ld + (p - r * cols);
 }
 DM_CACHE_HD inline uint64_t fingerprint_term(uint64_t bits, int t) {
   return splitmix64(bits ^ splitmix64(static_cast<uint64_t>(t) + 1));
@@ -53,6 +59,17 @@ DM_CACHE_HD inline uint64_t fingerprint_term(uint64_t bits, int t) {
 DM_CACHE_HD inline uint64_t fingerprint_finish(uint64_t terms, int64_t rows, int64_t cols) {
   return splitmix64(terms ^ splitmix64((static_cast<uint64_t>(rows) << 32) ^
                                        static_cast<uint64_t>(cols)));
+}
+// The key of one matrix, from bits_at(offset): the zero-extended bits of its element there (the
+// host backends; the device computes the same terms a thread each).
+template <typename BitsAt>
+uint64_t fingerprint_matrix(int64_t rows, int64_t cols, int64_t ld, BitsAt&& bits_at) {
+  uint64_t terms = 0;
+  for (int t = 0; t < kFingerprintSamples; ++t) {
+    const uint64_t bits = rows * cols != 0 ? bits_at(fingerprint_offset(t, rows, cols, ld)) : 0;
+    terms ^= fingerprint_term(bits, t);
+  }
+  return fingerprint_finish(terms, rows, cols);
 }
 // The bits of an element of `size` bytes (2, 4 or 8) at p, zero-extended.
 DM_CACHE_HD inline uint64_t element_bits(const void* p, size_t size) {

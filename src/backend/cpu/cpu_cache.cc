@@ -56,17 +56,11 @@ void CpuBackend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counte
 
 void CpuBackend::fingerprint(const BatchRef& x, uint64_t* keys) {
   const size_t es = dtype_size(x.dtype);
-  const int64_t total = x.rows * x.cols;
   for (int64_t b = 0; b < x.count; ++b) {
     const char* base = static_cast<const char*>(x.matrix(b).data);
-    uint64_t terms = 0;
-    for (int t = 0; t < cache_ref::kFingerprintSamples; ++t) {
-      const int64_t p = cache_ref::fingerprint_position(t, total);
-      const int64_t r = x.cols ? p / x.cols : 0, c = x.cols ? p - r * x.cols : 0;
-      terms ^= cache_ref::fingerprint_term(
-          total ? cache_ref::element_bits(base + (r * x.ld + c) * es, es) : 0, t);
-    }
-    keys[b] = cache_ref::fingerprint_finish(terms, x.rows, x.cols);
+    keys[b] = cache_ref::fingerprint_matrix(x.rows, x.cols, x.ld, [&](int64_t off) {
+      return cache_ref::element_bits(base + off * es, es);
+    });
   }
 }
 

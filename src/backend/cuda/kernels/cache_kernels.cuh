@@ -66,13 +66,13 @@ __global__ void __launch_bounds__(cache_ref::kFingerprintSamples)
     fingerprint_kernel(int64_t rows, int64_t cols, BatchArg x, uint64_t* keys) {
   static_assert(cache_ref::kFingerprintSamples == 64, "two warps");
   const int t = threadIdx.x;
-  const int64_t total = rows * cols;
-  const int64_t p = cache_ref::fingerprint_position(t, total);
-  const int64_t r = cols ? p / cols : 0, c = cols ? p - r * cols : 0;
   const size_t es = static_cast<size_t>(elem_bytes(x.dt));
   const char* base = static_cast<const char*>(mat_ptr(x, blockIdx.x));
   uint64_t h = cache_ref::fingerprint_term(
-      total ? cache_ref::element_bits(base + (r * x.ld + c) * es, es) : 0, t);
+      rows * cols != 0 ? cache_ref::element_bits(
+                        base + cache_ref::fingerprint_offset(t, rows, cols, x.ld) * es, es)
+                  : 0,
+      t);
   for (int o = 16; o > 0; o >>= 1) h ^= __shfl_xor_sync(0xffffffffu, h, o);
   __shared__ uint64_t warp[2];
   if ((t & 31) == 0) warp[t >> 5] = h;
