@@ -116,7 +116,7 @@ json masked_dense_order(CudaBackend& be) {
   const BatchRef y = dev_batch(be, keep, t, c, m, n, 13, 0.0f);
   Buffer flags = be.alloc(c * sizeof(int32_t)), ws = be.alloc(size_t(64) << 20);
   std::vector<int32_t> ones(c, 1);
-  DM_CHECK_CUDA(cudaMemcpy(flags.data(), ones.data(), c * sizeof(int32_t), cudaMemcpyHostToDevice));
+  be.copy_from_host(flags.data(), ones.data(), c * sizeof(int32_t));
   int sms = 0;
   DM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const double flops = 2.0 * m * m * n * c;
