@@ -48,10 +48,11 @@ def group_of(name: str) -> str:
 def short(name: str) -> str:
     """CUTLASS names run to thousands of characters: keep what tells kernels apart."""
     if "LowerTriangle" in name:
-        tile = re.search(r"cute::tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)> ?>", name)
+        shapes = re.findall(r"cute::tuple<cute::C<(\d+)>, cute::C<(\d+)>, cute::C<(\d+)> ?>", name)
+        tile = next((t for t in shapes if int(t[0]) >= 64), None)  # not the cluster shape
         kind = "dense" if group_of(name).startswith("ours: masked") else "sym"
         pp = "pingpong" if "Pingpong" in name else "cooperative"
-        return f"ours {kind} {'x'.join(tile.groups()) if tile else '?'} {pp}"
+        return f"ours {kind} {'x'.join(tile) if tile else '?'} {pp}"
     return name[:110]
 
 
@@ -62,7 +63,8 @@ def read(path):
     head = rows[0]
     name_i, dur_i = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
     unit = rows[1][dur_i] if len(rows) > 1 and not rows[1][dur_i].replace(".", "").isdigit() else "nsecond"
-    scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}[unit]
+    scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+             "second": 1e3, "s": 1e3}[unit]
     out = []
     for r in rows[1:]:
         try:

@@ -81,11 +81,16 @@ DedicatedTransfers::Role DedicatedTransfers::role(int j) const {
   return Role::kSender;
 }
 
-// Complete, as far as the host can tell without waiting. Also on a stream: ordering an
-// incomplete reduction on the device during backward would make the compute (or side) stream wait
-// for a member that may issue its part only at finish(), after the vote (a matrix without a
-// gradient there), and a host synchronisation before step() would then never return.
-bool DedicatedTransfers::done(InFlight& f) { return !f.handle.pending() || f.handle.test(); }
+// Whether a stage may move on. On a stream at once (its successor is ordered on the device):
+// the stages then go out in one order on every member, whatever completes first where. Moving on
+// only once the host sees a stage complete lets that order differ between members, and NCCL
+// collectives of two communicators queued on each member's one stream in different orders wait
+// for each other forever (seen on the H200: HSDP 2 x 2 hung at its first reduction). The cost:
+// under HSDP on NCCL the stream waits for reductions that a member holding a matrix back issues
+// only at finish(), so the device must not be synchronised before then (docs/dedicated.md).
+bool DedicatedTransfers::done(InFlight& f) {
+  return !f.handle.pending() || follows_stream() || f.handle.test();
+}
 
 void DedicatedTransfers::order(InFlight& f) {
   if (follows_stream()) {

@@ -271,21 +271,22 @@ TEST(MpiComm, DeadlineRunsFromTheIssueNotFromTheWait) {
   std::unique_ptr<Communicator> own = test::make_world();  // NCCL aborts it on the timeout
   Communicator& c = *own;
   c.barrier().wait();  // connected (NCCL connects at the first collective)
-  // Rank 0 issues a barrier, computes for 0.8 s, then waits with a 1.2 s timeout; the others
-  // arrive 3 s late. Counted from the issue the wait ends 1.2 s after it, not 0.8 + 1.2 s: a step
-  // that waits for its collectives one after another is bounded by one timeout.
+  // Rank 0 issues a barrier, computes for 2 s, then waits with a 2.5 s timeout; the others
+  // arrive 5 s late. Counted from the issue the wait ends 2.5 s after it, not 2 + 2.5 s: a step
+  // that waits for its collectives one after another is bounded by one timeout. (The bound
+  // leaves 1.1 s for NCCL's abort, which took 0.6 s with 4 ranks on one loaded H200.)
   if (c.rank() == 0) {
     const auto issued = std::chrono::steady_clock::now();
     CommHandle h = c.barrier();
-    std::this_thread::sleep_for(std::chrono::milliseconds(800));
-    EXPECT_THROW(h.wait(1.2), TimeoutError);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2000));
+    EXPECT_THROW(h.wait(2.5), TimeoutError);
     const double at =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - issued).count();
-    EXPECT_GE(at, 1.2 - 0.05);
-    EXPECT_LT(at, 1.8) << "the deadline was counted from the wait";
+    EXPECT_GE(at, 2.5 - 0.05);
+    EXPECT_LT(at, 3.6) << "the deadline was counted from the wait";
     if (!test::on_cuda()) h.wait(60.0);  // MPI: completes once the others arrive
   } else {
-    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+    std::this_thread::sleep_for(std::chrono::milliseconds(5000));
     CommHandle h = c.barrier();
     if (!test::on_cuda()) {
       h.wait();

@@ -22,17 +22,20 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PATH -x LD_
         -x DISTMUON_AUTOTUNE -x DISTMUON_TEST_JSON_DIR)
 [ -n "${LD_PRELOAD:-}" ] && MPIRUN+=(-x LD_PRELOAD)
 
-# The CUDA gtests and the single-process NCCL test; the distributed engine on the NCCL rig at each
-# rank count (the longest suites: the rig's other suites and the fault tests run in the bench
-# lane, which ends early).
+# The CUDA gtests and the single-process NCCL test; the distributed engine on the NCCL rig at the
+# rank counts above 2 (the longest suites: the engine at 2 ranks runs in the sanitizer lane, the
+# rig's other suites and the fault tests in the bench lane).
 lane_cpp() {
   local t n
   for t in test_cuda_backend test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm; do
     [ -x "$BIN/$t" ] || continue
     run_suite "$t" 1 300 "$BIN/$t" --gtest_output="json:$WORK/$t.gtest.json"
   done
-  nccl_dist_suites "$RANKS" engine
+  nccl_dist_suites "$(ranks_where '$1 > 2')" engine
 }
+
+# The rank counts of $RANKS that satisfy an awk condition on $1, as a comma list.
+ranks_where() { tr , '\n' <<< "$RANKS" | awk "$1" | paste -sd, ; }
 
 # Above 4 ranks (time-sliced on one GPU, 2-3x slower per case) the engine runs what depends on
 # the rank count: every mode against the single process, ranks that own nothing, the dedicated
@@ -68,13 +71,15 @@ lane_python() {
 }
 
 # compute-sanitizer: memcheck over the GPU gtests, racecheck and synccheck over the kernels'
-# tests (they follow every shared-memory access: slow), memcheck over a 2-rank NCCL engine run.
+# tests (they follow every shared-memory access: slow), memcheck over a 2-rank NCCL engine run;
+# then the engine on the NCCL rig at 2 ranks (this lane has the time).
 lane_sanitizer() {
   # API errors are left out: NCCL probes for kernel images it was not built with (error 209) and
   # carries on; the project's own CUDA calls are all checked (DM_CHECK_CUDA) anyway.
   local cs=(compute-sanitizer --error-exitcode 3 --print-limit 20 --report-api-errors no) t tool
   if ! command -v compute-sanitizer > /dev/null; then
     run_suite sanitizer_missing 1 10 false
+    nccl_dist_suites "$(ranks_where '$1 <= 2')" engine
     return
   fi
   for t in test_cuda_backend test_cuda_muon test_cuda_cache test_nccl_comm; do
@@ -88,6 +93,7 @@ lane_sanitizer() {
   done
   run_suite sanitizer_memcheck_nccl_engine-2 2 400 "${MPIRUN[@]}" -np 2 "${cs[@]}" --tool memcheck \
     "$BIN/test_nccl_dist_engine" --gtest_filter='*sharded*:*dedicated*:*Caller*'
+  nccl_dist_suites "$(ranks_where '$1 <= 2')" engine  # the cpp lane has the longer ones
 }
 
 # Traffic and orthogonalization FLOPs per rank of each mode, beside the simulator's prediction
@@ -106,5 +112,5 @@ lane_bench() {
   done
   nccl_dist_suites "$RANKS" "comm errors dedicated"
   run_suite faults 0 300 "$PY" tests/gpu/nccl_faults.py --probe "$BIN/nccl_fault_probe" \
-    --ranks "$(tr , '\n' <<< "$RANKS" | awk '$1 <= 4' | paste -sd,)" --repeat 2 --json "$WORK/faults.json"
+    --ranks "$(ranks_where '$1 <= 4')" --repeat 2 --json "$WORK/faults.json"
 }

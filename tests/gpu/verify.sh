@@ -10,11 +10,12 @@
 # What it runs, in four lanes at once (the small test models leave the GPU mostly idle):
 #   cpp        the CUDA gtests and the single-process NCCL test; the distributed engine on the
 #              NCCL rig (test_nccl_dist_engine: every mode, HSDP 2 x 2 and CacheMuon against the
-#              single-process CUDA engine) at each rank count
+#              single-process CUDA engine) at each rank count above 2
 #   python     the GPU pytest modules (test_gpu.py; test_gpu_distributed.py: DDP, FSDP2, HSDP,
 #              dedicate(), mixed precision, DCP 4 -> 2 -> 1 over NCCL)
 #   sanitizer  compute-sanitizer memcheck over the GPU gtests, racecheck and synccheck over the
-#              kernels' tests, memcheck over a 2-rank NCCL engine run
+#              kernels' tests, memcheck over a 2-rank NCCL engine run; the engine on the NCCL
+#              rig at 2 ranks (the lanes' times balanced: cpp would run past its limit)
 #   bench      distmuon-bench --mode gather,sharded,dedicated at each rank count (bytes and
 #              orthogonalization FLOPs per rank) beside distmuon-plan --simulate's prediction;
 #              the rig's other suites (test_nccl_dist_comm / _errors / _dedicated) at each rank
