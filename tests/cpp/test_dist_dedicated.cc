@@ -204,6 +204,12 @@ TEST(DedicatedTransfers, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
 // It fails on every member instead, changes nothing (step() then reduces everything), and a
 // forward after step() or after an even backward passes the check.
 TEST(DedicatedTransfers, AForwardAfterAnUnevenBackwardFailsOnEveryMemberAndStepStillWorks) {
+  // On a stream (NCCL) the other members' reductions wait on the device for member 1, which
+  // issues its part only at finish(); this rig's gradients are host mirrors that synchronise the
+  // device on every write, so the members would wait there forever (seen at 8 ranks on the H200):
+  // the hazard docs/dedicated.md names (no device synchronisation between an uneven backward and
+  // step()). The check itself is host code on the control communicator, the same on both rigs.
+  if (test::on_cuda()) GTEST_SKIP() << "needs host-side gradients (see the comment)";
   Rig rig(1);
   if (rig.world.size == 1) GTEST_SKIP() << "one member holds nothing back";
   const int n = static_cast<int>(kNames.size());
