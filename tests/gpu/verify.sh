@@ -52,7 +52,7 @@ LOG="$OUT_DIR/verify.log"
 : > "$LOG"
 say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 T0=$(date +%s)
-COMMAND="RANKS=$RANKS tests/gpu/verify.sh"
+COMMAND="RANKS=$RANKS${LANES:+ LANES=\"$LANES\"} tests/gpu/verify.sh"
 
 # ---- machine ---------------------------------------------------------------------------------
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l)
