@@ -22,6 +22,18 @@ bool vec_ok(const BatchRef& b) {
 
 constexpr int64_t kMaxGridY = 65535;
 
+// Runs launch(part, grid, first) over the batch in parts of at most kMaxGridY matrices (the
+// grid's y), each matrix spread over blocks_per_matrix blocks along x.
+template <typename F>
+void for_each_grid_part(const BatchRef& b, int sm_count, F&& launch) {
+  for (int64_t first = 0; first < b.count; first += kMaxGridY) {
+    const int64_t n = std::min(kMaxGridY, b.count - first);
+    launch(b.slice(first, n),
+           dim3(blocks_per_matrix(b.rows * b.cols, n, sm_count), static_cast<unsigned>(n)), first);
+    DM_CHECK_LAUNCH();
+  }
+}
+
 }  // namespace
 
 void launch_cache_gate(const CacheGateArgs& args, cudaStream_t stream) {
@@ -38,31 +50,24 @@ void launch_copy_masked(const BatchRef& src, const BatchRef& dst, const int32_t*
   if (src.count == 0 || src.rows * src.cols == 0) return;
   DM_CHECK(flags != nullptr, "copy_masked: no flags");
   const bool vec = vec_ok(src) && vec_ok(dst);
-  for (int64_t first = 0; first < src.count; first += kMaxGridY) {
-    const int64_t n = std::min(kMaxGridY, src.count - first);
-    BatchRef s = src.slice(first, n), d = dst.slice(first, n);
-    dim3 grid(blocks_per_matrix(src.rows * src.cols, n, sm_count), static_cast<unsigned>(n));
+  for_each_grid_part(src, sm_count, [&](const BatchRef& s, dim3 grid, int64_t first) {
+    const BatchRef d = dst.slice(first, s.count);
     if (vec)
       dev::copy_masked_kernel<true>
           <<<grid, 256, 0, stream>>>(src.rows, src.cols, arg(s), arg(d), flags + first, value);
     else
       dev::copy_masked_kernel<false>
           <<<grid, 256, 0, stream>>>(src.rows, src.cols, arg(s), arg(d), flags + first, value);
-    DM_CHECK_LAUNCH();
-  }
+  });
 }
 
 void launch_fill_normal_ref(const BatchRef& dst, uint64_t seed, uint64_t counter, int sm_count,
                             cudaStream_t stream) {
   if (dst.count == 0 || dst.rows * dst.cols == 0) return;
-  for (int64_t first = 0; first < dst.count; first += kMaxGridY) {
-    const int64_t n = std::min(kMaxGridY, dst.count - first);
-    BatchRef d = dst.slice(first, n);
-    dim3 grid(blocks_per_matrix(dst.rows * dst.cols, n, sm_count), static_cast<unsigned>(n));
+  for_each_grid_part(dst, sm_count, [&](const BatchRef& d, dim3 grid, int64_t first) {
     dev::fill_normal_ref_kernel<<<grid, 256, 0, stream>>>(dst.rows, dst.cols, arg(d), seed, counter,
                                                           first);
-    DM_CHECK_LAUNCH();
-  }
+  });
 }
 
 void launch_fingerprint(const BatchRef& x, uint64_t* keys, cudaStream_t stream) {
@@ -76,14 +81,10 @@ void launch_fingerprint(const BatchRef& x, uint64_t* keys, cudaStream_t stream) 
 void launch_fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys,
                               int sm_count, cudaStream_t stream) {
   if (dst.count == 0 || dst.rows * dst.cols == 0) return;
-  for (int64_t first = 0; first < dst.count; first += kMaxGridY) {
-    const int64_t n = std::min(kMaxGridY, dst.count - first);
-    BatchRef d = dst.slice(first, n);
-    dim3 grid(blocks_per_matrix(dst.rows * dst.cols, n, sm_count), static_cast<unsigned>(n));
+  for_each_grid_part(dst, sm_count, [&](const BatchRef& d, dim3 grid, int64_t first) {
     dev::fill_normal_keyed_kernel<<<grid, 256, 0, stream>>>(dst.rows, dst.cols, arg(d), seed, keys,
                                                             first);
-    DM_CHECK_LAUNCH();
-  }
+  });
 }
 
 }  // namespace distmuon::cuda
