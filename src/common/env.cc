@@ -37,6 +37,9 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_AUTOTUNE_RESTART_FREE", "",
        "1: a tuned `auto` may pick Gram NS without restarts (unset: EngineOptions)"},
       {"DISTMUON_WORKLOAD_DIR", "", "extra directory searched for workload JSON files"},
+      {"DISTMUON_SYM_EPILOGUE_MIRROR", "1",
+       "0: the CUDA symmetric kernels leave the whole upper triangle to a separate mirror pass "
+       "instead of storing it transposed in their epilogue (for measuring one against the other)"},
   };
   return table;
 }

@@ -105,7 +105,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(SymKernel::kDenseMirror, SymKernel::kTri128,
                                          SymKernel::kTri256x128, SymKernel::kTri128Cluster2,
                                          SymKernel::kTri128Pingpong),
-                       ::testing::Values(40, 256, 392)),
+                       ::testing::Values(40, 256, 392, 776)),
     [](const auto& info) {
       std::string n = std::string(dtype_name(std::get<0>(info.param))) + "_" +
                       sym_kernel_name(std::get<1>(info.param)) + "_m" + std::to_string(std::get<2>(info.param));

@@ -206,12 +206,62 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
   mutable uint64_t cursor_rank_ = 0;
 };
 
+// ---- The mirror in the epilogue ------------------------------------------------------------
+// A symmetric product computes the tiles of its lower triangle; the upper one must become their
+// transpose, bit for bit. The epilogue stores each tile a second time through a column-major view
+// of D (element (r, c) of the tile to D[c][r]): CUTLASS's auxiliary TMA store with an M-major
+// layout, of the very values D gets (converted once). Only tiles that lie wholly left of their
+// diagonal block do so. The diagonal blocks (a cluster tile's CM x BM rows, computed whole by
+// the scheduler above, tiles right of the diagonal included) stay with the mirror kernel, so no
+// two stores ever meet: the transposed tiles land strictly above the diagonal blocks, where the
+// scheduler computes nothing. A null pointer turns the store off (dense products).
+
+template <int ClusterM, class AuxStore>
+struct MirrorStore : AuxStore {
+  using AuxStore::AuxStore;
+
+  template <class Callbacks>
+  struct Guarded : Callbacks {
+    bool active;
+    CUTLASS_DEVICE Guarded(Callbacks&& c, bool a) : Callbacks(static_cast<Callbacks&&>(c)), active(a) {}
+    CUTLASS_DEVICE void postreduce(int epi_m, int epi_n, int store_iteration, bool issue_smem_store) {
+      Callbacks::postreduce(epi_m, epi_n, store_iteration, issue_smem_store && active);
+    }
+    CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int store_iteration, bool issue_tma_store) {
+      Callbacks::tma_store(epi_m, epi_n, store_iteration, issue_tma_store && active);
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(
+      cutlass::epilogue::fusion::ConsumerStoreArgs<Args...> const& args) {
+    auto cb = AuxStore::template get_consumer_store_callbacks<ReferenceSrc>(args);
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    const int64_t bm = cute::size<0>(args.tile_shape_mnk), bn = cute::size<1>(args.tile_shape_mnk);
+    // Columns [n bn, (n+1) bn) end before the first row of this tile's cluster-row block.
+    const bool left_of_block = (int64_t(n) + 1) * bn <= int64_t(m) / ClusterM * ClusterM * bm;
+    return Guarded<decltype(cb)>(static_cast<decltype(cb)&&>(cb), left_of_block);
+  }
+};
+
+// D = alpha * acc + beta * C, also stored transposed where MirrorStore says (a FusionOperation,
+// so that CUTLASS's builder picks the auxiliary store's shared-memory layout and copy).
+template <class Element, int ClusterM>
+struct MirroredLinearCombination
+    : cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float> {
+  using ElementAux = Element;
+  using GmemLayoutTagAux = cutlass::layout::ColumnMajor;
+  static constexpr int AlignmentAux = 8;
+  static constexpr bool IsAuxOutSupported = true;
+};
+
 // D = alpha * A B^T + beta * C, A and B row-major m x k (k contiguous), C and D row-major.
 // PingPong: two consumer warpgroups alternate on whole tiles (else they split one tile).
 // LayoutB_ = RowMajor instead gives D = alpha * A B + beta * C with B row-major k x n (the
-// masked dense products Q X of CacheMuon).
+// masked dense products Q X of CacheMuon). Mirror: the epilogue can also store the transpose
+// (symmetric products; off when the arguments give it no pointer).
 template <typename Element, class TileShape, class ClusterShape, bool PingPong = false,
-          class LayoutB_ = cutlass::layout::ColumnMajor>
+          class LayoutB_ = cutlass::layout::ColumnMajor, bool Mirror = false>
 struct SymGemm {
   using MainloopSchedule = std::conditional_t<PingPong, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
                                               cutlass::gemm::KernelTmaWarpSpecializedCooperative>;
@@ -222,10 +272,13 @@ struct SymGemm {
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlign = 8;  // 16 bytes
 
+  using FusionOp = std::conditional_t<
+      Mirror, MirroredLinearCombination<Element, cute::size<0>(ClusterShape{})>,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, LayoutC, kAlign,
-      Element, LayoutC, kAlign, EpilogueSchedule>::CollectiveOp;
+      Element, LayoutC, kAlign, EpilogueSchedule, FusionOp>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
@@ -241,6 +294,53 @@ struct SymGemm {
 };
 
 }  // namespace distmuon::cuda::sm90
+
+namespace cutlass::epilogue::fusion {
+// The callbacks of MirroredLinearCombination: the linear combination, then MirrorStore over
+// CUTLASS's auxiliary store (which passes the values on unchanged to D's store).
+template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
+          class Element, int ClusterM, class CtaTileShapeMNK, class EpilogueTile,
+          class SmemLayoutAtom, class CopyOpR2S>
+struct FusionCallbacks<
+    epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
+    distmuon::cuda::sm90::MirroredLinearCombination<Element, ClusterM>, CtaTileShapeMNK,
+    EpilogueTile, SmemLayoutAtom, CopyOpR2S>
+    : Sm90EVT<distmuon::cuda::sm90::MirrorStore<
+                  ClusterM, Sm90AuxStore<StagesD, EpilogueTile, Element,
+                                         FloatRoundStyle::round_to_nearest,
+                                         gemm::TagToStrideC_t<layout::ColumnMajor>,
+                                         SmemLayoutAtom, CopyOpR2S, 8>>,
+              Sm90LinearCombination<Element, float, Element, float>> {
+  using Impl = Sm90EVT<
+      distmuon::cuda::sm90::MirrorStore<
+          ClusterM, Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
+                                 gemm::TagToStrideC_t<layout::ColumnMajor>, SmemLayoutAtom,
+                                 CopyOpR2S, 8>>,
+      Sm90LinearCombination<Element, float, Element, float>>;
+  using Operation = distmuon::cuda::sm90::MirroredLinearCombination<Element, ClusterM>;
+  using StrideMirror = gemm::TagToStrideC_t<layout::ColumnMajor>;
+
+  struct Arguments {
+    float alpha = 1.0f;
+    float beta = 0.0f;
+    Element* mirror = nullptr;  // D itself; null: no transposed store
+    StrideMirror dMirror = {};  // (1, ld, batch stride): D read column-major
+
+    operator typename Impl::Arguments() const {
+      using ScalarStride = Stride<_0, _0, int64_t>;
+      return {
+          {                                                      // beta * C + alpha * acc
+           {{beta}, {nullptr}, {ScalarStride{_0{}, _0{}, 0}}},  // beta
+           {},                                                   // C
+           {{{alpha}, {nullptr}, {ScalarStride{_0{}, _0{}, 0}}}, {}, {}},  // alpha * acc
+           {}},
+          {mirror, dMirror}};  // the transposed store
+    }
+  };
+
+  using Impl::Impl;
+};
+}  // namespace cutlass::epilogue::fusion
 
 namespace cutlass::gemm::kernel::detail {
 template <class ArchTag, class TileShape, class ClusterShape, uint32_t Stages>

@@ -50,8 +50,10 @@ bool CudaBackend::masked_on_device(const BatchMask& mask, bool symmetric, Op op_
     if (!(op_b == Op::kT || (b.rows == b.cols && b.rows == k))) return false;
     SymKernel v = resolve_sym_kernel(c.rows, k, c.count, c.dtype);
     if (v == SymKernel::kDenseMirror) v = SymKernel::kTri128;
+    g.mirror = cuda::sym_epilogue_mirror();
     if (!run_variant(v)) return false;
-    cuda::launch_mirror(c, s.stream, mask.flags, mask.value);
+    cuda::launch_mirror(c, s.stream, mask.flags, mask.value,
+                        g.mirror ? cuda::sym_diagonal_block(v) : 0);
     return true;
   }
   g.lower = false;

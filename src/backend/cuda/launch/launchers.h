@@ -47,9 +47,11 @@ void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCo
 void launch_count_status(const int32_t* status, int64_t n, int64_t* counter, cudaStream_t stream);
 
 // Copies the strict lower triangle of every square matrix of `c` onto its upper triangle (with
-// flags: only of the matrices b with flags[b] == value).
+// flags: only of the matrices b with flags[b] == value). diagonal_block > 0 (a multiple of 64):
+// only inside the diagonal blocks of that many rows, where a symmetric kernel that stores the
+// rest of the upper triangle in its epilogue left it (sym_diagonal_block).
 void launch_mirror(const BatchRef& c, cudaStream_t stream, const int32_t* flags = nullptr,
-                   int32_t value = 1);
+                   int32_t value = 1, int64_t diagonal_block = 0);
 
 // ---- CacheMuon (kernels/cache_kernels.cuh) ----
 // Backend::cache_gate: one thread per matrix runs cache_ref::gate_one.

@@ -1,6 +1,7 @@
 // The lower-triangle symmetric product on Hopper (CUTLASS sm90, launch/sym_gemm_sm90_*.cu):
 //   D = alpha * A B^T + beta * C   (row-major, A and B both m x k with k contiguous)
-// for the output tiles that touch the lower triangle only; the caller mirrors afterwards.
+// for the output tiles that touch the lower triangle only; the caller mirrors afterwards (only
+// inside the diagonal blocks where the epilogue stored the rest transposed: SymGemmArgs::mirror).
 // The same kernels with `lower` off compute every tile of an m x n product (masked dense
 // products), and dense_nn runs D = alpha * A B + beta * C with B row-major k x n.
 // With `flags`, matrix l of the batch is computed only when flags[l] == flag_value (device
@@ -40,6 +41,10 @@ struct SymGemmArgs {
   int32_t flag_value = 1;
   TileOrder order = TileOrder::kAuto;  // dense products only
   DenseTile tile = DenseTile::k256x128;  // run_dense_nn_* only
+  // Symmetric products (lower): the epilogue also stores every tile that lies left of its
+  // diagonal block transposed, so that only the diagonal blocks (sym_diagonal_block rows) are
+  // left for the mirror kernel.
+  bool mirror = false;
 };
 
 // The arguments of D = alpha * op(A) op(B) + beta * Cin for batches of the backend (Cin null or
@@ -85,6 +90,15 @@ bool run_dense_nn_sm90_bf16(const SymGemmArgs& args, int sm_count, void* workspa
                             size_t workspace_bytes, cudaStream_t stream);
 bool run_dense_nn_sm90_f16(const SymGemmArgs& args, int sm_count, void* workspace,
                            size_t workspace_bytes, cudaStream_t stream);
+
+// Height of the diagonal blocks a variant computes whole (its cluster tile's rows): with
+// SymGemmArgs::mirror the epilogue stores the upper triangle outside them, and the mirror kernel
+// copies only inside them. 0 for the dense fallback (it leaves the whole triangle).
+int64_t sym_diagonal_block(SymKernel variant);
+
+// Whether the symmetric kernels mirror in their epilogue (SymGemmArgs::mirror): on unless
+// DISTMUON_SYM_EPILOGUE_MIRROR=0 (for measuring the separate mirror pass against it).
+bool sym_epilogue_mirror();
 
 // Output tiles (of the CTA tile shape) a variant computes for one m x m product: the tile-level
 // lower triangle, rounded up to whole cluster tiles. Used by the heuristic and the notes.

@@ -10,10 +10,10 @@
 namespace distmuon::cuda::sm90 {
 
 template <typename Element, class TileShape, class ClusterShape, bool PingPong = false,
-          class LayoutB = cutlass::layout::ColumnMajor>
+          class LayoutB = cutlass::layout::ColumnMajor, bool Mirror = false>
 bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspace_bytes,
              cudaStream_t stream) {
-  using Gemm = typename SymGemm<Element, TileShape, ClusterShape, PingPong, LayoutB>::Gemm;
+  using Gemm = typename SymGemm<Element, TileShape, ClusterShape, PingPong, LayoutB, Mirror>::Gemm;
   using Kernel = typename Gemm::GemmKernel;
   using StrideA = typename Kernel::StrideA;
   using StrideB = typename Kernel::StrideB;
@@ -40,6 +40,12 @@ bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspa
       {{g.alpha, g.beta}, static_cast<const Element*>(g.c ? g.c : g.d), sc,
        static_cast<Element*>(g.d), sd},
       hw};
+  if constexpr (Mirror) {
+    if (g.lower && g.mirror) {
+      args.epilogue.thread.mirror = static_cast<Element*>(g.d);
+      args.epilogue.thread.dMirror = cute::make_stride(cute::Int<1>{}, g.ldd, g.stride_d);
+    }
+  }
   args.scheduler.lower = g.lower;
   args.scheduler.flags = g.flags;
   args.scheduler.flag_value = g.flag_value;
@@ -69,15 +75,20 @@ bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws
     if (v % 8 != 0) return false;
   if (g.m > (1LL << 30) || g.n > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30))
     return false;
-  switch (variant) {
+  using ColB = cutlass::layout::ColumnMajor;
+  switch (variant) {  // every symmetric kernel can mirror in its epilogue (SymGemmArgs::mirror)
     case SymKernel::kTri128:
-      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, false, ColB, true>(
+          g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri256x128:
-      return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+      return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>, false, ColB, true>(
+          g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri128Cluster2:
-      return run_sym<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>>(g, sm_count, ws, ws_bytes, stream);
+      return run_sym<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>, false, ColB, true>(
+          g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri128Pingpong:
-      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, true>(g, sm_count, ws, ws_bytes, stream);
+      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, true, ColB, true>(
+          g, sm_count, ws, ws_bytes, stream);
     default: return false;
   }
 }

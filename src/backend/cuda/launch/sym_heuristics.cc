@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "backend/cuda/launch/sym_gemm.h"
+#include "distmuon/env.h"
 
 namespace distmuon::cuda {
 
@@ -28,6 +29,17 @@ TileCfg cfg(SymKernel v, int64_t k) {
   }
 }
 }  // namespace
+
+int64_t sym_diagonal_block(SymKernel v) {
+  if (v == SymKernel::kDenseMirror || v == SymKernel::kAuto) return 0;
+  const TileCfg c = cfg(v, 0);
+  return int64_t(c.cm) * c.bm;
+}
+
+bool sym_epilogue_mirror() {
+  static const bool on = env::get_bool("DISTMUON_SYM_EPILOGUE_MIRROR");
+  return on;
+}
 
 int64_t sym_tiles(SymKernel v, int64_t m) {
   const TileCfg c = cfg(v, 0);
