@@ -99,6 +99,39 @@ TEST_P(CudaSym, LowerTriangleAndMirror) {
   }
 }
 
+// Rows longer than the matrix (ld > m): the epilogue's transposed store and the mirror of the
+// diagonal blocks must follow ld, and leave the padding alone. m = 100 (not a multiple of 8)
+// takes the element-wise mirror kernel, 520 the 16-byte one; each spans several diagonal blocks.
+TEST(CudaSymPadded, MirrorFollowsTheLeadingDimension) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  const int64_t count = 2, k = 264;
+  for (SymKernel kernel : {SymKernel::kTri128, SymKernel::kTri256x128, SymKernel::kTri128Cluster2,
+                           SymKernel::kTri128Pingpong}) {
+    for (int64_t m : {100, 520}) {
+      SCOPED_TRACE(std::string(sym_kernel_name(kernel)) + ", m = " + std::to_string(m));
+      const int64_t ld = (m + 7) / 8 * 8 + 8;
+      be.set_sym_kernel(kernel);
+      HostBatch x(DType::kBF16, count, m, k), out(DType::kBF16, count, m, ld);
+      for (int64_t i = 0; i < count; ++i) x.set(i, random_matrix(m, k, 1.0 / std::sqrt(double(k))));
+      out.poison();
+      DeviceBatch dx(be, x), dout(be, out);
+      BatchRef c = dout.ref;
+      c.cols = m;  // m x m matrices in rows of ld elements
+      be.gemm_symmetric(Op::kN, dx.ref, Op::kT, dx.ref, 1.0, 0.0, nullptr, c);
+      dout.download(be, out);
+      be.set_sym_kernel(SymKernel::kAuto);
+      for (int64_t i = 0; i < count; ++i) {
+        const Mat all = out.get(i), got = all.leftCols(m);
+        const Mat rx = x.get(i);
+        EXPECT_LT(rel_err(got, rx * rx.transpose()), tol_for(DType::kBF16)) << "matrix " << i;
+        EXPECT_EQ((got - got.transpose()).norm(), 0.0) << "not exactly symmetric, matrix " << i;
+        EXPECT_TRUE(all.rightCols(ld - m).array().isNaN().all()) << "padding written, matrix " << i;
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Variants, CudaSym,
     ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),

@@ -235,7 +235,7 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Combine(::testing::Values(DType::kBF16, DType::kF16),
                        ::testing::Values(SymKernel::kTri128, SymKernel::kTri256x128,
                                          SymKernel::kTri128Cluster2, SymKernel::kTri128Pingpong),
-                       ::testing::Values(256, 392)),
+                       ::testing::Values(256, 392, 776)),
     [](const auto& info) {
       std::string n = std::string(dtype_name(std::get<0>(info.param))) + "_" +
                       sym_kernel_name(std::get<1>(info.param)) + "_m" +

@@ -212,9 +212,10 @@ class LowerTriangleScheduler : public cutlass::gemm::kernel::detail::PersistentT
 // of D (element (r, c) of the tile to D[c][r]): CUTLASS's auxiliary TMA store with an M-major
 // layout, of the very values D gets (converted once). Only tiles that lie wholly left of their
 // diagonal block do so. The diagonal blocks (a cluster tile's CM x BM rows, computed whole by
-// the scheduler above, tiles right of the diagonal included) stay with the mirror kernel, so no
-// two stores ever meet: the transposed tiles land strictly above the diagonal blocks, where the
-// scheduler computes nothing. A null pointer turns the store off (dense products).
+// the scheduler above, tiles right of the diagonal included) stay with the mirror kernel, which
+// runs after the product: within the product no two stores meet, the transposed tiles landing
+// strictly above the diagonal blocks, where the scheduler computes nothing. A null pointer turns
+// the store off.
 
 template <int ClusterM, class AuxStore>
 struct MirrorStore : AuxStore {
@@ -251,9 +252,21 @@ struct MirroredLinearCombination
     : cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float> {
   using ElementAux = Element;
   using GmemLayoutTagAux = cutlass::layout::ColumnMajor;
-  static constexpr int AlignmentAux = 8;
+  static constexpr int AlignmentAux = 128 / cutlass::sizeof_bits_v<Element>;  // 16 bytes, as D
   static constexpr bool IsAuxOutSupported = true;
 };
+
+// The callbacks tree of MirroredLinearCombination: the linear combination, then MirrorStore over
+// CUTLASS's auxiliary store (which passes the values on unchanged to D's store).
+template <class Element, int ClusterM, int Stages, class EpilogueTile, class SmemLayoutAtom,
+          class CopyOpR2S>
+using MirroredLinearCombinationTree = cutlass::epilogue::fusion::Sm90EVT<
+    MirrorStore<ClusterM,
+                cutlass::epilogue::fusion::Sm90AuxStore<
+                    Stages, EpilogueTile, Element, cutlass::FloatRoundStyle::round_to_nearest,
+                    cutlass::gemm::TagToStrideC_t<cutlass::layout::ColumnMajor>, SmemLayoutAtom,
+                    CopyOpR2S, MirroredLinearCombination<Element, ClusterM>::AlignmentAux>>,
+    cutlass::epilogue::fusion::Sm90LinearCombination<Element, float, Element, float>>;
 
 // D = alpha * A B^T + beta * C, A and B row-major m x k (k contiguous), C and D row-major.
 // PingPong: two consumer warpgroups alternate on whole tiles (else they split one tile).
@@ -272,6 +285,10 @@ struct SymGemm {
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlign = 8;  // 16 bytes
 
+  static_assert(!Mirror || (cute::size<0>(ClusterShape{}) * cute::size<0>(TileShape{})) %
+                               cute::size<1>(TileShape{}) ==
+                           0,
+                "the epilogue mirror needs diagonal blocks of whole column tiles");
   using FusionOp = std::conditional_t<
       Mirror, MirroredLinearCombination<Element, cute::size<0>(ClusterShape{})>,
       cutlass::epilogue::fusion::LinearCombination<Element, float, Element, float>>;
@@ -296,8 +313,7 @@ struct SymGemm {
 }  // namespace distmuon::cuda::sm90
 
 namespace cutlass::epilogue::fusion {
-// The callbacks of MirroredLinearCombination: the linear combination, then MirrorStore over
-// CUTLASS's auxiliary store (which passes the values on unchanged to D's store).
+// The callbacks of MirroredLinearCombination (MirroredLinearCombinationTree) and its arguments.
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
           class Element, int ClusterM, class CtaTileShapeMNK, class EpilogueTile,
           class SmemLayoutAtom, class CopyOpR2S>
@@ -305,18 +321,11 @@ struct FusionCallbacks<
     epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
     distmuon::cuda::sm90::MirroredLinearCombination<Element, ClusterM>, CtaTileShapeMNK,
     EpilogueTile, SmemLayoutAtom, CopyOpR2S>
-    : Sm90EVT<distmuon::cuda::sm90::MirrorStore<
-                  ClusterM, Sm90AuxStore<StagesD, EpilogueTile, Element,
-                                         FloatRoundStyle::round_to_nearest,
-                                         gemm::TagToStrideC_t<layout::ColumnMajor>,
-                                         SmemLayoutAtom, CopyOpR2S, 8>>,
-              Sm90LinearCombination<Element, float, Element, float>> {
-  using Impl = Sm90EVT<
-      distmuon::cuda::sm90::MirrorStore<
-          ClusterM, Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
-                                 gemm::TagToStrideC_t<layout::ColumnMajor>, SmemLayoutAtom,
-                                 CopyOpR2S, 8>>,
-      Sm90LinearCombination<Element, float, Element, float>>;
+    : distmuon::cuda::sm90::MirroredLinearCombinationTree<Element, ClusterM, StagesD, EpilogueTile,
+                                                          SmemLayoutAtom, CopyOpR2S> {
+  using Impl = distmuon::cuda::sm90::MirroredLinearCombinationTree<Element, ClusterM, StagesD,
+                                                                   EpilogueTile, SmemLayoutAtom,
+                                                                   CopyOpR2S>;
   using Operation = distmuon::cuda::sm90::MirroredLinearCombination<Element, ClusterM>;
   using StrideMirror = gemm::TagToStrideC_t<layout::ColumnMajor>;
 

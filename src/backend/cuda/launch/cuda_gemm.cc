@@ -136,7 +136,7 @@ void CudaBackend::gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const Batc
   const bool same_dtype = a.dtype == b.dtype && a.dtype == c.dtype && (!cin || cin->dtype == c.dtype);
   SymKernel variant = resolve_sym_kernel(dm.m, dm.k, c.count, c.dtype);
   bool done = false;
-  int64_t left_to_mirror = 0;  // diagonal blocks only, where the epilogue stored the rest
+  int64_t diagonal_block = 0;  // > 0: the epilogue stored the upper triangle outside these
   if (variant != SymKernel::kDenseMirror && tn_form && same_dtype) {
     cuda::SymGemmArgs g = cuda::make_sym_args(a, b, cin, c, dm.k, alpha, beta);
     g.mirror = cuda::sym_epilogue_mirror();
@@ -144,10 +144,10 @@ void CudaBackend::gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const Batc
       done = cuda::run_sym_sm90_bf16(variant, g, s.sm_count, s.tail_workspace(), s.tail_bytes(), s.stream);
     else if (c.dtype == DType::kF16)
       done = cuda::run_sym_sm90_f16(variant, g, s.sm_count, s.tail_workspace(), s.tail_bytes(), s.stream);
-    if (done && g.mirror) left_to_mirror = cuda::sym_diagonal_block(variant);
+    if (done && g.mirror) diagonal_block = cuda::sym_diagonal_block(variant);
   }
   if (!done) gemm(op_a, a, op_b, b, alpha, beta, c_in, c);
-  cuda::launch_mirror(c, s.stream, nullptr, 1, left_to_mirror);
+  cuda::launch_mirror(c, s.stream, nullptr, 1, diagonal_block);
 }
 
 }  // namespace distmuon

@@ -1,4 +1,4 @@
-// Launcher of the lower-to-upper mirror (kernels/batch_kernels.cuh).
+// Launcher of the lower-to-upper mirror (kernels/mirror_kernel.cuh).
 #include "backend/cuda/cuda_check.h"
 #include "backend/cuda/kernels/mirror_kernel.cuh"
 #include "backend/cuda/launch/launchers.h"

@@ -1,7 +1,8 @@
 // The lower-triangle symmetric product on Hopper (CUTLASS sm90, launch/sym_gemm_sm90_*.cu):
 //   D = alpha * A B^T + beta * C   (row-major, A and B both m x k with k contiguous)
-// for the output tiles that touch the lower triangle only; the caller mirrors afterwards (only
-// inside the diagonal blocks where the epilogue stored the rest transposed: SymGemmArgs::mirror).
+// for the output tiles that touch the lower triangle only; the caller mirrors afterwards: the
+// whole upper triangle, or with SymGemmArgs::mirror only the diagonal blocks (the epilogue stores
+// the rest of it transposed).
 // The same kernels with `lower` off compute every tile of an m x n product (masked dense
 // products), and dense_nn runs D = alpha * A B + beta * C with B row-major k x n.
 // With `flags`, matrix l of the batch is computed only when flags[l] == flag_value (device
@@ -74,10 +75,30 @@ inline SymGemmArgs make_sym_args(const BatchRef& a, const BatchRef& b, const Bat
   return g;
 }
 
+// The CTA tile (bm x bn) and the CTAs a cluster stacks along M (cm) of each lower-triangle
+// variant: the one table that the kernels' template arguments (sym_gemm_sm90_run.h), the
+// heuristic's tile counts and the mirror's diagonal blocks are read from. A cluster row of
+// cm * bm rows is computed whole up to its diagonal (cm * bm a multiple of bn).
+struct SymTileShape {
+  int bm, bn, cm;
+};
+constexpr SymTileShape sym_tile_shape(SymKernel v) {
+  switch (v) {
+    case SymKernel::kTri256x128: return {256, 128, 1};
+    case SymKernel::kTri128Cluster2: return {128, 128, 2};
+    default: return {128, 128, 1};  // kTri128, kTri128Pingpong
+  }
+}
+
+// Part of the tuning fingerprint: bumped when the symmetric kernels change in a way that makes
+// measurements of earlier builds stale (2: the mirror in the epilogue).
+constexpr int kSymKernelRevision = 2;
+
 // True when this build has the CUTLASS kernels.
 bool sym_sm90_built();
 
-// Runs the given CUTLASS variant (kTri128, kTri256x128 or kTri128Cluster2) in bf16 or fp16.
+// Runs the given CUTLASS variant (kTri128, kTri256x128, kTri128Cluster2 or kTri128Pingpong) in
+// bf16 or fp16.
 // Returns false when the variant cannot run these arguments (the caller falls back).
 bool run_sym_sm90_bf16(SymKernel variant, const SymGemmArgs& args, int sm_count, void* workspace,
                        size_t workspace_bytes, cudaStream_t stream);
@@ -97,7 +118,8 @@ bool run_dense_nn_sm90_f16(const SymGemmArgs& args, int sm_count, void* workspac
 int64_t sym_diagonal_block(SymKernel variant);
 
 // Whether the symmetric kernels mirror in their epilogue (SymGemmArgs::mirror): on unless
-// DISTMUON_SYM_EPILOGUE_MIRROR=0 (for measuring the separate mirror pass against it).
+// DISTMUON_SYM_EPILOGUE_MIRROR=0, which runs the kernels built without the transposed store (and
+// without its shared memory) and the whole mirror pass, as before.
 bool sym_epilogue_mirror();
 
 // Output tiles (of the CTA tile shape) a variant computes for one m x m product: the tile-level

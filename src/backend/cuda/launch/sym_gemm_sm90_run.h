@@ -64,6 +64,15 @@ bool run_sym(const SymGemmArgs& g, int sm_count, void* workspace, size_t workspa
   return true;
 }
 
+// A lower-triangle variant with the tile and cluster of its row in sym_tile_shape.
+template <typename Element, SymKernel V, bool PingPong, bool Mirror>
+bool run_tri(const SymGemmArgs& g, int sm_count, void* ws, size_t ws_bytes, cudaStream_t stream) {
+  using namespace cute;
+  constexpr SymTileShape t = sym_tile_shape(V);
+  return run_sym<Element, Shape<Int<t.bm>, Int<t.bn>, _64>, Shape<Int<t.cm>, _1, _1>, PingPong,
+                 cutlass::layout::ColumnMajor, Mirror>(g, sm_count, ws, ws_bytes, stream);
+}
+
 template <typename Element>
 bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws, size_t ws_bytes,
                  cudaStream_t stream) {
@@ -75,20 +84,22 @@ bool run_variant(SymKernel variant, const SymGemmArgs& g, int sm_count, void* ws
     if (v % 8 != 0) return false;
   if (g.m > (1LL << 30) || g.n > (1LL << 30) || g.k > (1LL << 30) || g.count > (1LL << 30))
     return false;
-  using ColB = cutlass::layout::ColumnMajor;
-  switch (variant) {  // every symmetric kernel can mirror in its epilogue (SymGemmArgs::mirror)
+  // Kernels with the transposed store in their epilogue only where it is used: its shared
+  // memory costs the others a main-loop stage.
+  const bool mirror = g.lower && g.mirror;
+  switch (variant) {
     case SymKernel::kTri128:
-      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, false, ColB, true>(
-          g, sm_count, ws, ws_bytes, stream);
+      return mirror ? run_tri<Element, SymKernel::kTri128, false, true>(g, sm_count, ws, ws_bytes, stream)
+                    : run_tri<Element, SymKernel::kTri128, false, false>(g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri256x128:
-      return run_sym<Element, Shape<_256, _128, _64>, Shape<_1, _1, _1>, false, ColB, true>(
-          g, sm_count, ws, ws_bytes, stream);
+      return mirror ? run_tri<Element, SymKernel::kTri256x128, false, true>(g, sm_count, ws, ws_bytes, stream)
+                    : run_tri<Element, SymKernel::kTri256x128, false, false>(g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri128Cluster2:
-      return run_sym<Element, Shape<_128, _128, _64>, Shape<_2, _1, _1>, false, ColB, true>(
-          g, sm_count, ws, ws_bytes, stream);
+      return mirror ? run_tri<Element, SymKernel::kTri128Cluster2, false, true>(g, sm_count, ws, ws_bytes, stream)
+                    : run_tri<Element, SymKernel::kTri128Cluster2, false, false>(g, sm_count, ws, ws_bytes, stream);
     case SymKernel::kTri128Pingpong:
-      return run_sym<Element, Shape<_128, _128, _64>, Shape<_1, _1, _1>, true, ColB, true>(
-          g, sm_count, ws, ws_bytes, stream);
+      return mirror ? run_tri<Element, SymKernel::kTri128Pingpong, true, true>(g, sm_count, ws, ws_bytes, stream)
+                    : run_tri<Element, SymKernel::kTri128Pingpong, true, false>(g, sm_count, ws, ws_bytes, stream);
     default: return false;
   }
 }

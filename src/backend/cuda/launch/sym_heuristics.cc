@@ -20,24 +20,29 @@ struct TileCfg {
 // traffic and sits between. The autotuner replaces these with measurements per shape.
 TileCfg cfg(SymKernel v, int64_t k) {
   const bool long_k = k >= 8192;
+  const SymTileShape t = sym_tile_shape(v);
+  double efficiency = 1.0;
   switch (v) {
-    case SymKernel::kTri128: return {128, 128, 1, long_k ? 0.70 : 0.84};
-    case SymKernel::kTri256x128: return {256, 128, 1, 0.92};
-    case SymKernel::kTri128Cluster2: return {128, 128, 2, long_k ? 0.78 : 0.84};
-    case SymKernel::kTri128Pingpong: return {128, 128, 1, long_k ? 0.72 : 0.86};
-    default: return {128, 128, 1, 1.0};
+    case SymKernel::kTri128: efficiency = long_k ? 0.70 : 0.84; break;
+    case SymKernel::kTri256x128: efficiency = 0.92; break;
+    case SymKernel::kTri128Cluster2: efficiency = long_k ? 0.78 : 0.84; break;
+    case SymKernel::kTri128Pingpong: efficiency = long_k ? 0.72 : 0.86; break;
+    default: break;
   }
+  return {t.bm, t.bn, t.cm, efficiency};
 }
 }  // namespace
 
 int64_t sym_diagonal_block(SymKernel v) {
   if (v == SymKernel::kDenseMirror || v == SymKernel::kAuto) return 0;
-  const TileCfg c = cfg(v, 0);
-  return int64_t(c.cm) * c.bm;
+  const SymTileShape t = sym_tile_shape(v);
+  return int64_t(t.cm) * t.bm;
 }
 
 bool sym_epilogue_mirror() {
-  static const bool on = env::get_bool("DISTMUON_SYM_EPILOGUE_MIRROR");
+  // Set but empty counts as unset (on).
+  static const bool on = env::get("DISTMUON_SYM_EPILOGUE_MIRROR").empty() ||
+                         env::get_bool("DISTMUON_SYM_EPILOGUE_MIRROR");
   return on;
 }
 

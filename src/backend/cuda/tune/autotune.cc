@@ -17,6 +17,7 @@
 #include "backend/cuda/cuda_handles.h"
 #include "backend/cuda/launch/cuda_backend_impl.h"
 #include "backend/cuda/launch/launchers.h"
+#include "backend/cuda/launch/sym_gemm.h"
 #include "backend/relative_error.h"
 #include "distmuon/error.h"
 
@@ -108,7 +109,8 @@ std::string tuning_fingerprint(const std::string& gpu_name) {
   cudaRuntimeGetVersion(&runtime);
   std::ostringstream os;
   os << gpu_name << "|driver " << driver << "|runtime " << runtime << "|cublasLt "
-     << cublasLtGetVersion();
+     << cublasLtGetVersion() << "|sym r" << kSymKernelRevision
+     << (sym_epilogue_mirror() ? "" : " (separate mirror)");
   return os.str();
 }
 
