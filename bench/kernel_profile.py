@@ -89,10 +89,9 @@ def main():
     by_group = collections.defaultdict(lambda: [0.0, 0])
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for n, ms in ks:
-        by_name[short(n)][0] += ms
-        by_name[short(n)][1] += 1
-        by_group[group_of(n)][0] += ms
-        by_group[group_of(n)][1] += 1
+        for table, key in ((by_name, short(n)), (by_group, group_of(n))):
+            table[key][0] += ms
+            table[key][1] += 1
     total = sum(ms for _, ms in ks)
     lines = [f"{len(ks)} kernels, {total:.2f} ms in all, {total / a.steps:.2f} ms per step "
              f"({a.steps} steps)", "",
