@@ -86,7 +86,7 @@ lane_sanitizer() {
     [ -x "$BIN/$t" ] && run_suite "sanitizer_memcheck_$t" 1 300 "${cs[@]}" --tool memcheck "$BIN/$t" --gtest_brief=1
   done
   # racecheck leaves cuBLASLt's own kernels (nvjet_*) alone: it reports shared-memory hazards in
-  # some of them (2026-12-02: four 64x272 / 272x64 variants the padded-rows tests reach), which
+  # some of them (2026-12-02: four 64x272 / 272x64 variants, reached by the tests' dense products), which
   # are NVIDIA's to answer for; ours, the symmetric and elementwise kernels, are all checked.
   for tool in racecheck synccheck; do
     local exclude=()
