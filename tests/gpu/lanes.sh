@@ -85,9 +85,9 @@ lane_sanitizer() {
   for t in test_cuda_backend test_cuda_muon test_cuda_cache test_nccl_comm; do
     [ -x "$BIN/$t" ] && run_suite "sanitizer_memcheck_$t" 1 300 "${cs[@]}" --tool memcheck "$BIN/$t" --gtest_brief=1
   done
-  # racecheck leaves cuBLASLt's own kernels (nvjet_*) alone: it reports shared-memory hazards in
-  # some of them (2026-12-02: four 64x272 / 272x64 variants, reached by the tests' dense products), which
-  # are NVIDIA's to answer for; ours, the symmetric and elementwise kernels, are all checked.
+  # racecheck leaves cuBLASLt's own kernels (nvjet_*) alone: it reports shared-memory hazards
+  # in some of them (2026-12-02: four 64x272 / 272x64 variants the tests' dense products ran),
+  # which are NVIDIA's to answer for; ours, the symmetric and elementwise kernels, are checked.
   for tool in racecheck synccheck; do
     local exclude=()
     [ "$tool" = racecheck ] && exclude=(--kernel-name-exclude kns=nvjet)
