@@ -85,17 +85,15 @@ lane_sanitizer() {
   for t in test_cuda_backend test_cuda_muon test_cuda_cache test_nccl_comm; do
     [ -x "$BIN/$t" ] && run_suite "sanitizer_memcheck_$t" 1 300 "${cs[@]}" --tool memcheck "$BIN/$t" --gtest_brief=1
   done
-  # racecheck fails on hazards in our kernels only (racecheck_ours.sh: it reports some inside
-  # cuBLASLt's nvjet kernels).
-  local rc_args=(--print-limit 20 --report-api-errors no --)
-  run_suite sanitizer_racecheck_backend 1 300 bash tests/gpu/racecheck_ours.sh "${rc_args[@]}" \
-    "$BIN/test_cuda_backend" --gtest_brief=1 --gtest_filter='*Sym*:*BatchedHelpers*:*AdamW*'
-  run_suite sanitizer_racecheck_muon 1 300 bash tests/gpu/racecheck_ours.sh "${rc_args[@]}" \
-    "$BIN/test_cuda_muon" --gtest_brief=1 --gtest_filter='CudaMuon.Passes*'
-  run_suite sanitizer_synccheck_backend 1 300 "${cs[@]}" --tool synccheck "$BIN/test_cuda_backend" \
-    --gtest_brief=1 --gtest_filter='*Sym*:*BatchedHelpers*:*AdamW*'
-  run_suite sanitizer_synccheck_muon 1 300 "${cs[@]}" --tool synccheck "$BIN/test_cuda_muon" \
-    --gtest_brief=1 --gtest_filter='CudaMuon.Passes*'
+  for tool in racecheck synccheck; do
+    # racecheck fails on hazards in our kernels only (it reports some inside cuBLASLt's).
+    local judge=()
+    [ "$tool" = racecheck ] && judge=(bash tests/gpu/racecheck_ours.sh)
+    run_suite "sanitizer_${tool}_backend" 1 300 "${judge[@]}" "${cs[@]}" --tool "$tool" \
+      "$BIN/test_cuda_backend" --gtest_brief=1 --gtest_filter='*Sym*:*BatchedHelpers*:*AdamW*'
+    run_suite "sanitizer_${tool}_muon" 1 300 "${judge[@]}" "${cs[@]}" --tool "$tool" \
+      "$BIN/test_cuda_muon" --gtest_brief=1 --gtest_filter='CudaMuon.Passes*'
+  done
   run_suite sanitizer_memcheck_nccl_engine-2 2 400 "${MPIRUN[@]}" -np 2 "${cs[@]}" --tool memcheck \
     "$BIN/test_nccl_dist_engine" --gtest_filter='*sharded*:*dedicated*:*Caller*'
   nccl_dist_suites "$(ranks_where '$1 <= 2')" engine  # the cpp lane has the longer ones

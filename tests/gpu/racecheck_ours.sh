@@ -1,23 +1,19 @@
 #!/usr/bin/env bash
-# compute-sanitizer racecheck over a test binary, failing on hazards in our kernels only.
-#   tests/gpu/racecheck_ours.sh COMPUTE_SANITIZER_ARGS... -- TEST_BINARY ARGS...
+# Runs a compute-sanitizer racecheck command line and fails on hazards in our kernels only.
+#   tests/gpu/racecheck_ours.sh compute-sanitizer --tool racecheck --error-exitcode 3 ... BINARY ARGS...
 # Racecheck reports shared-memory hazards inside some of cuBLASLt's own kernels (nvjet_*; on
 # 2026-12-02 four 64x272 / 272x64 variants), which are NVIDIA's to answer for. Leaving them out
 # of the instrumentation (--kernel-name-exclude kns=nvjet) is no way around it: the sanitizer
 # then fails on a hardware exception in the first of them. So every kernel is checked, and the
 # run passes when the tests pass and every reported hazard lies inside nvjet kernels.
 set -uo pipefail
-cs_args=()
-while [ $# -gt 0 ] && [ "$1" != "--" ]; do cs_args+=("$1"); shift; done
-[ "${1:-}" = "--" ] || { echo "usage: $0 SANITIZER_ARGS... -- BINARY ARGS..." >&2; exit 2; }
-shift
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
-compute-sanitizer --tool racecheck --error-exitcode 3 "${cs_args[@]}" "$@" > "$out" 2>&1
+"$@" > "$out" 2>&1
 rc=$?
 cat "$out"
 [ $rc = 3 ] || exit $rc
-# rc 3: the sanitizer reported something; the tests themselves must have passed.
+# rc 3 (the sanitizer's --error-exitcode): it reported something; the tests must have passed.
 if grep -qE "\[  FAILED  \]|Target application returned an error|Internal Sanitizer Error" "$out"; then
   exit 3
 fi
