@@ -9,6 +9,7 @@
 //     timed eagerly and as a replayed CUDA graph, and the floor (counted FLOPs of the cheapest
 //     algorithm over the GEMM rate + 20 bytes per parameter over the copy bandwidth).
 // Writes one JSON file; bench/make_report.py merges it with the torch baselines.
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -62,21 +63,28 @@ json breakdown(CudaBackend& be) {
   j["lincomb_768"] = graph_ms(be, 20, [&] { be.lincomb(1.0, z, 0.0, nullptr, 3.4, o); });
   // Fused passes on 12 fp32 768 x 2304 matrices (tall: the transposing kernels).
   std::vector<MuonSlot> slots;
-  std::vector<MuonUpdateCoef> coef(c, {0.99f, 0.01f});
+  const std::vector<MuonUpdateCoef> coef(c, {0.99f, 0.01f});
+  const float mu_host = 0.95f;
+  keep.push_back(be.alloc(sizeof(MuonUpdateCoef) * c));
+  const MuonUpdateCoef* dcoef = keep.back().as<MuonUpdateCoef>();
+  be.upload_small(keep.back().data(), coef.data(), sizeof(MuonUpdateCoef) * c);
+  keep.push_back(be.alloc(sizeof(float)));
+  const float* mu = keep.back().as<float>();
+  be.upload_small(keep.back().data(), &mu_host, sizeof(float));
   for (int64_t i = 0; i < c; ++i) {
     BatchRef g = dev_batch(be, keep, DType::kF32, 1, n, m, 20 + i, 1e-3f);
     BatchRef b = dev_batch(be, keep, DType::kF32, 1, n, m, 40 + i, 1e-3f);
     BatchRef w = dev_batch(be, keep, DType::kF32, 1, n, m, 60 + i, 0.02f);
-    slots.push_back({g.matrix(0), b.matrix(0), w.matrix(0)});
+    slots.push_back({g.matrix(0), b.matrix(0), w.matrix(0), nullptr, dcoef + i});
   }
   Buffer nb = be.alloc(sizeof(double) * c), sb = be.alloc(sizeof(int32_t) * c);
   BatchRef xb = dev_batch(be, keep, DType::kBF16, c, m, n, 99, 1.0f);
   const double bytes = double(c) * m * n;
-  const double t1 = graph_ms(be, 10, [&] { be.muon_momentum_norm(slots, 0.95f, true, nb.as<double>(), sb.as<int32_t>()); });
+  const double t1 = graph_ms(be, 10, [&] { be.muon_momentum_norm(slots, mu, true, nb.as<double>(), sb.as<int32_t>()); });
   const double t2 = graph_ms(be, 10, [&] {
-    be.muon_momentum_apply(slots, 0.95f, true, sb.as<int32_t>(), {nb.as<double>(), 1.0, 1e-7, 1.0}, true, xb);
+    be.muon_momentum_apply(slots, mu, true, sb.as<int32_t>(), {nb.as<double>(), 1.0, 1e-7, 1.0}, true, xb);
   });
-  const double t3 = graph_ms(be, 10, [&] { be.muon_update(slots, coef, sb.as<int32_t>(), xb, true); });
+  const double t3 = graph_ms(be, 10, [&] { be.muon_update(slots, sb.as<int32_t>(), xb, true); });
   j["muon_norm_ms"] = t1;
   j["muon_apply_t_ms"] = t2;
   j["muon_update_t_ms"] = t3;
@@ -268,17 +276,30 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
         }
   }
   be.synchronize();
+  // The engine's own graphs (EngineOptions::graphs, DISTMUON_GRAPHS) replay from its second
+  // step on: "eager" is a step() as a user calls it. Its host time: the wall clock around
+  // step() calls, which queue work without waiting for it (until the launch queue fills).
   const double eager = time_ms(be, o.steps, [&] { engine.step(data); });
   be.synchronize();
+  const auto h0 = std::chrono::steady_clock::now();
+  for (int k = 0; k < 5; ++k) engine.step(data);
+  const double host_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - h0).count() / 5;
+  be.synchronize();
+  const EngineStats st = engine.stats();
   cuda::GraphExec exec = cuda::capture_graph(be.stream(), [&] { engine.step(data); });
   const double replay =
       time_ms(be, o.steps, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream())); });
   const double floor_ms = floor_flops / (tflops * 1e12) * 1e3 + floor_bytes / (tbps * 1e12) * 1e3;
-  std::fprintf(stderr, "[bench] %s: eager %.2f ms, graph %.2f ms, floor %.2f ms (%.1f GFLOP, %.2f GB)\n",
-               spec.c_str(), eager, replay, floor_ms, floor_flops / 1e9, floor_bytes / 1e9);
+  std::fprintf(stderr,
+               "[bench] %s: step() %.2f ms (host %.2f ms, engine graph replays %lld), caller graph "
+               "%.2f ms, floor %.2f ms (%.1f GFLOP, %.2f GB)\n",
+               spec.c_str(), eager, host_ms, static_cast<long long>(st.graph_replays), replay,
+               floor_ms, floor_flops / 1e9, floor_bytes / 1e9);
   return {{"name", name + (layers ? "-" + std::to_string(layers) + "-layers" : "")},
           {"muon_params", w.muon_params()}, {"matrices", w.muon_matrices()},
           {"distmuon_eager_ms", eager}, {"distmuon_graph_ms", replay}, {"floor_ms", floor_ms},
+          {"distmuon_host_ms", host_ms}, {"engine_graph_replays", st.graph_replays},
           {"floor_flops", floor_flops}, {"floor_bytes", floor_bytes},
           // The same floor with the FLOPs of the algorithms the engine ran.
           {"floor_tuned_ms", tuned_total_flops / (tflops * 1e12) * 1e3 + floor_bytes / (tbps * 1e12) * 1e3},

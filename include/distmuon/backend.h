@@ -61,6 +61,12 @@ struct ScaleSpec {
   double alpha = 1.0;
 };
 
+// Per-matrix scalars of the final Muon update W <- W * decay - step * O.
+struct MuonUpdateCoef {
+  float decay = 1.0f;  // 1 - lr * weight_decay
+  float step = 0.0f;   // lr * shape scale
+};
+
 // One Muon matrix as the fused elementwise kernels see it. `grad` and `weight` may have any
 // float dtype; `momentum` is fp32 (or bf16 by option). All three have the same shape.
 struct MuonSlot {
@@ -70,12 +76,16 @@ struct MuonSlot {
   // Optional (backend memory, one int64): how often pass 2 skipped this matrix, kept beside its
   // momentum, so that a skipped step does not count as one taken.
   int64_t* skips = nullptr;
+  // Pass 3's coefficients (backend memory, one MuonUpdateCoef), read on the device so that a
+  // captured step replays with the values uploaded for the step it runs in. Only muon_update
+  // reads it.
+  const MuonUpdateCoef* coef = nullptr;
 };
 
-// Per-matrix scalars of the final Muon update W <- W * decay - step * O.
-struct MuonUpdateCoef {
-  float decay = 1.0f;  // 1 - lr * weight_decay
-  float step = 0.0f;   // lr * shape scale
+// Hyperparameters of one AdamW step; per tensor so that parameter groups can differ.
+struct AdamCoef {
+  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
+  int64_t step = 1;  // 1-based step count for bias correction of slots without a step counter
 };
 
 // One AdamW tensor (flat, `numel` elements). `param`/`grad` any float dtype, exp_avg and
@@ -92,12 +102,17 @@ struct AdamSlot {
   // set, adamw_update reads it on the device, so a captured CUDA graph replays with the right
   // bias correction; see adamw_update.
   int64_t* step = nullptr;
+  // The step's hyperparameters (backend memory, one AdamCoef; required by adamw_update), read
+  // on the device like `step`.
+  const AdamCoef* coef = nullptr;
 };
 
-// Hyperparameters of one AdamW step; per tensor so that parameter groups can differ.
-struct AdamCoef {
-  float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
-  int64_t step = 1;  // 1-based step count for bias correction of slots without a step counter
+// A recorded sequence of backend operations (Backend::capture) that runs again, on the same
+// buffers, each time replay() is called. It reads every buffer, scalars included, at replay.
+class BackendGraph {
+ public:
+  virtual ~BackendGraph() = default;
+  virtual void replay() = 0;  // issued on the backend's current stream
 };
 
 // Status values written by the checking kernels (int32 per matrix/tensor, device memory).
@@ -177,11 +192,27 @@ class Backend {
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
   virtual void fill_zero(void* dst, size_t bytes) = 0;
+  // A few kilobytes from host memory to backend memory, in stream order, without a host
+  // synchronisation: the host bytes may be reused once the call returns, and inside a capture
+  // the copy is recorded with the bytes of this call (CUDA: they travel as kernel parameters).
+  // This is how a step's hyperparameters reach the device. Default: copy_from_host.
+  virtual void upload_small(void* dst, const void* host_src, size_t bytes);
   // Waits until every operation issued so far has completed.
   virtual void synchronize() = 0;
   // The device stream operations are issued on (CUDA: the cudaStream_t, nullptr being the
   // legacy default stream); nullptr where there is none (CPU).
   virtual void* native_stream() const { return nullptr; }
+
+  // ---- graphs --------------------------------------------------------------------------------
+  // Records what `issue` issues into a graph instead of running it, or returns null (and runs
+  // nothing) where this backend cannot: the default, or a capture that failed (an operation
+  // that cannot be captured, such as an allocation or a host read; the error is logged and
+  // cleared). The operations must not depend on host values that change between replays:
+  // per-step scalars go through upload_small before the replay, outside the graph.
+  virtual std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue);
+  // Whether the current stream is being captured by someone else (a caller's CUDA graph): then
+  // the engine issues into that capture rather than capturing or replaying its own graph.
+  virtual bool capturing() const { return false; }
 
   // ---- matrix products ----------------------------------------------------------------------
   // C = alpha * op(A) op(B) + beta * Cin, batched. Cin may alias C or be null (beta ignored).
@@ -207,32 +238,35 @@ class Backend {
                           const BatchRef& dst) = 0;
 
   // ---- fused Muon elementwise passes ---------------------------------------------------------
+  // `mu` is one float in backend memory (read on the device: a momentum schedule does not
+  // change what a captured step issues).
   // Pass 1 (reads only): with B' = mu * B + G, U = G + mu * B' (nesterov) or B', and V its
   // scaled float form (src/backend/muon_ref.h), writes norms[i] = ||V_i||_F and status[i] =
   // kStatusNonFinite if G_i has NaN/Inf or B'_i overflows B's dtype. Every finite gradient
   // whose momentum fits has a finite norm.
-  virtual void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
+  virtual void muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
                                   double* norms, int32_t* status) = 0;
   // Pass 2: for slots whose status is ok, B <- B' and x_i = factor_i * V_i (transposed when
   // `transpose`; the product in double, rounded once to x's dtype), with factor_i from `scale`
   // (normally the norms of pass 1, with eps * muon_ref::kMuonInputScale). Skipped slots keep B,
   // get x_i = 0 and count one skip in their `skips` counter.
-  virtual void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+  virtual void muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
                                    const int32_t* status, const ScaleSpec& scale, bool transpose,
                                    const BatchRef& x) = 0;
-  // Pass 3: for slots whose status is ok, W <- decay * W - step * O_i (O_i^T when transpose).
-  virtual void muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                           const int32_t* status, const BatchRef& o, bool transpose) = 0;
+  // Pass 3: for slots whose status is ok, W <- decay * W - step * O_i (O_i^T when transpose),
+  // with each slot's `coef`.
+  virtual void muon_update(std::span<const MuonSlot> slots, const int32_t* status,
+                           const BatchRef& o, bool transpose) = 0;
 
   // ---- AdamW for the non-matrix parameters ---------------------------------------------------
   // status[i] = kStatusNonFinite if grad i has NaN/Inf.
   virtual void adamw_check(std::span<const AdamSlot> slots, int32_t* status) = 0;
   // Decoupled weight decay + bias-corrected Adam for slots whose status is ok (status may be
-  // null: all ok). A slot with a step counter uses t = *step + 1 for the bias correction and
-  // stores t back (only when it is updated: a skipped step does not count); a slot without one
-  // uses coef.step. Bias terms: 1 - beta^t in double, then fp32 (src/backend/adam_ref.h).
-  virtual void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                            const int32_t* status) = 0;
+  // null: all ok), with each slot's `coef`. A slot with a step counter uses t = *step + 1 for
+  // the bias correction and stores t back (only when it is updated: a skipped step does not
+  // count); a slot without one uses coef.step (taken as 1 when below: the device cannot refuse
+  // it without a host read). Bias terms: 1 - beta^t in double, then fp32 (src/backend/adam_ref.h).
+  virtual void adamw_update(std::span<const AdamSlot> slots, const int32_t* status) = 0;
 
   // counter[0] += number of non-zero entries of status[0..n) (device memory, int64 counter), so
   // that skip counts accumulate without a host synchronisation.

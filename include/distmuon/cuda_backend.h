@@ -98,16 +98,19 @@ class CudaBackend final : public Backend {
   void frob_norm(const BatchRef& a, double* norms) override;
   void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                   const BatchRef& dst) override;
-  void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
-                          int32_t* status) override;
-  void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+  void muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
+                          double* norms, int32_t* status) override;
+  void muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
                            const int32_t* status, const ScaleSpec& scale, bool transpose,
                            const BatchRef& x) override;
-  void muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                   const int32_t* status, const BatchRef& o, bool transpose) override;
+  void muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
+                   bool transpose) override;
   void adamw_check(std::span<const AdamSlot> slots, int32_t* status) override;
-  void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                    const int32_t* status) override;
+  void adamw_update(std::span<const AdamSlot> slots, const int32_t* status) override;
+  void upload_small(void* dst, const void* host_src, size_t bytes) override;
+  // CUDA graphs, captured on a private stream (thread-local mode) and replayed on the current.
+  std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue) override;
+  bool capturing() const override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
   // Masked and CacheMuon operations without host synchronisation (launch/cuda_masked.cc says how
   // a masked product skips the work of unselected matrices).

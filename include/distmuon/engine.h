@@ -49,6 +49,14 @@ struct EngineOptions {
   // restart sets containing 2 (the published choice) are taken (bench/NOTES.md explains why).
   // DISTMUON_AUTOTUNE_RESTART_FREE=1 overrides.
   bool allow_restart_free = false;
+  // Whole-step graphs (single process, on backends that capture: CUDA): the second step in a row
+  // that touches the same buffers with the same algorithms is captured, and later ones replay it
+  // while that holds, so that a step costs one launch of host time. Hyperparameters (lr, weight
+  // decay, momentum, AdamW's) are uploaded to the device before each replay, so a scheduler does
+  // not invalidate the graph. Steps that need the host mid-step issue eagerly: the raise policy,
+  // CacheMuon, distributed engines, and a step inside the caller's own capture (which records it
+  // there instead). DISTMUON_GRAPHS=0|1 overrides.
+  bool graphs = true;
 };
 
 // Distributed modes (docs/design.md, "One step, distributed"); what each expects in ParamData.
@@ -157,6 +165,8 @@ struct EngineStats {
   int64_t owned_matrices = 0;   // Muon matrices this rank orthogonalizes per step (all of them
                                 // in a single process and in gather mode)
   CommStats comm;               // bytes moved by this rank during step(), all communicators
+  int64_t graph_captures = 0;   // steps captured into a graph (EngineOptions::graphs)
+  int64_t graph_replays = 0;    // steps that replayed it (the captured step not counted)
 };
 
 // The owners Engine::setup() plans for these Muon matrices on a world of topo.world_size ranks

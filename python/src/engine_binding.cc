@@ -39,9 +39,12 @@ int64_t numel(const std::vector<int64_t>& s) {
 // Owns the backend and the engine (the engine is destroyed first).
 class PyEngine {
  public:
-  PyEngine(const std::string& device, NonFinitePolicy nonfinite)
-      : backend_(make_backend(device)),
-        engine_(std::make_unique<Engine>(*backend_, EngineOptions{nonfinite})) {}
+  PyEngine(const std::string& device, NonFinitePolicy nonfinite, bool graphs)
+      : backend_(make_backend(device)) {
+    EngineOptions o{nonfinite};
+    o.graphs = graphs;
+    engine_ = std::make_unique<Engine>(*backend_, o);
+  }
   // Distributed: `comm` is kept alive by the Python object (keep_alive in the binding).
   PyEngine(const std::string& device, NonFinitePolicy nonfinite, PyComm& comm,
            const DistOptions& dist, uintptr_t stream)
@@ -158,6 +161,8 @@ class PyEngine {
     d["muon_params"] = s.muon_params;
     d["adamw_params"] = s.adamw_params;
     d["owned_matrices"] = s.owned_matrices;
+    d["graph_captures"] = s.graph_captures;
+    d["graph_replays"] = s.graph_replays;
     d["comm_bytes_sent"] = s.comm.bytes_sent;
     d["comm_bytes_received"] = s.comm.bytes_received;
     d["comm_ops"] = s.comm.ops;
@@ -274,8 +279,9 @@ void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine",
                        "The C++ optimizer engine on one backend ('cpu' or 'cuda'). Register "
                        "groups and parameters, then call step() with DLPack arrays.")
-      .def(nb::init<const std::string&, NonFinitePolicy>(), nb::arg("device") = "cpu",
-           nb::arg("nonfinite") = NonFinitePolicy::kSkip)
+      .def(nb::init<const std::string&, NonFinitePolicy, bool>(), nb::arg("device") = "cpu",
+           nb::arg("nonfinite") = NonFinitePolicy::kSkip, nb::arg("graphs") = true,
+           "A single-process engine; `graphs`: EngineOptions::graphs (whole-step CUDA graphs).")
       .def(nb::init<const std::string&, NonFinitePolicy, PyComm&, const DistOptions&, uintptr_t>(),
            nb::arg("device"), nb::arg("nonfinite"), nb::arg("comm"), nb::arg("dist"),
            nb::arg("stream") = 0, nb::keep_alive<1, 4>(),

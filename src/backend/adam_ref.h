@@ -27,4 +27,10 @@ DM_ADAM_HD inline Bias bias(float lr, float beta1, float beta2, int64_t t) {
   return Bias{lr / bc1, std::sqrt(bc2)};
 }
 
+// The decoupled decay factor 1 - lr * wd: the product of two floats is exact in double, so
+// host and device round it alike whether or not the compiler fuses a multiply-add.
+DM_ADAM_HD inline float decay(float lr, float weight_decay) {
+  return static_cast<float>(1.0 - static_cast<double>(lr) * static_cast<double>(weight_decay));
+}
+
 }  // namespace distmuon::adam_ref

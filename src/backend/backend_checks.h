@@ -5,6 +5,7 @@
 #include <span>
 
 #include "distmuon/backend.h"
+#include "distmuon/error.h"
 
 namespace distmuon {
 
@@ -18,6 +19,12 @@ GemmDims check_gemm(const char* what, Op op_a, const BatchRef& a, Op op_b, const
 // Validates that x can hold the slots' matrices (transposed when `transpose`).
 void check_slots(const char* what, std::span<const MuonSlot> slots, const BatchRef& x,
                  bool transpose);
+// Every slot names its coefficients (MuonSlot::coef / AdamSlot::coef).
+template <typename Slot>
+void check_coefs(const char* what, std::span<const Slot> slots) {
+  for (size_t i = 0; i < slots.size(); ++i)
+    DM_CHECK(slots[i].coef != nullptr, what, ": slot ", i, " has no coefficients");
+}
 void check_same_shape(const char* what, const BatchRef& a, const BatchRef& b);
 
 }  // namespace distmuon

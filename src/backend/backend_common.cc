@@ -69,6 +69,12 @@ double relative_error(Backend& be, const BatchRef& a, const BatchRef& b) {
 
 void Backend::tune_kernels(int64_t, int64_t, int64_t) {}
 
+void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {
+  copy_from_host(dst, host_src, bytes);
+}
+
+std::unique_ptr<BackendGraph> Backend::capture(const std::function<void()>&) { return nullptr; }
+
 void Backend::load_kernel_choices_json(const std::string& json) {
   DM_CHECK(json == "[]" || json.empty(), "backend '", name(),
            "' has no kernel variants, yet kernel choices were given: ", json.substr(0, 80));

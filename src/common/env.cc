@@ -31,7 +31,9 @@ const std::vector<Knob>& knobs() {
        "costs of the engine's start-up plan when DistOptions::plan_costs is empty: auto "
        "(measured where the store holds the shapes, analytic elsewhere) | analytic | <cost file>; "
        "read on rank 0 only"},
-      {"DISTMUON_DEBUG_SYNC", "0", "synchronise and check errors after every backend operation"},
+      {"DISTMUON_GRAPHS", "",
+       "0 | 1: capture the single-process step into a graph and replay it while its buffers stay "
+       "the same (CUDA; unset: EngineOptions::graphs, on by default)"},
       {"DISTMUON_AUTOTUNE", "",
        "off | cached | on: how `auto` picks per-shape algorithms on CUDA (unset: EngineOptions)"},
       {"DISTMUON_AUTOTUNE_RESTART_FREE", "",

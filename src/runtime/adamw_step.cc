@@ -47,12 +47,12 @@ void Engine::Impl::adam_check(StepContext& ctx) {
     if (!ctx.active[i] || p.local_numel == 0) {
       // An empty shard of a stepping tensor still counts the step, as its other shards do.
       void* z = adam_dummy.data();
-      adam_slots.push_back(
-          {z, z, z, z, DType::kF32, DType::kF32, 0, ctx.active[i] ? step_count(i) : nullptr});
+      adam_slots.push_back({z, z, z, z, DType::kF32, DType::kF32, 0,
+                            ctx.active[i] ? step_count(i) : nullptr, scalars.adam(k)});
       continue;
     }
     AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
-               p.spec.dtype, d.grad_dtype, p.local_numel,   step_count(i)};
+               p.spec.dtype, d.grad_dtype, p.local_numel,   step_count(i), scalars.adam(k)};
     if (reduces_adam_gradients()) {
       s.grad = adam_stage.as<char>() + adam_offset[k];
       s.grad_dtype = p.spec.dtype;
@@ -75,13 +75,8 @@ void Engine::Impl::adam_check(StepContext& ctx) {
 
 void Engine::Impl::adam_update() {
   if (adam_params.empty()) return;
-  std::vector<AdamCoef> coefs;
-  for (int i : adam_params) {
-    const AdamWOptions& a = groups[params[i].spec.group].adamw;
-    coefs.push_back({a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, params[i].step + 1});
-  }
   int32_t* status = adam_status();
-  backend.adamw_update(adam_slots, coefs, status);
+  backend.adamw_update(adam_slots, status);
   backend.count_status(status, static_cast<int64_t>(adam_params.size()),
                        skip_counter.as<int64_t>());
 }

@@ -35,6 +35,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
   DM_CHECK(ps.size() == data.size(), "prepare() got ", ps.size(), " parameters and ", data.size(),
            " data entries");
   if (prepared.is_prepared.empty()) prepared.is_prepared.assign(mats.size(), 0);
+  upload_scalars();  // the momentum passes below read mu from it
 
   // The owned matrices among `ps`, in step()'s batching order.
   std::vector<std::pair<int, const ParamData*>> sel;
@@ -115,6 +116,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
 
     const MuonBatch batch{backend,
                           groups[m0.group].muon,
+                          scalars.mu(m0.group),
                           r,
                           count,
                           pb.tall_begin,
@@ -139,24 +141,23 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
     const DistMatrix& m0 = mats[pb.mats[0]];
     const int count = static_cast<int>(pb.mats.size());
     std::vector<MuonSlot> slots;
-    std::vector<MuonUpdateCoef> coefs;
     for (int j : pb.mats) {
       const DistMatrix& m = mats[j];
       const void* w = ctx.data[m.param].param;
       DM_CHECK(w != nullptr, "step(): prepared matrix '", matrix_name(j), "' has no weights");
       MatRef ref = MatRef::of(at(w, full_offset(m), m.wire), m.wire, m.rows, m.cols);
-      slots.push_back({ref, ref, ref});  // the update reads only the weight
-      coefs.push_back(ctx.coef[j]);
+      slots.push_back({ref, ref, ref, nullptr, ctx.coef + j});  // the update reads only W
     }
     const MuonBatch batch{backend,
                           groups[m0.group].muon,
+                          scalars.mu(m0.group),
                           {},
                           count,
                           pb.tall_begin,
                           slots,
                           nullptr,
                           prepared.status.as<int32_t>() + pb.slot};
-    batch.update(coefs, BatchRef::packed(prepared.x.as<char>() + pb.x_offset, pb.x_dtype, count,
+    batch.update(BatchRef::packed(prepared.x.as<char>() + pb.x_offset, pb.x_dtype, count,
                                          m0.m(), m0.n()));
   }
   prepared.reset();

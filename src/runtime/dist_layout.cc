@@ -132,6 +132,7 @@ void Engine::Impl::allocate_state() {
     }
   }
   allocate_step_status(backend);
+  allocate_scalars();
   allocate_step_counts();
 }
 

@@ -121,9 +121,8 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
       while (run.tall_begin < run.end && !mats[b.act[run.tall_begin]].tall()) ++run.tall_begin;
     }
   }
-  ctx.coef.resize(mats.size());
-  for (size_t j = 0; j < mats.size(); ++j)
-    ctx.coef[j] = muon_update_coef(groups[mats[j].group].muon, mats[j].rows, mats[j].cols);
+  upload_scalars();
+  ctx.coef = scalars.coef();
 }
 
 // Raise policy: every rank sees every status before anything changes, so all raise together.

@@ -42,6 +42,7 @@ const char* dist_mode_name(DistMode m) {
 }
 
 Engine::Impl::Impl(Backend& be, EngineOptions opt) : backend(be), options(opt), ortho(be) {
+  graph_mode = graphs_enabled();
   skip_counter = backend.alloc(sizeof(int64_t));
   backend.fill_zero(skip_counter.data(), sizeof(int64_t));
 }

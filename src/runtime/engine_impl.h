@@ -110,9 +110,32 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   // Uploads Param::step of every parameter and zeroes the Muon skip counters.
   void allocate_step_counts();
   int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
+  // The step's hyperparameters in backend memory (step_scalars.cc): sized once the classes or
+  // the distributed matrices are known, uploaded from the groups' options before every step
+  // (and every dedicated prepare()).
+  void allocate_scalars();
+  void upload_scalars();
   void ensure_class_buffers(ShapeClass& c);
+  // The single-process step: local_step drives it (the hyperparameters' upload, then the
+  // step's graph or an eager issue, step_graph.cc); issue_local_step issues the device work
+  // (local_step.cc); count_local_step does its host bookkeeping, which a replay repeats.
   void local_step(std::span<const ParamData> data);
+  void issue_local_step(std::span<const ParamData> data);
+  void count_local_step(std::span<const ParamData> data);
   void check_inputs(std::span<const ParamData> data) const;
+
+  // Whole-step graphs (step_graph.cc, EngineOptions::graphs).
+  struct StepGraph {
+    std::vector<uint64_t> key;           // of the last step issued eagerly or captured
+    std::unique_ptr<BackendGraph> exec;  // captured under `key`
+    OrthoStats ortho;                    // what the captured step added to stats.ortho
+    int failures = 0;                    // captures that failed
+  };
+  static constexpr int kMaxCaptureFailures = 3;
+  bool graph_mode = false;  // EngineOptions::graphs or DISTMUON_GRAPHS, read once
+  StepGraph graph;
+  bool graphs_enabled() const;
+  std::vector<uint64_t> step_key(std::span<const ParamData> data);
 
   // Per-shape algorithms of `auto` (engine_tune.cc). resolve_shape is the one place the runtime
   // resolves a group's config for a wide m x n shape: the tuned choice when tune_shapes found

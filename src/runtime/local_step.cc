@@ -58,6 +58,7 @@ void Engine::Impl::build_classes() {
     }
   n_status = muon_matrices + static_cast<int64_t>(adam_params.size());
   allocate_step_status(backend);
+  allocate_scalars();
   allocate_step_counts();
   std::vector<TuneShape> shapes;
   for (const ShapeClass& c : classes)
@@ -87,7 +88,7 @@ void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
   }
 }
 
-void Engine::Impl::local_step(std::span<const ParamData> data) {
+void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   StepContext ctx;
   ctx.data.assign(data.begin(), data.end());
   ctx.raise = options.nonfinite == NonFinitePolicy::kRaise;
@@ -100,7 +101,6 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
   // with consecutive status entries from the class's first one.
   struct ClassStep {
     std::vector<MuonSlot> slots;
-    std::vector<MuonUpdateCoef> coefs;
     std::vector<int64_t> entries;  // the members' cache entries
     int64_t tall_begin = 0;
   };
@@ -125,13 +125,14 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       cs.slots.push_back(
           {MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, rows, cols),
            MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, rows, cols),
-           MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols), skips_of(p, slice)});
-      cs.coefs.push_back(muon_update_coef(groups[c.group].muon, rows, cols));
+           MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols), skips_of(p, slice),
+           scalars.coef(p.first_matrix + slice)});
       cs.entries.push_back(static_cast<int64_t>(k));
       if (static_cast<int64_t>(k) < c.wide_members) cs.tall_begin += 1;
     }
     const int64_t count = static_cast<int64_t>(cs.slots.size());
-    batches.push_back({backend, groups[c.group].muon, c.resolved, count, cs.tall_begin, cs.slots,
+    batches.push_back({backend, groups[c.group].muon, scalars.mu(c.group), c.resolved, count,
+                       cs.tall_begin, cs.slots,
                        step_norms.as<double>() + status_offset,
                        step_status.as<int32_t>() + status_offset});
     status_offset += static_cast<int64_t>(c.members.size());
@@ -153,9 +154,12 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     batch.orthogonalize_momentum(
         x, batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes),
         skip_counter.as<int64_t>());
-    batch.update(steps[ci].coefs, x);
+    batch.update(x);
   }
   adam_update();
+}
+
+void Engine::Impl::count_local_step(std::span<const ParamData> data) {
   for (size_t i = 0; i < params.size(); ++i)
     if (data[i].grad) params[i].step += 1;
   stats.steps += 1;

@@ -25,6 +25,7 @@ MuonBatch ModeRunner::run_batch(const Bucket& b, const Bucket::Run& run,
   const int64_t first = b.status_offset + run.begin;
   return {backend_,
           registry_.groups[m0.group].muon,
+          record_.scalars.mu(m0.group),
           resources_.resolve_shape(m0.group, m0.m(), m0.n()),
           run.end - run.begin,
           run.tall_begin - run.begin,
@@ -75,11 +76,11 @@ BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run
 
 void ModeRunner::owner_update(const Bucket& b, const Bucket::Run& run,
                               std::span<const MuonSlot> slots, const StepContext& ctx) {
-  const MuonBatch batch = run_batch(b, run, slots);
+  std::vector<MuonSlot> with_coef(slots.begin(), slots.end());
+  for (int k = run.begin; k < run.end; ++k) with_coef[k - run.begin].coef = ctx.coef + b.act[k];
+  const MuonBatch batch = run_batch(b, run, with_coef);
   const BatchRef x = owner_orthogonalize(b, run, batch);
-  std::vector<MuonUpdateCoef> coefs;
-  for (int k = run.begin; k < run.end; ++k) coefs.push_back(ctx.coef[b.act[k]]);
-  batch.update(coefs, x);
+  batch.update(x);
 }
 
 void ModeRunner::owner_orthogonalized(const Bucket& b, const Bucket::Run& run,

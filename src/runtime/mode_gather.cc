@@ -98,6 +98,7 @@ class GatherRunner final : public ModeRunner {
       // Rows of matrices of any shape: only pass 1 runs on this batch (no orthogonalization).
       const MuonBatch rows{backend_,
                            registry_.groups[m0.group].muon,
+                           record_.scalars.mu(m0.group),
                            OrthoConfig{},
                            count,
                            count,
@@ -125,7 +126,7 @@ class GatherRunner final : public ModeRunner {
       MuonSlot slot = local_slot(m, ctx);
       const MuonOptions& opt = registry_.groups[m.group].muon;
       backend_.muon_momentum_apply(
-          {&slot, 1}, opt.momentum, opt.nesterov, status_at(bk, static_cast<int>(k)), ScaleSpec{},
+          {&slot, 1}, record_.scalars.mu(m.group), opt.nesterov, status_at(bk, static_cast<int>(k)), ScaleSpec{},
           false, BatchRef::packed(at(s.send.data(), cur, w), w, 1, slot.grad.rows, m.cols));
       cur += piece(m, dist_.my_s);
     }
@@ -204,8 +205,8 @@ class GatherRunner final : public ModeRunner {
                                          rows * xk.ld};
         MuonSlot slot = local_slot(m, ctx);
         slot.grad = slot.momentum = slot.weight;
-        MuonUpdateCoef coef = ctx.coef[bk.act[k]];
-        backend_.muon_update({&slot, 1}, {&coef, 1}, status_at(bk, k), o, m.tall());
+        slot.coef = ctx.coef + bk.act[k];
+        backend_.muon_update({&slot, 1}, status_at(bk, k), o, m.tall());
       }
       batch.count_skips(record_.skip_counter.as<int64_t>());
     }

@@ -238,10 +238,9 @@ class ShardedRunner final : public ModeRunner {
         const int64_t rows = m.hi[me] - m.lo[me];
         MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.wire),
                                  m.wire, rows, m.cols);
-        MuonSlot slot{wref, wref, wref};
-        MuonUpdateCoef coef = ctx.coef[bk.act[k]];
+        MuonSlot slot{wref, wref, wref, nullptr, ctx.coef + bk.act[k]};
         backend_.muon_update(
-            {&slot, 1}, {&coef, 1}, status_at(bk, static_cast<int>(k)),
+            {&slot, 1}, status_at(bk, static_cast<int>(k)),
             BatchRef::packed(at(s.recv_o.data(), cur, m.wire), m.wire, 1, rows, m.cols), false);
         cur += piece(m, me);
       }

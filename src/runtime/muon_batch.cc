@@ -5,7 +5,7 @@
 namespace distmuon {
 
 void MuonBatch::momentum_norm() const {
-  backend.muon_momentum_norm(slots, options.momentum, options.nesterov, norms, status);
+  backend.muon_momentum_norm(slots, mu, options.nesterov, norms, status);
 }
 
 void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
@@ -13,7 +13,7 @@ void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
   DM_CHECK(static_cast<int64_t>(slots.size()) == count, "internal: ", slots.size(),
            " slots for a batch of ", count);
   for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
-    backend.muon_momentum_apply(slots.subspan(k0, len), options.momentum, options.nesterov,
+    backend.muon_momentum_apply(slots.subspan(k0, len), mu, options.nesterov,
                                 status + k0, muon_input_scale(norms + k0, resolved), tall,
                                 x.slice(k0, len));
   });
@@ -42,10 +42,9 @@ void MuonBatch::count_skips(int64_t* skip_counter) const {
   backend.count_status(status, count, skip_counter);
 }
 
-void MuonBatch::update(std::span<const MuonUpdateCoef> coefs, const BatchRef& x) const {
+void MuonBatch::update(const BatchRef& x) const {
   for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
-    backend.muon_update(slots.subspan(k0, len), coefs.subspan(k0, len), status + k0,
-                        x.slice(k0, len), tall);
+    backend.muon_update(slots.subspan(k0, len), status + k0, x.slice(k0, len), tall);
   });
 }
 

@@ -48,6 +48,7 @@ inline MuonUpdateCoef muon_update_coef(const MuonOptions& opt, int64_t rows, int
 struct MuonBatch {
   Backend& backend;
   const MuonOptions& options;  // the group's
+  const float* mu = nullptr;   // its momentum in backend memory (StepScalars)
   OrthoConfig resolved;        // the algorithm resolved for m x n
   int64_t count = 0, tall_begin = 0;
   // Per matrix: gradient, momentum and weight. Empty when the momentum was applied elsewhere
@@ -73,9 +74,9 @@ struct MuonBatch {
   // The orthogonalization of x in place (runs of consecutive cache entries become one call).
   void orthogonalize(const BatchRef& x, const BatchOrtho& how) const;
   void count_skips(int64_t* skip_counter) const;
-  // Pass 3: the weights of `slots` <- decay * W - step * O, O read from x (the update's wide
-  // orientation); `coefs` per matrix.
-  void update(std::span<const MuonUpdateCoef> coefs, const BatchRef& x) const;
+  // Pass 3: the weights of `slots` <- decay * W - step * O with each slot's coefficients, O
+  // read from x (the update's wide orientation).
+  void update(const BatchRef& x) const;
 };
 
 }  // namespace distmuon

@@ -15,11 +15,37 @@ struct StepContext {
   std::vector<ParamData> data;       // a copy: deferred stages outlive the caller's array
   std::vector<char> active;          // per parameter: stepped on every rank in this step
   std::vector<char> has_local;       // per parameter: this rank passed a gradient
-  std::vector<MuonUpdateCoef> coef;  // distributed: per Muon matrix (index into Impl::mats)
+  // Distributed: pass 3's coefficients per Muon matrix (index into Impl::mats), backend memory.
+  const MuonUpdateCoef* coef = nullptr;
   bool raise = false;                // NonFinitePolicy::kRaise
 };
 
+// A step's hyperparameters in backend memory, where the fused passes read them (so that a
+// replayed step, or a scheduler's new learning rate, needs no new launch): the momentum of every
+// group, pass 3's coefficients of every Muon matrix and AdamW's of every AdamW parameter.
+// Filled on the host, then uploaded at once (Backend::upload_small) before anything reads them.
+struct StepScalars {
+  void allocate(Backend& backend, int64_t groups, int64_t matrices, int64_t adam_params);
+  float& host_mu(int group) { return reinterpret_cast<float*>(host.data() + mu_at)[group]; }
+  MuonUpdateCoef& host_coef(int64_t j) {
+    return reinterpret_cast<MuonUpdateCoef*>(host.data() + coef_at)[j];
+  }
+  AdamCoef& host_adam(int64_t k) { return reinterpret_cast<AdamCoef*>(host.data())[k]; }
+  void upload(Backend& backend) { backend.upload_small(device.data(), host.data(), host.size()); }
+  const float* mu(int group) const { return device.as<float>() + mu_at / sizeof(float) + group; }
+  const MuonUpdateCoef* coef(int64_t j = 0) const {
+    return reinterpret_cast<const MuonUpdateCoef*>(device.as<char>() + coef_at) + j;
+  }
+  const AdamCoef* adam(int64_t k) const { return device.as<AdamCoef>() + k; }
+
+ private:
+  Buffer device;
+  std::vector<char> host;  // the same layout: AdamW's, then the Muon coefficients, then mu
+  size_t coef_at = 0, mu_at = 0;
+};
+
 struct StepRecord {
+  StepScalars scalars;
   Buffer skip_counter;  // int64 on the device: matrices and tensors skipped, all steps
   // AdamW step counts on the device, one int64 per parameter (only AdamW entries are used):
   // adamw_update reads and advances them, so a replayed CUDA graph keeps counting. Until it is

@@ -35,22 +35,22 @@ class ForwardingBackend : public Backend {
   void scale_copy(const BatchRef& s, bool t, const ScaleSpec& sc, const BatchRef& d) override {
     cpu_.scale_copy(s, t, sc, d);
   }
-  void muon_momentum_norm(std::span<const MuonSlot> s, float mu, bool nes, double* n,
+  void muon_momentum_norm(std::span<const MuonSlot> s, const float* mu, bool nes, double* n,
                           int32_t* st) override {
     cpu_.muon_momentum_norm(s, mu, nes, n, st);
   }
-  void muon_momentum_apply(std::span<const MuonSlot> s, float mu, bool nes, const int32_t* st,
-                           const ScaleSpec& sc, bool t, const BatchRef& x) override {
+  void muon_momentum_apply(std::span<const MuonSlot> s, const float* mu, bool nes,
+                           const int32_t* st, const ScaleSpec& sc, bool t,
+                           const BatchRef& x) override {
     cpu_.muon_momentum_apply(s, mu, nes, st, sc, t, x);
   }
-  void muon_update(std::span<const MuonSlot> s, std::span<const MuonUpdateCoef> c,
-                   const int32_t* st, const BatchRef& o, bool t) override {
-    cpu_.muon_update(s, c, st, o, t);
+  void muon_update(std::span<const MuonSlot> s, const int32_t* st, const BatchRef& o,
+                   bool t) override {
+    cpu_.muon_update(s, st, o, t);
   }
   void adamw_check(std::span<const AdamSlot> s, int32_t* st) override { cpu_.adamw_check(s, st); }
-  void adamw_update(std::span<const AdamSlot> s, std::span<const AdamCoef> c,
-                    const int32_t* st) override {
-    cpu_.adamw_update(s, c, st);
+  void adamw_update(std::span<const AdamSlot> s, const int32_t* st) override {
+    cpu_.adamw_update(s, st);
   }
   void count_status(const int32_t* st, int64_t n, int64_t* c) override {
     cpu_.count_status(st, n, c);

@@ -136,12 +136,12 @@ TEST(CpuBackend, AdamwMatchesClosedForm) {
     g[i] = std::cos(0.37 * i);
   }
   std::vector<float> p0 = p;
-  AdamSlot s{p.data(), g.data(), m.data(), v.data(), DType::kF32, DType::kF32, n};
   AdamCoef k{0.01f, 0.9f, 0.95f, 1e-8f, 0.1f, 1};
+  AdamSlot s{p.data(), g.data(), m.data(), v.data(), DType::kF32, DType::kF32, n, nullptr, &k};
   int32_t status = -1;
   be.adamw_check({&s, 1}, &status);
   EXPECT_EQ(status, kStatusOk);
-  be.adamw_update({&s, 1}, {&k, 1}, &status);
+  be.adamw_update({&s, 1}, &status);
   for (int64_t i = 0; i < n; ++i) {
     // Step 1: bias-corrected m and v are g and g^2, so the step is lr * g / (|g| + eps).
     double want = p0[i] * (1 - 0.01 * 0.1) - 0.01 * g[i] / (std::abs(g[i]) + 1e-8);

@@ -226,15 +226,22 @@ TEST(CudaBackend, AdamWMatchesCpuAndCountsSkips) {
                   host[4 * t + 3].data(), DType::kF32, DType::kF32, sizes[t]});
     coef.push_back({1e-3f, 0.9f, 0.999f, 1e-8f, 0.1f, 3});
   }
+  // The coefficients where each backend reads them: device memory, host memory.
+  Buffer dcoef = be.alloc(sizeof(AdamCoef) * coef.size());
+  be.upload_small(dcoef.data(), coef.data(), sizeof(AdamCoef) * coef.size());
+  for (size_t t = 0; t < sizes.size(); ++t) {
+    gs[t].coef = dcoef.as<AdamCoef>() + t;
+    cs[t].coef = &coef[t];
+  }
   Buffer st = be.alloc(sizeof(int32_t) * sizes.size());
   Buffer counter = be.alloc(sizeof(int64_t));
   be.fill_zero(counter.data(), sizeof(int64_t));
   be.adamw_check(gs, st.as<int32_t>());
-  be.adamw_update(gs, coef, st.as<int32_t>());
+  be.adamw_update(gs, st.as<int32_t>());
   be.count_status(st.as<int32_t>(), static_cast<int64_t>(sizes.size()), counter.as<int64_t>());
   std::vector<int32_t> st_cpu(sizes.size());
   cpu.adamw_check(cs, st_cpu.data());
-  cpu.adamw_update(cs, coef, st_cpu.data());
+  cpu.adamw_update(cs, st_cpu.data());
   int64_t skips = 0;
   be.copy_to_host(&skips, counter.data(), sizeof(int64_t));
   EXPECT_EQ(skips, 1);

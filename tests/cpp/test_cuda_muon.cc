@@ -6,6 +6,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_handles.h"
@@ -61,11 +62,20 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
                   skips.as<int64_t>() + i});
     cs.push_back({hg[i].ref.matrix(0), hb[i].ref.matrix(0), hw[i].ref.matrix(0), &cskips[i]});
   }
+  // mu and pass 3's coefficients where each backend reads them: device memory, host memory.
+  const float mu = 0.95f;
+  Buffer dmu = be.alloc(sizeof(float)), dcoef = be.alloc(sizeof(MuonUpdateCoef) * count);
+  be.upload_small(dmu.data(), &mu, sizeof(float));
+  be.upload_small(dcoef.data(), coef.data(), sizeof(MuonUpdateCoef) * count);
+  for (int64_t i = 0; i < count; ++i) {
+    gs[i].coef = dcoef.as<MuonUpdateCoef>() + i;
+    cs[i].coef = &coef[i];
+  }
   Buffer norms = be.alloc(sizeof(double) * count), status = be.alloc(sizeof(int32_t) * count);
   std::vector<double> cn(count);
   std::vector<int32_t> cst(count);
-  be.muon_momentum_norm(gs, 0.95f, true, norms.as<double>(), status.as<int32_t>());
-  cpu.muon_momentum_norm(cs, 0.95f, true, cn.data(), cst.data());
+  be.muon_momentum_norm(gs, dmu.as<float>(), true, norms.as<double>(), status.as<int32_t>());
+  cpu.muon_momentum_norm(cs, &mu, true, cn.data(), cst.data());
   std::vector<double> gn(count);
   std::vector<int32_t> gst(count);
   be.copy_to_host(gn.data(), norms.data(), sizeof(double) * count);
@@ -77,9 +87,9 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
   HostBatch x(DType::kBF16, count, m, n), xc(DType::kBF16, count, m, n);
   x.poison();
   DeviceBatch dx(be, x);
-  be.muon_momentum_apply(gs, 0.95f, true, status.as<int32_t>(),
+  be.muon_momentum_apply(gs, dmu.as<float>(), true, status.as<int32_t>(),
                          {norms.as<double>(), 1.0, 1e-7, 1.0}, tall, dx.ref);
-  cpu.muon_momentum_apply(cs, 0.95f, true, cst.data(), {cn.data(), 1.0, 1e-7, 1.0}, tall, xc.ref);
+  cpu.muon_momentum_apply(cs, &mu, true, cst.data(), {cn.data(), 1.0, 1e-7, 1.0}, tall, xc.ref);
   dx.download(be, x);
   for (int64_t i = 0; i < count; ++i) {
     Mat got = x.get(i);
@@ -91,8 +101,8 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
     EXPECT_LT(rel_err(bb.get(0), hb[i].get(0)), 1e-6) << "momentum of matrix " << i;
   }
   // Pass 3 reads the (bf16) X as O.
-  be.muon_update(gs, coef, status.as<int32_t>(), dx.ref, tall);
-  cpu.muon_update(cs, coef, cst.data(), xc.ref, tall);
+  be.muon_update(gs, status.as<int32_t>(), dx.ref, tall);
+  cpu.muon_update(cs, cst.data(), xc.ref, tall);
   for (int64_t i = 0; i < count; ++i) {
     HostBatch ww(DType::kF32, 1, rows, cols);
     dw[i].download(be, ww);
@@ -254,6 +264,53 @@ TEST(CudaEngine, GraphReplayEqualsEagerStep) {
       EXPECT_EQ(eb.param_step(static_cast<int>(i)), 3);
     }
   }
+}
+
+// Whole-step graphs (EngineOptions::graphs): an engine that captures its second step and
+// replays the rest equals one that issues every step, bit for bit, while a schedule changes the
+// learning rates, weight decays, momentum and AdamW's beta1 every step.
+TEST(CudaEngine, CapturedStepsFollowASchedule) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  Model a(be);
+  Model b(be);
+  for (size_t i = 0; i < a.shapes.size(); ++i) {
+    be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
+    be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
+  }
+  EngineOptions on, off;
+  on.graphs = true;
+  off.graphs = false;
+  Engine ea(be, on), eb(be, off);
+  a.add_to(ea, "auto");
+  b.add_to(eb, "auto");
+  auto da = a.data(), db = b.data();
+  const int steps = 6;
+  for (int s = 0; s < steps; ++s) {
+    for (Engine* e : {&ea, &eb}) {
+      e->group(0).muon.lr = 0.02f / (1 + s);
+      e->group(0).muon.weight_decay = 0.05f * s;
+      e->group(0).muon.momentum = 0.85f + 0.02f * s;
+      e->group(1).adamw.lr = 1e-3f * (1 + s);
+      e->group(1).adamw.beta1 = 0.9f - 0.01f * s;
+    }
+    ea.step(da);
+    eb.step(db);
+  }
+  be.synchronize();
+  for (size_t i = 0; i < a.shapes.size(); ++i) {
+    auto wa = a.weights(be, i), wb = b.weights(be, i);
+    EXPECT_NE(wa, a.w0[i]) << "parameter " << i << " was not updated";
+    ASSERT_EQ(wa, wb) << "parameter " << i << " differs between replayed and eager steps";
+  }
+  const EngineStats sa = ea.stats(), sb = eb.stats();
+  if (std::getenv("DISTMUON_GRAPHS") == nullptr) {
+    EXPECT_EQ(sa.graph_captures, 1);
+    EXPECT_EQ(sa.graph_replays, steps - 2);
+    EXPECT_EQ(sb.graph_captures + sb.graph_replays, 0);
+  }
+  EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
+  EXPECT_EQ(ea.param_step(4), steps);
 }
 
 // The GPU engine follows the CPU engine (fp32 reference iteration) within bf16 tolerance.

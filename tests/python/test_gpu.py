@@ -107,6 +107,35 @@ def test_the_step_follows_torch_work_on_the_default_stream(cache: bool) -> None:
 
 
 @needs_backend
+def test_cuda_graph_steps_equal_issued_steps_under_a_scheduler() -> None:
+    """cuda_graphs: the step is captured once its buffers repeat and replayed from then on; with a
+    scheduler changing the learning rate every step (and weight decay and momentum by hand), the
+    replayed steps equal eagerly issued ones bit for bit."""
+    torch.manual_seed(5)
+    base = TinyGPT().cuda()
+    models = [copy.deepcopy(base) for _ in range(2)]
+    kw = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
+    opts = [Muon(m, cuda_graphs=graphs, **kw) for m, graphs in zip(models, (True, False))]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in opts]
+    for step in range(8):
+        for m, o, sc in zip(models, opts, scheds):
+            o.zero_grad(set_to_none=False)  # the same gradient buffers every step
+            gpt_loss_on(m, step, "cuda").backward()
+            for g in o.param_groups:
+                if g.get("use_muon"):
+                    g["weight_decay"] = 0.1 + 0.01 * step
+                    g["momentum"] = 0.9 + 0.005 * step
+            o.step()
+            sc.step()
+    torch.cuda.synchronize()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    graphed, eager = (o.stats() for o in opts)
+    assert graphed["graph_captures"] == 1 and graphed["graph_replays"] == 6
+    assert eager["graph_captures"] == 0 and eager["graph_replays"] == 0
+
+
+@needs_backend
 def test_cuda_state_lives_on_the_device_and_round_trips() -> None:
     model = TinyGPT().cuda()
     opt = Muon(model, lr=0.02)

@@ -123,6 +123,7 @@ def make_engine(
     comm: _C.Communicator | None,
     bucket_mb: float,
     dedicated_owners: list[int] | None = None,
+    graphs: bool = True,
 ) -> _C.Engine:
     """The engine for `topo`. The dedicated mode (distmuon.torch.dedicate) takes the owners the
     handle planned and leaves the transfers to it (the engine only computes on the owners)."""
@@ -132,7 +133,7 @@ def make_engine(
         _cpu_threads()
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if comm is None:
-            engine = _C.Engine(device.type, _POLICY[nonfinite])
+            engine = _C.Engine(device.type, _POLICY[nonfinite], graphs)
             # State is zeroed when parameters are registered: on torch's stream, like the steps.
             if device.type == "cuda":
                 engine.set_stream(_stream(device))

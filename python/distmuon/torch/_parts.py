@@ -44,13 +44,14 @@ def build_part(
     communicator: str,
     comm: Any = None,
     dedicated: Any = None,
+    graphs: bool = True,
 ) -> Part:
     """An engine with every group and these slots, set up (collective when distributed). `comm`
     reuses an existing communicator of the same topology."""
     if topo.distributed and comm is None:
         comm = make_communicator(topo, device, communicator)
     owners = dedicated.owner_members([s.param for s in slots]) if dedicated is not None else None
-    engine = make_engine(device, nonfinite, topo, comm, bucket_mb, dedicated_owners=owners)
+    engine = make_engine(device, nonfinite, topo, comm, bucket_mb, dedicated_owners=owners, graphs=graphs)
     for o in options:
         engine.add_group(o)
     for s in slots:

@@ -100,6 +100,14 @@ class Muon(torch.optim.Optimizer):
             when the build has it, else 'torch'), 'torch' (over the torch.distributed process
             group: gloo on the CPU), 'nccl', or 'mpi' (CPU, under mpirun, in a build with MPI).
             Dedicated matrices travel on the communicator ``dedicate(communicator=...)`` chose.
+        cuda_graphs: on one CUDA device (no process group), the engine captures its step into a
+            CUDA graph once two steps in a row used the same gradient and parameter buffers,
+            and replays it from then on: the step then costs one launch of host time. The
+            learning rate, weight decay and momentum are read on the device, so a scheduler
+            keeps the graph. Steps with ``nonfinite='raise'`` or a CacheMuon group are issued
+            eagerly, and inside your own CUDA graph capture the step is recorded there (with the
+            hyperparameters of that capture). ``False`` issues every step eagerly
+            (``DISTMUON_GRAPHS=0|1`` overrides either way).
 
     Distributed: every rank builds the optimizer and steps it together (the step is
     collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
@@ -143,6 +151,7 @@ class Muon(torch.optim.Optimizer):
         process_group: Any = None,
         bucket_mb: float = 32.0,
         communicator: str = "auto",
+        cuda_graphs: bool = True,
     ) -> None:
         if momentum_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"momentum_dtype must be torch.float32 or torch.bfloat16 (got {momentum_dtype})")
@@ -182,6 +191,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"bucket_mb must be > 0 (got {bucket_mb})")
         self._momentum_dtype = momentum_dtype
         self._nonfinite = nonfinite
+        self._cuda_graphs = bool(cuda_graphs)
         self._dist_mode = dist_mode
         self._process_group = process_group
         self._bucket_mb = bucket_mb
@@ -393,7 +403,7 @@ class Muon(torch.optim.Optimizer):
             if handle is not None:  # the dedicated engine shares the handle's transfers' communicator
                 comm = handle.comm
             parts.append(
-                build_part(topo, mine, options, device, self._nonfinite, self._bucket_mb, self._communicator, comm, handle)
+                build_part(topo, mine, options, device, self._nonfinite, self._bucket_mb, self._communicator, comm, handle, graphs=self._cuda_graphs)
             )
         carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
         for old in old_parts:
@@ -585,6 +595,8 @@ class Muon(torch.optim.Optimizer):
 
         - ``steps``, ``nonfinite_skips``, ``ortho_flops`` (cumulative orthogonalization FLOPs
           this rank ran, CacheMuon's counted as an ideal device does them), ``owned_matrices``;
+        - ``graph_captures`` and ``graph_replays``: steps captured into a CUDA graph and steps
+          that replayed it (``cuda_graphs``);
         - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative),
           ``cache_hit_rate`` (cumulative), ``cache_flops_saved`` (fraction of the fresh solves'
           FLOPs saved), ``last_hit_rate`` and ``last_mean_residual`` (the latest step: the share
@@ -600,6 +612,8 @@ class Muon(torch.optim.Optimizer):
             "nonfinite_skips": e["nonfinite_skips"],
             "ortho_flops": e["ortho_flops"],
             "owned_matrices": e["owned_matrices"],
+            "graph_captures": e["graph_captures"],
+            "graph_replays": e["graph_replays"],
             "cache_hits": c["hits"],
             "cache_refreshes": c["refreshes"],
             "cache_hit_rate": c["hit_rate"],

@@ -48,17 +48,15 @@ class CpuBackend final : public Backend {
   void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                   const BatchRef& dst) override;
 
-  void muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
-                          int32_t* status) override;
-  void muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+  void muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
+                          double* norms, int32_t* status) override;
+  void muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
                            const int32_t* status, const ScaleSpec& scale, bool transpose,
                            const BatchRef& x) override;
-  void muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                   const int32_t* status, const BatchRef& o, bool transpose) override;
-
+  void muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
+                   bool transpose) override;
   void adamw_check(std::span<const AdamSlot> slots, int32_t* status) override;
-  void adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                    const int32_t* status) override;
+  void adamw_update(std::span<const AdamSlot> slots, const int32_t* status) override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
 
   void gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a, Op op_b,

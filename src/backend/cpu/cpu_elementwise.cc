@@ -165,8 +165,9 @@ inline bool momentum_fits(float b_new) {
 }
 }  // namespace
 
-void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                    double* norms, int32_t* status) {
+void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu_ptr,
+                                    bool nesterov, double* norms, int32_t* status) {
+  const float mu = *mu_ptr;
   cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
     double sum = 0;
@@ -188,10 +189,11 @@ void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, b
   });
 }
 
-void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                     const int32_t* status, const ScaleSpec& scale,
+void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu_ptr,
+                                     bool nesterov, const int32_t* status, const ScaleSpec& scale,
                                      bool transpose, const BatchRef& x) {
   check_slots("muon_momentum_apply", slots, x, transpose);
+  const float mu = *mu_ptr;
   cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     const MuonSlot& s = slots[i];
     MatRef mx = x.matrix(i);
@@ -220,11 +222,10 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, 
   });
 }
 
-void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                             const int32_t* status, const BatchRef& o, bool transpose) {
+void CpuBackend::muon_update(std::span<const MuonSlot> slots, const int32_t* status,
+                             const BatchRef& o, bool transpose) {
   check_slots("muon_update", slots, o, transpose);
-  DM_CHECK(coef.size() == slots.size(), "muon_update: ", coef.size(), " coefficients for ",
-           slots.size(), " matrices");
+  check_coefs("muon_update", slots);
   cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
     if (status && status[i] != kStatusOk) return;
     const MuonSlot& s = slots[i];
@@ -235,7 +236,7 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, std::span<const Mu
       dispatch(mo.dtype, [&](auto to) {
         using O = decltype(to);
         const O* po = static_cast<const O*>(mo.data);
-        const C decay = coef[i].decay, step = coef[i].step;
+        const C decay = s.coef->decay, step = s.coef->step;
 #pragma omp parallel for if (s.weight.rows * s.weight.cols > (1 << 16))
         for (int64_t r = 0; r < s.weight.rows; ++r)
           for (int64_t c = 0; c < s.weight.cols; ++c) {
@@ -262,19 +263,17 @@ void CpuBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
   }
 }
 
-void CpuBackend::adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                              const int32_t* status) {
-  DM_CHECK(coef.size() == slots.size(), "adamw_update: coefficient count differs");
+void CpuBackend::adamw_update(std::span<const AdamSlot> slots, const int32_t* status) {
+  check_coefs("adamw_update", slots);
   for (size_t i = 0; i < slots.size(); ++i) {
     if (status && status[i] != kStatusOk) continue;
     const AdamSlot& s = slots[i];
-    const AdamCoef& k = coef[i];
-    const int64_t t = s.step ? *s.step + 1 : k.step;
-    DM_CHECK(t >= 1, "adamw_update: step must be >= 1 (got ", t, ")");
+    const AdamCoef& k = *s.coef;
+    const int64_t t = s.step ? *s.step + 1 : std::max<int64_t>(k.step, 1);
     if (s.step) *s.step = t;
     const adam_ref::Bias bias = adam_ref::bias(k.lr, k.beta1, k.beta2, t);
     const float step_size = bias.step_size, bc2_sqrt = bias.bc2_sqrt;
-    const float decay = 1.0f - k.lr * k.weight_decay;
+    const float decay = adam_ref::decay(k.lr, k.weight_decay);
     float* m = static_cast<float*>(s.exp_avg);
     float* v = static_cast<float*>(s.exp_avg_sq);
     dispatch(s.grad_dtype, [&](auto tg) {

@@ -1,12 +1,13 @@
 // AdamW for the non-matrix parameters in one pass (decoupled weight decay, bias correction),
 // its finiteness check, and the skip counter. Multi-tensor: up to kMaxAdamSlots tensors per
-// launch, their pointers and coefficients by value in the kernel parameters.
+// launch, their pointers by value in the kernel parameters, their coefficients in device memory.
 #pragma once
 
 #include <cstdint>
 
 #include "backend/adam_ref.h"
 #include "backend/cuda/kernels/dtype.cuh"
+#include "distmuon/backend.h"
 
 namespace distmuon::cuda {
 
@@ -18,10 +19,8 @@ struct AdamTable {
   float* m[kMaxAdamSlots];
   float* v[kMaxAdamSlots];
   int64_t numel[kMaxAdamSlots];
-  float beta1[kMaxAdamSlots], beta2[kMaxAdamSlots], eps[kMaxAdamSlots];
-  float step_size[kMaxAdamSlots], bc2_sqrt[kMaxAdamSlots], decay[kMaxAdamSlots];
-  float lr[kMaxAdamSlots];
-  int64_t* steps[kMaxAdamSlots];  // device step counters (null: step_size/bc2_sqrt as given)
+  const AdamCoef* coef[kMaxAdamSlots];  // device memory: read at every launch
+  int64_t* steps[kMaxAdamSlots];        // device step counters (null: coef->step)
   int8_t p_dt[kMaxAdamSlots], g_dt[kMaxAdamSlots];
   int8_t vec[kMaxAdamSlots];  // 16-byte aligned and numel % 8 == 0
   int n, first;
@@ -46,19 +45,18 @@ __device__ __forceinline__ float adam_one(float g, float& m, float& v, float p, 
   return p * decay - step_size * m / (sqrtf(v) / bc2_sqrt + eps);
 }
 
-// grid (blocks, n). status may be null. A slot with a step counter takes its bias terms from
-// *steps + 1 (adam_advance_kernel stores that count after this kernel).
+// grid (blocks, n). status may be null. Every block forms its slot's coefficients from device
+// memory, as the CPU reference does on the host (adam_ref.h): a slot with a step counter takes
+// its bias terms from *steps + 1 (adam_advance_kernel stores that count after this kernel).
 __global__ void __launch_bounds__(256) adamw_update_kernel(AdamTable t, const int32_t* status) {
   const int s = blockIdx.y;
   if (status && status[t.first + s] != 0) return;
-  const float b1 = t.beta1[s], b2 = t.beta2[s], eps = t.eps[s];
-  float ss = t.step_size[s], bc = t.bc2_sqrt[s];
-  const float dec = t.decay[s];
-  if (t.steps[s]) {
-    const adam_ref::Bias bias = adam_ref::bias(t.lr[s], b1, b2, *t.steps[s] + 1);
-    ss = bias.step_size;
-    bc = bias.bc2_sqrt;
-  }
+  const AdamCoef k = *t.coef[s];
+  const float b1 = k.beta1, b2 = k.beta2, eps = k.eps;
+  const int64_t step = t.steps[s] ? *t.steps[s] + 1 : (k.step < 1 ? 1 : k.step);
+  const adam_ref::Bias bias = adam_ref::bias(k.lr, b1, b2, step);
+  const float ss = bias.step_size, bc = bias.bc2_sqrt;
+  const float dec = adam_ref::decay(k.lr, k.weight_decay);
   const int64_t n = t.numel[s];
   if (t.vec[s]) {
     for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < n;

@@ -7,6 +7,8 @@
 // (backend/muon_ref.h, the CPU backend's rule): near float's largest value U itself overflows
 // float, and the norm of a large matrix does so long before that.
 //   pass 3  muon_update: W <- decay W - step O (O read transposed for tall matrices)
+// mu and pass 3's coefficients are read from device memory, so that a captured step replays
+// with the values uploaded for the step it runs in.
 // Flat kernels move 8 elements per thread step with 16-byte accesses; transposing kernels go
 // through 32x32 shared-memory tiles so that both the read and the write are coalesced.
 #pragma once
@@ -16,6 +18,7 @@
 #include "backend/cuda/kernels/dtype.cuh"
 #include "backend/cuda/kernels/reduce.cuh"
 #include "backend/muon_ref.h"
+#include "distmuon/backend.h"
 
 namespace distmuon::cuda {
 
@@ -25,8 +28,7 @@ struct MuonTable {
   const void* g[kMaxMuonSlots];
   void* b[kMaxMuonSlots];
   void* w[kMaxMuonSlots];
-  float decay[kMaxMuonSlots];
-  float step[kMaxMuonSlots];
+  const MuonUpdateCoef* coef[kMaxMuonSlots];  // pass 3 (device memory)
   int64_t* skips[kMaxMuonSlots];  // pass 2: +1 where a matrix is skipped (null: not counted)
   int8_t g_dt[kMaxMuonSlots], b_dt[kMaxMuonSlots], w_dt[kMaxMuonSlots];
   int64_t rows, cols;  // every slot of a launch has this shape (checked on the host)
@@ -78,9 +80,10 @@ __device__ __forceinline__ void count_skip(const MuonTable& t, int s, bool ok, b
 
 // Pass 1. grid (blocks per matrix, n). Flat (ld == cols) when VEC.
 template <bool VEC>
-__global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, float mu, bool nesterov,
+__global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, const float* mu_in, bool nesterov,
                                                         double* norms, int32_t* status,
                                                         double* partials, unsigned* counters) {
+  const float mu = *mu_in;
   const int s = blockIdx.y;
   const int64_t numel = t.rows * t.cols;
   double acc = 0;
@@ -117,9 +120,10 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(MuonTable t, float mu, b
 
 // Pass 2, flat. grid (blocks per matrix, n).
 template <bool VEC>
-__global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, bool nesterov,
+__global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, const float* mu_in, bool nesterov,
                                                          const int32_t* status, ScaleArgs sc,
                                                          MatOut x) {
+  const float mu = *mu_in;
   const int s = blockIdx.y, slot = t.first + s;
   const bool ok = status[slot] == 0;
   const double f = ok ? scale_factor(sc, slot) : 0.0;
@@ -163,9 +167,10 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(MuonTable t, float mu, 
 
 // Pass 2, transposing: X (cols x rows) = scaled U^T. grid (ceil(cols/32), ceil(rows/32), n),
 // block (32, 8).
-__global__ void __launch_bounds__(256) muon_apply_t_kernel(MuonTable t, float mu, bool nesterov,
+__global__ void __launch_bounds__(256) muon_apply_t_kernel(MuonTable t, const float* mu_in, bool nesterov,
                                                            const int32_t* status, ScaleArgs sc,
                                                            MatOut x) {
+  const float mu = *mu_in;
   __shared__ float tile[32][33];
   const int s = blockIdx.z, slot = t.first + s;
   const bool ok = status[slot] == 0;
@@ -200,7 +205,7 @@ __global__ void __launch_bounds__(256) muon_update_kernel(MuonTable t, const int
                                                           MatOut o) {
   const int s = blockIdx.y, slot = t.first + s;
   if (status && status[slot] != 0) return;
-  const float decay = t.decay[s], step = t.step[s];
+  const float decay = t.coef[s]->decay, step = t.coef[s]->step;
   const void* os = static_cast<const char*>(o.data) +
                    slot * o.stride * (o.dt == kF32 ? 4 : o.dt == kF64 ? 8 : 2);
   const int64_t numel = t.rows * t.cols;
@@ -229,7 +234,7 @@ __global__ void __launch_bounds__(256) muon_update_t_kernel(MuonTable t, const i
   __shared__ float tile[32][33];
   const int s = blockIdx.z, slot = t.first + s;
   if (status && status[slot] != 0) return;
-  const float decay = t.decay[s], step = t.step[s];
+  const float decay = t.coef[s]->decay, step = t.coef[s]->step;
   const void* os = static_cast<const char*>(o.data) +
                    slot * o.stride * (o.dt == kF32 ? 4 : o.dt == kF64 ? 8 : 2);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
@@ -253,9 +258,10 @@ __global__ void __launch_bounds__(256) muon_update_t_kernel(MuonTable t, const i
 // Vector forms of the transposing passes for fp32 G, B, W: 64x64 tiles, 256 threads, 16-byte
 // accesses on both sides (float4 along the rows of G/B/W, 8-element vectors along the rows of
 // X/O). Need rows % 8 == 0, cols % 4 == 0 and 16-byte aligned rows (checked on the host).
-__global__ void __launch_bounds__(256) muon_apply_t64_kernel(MuonTable t, float mu, bool nesterov,
+__global__ void __launch_bounds__(256) muon_apply_t64_kernel(MuonTable t, const float* mu_in, bool nesterov,
                                                              const int32_t* status, ScaleArgs sc,
                                                              MatOut x) {
+  const float mu = *mu_in;
   __shared__ float tile[64][65];  // [c][r]
   const int s = blockIdx.z, slot = t.first + s;
   const bool ok = status[slot] == 0;
@@ -308,7 +314,7 @@ __global__ void __launch_bounds__(256) muon_update_t64_kernel(MuonTable t, const
   __shared__ float tile[64][65];  // [c][r] = O[c][r]
   const int s = blockIdx.z, slot = t.first + s;
   if (status && status[slot] != 0) return;
-  const float decay = t.decay[s], step = t.step[s];
+  const float decay = t.coef[s]->decay, step = t.coef[s]->step;
   const void* os = static_cast<const char*>(o.data) +
                    slot * o.stride * (o.dt == kF32 ? 4 : o.dt == kF64 ? 8 : 2);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 64, c0 = static_cast<int64_t>(blockIdx.x) * 64;

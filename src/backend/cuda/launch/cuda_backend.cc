@@ -229,16 +229,16 @@ void for_shape_runs(std::span<const MuonSlot> slots, F&& f) {
 }
 }  // namespace
 
-void CudaBackend::muon_momentum_norm(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                     double* norms, int32_t* status) {
+void CudaBackend::muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu,
+                                     bool nesterov, double* norms, int32_t* status) {
   for_shape_runs(slots, [&](size_t k0, size_t n) {
     cuda::launch_muon_norm(slots.subspan(k0, n), mu, nesterov, norms + k0, status + k0,
                            impl_->scratch(), impl_->sm_count, impl_->stream);
   });
 }
-void CudaBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
-                                      const int32_t* status, const ScaleSpec& scale,
-                                      bool transpose, const BatchRef& x) {
+void CudaBackend::muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu,
+                                      bool nesterov, const int32_t* status,
+                                      const ScaleSpec& scale, bool transpose, const BatchRef& x) {
   for_shape_runs(slots, [&](size_t k0, size_t n) {
     ScaleSpec sc = scale;
     if (sc.norms) sc.norms += k0;
@@ -247,11 +247,10 @@ void CudaBackend::muon_momentum_apply(std::span<const MuonSlot> slots, float mu,
                             impl_->sm_count, impl_->stream);
   });
 }
-void CudaBackend::muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                              const int32_t* status, const BatchRef& o, bool transpose) {
+void CudaBackend::muon_update(std::span<const MuonSlot> slots, const int32_t* status,
+                              const BatchRef& o, bool transpose) {
   for_shape_runs(slots, [&](size_t k0, size_t n) {
-    cuda::launch_muon_update(slots.subspan(k0, n), coef.subspan(k0, n),
-                             status ? status + k0 : nullptr,
+    cuda::launch_muon_update(slots.subspan(k0, n), status ? status + k0 : nullptr,
                              o.slice(static_cast<int64_t>(k0), static_cast<int64_t>(n)), transpose,
                              impl_->sm_count, impl_->stream);
   });
@@ -259,10 +258,53 @@ void CudaBackend::muon_update(std::span<const MuonSlot> slots, std::span<const M
 void CudaBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
   cuda::launch_adamw_check(slots, status, impl_->sm_count, impl_->stream);
 }
-void CudaBackend::adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                               const int32_t* status) {
-  cuda::launch_adamw_update(slots, coef, status, impl_->sm_count, impl_->stream);
+void CudaBackend::adamw_update(std::span<const AdamSlot> slots, const int32_t* status) {
+  cuda::launch_adamw_update(slots, status, impl_->sm_count, impl_->stream);
 }
+void CudaBackend::upload_small(void* dst, const void* host_src, size_t bytes) {
+  cuda::launch_upload_small(dst, host_src, bytes, impl_->stream);
+}
+
+namespace {
+class CudaGraph final : public BackendGraph {
+ public:
+  CudaGraph(cuda::GraphExec exec, const cudaStream_t& stream)
+      : exec_(std::move(exec)), stream_(stream) {}
+  void replay() override { DM_CHECK_CUDA(cudaGraphLaunch(exec_.get(), stream_)); }
+
+ private:
+  cuda::GraphExec exec_;
+  const cudaStream_t& stream_;  // the backend's current stream, read at each replay
+};
+}  // namespace
+
+std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& issue) {
+  // Captured on a private stream: the legacy default stream (torch's default) cannot be
+  // captured, and a graph does not remember the stream it was captured on.
+  if (!impl_->capture_stream) impl_->capture_stream = cuda::make_stream();
+  const cudaStream_t current = impl_->stream;
+  impl_->stream = impl_->capture_stream.get();
+  try {
+    cuda::GraphExec exec = cuda::capture_graph(impl_->stream, issue);
+    impl_->stream = current;
+    return std::make_unique<CudaGraph>(std::move(exec), impl_->stream);
+  } catch (const std::exception& e) {
+    impl_->stream = current;
+    cudaGetLastError();  // what failed inside the capture must not fail the next launch
+    DM_LOG(kWarn, "cuda: a graph capture failed (", e.what(), "); the work is issued eagerly");
+    return nullptr;
+  }
+}
+
+bool CudaBackend::capturing() const {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(impl_->stream, &st) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return st != cudaStreamCaptureStatusNone;
+}
+
 void CudaBackend::count_status(const int32_t* status, int64_t n, int64_t* counter) {
   cuda::launch_count_status(status, n, counter, impl_->stream);
 }

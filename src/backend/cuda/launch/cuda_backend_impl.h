@@ -37,6 +37,7 @@ struct CudaBackend::Impl {
   int cc_major = 0, cc_minor = 0;
   cuda::Stream own_stream;
   cudaStream_t stream = nullptr;
+  cuda::Stream capture_stream;  // Backend::capture records here (created on first use)
   cuda::LtHandle lt;
   cuda::DevicePtr own_workspace;
   size_t own_bytes = 0;

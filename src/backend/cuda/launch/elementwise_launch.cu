@@ -1,6 +1,7 @@
 // Launchers of the batched helpers and AdamW (kernels/batch_kernels.cuh, adamw_kernels.cuh).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "backend/backend_checks.h"
 #include "backend/cuda/cuda_check.h"
@@ -142,9 +143,9 @@ void launch_adamw_check(std::span<const AdamSlot> slots, int32_t* status, int sm
   }
 }
 
-void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                         const int32_t* status, int sm_count, cudaStream_t stream) {
-  DM_CHECK(coef.size() == slots.size(), "adamw_update: coefficient count differs");
+void launch_adamw_update(std::span<const AdamSlot> slots, const int32_t* status, int sm_count,
+                         cudaStream_t stream) {
+  check_coefs("adamw_update", slots);
   for (size_t first = 0; first < slots.size(); first += kMaxAdamSlots) {
     const int n = static_cast<int>(std::min<size_t>(kMaxAdamSlots, slots.size() - first));
     AdamTable t{};
@@ -152,23 +153,13 @@ void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCo
     t.first = static_cast<int>(first);
     for (int i = 0; i < n; ++i) {
       const AdamSlot& s = slots[first + i];
-      const AdamCoef& k = coef[first + i];
-      DM_CHECK(s.step || k.step >= 1, "adamw_update: step must be >= 1");
-      // Same arithmetic as the CPU reference (adam_ref.h); counters are read on the device.
-      const adam_ref::Bias bias = adam_ref::bias(k.lr, k.beta1, k.beta2, s.step ? 1 : k.step);
+      t.coef[i] = s.coef;
       t.steps[i] = s.step;
-      t.lr[i] = k.lr;
       t.p[i] = s.param;
       t.g[i] = s.grad;
       t.m[i] = static_cast<float*>(s.exp_avg);
       t.v[i] = static_cast<float*>(s.exp_avg_sq);
       t.numel[i] = s.numel;
-      t.beta1[i] = k.beta1;
-      t.beta2[i] = k.beta2;
-      t.eps[i] = k.eps;
-      t.step_size[i] = bias.step_size;
-      t.bc2_sqrt[i] = bias.bc2_sqrt;
-      t.decay[i] = 1.0f - k.lr * k.weight_decay;
       t.p_dt[i] = static_cast<int8_t>(s.param_dtype);
       t.g_dt[i] = static_cast<int8_t>(s.grad_dtype);
       t.vec[i] = s.numel % 8 == 0 && aligned16(s.param) && aligned16(s.grad) &&
@@ -195,6 +186,37 @@ void launch_count_status(const int32_t* status, int64_t n, int64_t* counter, cud
   dev::count_status_kernel<<<1, 256, 0, stream>>>(status, n,
                                                   reinterpret_cast<unsigned long long*>(counter));
   DM_CHECK_LAUNCH();
+}
+
+}  // namespace distmuon::cuda
+
+namespace distmuon::cuda {
+namespace {
+
+// One launch's share of an upload: the bytes are the kernel's parameters, copied when it is
+// launched (or captured), so the host buffer is free at once and nothing waits.
+constexpr int kUploadChunk = 4000;  // within the 4 KB of parameters every CUDA version accepts
+struct UploadChunk {
+  void* dst;
+  int bytes;
+  unsigned char data[kUploadChunk];
+};
+
+__global__ void __launch_bounds__(256) upload_kernel(const UploadChunk c) {
+  for (int i = threadIdx.x; i < c.bytes; i += blockDim.x) static_cast<unsigned char*>(c.dst)[i] = c.data[i];
+}
+
+}  // namespace
+
+void launch_upload_small(void* dst, const void* host_src, size_t bytes, cudaStream_t stream) {
+  for (size_t off = 0; off < bytes; off += kUploadChunk) {
+    UploadChunk c;
+    c.dst = static_cast<char*>(dst) + off;
+    c.bytes = static_cast<int>(std::min<size_t>(kUploadChunk, bytes - off));
+    std::memcpy(c.data, static_cast<const char*>(host_src) + off, static_cast<size_t>(c.bytes));
+    upload_kernel<<<1, 256, 0, stream>>>(c);
+    DM_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace distmuon::cuda

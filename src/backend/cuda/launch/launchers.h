@@ -24,14 +24,13 @@ struct Scratch {
 // elements so that the per-block reduction and launch costs stay small.
 int blocks_per_matrix(int64_t numel, int64_t matrices, int sm_count);
 
-void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
+void launch_muon_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov, double* norms,
                       int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream);
-void launch_muon_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+void launch_muon_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
                        const int32_t* status, const ScaleSpec& scale, bool transpose,
                        const BatchRef& x, int sm_count, cudaStream_t stream);
-void launch_muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                        const int32_t* status, const BatchRef& o, bool transpose, int sm_count,
-                        cudaStream_t stream);
+void launch_muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
+                        bool transpose, int sm_count, cudaStream_t stream);
 
 void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                     const BatchRef& out, int sm_count, cudaStream_t stream);
@@ -42,8 +41,10 @@ void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& sca
 
 void launch_adamw_check(std::span<const AdamSlot> slots, int32_t* status, int sm_count,
                         cudaStream_t stream);
-void launch_adamw_update(std::span<const AdamSlot> slots, std::span<const AdamCoef> coef,
-                         const int32_t* status, int sm_count, cudaStream_t stream);
+void launch_adamw_update(std::span<const AdamSlot> slots, const int32_t* status, int sm_count,
+                         cudaStream_t stream);
+// Backend::upload_small: the bytes travel in kernel parameters, a few kilobytes per launch.
+void launch_upload_small(void* dst, const void* host_src, size_t bytes, cudaStream_t stream);
 void launch_count_status(const int32_t* status, int64_t n, int64_t* counter, cudaStream_t stream);
 
 // Copies the strict lower triangle of every square matrix of `c` onto its upper triangle (with

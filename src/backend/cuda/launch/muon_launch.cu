@@ -48,8 +48,7 @@ bool fill_table(MuonTable& t, std::span<const MuonSlot> slots, size_t first, int
     t.g_dt[i] = static_cast<int8_t>(s.grad.dtype);
     t.b_dt[i] = static_cast<int8_t>(s.momentum.dtype);
     t.w_dt[i] = static_cast<int8_t>(s.weight.dtype);
-    t.decay[i] = 1.0f;
-    t.step[i] = 0.0f;
+    t.coef[i] = s.coef;
     t.skips[i] = s.skips;
     vec = vec && aligned16(s.grad.data) && aligned16(s.momentum.data) && aligned16(s.weight.data);
   }
@@ -83,7 +82,7 @@ bool out_vec_ok(const BatchRef& x) {
 
 }  // namespace
 
-void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, double* norms,
+void launch_muon_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov, double* norms,
                       int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream) {
   for (size_t first = 0; first < slots.size(); first += kMaxMuonSlots) {
     const int n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, slots.size() - first));
@@ -108,7 +107,7 @@ void launch_muon_norm(std::span<const MuonSlot> slots, float mu, bool nesterov, 
   }
 }
 
-void launch_muon_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
+void launch_muon_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
                        const int32_t* status, const ScaleSpec& scale, bool transpose,
                        const BatchRef& x, int sm_count, cudaStream_t stream) {
   check_slots("muon_momentum_apply", slots, x, transpose);
@@ -135,20 +134,14 @@ void launch_muon_apply(std::span<const MuonSlot> slots, float mu, bool nesterov,
   }
 }
 
-void launch_muon_update(std::span<const MuonSlot> slots, std::span<const MuonUpdateCoef> coef,
-                        const int32_t* status, const BatchRef& o, bool transpose, int sm_count,
-                        cudaStream_t stream) {
+void launch_muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
+                        bool transpose, int sm_count, cudaStream_t stream) {
   check_slots("muon_update", slots, o, transpose);
-  DM_CHECK(coef.size() == slots.size(), "muon_update: ", coef.size(), " coefficients for ",
-           slots.size(), " matrices");
+  check_coefs("muon_update", slots);
   for (size_t first = 0; first < slots.size(); first += kMaxMuonSlots) {
     const int n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, slots.size() - first));
     MuonTable t{};
     const bool vec = fill_table(t, slots, first, n);
-    for (int i = 0; i < n; ++i) {
-      t.decay[i] = coef[first + i].decay;
-      t.step[i] = coef[first + i].step;
-    }
     if (t.rows * t.cols == 0) continue;
     if (transpose && t64_ok(slots, first, n, t, o)) {
       dim3 grid((t.cols + 63) / 64, (t.rows + 63) / 64, n);

@@ -1,0 +1,46 @@
+// The step's hyperparameters in backend memory (runtime/step_state.h), and filling them from the
+// groups' current options.
+#include "distmuon/error.h"
+#include "runtime/engine_impl.h"
+
+namespace distmuon {
+
+void StepScalars::allocate(Backend& backend, int64_t groups, int64_t matrices,
+                           int64_t adam_params) {
+  coef_at = static_cast<size_t>(adam_params) * sizeof(AdamCoef);
+  mu_at = coef_at + static_cast<size_t>(matrices) * sizeof(MuonUpdateCoef);
+  const size_t bytes = mu_at + static_cast<size_t>(groups) * sizeof(float);
+  host.assign(bytes, 0);
+  device = backend.alloc(std::max<size_t>(bytes, 16));
+}
+
+void Engine::Impl::allocate_scalars() {
+  scalars.allocate(backend, static_cast<int64_t>(groups.size()),
+                   world ? static_cast<int64_t>(mats.size()) : stats.muon_matrices,
+                   static_cast<int64_t>(adam_params.size()));
+}
+
+void Engine::Impl::upload_scalars() {
+  for (size_t g = 0; g < groups.size(); ++g)
+    scalars.host_mu(static_cast<int>(g)) = groups[g].kind == ParamKind::kMuon ? groups[g].muon.momentum : 0.0f;
+  if (world) {
+    for (size_t j = 0; j < mats.size(); ++j)
+      scalars.host_coef(static_cast<int64_t>(j)) =
+          muon_update_coef(groups[mats[j].group].muon, mats[j].rows, mats[j].cols);
+  } else {
+    for (const Param& p : params)
+      if (groups[p.spec.group].kind == ParamKind::kMuon)
+        for (int64_t s = 0; s < p.layout.count; ++s)
+          scalars.host_coef(p.first_matrix + s) =
+              muon_update_coef(groups[p.spec.group].muon, p.layout.rows, p.layout.cols);
+  }
+  for (size_t k = 0; k < adam_params.size(); ++k) {
+    const Param& p = params[adam_params[k]];
+    const AdamWOptions& a = groups[p.spec.group].adamw;
+    scalars.host_adam(static_cast<int64_t>(k)) = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
+                                                  p.step + 1};
+  }
+  scalars.upload(backend);
+}
+
+}  // namespace distmuon

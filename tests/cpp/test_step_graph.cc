@@ -1,0 +1,185 @@
+// Whole-step graphs (EngineOptions::graphs) on a CPU backend that captures by recording
+// (recording_backend.h): replays equal eager steps bit for bit while a scheduler changes every
+// hyperparameter, a new buffer or a missing gradient captures again, failed captures fall back
+// to eager steps, and the steps that need the host mid-step never capture.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "distmuon/engine.h"
+#include "recording_backend.h"
+#include "test_util.h"
+
+namespace distmuon {
+namespace {
+
+// Two Muon matrices of one class (a wide and a tall one), one of another, and two AdamW tensors.
+struct Model {
+  std::vector<std::vector<int64_t>> shapes = {{16, 48}, {48, 16}, {24, 24}, {48}, {16}};
+  std::vector<std::vector<float>> w, g;
+  Model() {
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      int64_t n = 1;
+      for (int64_t d : shapes[i]) n *= d;
+      w.emplace_back(test::to_vec(test::random_matrix(1, n, 0.05)));
+      g.emplace_back(n);
+    }
+  }
+  void add_to(Engine& e) {
+    GroupOptions m;
+    m.kind = ParamKind::kMuon;
+    m.muon.ortho.iteration = Iteration::kGram;
+    GroupOptions a;
+    a.kind = ParamKind::kAdamW;
+    e.add_group(m);
+    e.add_group(a);
+    for (size_t i = 0; i < shapes.size(); ++i)
+      e.add_param({"p" + std::to_string(i), i < 3 ? 0 : 1, shapes[i], DType::kF32});
+  }
+  // A new gradient for every parameter in the same buffers, the same for equal seeds.
+  void new_grads(uint64_t seed) {
+    for (size_t i = 0; i < g.size(); ++i) {
+      test::rng().seed(seed * 31 + i);
+      const std::vector<float> v =
+          test::to_vec(test::random_matrix(1, static_cast<int64_t>(g[i].size()), 1.0));
+      std::copy(v.begin(), v.end(), g[i].begin());
+    }
+  }
+  std::vector<ParamData> data() {
+    std::vector<ParamData> d;
+    for (size_t i = 0; i < w.size(); ++i) d.push_back({w[i].data(), g[i].data(), DType::kF32, {}});
+    return d;
+  }
+};
+
+// A schedule that changes every hyperparameter a replay must pick up, every step.
+void schedule(Engine& e, int step) {
+  GroupOptions& m = e.group(0);
+  m.muon.lr = 0.02f / (1 + step);
+  m.muon.weight_decay = 0.1f * step;
+  m.muon.momentum = 0.85f + 0.01f * step;
+  GroupOptions& a = e.group(1);
+  a.adamw.lr = 1e-3f * (1 + step);
+  a.adamw.weight_decay = 0.01f * step;
+  a.adamw.beta1 = 0.9f - 0.01f * step;
+}
+
+EngineOptions graphs(bool on, NonFinitePolicy p = NonFinitePolicy::kSkip) {
+  EngineOptions o;
+  o.graphs = on;
+  o.nonfinite = p;
+  return o;
+}
+
+TEST(StepGraph, ReplaysEqualEagerStepsUnderASchedule) {
+  test::RecordingBackend rb;
+  CpuBackend cb;
+  Model a, b;
+  b.w = a.w;
+  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
+  a.add_to(ea);
+  b.add_to(eb);
+  const int steps = 6;
+  for (int s = 0; s < steps; ++s) {
+    a.new_grads(s);
+    b.new_grads(s);
+    schedule(ea, s);
+    schedule(eb, s);
+    auto da = a.data(), db = b.data();
+    ea.step(da);
+    eb.step(db);
+  }
+  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  // Step 1 eager, step 2 captured (and run by one replay), steps 3.. replayed.
+  EXPECT_EQ(rb.captures, 1);
+  EXPECT_EQ(rb.replays, steps - 1);
+  const EngineStats sa = ea.stats(), sb = eb.stats();
+  EXPECT_EQ(sa.graph_captures, 1);
+  EXPECT_EQ(sa.graph_replays, steps - 2);
+  EXPECT_EQ(sb.graph_captures + sb.graph_replays, 0);
+  EXPECT_EQ(sa.steps, steps);
+  EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
+  EXPECT_EQ(sa.ortho.calls, sb.ortho.calls);
+  for (int i = 0; i < ea.num_params(); ++i) EXPECT_EQ(ea.param_step(i), steps);
+}
+
+TEST(StepGraph, NewBuffersOrAMissingGradientCaptureAgain) {
+  test::RecordingBackend rb;
+  CpuBackend cb;
+  Model a, b;
+  b.w = a.w;
+  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
+  a.add_to(ea);
+  b.add_to(eb);
+  std::vector<float> other(a.g[0].size());
+  // Steps: same, same (capture), other buffer for p0 (eager), again (capture), p2 without a
+  // gradient (eager), again (capture), again (replay).
+  for (int s = 0; s < 7; ++s) {
+    a.new_grads(s);
+    b.new_grads(s);
+    auto da = a.data(), db = b.data();
+    if (s == 2 || s == 3) {
+      other = a.g[0];
+      da[0].grad = other.data();
+    }
+    if (s >= 4) da[2].grad = db[2].grad = nullptr;
+    ea.step(da);
+    eb.step(db);
+  }
+  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  EXPECT_EQ(ea.stats().graph_captures, 3);
+  EXPECT_EQ(ea.stats().graph_replays, 1);
+  EXPECT_EQ(ea.param_step(2), 4);
+  EXPECT_EQ(ea.param_step(0), 7);
+}
+
+TEST(StepGraph, FailedCapturesFallBackToEagerStepsAndStop) {
+  test::RecordingBackend rb;
+  rb.fail_captures = true;
+  CpuBackend cb;
+  Model a, b;
+  b.w = a.w;
+  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
+  a.add_to(ea);
+  b.add_to(eb);
+  for (int s = 0; s < 8; ++s) {
+    a.new_grads(s);
+    b.new_grads(s);
+    schedule(ea, s);
+    schedule(eb, s);
+    auto da = a.data(), db = b.data();
+    ea.step(da);
+    eb.step(db);
+  }
+  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  EXPECT_EQ(rb.captures, 3);  // then no more attempts
+  EXPECT_EQ(ea.stats().graph_captures, 0);
+  EXPECT_EQ(ea.stats().ortho.flops, eb.stats().ortho.flops);  // a failed capture counts nothing
+}
+
+TEST(StepGraph, StepsThatNeedTheHostNeverCapture) {
+  for (int variant = 0; variant < 3; ++variant) {
+    test::RecordingBackend rb;
+    Model a;
+    Engine e(rb, variant == 0 ? graphs(false)
+                 : variant == 1 ? graphs(true, NonFinitePolicy::kRaise)
+                                : graphs(true));
+    a.add_to(e);
+    if (variant == 2) {  // CacheMuon decides on the device but keeps its books on the host
+      e.group(0).muon.cache.enabled = true;
+    }
+    for (int s = 0; s < 4; ++s) {
+      a.new_grads(s);
+      auto d = a.data();
+      e.step(d);
+    }
+    EXPECT_EQ(rb.captures, 0) << "variant " << variant;
+    EXPECT_EQ(e.stats().graph_captures + e.stats().graph_replays, 0) << "variant " << variant;
+    EXPECT_EQ(e.stats().steps, 4);
+  }
+}
+
+}  // namespace
+}  // namespace distmuon
