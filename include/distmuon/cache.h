@@ -158,6 +158,17 @@ class TransformCache {
   void reset_stats();
   size_t memory_bytes() const;
 
+  // The host's accounting of the calls issued so far. A replayed graph (the engine's whole-step
+  // graphs) runs calls without issuing them again: the engine adds the captured calls' share,
+  // the difference of the ledgers around the capture, once per replay. Hits and refreshes need
+  // nothing: the replayed gate kernels count them on the device.
+  struct Ledger {
+    int64_t calls = 0, matrices = 0;
+    double flops_fixed = 0, flops_fresh = 0;
+  };
+  Ledger ledger() const;
+  void add_replayed(const Ledger& captured);
+
   struct Impl;  // internal: src/ortho/cache_impl.h
 
  private:

@@ -54,8 +54,8 @@ struct EngineOptions {
   // while that holds, so that a step costs one launch of host time. Hyperparameters (lr, weight
   // decay, momentum, AdamW's) are uploaded to the device before each replay, so a scheduler does
   // not invalidate the graph. Steps that need the host mid-step issue eagerly: the raise policy,
-  // CacheMuon, distributed engines, and a step inside the caller's own capture (which records it
-  // there instead). DISTMUON_GRAPHS=0|1 overrides.
+  // CacheMuon's shadow mode and distributed engines; inside the caller's own capture the step is
+  // recorded there instead. DISTMUON_GRAPHS=0|1 overrides.
   bool graphs = true;
 };
 

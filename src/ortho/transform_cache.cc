@@ -351,6 +351,18 @@ void TransformCache::reset_stats() {
   s.pr_n = 0;
 }
 
+TransformCache::Ledger TransformCache::ledger() const {
+  return {impl_->calls, impl_->matrices, impl_->flops_fixed, impl_->flops_fresh};
+}
+
+void TransformCache::add_replayed(const Ledger& captured) {
+  impl_->calls += captured.calls;
+  impl_->matrices += captured.matrices;
+  impl_->flops_fixed += captured.flops_fixed;
+  impl_->flops_fresh += captured.flops_fresh;
+  impl_->dirty = impl_->dirty || captured.calls > 0;  // the device counters moved
+}
+
 CacheStats TransformCache::stats(const std::vector<std::string>& names) {
   Impl& s = *impl_;
   s.fold();

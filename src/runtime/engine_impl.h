@@ -129,6 +129,7 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
     std::vector<uint64_t> key;           // of the last step issued eagerly or captured
     std::unique_ptr<BackendGraph> exec;  // captured under `key`
     OrthoStats ortho;                    // what the captured step added to stats.ortho
+    std::vector<TransformCache::Ledger> cache;  // ... and to each cache class's ledger
     int failures = 0;                    // captures that failed
   };
   static constexpr int kMaxCaptureFailures = 3;

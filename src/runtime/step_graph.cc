@@ -1,7 +1,8 @@
 // Whole-step graphs for the single-process step (EngineOptions::graphs): the step is captured the
 // second time in a row its key is the same, and replayed while the key holds. The key names
 // everything a captured step bakes in: the buffers it reads and writes (gradients, weights,
-// state, the classes' iteration buffers and workspaces) and each class's resolved algorithm.
+// state, the classes' iteration buffers and workspaces), each class's resolved algorithm and
+// the CacheMuon options its gate and probes take by value.
 // What changes from step to step without changing the key -- learning rates, weight decay,
 // momentum, AdamW's betas and step counts -- is read on the device from StepScalars, uploaded
 // before the replay (local_step), outside the graph.
@@ -30,6 +31,18 @@ void add_config(std::vector<uint64_t>& key, const OrthoConfig& c) {
   for (int r : c.restarts) key.push_back(static_cast<uint64_t>(r));
   for (const QuinticCoef& q : c.custom_coefficients)
     key.insert(key.end(), {bits(double{q.a}), bits(double{q.b}), bits(double{q.c})});
+}
+
+void add_cache_options(std::vector<uint64_t>& key, const CacheOptions& o) {
+  key.insert(key.end(), {bits(o.gamma), static_cast<uint64_t>(o.residual),
+                         static_cast<uint64_t>(o.probes), static_cast<uint64_t>(o.max_staleness),
+                         o.dtype ? static_cast<uint64_t>(*o.dtype) + 1 : 0,
+                         static_cast<uint64_t>(o.layout), o.seed});
+}
+
+TransformCache::Ledger minus(const TransformCache::Ledger& a, const TransformCache::Ledger& b) {
+  return {a.calls - b.calls, a.matrices - b.matrices, a.flops_fixed - b.flops_fixed,
+          a.flops_fresh - b.flops_fresh};
 }
 
 // A captured step's share of the orthogonalization counters, added again by every replay.
@@ -64,6 +77,9 @@ std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
   for (const ShapeClass& c : classes) {
     key.insert(key.end(), {bits(c.x.data()), bits(c.workspace.data()), c.workspace_bytes});
     add_config(key, c.resolved);
+    const CacheClass& cc = caches[c.cache];
+    key.push_back(cc.use ? 1 : 0);
+    if (cc.use) add_cache_options(key, groups[cc.group].muon.cache);
   }
   return key;
 }
@@ -71,12 +87,14 @@ std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
 void Engine::Impl::local_step(std::span<const ParamData> data) {
   upload_scalars();  // eager, outside any graph: every step's hyperparameters reach the device
   // The classes' buffers follow the current options before anything is keyed or issued.
-  bool cache_in_use = false;
+  // CacheMuon's shadow mode reads the device on the host, as the raise policy does.
+  bool shadow = false;
   for (ShapeClass& c : classes) {
     ensure_class_buffers(c);
-    cache_in_use = cache_in_use || caches[c.cache].use;
+    const CacheClass& cc = caches[c.cache];
+    shadow = shadow || (cc.use && groups[cc.group].muon.cache.shadow);
   }
-  const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !cache_in_use;
+  const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
   if (!eligible || backend.capturing()) {
     // Inside a caller's capture the step is recorded there; the engine's own graph stays (it may
     // not be destroyed while the stream is being captured).
@@ -89,16 +107,24 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
   if (graph.exec && key == graph.key) {
     graph.exec->replay();
     add(stats.ortho, graph.ortho);
+    for (size_t i = 0; i < graph.cache.size(); ++i)
+      if (caches[i].cache) caches[i].cache->add_replayed(graph.cache[i]);
     stats.graph_replays += 1;
     count_local_step(data);
     return;
   }
   if (key == graph.key && graph.failures < kMaxCaptureFailures) {
     const OrthoStats before = stats.ortho;
+    std::vector<TransformCache::Ledger> ledgers(caches.size());
+    for (size_t i = 0; i < caches.size(); ++i)
+      if (caches[i].cache) ledgers[i] = caches[i].cache->ledger();
     std::unique_ptr<BackendGraph> exec = backend.capture([&] { issue_local_step(data); });
     if (exec) {
       graph.exec = std::move(exec);
       graph.ortho = minus(stats.ortho, before);
+      graph.cache.assign(caches.size(), {});
+      for (size_t i = 0; i < caches.size(); ++i)
+        if (caches[i].cache) graph.cache[i] = minus(caches[i].cache->ledger(), ledgers[i]);
       graph.exec->replay();
       stats.graph_captures += 1;
       count_local_step(data);
@@ -107,6 +133,9 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     // Nothing ran: the counters go back and the step is issued eagerly below. A capture that
     // keeps failing (an operation that cannot be captured) is not tried again.
     stats.ortho = before;
+    for (size_t i = 0; i < caches.size(); ++i)
+      if (caches[i].cache)
+        caches[i].cache->add_replayed(minus(ledgers[i], caches[i].cache->ledger()));
     if (++graph.failures == kMaxCaptureFailures)
       DM_LOG(kWarn, "engine: the step could not be captured ", kMaxCaptureFailures,
              " times; steps are issued eagerly from now on");

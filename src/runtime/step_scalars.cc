@@ -22,23 +22,24 @@ void Engine::Impl::allocate_scalars() {
 
 void Engine::Impl::upload_scalars() {
   for (size_t g = 0; g < groups.size(); ++g)
-    scalars.host_mu(static_cast<int>(g)) = groups[g].kind == ParamKind::kMuon ? groups[g].muon.momentum : 0.0f;
+    scalars.set_mu(static_cast<int>(g),
+                   groups[g].kind == ParamKind::kMuon ? groups[g].muon.momentum : 0.0f);
   if (world) {
     for (size_t j = 0; j < mats.size(); ++j)
-      scalars.host_coef(static_cast<int64_t>(j)) =
-          muon_update_coef(groups[mats[j].group].muon, mats[j].rows, mats[j].cols);
+      scalars.set_coef(static_cast<int64_t>(j),
+                       muon_update_coef(groups[mats[j].group].muon, mats[j].rows, mats[j].cols));
   } else {
     for (const Param& p : params)
       if (groups[p.spec.group].kind == ParamKind::kMuon)
         for (int64_t s = 0; s < p.layout.count; ++s)
-          scalars.host_coef(p.first_matrix + s) =
-              muon_update_coef(groups[p.spec.group].muon, p.layout.rows, p.layout.cols);
+          scalars.set_coef(p.first_matrix + s, muon_update_coef(groups[p.spec.group].muon,
+                                                                p.layout.rows, p.layout.cols));
   }
   for (size_t k = 0; k < adam_params.size(); ++k) {
     const Param& p = params[adam_params[k]];
     const AdamWOptions& a = groups[p.spec.group].adamw;
-    scalars.host_adam(static_cast<int64_t>(k)) = {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay,
-                                                  p.step + 1};
+    scalars.set_adam(static_cast<int64_t>(k),
+                     {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, p.step + 1});
   }
   scalars.upload(backend);
 }

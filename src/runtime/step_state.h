@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "distmuon/engine.h"
@@ -26,12 +27,12 @@ struct StepContext {
 // Filled on the host, then uploaded at once (Backend::upload_small) before anything reads them.
 struct StepScalars {
   void allocate(Backend& backend, int64_t groups, int64_t matrices, int64_t adam_params);
-  float& host_mu(int group) { return reinterpret_cast<float*>(host.data() + mu_at)[group]; }
-  MuonUpdateCoef& host_coef(int64_t j) {
-    return reinterpret_cast<MuonUpdateCoef*>(host.data() + coef_at)[j];
-  }
-  AdamCoef& host_adam(int64_t k) { return reinterpret_cast<AdamCoef*>(host.data())[k]; }
+  // The host copy, written field by field, then uploaded whole.
+  void set_mu(int group, float mu) { put(mu_at + group * sizeof(float), mu); }
+  void set_coef(int64_t j, const MuonUpdateCoef& c) { put(coef_at + j * sizeof(c), c); }
+  void set_adam(int64_t k, const AdamCoef& c) { put(k * sizeof(c), c); }
   void upload(Backend& backend) { backend.upload_small(device.data(), host.data(), host.size()); }
+  // Where the passes read them.
   const float* mu(int group) const { return device.as<float>() + mu_at / sizeof(float) + group; }
   const MuonUpdateCoef* coef(int64_t j = 0) const {
     return reinterpret_cast<const MuonUpdateCoef*>(device.as<char>() + coef_at) + j;
@@ -39,6 +40,10 @@ struct StepScalars {
   const AdamCoef* adam(int64_t k) const { return device.as<AdamCoef>() + k; }
 
  private:
+  template <typename T>
+  void put(size_t at, const T& v) {
+    std::memcpy(host.data() + at, &v, sizeof(T));
+  }
   Buffer device;
   std::vector<char> host;  // the same layout: AdamW's, then the Muon coefficients, then mu
   size_t coef_at = 0, mu_at = 0;

@@ -108,6 +108,28 @@ class RecordingBackend : public ForwardingBackend {
   void count_status(const int32_t* st, int64_t n, int64_t* c) override {
     run([=, this] { cpu_.count_status(st, n, c); });
   }
+  // CacheMuon's operations, recorded like the rest (the base class's defaults read the host).
+  void gemm_masked(const BatchMask& m, bool sym, Op oa, const BatchRef& a, Op ob,
+                   const BatchRef& b, double al, double be, const BatchRef* ci,
+                   const BatchRef& c) override {
+    const std::optional<BatchRef> cin = ci ? std::optional<BatchRef>(*ci) : std::nullopt;
+    run([=, this] { cpu_.gemm_masked(m, sym, oa, a, ob, b, al, be, cin ? &*cin : nullptr, c); });
+  }
+  void copy_masked(const BatchMask& m, const BatchRef& s, const BatchRef& d) override {
+    run([=, this] { cpu_.copy_masked(m, s, d); });
+  }
+  void cache_gate(const CacheGateArgs& a) override {
+    run([=, this] { cpu_.cache_gate(a); });
+  }
+  void fill_normal(const BatchRef& d, uint64_t seed, uint64_t counter) override {
+    run([=, this] { cpu_.fill_normal(d, seed, counter); });
+  }
+  void fingerprint(const BatchRef& x, uint64_t* keys) override {
+    run([=, this] { cpu_.fingerprint(x, keys); });
+  }
+  void fill_normal_keyed(const BatchRef& d, uint64_t seed, const uint64_t* keys) override {
+    run([=, this] { cpu_.fill_normal_keyed(d, seed, keys); });
+  }
 
  private:
   class Graph final : public BackendGraph {

@@ -268,49 +268,66 @@ TEST(CudaEngine, GraphReplayEqualsEagerStep) {
 
 // Whole-step graphs (EngineOptions::graphs): an engine that captures its second step and
 // replays the rest equals one that issues every step, bit for bit, while a schedule changes the
-// learning rates, weight decays, momentum and AdamW's beta1 every step.
+// learning rates, weight decays, momentum and AdamW's beta1 every step; with CacheMuon, the
+// replayed gates decide as the issued ones and the counters agree.
 TEST(CudaEngine, CapturedStepsFollowASchedule) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();
-  Model a(be);
-  Model b(be);
-  for (size_t i = 0; i < a.shapes.size(); ++i) {
-    be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
-    be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
-  }
-  EngineOptions on, off;
-  on.graphs = true;
-  off.graphs = false;
-  Engine ea(be, on), eb(be, off);
-  a.add_to(ea, "auto");
-  b.add_to(eb, "auto");
-  auto da = a.data(), db = b.data();
-  const int steps = 6;
-  for (int s = 0; s < steps; ++s) {
-    for (Engine* e : {&ea, &eb}) {
-      e->group(0).muon.lr = 0.02f / (1 + s);
-      e->group(0).muon.weight_decay = 0.05f * s;
-      e->group(0).muon.momentum = 0.85f + 0.02f * s;
-      e->group(1).adamw.lr = 1e-3f * (1 + s);
-      e->group(1).adamw.beta1 = 0.9f - 0.01f * s;
+  for (const bool cache : {false, true}) {
+    SCOPED_TRACE(cache ? "gram-ns with CacheMuon" : "auto");
+    Model a(be);
+    Model b(be);
+    for (size_t i = 0; i < a.shapes.size(); ++i) {
+      be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
+      be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
     }
-    ea.step(da);
-    eb.step(db);
+    EngineOptions on, off;
+    on.graphs = true;
+    off.graphs = false;
+    Engine ea(be, on), eb(be, off);
+    a.add_to(ea, cache ? "gram-ns" : "auto");
+    b.add_to(eb, cache ? "gram-ns" : "auto");
+    for (Engine* e : {&ea, &eb}) {
+      e->group(0).muon.cache.enabled = cache;
+      e->group(0).muon.cache.gamma = 50.0;  // the gradient is constant: hits after the first fill
+    }
+    auto da = a.data(), db = b.data();
+    const int steps = 6;
+    for (int s = 0; s < steps; ++s) {
+      for (Engine* e : {&ea, &eb}) {
+        e->group(0).muon.lr = 0.02f / (1 + s);
+        e->group(0).muon.weight_decay = 0.05f * s;
+        e->group(0).muon.momentum = 0.85f + 0.02f * s;
+        e->group(1).adamw.lr = 1e-3f * (1 + s);
+        e->group(1).adamw.beta1 = 0.9f - 0.01f * s;
+      }
+      ea.step(da);
+      eb.step(db);
+    }
+    be.synchronize();
+    for (size_t i = 0; i < a.shapes.size(); ++i) {
+      auto wa = a.weights(be, i), wb = b.weights(be, i);
+      EXPECT_NE(wa, a.w0[i]) << "parameter " << i << " was not updated";
+      ASSERT_EQ(wa, wb) << "parameter " << i << " differs between replayed and eager steps";
+    }
+    const EngineStats sa = ea.stats(), sb = eb.stats();
+    if (std::getenv("DISTMUON_GRAPHS") == nullptr) {
+      EXPECT_EQ(sa.graph_captures, 1);
+      EXPECT_EQ(sa.graph_replays, steps - 2);
+      EXPECT_EQ(sb.graph_captures + sb.graph_replays, 0);
+    }
+    EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
+    EXPECT_EQ(sa.cache.hits, sb.cache.hits);
+    EXPECT_EQ(sa.cache.refreshes, sb.cache.refreshes);
+    EXPECT_EQ(sa.cache.calls, sb.cache.calls);
+    if (cache) {
+      std::printf("[measure] CacheMuon under graphs: %lld hits, %lld refreshes in %d steps\n",
+                  static_cast<long long>(sa.cache.hits), static_cast<long long>(sa.cache.refreshes),
+                  steps);
+      EXPECT_GT(sa.cache.hits, 0);
+    }
+    EXPECT_EQ(ea.param_step(4), steps);
   }
-  be.synchronize();
-  for (size_t i = 0; i < a.shapes.size(); ++i) {
-    auto wa = a.weights(be, i), wb = b.weights(be, i);
-    EXPECT_NE(wa, a.w0[i]) << "parameter " << i << " was not updated";
-    ASSERT_EQ(wa, wb) << "parameter " << i << " differs between replayed and eager steps";
-  }
-  const EngineStats sa = ea.stats(), sb = eb.stats();
-  if (std::getenv("DISTMUON_GRAPHS") == nullptr) {
-    EXPECT_EQ(sa.graph_captures, 1);
-    EXPECT_EQ(sa.graph_replays, steps - 2);
-    EXPECT_EQ(sb.graph_captures + sb.graph_replays, 0);
-  }
-  EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
-  EXPECT_EQ(ea.param_step(4), steps);
 }
 
 // The GPU engine follows the CPU engine (fp32 reference iteration) within bf16 tolerance.

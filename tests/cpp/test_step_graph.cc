@@ -1,7 +1,8 @@
 // Whole-step graphs (EngineOptions::graphs) on a CPU backend that captures by recording
 // (recording_backend.h): replays equal eager steps bit for bit while a scheduler changes every
-// hyperparameter, a new buffer or a missing gradient captures again, failed captures fall back
-// to eager steps, and the steps that need the host mid-step never capture.
+// hyperparameter, CacheMuon steps replay with the same decisions and counters, a new buffer, a
+// missing gradient or a new gamma captures again, failed captures fall back to eager steps, and
+// the steps that need the host mid-step never capture.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -159,6 +160,45 @@ TEST(StepGraph, FailedCapturesFallBackToEagerStepsAndStop) {
   EXPECT_EQ(ea.stats().ortho.flops, eb.stats().ortho.flops);  // a failed capture counts nothing
 }
 
+TEST(StepGraph, CacheMuonStepsReplayWithTheSameDecisionsAndCounters) {
+  test::RecordingBackend rb;
+  CpuBackend cb;
+  Model a, b;
+  b.w = a.w;
+  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
+  a.add_to(ea);
+  b.add_to(eb);
+  for (Engine* e : {&ea, &eb}) {
+    e->group(0).muon.cache.enabled = true;
+    e->group(0).muon.cache.gamma = 5.0;
+  }
+  const int steps = 8;
+  for (int s = 0; s < steps; ++s) {
+    // Small changes between steps, so that entries are reused (hits) as well as refreshed.
+    a.new_grads(s < 4 ? 0 : s);
+    b.new_grads(s < 4 ? 0 : s);
+    if (s == 6)  // a new gamma is a new graph: the gate takes it by value
+      for (Engine* e : {&ea, &eb}) e->group(0).muon.cache.gamma = 0.5;
+    auto da = a.data(), db = b.data();
+    ea.step(da);
+    eb.step(db);
+  }
+  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  const EngineStats sa = ea.stats(), sb = eb.stats();
+  // Step 2 captured, 3-6 replayed, 7 (new gamma) eager, 8 captured again.
+  EXPECT_EQ(sa.graph_captures, 2);
+  EXPECT_EQ(sa.graph_replays, 4);
+  EXPECT_GT(sb.cache.hits, 0);
+  EXPECT_GT(sb.cache.refreshes, 0);
+  EXPECT_EQ(sa.cache.hits, sb.cache.hits);
+  EXPECT_EQ(sa.cache.refreshes, sb.cache.refreshes);
+  EXPECT_EQ(sa.cache.calls, sb.cache.calls);
+  EXPECT_EQ(sa.cache.matrices, sb.cache.matrices);
+  EXPECT_EQ(sa.cache.flops, sb.cache.flops);
+  EXPECT_EQ(sa.cache.fresh_flops, sb.cache.fresh_flops);
+  EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
+}
+
 TEST(StepGraph, StepsThatNeedTheHostNeverCapture) {
   for (int variant = 0; variant < 3; ++variant) {
     test::RecordingBackend rb;
@@ -167,8 +207,9 @@ TEST(StepGraph, StepsThatNeedTheHostNeverCapture) {
                  : variant == 1 ? graphs(true, NonFinitePolicy::kRaise)
                                 : graphs(true));
     a.add_to(e);
-    if (variant == 2) {  // CacheMuon decides on the device but keeps its books on the host
+    if (variant == 2) {  // CacheMuon's shadow mode compares on the host
       e.group(0).muon.cache.enabled = true;
+      e.group(0).muon.cache.shadow = true;
     }
     for (int s = 0; s < 4; ++s) {
       a.new_grads(s);

@@ -104,10 +104,10 @@ class Muon(torch.optim.Optimizer):
             CUDA graph once two steps in a row used the same gradient and parameter buffers,
             and replays it from then on: the step then costs one launch of host time. The
             learning rate, weight decay and momentum are read on the device, so a scheduler
-            keeps the graph. Steps with ``nonfinite='raise'`` or a CacheMuon group are issued
-            eagerly, and inside your own CUDA graph capture the step is recorded there (with the
-            hyperparameters of that capture). ``False`` issues every step eagerly
-            (``DISTMUON_GRAPHS=0|1`` overrides either way).
+            keeps the graph. CacheMuon steps replay too; steps with ``nonfinite='raise'`` or
+            ``cache_shadow=True`` are issued eagerly, and inside your own CUDA graph capture
+            the step is recorded there (with the hyperparameters of that capture). ``False``
+            issues every step eagerly (``DISTMUON_GRAPHS=0|1`` overrides either way).
 
     Distributed: every rank builds the optimizer and steps it together (the step is
     collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
