@@ -204,11 +204,12 @@ class Backend {
   virtual void* native_stream() const { return nullptr; }
 
   // ---- graphs --------------------------------------------------------------------------------
-  // Records what `issue` issues into a graph instead of running it, or returns null (and runs
-  // nothing) where this backend cannot: the default, or a capture that failed (an operation
-  // that cannot be captured, such as an allocation or a host read; the error is logged and
-  // cleared). The operations must not depend on host values that change between replays:
-  // per-step scalars go through upload_small before the replay, outside the graph.
+  // Records what `issue` issues into a graph instead of running it. Returns null in two cases:
+  // this backend cannot capture (the default: `issue` is not called), or the capture failed (an
+  // operation that cannot be captured, such as an allocation or a host read, ran inside `issue`;
+  // the error is logged and cleared, and nothing issued ran). The operations must not depend on
+  // host values that change between replays: per-step scalars go through upload_small before
+  // the replay, outside the graph.
   virtual std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue);
   // Whether the current stream is being captured by someone else (a caller's CUDA graph): then
   // the engine issues into that capture rather than capturing or replaying its own graph.

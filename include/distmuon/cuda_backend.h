@@ -51,8 +51,11 @@ class CudaBackend final : public Backend {
   // ---- stream and workspace ------------------------------------------------------------------
   // Every later operation is issued on `stream`, taken literally: nullptr is the legacy default
   // stream (torch's default stream is that one, handle 0), never a stand-in for the backend's
-  // own non-blocking stream, which it starts on. The workspace is used in stream order:
-  // switching streams while work is in flight is the caller's ordering problem.
+  // own non-blocking stream, which it starts on. The workspace (and an engine's hyperparameters
+  // in device memory) are used in stream order: switching streams while work is in flight is
+  // the caller's ordering problem. A graph the engine captured replays on the current stream but
+  // keeps the workspace and kernel choices of its capture (set_workspace, set_sym_kernel, tuned
+  // choices): change those before an engine's first step.
   void set_stream(cudaStream_t stream);
   cudaStream_t stream() const;
   void* native_stream() const override { return stream(); }

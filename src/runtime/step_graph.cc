@@ -118,8 +118,16 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     std::vector<TransformCache::Ledger> ledgers(caches.size());
     for (size_t i = 0; i < caches.size(); ++i)
       if (caches[i].cache) ledgers[i] = caches[i].cache->ledger();
-    std::unique_ptr<BackendGraph> exec = backend.capture([&] { issue_local_step(data); });
-    if (exec) {
+    bool issued = false;
+    std::unique_ptr<BackendGraph> exec = backend.capture([&] {
+      issued = true;
+      issue_local_step(data);
+    });
+    if (!exec && !issued) {
+      // This backend does not capture (the CPU's): nothing to retry, nothing to warn about.
+      DM_LOG(kDebug, "engine: ", backend.name(), " does not capture; steps are issued eagerly");
+      graph_mode = false;
+    } else if (exec) {
       graph.exec = std::move(exec);
       graph.ortho = minus(stats.ortho, before);
       graph.cache.assign(caches.size(), {});
@@ -129,16 +137,17 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       stats.graph_captures += 1;
       count_local_step(data);
       return;
+    } else {
+      // Nothing ran: the counters go back and the step is issued eagerly below. A capture that
+      // keeps failing (an operation that cannot be captured) is not tried again.
+      stats.ortho = before;
+      for (size_t i = 0; i < caches.size(); ++i)
+        if (caches[i].cache)
+          caches[i].cache->add_replayed(minus(ledgers[i], caches[i].cache->ledger()));
+      if (++graph.failures == kMaxCaptureFailures)
+        DM_LOG(kWarn, "engine: the step could not be captured ", kMaxCaptureFailures,
+               " times; steps are issued eagerly from now on");
     }
-    // Nothing ran: the counters go back and the step is issued eagerly below. A capture that
-    // keeps failing (an operation that cannot be captured) is not tried again.
-    stats.ortho = before;
-    for (size_t i = 0; i < caches.size(); ++i)
-      if (caches[i].cache)
-        caches[i].cache->add_replayed(minus(ledgers[i], caches[i].cache->ledger()));
-    if (++graph.failures == kMaxCaptureFailures)
-      DM_LOG(kWarn, "engine: the step could not be captured ", kMaxCaptureFailures,
-             " times; steps are issued eagerly from now on");
   }
   graph.exec.reset();
   graph.key = std::move(key);

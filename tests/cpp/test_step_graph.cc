@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -197,6 +198,74 @@ TEST(StepGraph, CacheMuonStepsReplayWithTheSameDecisionsAndCounters) {
   EXPECT_EQ(sa.cache.flops, sb.cache.flops);
   EXPECT_EQ(sa.cache.fresh_flops, sb.cache.fresh_flops);
   EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
+}
+
+// Every option a captured step takes by value is in the key: changing one issues the next step
+// eagerly and captures again, and the results stay those of eager steps.
+TEST(StepGraph, OptionsTakenByValueCaptureAgain) {
+  test::RecordingBackend rb;
+  CpuBackend cb;
+  Model a, b;
+  b.w = a.w;
+  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
+  a.add_to(ea);
+  b.add_to(eb);
+  for (Engine* e : {&ea, &eb}) {
+    e->group(0).muon.cache.enabled = true;
+    e->group(0).muon.cache.gamma = 5.0;
+  }
+  // Three steps per setting: eager (new key), captured, replayed.
+  const std::vector<std::function<void(GroupOptions&)>> changes = {
+      [](GroupOptions&) {},
+      [](GroupOptions& g) { g.muon.nesterov = !g.muon.nesterov; },
+      [](GroupOptions& g) { g.muon.ortho.steps = 6; },
+      [](GroupOptions& g) { g.muon.ortho.coefficients = Coefficients::kPolarExpress; },
+      [](GroupOptions& g) { g.muon.cache.probes = 4; },
+      [](GroupOptions& g) { g.muon.cache.residual = CacheResidual::kExact; },
+      [](GroupOptions& g) { g.muon.cache.max_staleness = 2; },
+      [](GroupOptions& g) { g.muon.cache.seed = 7; },
+  };
+  int step = 0;
+  for (const auto& change : changes) {
+    change(ea.group(0));
+    change(eb.group(0));
+    for (int r = 0; r < 3; ++r, ++step) {
+      a.new_grads(step);
+      b.new_grads(step);
+      auto da = a.data(), db = b.data();
+      ea.step(da);
+      eb.step(db);
+    }
+  }
+  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  const EngineStats sa = ea.stats(), sb = eb.stats();
+  EXPECT_EQ(sa.graph_captures, static_cast<int64_t>(changes.size()));
+  EXPECT_EQ(sa.graph_replays, static_cast<int64_t>(changes.size()));
+  EXPECT_EQ(sa.cache.hits, sb.cache.hits);
+  EXPECT_EQ(sa.cache.refreshes, sb.cache.refreshes);
+}
+
+// A backend that cannot capture (Backend::capture's default) is asked once; the engine then
+// issues eagerly without counting failures (nor warning about them).
+TEST(StepGraph, ABackendThatCannotCaptureIsAskedOnce) {
+  struct Counting : test::ForwardingBackend {
+    int asked = 0;
+    std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue) override {
+      ++asked;
+      return Backend::capture(issue);
+    }
+  } be;
+  Model a;
+  Engine e(be);  // default options: graphs on
+  a.add_to(e);
+  for (int s = 0; s < 6; ++s) {
+    a.new_grads(s);
+    auto d = a.data();
+    e.step(d);
+  }
+  EXPECT_EQ(be.asked, 1);
+  EXPECT_EQ(e.stats().graph_captures + e.stats().graph_replays, 0);
+  EXPECT_EQ(e.stats().steps, 6);
 }
 
 TEST(StepGraph, StepsThatNeedTheHostNeverCapture) {
