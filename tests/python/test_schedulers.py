@@ -71,3 +71,20 @@ def test_invalid_value_set_between_steps_is_caught_before_the_step() -> None:
     with pytest.raises(ValueError, match=r"parameter group 0 \(Muon\): momentum must be in \[0, 1\)"):
         train(model, [opt], 1)
     assert max_param_diff(model, before) == 0.0
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cuda_graphs_option_is_inert_on_the_cpu(graphs: bool) -> None:
+    """cuda_graphs is accepted either way; the CPU backend does not capture, so a scheduled run
+    counts no graph and equals the other setting bit for bit."""
+    torch.manual_seed(2)
+    models = [TinyGPT(), None]
+    models[1] = clone(models[0])
+    opts = [Muon(m, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, cuda_graphs=g)
+            for m, g in zip(models, (graphs, not graphs))]
+    for m, o in zip(models, opts):
+        train(m, [o], steps=4, schedulers=[LambdaLR(o, lambda s: 1.0 / (1 + s))])
+    assert max_param_diff(models[0], models[1]) == 0.0
+    for o in opts:
+        st = o.stats()
+        assert st["steps"] == 4 and st["graph_captures"] == 0 and st["graph_replays"] == 0
