@@ -10,6 +10,8 @@
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/engine.h"
 #include "distmuon/error.h"
+#include "distmuon/workload.h"
+#include "null_backend.h"
 #include "test_util.h"
 
 namespace distmuon {
@@ -436,6 +438,53 @@ TEST(Engine, HalfPrecisionParametersAndGradients) {
   Mat a = w16.get(0), b(16, 40);
   for (int i = 0; i < 640; ++i) b(i / 40, i % 40) = w32[i];
   EXPECT_LT(test::rel_err(a, b), 1e-2);
+}
+
+// A step issues a few operations per shape class, not per matrix: the operations of one step
+// of a workload do not grow with its layers (every layer adds matrices to the same classes).
+TEST(Engine, OperationsPerStepDoNotGrowWithTheMatrices) {
+  auto ops_per_step = [](const std::string& workload, int64_t layers, const char* algo) {
+    test::NullBackend be;
+    Engine e(be);
+    GroupOptions g;
+    g.muon.ortho = parse_algorithm(algo);
+    e.add_group(g);
+    GroupOptions a;
+    a.kind = ParamKind::kAdamW;
+    e.add_group(a);
+    const Workload w = load_workload(workload).first_layers(layers);
+    // Weights and gradients are never read: untouched calloc'ed pages cost no memory.
+    std::vector<Buffer> keep;
+    std::vector<ParamData> data;
+    auto add = [&](const WorkloadEntry& en, int group) {
+      for (int64_t l = 0; l < en.count; ++l) {
+        e.add_param({en.name + "." + std::to_string(l), group, en.shape, DType::kF32});
+        keep.push_back(be.alloc(4 * static_cast<size_t>(en.numel())));
+        void* wt = keep.back().data();
+        keep.push_back(be.alloc(4 * static_cast<size_t>(en.numel())));
+        data.push_back({wt, keep.back().data(), DType::kF32, {}});
+      }
+    };
+    for (const WorkloadEntry& en : w.muon) add(en, 0);
+    for (const WorkloadEntry& en : w.adamw) add(en, 1);
+    e.step(data);
+    be.ops = 0;
+    e.step(data);
+    return be.ops;
+  };
+  for (const char* algo : {"ns5", "gram-ns"}) {
+    const int64_t one = ops_per_step("gpt2-small", 1, algo);
+    const int64_t all = ops_per_step("gpt2-small", 12, algo);
+    std::printf("[measure] gpt2-small, %s: %lld operations per step at 1 layer, %lld at 12\n",
+                algo, static_cast<long long>(one), static_cast<long long>(all));
+    EXPECT_EQ(one, all) << algo;
+    EXPECT_GT(one, 0);
+  }
+  // deepseek-v2-lite, 2 layers: 403 Muon matrices in 12 classes (384 of them MoE experts).
+  const int64_t moe = ops_per_step("deepseek-v2-lite", 2, "gram-ns");
+  std::printf("[measure] deepseek-v2-lite (2 layers), gram-ns: %lld operations per step\n",
+              static_cast<long long>(moe));
+  EXPECT_LT(moe, 403);
 }
 
 }  // namespace
