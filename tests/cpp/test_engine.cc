@@ -2,6 +2,7 @@
 // same optimizer, parameter groups, 3D/4D layouts, and bad input.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -469,7 +470,12 @@ TEST(Engine, OperationsPerStepDoNotGrowWithTheMatrices) {
     for (const WorkloadEntry& en : w.adamw) add(en, 1);
     e.step(data);
     be.ops = 0;
+    const auto t0 = std::chrono::steady_clock::now();
     e.step(data);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("[measure] %s, %lld layers, %s: the engine's host time %.3f ms\n",
+                workload.c_str(), static_cast<long long>(layers), algo, ms);
     return be.ops;
   };
   for (const char* algo : {"ns5", "gram-ns"}) {
