@@ -48,20 +48,35 @@ def main():
              "adamw_full_model_ms": t.get("adamw_full_model_ms"),
              # measured on qwen's MLP shapes (the qwen workload's largest class)
              "cache_hit_over_fresh": hit.get("cache_hit_over_fresh") if w["name"].startswith("qwen") else None,
-             "distmuon_bench_ms": tool.get(w["name"]), "classes": w["classes"]}
+             "distmuon_bench_ms": tool.get(w["name"]), "classes": w["classes"],
+             # the step() call's host time (the engine's graphs replay from its second step)
+             "distmuon_host_ms": w.get("distmuon_host_ms"),
+             # counted FLOPs of the algorithms the engine ran, per second of the step
+             "effective_tflops": (w["tuned_flops"] / (best * 1e-3) / 1e12
+                                  if best and w.get("tuned_flops") else None)}
         res["workloads"].append(e)
+    # `auto` against the fastest single algorithm, per workload that distmuon-bench ran with them.
+    res["auto_vs_best"] = []
+    for name, by_algo in tool.items():
+        singles = {a: v for a, v in by_algo.items() if a in ("ns5", "ns5-sym", "gram-ns")}
+        if "auto" in by_algo and singles:
+            fastest = min(singles, key=singles.get)
+            res["auto_vs_best"].append({"name": name, "auto_ms": by_algo["auto"], "best": fastest,
+                                        "best_ms": singles[fastest],
+                                        "auto_over_best": by_algo["auto"] / singles[fastest]})
     os.makedirs(args.out_dir, exist_ok=True)
     base = os.path.join(args.out_dir, f"{date}-h200{args.suffix}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=2)
     lines = [f"# distmuon on one H200, {date}", "",
              f"Command: `{args.command}`. Device: {res['device']}.", "",
-             f"Dense bf16 GEMM {res['gemm_tflops']:.0f} TFLOP/s, copy {res['copy_tbps']:.2f} TB/s, "
-             f"X X^T 4096x16384 bf16 / cuBLAS dense = {res['syrk_over_dense']:.3f}.", "",
-             "| workload | distmuon ms (graph / eager) | distmuon-bench auto ms | floor ms | x floor | "
-             "floor, tuned algos | torch.optim.Muon ms | x faster | AdamW fused ms (same matrices / "
-             "whole model) | x AdamW |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"Dense bf16 GEMM {res['gemm_tflops']:.0f} TFLOP/s, copy {res['copy_tbps']:.2f} TB/s"
+             + (f", X X^T 4096x16384 bf16 / cuBLAS dense = {res['syrk_over_dense']:.3f}."
+                if res["syrk_over_dense"] is not None else " (no micro-benchmarks in this run)."), "",
+             "| workload | distmuon ms (caller graph / step()) | host ms of step() | counted TFLOP/s | "
+             "distmuon-bench auto ms | floor ms | x floor | floor, tuned algos | torch.optim.Muon ms | "
+             "x faster | AdamW fused ms (same matrices / whole model) | x AdamW |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in res["workloads"]:
         d = e["distmuon_ms"]
         tm, aw, awf = e["torch_muon_ms"], e["adamw_ms"], e["adamw_full_model_ms"]
@@ -69,11 +84,19 @@ def main():
         cli = (e.get("distmuon_bench_ms") or {}).get("auto")
         ok = d is not None
         lines.append(f"| {e['name']} | {f(e['distmuon_graph_ms'])} / {f(e['distmuon_eager_ms'])} | "
+                     f"{f(e['distmuon_host_ms'], '{:.3f}')} | {f(e['effective_tflops'], '{:.0f}')} | "
                      f"{f(cli)} | {f(e['floor_ms'])} | {f(d / e['floor_ms'] if ok else None)} | "
                      f"{f(e.get('floor_tuned_ms'))} | {f(tm)} | "
                      f"{f(None if tm is None or not ok else tm / d, '{:.1f}')} | {f(aw)} / {f(awf)} | "
                      f"{f(None if aw is None or not ok else d / aw)} / "
                      f"{f(None if awf is None or not ok else d / awf)} |")
+    if res["auto_vs_best"]:
+        lines += ["", "`auto` against the fastest single algorithm (distmuon-bench, median step ms):", "",
+                  "| workload | auto | fastest of ns5 / ns5-sym / gram-ns | auto / fastest |",
+                  "|---|---|---|---|"]
+        for a in res["auto_vs_best"]:
+            lines.append(f"| {a['name']} | {a['auto_ms']:.2f} | {a['best']} {a['best_ms']:.2f} | "
+                         f"{a['auto_over_best']:.3f} |")
     if hit:
         lines += ["", f"CacheMuon on qwen2.5-7b's MLP shapes ({hit['count']} x {hit['m']}x{hit['n']}, "
                   f"{hit['algorithm']}): fresh solve {hit['fresh_ms']:.2f} ms."]

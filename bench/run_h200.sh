@@ -57,12 +57,12 @@ say "ceilings, X X^T, CacheMuon, autotuner and steps ($WL)"
 $BIN/distmuon-cuda-bench --json "$OUT/cuda_bench.json" --workloads "$WL" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" \
   | grep -vE "^\[tune\]" | tail -48
 
-say "distmuon-bench (the CLI, eager steps, algo auto)"
+say "distmuon-bench (the CLI: auto against each single algorithm, for the report's auto-vs-fastest table)"
 mkdir -p /tmp/tools
 [ -n "${SKIP_CLI:-}" ] && WL_CLI="" || WL_CLI="$WL"
 for spec in ${WL_CLI//,/ }; do
   name=${spec%%:*}; layers=0; [ "$name" != "$spec" ] && layers=${spec##*:}
-  $BIN/distmuon-bench --backend cuda --algo ns5,auto --workload "$name" --layers "$layers" \
+  $BIN/distmuon-bench --backend cuda --algo auto,ns5,ns5-sym,gram-ns --workload "$name" --layers "$layers" \
     --no-adamw --steps 5 --warmup 2 --json "/tmp/tools/$name.json" 2>&1 | tail -6 | tee -a "$LOG"
 done
 tar czf "$OUT/tools.tgz" -C /tmp/tools .
