@@ -75,117 +75,109 @@ EngineOptions graphs(bool on, NonFinitePolicy p = NonFinitePolicy::kSkip) {
   return o;
 }
 
-TEST(StepGraph, ReplaysEqualEagerStepsUnderASchedule) {
+// The same model stepped from the same weights by two engines: one that captures (on the
+// recording backend) and one that issues every step (on the CPU backend).
+struct GraphedAndEager {
   test::RecordingBackend rb;
   CpuBackend cb;
   Model a, b;
-  b.w = a.w;
-  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
-  a.add_to(ea);
-  b.add_to(eb);
-  const int steps = 6;
-  for (int s = 0; s < steps; ++s) {
-    a.new_grads(s);
-    b.new_grads(s);
-    schedule(ea, s);
-    schedule(eb, s);
+  Engine ea{rb, graphs(true)}, eb{cb, graphs(false)};
+  GraphedAndEager() {
+    b.w = a.w;
+    a.add_to(ea);
+    b.add_to(eb);
+  }
+  // The same change of options on both engines.
+  template <typename F>
+  void both(F&& change) {
+    change(ea);
+    change(eb);
+  }
+  // One step of both on the gradients of `seed`; `edit` may change their data first.
+  void step(uint64_t seed,
+            const std::function<void(std::vector<ParamData>&, std::vector<ParamData>&)>& edit = {}) {
+    a.new_grads(seed);
+    b.new_grads(seed);
     auto da = a.data(), db = b.data();
+    if (edit) edit(da, db);
     ea.step(da);
     eb.step(db);
   }
-  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  void expect_equal_weights() const {
+    for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
+  }
+};
+
+void enable_cache(Engine& e, double gamma) {
+  e.group(0).muon.cache.enabled = true;
+  e.group(0).muon.cache.gamma = gamma;
+}
+
+TEST(StepGraph, ReplaysEqualEagerStepsUnderASchedule) {
+  GraphedAndEager r;
+  const int steps = 6;
+  for (int s = 0; s < steps; ++s) {
+    r.both([&](Engine& e) { schedule(e, s); });
+    r.step(s);
+  }
+  r.expect_equal_weights();
   // Step 1 eager, step 2 captured (and run by one replay), steps 3.. replayed.
-  EXPECT_EQ(rb.captures, 1);
-  EXPECT_EQ(rb.replays, steps - 1);
-  const EngineStats sa = ea.stats(), sb = eb.stats();
+  EXPECT_EQ(r.rb.captures, 1);
+  EXPECT_EQ(r.rb.replays, steps - 1);
+  const EngineStats sa = r.ea.stats(), sb = r.eb.stats();
   EXPECT_EQ(sa.graph_captures, 1);
   EXPECT_EQ(sa.graph_replays, steps - 2);
   EXPECT_EQ(sb.graph_captures + sb.graph_replays, 0);
   EXPECT_EQ(sa.steps, steps);
   EXPECT_EQ(sa.ortho.flops, sb.ortho.flops);
   EXPECT_EQ(sa.ortho.calls, sb.ortho.calls);
-  for (int i = 0; i < ea.num_params(); ++i) EXPECT_EQ(ea.param_step(i), steps);
+  for (int i = 0; i < r.ea.num_params(); ++i) EXPECT_EQ(r.ea.param_step(i), steps);
 }
 
 TEST(StepGraph, NewBuffersOrAMissingGradientCaptureAgain) {
-  test::RecordingBackend rb;
-  CpuBackend cb;
-  Model a, b;
-  b.w = a.w;
-  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
-  a.add_to(ea);
-  b.add_to(eb);
-  std::vector<float> other(a.g[0].size());
+  GraphedAndEager r;
+  std::vector<float> other(r.a.g[0].size());
   // Steps: same, same (capture), other buffer for p0 (eager), again (capture), p2 without a
   // gradient (eager), again (capture), again (replay).
-  for (int s = 0; s < 7; ++s) {
-    a.new_grads(s);
-    b.new_grads(s);
-    auto da = a.data(), db = b.data();
-    if (s == 2 || s == 3) {
-      other = a.g[0];
-      da[0].grad = other.data();
-    }
-    if (s >= 4) da[2].grad = db[2].grad = nullptr;
-    ea.step(da);
-    eb.step(db);
-  }
-  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
-  EXPECT_EQ(ea.stats().graph_captures, 3);
-  EXPECT_EQ(ea.stats().graph_replays, 1);
-  EXPECT_EQ(ea.param_step(2), 4);
-  EXPECT_EQ(ea.param_step(0), 7);
+  for (int s = 0; s < 7; ++s)
+    r.step(s, [&](std::vector<ParamData>& da, std::vector<ParamData>& db) {
+      if (s == 2 || s == 3) {
+        other = r.a.g[0];
+        da[0].grad = other.data();
+      }
+      if (s >= 4) da[2].grad = db[2].grad = nullptr;
+    });
+  r.expect_equal_weights();
+  EXPECT_EQ(r.ea.stats().graph_captures, 3);
+  EXPECT_EQ(r.ea.stats().graph_replays, 1);
+  EXPECT_EQ(r.ea.param_step(2), 4);
+  EXPECT_EQ(r.ea.param_step(0), 7);
 }
 
 TEST(StepGraph, FailedCapturesFallBackToEagerStepsAndStop) {
-  test::RecordingBackend rb;
-  rb.fail_captures = true;
-  CpuBackend cb;
-  Model a, b;
-  b.w = a.w;
-  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
-  a.add_to(ea);
-  b.add_to(eb);
+  GraphedAndEager r;
+  r.rb.fail_captures = true;
   for (int s = 0; s < 8; ++s) {
-    a.new_grads(s);
-    b.new_grads(s);
-    schedule(ea, s);
-    schedule(eb, s);
-    auto da = a.data(), db = b.data();
-    ea.step(da);
-    eb.step(db);
+    r.both([&](Engine& e) { schedule(e, s); });
+    r.step(s);
   }
-  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
-  EXPECT_EQ(rb.captures, 3);  // then no more attempts
-  EXPECT_EQ(ea.stats().graph_captures, 0);
-  EXPECT_EQ(ea.stats().ortho.flops, eb.stats().ortho.flops);  // a failed capture counts nothing
+  r.expect_equal_weights();
+  EXPECT_EQ(r.rb.captures, 3);  // then no more attempts
+  EXPECT_EQ(r.ea.stats().graph_captures, 0);
+  EXPECT_EQ(r.ea.stats().ortho.flops, r.eb.stats().ortho.flops);  // a failed capture counts nothing
 }
 
 TEST(StepGraph, CacheMuonStepsReplayWithTheSameDecisionsAndCounters) {
-  test::RecordingBackend rb;
-  CpuBackend cb;
-  Model a, b;
-  b.w = a.w;
-  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
-  a.add_to(ea);
-  b.add_to(eb);
-  for (Engine* e : {&ea, &eb}) {
-    e->group(0).muon.cache.enabled = true;
-    e->group(0).muon.cache.gamma = 5.0;
-  }
-  const int steps = 8;
-  for (int s = 0; s < steps; ++s) {
-    // Small changes between steps, so that entries are reused (hits) as well as refreshed.
-    a.new_grads(s < 4 ? 0 : s);
-    b.new_grads(s < 4 ? 0 : s);
+  GraphedAndEager r;
+  r.both([](Engine& e) { enable_cache(e, 5.0); });
+  for (int s = 0; s < 8; ++s) {
     if (s == 6)  // a new gamma is a new graph: the gate takes it by value
-      for (Engine* e : {&ea, &eb}) e->group(0).muon.cache.gamma = 0.5;
-    auto da = a.data(), db = b.data();
-    ea.step(da);
-    eb.step(db);
+      r.both([](Engine& e) { e.group(0).muon.cache.gamma = 0.5; });
+    // Small changes between steps, so that entries are reused (hits) as well as refreshed.
+    r.step(s < 4 ? 0 : s);
   }
-  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
-  const EngineStats sa = ea.stats(), sb = eb.stats();
+  r.expect_equal_weights();
+  const EngineStats sa = r.ea.stats(), sb = r.eb.stats();
   // Step 2 captured, 3-6 replayed, 7 (new gamma) eager, 8 captured again.
   EXPECT_EQ(sa.graph_captures, 2);
   EXPECT_EQ(sa.graph_replays, 4);
@@ -203,17 +195,8 @@ TEST(StepGraph, CacheMuonStepsReplayWithTheSameDecisionsAndCounters) {
 // Every option a captured step takes by value is in the key: changing one issues the next step
 // eagerly and captures again, and the results stay those of eager steps.
 TEST(StepGraph, OptionsTakenByValueCaptureAgain) {
-  test::RecordingBackend rb;
-  CpuBackend cb;
-  Model a, b;
-  b.w = a.w;
-  Engine ea(rb, graphs(true)), eb(cb, graphs(false));
-  a.add_to(ea);
-  b.add_to(eb);
-  for (Engine* e : {&ea, &eb}) {
-    e->group(0).muon.cache.enabled = true;
-    e->group(0).muon.cache.gamma = 5.0;
-  }
+  GraphedAndEager r;
+  r.both([](Engine& e) { enable_cache(e, 5.0); });
   // Three steps per setting: eager (new key), captured, replayed.
   const std::vector<std::function<void(GroupOptions&)>> changes = {
       [](GroupOptions&) {},
@@ -227,18 +210,11 @@ TEST(StepGraph, OptionsTakenByValueCaptureAgain) {
   };
   int step = 0;
   for (const auto& change : changes) {
-    change(ea.group(0));
-    change(eb.group(0));
-    for (int r = 0; r < 3; ++r, ++step) {
-      a.new_grads(step);
-      b.new_grads(step);
-      auto da = a.data(), db = b.data();
-      ea.step(da);
-      eb.step(db);
-    }
+    r.both([&](Engine& e) { change(e.group(0)); });
+    for (int k = 0; k < 3; ++k) r.step(step++);
   }
-  for (size_t i = 0; i < a.w.size(); ++i) ASSERT_EQ(a.w[i], b.w[i]) << "parameter " << i;
-  const EngineStats sa = ea.stats(), sb = eb.stats();
+  r.expect_equal_weights();
+  const EngineStats sa = r.ea.stats(), sb = r.eb.stats();
   EXPECT_EQ(sa.graph_captures, static_cast<int64_t>(changes.size()));
   EXPECT_EQ(sa.graph_replays, static_cast<int64_t>(changes.size()));
   EXPECT_EQ(sa.cache.hits, sb.cache.hits);
@@ -277,7 +253,7 @@ TEST(StepGraph, StepsThatNeedTheHostNeverCapture) {
                                 : graphs(true));
     a.add_to(e);
     if (variant == 2) {  // CacheMuon's shadow mode compares on the host
-      e.group(0).muon.cache.enabled = true;
+      enable_cache(e, 2.0);
       e.group(0).muon.cache.shadow = true;
     }
     for (int s = 0; s < 4; ++s) {
