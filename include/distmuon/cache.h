@@ -165,6 +165,10 @@ class TransformCache {
   struct Ledger {
     int64_t calls = 0, matrices = 0;
     double flops_fixed = 0, flops_fresh = 0;
+    Ledger operator-(const Ledger& o) const {
+      return {calls - o.calls, matrices - o.matrices, flops_fixed - o.flops_fixed,
+              flops_fresh - o.flops_fresh};
+    }
   };
   Ledger ledger() const;
   void add_replayed(const Ledger& captured);

@@ -89,6 +89,15 @@ struct OrthoStats {
   int64_t matrices = 0;
   int64_t calls = 0;
   void reset() { *this = OrthoStats{}; }
+  OrthoStats& operator+=(const OrthoStats& o) {
+    flops += o.flops;
+    matrices += o.matrices;
+    calls += o.calls;
+    return *this;
+  }
+  OrthoStats operator-(const OrthoStats& o) const {
+    return {flops - o.flops, matrices - o.matrices, calls - o.calls};
+  }
 };
 
 // Orthogonalizes batches of wide (m <= n) matrices that are already normalised

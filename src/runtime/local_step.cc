@@ -109,8 +109,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   std::vector<std::string> status_names(static_cast<size_t>(n_status - adam_params.size()));
   int64_t status_offset = 0;
   for (size_t ci = 0; ci < classes.size(); ++ci) {
-    ShapeClass& c = classes[ci];
-    ensure_class_buffers(c);
+    const ShapeClass& c = classes[ci];  // its buffers follow the options (local_step)
     ClassStep& cs = steps[ci];
     for (size_t k = 0; k < c.members.size(); ++k) {
       const auto [pi, slice] = c.members[k];

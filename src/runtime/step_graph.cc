@@ -40,25 +40,6 @@ void add_cache_options(std::vector<uint64_t>& key, const CacheOptions& o) {
                          static_cast<uint64_t>(o.layout), o.seed});
 }
 
-TransformCache::Ledger minus(const TransformCache::Ledger& a, const TransformCache::Ledger& b) {
-  return {a.calls - b.calls, a.matrices - b.matrices, a.flops_fixed - b.flops_fixed,
-          a.flops_fresh - b.flops_fresh};
-}
-
-// A captured step's share of the orthogonalization counters, added again by every replay.
-OrthoStats minus(const OrthoStats& a, const OrthoStats& b) {
-  OrthoStats d;
-  d.flops = a.flops - b.flops;
-  d.matrices = a.matrices - b.matrices;
-  d.calls = a.calls - b.calls;
-  return d;
-}
-void add(OrthoStats& into, const OrthoStats& d) {
-  into.flops += d.flops;
-  into.matrices += d.matrices;
-  into.calls += d.calls;
-}
-
 }  // namespace
 
 bool Engine::Impl::graphs_enabled() const {
@@ -95,10 +76,11 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     shadow = shadow || (cc.use && groups[cc.group].muon.cache.shadow);
   }
   const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
-  if (!eligible || backend.capturing()) {
+  const bool in_callers_capture = backend.capturing();
+  if (!eligible || in_callers_capture) {
     // Inside a caller's capture the step is recorded there; the engine's own graph stays (it may
     // not be destroyed while the stream is being captured).
-    if (!eligible && !backend.capturing()) graph = {};
+    if (!in_callers_capture) graph = {};
     issue_local_step(data);
     count_local_step(data);
     return;
@@ -106,7 +88,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
   std::vector<uint64_t> key = step_key(data);
   if (graph.exec && key == graph.key) {
     graph.exec->replay();
-    add(stats.ortho, graph.ortho);
+    stats.ortho += graph.ortho;
     for (size_t i = 0; i < graph.cache.size(); ++i)
       if (caches[i].cache) caches[i].cache->add_replayed(graph.cache[i]);
     stats.graph_replays += 1;
@@ -129,10 +111,10 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       graph_mode = false;
     } else if (exec) {
       graph.exec = std::move(exec);
-      graph.ortho = minus(stats.ortho, before);
+      graph.ortho = stats.ortho - before;
       graph.cache.assign(caches.size(), {});
       for (size_t i = 0; i < caches.size(); ++i)
-        if (caches[i].cache) graph.cache[i] = minus(caches[i].cache->ledger(), ledgers[i]);
+        if (caches[i].cache) graph.cache[i] = caches[i].cache->ledger() - ledgers[i];
       graph.exec->replay();
       stats.graph_captures += 1;
       count_local_step(data);
@@ -142,8 +124,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       // keeps failing (an operation that cannot be captured) is not tried again.
       stats.ortho = before;
       for (size_t i = 0; i < caches.size(); ++i)
-        if (caches[i].cache)
-          caches[i].cache->add_replayed(minus(ledgers[i], caches[i].cache->ledger()));
+        if (caches[i].cache) caches[i].cache->add_replayed(ledgers[i] - caches[i].cache->ledger());
       if (++graph.failures == kMaxCaptureFailures)
         DM_LOG(kWarn, "engine: the step could not be captured ", kMaxCaptureFailures,
                " times; steps are issued eagerly from now on");
