@@ -34,12 +34,27 @@ enum class NonFinitePolicy : int {
 // Backend::tuning_fingerprint).
 enum class AutoTune : int {
   kOff = 0,     // the shape heuristic (resolve()), as on the CPU backend
-  kCached = 1,  // the measurement store's choices for this device where it has them, else kOff
+  kCached = 1,  // the measurement store's choices for this device where it has them; for the
+                // other shapes a cost model calibrated on the stored ones; with an empty store
+                // the heuristic
   kOn = 2,      // kCached, measuring the shapes it lacks when the engine sets up (slow, once per
-                // shape and device; progress on stderr)
+                // shape, batch size and device; progress on stderr)
 };
 // "off" | "cached" | "on"
 AutoTune parse_autotune(const std::string& s);
+
+// How `auto` was resolved for one shape class (Engine::tune, Engine::tuned_shapes).
+struct TunedShape {
+  int group = 0;
+  int64_t rows = 0, cols = 0;  // wide: rows <= cols
+  int64_t count = 0;           // matrices in the class (distributed: on all ranks)
+  OrthoConfig config;          // resolved
+  // "stored" / "measured" (the measurement store, earlier or now), "predicted" (the cost model
+  // on the stored shapes), "heuristic" (resolve(): an untuned backend, an empty store, autotune
+  // off, or a config the tuner does not cover).
+  std::string source;
+  double ms = 0;  // the batch's measured or predicted milliseconds; 0 for the heuristic
+};
 
 struct EngineOptions {
   NonFinitePolicy nonfinite = NonFinitePolicy::kSkip;
@@ -245,6 +260,14 @@ class Engine {
   // its shape: tuned where the backend measured it, else the heuristic). Freezes the
   // registration (and tunes, per EngineOptions::autotune) as a first step does.
   OrthoConfig resolved_ortho(int param);
+  // Measures every `auto` shape class that the measurement store lacks for this backend now,
+  // whatever EngineOptions::autotune says (one line per shape on stderr), stores the results and
+  // runs them from the next step on; returns every class's answer. Freezes the registration as a
+  // first step does. Distributed: collective, and only before the first step (the plan of owners
+  // depends on the algorithms). On an untuned backend (the CPU) every answer is the heuristic.
+  std::vector<TunedShape> tune();
+  // The answers of the last tuning (set-up or tune()); empty before set-up.
+  std::vector<TunedShape> tuned_shapes() const;
   // Steps taken by this parameter: steps with a gradient, less those skipped for a non-finite
   // gradient (a 3D parameter: less the skips of its most-skipped matrix). Synchronises.
   // Distributed, a Muon matrix's skips are known where its momentum is kept (its owner; the

@@ -9,6 +9,7 @@
 
 #include "common/log.h"
 #include "distmuon/error.h"
+#include "measure/algo_model.h"
 #include "measure/store.h"
 #include "backend/relative_error.h"
 #include "measure/time_ortho.h"
@@ -66,13 +67,20 @@ const AlgoCandidate* select_candidate(const AlgoChoice& c, bool allow_restart_fr
 
 const AlgoChoice* find_choice(const std::vector<AlgoChoice>& all, int64_t m, int64_t n,
                               int64_t count, const std::string& schedule) {
-  const AlgoChoice* best = nullptr;
-  for (const AlgoChoice& c : all) {
-    if (std::min(c.rows, c.cols) != m || std::max(c.rows, c.cols) != n || c.schedule != schedule)
-      continue;
-    if (!best || std::llabs(c.count - count) < std::llabs(best->count - count)) best = &c;
+  for (const AlgoChoice& c : all)
+    if (std::min(c.rows, c.cols) == m && std::max(c.rows, c.cols) == n && c.count == count &&
+        c.schedule == schedule)
+      return &c;
+  return nullptr;
+}
+
+const char* tune_source_name(TuneSource s) {
+  switch (s) {
+    case TuneSource::kStored: return "stored";
+    case TuneSource::kMeasured: return "measured";
+    case TuneSource::kPredicted: return "predicted";
   }
-  return best;
+  return "?";
 }
 
 AlgoChoice choose_algorithm(int64_t rows, int64_t cols, int64_t count, const OrthoConfig& base,
@@ -225,24 +233,26 @@ AlgorithmTuner::AlgorithmTuner(std::string store, std::string key, MeasureShape 
     : store_(std::move(store)), key_(std::move(key)), measure_(std::move(measure)),
       kernels_(std::move(kernels)) {}
 
-std::optional<OrthoConfig> AlgorithmTuner::config_for(const OrthoConfig& base, int64_t m,
+std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, int64_t m,
                                                       int64_t n, int64_t count,
-                                                      const TunePolicy& policy) {
+                                                      const TunePolicy& policy,
+                                                      const std::string& progress) {
   // The candidates are half-precision iterations with the built-in schedules.
   if (base.iteration != Iteration::kAuto || base.work_dtype != DType::kBF16 ||
       base.coefficients == Coefficients::kCustom || m <= 0 || count <= 0)
     return std::nullopt;
   const std::string schedule = schedule_name(base);
+  const std::string tag = progress.empty() ? "[tune]" : "[tune " + progress + "]";
   if (!stored_) stored_ = load_algo_choices(store_, key_);
   const AlgoChoice* c = find_choice(*stored_, m, n, count, schedule);
-  const AlgoCandidate* pick = c ? select_candidate(*c, policy.allow_restart_free) : nullptr;
-  if (!pick) {  // the store may have gained entries since (another tuner run)
+  if (!c) {  // the store may have gained entries since (another tuner run)
     stored_ = load_algo_choices(store_, key_);
     c = find_choice(*stored_, m, n, count, schedule);
-    pick = c ? select_candidate(*c, policy.allow_restart_free) : nullptr;
   }
-  if (!pick && policy.measure) {
-    std::fprintf(stderr, "[tune] %lld x %lldx%lld (%s): no stored measurement, tuning now\n",
+  TuneSource source = TuneSource::kStored;
+  std::optional<AlgoChoice> predicted;
+  if (!c && policy.measure) {
+    std::fprintf(stderr, "%s %lld x %lldx%lld (%s): not in the store, measuring\n", tag.c_str(),
                  static_cast<long long>(count), static_cast<long long>(m),
                  static_cast<long long>(n), schedule.c_str());
     const AlgoChoice fresh = measure_(m, n, count, base);
@@ -250,15 +260,23 @@ std::optional<OrthoConfig> AlgorithmTuner::config_for(const OrthoConfig& base, i
     std::erase_if(*stored_, [&](const AlgoChoice& o) { return same_entry(o, fresh); });
     stored_->push_back(fresh);
     c = &stored_->back();
-    pick = select_candidate(*c, policy.allow_restart_free);
+    source = TuneSource::kMeasured;
+  } else if (!c) {
+    predicted = predict_choice(*stored_, m, n, count, base);
+    c = predicted ? &*predicted : nullptr;
+    source = TuneSource::kPredicted;
   }
+  const AlgoCandidate* pick = c ? select_candidate(*c, policy.allow_restart_free) : nullptr;
   if (!pick) return std::nullopt;
-  std::fprintf(stderr, "[tune] %lld x %lldx%lld: %s%s (measured at batch %lld, %.3f ms)\n",
+  std::fprintf(stderr, "%s %lld x %lldx%lld: %s%s (%s, %.3f ms)\n", tag.c_str(),
                static_cast<long long>(count), static_cast<long long>(m), static_cast<long long>(n),
                pick->algorithm.c_str(),
                is_gram(*pick) ? (pick->restarts.empty() ? " restarts {}" : " restarts {2}") : "",
-               static_cast<long long>(c->count), pick->ms);
-  return resolve(config_of(*pick, base), m, n);
+               source == TuneSource::kPredicted
+                   ? ("predicted from " + std::to_string(stored_->size()) + " stored shapes").c_str()
+                   : tune_source_name(source),
+               pick->ms);
+  return TunedConfig{resolve(config_of(*pick, base), m, n), source, pick->ms};
 }
 
 std::optional<AlgorithmTuner> backend_tuner(Backend& be) {

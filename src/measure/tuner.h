@@ -70,7 +70,8 @@ std::string schedule_name(const OrthoConfig& base);
 // check); with allow_restart_free any accepted one. nullptr when none qualifies.
 const AlgoCandidate* select_candidate(const AlgoChoice& c, bool allow_restart_free);
 // The stored choice for count wide m x n matrices measured with `schedule`: same sides in either
-// orientation, the nearest batch size (the exact one when stored). nullptr when none.
+// orientation and the same batch size (another batch size is the cost model's to scale,
+// algo_model.h). nullptr when none.
 const AlgoChoice* find_choice(const std::vector<AlgoChoice>& all, int64_t m, int64_t n,
                               int64_t count, const std::string& schedule);
 
@@ -107,7 +108,26 @@ std::vector<AlgoChoice> load_algo_choices(const std::string& store, const std::s
 void save_tuning(const std::string& store, const std::string& key,
                  const std::vector<AlgoChoice>& algo, const std::string& kernel_choices_json);
 
+// Where an answer of the tuner came from.
+enum class TuneSource {
+  kStored,     // measured earlier at this shape and batch size (the store)
+  kMeasured,   // measured now
+  kPredicted,  // the cost model, calibrated on the stored shapes (algo_model.h)
+};
+const char* tune_source_name(TuneSource s);  // "stored", "measured", "predicted"
+
+struct TunedConfig {
+  OrthoConfig config;  // resolved for the shape
+  TuneSource source = TuneSource::kStored;
+  double ms = 0;  // the pick's measured (or predicted) milliseconds for the batch
+};
+
 // The engine's question: the configuration of `auto` for count wide m x n matrices.
+//  - This shape and batch size in the store: its choice.
+//  - Else, when the policy measures: a measurement now (stored for the next run).
+//  - Else the cost model on what the store holds (never stored: it is not a measurement).
+//  - nullopt: not the tuner's case (not a bf16 `auto` with a built-in schedule), or an empty
+//    store and no measuring; resolve()'s heuristic decides.
 class AlgorithmTuner {
  public:
   // Measures one shape (e.g. tune_algorithm); called only when the store has no choice.
@@ -117,11 +137,11 @@ class AlgorithmTuner {
   using KernelChoices = std::function<std::string()>;
   AlgorithmTuner(std::string store, std::string key, MeasureShape measure,
                  KernelChoices kernels = {});
-  // base with the iteration, restarts and work dtypes of the stored (or, when the policy
-  // allows, freshly measured) choice, resolved for the shape; nullopt: use resolve()'s
-  // heuristic (not a bf16 `auto` with a built-in schedule, or nothing stored and no measuring).
-  std::optional<OrthoConfig> config_for(const OrthoConfig& base, int64_t m, int64_t n,
-                                        int64_t count, const TunePolicy& policy);
+  // base with the iteration, restarts and work dtypes of the choice (above). `progress` prefixes
+  // the log lines (e.g. "3/12").
+  std::optional<TunedConfig> config_for(const OrthoConfig& base, int64_t m, int64_t n,
+                                        int64_t count, const TunePolicy& policy,
+                                        const std::string& progress = "");
 
  private:
   std::string store_, key_;

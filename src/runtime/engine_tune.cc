@@ -1,5 +1,5 @@
 // `auto` per shape (docs/algorithms.md section 4: chosen per shape, measured where it can be): the
-// measurement layer's choice (measure/tuner.h: stored or measured for this backend) under the
+// measurement layer's choice (measure/tuner.h: stored, measured, or predicted by the cost model) under the
 // engine's policy, or the pure heuristic of resolve(). Distributed engines take rank 0's choices
 // everywhere, so that every rank runs the same algorithm on the same matrix (gather mode solves
 // every matrix on every rank and keeps its own rows: different algorithms would tear a matrix
@@ -34,27 +34,34 @@ std::string tuned_key(int group, int64_t m, int64_t n, const OrthoConfig& base) 
   return os.str();
 }
 
-// The fields a tuned answer sets, as one line of text (the distributed exchange carries it).
-std::string encode(const OrthoConfig& c) {
+// A tuned answer as one line of text (the distributed exchange carries it): its source and
+// milliseconds, then the fields it sets.
+std::string encode(const measure::TunedConfig& t) {
+  const OrthoConfig& c = t.config;
   std::ostringstream os;
-  os << static_cast<int>(c.iteration) << " " << static_cast<int>(c.work_dtype) << " "
+  os.precision(17);
+  os << static_cast<int>(t.source) << " " << t.ms << " " << static_cast<int>(c.iteration) << " "
+     << static_cast<int>(c.work_dtype) << " "
      << (c.gram_work_dtype ? static_cast<int>(*c.gram_work_dtype) : -1);
   for (int r : c.restarts) os << " " << r;
   return os.str();
 }
 
-OrthoConfig decode(const std::string& line, const OrthoConfig& base) {
+measure::TunedConfig decode(const std::string& line, const OrthoConfig& base) {
   std::istringstream is(line);
-  int it = 0, wd = 0, gd = 0;
-  is >> it >> wd >> gd;
-  DM_CHECK(!is.fail() && it >= 0 && it <= 2, "internal: bad tuned choice '", line, "'");
-  OrthoConfig c = base;
-  c.iteration = static_cast<Iteration>(it);
-  c.work_dtype = static_cast<DType>(wd);
-  if (gd >= 0) c.gram_work_dtype = static_cast<DType>(gd);
-  c.restarts.clear();
-  for (int r; is >> r;) c.restarts.push_back(r);
-  return c;
+  int src = 0, it = 0, wd = 0, gd = 0;
+  measure::TunedConfig t;
+  is >> src >> t.ms >> it >> wd >> gd;
+  DM_CHECK(!is.fail() && it >= 0 && it <= 2 && src >= 0 && src <= 2, "internal: bad tuned choice '",
+           line, "'");
+  t.source = static_cast<measure::TuneSource>(src);
+  t.config = base;
+  t.config.iteration = static_cast<Iteration>(it);
+  t.config.work_dtype = static_cast<DType>(wd);
+  if (gd >= 0) t.config.gram_work_dtype = static_cast<DType>(gd);
+  t.config.restarts.clear();
+  for (int r; is >> r;) t.config.restarts.push_back(r);
+  return t;
 }
 
 }  // namespace
@@ -68,9 +75,11 @@ OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   return resolve(base, m, n);
 }
 
-void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
+void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes, bool force) {
+  force = force || force_measure;
   AutoTune mode = options.autotune;
   if (const std::string e = env::get("DISTMUON_AUTOTUNE"); !e.empty()) mode = parse_autotune(e);
+  if (force) mode = AutoTune::kOn;
   bool restart_free = options.allow_restart_free;
   if (!env::get("DISTMUON_AUTOTUNE_RESTART_FREE").empty())
     restart_free = env::get_bool("DISTMUON_AUTOTUNE_RESTART_FREE");
@@ -80,18 +89,21 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
     if (groups[t.group].kind == ParamKind::kMuon &&
         groups[t.group].muon.ortho.iteration == Iteration::kAuto)
       todo.push_back(t);
-  if (mode == AutoTune::kOff || todo.empty()) return;
-  const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
-  std::string answers;  // one line per shape: an encoded config, or "-" for the heuristic
-  if (!world || rank == 0) {
+  std::string answers;  // one line per shape: an encoded answer, or "-" for the heuristic
+  if (mode != AutoTune::kOff && !todo.empty() && (!world || rank == 0)) {
+    const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
     std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend);
-    for (const TuneShape& t : todo) {
-      std::optional<OrthoConfig> out;
-      if (tuner) out = tuner->config_for(groups[t.group].muon.ortho, t.m, t.n, t.count, policy);
+    for (size_t i = 0; i < todo.size(); ++i) {
+      const TuneShape& t = todo[i];
+      std::optional<measure::TunedConfig> out;
+      if (tuner)
+        out = tuner->config_for(groups[t.group].muon.ortho, t.m, t.n, t.count, policy,
+                                std::to_string(i + 1) + "/" + std::to_string(todo.size()));
       answers += (out ? encode(*out) : std::string("-")) + "\n";
     }
   }
-  if (world && world_size > 1) {  // every rank takes rank 0's answers
+  if (mode != AutoTune::kOff && !todo.empty() && world && world_size > 1) {
+    // every rank takes rank 0's answers
     const std::vector<int64_t> len =
         host_all_gather(*world, backend, {static_cast<int64_t>(answers.size())});
     const std::vector<char> all = host_all_gather_v(*world, backend, answers, len);
@@ -99,12 +111,28 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   }
   std::istringstream is(answers);
   std::string line;
+  tune_report.clear();
   for (const TuneShape& t : todo) {
-    std::getline(is, line);
-    if (line.empty() || line == "-") continue;
     const OrthoConfig& base = groups[t.group].muon.ortho;
-    tuned[tuned_key(t.group, t.m, t.n, base)] = resolve(decode(line, base), t.m, t.n);
+    const std::string key = tuned_key(t.group, t.m, t.n, base);
+    TunedShape r{t.group, t.m, t.n, t.count, resolve(base, t.m, t.n), "heuristic", 0.0};
+    if (std::getline(is, line) && !line.empty() && line != "-") {
+      const measure::TunedConfig a = decode(line, base);
+      r.config = tuned[key] = resolve(a.config, t.m, t.n);
+      r.source = measure::tune_source_name(a.source);
+      r.ms = a.ms;
+    } else {
+      tuned.erase(key);
+    }
+    tune_report.push_back(r);
   }
+}
+
+std::vector<Engine::Impl::TuneShape> Engine::Impl::class_shapes() const {
+  std::vector<TuneShape> shapes;
+  for (const ShapeClass& c : classes)
+    shapes.push_back({c.group, c.m, c.n, static_cast<int64_t>(c.members.size())});
+  return shapes;
 }
 
 void Engine::Impl::tune_dist_shapes() {
@@ -120,6 +148,28 @@ void Engine::Impl::tune_dist_shapes() {
   }
   tune_shapes(shapes);
 }
+
+std::vector<TunedShape> Engine::tune() {
+  Impl& s = *impl_;
+  if (!s.built) {
+    s.force_measure = true;
+    try {
+      setup();
+    } catch (...) {
+      s.force_measure = false;
+      throw;
+    }
+    s.force_measure = false;
+    return s.tune_report;
+  }
+  DM_CHECK(!s.world,
+           "tune() after the first step of a distributed engine: call it before the first step "
+           "(the owners were planned with the algorithms it would change)");
+  s.tune_shapes(s.class_shapes(), true);
+  return s.tune_report;
+}
+
+std::vector<TunedShape> Engine::tuned_shapes() const { return impl_->tune_report; }
 
 OrthoConfig Engine::resolved_ortho(int i) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);

@@ -60,10 +60,7 @@ void Engine::Impl::build_classes() {
   allocate_step_status(backend);
   allocate_scalars();
   allocate_step_counts();
-  std::vector<TuneShape> shapes;
-  for (const ShapeClass& c : classes)
-    shapes.push_back({c.group, c.m, c.n, static_cast<int64_t>(c.members.size())});
-  tune_shapes(shapes);
+  tune_shapes(class_shapes());
   built = true;
 }
 

@@ -242,13 +242,14 @@ TEST(MeasureTuner, SelectionKeepsRestartTwoUnlessAllowed) {
   EXPECT_EQ(select_candidate(c, false), nullptr);
   c.candidates = {{"gram-ns", {2, 4}, DType::kF16, 55.0, 2.0e-3, true}};
   EXPECT_EQ(select_candidate(c, false)->ms, 55.0);
-  // Lookup: either orientation, same schedule, nearest batch size.
+  // Lookup: either orientation, same schedule, same batch size (others are the model's).
   AlgoChoice d = c;
   d.count = 8;
   std::vector<AlgoChoice> all = {c, d};
-  EXPECT_EQ(find_choice(all, 3584, 18944, 10, "jordan:5")->count, 8);
-  EXPECT_EQ(find_choice(all, 3584, 18944, 20, "jordan:5")->count, 24);
-  EXPECT_EQ(find_choice(all, 3584, 18944, 20, "you:5"), nullptr);
+  EXPECT_EQ(find_choice(all, 3584, 18944, 8, "jordan:5")->count, 8);
+  EXPECT_EQ(find_choice(all, 3584, 18944, 24, "jordan:5")->count, 24);
+  EXPECT_EQ(find_choice(all, 3584, 18944, 10, "jordan:5"), nullptr);
+  EXPECT_EQ(find_choice(all, 3584, 18944, 24, "you:5"), nullptr);
   EXPECT_EQ(find_choice(all, 3584, 14336, 24, "jordan:5"), nullptr);
 }
 
@@ -285,21 +286,34 @@ TEST(MeasureTuner, MeasuresOnlyWhatTheStoreLacksAndOnlyWhenAllowed) {
   base.work_dtype = DType::kBF16;
   EXPECT_FALSE(tuner.config_for(base, 256, 1024, 4, {false, false})) << "measured unasked";
   EXPECT_EQ(measured, 0);
-  std::optional<OrthoConfig> cfg = tuner.config_for(base, 256, 1024, 4, {true, false});
+  std::optional<TunedConfig> cfg = tuner.config_for(base, 256, 1024, 4, {true, false});
   ASSERT_TRUE(cfg);
   EXPECT_EQ(measured, 1);
-  EXPECT_EQ(cfg->iteration, Iteration::kGram);
-  EXPECT_EQ(cfg->restarts, std::vector<int>{2});
-  EXPECT_EQ(cfg->gram_work_dtype, DType::kF16);
+  EXPECT_EQ(cfg->source, TuneSource::kMeasured);
+  EXPECT_EQ(cfg->config.iteration, Iteration::kGram);
+  EXPECT_EQ(cfg->config.restarts, std::vector<int>{2});
+  EXPECT_EQ(cfg->config.gram_work_dtype, DType::kF16);
   // A restart-free policy picks among the stored candidates without measuring again.
   cfg = tuner.config_for(base, 256, 1024, 4, {true, true});
   ASSERT_TRUE(cfg);
-  EXPECT_TRUE(cfg->restarts.empty());
+  EXPECT_EQ(cfg->source, TuneSource::kStored);
+  EXPECT_TRUE(cfg->config.restarts.empty());
   EXPECT_EQ(measured, 1);
   // Another tuner on the same store (the next run) finds it, and the kernel choices beside it.
   AlgorithmTuner next(path, kKey, measure);
   EXPECT_TRUE(next.config_for(base, 256, 1024, 4, {false, false}));
   EXPECT_EQ(measured, 1);
+  // Another batch size of the shape, or another shape: measured when allowed, else predicted by
+  // the cost model from what is stored (and not stored itself).
+  cfg = next.config_for(base, 256, 1024, 12, {false, false});
+  ASSERT_TRUE(cfg);
+  EXPECT_EQ(cfg->source, TuneSource::kPredicted);
+  EXPECT_EQ(measured, 1);
+  EXPECT_FALSE(find_choice(load_algo_choices(path, kKey), 256, 1024, 12, "jordan:5"));
+  cfg = next.config_for(base, 256, 1024, 12, {true, false});
+  ASSERT_TRUE(cfg);
+  EXPECT_EQ(cfg->source, TuneSource::kMeasured);
+  EXPECT_EQ(measured, 2);
   EXPECT_EQ(tuner_section(path, kKey)["sym"], json::parse(R"([{"m": 1}])"));
   // Not the tuner's business: an explicit algorithm, an fp32 iteration, custom coefficients.
   OrthoConfig fixed = base;
@@ -308,7 +322,7 @@ TEST(MeasureTuner, MeasuresOnlyWhatTheStoreLacksAndOnlyWhenAllowed) {
   OrthoConfig f32 = base;
   f32.work_dtype = DType::kF32;
   EXPECT_FALSE(next.config_for(f32, 256, 1024, 4, {true, false}));
-  EXPECT_EQ(measured, 1);
+  EXPECT_EQ(measured, 2);
 }
 
 // ---- the shared timing -----------------------------------------------------------------------
