@@ -3,6 +3,8 @@
 //  2. X X^T of a 4096 x 16384 bf16 input: each lower-triangle kernel vs cuBLASLt's dense product;
 //  3. CacheMuon: a cache hit against a fresh solve on qwen's MLP shapes, and gpt2-small engine
 //     steps with the cache under drifting gradients (cuda_bench_cache.cc);
+//  5. with --auto-check only: `auto` against each algorithm on every shape class
+//     (cuda_bench_auto.cc);
 //  4. per workload: the autotuner per shape class, then whole optimizer steps (Muon matrices,
 //     fp32 parameters, random gradients, `auto` resolved by the engine from the measurement
 //     store)
@@ -33,6 +35,8 @@ struct Opts {
   std::string json_path = "cuda_bench.json";
   int steps = 10;
   bool micro = true, tune = true, cache = true, cache_hit = true;
+  bool auto_check = false;  // only the check of `auto` against each algorithm (cuda_bench_auto.cc)
+  int rounds = 3;           // its interleaved measurement rounds
 };
 
 // Per-operation GPU times on gpt2-small's shapes (12 matrices, m = 768), graph-replayed so that
@@ -146,33 +150,6 @@ json micro(CudaBackend& be, double& tflops, double& tbps) {
     j["syrk_over_dense"] = best / dense;
   }
   return j;
-}
-
-struct ShapeClass {
-  int64_t rows, cols, count;
-};
-
-// Shape classes as the engine batches them: tall and wide weights of the same sides together,
-// in the wide orientation (m = rows <= n = cols).
-// (m, n, matrices) of one tensor: 2D as is, 3D a stack of matrices, 4D (out, in * kh * kw).
-std::tuple<int64_t, int64_t, int64_t> wide_of(const std::vector<int64_t>& sh) {
-  int64_t r = sh[0], c = 1, per = 1;
-  if (sh.size() == 2) c = sh[1];
-  if (sh.size() == 3) { per = sh[0]; r = sh[1]; c = sh[2]; }
-  if (sh.size() == 4) c = sh[1] * sh[2] * sh[3];
-  return {std::min(r, c), std::max(r, c), per};
-}
-
-std::vector<ShapeClass> classes_of(const Workload& w) {
-  std::vector<ShapeClass> out;
-  for (const WorkloadEntry& e : w.muon) {
-    const auto [m, n, per] = wide_of(e.shape);
-    bool found = false;
-    for (ShapeClass& s : out)
-      if (s.rows == m && s.cols == n) { s.count += e.count * per; found = true; }
-    if (!found) out.push_back({m, n, e.count * per});
-  }
-  return out;
 }
 
 json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, double tflops, double tbps) {
@@ -320,16 +297,23 @@ int run(int argc, char** argv) {
     else if (a == "--no-tune") o.tune = false;
     else if (a == "--no-cache") o.cache = false;
     else if (a == "--no-cache-hit") o.cache_hit = false;
+    else if (a == "--auto-check") o.auto_check = true;
+    else if (a == "--rounds") o.rounds = std::stoi(next());
     else if (a == "--workloads") {
       o.workloads.clear();
       std::stringstream ss(next());
       for (std::string p; std::getline(ss, p, ',');) if (!p.empty()) o.workloads.push_back(p);
-    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache --no-cache-hit)");
+    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache --no-cache-hit --auto-check --rounds N)");
   }
   CudaBackend be;
   std::fprintf(stderr, "[bench] %s\n", be.name().c_str());
   json out;
   out["device"] = be.name();
+  if (o.auto_check) {
+    out["auto_check"] = auto_check(be, o.workloads, o.rounds);
+    std::ofstream(o.json_path) << out.dump(2) << "\n";
+    return out["auto_check"]["pass"].get<bool>() ? 0 : 2;
+  }
   double tflops = 760, tbps = 4.2;
   if (o.micro) {
     json m = micro(be, tflops, tbps);

@@ -3,12 +3,15 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cuda/cuda_handles.h"
 #include "backend/cuda/launch/launchers.h"
 #include "backend/cuda/tune/autotune.h"
 #include "distmuon/cuda_backend.h"
+#include "distmuon/workload.h"
 
 namespace distmuon::bench {
 
@@ -34,6 +37,46 @@ double graph_ms(CudaBackend& be, int reps, F&& f) {
   });
   return cuda::time_ms(be, 5, [&] { DM_CHECK_CUDA(cudaGraphLaunch(exec.get(), be.stream())); }) / reps;
 }
+
+// Shape classes as the engine batches them: tall and wide weights of the same sides together,
+// in the wide orientation (m = rows <= n = cols).
+struct ShapeClass {
+  int64_t rows, cols, count;
+};
+
+// (m, n, matrices) of one tensor: 2D as is, 3D a stack of matrices, 4D (out, in * kh * kw).
+inline std::tuple<int64_t, int64_t, int64_t> wide_of(const std::vector<int64_t>& sh) {
+  int64_t r = sh[0], c = 1, per = 1;
+  if (sh.size() == 2) c = sh[1];
+  if (sh.size() == 3) { per = sh[0]; r = sh[1]; c = sh[2]; }
+  if (sh.size() == 4) c = sh[1] * sh[2] * sh[3];
+  return {std::min(r, c), std::max(r, c), per};
+}
+
+inline std::vector<ShapeClass> classes_of(const Workload& w) {
+  std::vector<ShapeClass> out;
+  for (const WorkloadEntry& e : w.muon) {
+    const auto [m, n, per] = wide_of(e.shape);
+    bool found = false;
+    for (ShapeClass& s : out)
+      if (s.rows == m && s.cols == n) { s.count += e.count * per; found = true; }
+    if (!found) out.push_back({m, n, e.count * per});
+  }
+  return out;
+}
+
+// A workload by name ("qwen2.5-7b:8": its first 8 layers) or JSON file path.
+inline Workload workload_of(const std::string& spec) {
+  const size_t colon = spec.rfind(':');
+  const bool layered = colon != std::string::npos && colon + 1 < spec.size() &&
+                       spec.find_first_not_of("0123456789", colon + 1) == std::string::npos;
+  Workload w = load_workload(layered ? spec.substr(0, colon) : spec);
+  if (layered) w = w.first_layers(std::stoll(spec.substr(colon + 1)));
+  return w;
+}
+
+// `auto` against ns5, ns5-sym and Gram NS {2} on every shape class of `workloads` (cuda_bench_auto.cc).
+nlohmann::json auto_check(CudaBackend& be, const std::vector<std::string>& workloads, int rounds);
 
 // CacheMuon hit against a fresh solve on qwen2.5-7b's MLP shapes (24 x 3584 x 18944: 8 layers
 // of gate, up and down in one batch), exact and probe residuals.

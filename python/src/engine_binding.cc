@@ -36,22 +36,42 @@ int64_t numel(const std::vector<int64_t>& s) {
 
 [[noreturn]] void value_error(const std::string& msg) { throw nb::value_error(msg.c_str()); }
 
+nb::list tuned_dicts(const std::vector<TunedShape>& shapes) {
+  nb::list out;
+  for (const TunedShape& t : shapes) {
+    nb::dict d;
+    d["group"] = t.group;
+    d["rows"] = t.rows;
+    d["cols"] = t.cols;
+    d["count"] = t.count;
+    d["algorithm"] = algorithm_name(t.config);
+    d["restarts"] = t.config.restarts;
+    d["source"] = t.source;
+    d["ms"] = t.ms;
+    out.append(d);
+  }
+  return out;
+}
+
 // Owns the backend and the engine (the engine is destroyed first).
 class PyEngine {
  public:
-  PyEngine(const std::string& device, NonFinitePolicy nonfinite, bool graphs)
+  PyEngine(const std::string& device, NonFinitePolicy nonfinite, bool graphs,
+           const std::string& autotune)
       : backend_(make_backend(device)) {
     EngineOptions o{nonfinite};
     o.graphs = graphs;
+    o.autotune = parse_autotune(autotune);
     engine_ = std::make_unique<Engine>(*backend_, o);
   }
   // Distributed: `comm` is kept alive by the Python object (keep_alive in the binding).
   PyEngine(const std::string& device, NonFinitePolicy nonfinite, PyComm& comm,
-           const DistOptions& dist, uintptr_t stream)
+           const DistOptions& dist, uintptr_t stream, const std::string& autotune)
       : backend_(make_backend(device)) {
     set_stream(stream);  // torch's current stream, before the engine issues anything
-    engine_ = std::make_unique<Engine>(*backend_, *comm.comm, dist,
-                                       EngineOptions{nonfinite});
+    EngineOptions o{nonfinite};
+    o.autotune = parse_autotune(autotune);
+    engine_ = std::make_unique<Engine>(*backend_, *comm.comm, dist, o);
   }
 
   Engine& engine() { return *engine_; }
@@ -143,6 +163,10 @@ class PyEngine {
   void setup() {
     nb::gil_scoped_release release;  // collective: Python communicators take the GIL
     engine_->setup();
+  }
+  std::vector<TunedShape> tune() {
+    nb::gil_scoped_release release;  // collective, like setup()
+    return engine_->tune();
   }
   void wait_published() {
     nb::gil_scoped_release release;
@@ -279,12 +303,15 @@ void bind_engine(nb::module_& m) {
   nb::class_<PyEngine>(m, "Engine",
                        "The C++ optimizer engine on one backend ('cpu' or 'cuda'). Register "
                        "groups and parameters, then call step() with DLPack arrays.")
-      .def(nb::init<const std::string&, NonFinitePolicy, bool>(), nb::arg("device") = "cpu",
-           nb::arg("nonfinite") = NonFinitePolicy::kSkip, nb::arg("graphs") = true,
-           "A single-process engine; `graphs`: EngineOptions::graphs (whole-step CUDA graphs).")
-      .def(nb::init<const std::string&, NonFinitePolicy, PyComm&, const DistOptions&, uintptr_t>(),
+      .def(nb::init<const std::string&, NonFinitePolicy, bool, const std::string&>(),
+           nb::arg("device") = "cpu", nb::arg("nonfinite") = NonFinitePolicy::kSkip,
+           nb::arg("graphs") = true, nb::arg("autotune") = "on",
+           "A single-process engine; `graphs`: EngineOptions::graphs (whole-step CUDA graphs); "
+           "`autotune`: 'on', 'cached' or 'off' (EngineOptions::autotune).")
+      .def(nb::init<const std::string&, NonFinitePolicy, PyComm&, const DistOptions&, uintptr_t,
+                    const std::string&>(),
            nb::arg("device"), nb::arg("nonfinite"), nb::arg("comm"), nb::arg("dist"),
-           nb::arg("stream") = 0, nb::keep_alive<1, 4>(),
+           nb::arg("stream") = 0, nb::arg("autotune") = "on", nb::keep_alive<1, 4>(),
            "A distributed engine over `comm` (kept alive by the engine); on CUDA its backend "
            "issues work on `stream`, which must be the stream `comm` was made for.")
       .def("add_group", [](PyEngine& e, const GroupOptions& g) { return e.engine().add_group(g); },
@@ -300,6 +327,13 @@ void bind_engine(nb::module_& m) {
       .def("setup", &PyEngine::setup,
            "Freezes the registration (distributed: checks it across ranks, plans owners, "
            "allocates state). Collective; the first step() calls it otherwise.")
+      .def("tune", [](PyEngine& e) { return tuned_dicts(e.tune()); },
+           "Measures every `auto` shape class the measurement store lacks now (progress on "
+           "stderr) and returns each class's answer as a dict (group, rows, cols, count, "
+           "algorithm, restarts, source, ms). Freezes the registration; distributed: collective, "
+           "before the first step.")
+      .def("tuned_shapes", [](PyEngine& e) { return tuned_dicts(e.engine().tuned_shapes()); },
+           "The answers of the last tuning (set-up or tune()), as tune() returns them.")
       .def("wait_published", &PyEngine::wait_published)
       .def("prepare", &PyEngine::prepare, nb::arg("index"), nb::arg("params"), nb::arg("grads"),
            "Dedicated mode with caller transfers: momentum and orthogonalization of the "

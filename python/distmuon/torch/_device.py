@@ -124,6 +124,7 @@ def make_engine(
     bucket_mb: float,
     dedicated_owners: list[int] | None = None,
     graphs: bool = True,
+    autotune: str = "on",
 ) -> _C.Engine:
     """The engine for `topo`. The dedicated mode (distmuon.torch.dedicate) takes the owners the
     handle planned and leaves the transfers to it (the engine only computes on the owners)."""
@@ -133,7 +134,7 @@ def make_engine(
         _cpu_threads()
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         if comm is None:
-            engine = _C.Engine(device.type, _POLICY[nonfinite], graphs)
+            engine = _C.Engine(device.type, _POLICY[nonfinite], graphs, autotune)
             # State is zeroed when parameters are registered: on torch's stream, like the steps.
             if device.type == "cuda":
                 engine.set_stream(_stream(device))
@@ -148,7 +149,7 @@ def make_engine(
             opts.caller_transfers = True
         if device.type == "cuda":
             opts.gpus_per_node = gpu_ranks_per_node()
-        return _C.Engine(device.type, _POLICY[nonfinite], comm, opts, _stream(device))
+        return _C.Engine(device.type, _POLICY[nonfinite], comm, opts, _stream(device), autotune)
 
 
 class StreamOrder:

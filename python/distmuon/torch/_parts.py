@@ -45,19 +45,28 @@ def build_part(
     comm: Any = None,
     dedicated: Any = None,
     graphs: bool = True,
+    autotune: str = "on",
+    tune: bool = False,
 ) -> Part:
     """An engine with every group and these slots, set up (collective when distributed). `comm`
-    reuses an existing communicator of the same topology."""
+    reuses an existing communicator of the same topology; `tune` measures what the measurement
+    store lacks whatever `autotune` says (Engine.tune)."""
     if topo.distributed and comm is None:
         comm = make_communicator(topo, device, communicator)
     owners = dedicated.owner_members([s.param for s in slots]) if dedicated is not None else None
-    engine = make_engine(device, nonfinite, topo, comm, bucket_mb, dedicated_owners=owners, graphs=graphs)
+    engine = make_engine(
+        device, nonfinite, topo, comm, bucket_mb, dedicated_owners=owners, graphs=graphs, autotune=autotune
+    )
     for o in options:
         engine.add_group(o)
     for s in slots:
         begin, count = s.rows if s.rows is not None else (0, -1)
         engine.add_param(s.name, s.group, s.engine_shape, engine_dtype(s.dtype), begin, count)
-    engine.setup()  # distributed: checks the registration on every rank, plans the owners
+    # Distributed: checks the registration on every rank, plans the owners.
+    if tune:
+        engine.tune()
+    else:
+        engine.setup()
     return Part(engine, topo, slots, StreamOrder(engine, device), comm, dedicated)
 
 

@@ -108,6 +108,14 @@ class Muon(torch.optim.Optimizer):
             ``cache_shadow=True`` are issued eagerly, and inside your own CUDA graph capture
             the step is recorded there (with the hyperparameters of that capture). ``False``
             issues every step eagerly (``DISTMUON_GRAPHS=0|1`` overrides either way).
+        autotune: how ``algorithm='auto'`` picks per shape class on a tuned backend (CUDA):
+            'on' (default) measures ns5, ns5-sym and Gram NS on each class the measurement
+            store (``DISTMUON_COST_CACHE``, default ``~/.cache/distmuon/costs.json``) lacks,
+            once per shape, batch size and device, when the engine is built (the first step, or
+            :meth:`tune`), with one line per class on stderr; 'cached' takes the stored
+            measurements and predicts the other classes with a cost model calibrated on them;
+            'off' takes the aspect-ratio heuristic. ``DISTMUON_AUTOTUNE`` overrides. The CPU
+            backend is not tuned: the heuristic.
 
     Distributed: every rank builds the optimizer and steps it together (the step is
     collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
@@ -152,11 +160,14 @@ class Muon(torch.optim.Optimizer):
         bucket_mb: float = 32.0,
         communicator: str = "auto",
         cuda_graphs: bool = True,
+        autotune: str = "on",
     ) -> None:
         if momentum_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"momentum_dtype must be torch.float32 or torch.bfloat16 (got {momentum_dtype})")
         if nonfinite not in ("skip", "raise"):
             raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
+        if autotune not in ("on", "cached", "off"):
+            raise ValueError(f"autotune must be 'on', 'cached' or 'off' (got {autotune!r})")
         if muon_filter is not None and not callable(muon_filter):
             raise TypeError("muon_filter must be a callable (name, param) -> bool")
         self._muon_defaults: dict[str, Any] = {
@@ -192,6 +203,7 @@ class Muon(torch.optim.Optimizer):
         self._momentum_dtype = momentum_dtype
         self._nonfinite = nonfinite
         self._cuda_graphs = bool(cuda_graphs)
+        self._autotune = autotune
         self._dist_mode = dist_mode
         self._process_group = process_group
         self._bucket_mb = bucket_mb
@@ -375,7 +387,7 @@ class Muon(torch.optim.Optimizer):
             if id(p) not in self._infos and info is not None:
                 self._infos[id(p)] = info
 
-    def _build_engine(self) -> None:
+    def _build_engine(self, tune: bool = False) -> None:
         """(Re)creates the engines for the current groups, carrying over the state of the
         parameters that stayed (new ones start fresh). The distributed mode follows the
         parameters: plain ones swapped for FSDP2's DTensors move the optimizer from the
@@ -403,7 +415,20 @@ class Muon(torch.optim.Optimizer):
             if handle is not None:  # the dedicated engine shares the handle's transfers' communicator
                 comm = handle.comm
             parts.append(
-                build_part(topo, mine, options, device, self._nonfinite, self._bucket_mb, self._communicator, comm, handle, graphs=self._cuda_graphs)
+                build_part(
+                    topo,
+                    mine,
+                    options,
+                    device,
+                    self._nonfinite,
+                    self._bucket_mb,
+                    self._communicator,
+                    comm,
+                    handle,
+                    graphs=self._cuda_graphs,
+                    autotune=self._autotune,
+                    tune=tune,
+                )
             )
         carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
         for old in old_parts:
@@ -581,6 +606,29 @@ class Muon(torch.optim.Optimizer):
     def dist_modes(self) -> list[str]:
         """The mode of each engine (two with dedicated matrices: 'dedicated' and the others')."""
         return [p.topo.mode for p in self._parts]
+
+    def tune(self) -> list[dict[str, Any]]:
+        """Measures the algorithms of ``algorithm='auto'`` now on every shape class that the
+        measurement store lacks for this device (whatever ``autotune`` says; one line per class
+        on stderr), keeps the results in the store for the next runs, and runs the fastest from
+        the next step on. Returns one dict per ``auto`` class: ``group``, ``rows`` x ``cols``
+        (wide), ``count`` (matrices), ``algorithm``, ``restarts``, ``source`` ('measured',
+        'stored', 'predicted' or 'heuristic') and ``ms`` (the batch's measured or predicted
+        time). Call it before training (distributed: on every rank, before the first step). On
+        the CPU every answer is the heuristic."""
+        if self._held_params_changed():
+            self._build_engine(tune=True)
+            return self.tuned_shapes()
+        out = []
+        for p in self._parts:
+            p.order.before()
+            out += p.engine.tune()
+        return out
+
+    def tuned_shapes(self) -> list[dict[str, Any]]:
+        """How ``algorithm='auto'`` was resolved for each shape class when the engine was last
+        built or tuned, as :meth:`tune` returns it."""
+        return [row for p in self._parts for row in p.engine.tuned_shapes()]
 
     def engine_stats(self) -> dict[str, Any]:
         """Counters of the engines (summed over them): steps, non-finite skips, orthogonalization
