@@ -63,15 +63,18 @@ std::optional<AlgoChoice> predict_choice(const std::vector<AlgoChoice>& measured
     std::sort(pts.begin(), pts.end(),
               [](const Point& a, const Point& b) { return a.distance < b.distance; });
     pts.resize(std::min(pts.size(), static_cast<size_t>(std::max(1, opt.neighbours))));
-    double sum_w = 0, sum = 0;
+    double sum_w = 0, sum = 0, sum_err = 0;
     for (const Point& p : pts) {
       const double w = 1.0 / (p.distance + 0.1);  // an exact match weighs 10x one at distance 1
       sum_w += w;
       sum += w * p.log_ratio;
+      // A rejected candidate's error may be NaN or zero-free infinity: count it as twice the bar.
+      const double err = p.accepted || std::isfinite(p.rel_err) ? p.rel_err : 2 * opt.tolerance;
+      sum_err += w * std::log(std::max(err, 1e-12));
     }
     cand.ms = analytic_ms(cand, base, m, n, count) * std::exp(sum / sum_w);
-    cand.accepted = pts.front().accepted;
-    cand.rel_err = pts.front().rel_err;
+    cand.rel_err = std::exp(sum_err / sum_w);
+    cand.accepted = cand.rel_err <= opt.tolerance;
     out.candidates.push_back(cand);
     if (cand.accepted && cand.ms < out.ms) {
       out.algorithm = cand.algorithm;

@@ -16,7 +16,8 @@
 namespace distmuon::measure {
 
 struct ModelOptions {
-  int neighbours = 3;  // measured shapes whose ratios are averaged (inverse-distance weights)
+  int neighbours = 3;       // measured shapes whose ratios are averaged (inverse-distance weights)
+  double tolerance = 2e-2;  // a candidate is offered where its predicted error is within this
 };
 
 // Distance between two shape classes in the model's features: log of the short side, log of the
@@ -25,7 +26,10 @@ double shape_distance(int64_t m1, int64_t n1, int64_t k1, int64_t m2, int64_t n2
 
 // The predicted choice for count wide m x n matrices from `measured` (entries of other shapes or
 // batch sizes, measured with `schedule`): every candidate measured somewhere gets a predicted
-// time in `ms`; it is accepted where the nearest shape that measured it accepted it. The
+// time in `ms` and a predicted error in `rel_err` (the same weighted mean, of the logarithms of
+// the neighbours' errors against the fp32 iteration); it is accepted where that error is within
+// opt.tolerance, as the tuner's check would accept it (the error grows as m shrinks: bf16 ns5
+// fails the check at m = 32, passes at 64). The
 // choice's algorithm is the fastest accepted prediction (as select_candidate's policy then
 // narrows it). nullopt when no entry of that schedule has a measured candidate.
 std::optional<AlgoChoice> predict_choice(const std::vector<AlgoChoice>& measured, int64_t m,
