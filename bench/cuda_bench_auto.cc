@@ -1,8 +1,9 @@
 // distmuon-cuda-bench --auto-check: is `auto` within 3 % of the fastest single algorithm on every
 // shape class? For each class of each workload (built-in names or JSON files):
-//  1. the tuner measures it as the engine's default (autotune on) does: the backend's kernel
-//     variants, then every candidate (measure/tuner.h) -> the engine's pick;
-//  2. ns5, ns5-sym and Gram NS {2} are timed again, independently of the tuner: fresh inputs,
+//  1. the tuner measures it as the engine's default (autotune on, whole-step graphs) does: the
+//     backend's kernel variants, then every candidate as graph replays (measure/tuner.h) -> the
+//     engine's pick;
+//  2. ns5, ns5-sym and Gram NS {2} are timed again (graph replays), independently of the tuner: fresh inputs,
 //     `rounds` interleaved rounds, the median of each -> the fastest of those that passed the
 //     tuner's numerical check (bf16 ns5 fails it at m = 32), and the pick's time;
 //  3. the cost model (measure/algo_model.h) predicts the class from the tuned classes of the
@@ -76,13 +77,14 @@ json auto_check(CudaBackend& be, const std::vector<std::string>& specs, int roun
     be.tune_kernels(m, n, count);  // as backend_tuner() does for the engine
     measure::TuneOptions to;
     to.repeats = 5;
+    to.graph = true;
     r.tuned = measure::tune_algorithm(be, m, n, count, base, to);
     const measure::OrthoInput in = measure::make_ortho_input(be, m, n, count, base, 0x5eed + m + n);
     std::map<std::string, std::vector<double>> t;
     for (int round = 0; round < rounds; ++round)
       for (const auto& [name, cand] : singles())
         t[name].push_back(measure::time_orthogonalizer(
-            be, resolve(measure::config_of(cand, base), m, n), in.batch, {1, 10}));
+            be, resolve(measure::config_of(cand, base), m, n), in.batch, {1, 10, true}));
     for (auto& [name, v] : t) r.ms[name] = median(v);
   }
 

@@ -50,6 +50,9 @@ double time_orthogonalizer(Backend& be, const OrthoConfig& cfg, const BatchRef& 
     restore();
     run();
   }
+  if (timing.graph)
+    if (std::unique_ptr<BackendGraph> g = be.capture(run))
+      return be.time_ms(timing.repeats, restore, [&] { g->replay(); });
   return be.time_ms(timing.repeats, restore, run);
 }
 

@@ -21,6 +21,10 @@ OrthoInput make_ortho_input(Backend& be, int64_t m, int64_t n, int64_t count,
 struct OrthoTiming {
   int warmup = 1;   // untimed runs first (plans, kernel attributes, caches)
   int repeats = 3;  // timed runs; the median is kept (0: none, for `results` alone)
+  // Time replays of the solve captured once (Backend::capture), as a single-process engine that
+  // replays its step runs it, where the backend captures; else every run is issued. On a
+  // launch-bound batch the two differ by the launch gaps a graph removes.
+  bool graph = false;
 };
 
 // Median milliseconds of one orthogonalization of `input` with `cfg` (resolved here for the

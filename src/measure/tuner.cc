@@ -18,8 +18,8 @@ namespace distmuon::measure {
 
 using nlohmann::json;
 
-std::string tuner_key(const std::string& fingerprint) {
-  return fingerprint + "|tuner " + std::to_string(kTunerVersion);
+std::string tuner_key(const std::string& fingerprint, bool graph) {
+  return fingerprint + "|tuner " + std::to_string(kTunerVersion) + (graph ? "|graph replay" : "");
 }
 
 std::vector<AlgoCandidate> tuner_candidates() {
@@ -136,7 +136,7 @@ AlgoChoice tune_algorithm(Backend& be, int64_t rows, int64_t cols, int64_t count
   time_orthogonalizer(be, ref_cfg, input.batch.slice(0, nchk), {0, 0}, &ref);
   return choose_algorithm(rows, cols, count, base, opt, [&](const OrthoConfig& cfg) {
     CandidateResult r;
-    r.ms = time_orthogonalizer(be, cfg, input.batch, {1, opt.repeats}, &out);
+    r.ms = time_orthogonalizer(be, cfg, input.batch, {1, opt.repeats, opt.graph}, &out);
     r.rel_err = relative_error(be, out, ref);
     return r;
   });
@@ -229,9 +229,10 @@ void save_tuning(const std::string& store, const std::string& key,
 }
 
 AlgorithmTuner::AlgorithmTuner(std::string store, std::string key, MeasureShape measure,
-                               KernelChoices kernels)
-    : store_(std::move(store)), key_(std::move(key)), measure_(std::move(measure)),
-      kernels_(std::move(kernels)) {}
+                               KernelChoices kernels, std::string kernel_key)
+    : store_(std::move(store)), key_(std::move(key)),
+      kernel_key_(kernel_key.empty() ? key_ : std::move(kernel_key)),
+      measure_(std::move(measure)), kernels_(std::move(kernels)) {}
 
 std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, int64_t m,
                                                       int64_t n, int64_t count,
@@ -256,7 +257,12 @@ std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, i
                  static_cast<long long>(count), static_cast<long long>(m),
                  static_cast<long long>(n), schedule.c_str());
     const AlgoChoice fresh = measure_(m, n, count, base);
-    save_tuning(store_, key_, {fresh}, kernels_ ? kernels_() : "[]");
+    if (kernel_key_ == key_) {
+      save_tuning(store_, key_, {fresh}, kernels_ ? kernels_() : "[]");
+    } else {
+      save_tuning(store_, key_, {fresh}, "[]");
+      if (kernels_) save_tuning(store_, kernel_key_, {}, kernels_());
+    }
     std::erase_if(*stored_, [&](const AlgoChoice& o) { return same_entry(o, fresh); });
     stored_->push_back(fresh);
     c = &stored_->back();
@@ -279,17 +285,18 @@ std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, i
   return TunedConfig{resolve(config_of(*pick, base), m, n), source, pick->ms};
 }
 
-std::optional<AlgorithmTuner> backend_tuner(Backend& be) {
+std::optional<AlgorithmTuner> backend_tuner(Backend& be, bool graph) {
   const std::string fingerprint = be.tuning_fingerprint();
   if (fingerprint.empty()) return std::nullopt;
-  auto measure = [&be](int64_t m, int64_t n, int64_t count, const OrthoConfig& base) {
+  auto measure = [&be, graph](int64_t m, int64_t n, int64_t count, const OrthoConfig& base) {
     be.tune_kernels(m, n, count);
     TuneOptions to;
     to.repeats = 5;
+    to.graph = graph;
     return tune_algorithm(be, m, n, count, base, to);
   };
-  return AlgorithmTuner(store_path(), tuner_key(fingerprint), measure,
-                        [&be] { return be.kernel_choices_json(); });
+  return AlgorithmTuner(store_path(), tuner_key(fingerprint, graph), measure,
+                        [&be] { return be.kernel_choices_json(); }, tuner_key(fingerprint));
 }
 
 void install_kernel_choices(Backend& be) {

@@ -23,8 +23,10 @@ namespace distmuon::measure {
 // The tuner's candidate set: measurements of an older set are not reused (they never timed the
 // candidates added since). 2: dense ns5 joined ns5-sym and gram-ns.
 constexpr int kTunerVersion = 2;
-// "<fingerprint>|tuner 2": the store key of a backend's choices.
-std::string tuner_key(const std::string& fingerprint);
+// "<fingerprint>|tuner 2": the store key of a backend's choices and kernel choices measured by
+// issuing each solve; with `graph`, "<fingerprint>|tuner 2|graph replay": the algorithm choices
+// measured as graph replays (OrthoTiming::graph), for engines that replay their step.
+std::string tuner_key(const std::string& fingerprint, bool graph = false);
 
 // What the tuner may do when asked for the algorithm of Iteration::kAuto.
 struct TunePolicy {
@@ -82,6 +84,7 @@ struct TuneOptions {
   double tolerance = 2e-2;  // acceptance threshold
   int check_matrices = 2;   // matrices of the batch checked against the fp32 reference
   bool verbose = true;      // one line per shape on stderr
+  bool graph = false;       // time graph replays (OrthoTiming::graph)
 };
 
 // Milliseconds and relative error of one candidate's configuration (already resolved).
@@ -135,8 +138,9 @@ class AlgorithmTuner {
                                                 const OrthoConfig& base)>;
   // The kernel choices to store beside a fresh measurement; empty function: none.
   using KernelChoices = std::function<std::string()>;
+  // Algorithm choices live under `key`, the kernel choices under `kernel_key` (default: `key`).
   AlgorithmTuner(std::string store, std::string key, MeasureShape measure,
-                 KernelChoices kernels = {});
+                 KernelChoices kernels = {}, std::string kernel_key = "");
   // base with the iteration, restarts and work dtypes of the choice (above). `progress` prefixes
   // the log lines (e.g. "3/12").
   std::optional<TunedConfig> config_for(const OrthoConfig& base, int64_t m, int64_t n,
@@ -144,15 +148,17 @@ class AlgorithmTuner {
                                         const std::string& progress = "");
 
  private:
-  std::string store_, key_;
+  std::string store_, key_, kernel_key_;
   MeasureShape measure_;
   KernelChoices kernels_;
   std::optional<std::vector<AlgoChoice>> stored_;  // read on first use
 };
 
 // The tuner of a backend (its fingerprint, the default store, tune_kernels + tune_algorithm);
-// nullopt for a backend that is not tuned (empty tuning_fingerprint).
-std::optional<AlgorithmTuner> backend_tuner(Backend& be);
+// nullopt for a backend that is not tuned (empty tuning_fingerprint). `graph`: the candidates are
+// timed as graph replays and kept under tuner_key(fingerprint, true) (a single-process engine
+// with whole-step graphs); the kernel choices stay under tuner_key(fingerprint).
+std::optional<AlgorithmTuner> backend_tuner(Backend& be, bool graph = false);
 // Hands the backend the kernel choices stored for it. A store that cannot be read is ignored
 // with a log line here (kernel choices only change speed); the planner's read reports it.
 void install_kernel_choices(Backend& be);

@@ -92,7 +92,9 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes, bool force)
   std::string answers;  // one line per shape: an encoded answer, or "-" for the heuristic
   if (mode != AutoTune::kOff && !todo.empty() && (!world || rank == 0)) {
     const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
-    std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend);
+    // A single-process engine that replays its step is timed as it runs: graph replays.
+    std::optional<measure::AlgorithmTuner> tuner =
+        measure::backend_tuner(backend, !world && graphs_enabled());
     for (size_t i = 0; i < todo.size(); ++i) {
       const TuneShape& t = todo[i];
       std::optional<measure::TunedConfig> out;

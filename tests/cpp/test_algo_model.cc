@@ -12,7 +12,9 @@
 #include "forwarding_backend.h"
 #include "measure/algo_model.h"
 #include "measure/store.h"
+#include "measure/time_ortho.h"
 #include "measure/tuner.h"
+#include "recording_backend.h"
 #include "test_files.h"
 
 namespace distmuon::measure {
@@ -161,8 +163,9 @@ TEST(EngineTune, MeasuresOnceStoresAndPredictsTheRest) {
   const std::string store = test::temp_path("test_algo_model", "store.json");
   std::remove(store.c_str());
   setenv("DISTMUON_COST_CACHE", store.c_str(), 1);
-  test::EnvGuard autotune("DISTMUON_AUTOTUNE");
+  test::EnvGuard autotune("DISTMUON_AUTOTUNE"), graphs("DISTMUON_GRAPHS");
   unsetenv("DISTMUON_AUTOTUNE");
+  unsetenv("DISTMUON_GRAPHS");
   TunedCpu be;
   GroupOptions g;
   g.muon.ortho = auto_bf16();
@@ -191,7 +194,9 @@ TEST(EngineTune, MeasuresOnceStoresAndPredictsTheRest) {
     EXPECT_NE(t.config.iteration, Iteration::kAuto);
   }
   EXPECT_EQ(a.resolved_ortho(0).iteration, r[0].config.iteration);
-  EXPECT_EQ(load_algo_choices(store, tuner_key(be.tuning_fingerprint())).size(), 2u);
+  // A single-process engine with graphs (the default) keeps them under the graph-replay key.
+  EXPECT_EQ(load_algo_choices(store, tuner_key(be.tuning_fingerprint(), true)).size(), 2u);
+  EXPECT_TRUE(load_algo_choices(store, tuner_key(be.tuning_fingerprint())).empty());
   r = a.tune();  // measured already: nothing measured again
   for (const TunedShape& t : r) EXPECT_EQ(t.source, "stored");
 
@@ -215,8 +220,18 @@ TEST(EngineTune, MeasuresOnceStoresAndPredictsTheRest) {
   EXPECT_EQ(r[0].source, "stored");
   EXPECT_EQ(r[1].source, "predicted");
   EXPECT_GT(r[1].ms, 0.0);
-  EXPECT_EQ(load_algo_choices(store, tuner_key(be.tuning_fingerprint())).size(), 2u)
+  EXPECT_EQ(load_algo_choices(store, tuner_key(be.tuning_fingerprint(), true)).size(), 2u)
       << "a prediction is not a measurement: never stored";
+  // An engine issuing its steps (graphs off, as distributed engines do) measures for itself.
+  EngineOptions eager = cached;
+  eager.graphs = false;
+  Engine d(be, eager);
+  d.add_group(g);
+  d.add_param(muon_param("w2", 24, 24));
+  d.setup();
+  EXPECT_EQ(d.tuned_shapes()[0].source, "heuristic") << "the eager key holds nothing yet";
+  EXPECT_EQ(d.tune()[0].source, "measured");
+  EXPECT_EQ(load_algo_choices(store, tuner_key(be.tuning_fingerprint())).size(), 1u);
 
   // Explicit algorithms are not the tuner's: no answer for them.
   Engine c(be, cached);
@@ -226,6 +241,24 @@ TEST(EngineTune, MeasuresOnceStoresAndPredictsTheRest) {
   c.add_param(muon_param("w0", 16, 48));
   EXPECT_TRUE(c.tune().empty());
   std::remove(store.c_str());
+}
+
+// Graph timing (what the tuner of a graph-replaying engine measures): the solve is captured once
+// and the timed runs replay it; a backend whose capture fails is timed issuing each run.
+TEST(MeasureTiming, GraphTimingReplaysOneCapturedSolve) {
+  test::RecordingBackend be;
+  OrthoConfig cfg;
+  cfg.iteration = Iteration::kStandardDense;
+  const OrthoInput in = make_ortho_input(be, 8, 24, 3, cfg, 7);
+  EXPECT_GT(time_orthogonalizer(be, cfg, in.batch, {1, 3, true}), 0.0);
+  EXPECT_EQ(be.captures, 1);
+  EXPECT_EQ(be.replays, 3);
+  EXPECT_GT(time_orthogonalizer(be, cfg, in.batch, {1, 3, false}), 0.0);
+  EXPECT_EQ(be.captures, 1) << "issued runs capture nothing";
+  be.fail_captures = true;
+  EXPECT_GT(time_orthogonalizer(be, cfg, in.batch, {1, 3, true}), 0.0);
+  EXPECT_EQ(be.captures, 2);
+  EXPECT_EQ(be.replays, 3) << "a failed capture falls back to issued runs";
 }
 
 }  // namespace
