@@ -61,7 +61,8 @@ nccl_dist_suites() {
 # The GPU pytest modules: one process (with the import order of distmuon and torch, which only a
 # CUDA build can get wrong), then the front over NCCL ranks.
 lane_python() {
-  run_suite pytest_gpu 1 300 "$PY" -m pytest tests/python/test_gpu.py tests/python/test_import_order.py \
+  run_suite pytest_gpu 1 300 "$PY" -m pytest tests/python/test_gpu.py tests/python/test_autotune.py \
+    tests/python/test_import_order.py \
     -q -rs -p no:cacheprovider \
     --junitxml="$WORK/pytest_gpu.xml"
   DISTMUON_TEST_RANKS="$RANKS" DISTMUON_TEST_REPORT="$WORK/front.json" \
