@@ -3,13 +3,13 @@
 //  2. X X^T of a 4096 x 16384 bf16 input: each lower-triangle kernel vs cuBLASLt's dense product;
 //  3. CacheMuon: a cache hit against a fresh solve on qwen's MLP shapes, and gpt2-small engine
 //     steps with the cache under drifting gradients (cuda_bench_cache.cc);
-//  5. with --auto-check only: `auto` against each algorithm on every shape class
-//     (cuda_bench_auto.cc);
 //  4. per workload: the autotuner per shape class, then whole optimizer steps (Muon matrices,
 //     fp32 parameters, random gradients, `auto` resolved by the engine from the measurement
 //     store)
 //     timed eagerly and as a replayed CUDA graph, and the floor (counted FLOPs of the cheapest
 //     algorithm over the GEMM rate + 20 bytes per parameter over the copy bandwidth).
+// With --auto-check, instead: `auto` against each algorithm on every shape class
+// (cuda_bench_auto.cc).
 // Writes one JSON file; bench/make_report.py merges it with the torch baselines.
 #include <chrono>
 #include <cstdio>

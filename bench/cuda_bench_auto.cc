@@ -42,10 +42,7 @@ const std::vector<std::pair<std::string, measure::AlgoCandidate>>& singles() {
 }
 
 // The name under which step 2 timed the algorithm a candidate stands for.
-std::string single_name(const measure::AlgoCandidate& c) {
-  if (c.algorithm == "gram-ns") return c.restarts.empty() ? "gram-ns{}" : "gram-ns{2}";
-  return c.algorithm;
-}
+std::string single_name(const measure::AlgoCandidate& c) { return measure::candidate_name(c); }
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -55,6 +52,7 @@ double median(std::vector<double> v) {
 }  // namespace
 
 json auto_check(CudaBackend& be, const std::vector<std::string>& specs, int rounds) {
+  DM_CHECK(rounds >= 1, "--rounds must be at least 1 (got ", rounds, ")");
   OrthoConfig base;
   base.iteration = Iteration::kAuto;
   base.work_dtype = DType::kBF16;

@@ -262,9 +262,10 @@ class Engine {
   OrthoConfig resolved_ortho(int param);
   // Measures every `auto` shape class that the measurement store lacks for this backend now,
   // whatever EngineOptions::autotune says (one line per shape on stderr), stores the results and
-  // runs them from the next step on; returns every class's answer. Freezes the registration as a
-  // first step does. Distributed: collective, and only before the first step (the plan of owners
-  // depends on the algorithms). On an untuned backend (the CPU) every answer is the heuristic.
+  // runs them from the next step on; returns every `auto` class's answer (measured, stored or the
+  // heuristic). Freezes the registration as a first step does. Distributed: collective, in place
+  // of setup() (the plan of owners and the buffers depend on the algorithms; an engine already
+  // set up refuses). On an untuned backend (the CPU) every answer is the heuristic.
   std::vector<TunedShape> tune();
   // The answers of the last tuning (set-up or tune()); empty before set-up.
   std::vector<TunedShape> tuned_shapes() const;

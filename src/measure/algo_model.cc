@@ -65,12 +65,15 @@ std::optional<AlgoChoice> predict_choice(const std::vector<AlgoChoice>& measured
     pts.resize(std::min(pts.size(), static_cast<size_t>(std::max(1, opt.neighbours))));
     double sum_w = 0, sum = 0, sum_err = 0;
     for (const Point& p : pts) {
-      const double w = 1.0 / (p.distance + 0.1);  // an exact match weighs 10x one at distance 1
+      const double w = 1.0 / (p.distance + 0.1);  // an exact match weighs 11x one at distance 1
       sum_w += w;
       sum += w * p.log_ratio;
-      // A rejected candidate's error may be NaN or zero-free infinity: count it as twice the bar.
-      const double err = p.accepted || std::isfinite(p.rel_err) ? p.rel_err : 2 * opt.tolerance;
-      sum_err += w * std::log(std::max(err, 1e-12));
+      // An error that is not a positive number (NaN for a diverged candidate, 0 in entries
+      // written before errors were kept) counts by its verdict: half the bar, or twice it.
+      const double err = std::isfinite(p.rel_err) && p.rel_err > 0
+                             ? p.rel_err
+                             : (p.accepted ? 0.5 : 2.0) * opt.tolerance;
+      sum_err += w * std::log(err);
     }
     cand.ms = analytic_ms(cand, base, m, n, count) * std::exp(sum / sum_w);
     cand.rel_err = std::exp(sum_err / sum_w);

@@ -17,7 +17,7 @@ namespace distmuon::measure {
 
 struct ModelOptions {
   int neighbours = 3;       // measured shapes whose ratios are averaged (inverse-distance weights)
-  double tolerance = 2e-2;  // a candidate is offered where its predicted error is within this
+  double tolerance = kAcceptTolerance;  // offered where its predicted error is within this
 };
 
 // Distance between two shape classes in the model's features: log of the short side, log of the

@@ -48,11 +48,11 @@ namespace {
 
 bool is_gram(const AlgoCandidate& c) { return c.algorithm.rfind("gram", 0) == 0; }
 
+}  // namespace
+
 std::string candidate_name(const AlgoCandidate& c) {
   return c.algorithm + (is_gram(c) ? (c.restarts.empty() ? "{}" : "{2}") : "");
 }
-
-}  // namespace
 
 const AlgoCandidate* select_candidate(const AlgoChoice& c, bool allow_restart_free) {
   const AlgoCandidate* best = nullptr;
@@ -158,6 +158,13 @@ json to_json(const AlgoChoice& c) {
           {"schedule", c.schedule}, {"candidates", cands}};
 }
 
+// A measured number; JSON has no NaN or infinity, so the store writes them as null: read back
+// as NaN (a diverged candidate stays rejected instead of making the whole store unreadable).
+double number_of(const json& e, const char* key) {
+  const auto it = e.find(key);
+  return it == e.end() || it->is_null() ? NAN : it->get<double>();
+}
+
 AlgoChoice algo_from_json(const json& e) {
   AlgoChoice c;
   c.rows = e.at("rows");
@@ -166,16 +173,16 @@ AlgoChoice algo_from_json(const json& e) {
   c.algorithm = e.at("algorithm");
   c.restarts = e.at("restarts").get<std::vector<int>>();
   c.work_dtype = parse_dtype(e.at("work_dtype"));
-  c.ms = e.value("ms", 0.0);
-  c.rel_err = e.value("rel_err", 0.0);
+  c.ms = number_of(e, "ms");
+  c.rel_err = number_of(e, "rel_err");
   c.schedule = e.value("schedule", std::string("jordan:5"));
   for (const json& k : e.value("candidates", json::array())) {
     AlgoCandidate a;
     a.algorithm = k.at("algorithm");
     a.restarts = k.at("restarts").get<std::vector<int>>();
     a.work_dtype = parse_dtype(k.at("work_dtype"));
-    a.ms = k.value("ms", 0.0);
-    a.rel_err = k.value("rel_err", 0.0);
+    a.ms = number_of(k, "ms");
+    a.rel_err = number_of(k, "rel_err");
     a.accepted = k.value("accepted", false);
     c.candidates.push_back(a);
   }
@@ -256,7 +263,14 @@ std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, i
     std::fprintf(stderr, "%s %lld x %lldx%lld (%s): not in the store, measuring\n", tag.c_str(),
                  static_cast<long long>(count), static_cast<long long>(m),
                  static_cast<long long>(n), schedule.c_str());
-    const AlgoChoice fresh = measure_(m, n, count, base);
+    AlgoChoice fresh;
+    try {
+      fresh = measure_(m, n, count, base);
+    } catch (const std::exception& e) {  // e.g. no candidate passed the check: not fatal here
+      DM_LOG(kWarn, "autotune: measuring ", count, " x ", m, "x", n, " failed (", e.what(),
+             "); the heuristic decides this shape");
+      return std::nullopt;
+    }
     if (kernel_key_ == key_) {
       save_tuning(store_, key_, {fresh}, kernels_ ? kernels_() : "[]");
     } else {
@@ -278,9 +292,8 @@ std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, i
                static_cast<long long>(count), static_cast<long long>(m), static_cast<long long>(n),
                pick->algorithm.c_str(),
                is_gram(*pick) ? (pick->restarts.empty() ? " restarts {}" : " restarts {2}") : "",
-               source == TuneSource::kPredicted
-                   ? ("predicted from " + std::to_string(stored_->size()) + " stored shapes").c_str()
-                   : tune_source_name(source),
+               source == TuneSource::kPredicted ? "predicted by the cost model"
+                                                : tune_source_name(source),
                pick->ms);
   return TunedConfig{resolve(config_of(*pick, base), m, n), source, pick->ms};
 }

@@ -20,6 +20,10 @@
 
 namespace distmuon::measure {
 
+// The numerical check's bar: a candidate is accepted within this relative Frobenius error of the
+// fp32 dense iteration (measured by the tuner, predicted by the cost model).
+constexpr double kAcceptTolerance = 2e-2;
+
 // The tuner's candidate set: measurements of an older set are not reused (they never timed the
 // candidates added since). 2: dense ns5 joined ns5-sym and gram-ns.
 constexpr int kTunerVersion = 2;
@@ -81,7 +85,7 @@ const AlgoChoice* find_choice(const std::vector<AlgoChoice>& all, int64_t m, int
 
 struct TuneOptions {
   int repeats = 10;         // timed repetitions per candidate (median)
-  double tolerance = 2e-2;  // acceptance threshold
+  double tolerance = kAcceptTolerance;  // acceptance threshold
   int check_matrices = 2;   // matrices of the batch checked against the fp32 reference
   bool verbose = true;      // one line per shape on stderr
   bool graph = false;       // time graph replays (OrthoTiming::graph)
@@ -96,6 +100,9 @@ using MeasureCandidate = std::function<CandidateResult(const OrthoConfig& cfg)>;
 
 // Measures every candidate through `measure` and keeps the fastest accepted one; throws naming
 // the shape and every result when none passes the check.
+// The name of a candidate as its log lines and reports write it: "ns5", "ns5-sym",
+// "gram-ns{2}", "gram-ns{}".
+std::string candidate_name(const AlgoCandidate& c);
 AlgoChoice choose_algorithm(int64_t rows, int64_t cols, int64_t count, const OrthoConfig& base,
                             const TuneOptions& opt, const MeasureCandidate& measure);
 // choose_algorithm on the backend: random inputs, the Orthogonalizer timed by time_ortho.h.

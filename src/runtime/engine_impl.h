@@ -148,13 +148,16 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
     int64_t m, n, count;
   };
   OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const override;
-  // force_measure: measure what the store lacks whatever the autotune mode (Engine::tune).
-  void tune_shapes(const std::vector<TuneShape>& shapes, bool force_measure = false);
+  void tune_shapes(const std::vector<TuneShape>& shapes);
   std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
   void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')
   std::map<std::string, OrthoConfig> tuned;  // key: tuned_key()
   std::vector<TunedShape> tune_report;       // the last tune_shapes' answers, shape by shape
-  bool force_measure = false;                // set by Engine::tune() around setup()
+  // Set by Engine::tune() around its tuning: measure what the store lacks whatever the mode.
+  bool force_measure = false;
+  // Whether this engine's steps replay a captured graph (single process, graphs on, neither the
+  // raise policy nor CacheMuon's shadow mode): the tuner then times graph replays.
+  bool steps_replay() const;
 
   // CacheMuon (engine_cache.cc). The index of the cache class of (group, m, n), created on demand.
   int cache_class_of(int group, int64_t m, int64_t n);

@@ -75,11 +75,17 @@ OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   return resolve(base, m, n);
 }
 
-void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes, bool force) {
-  force = force || force_measure;
+bool Engine::Impl::steps_replay() const {
+  if (world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
+  for (const GroupOptions& g : groups)
+    if (g.kind == ParamKind::kMuon && g.muon.cache.enabled && g.muon.cache.shadow) return false;
+  return true;
+}
+
+void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   AutoTune mode = options.autotune;
   if (const std::string e = env::get("DISTMUON_AUTOTUNE"); !e.empty()) mode = parse_autotune(e);
-  if (force) mode = AutoTune::kOn;
+  if (force_measure) mode = AutoTune::kOn;
   bool restart_free = options.allow_restart_free;
   if (!env::get("DISTMUON_AUTOTUNE_RESTART_FREE").empty())
     restart_free = env::get_bool("DISTMUON_AUTOTUNE_RESTART_FREE");
@@ -92,9 +98,8 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes, bool force)
   std::string answers;  // one line per shape: an encoded answer, or "-" for the heuristic
   if (mode != AutoTune::kOff && !todo.empty() && (!world || rank == 0)) {
     const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
-    // A single-process engine that replays its step is timed as it runs: graph replays.
-    std::optional<measure::AlgorithmTuner> tuner =
-        measure::backend_tuner(backend, !world && graphs_enabled());
+    // An engine that replays its step is timed as it runs: graph replays.
+    std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend, steps_replay());
     for (size_t i = 0; i < todo.size(); ++i) {
       const TuneShape& t = todo[i];
       std::optional<measure::TunedConfig> out;
@@ -153,21 +158,21 @@ void Engine::Impl::tune_dist_shapes() {
 
 std::vector<TunedShape> Engine::tune() {
   Impl& s = *impl_;
-  if (!s.built) {
-    s.force_measure = true;
-    try {
+  DM_CHECK(!(s.built && s.world),
+           "tune() on a distributed engine that is already set up: its owners and buffers were "
+           "planned for the algorithms tune() would change; call tune() instead of setup() "
+           "(distmuon.torch.Muon.tune() rebuilds its engines)");
+  s.force_measure = true;
+  try {
+    if (s.built)
+      s.tune_shapes(s.class_shapes());
+    else
       setup();
-    } catch (...) {
-      s.force_measure = false;
-      throw;
-    }
+  } catch (...) {
     s.force_measure = false;
-    return s.tune_report;
+    throw;
   }
-  DM_CHECK(!s.world,
-           "tune() after the first step of a distributed engine: call it before the first step "
-           "(the owners were planned with the algorithms it would change)");
-  s.tune_shapes(s.class_shapes(), true);
+  s.force_measure = false;
   return s.tune_report;
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -323,6 +324,22 @@ TEST(MeasureTuner, MeasuresOnlyWhatTheStoreLacksAndOnlyWhenAllowed) {
   f32.work_dtype = DType::kF32;
   EXPECT_FALSE(next.config_for(f32, 256, 1024, 4, {true, false}));
   EXPECT_EQ(measured, 2);
+}
+
+// A candidate that diverged has a NaN error (and may have an infinite time); JSON has neither,
+// so the store keeps them as null and reads them back as NaN: the entry stays readable, the
+// candidate rejected.
+TEST(MeasureTuner, NonFiniteMeasurementsSurviveTheStore) {
+  const std::string path = temp_path("nan.json");
+  AlgoChoice c = choice_of(64, 256, 2, "ns5");
+  c.candidates.push_back({"gram-ns", {2}, DType::kF16, INFINITY, NAN, false});
+  save_tuning(path, kKey, {c}, "[]");
+  const std::vector<AlgoChoice> back = load_algo_choices(path, kKey);
+  ASSERT_EQ(back.size(), 1u);
+  ASSERT_EQ(back[0].candidates.size(), 2u);
+  EXPECT_TRUE(std::isnan(back[0].candidates[1].rel_err));
+  EXPECT_FALSE(back[0].candidates[1].accepted);
+  EXPECT_EQ(select_candidate(back[0], false)->algorithm, "ns5");
 }
 
 // ---- the shared timing -----------------------------------------------------------------------

@@ -161,6 +161,19 @@ def run_train(
     }
 
 
+def run_tune(rank: int, world: int) -> dict[str, Any]:
+    """FSDP2 with Muon.tune() before training (collective) and again after CKPT_AT steps (the
+    engines are rebuilt, their state carried over): the same run as without it."""
+    model = make_model()
+    fwd = wrap(model, "fsdp", world)
+    opt = Muon(model, **OPT_KW)
+    rows = opt.tune()
+    losses = train(fwd, opt, range(CKPT_AT), rank, world)
+    again = opt.tune()
+    losses += train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
+    return {"mode": opt.dist_mode, "losses": losses, "params": full_params(model), "rows": rows, "again": again}
+
+
 def run_resume(rank: int, world: int, kind: str, ckpt: str, kw: dict[str, Any] | None = None) -> dict[str, Any]:
     """Loads the checkpoint into a fresh model and optimizer and trains the remaining steps."""
     import torch.distributed.checkpoint as dcp
@@ -310,6 +323,7 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "gather_cache": guarded(lambda: run_train(rank, world, "fsdp", dist_mode="gather", kw=CACHE_KW)),
         "gather": guarded(lambda: run_train(rank, world, "fsdp", dist_mode="gather")),
         "ddp": guarded(lambda: run_train(rank, world, "ddp")),
+        "tune": guarded(lambda: run_tune(rank, world)),
         "grad_none_fsdp": guarded(lambda: run_grad_none(rank, world, "fsdp", (1,))),
         "grad_none_ddp": guarded(lambda: run_grad_none(rank, world, "ddp", (0,))),
         "mismatch_missing": guarded(lambda: run_mismatch(rank, world, "missing")),

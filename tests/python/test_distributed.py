@@ -102,6 +102,19 @@ def test_fsdp2_two_ranks_equals_single_process(world2: list[dict[str, Any]], sin
     assert sum(owned) == 7 and all(o > 0 for o in owned)
 
 
+def test_tune_on_every_rank_before_and_during_training_changes_nothing_on_the_cpu(
+    world2: list[dict[str, Any]], single: dict[str, Any]
+) -> None:
+    """Muon.tune() is collective and rebuilds the engines (carrying their state): on the CPU,
+    whose backend is not tuned, every rank answers the heuristic for every Muon shape class and
+    the run equals the single process's."""
+    assert_matches_single(world2, "tune", single, "sharded")
+    for r in world2:
+        res = ok(r["tune"])
+        assert res["rows"] and res["rows"] == res["again"]
+        assert {row["source"] for row in res["rows"]} == {"heuristic"}
+
+
 def test_fsdp2_four_ranks_with_empty_shards_equals_single_process(world4: list[dict[str, Any]], single: dict[str, Any]) -> None:
     assert_matches_single(world4, "fsdp", single, "sharded")
 

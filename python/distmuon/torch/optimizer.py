@@ -613,17 +613,12 @@ class Muon(torch.optim.Optimizer):
         on stderr), keeps the results in the store for the next runs, and runs the fastest from
         the next step on. Returns one dict per ``auto`` class: ``group``, ``rows`` x ``cols``
         (wide), ``count`` (matrices), ``algorithm``, ``restarts``, ``source`` ('measured',
-        'stored', 'predicted' or 'heuristic') and ``ms`` (the batch's measured or predicted
-        time). Call it before training (distributed: on every rank, before the first step). On
-        the CPU every answer is the heuristic."""
-        if self._held_params_changed():
-            self._build_engine(tune=True)
-            return self.tuned_shapes()
-        out = []
-        for p in self._parts:
-            p.order.before()
-            out += p.engine.tune()
-        return out
+        'stored' or 'heuristic') and ``ms`` (the batch's measured
+        time). It rebuilds the engines with the groups' current options, carrying the state
+        over, so call it before training; distributed it is collective (every rank). On the CPU
+        every answer is the heuristic."""
+        self._build_engine(tune=True)
+        return self.tuned_shapes()
 
     def tuned_shapes(self) -> list[dict[str, Any]]:
         """How ``algorithm='auto'`` was resolved for each shape class when the engine was last
