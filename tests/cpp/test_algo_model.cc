@@ -229,21 +229,27 @@ TEST(AlgoModel, EveryWorkloadLeftOutPicksWithin3PercentOnH200GraphTimes) {
 TEST(AlgoModel, AcceptanceFollowsThePredictedError) {
   std::vector<AlgoChoice> all;
   for (const Measured& r : kH200) all.push_back(choice_of(r));
+  auto sym = [](const AlgoChoice& c) {
+    for (const AlgoCandidate& k : c.candidates)
+      if (k.algorithm == "ns5-sym") return k;
+    ADD_FAILURE() << "no ns5-sym prediction";
+    return AlgoCandidate{};
+  };
   std::optional<AlgoChoice> p = predict_choice(all, 32, 1024, 3, auto_bf16());
   ASSERT_TRUE(p);
-  EXPECT_EQ(p->candidates[0].algorithm, "ns5-sym");
-  EXPECT_GT(p->candidates[0].rel_err, 2e-2);
-  EXPECT_FALSE(p->candidates[0].accepted);
+  EXPECT_GT(sym(*p).rel_err, kAcceptTolerance);
+  EXPECT_FALSE(sym(*p).accepted);
   EXPECT_EQ(select_candidate(*p, false)->algorithm, "gram-ns");
   p = predict_choice(all, 64, 2048, 2, auto_bf16());
   ASSERT_TRUE(p);
-  EXPECT_LT(p->candidates[0].rel_err, 2e-2);
-  EXPECT_GT(p->candidates[0].rel_err, 1e-2);
-  EXPECT_TRUE(p->candidates[0].accepted);
+  EXPECT_LT(sym(*p).rel_err, kAcceptTolerance);
+  EXPECT_GT(sym(*p).rel_err, 1e-2);
+  EXPECT_TRUE(sym(*p).accepted);
   // An exact entry dominates its neighbours: the prediction is close to its measurement.
   const std::optional<AlgoChoice> q = predict_choice(all, 3584, 18944, 24, auto_bf16());
   ASSERT_TRUE(q);
-  EXPECT_NEAR(q->candidates[1].ms / 89.652, 1.0, 0.15);
+  for (const AlgoCandidate& k : q->candidates)
+    if (k.algorithm == "gram-ns" && !k.restarts.empty()) EXPECT_NEAR(k.ms / 89.652, 1.0, 0.15);
 }
 
 // Nothing of this schedule measured: no prediction (the caller falls back to the heuristic).
