@@ -78,14 +78,7 @@ std::optional<AlgoChoice> predict_choice(const std::vector<AlgoChoice>& measured
     cand.ms = analytic_ms(cand, base, m, n, count) * std::exp(sum / sum_w);
     cand.rel_err = std::exp(sum_err / sum_w);
     cand.accepted = cand.rel_err <= opt.tolerance;
-    out.candidates.push_back(cand);
-    if (cand.accepted && cand.ms < out.ms) {
-      out.algorithm = cand.algorithm;
-      out.restarts = cand.restarts;
-      out.work_dtype = cand.work_dtype;
-      out.ms = cand.ms;
-      out.rel_err = cand.rel_err;
-    }
+    add_candidate(out, cand);
   }
   if (out.candidates.empty()) return std::nullopt;
   return out;

@@ -22,6 +22,17 @@ std::string tuner_key(const std::string& fingerprint, bool graph) {
   return fingerprint + "|tuner " + std::to_string(kTunerVersion) + (graph ? "|graph replay" : "");
 }
 
+void add_candidate(AlgoChoice& choice, const AlgoCandidate& c) {
+  choice.candidates.push_back(c);
+  if (c.accepted && c.ms < choice.ms) {
+    choice.algorithm = c.algorithm;
+    choice.restarts = c.restarts;
+    choice.work_dtype = c.work_dtype;
+    choice.ms = c.ms;
+    choice.rel_err = c.rel_err;
+  }
+}
+
 std::vector<AlgoCandidate> tuner_candidates() {
   // Dense ns5 too: on small, launch-bound shapes (ResNet-18's convolutions, 64 x 147 to
   // 512 x 4608) cuBLAS's dense products beat the one-triangle kernels and the Gram iteration's
@@ -102,14 +113,7 @@ AlgoChoice choose_algorithm(int64_t rows, int64_t cols, int64_t count, const Ort
     std::snprintf(buf, sizeof(buf), "%s%s %.3f ms err %.2e%s", line.empty() ? "" : ", ",
                   candidate_name(c).c_str(), c.ms, c.rel_err, c.accepted ? "" : " (rejected)");
     line += buf;
-    best.candidates.push_back(c);
-    if (c.accepted && c.ms < best.ms) {
-      best.algorithm = c.algorithm;
-      best.restarts = c.restarts;
-      best.work_dtype = c.work_dtype;
-      best.ms = c.ms;
-      best.rel_err = c.rel_err;
-    }
+    add_candidate(best, c);
   }
   DM_CHECK(std::isfinite(best.ms), "autotune: no algorithm passed the numerical check for ", rows,
            "x", cols, " (", line, ")");

@@ -65,6 +65,9 @@ struct AlgoChoice {
   std::vector<AlgoCandidate> candidates;  // entries written before they existed: the choice alone
 };
 
+// Appends a measured (or predicted) candidate to `choice`; an accepted one faster than the
+// choice so far becomes the choice (algorithm ... rel_err).
+void add_candidate(AlgoChoice& choice, const AlgoCandidate& c);
 // The candidates, unmeasured, in the order they are measured.
 std::vector<AlgoCandidate> tuner_candidates();
 // The OrthoConfig a candidate stands for.
