@@ -153,14 +153,8 @@ json micro(CudaBackend& be, double& tflops, double& tbps) {
 }
 
 json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, double tflops, double tbps) {
-  std::string name = spec;
-  int64_t layers = 0;
-  if (auto p = spec.find(':'); p != std::string::npos) {
-    name = spec.substr(0, p);
-    layers = std::stoll(spec.substr(p + 1));
-  }
-  Workload w = load_workload(name);
-  if (layers > 0) w = w.first_layers(layers);
+  const auto [name, layers] = parse_workload_spec(spec);
+  const Workload w = workload_of({name, layers});
   std::fprintf(stderr, "[bench] %s%s: %lld Muon matrices, %lld parameters\n", name.c_str(),
                layers ? (" (" + std::to_string(layers) + " layers)").c_str() : "",
                (long long)w.muon_matrices(), (long long)w.muon_params());

@@ -65,14 +65,22 @@ inline std::vector<ShapeClass> classes_of(const Workload& w) {
   return out;
 }
 
-// A workload by name ("qwen2.5-7b:8": its first 8 layers) or JSON file path.
-inline Workload workload_of(const std::string& spec) {
+// A workload spec: a built-in name or JSON file path, optionally ":K" for its first K layers
+// ("qwen2.5-7b:8").
+struct WorkloadSpec {
+  std::string name;
+  int64_t layers = 0;  // 0: all
+};
+inline WorkloadSpec parse_workload_spec(const std::string& spec) {
   const size_t colon = spec.rfind(':');
   const bool layered = colon != std::string::npos && colon + 1 < spec.size() &&
                        spec.find_first_not_of("0123456789", colon + 1) == std::string::npos;
-  Workload w = load_workload(layered ? spec.substr(0, colon) : spec);
-  if (layered) w = w.first_layers(std::stoll(spec.substr(colon + 1)));
-  return w;
+  if (!layered) return {spec, 0};
+  return {spec.substr(0, colon), std::stoll(spec.substr(colon + 1))};
+}
+inline Workload workload_of(const WorkloadSpec& s) {
+  Workload w = load_workload(s.name);
+  return s.layers > 0 ? w.first_layers(s.layers) : w;
 }
 
 // `auto` against ns5, ns5-sym and Gram NS {2} on every shape class of `workloads` (cuda_bench_auto.cc).

@@ -41,9 +41,6 @@ const std::vector<std::pair<std::string, measure::AlgoCandidate>>& singles() {
   return s;
 }
 
-// The name under which step 2 timed the algorithm a candidate stands for.
-std::string single_name(const measure::AlgoCandidate& c) { return measure::candidate_name(c); }
-
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -59,7 +56,7 @@ json auto_check(CudaBackend& be, const std::vector<std::string>& specs, int roun
   std::vector<std::pair<std::string, std::vector<ShapeClass>>> wls;
   std::vector<Key> order;
   for (const std::string& s : specs) {
-    wls.emplace_back(s, classes_of(workload_of(s)));
+    wls.emplace_back(s, classes_of(workload_of(parse_workload_spec(s))));
     for (const ShapeClass& c : wls.back().second) {
       const Key k{c.rows, c.cols, c.count};
       if (std::find(order.begin(), order.end(), k) == order.end()) order.push_back(k);
@@ -106,16 +103,16 @@ json auto_check(CudaBackend& be, const std::vector<std::string>& specs, int roun
         best_any = std::min(best_any, ms);
         bool accepted = false;
         for (const measure::AlgoCandidate& k : r.tuned.candidates)
-          if (single_name(k) == name) accepted = k.accepted;
+          if (measure::candidate_name(k) == name) accepted = k.accepted;
         if (accepted && ms < best) best = ms, best_name = name;
       }
       const measure::AlgoCandidate* pick = measure::select_candidate(r.tuned, false);
-      const std::string auto_name = pick ? single_name(*pick) : "none";
+      const std::string auto_name = pick ? measure::candidate_name(*pick) : "none";
       const double auto_ratio = pick ? r.ms.at(auto_name) / best : INFINITY;
       const std::optional<measure::AlgoChoice> pred =
           measure::predict_choice(others, c.rows, c.cols, c.count, base);
       const measure::AlgoCandidate* mp = pred ? measure::select_candidate(*pred, false) : nullptr;
-      const std::string model_name = mp ? single_name(*mp) : "none";
+      const std::string model_name = mp ? measure::candidate_name(*mp) : "none";
       const double model_ratio = mp ? r.ms.at(model_name) / best : INFINITY;
       const Iteration h = resolve(base, c.rows, c.cols).iteration;
       const std::string heur_name = h == Iteration::kGram ? "gram-ns{2}" : "ns5-sym";
@@ -136,11 +133,11 @@ json auto_check(CudaBackend& be, const std::vector<std::string>& specs, int roun
                    heur_name.c_str(), heur_ratio);
       json tuner = json::object();
       for (const measure::AlgoCandidate& k : r.tuned.candidates)
-        tuner[single_name(k)] = {{"ms", k.ms}, {"rel_err", k.rel_err}, {"accepted", k.accepted}};
+        tuner[measure::candidate_name(k)] = {{"ms", k.ms}, {"rel_err", k.rel_err}, {"accepted", k.accepted}};
       json model = json::object();
       if (pred)
         for (const measure::AlgoCandidate& k : pred->candidates)
-          model[single_name(k)] = {{"ms", k.ms}, {"accepted", k.accepted}};
+          model[measure::candidate_name(k)] = {{"ms", k.ms}, {"accepted", k.accepted}};
       jw["classes"].push_back({{"rows", c.rows}, {"cols", c.cols}, {"count", c.count},
                                {"ms", r.ms}, {"fastest", best_name},
                                {"fastest_any_over_accepted", best_any / best},

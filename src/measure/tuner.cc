@@ -275,12 +275,8 @@ std::optional<TunedConfig> AlgorithmTuner::config_for(const OrthoConfig& base, i
              "); the heuristic decides this shape");
       return std::nullopt;
     }
-    if (kernel_key_ == key_) {
-      save_tuning(store_, key_, {fresh}, kernels_ ? kernels_() : "[]");
-    } else {
-      save_tuning(store_, key_, {fresh}, "[]");
-      if (kernels_) save_tuning(store_, kernel_key_, {}, kernels_());
-    }
+    save_tuning(store_, key_, {fresh}, "[]");
+    if (kernels_) save_tuning(store_, kernel_key_, {}, kernels_());
     std::erase_if(*stored_, [&](const AlgoChoice& o) { return same_entry(o, fresh); });
     stored_->push_back(fresh);
     c = &stored_->back();

@@ -155,8 +155,9 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   std::vector<TunedShape> tune_report;       // the last tune_shapes' answers, shape by shape
   // Set by Engine::tune() around its tuning: measure what the store lacks whatever the mode.
   bool force_measure = false;
-  // Whether this engine's steps replay a captured graph (single process, graphs on, neither the
-  // raise policy nor CacheMuon's shadow mode): the tuner then times graph replays.
+  // Whether this engine's steps replay a captured graph: single process, graphs on, neither the
+  // raise policy nor CacheMuon's shadow mode (both read the device on the host mid-step). The
+  // one rule for local_step and for the tuner, which then times graph replays.
   bool steps_replay() const;
 
   // CacheMuon (engine_cache.cc). The index of the cache class of (group, m, n), created on demand.

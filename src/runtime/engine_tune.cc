@@ -75,13 +75,6 @@ OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   return resolve(base, m, n);
 }
 
-bool Engine::Impl::steps_replay() const {
-  if (world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
-  for (const GroupOptions& g : groups)
-    if (g.kind == ParamKind::kMuon && g.muon.cache.enabled && g.muon.cache.shadow) return false;
-  return true;
-}
-
 void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   AutoTune mode = options.autotune;
   if (const std::string e = env::get("DISTMUON_AUTOTUNE"); !e.empty()) mode = parse_autotune(e);
@@ -95,8 +88,9 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
     if (groups[t.group].kind == ParamKind::kMuon &&
         groups[t.group].muon.ortho.iteration == Iteration::kAuto)
       todo.push_back(t);
+  const bool ask = mode != AutoTune::kOff && !todo.empty();
   std::string answers;  // one line per shape: an encoded answer, or "-" for the heuristic
-  if (mode != AutoTune::kOff && !todo.empty() && (!world || rank == 0)) {
+  if (ask && (!world || rank == 0)) {
     const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
     // An engine that replays its step is timed as it runs: graph replays.
     std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend, steps_replay());
@@ -109,8 +103,7 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
       answers += (out ? encode(*out) : std::string("-")) + "\n";
     }
   }
-  if (mode != AutoTune::kOff && !todo.empty() && world && world_size > 1) {
-    // every rank takes rank 0's answers
+  if (ask && world && world_size > 1) {  // every rank takes rank 0's answers
     const std::vector<int64_t> len =
         host_all_gather(*world, backend, {static_cast<int64_t>(answers.size())});
     const std::vector<char> all = host_all_gather_v(*world, backend, answers, len);

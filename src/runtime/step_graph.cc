@@ -47,6 +47,13 @@ bool Engine::Impl::graphs_enabled() const {
   return e.empty() ? options.graphs : env::get_bool("DISTMUON_GRAPHS");
 }
 
+bool Engine::Impl::steps_replay() const {
+  if (world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
+  for (const GroupOptions& g : groups)
+    if (g.kind == ParamKind::kMuon && g.muon.cache.enabled && g.muon.cache.shadow) return false;
+  return true;
+}
+
 std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
   std::vector<uint64_t> key;
   key.reserve(4 * params.size() + 16 * classes.size());
@@ -68,14 +75,8 @@ std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
 void Engine::Impl::local_step(std::span<const ParamData> data) {
   upload_scalars();  // eager, outside any graph: every step's hyperparameters reach the device
   // The classes' buffers follow the current options before anything is keyed or issued.
-  // CacheMuon's shadow mode reads the device on the host, as the raise policy does.
-  bool shadow = false;
-  for (ShapeClass& c : classes) {
-    ensure_class_buffers(c);
-    const CacheClass& cc = caches[c.cache];
-    shadow = shadow || (cc.use && groups[cc.group].muon.cache.shadow);
-  }
-  const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
+  for (ShapeClass& c : classes) ensure_class_buffers(c);
+  const bool eligible = steps_replay();
   const bool in_callers_capture = backend.capturing();
   if (!eligible || in_callers_capture) {
     // Inside a caller's capture the step is recorded there; the engine's own graph stays (it may
