@@ -156,8 +156,8 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   // Set by Engine::tune() around its tuning: measure what the store lacks whatever the mode.
   bool force_measure = false;
   // Whether this engine's steps replay a captured graph: single process, graphs on, neither the
-  // raise policy nor CacheMuon's shadow mode (both read the device on the host mid-step). The
-  // one rule for local_step and for the tuner, which then times graph replays.
+  // raise policy nor CacheMuon's shadow mode (both read the device on the host mid-step); the
+  // tuner then times graph replays. local_step states it per class (step_graph.cc).
   bool steps_replay() const;
 
   // CacheMuon (engine_cache.cc). The index of the cache class of (group, m, n), created on demand.

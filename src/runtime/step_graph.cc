@@ -75,8 +75,16 @@ std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
 void Engine::Impl::local_step(std::span<const ParamData> data) {
   upload_scalars();  // eager, outside any graph: every step's hyperparameters reach the device
   // The classes' buffers follow the current options before anything is keyed or issued.
-  for (ShapeClass& c : classes) ensure_class_buffers(c);
-  const bool eligible = steps_replay();
+  // CacheMuon's shadow mode reads the device on the host, as the raise policy does.
+  // (steps_replay() states the same rule per group, for the tuner; this per-class form is the
+  // one the GPU verification ran: folding the two waits for the next device run.)
+  bool shadow = false;
+  for (ShapeClass& c : classes) {
+    ensure_class_buffers(c);
+    const CacheClass& cc = caches[c.cache];
+    shadow = shadow || (cc.use && groups[cc.group].muon.cache.shadow);
+  }
+  const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
   const bool in_callers_capture = backend.capturing();
   if (!eligible || in_callers_capture) {
     // Inside a caller's capture the step is recorded there; the engine's own graph stays (it may
