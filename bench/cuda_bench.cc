@@ -9,7 +9,8 @@
 //     timed eagerly and as a replayed CUDA graph, and the floor (counted FLOPs of the cheapest
 //     algorithm over the GEMM rate + 20 bytes per parameter over the copy bandwidth).
 // With --auto-check, instead: `auto` against each algorithm on every shape class
-// (cuda_bench_auto.cc).
+// (cuda_bench_auto.cc); with --host-issue, the host time of each operation of an eager step
+// (cuda_bench_host.cc).
 // Writes one JSON file; bench/make_report.py merges it with the torch baselines.
 #include <chrono>
 #include <cstdio>
@@ -37,6 +38,7 @@ struct Opts {
   bool micro = true, tune = true, cache = true, cache_hit = true;
   bool auto_check = false;  // only the check of `auto` against each algorithm (cuda_bench_auto.cc)
   int rounds = 3;           // its interleaved measurement rounds
+  bool host_issue = false;  // only the host time per operation (cuda_bench_host.cc)
 };
 
 // Per-operation GPU times on gpt2-small's shapes (12 matrices, m = 768), graph-replayed so that
@@ -181,14 +183,12 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
           syms.push_back(cuda::tune_sym(be, m, k, s.count, t, to));
           ks[std::string(dtype_name(t)) + " k=" + std::to_string(k)] = sym_kernel_name(syms.back().kernel);
         }
-      measure::TuneOptions mo;
-      mo.repeats = to.repeats;
+      measure::TuneOptions mo;  // the engine's tuner's rounds and repeats
       mo.graph = true;  // timed as the engine below runs them: replayed in its step's graph
       algos.push_back(measure::tune_algorithm(be, m, n, s.count, base, mo));
       e["sym_kernels"] = ks;
-      e["tuner_fastest"] = algos.back().algorithm + (algos.back().algorithm == "gram-ns"
-                                                         ? (algos.back().restarts.empty() ? "{}" : "{2}")
-                                                         : "");
+      const measure::AlgoChoice& a = algos.back();
+      e["tuner_fastest"] = measure::candidate_name({a.algorithm, a.restarts, a.work_dtype});
       e["rel_err_vs_fp32"] = algos.back().rel_err;
       json cands = json::array();
       for (const measure::AlgoCandidate& k : algos.back().candidates)
@@ -296,11 +296,12 @@ int run(int argc, char** argv) {
     else if (a == "--no-cache-hit") o.cache_hit = false;
     else if (a == "--auto-check") o.auto_check = true;
     else if (a == "--rounds") o.rounds = std::stoi(next());
+    else if (a == "--host-issue") o.host_issue = true;
     else if (a == "--workloads") {
       o.workloads.clear();
       std::stringstream ss(next());
       for (std::string p; std::getline(ss, p, ',');) if (!p.empty()) o.workloads.push_back(p);
-    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache --no-cache-hit --auto-check --rounds N)");
+    } else DM_FAIL("unknown option ", a, " (--json F --steps N --workloads a,b:8 --no-micro --no-tune --no-cache --no-cache-hit --auto-check --rounds N --host-issue)");
   }
   CudaBackend be;
   std::fprintf(stderr, "[bench] %s\n", be.name().c_str());
@@ -310,6 +311,11 @@ int run(int argc, char** argv) {
     out["auto_check"] = auto_check(be, o.workloads, o.rounds);
     std::ofstream(o.json_path) << out.dump(2) << "\n";
     return out["auto_check"]["pass"].get<bool>() ? 0 : 2;
+  }
+  if (o.host_issue) {
+    out["host_issue"] = host_issue(be, o.workloads);
+    std::ofstream(o.json_path) << out.dump(2) << "\n";
+    return 0;
   }
   double tflops = 760, tbps = 4.2;
   if (o.micro) {

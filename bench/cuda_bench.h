@@ -86,6 +86,10 @@ inline Workload workload_of(const WorkloadSpec& s) {
 // `auto` against ns5, ns5-sym and Gram NS {2} on every shape class of `workloads` (cuda_bench_auto.cc).
 nlohmann::json auto_check(CudaBackend& be, const std::vector<std::string>& workloads, int rounds);
 
+// Host and device microseconds per call of each operation and solve of an eager step, per shape
+// class of `workloads` (cuda_bench_host.cc).
+nlohmann::json host_issue(CudaBackend& be, const std::vector<std::string>& workloads);
+
 // CacheMuon hit against a fresh solve on qwen2.5-7b's MLP shapes (24 x 3584 x 18944: 8 layers
 // of gate, up and down in one batch), exact and probe residuals.
 nlohmann::json cache_hit_cost(CudaBackend& be);

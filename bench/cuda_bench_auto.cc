@@ -70,8 +70,7 @@ json auto_check(CudaBackend& be, const std::vector<std::string>& specs, int roun
                  (long long)count, (long long)m, (long long)n);
     ClassResult& r = res[k];
     be.tune_kernels(m, n, count);  // as backend_tuner() does for the engine
-    measure::TuneOptions to;
-    to.repeats = 5;
+    measure::TuneOptions to;  // the engine's tuner's rounds and repeats
     to.graph = true;
     r.tuned = measure::tune_algorithm(be, m, n, count, base, to);
     const measure::OrthoInput in = measure::make_ortho_input(be, m, n, count, base, 0x5eed + m + n);

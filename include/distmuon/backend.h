@@ -214,6 +214,10 @@ class Backend {
   // Whether the current stream is being captured by someone else (a caller's CUDA graph): then
   // the engine issues into that capture rather than capturing or replaying its own graph.
   virtual bool capturing() const { return false; }
+  // Changes whenever the backend changes something a captured graph holds by address or by
+  // choice (CUDA: its workspace, its symmetric-kernel choices): a graph captured under another
+  // epoch must not be replayed (the engine keys its step graph by it). Default: never changes.
+  virtual uint64_t capture_epoch() const { return 0; }
 
   // ---- matrix products ----------------------------------------------------------------------
   // C = alpha * op(A) op(B) + beta * Cin, batched. Cin may alias C or be null (beta ignored).

@@ -53,9 +53,10 @@ class CudaBackend final : public Backend {
   // stream (torch's default stream is that one, handle 0), never a stand-in for the backend's
   // own non-blocking stream, which it starts on. The workspace (and an engine's hyperparameters
   // in device memory) are used in stream order: switching streams while work is in flight is
-  // the caller's ordering problem. A graph the engine captured replays on the current stream but
-  // keeps the workspace and kernel choices of its capture (set_workspace, set_sym_kernel, tuned
-  // choices): change those before an engine's first step.
+  // the caller's ordering problem. A graph the engine captured replays on the current stream;
+  // changing the workspace or a kernel choice (set_workspace, set_sym_kernel, set_sym_choice,
+  // tune_kernels, load_kernel_choices_json) moves capture_epoch(), so the engine captures its
+  // step again instead of replaying one that holds the old workspace or kernels.
   void set_stream(cudaStream_t stream);
   cudaStream_t stream() const;
   void* native_stream() const override { return stream(); }
@@ -114,6 +115,7 @@ class CudaBackend final : public Backend {
   // CUDA graphs, captured on a private stream (thread-local mode) and replayed on the current.
   std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue) override;
   bool capturing() const override;
+  uint64_t capture_epoch() const override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
   // Masked and CacheMuon operations without host synchronisation (launch/cuda_masked.cc says how
   // a masked product skips the work of unselected matrices).

@@ -105,11 +105,22 @@ AlgoChoice choose_algorithm(int64_t rows, int64_t cols, int64_t count, const Ort
   best.schedule = schedule_name(base);
   std::string line;
   char buf[160];
-  for (AlgoCandidate c : tuner_candidates()) {
-    const CandidateResult r = measure(resolve(config_of(c, base), m, n));
-    c.ms = r.ms;
-    c.rel_err = r.rel_err;
-    c.accepted = r.rel_err <= opt.tolerance;  // false for NaN
+  DM_CHECK(opt.rounds >= 1 && opt.repeats >= 1, "autotune: need rounds >= 1 and repeats >= 1 (got ",
+           opt.rounds, ", ", opt.repeats, ")");
+  std::vector<AlgoCandidate> cands = tuner_candidates();
+  std::vector<std::vector<double>> times(cands.size());
+  for (int round = 0; round < opt.rounds; ++round)
+    for (size_t i = 0; i < cands.size(); ++i) {
+      const CandidateResult r = measure(resolve(config_of(cands[i], base), m, n), round);
+      times[i].push_back(r.ms);
+      if (round == 0) cands[i].rel_err = r.rel_err;
+    }
+  for (size_t i = 0; i < cands.size(); ++i) {
+    AlgoCandidate& c = cands[i];
+    std::vector<double>& t = times[i];
+    std::nth_element(t.begin(), t.begin() + t.size() / 2, t.end());
+    c.ms = t[t.size() / 2];  // the median round (the upper one of an even count)
+    c.accepted = c.rel_err <= opt.tolerance;  // false for NaN
     std::snprintf(buf, sizeof(buf), "%s%s %.3f ms err %.2e%s", line.empty() ? "" : ", ",
                   candidate_name(c).c_str(), c.ms, c.rel_err, c.accepted ? "" : " (rejected)");
     line += buf;
@@ -138,10 +149,11 @@ AlgoChoice tune_algorithm(Backend& be, int64_t rows, int64_t cols, int64_t count
   ref.data = rb.data();
   out.data = ob.data();
   time_orthogonalizer(be, ref_cfg, input.batch.slice(0, nchk), {0, 0}, &ref);
-  return choose_algorithm(rows, cols, count, base, opt, [&](const OrthoConfig& cfg) {
+  return choose_algorithm(rows, cols, count, base, opt, [&](const OrthoConfig& cfg, int round) {
     CandidateResult r;
-    r.ms = time_orthogonalizer(be, cfg, input.batch, {1, opt.repeats, opt.graph}, &out);
-    r.rel_err = relative_error(be, out, ref);
+    r.ms = time_orthogonalizer(be, cfg, input.batch, {1, opt.repeats, opt.graph},
+                               round == 0 ? &out : nullptr);
+    if (round == 0) r.rel_err = relative_error(be, out, ref);
     return r;
   });
 }
@@ -304,7 +316,6 @@ std::optional<AlgorithmTuner> backend_tuner(Backend& be, bool graph) {
   auto measure = [&be, graph](int64_t m, int64_t n, int64_t count, const OrthoConfig& base) {
     be.tune_kernels(m, n, count);
     TuneOptions to;
-    to.repeats = 5;
     to.graph = graph;
     return tune_algorithm(be, m, n, count, base, to);
   };

@@ -87,22 +87,28 @@ const AlgoChoice* find_choice(const std::vector<AlgoChoice>& all, int64_t m, int
 // ---- measuring ---------------------------------------------------------------------------------
 
 struct TuneOptions {
-  int repeats = 10;         // timed repetitions per candidate (median)
+  // The candidates take turns: `rounds` rounds, each timing every candidate `repeats` times
+  // (median); a candidate's time is the median over the rounds. Drift in the device's clock (a
+  // GPU warming up) then falls on every candidate alike instead of on whichever came last: run
+  // one after another, two candidates 6 % apart timed alike (bench/NOTES.md, run 14).
+  int rounds = 3;
+  int repeats = 3;
   double tolerance = kAcceptTolerance;  // acceptance threshold
   int check_matrices = 2;   // matrices of the batch checked against the fp32 reference
   bool verbose = true;      // one line per shape on stderr
   bool graph = false;       // time graph replays (OrthoTiming::graph)
 };
 
-// Milliseconds and relative error of one candidate's configuration (already resolved).
+// Milliseconds and relative error of one candidate's configuration (already resolved) in one
+// round; the error is read in round 0 only (the check runs once per candidate).
 struct CandidateResult {
   double ms = 0;
   double rel_err = 0;
 };
-using MeasureCandidate = std::function<CandidateResult(const OrthoConfig& cfg)>;
+using MeasureCandidate = std::function<CandidateResult(const OrthoConfig& cfg, int round)>;
 
-// Measures every candidate through `measure` and keeps the fastest accepted one; throws naming
-// the shape and every result when none passes the check.
+// Measures every candidate through `measure`, round by round (TuneOptions::rounds), and keeps the
+// fastest accepted one; throws naming the shape and every result when none passes the check.
 // The name of a candidate as its log lines and reports write it: "ns5", "ns5-sym",
 // "gram-ns{2}", "gram-ns{}".
 std::string candidate_name(const AlgoCandidate& c);

@@ -2,7 +2,8 @@
 // second time in a row its key is the same, and replayed while the key holds. The key names
 // everything a captured step bakes in: the buffers it reads and writes (gradients, weights,
 // state, the classes' iteration buffers and workspaces), each class's resolved algorithm and
-// the CacheMuon options its gate and probes take by value.
+// the CacheMuon options its gate and probes take by value, and the backend's capture epoch (its
+// own workspace and kernel choices).
 // What changes from step to step without changing the key -- learning rates, weight decay,
 // momentum, AdamW's betas and step counts -- is read on the device from StepScalars, uploaded
 // before the replay (local_step), outside the graph.
@@ -56,7 +57,8 @@ bool Engine::Impl::steps_replay() const {
 
 std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
   std::vector<uint64_t> key;
-  key.reserve(4 * params.size() + 16 * classes.size());
+  key.reserve(4 * params.size() + 16 * classes.size() + 1);
+  key.push_back(backend.capture_epoch());  // the backend's workspace and kernel choices
   for (size_t i = 0; i < params.size(); ++i)
     key.insert(key.end(), {bits(data[i].grad), static_cast<uint64_t>(data[i].grad_dtype),
                            bits(data[i].param)});

@@ -21,6 +21,9 @@ class RecordingBackend : public ForwardingBackend {
   int replays = 0;               // replay() calls
   bool fail_captures = false;    // every capture fails (as an uncapturable operation would)
   int64_t ops_run = 0;           // operations run eagerly or by a replay
+  uint64_t epoch = 0;            // capture_epoch(): a test moves it as a workspace change would
+
+  uint64_t capture_epoch() const override { return epoch; }
 
   std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue) override {
     ++captures;

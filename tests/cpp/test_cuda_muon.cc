@@ -330,6 +330,45 @@ TEST(CudaEngine, CapturedStepsFollowASchedule) {
   }
 }
 
+// A captured step holds the backend's workspace: after set_workspace (which frees the backend's
+// own) the engine captures again rather than replaying into freed memory, and still equals an
+// engine that issues every step.
+TEST(CudaEngine, ANewWorkspaceCapturesAgain) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend be;  // its own: the test replaces its workspace
+  Model a(be);
+  Model b(be);
+  for (size_t i = 0; i < a.shapes.size(); ++i) {
+    be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
+    be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
+  }
+  EngineOptions on, off;
+  on.graphs = true;
+  off.graphs = false;
+  Engine ea(be, on), eb(be, off);
+  a.add_to(ea, "gram-ns");
+  b.add_to(eb, "gram-ns");
+  auto da = a.data(), db = b.data();
+  Buffer mine = be.alloc(CudaBackend::recommended_workspace_bytes());
+  const uint64_t epoch = be.capture_epoch();
+  for (int s = 0; s < 6; ++s) {
+    if (s == 3) {
+      be.set_workspace(mine.data(), mine.bytes());
+      EXPECT_NE(be.capture_epoch(), epoch);
+    }
+    ea.step(da);
+    eb.step(db);
+  }
+  be.synchronize();
+  for (size_t i = 0; i < a.shapes.size(); ++i)
+    ASSERT_EQ(a.weights(be, i), b.weights(be, i)) << "parameter " << i;
+  if (std::getenv("DISTMUON_GRAPHS") == nullptr) {
+    EXPECT_EQ(ea.stats().graph_captures, 2);  // steps 2 and 5
+    EXPECT_EQ(ea.stats().graph_replays, 2);   // steps 3 and 6
+  }
+  be.set_workspace(nullptr, 0);  // before `mine` is released
+}
+
 // The GPU engine follows the CPU engine (fp32 reference iteration) within bf16 tolerance.
 TEST(CudaEngine, StepsFollowCpuEngine) {
   DM_SKIP_WITHOUT_CUDA();

@@ -173,16 +173,21 @@ TEST(MeasureStore, TakesOverTheOldTuneCache) {
 
 // ---- the tuner's choice ----------------------------------------------------------------------
 
-// The candidates measured by a fake clock: ms and error per candidate name.
+// The candidates measured by a fake clock: ms and error per candidate name, and optionally the
+// ms of each round (round_ms); `asked` records "name@round" in the order of the calls.
 struct FakeClock {
   std::map<std::string, CandidateResult> results;
+  std::map<std::string, std::vector<double>> round_ms;
   std::vector<std::string> asked;
   MeasureCandidate fn() {
-    return [this](const OrthoConfig& cfg) {
+    return [this](const OrthoConfig& cfg, int round) {
       std::string name = algorithm_name(cfg);
       if (cfg.iteration == Iteration::kGram) name += cfg.restarts.empty() ? "{}" : "{2}";
-      asked.push_back(name);
-      return results.at(name);
+      asked.push_back(name + "@" + std::to_string(round));
+      CandidateResult r = results.at(name);
+      if (round_ms.count(name)) r.ms = round_ms.at(name).at(round);
+      if (round > 0) r.rel_err = NAN;  // read in round 0 only
+      return r;
     };
   }
 };
@@ -209,7 +214,11 @@ TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
   base.iteration = Iteration::kAuto;
   FakeClock clock = clock_with(5e-2);
   AlgoChoice c = choose_algorithm(18944, 3584, 16, base, quiet(), clock.fn());
-  EXPECT_EQ(clock.asked, (std::vector<std::string>{"ns5", "ns5-sym", "gram-ns{2}", "gram-ns{}"}));
+  EXPECT_EQ(clock.asked,
+            (std::vector<std::string>{"ns5@0", "ns5-sym@0", "gram-ns{2}@0", "gram-ns{}@0",
+                                      "ns5@1", "ns5-sym@1", "gram-ns{2}@1", "gram-ns{}@1",
+                                      "ns5@2", "ns5-sym@2", "gram-ns{2}@2", "gram-ns{}@2"}))
+      << "the candidates take turns, round by round";
   EXPECT_EQ(c.algorithm, "gram-ns");  // restart-free Gram NS failed the check
   EXPECT_EQ(c.restarts, std::vector<int>{2});
   EXPECT_EQ(c.work_dtype, DType::kF16);
@@ -222,6 +231,31 @@ TEST(MeasureTuner, ChoosesTheFastestAcceptedCandidate) {
   EXPECT_NE(error_of([&] {
               choose_algorithm(64, 64, 1, base, quiet(), clock.fn());
             }).find("no algorithm passed the numerical check for 64x64"),
+            std::string::npos);
+}
+
+// A candidate's time is the median over the rounds: one slow round (the clock drifting while it
+// ran) does not decide, and neither does one fast one.
+TEST(MeasureTuner, KeepsTheMedianRound) {
+  OrthoConfig base;
+  base.iteration = Iteration::kAuto;
+  FakeClock clock = clock_with(5e-2);
+  clock.round_ms["gram-ns{2}"] = {1.5, 9.0, 1.6};  // its second round ran on a slow clock
+  clock.round_ms["ns5-sym"] = {1.9, 1.0, 2.0};     // one round lucky
+  TuneOptions opt = quiet();
+  AlgoChoice c = choose_algorithm(18944, 3584, 16, base, opt, clock.fn());
+  ASSERT_EQ(c.candidates.size(), 4u);
+  EXPECT_DOUBLE_EQ(c.candidates[1].ms, 1.9);
+  EXPECT_DOUBLE_EQ(c.candidates[2].ms, 1.6);
+  EXPECT_EQ(c.algorithm, "gram-ns");
+  EXPECT_DOUBLE_EQ(c.rel_err, 2e-3) << "the error of round 0";
+  opt.rounds = 1;  // one round: its times as measured
+  clock.asked.clear();
+  EXPECT_EQ(choose_algorithm(18944, 3584, 16, base, opt, clock.fn()).algorithm, "gram-ns");
+  EXPECT_EQ(clock.asked.size(), 4u);
+  opt.rounds = 0;
+  EXPECT_NE(error_of([&] { choose_algorithm(64, 64, 1, base, opt, clock.fn()); })
+                .find("need rounds >= 1"),
             std::string::npos);
 }
 

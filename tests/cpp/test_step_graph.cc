@@ -1,7 +1,7 @@
 // Whole-step graphs (EngineOptions::graphs) on a CPU backend that captures by recording
 // (recording_backend.h): replays equal eager steps bit for bit while a scheduler changes every
 // hyperparameter, CacheMuon steps replay with the same decisions and counters, a new buffer, a
-// missing gradient or a new gamma captures again, failed captures fall back to eager steps, and
+// missing gradient, a new gamma or a new backend capture epoch captures again, failed captures fall back to eager steps, and
 // the steps that need the host mid-step never capture.
 #include <gtest/gtest.h>
 
@@ -152,6 +152,20 @@ TEST(StepGraph, NewBuffersOrAMissingGradientCaptureAgain) {
   EXPECT_EQ(r.ea.stats().graph_replays, 1);
   EXPECT_EQ(r.ea.param_step(2), 4);
   EXPECT_EQ(r.ea.param_step(0), 7);
+}
+
+// A graph holds the backend's workspace and kernel choices of its capture: when the backend's
+// capture epoch moves (CUDA: set_workspace, a new kernel choice), the engine captures again.
+TEST(StepGraph, ANewCaptureEpochCapturesAgain) {
+  GraphedAndEager r;
+  // Steps: eager, capture, replay, [epoch moves] eager, capture, replay.
+  for (int s = 0; s < 6; ++s) {
+    if (s == 3) r.rb.epoch += 1;
+    r.step(s);
+  }
+  r.expect_equal_weights();
+  EXPECT_EQ(r.ea.stats().graph_captures, 2);
+  EXPECT_EQ(r.ea.stats().graph_replays, 2);
 }
 
 TEST(StepGraph, FailedCapturesFallBackToEagerStepsAndStop) {

@@ -130,6 +130,7 @@ cudaStream_t CudaBackend::stream() const { return impl_->stream; }
 size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
 
 void CudaBackend::set_workspace(void* ptr, size_t bytes) {
+  ++impl_->epoch;
   if (!ptr) {  // back to the backend's own (allocated again if a caller's replaced it)
     if (!impl_->own_workspace) impl_->own_workspace = cuda::device_alloc(impl_->own_bytes);
     impl_->use_workspace(static_cast<char*>(impl_->own_workspace.get()), impl_->own_bytes);
@@ -139,10 +140,14 @@ void CudaBackend::set_workspace(void* ptr, size_t bytes) {
   impl_->own_workspace.reset();
 }
 
-void CudaBackend::set_sym_kernel(SymKernel k) { impl_->forced = k; }
+void CudaBackend::set_sym_kernel(SymKernel k) {
+  ++impl_->epoch;
+  impl_->forced = k;
+}
 SymKernel CudaBackend::sym_kernel() const { return impl_->forced; }
 void CudaBackend::set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel c,
                                  double ms, double dense_ms) {
+  ++impl_->epoch;
   impl_->sym_choices[{m, k, count, static_cast<int>(dtype)}] =
       cuda::SymChoice{m, k, count, dtype, c, ms, dense_ms};
 }
@@ -295,6 +300,8 @@ std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& 
     return nullptr;
   }
 }
+
+uint64_t CudaBackend::capture_epoch() const { return impl_->epoch; }
 
 bool CudaBackend::capturing() const {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;

@@ -48,6 +48,7 @@ struct CudaBackend::Impl {
   static constexpr int kCounters = 4096;
   SymKernel forced = SymKernel::kAuto;
   std::map<SymKey, cuda::SymChoice> sym_choices;  // tuned or loaded from the measurement store
+  uint64_t epoch = 0;  // capture_epoch(): moved by every change to the workspace or the choices
   std::map<std::string, std::unique_ptr<LtPlan>> plans;
   std::mutex plans_mu;
 
