@@ -212,17 +212,7 @@ json run_workload(CudaBackend& be, const std::string& spec, const Opts& o, doubl
   g.muon.ortho = base;
   engine.add_group(g);
   std::vector<Buffer> keep;
-  std::vector<ParamData> data;
-  uint64_t seed = 100;
-  for (const WorkloadEntry& e : w.muon)
-    for (int64_t l = 0; l < e.count; ++l) {
-      int64_t numel = 1;
-      for (int64_t d : e.shape) numel *= d;
-      engine.add_param({e.name + "." + std::to_string(l), 0, e.shape, DType::kF32});
-      BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
-      BatchRef gr = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 1e-3f);
-      data.push_back({wt.data, gr.data, DType::kF32, {}});
-    }
+  std::vector<ParamData> data = add_workload_params(engine, be, w, keep, 100);
   engine.step(data);  // resolves `auto` per class, allocates the per-class buffers
   for (size_t i = 0; i < cls.size(); ++i) {
     int param = 0;  // a parameter of this class

@@ -11,6 +11,7 @@
 #include "backend/cuda/launch/launchers.h"
 #include "backend/cuda/tune/autotune.h"
 #include "distmuon/cuda_backend.h"
+#include "distmuon/engine.h"
 #include "distmuon/workload.h"
 
 namespace distmuon::bench {
@@ -81,6 +82,24 @@ inline WorkloadSpec parse_workload_spec(const std::string& spec) {
 inline Workload workload_of(const WorkloadSpec& s) {
   Workload w = load_workload(s.name);
   return s.layers > 0 ? w.first_layers(s.layers) : w;
+}
+
+// The workload's Muon matrices registered with `engine` as fp32 parameters of group 0, with
+// random weights and gradients on the device (seeds counting up from `seed`), kept alive by
+// `keep`: the data a step() takes.
+inline std::vector<ParamData> add_workload_params(Engine& engine, Backend& be, const Workload& w,
+                                                  std::vector<Buffer>& keep, uint64_t seed) {
+  std::vector<ParamData> data;
+  for (const WorkloadEntry& e : w.muon)
+    for (int64_t l = 0; l < e.count; ++l) {
+      int64_t numel = 1;
+      for (int64_t d : e.shape) numel *= d;
+      engine.add_param({e.name + "." + std::to_string(l), 0, e.shape, DType::kF32});
+      BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
+      BatchRef gr = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 1e-3f);
+      data.push_back({wt.data, gr.data, DType::kF32, {}});
+    }
+  return data;
 }
 
 // `auto` against ns5, ns5-sym and Gram NS {2} on every shape class of `workloads` (cuda_bench_auto.cc).

@@ -100,17 +100,7 @@ json eager_step(CudaBackend& be, const std::string& spec) {
   g.muon.ortho.work_dtype = DType::kBF16;
   engine.add_group(g);
   std::vector<Buffer> keep;
-  std::vector<ParamData> data;
-  uint64_t seed = 300;
-  for (const WorkloadEntry& e : w.muon)
-    for (int64_t l = 0; l < e.count; ++l) {
-      int64_t numel = 1;
-      for (int64_t d : e.shape) numel *= d;
-      engine.add_param({e.name + "." + std::to_string(l), 0, e.shape, DType::kF32});
-      BatchRef wt = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 0.02f);
-      BatchRef gr = dev_batch(be, keep, DType::kF32, 1, 1, numel, seed++, 1e-3f);
-      data.push_back({wt.data, gr.data, DType::kF32, {}});
-    }
+  std::vector<ParamData> data = add_workload_params(engine, be, w, keep, 300);
   engine.step(data);  // set-up: buffers, plans
   using clock = std::chrono::steady_clock;
   std::vector<double> single;

@@ -82,7 +82,9 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
   be.copy_to_host(gst.data(), status.data(), sizeof(int32_t) * count);
   for (int64_t i = 0; i < count; ++i) {
     EXPECT_EQ(gst[i], cst[i]) << "matrix " << i;
-    if (cst[i] == 0) EXPECT_NEAR(gn[i], cn[i], 1e-5 * cn[i] + 1e-30) << "matrix " << i;
+    if (cst[i] == 0) {
+      EXPECT_NEAR(gn[i], cn[i], 1e-5 * cn[i] + 1e-30) << "matrix " << i;
+    }
   }
   HostBatch x(DType::kBF16, count, m, n), xc(DType::kBF16, count, m, n);
   x.poison();
@@ -94,8 +96,12 @@ std::vector<int32_t> check_passes(int64_t count, int64_t rows, int64_t cols, dou
   for (int64_t i = 0; i < count; ++i) {
     Mat got = x.get(i);
     EXPECT_FALSE(got.hasNaN()) << "NaN in X of matrix " << i << " (scale " << scale << ")";
-    if (cst[i] == 0 && xc.get(i).norm() > 0) EXPECT_LT(rel_err(got, xc.get(i)), 1e-2) << i;
-    if (cst[i] != 0) EXPECT_EQ(got.norm(), 0.0);
+    if (cst[i] == 0 && xc.get(i).norm() > 0) {
+      EXPECT_LT(rel_err(got, xc.get(i)), 1e-2) << i;
+    }
+    if (cst[i] != 0) {
+      EXPECT_EQ(got.norm(), 0.0);
+    }
     HostBatch bb(DType::kF32, 1, rows, cols);
     db[i].download(be, bb);
     EXPECT_LT(rel_err(bb.get(0), hb[i].get(0)), 1e-6) << "momentum of matrix " << i;
@@ -223,6 +229,13 @@ struct Model {
     for (size_t i = 0; i < shapes.size(); ++i) d.push_back({w[i].data(), g[i].data(), DType::kF32, {}});
     return d;
   }
+  // The same weights and gradients as `o` (two engines then step from one state).
+  void copy_from(Backend& be, const Model& o) {
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      be.copy(w[i].data(), o.w[i].data(), w0[i].size() * 4);
+      be.copy(g[i].data(), o.g[i].data(), w0[i].size() * 4);
+    }
+  }
   std::vector<float> weights(Backend& be, size_t i) {
     std::vector<float> h(w0[i].size());
     be.copy_to_host(h.data(), w[i].data(), h.size() * 4);
@@ -266,6 +279,12 @@ TEST(CudaEngine, GraphReplayEqualsEagerStep) {
   }
 }
 
+EngineOptions with_graphs(bool on) {
+  EngineOptions o;
+  o.graphs = on;
+  return o;
+}
+
 // Whole-step graphs (EngineOptions::graphs): an engine that captures its second step and
 // replays the rest equals one that issues every step, bit for bit, while a schedule changes the
 // learning rates, weight decays, momentum and AdamW's beta1 every step; with CacheMuon, the
@@ -277,14 +296,8 @@ TEST(CudaEngine, CapturedStepsFollowASchedule) {
     SCOPED_TRACE(cache ? "gram-ns with CacheMuon" : "auto");
     Model a(be);
     Model b(be);
-    for (size_t i = 0; i < a.shapes.size(); ++i) {
-      be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
-      be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
-    }
-    EngineOptions on, off;
-    on.graphs = true;
-    off.graphs = false;
-    Engine ea(be, on), eb(be, off);
+    b.copy_from(be, a);
+    Engine ea(be, with_graphs(true)), eb(be, with_graphs(false));
     a.add_to(ea, cache ? "gram-ns" : "auto");
     b.add_to(eb, cache ? "gram-ns" : "auto");
     for (Engine* e : {&ea, &eb}) {
@@ -338,14 +351,8 @@ TEST(CudaEngine, ANewWorkspaceCapturesAgain) {
   CudaBackend be;  // its own: the test replaces its workspace
   Model a(be);
   Model b(be);
-  for (size_t i = 0; i < a.shapes.size(); ++i) {
-    be.copy(b.w[i].data(), a.w[i].data(), a.w0[i].size() * 4);
-    be.copy(b.g[i].data(), a.g[i].data(), a.w0[i].size() * 4);
-  }
-  EngineOptions on, off;
-  on.graphs = true;
-  off.graphs = false;
-  Engine ea(be, on), eb(be, off);
+  b.copy_from(be, a);
+  Engine ea(be, with_graphs(true)), eb(be, with_graphs(false));
   a.add_to(ea, "gram-ns");
   b.add_to(eb, "gram-ns");
   auto da = a.data(), db = b.data();
