@@ -279,9 +279,12 @@ TEST(CudaEngine, GraphReplayEqualsEagerStep) {
   }
 }
 
+// Two engines on one backend, one capturing its steps: `auto` by the heuristic (tuned, each
+// would measure under its own key, graph-timed or issued, and could pick another algorithm).
 EngineOptions with_graphs(bool on) {
   EngineOptions o;
   o.graphs = on;
+  o.autotune = AutoTune::kOff;
   return o;
 }
 

@@ -36,6 +36,35 @@ TEST(CudaTune, KernelChoicesRoundTripThroughJson) {
   EXPECT_EQ(runs, 3);
 }
 
+// The capture epoch (what the engine keys its step graph by) moves on a real change of the
+// workspace or of a kernel choice only: an engine set up beside another, loading the same stored
+// choices, must not make the other capture again.
+TEST(CudaTune, CaptureEpochMovesOnRealChangesOnly) {
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA device";
+  CudaBackend a;
+  a.set_sym_choice(512, 4608, 3, DType::kBF16, SymKernel::kDenseMirror);
+  uint64_t e = a.capture_epoch();
+  a.load_kernel_choices_json(a.kernel_choices_json());  // the same choices again
+  a.set_sym_choice(512, 4608, 3, DType::kBF16, SymKernel::kDenseMirror, 0.5);  // a time only
+  a.set_sym_kernel(a.sym_kernel());
+  a.set_workspace(nullptr, 0);  // already the backend's own
+  EXPECT_EQ(a.capture_epoch(), e);
+  a.set_sym_choice(512, 4608, 3, DType::kBF16, SymKernel::kTri128);
+  EXPECT_NE(a.capture_epoch(), e);
+  e = a.capture_epoch();
+  a.set_sym_kernel(SymKernel::kTri128Pingpong);
+  EXPECT_NE(a.capture_epoch(), e);
+  e = a.capture_epoch();
+  Buffer mine = a.alloc(CudaBackend::recommended_workspace_bytes());
+  a.set_workspace(mine.data(), mine.bytes());
+  EXPECT_NE(a.capture_epoch(), e);
+  e = a.capture_epoch();
+  a.set_workspace(mine.data(), mine.bytes());
+  EXPECT_EQ(a.capture_epoch(), e);
+  a.set_workspace(nullptr, 0);  // before `mine` is released
+  EXPECT_NE(a.capture_epoch(), e);
+}
+
 TEST(CudaTune, TriangleTileCounts) {
   // 4096 with 128x128 tiles: 32 rows of tiles, 528 in the lower triangle (4 waves of 132).
   EXPECT_EQ(sym_tiles(SymKernel::kTri128, 4096), 528);

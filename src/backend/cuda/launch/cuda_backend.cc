@@ -75,6 +75,7 @@ LtPlan::~LtPlan() {
 
 void CudaBackend::Impl::use_workspace(char* ptr, size_t bytes) {
   DM_CHECK(bytes >= (1u << 20), "cuda: workspace of ", bytes, " bytes is below the 1 MiB minimum");
+  if (ptr != workspace || bytes != workspace_bytes) ++epoch;
   workspace = ptr;
   workspace_bytes = bytes;
   // cuBLASLt gets up to 32 MiB (NVIDIA's recommendation for Hopper), at most half.
@@ -130,7 +131,6 @@ cudaStream_t CudaBackend::stream() const { return impl_->stream; }
 size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
 
 void CudaBackend::set_workspace(void* ptr, size_t bytes) {
-  ++impl_->epoch;
   if (!ptr) {  // back to the backend's own (allocated again if a caller's replaced it)
     if (!impl_->own_workspace) impl_->own_workspace = cuda::device_alloc(impl_->own_bytes);
     impl_->use_workspace(static_cast<char*>(impl_->own_workspace.get()), impl_->own_bytes);
@@ -141,15 +141,19 @@ void CudaBackend::set_workspace(void* ptr, size_t bytes) {
 }
 
 void CudaBackend::set_sym_kernel(SymKernel k) {
-  ++impl_->epoch;
+  if (k != impl_->forced) ++impl_->epoch;
   impl_->forced = k;
 }
 SymKernel CudaBackend::sym_kernel() const { return impl_->forced; }
 void CudaBackend::set_sym_choice(int64_t m, int64_t k, int64_t count, DType dtype, SymKernel c,
                                  double ms, double dense_ms) {
-  ++impl_->epoch;
-  impl_->sym_choices[{m, k, count, static_cast<int>(dtype)}] =
-      cuda::SymChoice{m, k, count, dtype, c, ms, dense_ms};
+  impl_->choose(cuda::SymChoice{m, k, count, dtype, c, ms, dense_ms});
+}
+void CudaBackend::Impl::choose(const cuda::SymChoice& c) {
+  const SymKey key{c.m, c.k, c.count, static_cast<int>(c.dtype)};
+  const auto it = sym_choices.find(key);
+  if (it == sym_choices.end() || it->second.kernel != c.kernel) ++epoch;
+  sym_choices[key] = c;
 }
 bool CudaBackend::has_sm90_kernels() const {
   return cuda::sym_sm90_built() && impl_->cc_major == 9 && impl_->cc_minor == 0;

@@ -48,11 +48,15 @@ struct CudaBackend::Impl {
   static constexpr int kCounters = 4096;
   SymKernel forced = SymKernel::kAuto;
   std::map<SymKey, cuda::SymChoice> sym_choices;  // tuned or loaded from the measurement store
-  uint64_t epoch = 0;  // capture_epoch(): moved by every change to the workspace or the choices
+  // capture_epoch(): moved only by a real change of the workspace or of a kernel choice, so that
+  // an engine set up beside a capturing one (loading the same stored choices) costs no capture.
+  uint64_t epoch = 0;
   std::map<std::string, std::unique_ptr<LtPlan>> plans;
   std::mutex plans_mu;
 
   void use_workspace(char* ptr, size_t bytes);
+  // Records a symmetric-kernel choice; the epoch moves when it changes the kernel of its product.
+  void choose(const cuda::SymChoice& c);
   cuda::Scratch scratch() const;
   void* lt_workspace() const { return workspace; }
   // The scratch after cuBLASLt's part, for CUTLASS kernels that ask for a workspace.

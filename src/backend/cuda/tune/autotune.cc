@@ -172,9 +172,7 @@ void CudaBackend::load_kernel_choices_json(const std::string& text) {
   } catch (const std::exception& e) {
     DM_FAIL("bad symmetric-kernel choice (", e.what(), ")");
   }
-  ++impl_->epoch;
-  for (const cuda::SymChoice& c : parsed)  // all or nothing
-    impl_->sym_choices[{c.m, c.k, c.count, static_cast<int>(c.dtype)}] = c;
+  for (const cuda::SymChoice& c : parsed) impl_->choose(c);  // all or nothing
 }
 
 }  // namespace distmuon
