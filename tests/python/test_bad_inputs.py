@@ -226,3 +226,29 @@ def test_zero_gradient_only_decays() -> None:
     w = model.qkv.weight.detach().clone()
     opt.step()
     torch.testing.assert_close(model.qkv.weight.detach(), w * (1 - 0.02 * 0.5), rtol=0, atol=1e-7)
+
+
+def test_a_parameter_listed_twice_in_one_group_is_refused() -> None:
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="lists one parameter twice \\('a' and 'a2'\\)"):
+        Muon([("a", w), ("a2", w)], lr=0.02)
+    with pytest.raises(ValueError, match="lists one parameter twice \\(positions 0 and 1\\)"):
+        Muon([{"params": [w, w], "use_muon": True}], lr=0.02)
+
+
+def test_options_of_the_wrong_kind_are_refused_in_one_process() -> None:
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    with pytest.raises(TypeError, match="cuda_graphs must be True or False"):
+        Muon([w], cuda_graphs="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="communicator must be one of"):
+        Muon([w], communicator="bogus")
+
+
+def test_copying_the_optimizer_is_refused_clearly() -> None:
+    import copy
+    import pickle
+
+    opt = Muon([torch.nn.Parameter(torch.randn(8, 8))], lr=0.02)
+    for copier in (copy.deepcopy, copy.copy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
+            copier(opt)

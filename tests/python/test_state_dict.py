@@ -10,7 +10,7 @@ import torch
 from torch.optim.lr_scheduler import OneCycleLR
 
 from distmuon.torch import Muon
-from helpers import TinyGPT, clone, max_param_diff, train
+from helpers import TinyGPT, clone, max_param_diff, muon_and_adamw_params, train
 
 
 def make(model: torch.nn.Module, **kw: object) -> Muon:
@@ -118,6 +118,7 @@ def snapshot(opt: Muon) -> list[dict[str, torch.Tensor]]:
         (lambda sd: sd["state"][6].update(exp_avg=torch.zeros(3)), r"'exp_avg' .* has shape \(3,\)"),
         (lambda sd: sd["state"][1].update(step=torch.tensor(-1.0)), "loaded step"),
         (lambda sd: sd["param_groups"][1].update(betas=(0.9, 1.5)), r"betas must be in \[0, 1\)"),
+        (lambda sd: sd["param_groups"][1].update(maximize=True), "maximize=True, which distmuon does not"),
     ],
 )
 def test_bad_state_dicts_change_nothing(corrupt: object, match: str) -> None:
@@ -220,3 +221,26 @@ def test_per_matrix_state_hook_round_trips(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(NotImplementedError, match="MATRIX_STATE"):
         monkeypatch.delitem(_state.MATRIX_STATE, "cache_q")
         _state.export_state(src, topo, [slot])  # type: ignore[arg-type]
+
+
+def test_a_torch_muon_state_dict_continues_as_torch_would(torch_muon_fp32: None) -> None:
+    """torch.optim.Muon keeps its momentum as an average ((1 - mu) times this optimizer's sum): its
+    state dict is converted on load, so the run continues as torch's own would. (The other
+    parameters are frozen: the comparison is of the Muon part alone.)"""
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    hidden, rest = muon_and_adamw_params(ref)
+    for p in rest:
+        p.requires_grad_(False)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.9}
+    t_muon = torch.optim.Muon(hidden, **kw)  # type: ignore[arg-type]
+    train(ref, [t_muon], 3)
+    resumed = clone(ref)
+    r_hidden, _ = muon_and_adamw_params(resumed)
+    d_muon = Muon([{"params": r_hidden, "use_muon": True}], algorithm="gram-ns", **kw)  # type: ignore[arg-type]
+    d_muon.load_state_dict(t_muon.state_dict())
+    train(ref, [t_muon], 3, first_step=3)
+    train(resumed, [d_muon], 3, first_step=3)
+    assert max_param_diff(ref, resumed) < 2e-6
+    for p, q in zip(hidden, r_hidden):  # the buffers: torch's average over (1 - mu)
+        assert torch.allclose(t_muon.state[p]["momentum_buffer"] / 0.1, d_muon.state[q]["momentum_buffer"], atol=1e-6)

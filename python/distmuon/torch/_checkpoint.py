@@ -36,6 +36,22 @@ def check_saved_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str
         if sg.get("use_muon", g["use_muon"]) != g["use_muon"]:
             kind = "Muon" if g["use_muon"] else "AdamW"
             raise ValueError(f"parameter group {gi} is {kind} here but not in the loaded state dict")
+        for key in ("maximize", "amsgrad"):  # torch options this optimizer does not have
+            if sg.get(key):
+                raise ValueError(f"loaded parameter group {gi} has {key}=True, which distmuon does not support")
+
+
+def from_torch_muon(name: str, saved_group: dict[str, Any], entry: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A Muon entry of a state dict saved by torch.optim.Muon (its groups have no 'use_muon') in
+    this optimizer's convention. torch keeps the momentum as an average, buf = mu buf + (1 - mu) g,
+    this optimizer as a sum, B = mu B + g: the same direction, scaled by 1 / (1 - mu), which
+    orthogonalization ignores but the next step's mix of B and g does not."""
+    if entry is None or "use_muon" in saved_group or "momentum_buffer" not in entry:
+        return entry
+    mu = float(saved_group.get("momentum", 0.0))
+    if not 0.0 <= mu < 1.0:
+        raise ValueError(f"loaded state of parameter '{name}': torch.optim.Muon's momentum {mu} cannot be converted")
+    return {**entry, "momentum_buffer": entry["momentum_buffer"] / (1.0 - mu)}
 
 
 def merged_groups(groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

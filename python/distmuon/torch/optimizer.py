@@ -18,7 +18,7 @@ from torch import nn
 from distmuon import _C
 from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
-from distmuon.torch._device import common_device, to_dlpack
+from distmuon.torch._device import check_communicator, common_device, to_dlpack
 from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows, local_tensor
 from distmuon.torch._params import (
     MuonFilter,
@@ -168,6 +168,9 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
         if autotune not in ("on", "cached", "off"):
             raise ValueError(f"autotune must be 'on', 'cached' or 'off' (got {autotune!r})")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True or False (got {cuda_graphs!r})")
+        check_communicator(communicator)  # also in one process: a typo must not wait for a launch
         if muon_filter is not None and not callable(muon_filter):
             raise TypeError("muon_filter must be a callable (name, param) -> bool")
         self._muon_defaults: dict[str, Any] = {
@@ -202,7 +205,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"bucket_mb must be > 0 (got {bucket_mb})")
         self._momentum_dtype = momentum_dtype
         self._nonfinite = nonfinite
-        self._cuda_graphs = bool(cuda_graphs)
+        self._cuda_graphs = cuda_graphs
         self._autotune = autotune
         self._dist_mode = dist_mode
         self._process_group = process_group
@@ -222,6 +225,12 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._build_engine()
 
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "distmuon.torch.Muon cannot be copied or pickled (it holds native engines and, when "
+            "distributed, communicators): save opt.state_dict() and load it into a new Muon"
+        )
+
     # ---- parameter groups -----------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -239,6 +248,12 @@ class Muon(torch.optim.Optimizer):
         given_names = group.pop("param_names", None)
         if names is None and given_names is not None:
             names = list(given_names)
+        seen: dict[int, int] = {}
+        for i, p in enumerate(params):
+            if id(p) in seen:  # torch only warns; each listing would get its own update and state
+                label = f"'{names[seen[id(p)]]}' and '{names[i]}'" if names else f"positions {seen[id(p)]} and {i}"
+                raise ValueError(f"{where} lists one parameter twice ({label}): each parameter may appear once")
+            seen[id(p)] = i
         use_muon = group.pop("use_muon", None)
         opt.check_group_keys(group, use_muon, where)
 
@@ -739,14 +754,19 @@ class Muon(torch.optim.Optimizer):
         saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
         ckpt.check_saved_groups(self.param_groups, saved_groups)
         saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
+        saved_group_of = [sg for sg in saved_groups for _ in sg["params"]]
         plan = [
             (
                 s,
-                ckpt.checked_entry(
-                    s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i), OPTIONAL_STATE
+                ckpt.from_torch_muon(
+                    s.name,
+                    sg,
+                    ckpt.checked_entry(
+                        s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i), OPTIONAL_STATE
+                    ),
                 ),
             )
-            for s, i in zip(self._slots, saved_ids)
+            for s, i, sg in zip(self._slots, saved_ids, saved_group_of)
         ]
         old_groups = self.param_groups
         self.param_groups = ckpt.merged_groups(old_groups, saved_groups)
