@@ -66,10 +66,10 @@ int run(const BenchOptions& o) {
   Workload w = load_workload(o.workload);
   if (o.layers > 0) w = w.first_layers(o.layers);
   auto be = make_backend(o.backend);
+  check_fits(*be, w, parse_dtype(o.dtype), !o.no_adamw);  // before saying anything is allocated
   std::fprintf(stderr, "distmuon-bench: %s on %s, allocating %lld Muon + %lld AdamW parameters\n",
                w.name.c_str(), be->name().c_str(), static_cast<long long>(w.muon_params()),
                static_cast<long long>(o.no_adamw ? 0 : w.adamw_params()));
-  check_fits(*be, w, parse_dtype(o.dtype), !o.no_adamw);
   BenchModel model(*be, w, parse_dtype(o.dtype), !o.no_adamw, o.seed);
 
   std::vector<RunResult> results;

@@ -14,6 +14,10 @@ Level level() {
     if (v == "error") return kError;
     if (v == "info") return kInfo;
     if (v == "debug") return kDebug;
+    // A typo is said once rather than silently taken as the default (the logger cannot throw).
+    if (v != "warn")
+      std::cerr << "[distmuon warn] DISTMUON_LOG_LEVEL='" << v
+                << "' is not one of error, warn, info, debug; using warn" << std::endl;
     return kWarn;
   }();
   return lvl;

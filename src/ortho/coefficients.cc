@@ -156,8 +156,8 @@ OrthoConfig parse_algorithm(const std::string& spec, OrthoConfig base) {
     cfg.iteration = sym ? Iteration::kStandardSym : Iteration::kStandardDense;
   } else {
     DM_FAIL("unknown algorithm '", spec,
-            "' (expected ns5, ns5-sym, gram-ns or auto, optionally :COEFFS[:STEPS] with COEFFS "
-            "one of jordan, polar-express, polar-express-1.05, you)");
+            "' (expected ns (also ns5), ns-sym (ns5-sym), gram-ns or auto, optionally "
+            ":COEFFS[:STEPS] with COEFFS one of jordan, polar-express, polar-express-1.05, you)");
   }
   if (parts.size() >= 2 && !parts[1].empty()) {
     const std::string& c = parts[1];

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/error.h"
@@ -86,6 +88,20 @@ TEST(CpuBackend, SymmetricProductOfCommutingMatrices) {
   out.poison();
   be.gemm_symmetric(Op::kN, br.ref, Op::kN, bz.ref, 1.0f, 2.0f, &br.ref, out.ref);
   EXPECT_LT(rel_err(out.get(0), r * z + 2.0 * r), 1e-12);
+}
+
+// A thread count that is not one is refused where the backend reads it (it used to mean the
+// library default, silently).
+TEST(CpuBackend, NegativeThreadCountIsRefused) {
+  ::setenv("DISTMUON_NUM_THREADS", "-3", 1);
+  std::string msg;
+  try {
+    CpuBackend be;
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  ::unsetenv("DISTMUON_NUM_THREADS");
+  EXPECT_NE(msg.find("DISTMUON_NUM_THREADS=-3 is not a thread count"), std::string::npos) << msg;
 }
 
 TEST(CpuBackend, GemmRejectsMismatchedShapes) {

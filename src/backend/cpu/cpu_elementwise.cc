@@ -28,6 +28,8 @@ using muon_ref::scaled_input;
 
 CpuBackend::CpuBackend() {
   int64_t threads = env::get_int("DISTMUON_NUM_THREADS");
+  DM_CHECK(threads >= 0 && threads <= 4096, "DISTMUON_NUM_THREADS=", threads,
+           " is not a thread count (0: the BLAS library's default)");
   if (threads > 0) openblas_set_num_threads(static_cast<int>(threads));
 }
 
