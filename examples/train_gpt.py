@@ -383,11 +383,19 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--data", type=Path, default=REPO / "data" / "tinyshakespeare.txt")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "train_gpt.png", help="loss-curve PNG (a .json summary is written beside it)")
     args = ap.parse_args()
-    args.adamw_lr_tuned = args.adamw_lr is None
     preset = PRESETS[args.preset or ("gpu" if args.device.startswith("cuda") else "cpu")]
+    # The AdamW learning rate was tuned for the preset's model: only its default is "tuned".
+    model_keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size")
+    overridden = [k for k in model_keys if getattr(args, k) is not None]
+    args.adamw_lr_tuned = args.adamw_lr is None and not overridden
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    for k in ("steps", "batch_size", "block_size", "n_layer", "n_head", "n_embd", "eval_iters"):
+        if getattr(args, k) < 1:
+            ap.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
+    if args.n_embd % args.n_head:
+        ap.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     if args.amp is None:
         args.amp = args.device.startswith("cuda")
