@@ -11,6 +11,15 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
            "choose one of --costs FILE, --analytic and --measure");
   DM_CHECK(!a.solvers.empty(), "--solver needs at least one of milp, lpt, round-robin");
   DM_CHECK(!app.count("--device") || !a.costs.empty(), "--device selects a table of --costs");
+  // Options of one mode given without it would be silently ignored.
+  for (const char* o : {"--backend", "--cache", "--profile-ks", "--profile-reps"})
+    DM_CHECK(!app.count(o) || a.measure, o, " applies to --measure");
+  for (const char* o : {"--tflops", "--launch-us"})
+    DM_CHECK(!app.count(o) || (!a.measure && a.costs.empty()), o,
+             " applies to analytic costs (not with --costs or --measure)");
+  for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
+                        "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes"})
+    DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   Topology topo;
   topo.world_size = a.world_size;
   topo.gpus_per_node = a.gpus_per_node;

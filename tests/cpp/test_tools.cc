@@ -47,6 +47,10 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
   expect_refused("distmuon-bench", {"--workload", "no-such-model"}, "no workload 'no-such-model'");
   expect_refused("distmuon-plan", {"--solver", "milp,greedy"}, "--solver");
   expect_refused("distmuon-plan", {"--formulation", "best"}, "--formulation");
+  // An option of a mode not chosen would do nothing: refused.
+  expect_refused("distmuon-plan", {"--profile-ks", "2"}, "--profile-ks applies to --measure");
+  expect_refused("distmuon-plan", {"--intra-gbs", "5"}, "--intra-gbs applies to --simulate");
+  expect_refused("distmuon-plan", {"--measure", "--tflops", "500"}, "--tflops applies to analytic");
   // An unwritable --json path used to fail only after the whole benchmark had run.
   expect_refused("distmuon-bench", {"--json", "/no/such/folder/out.json"},
                  "folder '/no/such/folder' does not exist");
