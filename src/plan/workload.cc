@@ -72,9 +72,24 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
              " must be an integer that fits in 64 bits (got ", v.dump(), ")");
     return v.get<int64_t>();
   };
+  // A key it does not know (a typo, or another format's file) would otherwise be ignored.
+  auto known_keys = [&](const nlohmann::json& obj, std::initializer_list<const char*> keys,
+                        const std::string& where) {
+    for (const auto& [k, v] : obj.items())
+      DM_CHECK(std::any_of(keys.begin(), keys.end(), [&](const char* x) { return k == x; }),
+               "workload ", origin, ": ", where, " has an unknown key '", k, "' (known: ",
+               [&] {
+                 std::string all;
+                 for (const char* x : keys) all += (all.empty() ? "" : ", ") + std::string(x);
+                 return all;
+               }(),
+               ")");
+  };
   Workload w;
   try {
     DM_CHECK(j.is_object(), "workload ", origin, " must be a JSON object");
+    known_keys(j, {"name", "source", "layers", "muon", "adamw", "muon_params", "adamw_params"},
+               "the file");
     w.name = j.at("name").get<std::string>();
     w.source = j.value("source", "");
     w.layers = j.contains("layers") ? size(j.at("layers"), "'layers'") : 0;
@@ -85,6 +100,7 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
         WorkloadEntry we;
         we.name = e.at("name").get<std::string>();
         const std::string what = "entry '" + we.name + "'";
+        known_keys(e, {"name", "shape", "count"}, what);
         DM_CHECK(e.at("shape").is_array(), "workload ", origin, ": ", what,
                  " needs a list of sizes as its shape");
         for (const auto& d : e.at("shape")) we.shape.push_back(size(d, what + " shape"));

@@ -84,4 +84,16 @@ TEST(CheckedSizes, ProductsSumsAndBytes) {
   EXPECT_THROW(checked_numel({4, -1}, "x"), Error);
 }
 
+TEST(Workload, UnknownKeysAreNamed) {
+  // A file of another format used to read as "no Muon matrices"; a typo was ignored.
+  EXPECT_NE(message_of([] { parse_workload(R"({"name": "x", "tensors": []})", "x"); })
+                .find("unknown key 'tensors'"),
+            std::string::npos);
+  EXPECT_NE(message_of([] {
+              parse_workload(R"({"name": "x", "muon": [{"name": "a", "shape": [4, 4], "dtype": "bf16"}]})",
+                             "x");
+            }).find("entry 'a' has an unknown key 'dtype'"),
+            std::string::npos);
+}
+
 }  // namespace distmuon
