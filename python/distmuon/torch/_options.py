@@ -8,6 +8,7 @@ group (``use_muon=False``, keys as in ``torch.optim.AdamW``).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -145,8 +146,9 @@ def ortho_config(group: dict[str, Any], device_type: str, where: str) -> Any:
         raise TypeError(f"{where}: algorithm must be a string such as 'auto' or 'ns5' (got {algorithm!r})")
     try:
         cfg = _C.parse_algorithm(algorithm, base)
-    except _C.Error as e:
-        raise ValueError(f"{where}: {e}") from None
+    except _C.Error as e:  # its message alone: no "distmuon: " prefix, no " [file.cc:line]"
+        message = re.sub(r" \[[\w.]+:\d+\]$", "", str(e).removeprefix("distmuon: "))
+        raise ValueError(f"{where}: {message}") from None
     # A spec such as 'ns5' or 'gram-ns:you' may also name steps or coefficients: they must agree
     # with ns_steps / ns_coefficients rather than silently win.
     if cfg.steps != steps:
