@@ -123,6 +123,7 @@ int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body) 
   try {
     return body();
   } catch (const std::exception& e) {
+    std::fflush(stdout);  // what was printed before the error comes first in a shared log
     std::fprintf(stderr, "%s: error: %s\n", tool.c_str(), run_message(e).c_str());
     return kRunError;
   }
