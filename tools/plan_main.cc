@@ -100,6 +100,15 @@ int run(const PlanArgs& a) {
               topo.nodes() == 1 ? "" : "s", std::min(topo.world_size, topo.gpus_per_node),
               topo.replicate);
   std::printf("costs: %s\n\n", costs.describe().c_str());
+  const int64_t owner_slots = topo.world_size;  // owner slots span every rank
+  if (owner_slots > static_cast<int64_t>(mats.size())) {
+    std::fflush(stdout);  // after the header in a shared log
+    std::fprintf(stderr,
+                 "distmuon-plan: warning: %lld owner slots for %zu matrices: at least %lld own "
+                 "nothing (and the planners' work grows with the slots)\n",
+                 static_cast<long long>(owner_slots), mats.size(),
+                 static_cast<long long>(owner_slots - static_cast<int64_t>(mats.size())));
+  }
   std::vector<Plan> plans;
   for (const std::string& s : solvers) plans.push_back(make_plan(s, mats, topo, costs, opts));
   std::printf("%-12s %12s %10s %10s %12s %9s %11s  %-16s %s\n", "solver", "makespan ms", "mean ms",
