@@ -141,3 +141,9 @@ def test_state_dict_without_cache_entries_loads_into_a_cached_optimizer() -> Non
     train(copy_, [cached], 2, first_step=3)
     st = cached.stats()
     assert st["cache_refreshes"] == CACHED and st["cache_hits"] == CACHED
+
+
+def test_cache_gamma_with_standard_ns_says_it_never_hits() -> None:
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    with pytest.warns(UserWarning, match="never hit the cache"):
+        Muon([{"params": [w], "use_muon": True}], algorithm="ns", cache_gamma=5.0)

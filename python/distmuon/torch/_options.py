@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -191,6 +192,12 @@ def muon_options(group: dict[str, Any], device_type: str, momentum_dtype: Any, w
     m.lr, m.weight_decay, m.momentum, m.nesterov = lr, wd, mu, group["nesterov"]
     m.scale = SCALE_MODES[group["adjust_lr_fn"]]
     m.ortho = ortho_config(group, device_type, where)
+    if cache.enabled and m.ortho.iteration in (_C.Iteration.ns, _C.Iteration.ns_sym):
+        warnings.warn(
+            f"{where}: cache_gamma is set, but algorithm {group['algorithm']!r} is standard NS: "
+            "CacheMuon reuses Gram NS transforms, so this group's matrices never hit the cache",
+            stacklevel=2,
+        )
     m.momentum_dtype = momentum_dtype
     m.cache = cache
     return opts
