@@ -27,6 +27,7 @@
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
 #include "distmuon/engine.h"
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 #include "distmuon/workload.h"
 
@@ -303,7 +304,8 @@ class Comparison {
 // CPU ranks share the machine: each gets cores / local ranks threads unless told otherwise,
 // because oversubscribed BLAS threads spin and distort every timing.
 int threads_per_rank(int world_size) {
-  if (const char* t = std::getenv("DISTMUON_NUM_THREADS")) return std::max(1, std::atoi(t));
+  if (std::getenv("DISTMUON_NUM_THREADS"))  // checked as everywhere; 0: the default below
+    if (const int64_t t = env::get_int("DISTMUON_NUM_THREADS"); t > 0) return static_cast<int>(t);
   const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   const int ranks = local ? std::max(1, std::atoi(local)) : world_size;
   const int n = std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / ranks);

@@ -80,7 +80,7 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->group(costs);
   app.add_option("--cache", a.cache,
-                 "cost cache (default: DISTMUON_COST_CACHE or ~/.cache/distmuon/costs.json)")
+                 "cost cache (default: DISTMUON_COST_CACHE, else $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)")
       ->group(costs);
   app.add_option("--profile-ks", a.profile_ks, "batch sizes timed per shape by --measure")
       ->delimiter(',')

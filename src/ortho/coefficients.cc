@@ -63,7 +63,8 @@ std::vector<QuinticCoef> coefficient_schedule(Coefficients c, int steps) {
         break;
       }
       case Coefficients::kPolarExpress105:
-        // Five published rows with safety 1.05; later steps reuse the converged base row.
+        // Five published rows with safety 1.05; step i > 5 takes base row i (row 6 close to, row 7
+        // on the converged one).
         out.push_back(i < 5 ? kPolarExpress105[i] : row(kPolarExpressBase, i));
         break;
       case Coefficients::kYou: out.push_back(row(kYou, i)); break;
