@@ -320,6 +320,7 @@ int run(int argc, char** argv) {
     if (o.cache_hit) {
       out["cache"]["masked_dense_order"] = masked_dense_order(be);
       out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
+      out["cache"]["hit_small_mlp"] = cache_hit_cost_small(be);
     }
     std::ofstream(o.json_path) << out.dump(2) << "\n";
     out["cache"]["engine_gpt2_small"] = cache_engine_drift(be, 30);

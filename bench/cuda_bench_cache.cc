@@ -4,16 +4,20 @@
 //    together as the engine does), fp16 Gram NS with restart {2}. Fresh solve vs a call whose
 //    entries all pass the gate (candidate Q X + residual + gate; the fresh-solve products are
 //    issued masked and skip every matrix on the device), exact and probe residuals, and a call
-//    whose entries all refresh (gamma 0: what the gate adds to a fresh solve).
+//    whose entries all refresh (gamma 0: what the gate adds to a fresh solve); each issued
+//    eagerly and replayed from a capture, where the path no matrix takes is skipped whole.
+//    cache_hit_cost_small: the same on the launch-bound MLP shapes of the 6 x 384 study model.
 //  - masked_dense_order: the masked dense product Q X of hits and refreshes (our CUTLASS kernel,
 //    every matrix selected) with its tiles row by row and column by column, and with 128 x 256
 //    tiles in 2 x 1 clusters, beside cuBLASLt.
-//  - cache_engine_drift: gpt2-small engine steps, cache off and on at gamma 2, the gradient
+//  - cache_engine_drift: gpt2-small engine steps, cache off and on at gamma 2 and 15, the gradient
 //    drifting by 1% of its scale per step: device time per step, the host's issue time per step
 //    (no synchronisation: the host runs ahead of the device), hit rate, and a captured step.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <tuple>
 #include <utility>
 
 #include "backend/cuda/launch/sym_gemm.h"
@@ -27,8 +31,23 @@ namespace distmuon::bench {
 using cuda::time_ms;
 using nlohmann::json;
 
-json cache_hit_cost(CudaBackend& be) {
-  const int64_t c = 24, m = 3584, n = 18944;
+namespace {
+
+// Time of one call issued eagerly and as a replay of its capture (Backend::capture: CacheMuon's
+// refresh and hit paths are conditional blocks there, skipped on the device when no matrix takes
+// them), minus the copy that restores the input.
+std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
+                                              const std::function<void()>& call) {
+  const double eager = time_ms(be, 5, call) - copy_ms;
+  auto graph = be.capture(call);
+  DM_CHECK(graph, "capture failed (see the log)");
+  const double replay = time_ms(be, 5, [&] { graph->replay(); }) - copy_ms;
+  return {eager, replay};
+}
+
+// Fresh Gram NS against CacheMuon calls whose entries all refresh (gamma 0: what the cache adds
+// to a fresh solve) and all hit (the same input again), c matrices m x n, each residual.
+json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const char* label) {
   OrthoConfig cfg;
   cfg.iteration = Iteration::kGram;
   cfg.work_dtype = DType::kBF16;
@@ -55,18 +74,17 @@ json cache_hit_cost(CudaBackend& be) {
   Orthogonalizer ortho(be);
   const double copy_ms = time_ms(be, 5, [&] { be.copy(x.data, x0.data, x.bytes()); });
   json j = {{"count", c}, {"m", m}, {"n", n}, {"algorithm", "gram-ns fp16 restart {2}"}};
-  double fresh_ms = 0;
+  double fresh_ms = 0, fresh_replay_ms = 0;
   {
     const size_t wb = Orthogonalizer::workspace_bytes(r, c, m, n);
     Buffer ws = be.alloc(wb);
-    fresh_ms = time_ms(be, 5,
-                       [&] {
-                         be.copy(x.data, x0.data, x.bytes());
-                         ortho.run(r, x, out, ws.data(), wb);
-                       }) -
-               copy_ms;
+    std::tie(fresh_ms, fresh_replay_ms) = eager_and_replay_ms(be, copy_ms, [&] {
+      be.copy(x.data, x0.data, x.bytes());
+      ortho.run(r, x, out, ws.data(), wb);
+    });
   }
   j["fresh_ms"] = fresh_ms;
+  j["fresh_replay_ms"] = fresh_replay_ms;
   for (CacheResidual res : {CacheResidual::kExact, CacheResidual::kProbe}) {
     CacheOptions opt;
     opt.enabled = true;
@@ -80,31 +98,46 @@ json cache_hit_cost(CudaBackend& be) {
       be.copy(x.data, x0.data, x.bytes());
       ortho.run_cached(r, cache, 0, x, out, nullptr, ws.data(), wb);
     };
-    const double refresh_ms = time_ms(be, 5, call) - copy_ms;
+    const auto [refresh_ms, refresh_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
     opt.gamma = 2.0;  // then: the same input again, every entry passes the gate
     cache.set_options(opt);
     call();
     cache.reset_stats();
-    const double hit_ms = time_ms(be, 5, call) - copy_ms;
+    const auto [hit_ms, hit_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
     const CacheStats st = cache.stats();
     json e = {{"hit_ms", hit_ms},
               {"refresh_ms", refresh_ms},
               {"hit_over_fresh", hit_ms / fresh_ms},
               {"refresh_over_fresh", refresh_ms / fresh_ms},
+              {"hit_replay_ms", hit_replay_ms},
+              {"refresh_replay_ms", refresh_replay_ms},
+              {"hit_over_fresh_replayed", hit_replay_ms / fresh_replay_ms},
+              {"refresh_over_fresh_replayed", refresh_replay_ms / fresh_replay_ms},
               {"hits", st.hits},
               {"refreshes", st.refreshes},
               {"mean_residual", st.residual.mean},
               {"counted_flops_hit_over_fresh", st.fresh_flops > 0 ? st.flops / st.fresh_flops : 0}};
+    DM_CHECK(st.refreshes == 0 && st.hits > 0, "the hit timing refreshed ", st.refreshes,
+             " entries: the measurement is not of hits");
     std::fprintf(stderr,
-                 "[cache] qwen MLP 24x3584x18944 %s: fresh %.2f ms, hit %.2f ms (%.3f of fresh; "
-                 "counted FLOPs %.3f), all-refresh %.2f ms (%.3f); %lld hits %lld refreshes\n",
-                 cache_residual_name(res), fresh_ms, hit_ms, hit_ms / fresh_ms,
-                 e["counted_flops_hit_over_fresh"].get<double>(), refresh_ms, refresh_ms / fresh_ms,
-                 static_cast<long long>(st.hits), static_cast<long long>(st.refreshes));
+                 "[cache] %s %lldx%lldx%lld %s: fresh %.3f ms (replayed %.3f); hit %.3f ms "
+                 "(%.3f of fresh; replayed %.3f); all-refresh %.3f ms (%.3f; replayed %.3f)\n",
+                 label, static_cast<long long>(c), static_cast<long long>(m),
+                 static_cast<long long>(n), cache_residual_name(res), fresh_ms, fresh_replay_ms,
+                 hit_ms, hit_ms / fresh_ms, hit_replay_ms / fresh_replay_ms, refresh_ms,
+                 refresh_ms / fresh_ms, refresh_replay_ms / fresh_replay_ms);
     j[cache_residual_name(res)] = e;
   }
-  j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];  // the default residual
+  j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];
   return j;
+}
+
+}  // namespace
+
+json cache_hit_cost(CudaBackend& be) { return cache_call_cost(be, 24, 3584, 18944, "qwen MLP"); }
+
+json cache_hit_cost_small(CudaBackend& be) {
+  return cache_call_cost(be, 12, 384, 1536, "6 x 384 GPT MLP");
 }
 
 json masked_dense_order(CudaBackend& be) {
@@ -155,14 +188,15 @@ json cache_engine_drift(CudaBackend& be, int steps) {
   const Workload w = load_workload("gpt2-small");
   const float sigma = 1e-3f, eps = 0.01f;
   json j = {{"workload", "gpt2-small"}, {"drift", eps}, {"steps", steps}};
-  for (bool on : {false, true}) {
+  for (double gamma : {0.0, 2.0, 15.0}) {  // 0: cache off
+    const bool on = gamma > 0;
     EngineOptions eo;
     eo.autotune = AutoTune::kOff;  // the heuristic: Gram NS (restart {2}) where alpha >= 1.5
     Engine engine(be, eo);
     GroupOptions g;
     g.muon.ortho.work_dtype = DType::kBF16;
     g.muon.cache.enabled = on;
-    g.muon.cache.gamma = 2.0;
+    if (on) g.muon.cache.gamma = gamma;
     engine.add_group(g);
     std::vector<Buffer> keep;
     std::vector<ParamData> data;
@@ -230,13 +264,14 @@ json cache_engine_drift(CudaBackend& be, int steps) {
         stderr,
         "[cache] gpt2-small engine, cache %s: device %.3f ms/step, host issue %.3f ms/step, "
         "graph %.3f ms%s\n",
-        on ? "on (gamma 2, drift 0.01)" : "off", e["device_ms_median"].get<double>(),
+        on ? ("on (gamma " + std::to_string(gamma) + ", drift 0.01)").c_str() : "off",
+        e["device_ms_median"].get<double>(),
         host_ms / steps, graph,
         on ? (", hit rate " + std::to_string(st.cache.hit_rate()) + ", FLOPs saved " +
               std::to_string(st.cache.flops_saved_fraction()))
                  .c_str()
            : "");
-    j[on ? "cache_on" : "cache_off"] = e;
+    j[!on ? "cache_off" : gamma == 2.0 ? "cache_on" : "cache_gamma15"] = e;
   }
   return j;
 }

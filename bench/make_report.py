@@ -109,7 +109,7 @@ def main():
     eng = cache.get("engine_gpt2_small")
     if eng:
         lines += ["", f"gpt2-small engine steps, drift {eng['drift']} ({eng['steps']} steps):"]
-        for k in ("cache_off", "cache_on"):
+        for k in ("cache_off", "cache_on", "cache_gamma15"):
             e = eng.get(k, {})
             extra = (f", hit rate {e['hit_rate']:.2f}, FLOPs saved {e['flops_saved_fraction']:.2f}"
                      if "hit_rate" in e else "")

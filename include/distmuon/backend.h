@@ -218,6 +218,15 @@ class Backend {
   // choice (CUDA: its workspace, its symmetric-kernel choices): a graph captured under another
   // epoch must not be replayed (the engine keys its step graph by it). Default: never changes.
   virtual uint64_t capture_epoch() const { return 0; }
+  // A block of operations that the device skips when no matrix of a batch is selected: inside a
+  // graph this backend captures (CUDA: a conditional graph node, its condition set by a kernel
+  // from `mask` when the graph runs), what is issued between begin_if_selected and
+  // end_if_selected runs only if some flags[i] == value, i < count. Everywhere else (eager
+  // issue, a caller's capture, the default) the block always runs, and its masked operations
+  // find no work. Returns whether a block was opened; only then must end_if_selected follow.
+  // Blocks nest. A block may hold only device work: no host read, no synchronisation.
+  virtual bool begin_if_selected(const BatchMask& mask, int64_t count);
+  virtual void end_if_selected() {}
 
   // ---- matrix products ----------------------------------------------------------------------
   // C = alpha * op(A) op(B) + beta * Cin, batched. Cin may alias C or be null (beta ignored).

@@ -71,6 +71,10 @@ struct BackendExec {
     be.fill_normal_keyed(dst, seed, keys);
   }
   void gate(const CacheGateArgs& args) { be.cache_gate(args); }
+  // A block the device skips when the current mask selects none of `count` matrices (inside a
+  // graph the backend captures; elsewhere it runs and its masked operations find no work).
+  bool begin_if_selected(int64_t count) { return masked && be.begin_if_selected(mask, count); }
+  void end_if_selected() { be.end_if_selected(); }
 };
 
 // Counts FLOPs without touching memory, in one bucket per mask state: bucket 0 for unmasked
@@ -97,6 +101,8 @@ struct FlopCounter {
   void fingerprint(const BatchRef&, uint64_t*) {}
   void normal(const BatchRef&, uint64_t, const uint64_t*) {}
   void gate(const CacheGateArgs&) {}
+  bool begin_if_selected(int64_t) { return false; }
+  void end_if_selected() {}
 };
 
 // Carves 256-byte aligned batches out of a workspace (base null: only measures).

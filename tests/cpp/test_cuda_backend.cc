@@ -1,11 +1,15 @@
 // Every CUDA backend operation against the float64 (Eigen) or CPU-backend reference on fresh
-// random inputs, outputs poisoned with NaN beforehand. Skips without a GPU.
+// random inputs, outputs poisoned with NaN beforehand; conditional blocks of captured graphs.
+// Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include <cctype>
 #include <cmath>
+#include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_check.h"
+#include "backend/cuda/cuda_handles.h"
 #include "test_cuda_util.h"
 
 namespace distmuon {
@@ -253,6 +257,103 @@ TEST(CudaBackend, AdamWMatchesCpuAndCountsSkips) {
         ASSERT_NEAR(got[j], host[4 * t + k][j], 1e-6f * (1 + std::abs(host[4 * t + k][j])))
             << "tensor " << t << " state " << k << " element " << j;
     }
+}
+
+}  // namespace
+}  // namespace distmuon
+
+namespace distmuon {
+namespace {
+
+// Backend::begin_if_selected inside the backend's own capture: the block runs on replay only
+// when some flag selects it, decided on the device at each replay; blocks nest; outside the
+// backend's own capture no block opens (the work always runs); a capture that throws inside an
+// open block leaves the backend usable.
+TEST(CudaGraphs, ConditionalBlockRunsOnlyWhenAFlagSelectsIt) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  const int64_t c = 3, m = 8, n = 16;
+  HostBatch src(DType::kF32, c, m, n), dst(DType::kF32, c, m, n), inner(DType::kF32, c, m, n);
+  for (int64_t i = 0; i < c; ++i) src.set(i, random_matrix(m, n));
+  DeviceBatch dsrc(be, src), ddst(be, dst), dinner(be, inner);
+  Buffer flags = be.alloc(c * sizeof(int32_t));
+  auto set_flags = [&](std::vector<int32_t> f) {
+    be.copy_from_host(flags.data(), f.data(), f.size() * sizeof(int32_t));
+  };
+  auto poison = [&] {
+    DM_CHECK_CUDA(cudaMemsetAsync(ddst.ref.data, 0xff, ddst.ref.bytes(), be.stream()));
+    DM_CHECK_CUDA(cudaMemsetAsync(dinner.ref.data, 0xff, dinner.ref.bytes(), be.stream()));
+  };
+  const BatchMask ones{flags.as<int32_t>(), 1}, twos{flags.as<int32_t>(), 2};
+  EXPECT_FALSE(be.begin_if_selected(ones, c));  // eager: nothing to open
+
+  int opened = 0;
+  auto graph = be.capture([&] {
+    if (be.begin_if_selected(ones, c)) ++opened;  // dst = src when some flag is 1
+    be.scale_copy(dsrc.ref, false, {}, ddst.ref);
+    if (be.begin_if_selected(twos, c)) ++opened;  // nested: inner = src when some flag is 2
+    be.scale_copy(dsrc.ref, false, {}, dinner.ref);
+    be.end_if_selected();
+    be.end_if_selected();
+  });
+  ASSERT_TRUE(graph);
+  EXPECT_EQ(opened, 2);
+  struct Case {
+    std::vector<int32_t> flags;
+    bool outer, inner;
+  };
+  for (const Case& k : {Case{{0, 0, 0}, false, false}, Case{{0, 1, 0}, true, false},
+                        Case{{0, 0, 2}, false, false}, Case{{2, 0, 1}, true, true},
+                        Case{{0, 0, 0}, false, false}}) {
+    SCOPED_TRACE(::testing::PrintToString(k.flags));
+    set_flags(k.flags);
+    poison();
+    graph->replay();
+    be.synchronize();
+    ddst.download(be, dst);
+    dinner.download(be, inner);
+    for (int64_t i = 0; i < c; ++i) {
+      EXPECT_EQ(dst.get(i).array().isNaN().all(), !k.outer) << i;
+      EXPECT_EQ(inner.get(i).array().isNaN().all(), !k.inner) << i;
+      if (k.outer) EXPECT_EQ(dst.get(i), src.get(i)) << i;
+    }
+  }
+
+  {  // a caller's capture: no block opens, the work is recorded unconditionally
+    bool in_caller = true;
+    cuda::GraphExec exec = cuda::capture_graph(be.stream(), [&] {
+      in_caller = be.begin_if_selected(ones, c);
+      be.scale_copy(dsrc.ref, false, {}, ddst.ref);
+    });
+    EXPECT_FALSE(in_caller);
+  }
+
+  // An error inside an open block fails the capture, logged; the backend then works eagerly and
+  // captures again.
+  auto failed = be.capture([&] {
+    EXPECT_TRUE(be.begin_if_selected(ones, c));
+    be.scale_copy(dsrc.ref, false, {}, ddst.ref);
+    DM_FAIL("test: an error inside the block");
+  });
+  EXPECT_FALSE(failed);
+  set_flags({1, 1, 1});
+  poison();
+  be.scale_copy(dsrc.ref, false, {}, ddst.ref);
+  be.synchronize();
+  ddst.download(be, dst);
+  EXPECT_EQ(dst.get(0), src.get(0));
+  auto again = be.capture([&] {
+    if (be.begin_if_selected(ones, c)) {
+      be.scale_copy(dsrc.ref, false, {}, dinner.ref);
+      be.end_if_selected();
+    }
+  });
+  ASSERT_TRUE(again);
+  poison();
+  again->replay();
+  be.synchronize();
+  dinner.download(be, inner);
+  EXPECT_EQ(inner.get(2), src.get(2));
 }
 
 }  // namespace

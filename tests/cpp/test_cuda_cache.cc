@@ -419,3 +419,85 @@ TEST(CudaCache, CachedRunIsGraphCapturableAndHitsOnTheSameInput) {
 
 }  // namespace
 }  // namespace distmuon
+
+namespace distmuon {
+namespace {
+
+// A CacheMuon call captured by the backend (its refresh and hit paths are conditional blocks),
+// replayed under every kind of decision (all refresh, all hit, mixed), equals the same calls
+// issued eagerly bit for bit, output and decisions: a skipped path was one with nothing to do.
+// Isotropic inputs (A) and ones with 16 strong directions (B) switch the decisions at gamma 1:
+// a transform fitted to one leaves a residual of 3 (A's on B) to 18 (B's on A) on the other, and
+// the same input again leaves 0.3-0.4 (float64 model of the iteration).
+TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  if (!be.has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  const int64_t c = 4, m = 128, n = 384;
+  OrthoConfig cfg;
+  cfg.iteration = Iteration::kGram;
+  cfg.work_dtype = DType::kBF16;
+  const OrthoConfig r = resolve(cfg, m, n);
+  const DType t = iteration_dtype(r);
+  std::vector<Mat> a, b;
+  for (int64_t i = 0; i < c; ++i) {
+    Mat u = random_matrix(m, n);
+    a.push_back((u / u.norm()).eval());
+    Mat v = random_matrix(m, n);
+    v.topRows(16) *= 10.0;  // 16 strong directions
+    b.push_back((v / v.norm()).eval());
+  }
+  // Per call: which matrices see B, and the decisions expected (refreshes, hits).
+  struct Call {
+    std::vector<bool> use_b;
+    int64_t refreshes, hits;
+  };
+  const std::vector<Call> calls = {{{0, 0, 0, 0}, 4, 0},   // empty entries
+                                   {{0, 0, 0, 0}, 0, 4},   // the same input
+                                   {{1, 1, 0, 0}, 2, 2},   // mixed
+                                   {{1, 1, 0, 0}, 0, 4},   // the same input
+                                   {{0, 0, 1, 1}, 4, 0}};  // every input switched
+  for (CacheResidual res : {CacheResidual::kExact, CacheResidual::kProbe}) {
+    SCOPED_TRACE(cache_residual_name(res));
+    CacheOptions opt;
+    opt.enabled = true;
+    opt.gamma = 1.0;
+    opt.residual = res;
+    HostBatch in(t, c, m, n), out(t, c, m, n), got(t, c, m, n);
+    DeviceBatch dsrc(be, in), dx(be, in), dout(be, out);
+    const size_t wb = Orthogonalizer::cached_workspace_bytes(r, opt, c, m, n);
+    Buffer ws = be.alloc(wb);
+    Orthogonalizer ortho(be);
+    TransformCache eager(be, opt), captured(be, opt);
+    eager.prepare(r, c, m, n);
+    captured.prepare(r, c, m, n);
+    auto issue = [&](TransformCache& cache) {
+      be.copy(dx.ref.data, dsrc.ref.data, dx.ref.bytes());
+      ortho.run_cached(r, cache, 0, dx.ref, dout.ref, nullptr, ws.data(), wb);
+    };
+    auto graph = be.capture([&] { issue(captured); });
+    ASSERT_TRUE(graph);
+    for (size_t k = 0; k < calls.size(); ++k) {
+      SCOPED_TRACE("call " + std::to_string(k));
+      for (int64_t i = 0; i < c; ++i) in.set(i, calls[k].use_b[i] ? b[i] : a[i]);
+      be.copy_from_host(dsrc.ref.data, in.bytes.data(), in.bytes.size());
+      const CacheStats e0 = eager.stats(), g0 = captured.stats();
+      issue(eager);
+      be.synchronize();
+      dout.download(be, out);
+      DM_CHECK_CUDA(cudaMemsetAsync(dout.ref.data, 0xff, dout.ref.bytes(), be.stream()));  // NaN
+      graph->replay();
+      be.synchronize();
+      dout.download(be, got);
+      const CacheStats e1 = eager.stats(), g1 = captured.stats();
+      EXPECT_EQ(e1.refreshes - e0.refreshes, calls[k].refreshes);
+      EXPECT_EQ(e1.hits - e0.hits, calls[k].hits);
+      EXPECT_EQ(g1.refreshes - g0.refreshes, calls[k].refreshes);
+      EXPECT_EQ(g1.hits - g0.hits, calls[k].hits);
+      for (int64_t i = 0; i < c; ++i) EXPECT_TRUE(bits_equal(out, got, i)) << i;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace distmuon

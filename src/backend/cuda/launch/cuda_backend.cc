@@ -290,15 +290,37 @@ class CudaGraph final : public BackendGraph {
 std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& issue) {
   // Captured on a private stream: the legacy default stream (torch's default) cannot be
   // captured, and a graph does not remember the stream it was captured on.
-  if (!impl_->capture_stream) impl_->capture_stream = cuda::make_stream();
-  const cudaStream_t current = impl_->stream;
-  impl_->stream = impl_->capture_stream.get();
+  Impl& s = *impl_;
+  DM_CHECK(!s.own_capture, "CudaBackend::capture: already capturing");
+  if (!s.capture_stream) s.capture_stream = cuda::make_stream();
+  const cudaStream_t current = s.stream;
+  s.stream = s.capture_stream.get();
+  s.own_capture = true;
+  // What throws inside an open conditional block ends the block's capture first, so that every
+  // stream leaves capture mode and the outer capture can be ended and discarded.
+  auto issue_closing_blocks = [&] {
+    try {
+      issue();
+    } catch (...) {
+      while (!s.if_parents.empty()) {
+        cudaGraph_t body = nullptr;
+        cudaStreamEndCapture(s.stream, &body);  // the body belongs to the node: not destroyed
+        s.stream = s.if_parents.back();
+        s.if_parents.pop_back();
+      }
+      throw;
+    }
+    DM_CHECK(s.if_parents.empty(), "CudaBackend::capture: ", s.if_parents.size(),
+             " conditional block(s) left open");
+  };
   try {
-    cuda::GraphExec exec = cuda::capture_graph(impl_->stream, issue);
-    impl_->stream = current;
-    return std::make_unique<CudaGraph>(std::move(exec), impl_->stream);
+    cuda::GraphExec exec = cuda::capture_graph(s.stream, issue_closing_blocks);
+    s.stream = current;
+    s.own_capture = false;
+    return std::make_unique<CudaGraph>(std::move(exec), s.stream);
   } catch (const std::exception& e) {
-    impl_->stream = current;
+    s.stream = current;
+    s.own_capture = false;
     cudaGetLastError();  // what failed inside the capture must not fail the next launch
     DM_LOG(kWarn, "cuda: a graph capture failed (", e.what(), "); the work is issued eagerly");
     return nullptr;
@@ -306,6 +328,52 @@ std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& 
 }
 
 uint64_t CudaBackend::capture_epoch() const { return impl_->epoch; }
+
+bool CudaBackend::begin_if_selected(const BatchMask& mask, int64_t count) {
+  Impl& s = *impl_;
+  if (!s.own_capture || count <= 0) return false;
+  DM_CHECK(mask.flags != nullptr, "begin_if_selected: no flags");
+  // The node joins the graph after the stream's current dependencies; its condition is set by a
+  // kernel issued just before it, and the stream then continues after the node.
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  cudaGraph_t graph = nullptr;
+  DM_CHECK_CUDA(cudaStreamGetCaptureInfo(s.stream, &st, nullptr, &graph));
+  DM_CHECK(st == cudaStreamCaptureStatusActive, "begin_if_selected: the stream is not capturing");
+  cudaGraphConditionalHandle handle{};
+  DM_CHECK_CUDA(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault));
+  cuda::launch_set_if_selected(handle, mask.flags, mask.value, count, s.stream);
+  const cudaGraphNode_t* deps = nullptr;
+  const cudaGraphEdgeData* edges = nullptr;
+  size_t n = 0;
+  DM_CHECK_CUDA(cudaStreamGetCaptureInfo(s.stream, &st, nullptr, &graph, &deps, &edges, &n));
+  cudaGraphNodeParams p{};
+  p.type = cudaGraphNodeTypeConditional;
+  p.conditional.handle = handle;
+  p.conditional.type = cudaGraphCondTypeIf;
+  p.conditional.size = 1;
+  cudaGraphNode_t node = nullptr;
+  DM_CHECK_CUDA(cudaGraphAddNode(&node, graph, deps, edges, n, &p));
+  DM_CHECK_CUDA(
+      cudaStreamUpdateCaptureDependencies(s.stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
+  const size_t depth = s.if_parents.size();
+  if (s.body_streams.size() <= depth) s.body_streams.push_back(cuda::make_stream());
+  const cudaStream_t body = s.body_streams[depth].get();
+  DM_CHECK_CUDA(cudaStreamBeginCaptureToGraph(body, p.conditional.phGraph_out[0], nullptr, nullptr,
+                                              0, cudaStreamCaptureModeThreadLocal));
+  s.if_parents.push_back(s.stream);
+  s.stream = body;
+  return true;
+}
+
+void CudaBackend::end_if_selected() {
+  Impl& s = *impl_;
+  DM_CHECK(!s.if_parents.empty(), "end_if_selected: no conditional block is open");
+  cudaGraph_t body = nullptr;
+  const cudaError_t err = cudaStreamEndCapture(s.stream, &body);
+  s.stream = s.if_parents.back();
+  s.if_parents.pop_back();
+  DM_CHECK_CUDA(err);
+}
 
 bool CudaBackend::capturing() const {
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;

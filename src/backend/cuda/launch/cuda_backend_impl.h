@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "backend/cuda/cuda_handles.h"
 #include "backend/cuda/launch/launchers.h"
@@ -38,6 +39,11 @@ struct CudaBackend::Impl {
   cuda::Stream own_stream;
   cudaStream_t stream = nullptr;
   cuda::Stream capture_stream;  // Backend::capture records here (created on first use)
+  bool own_capture = false;     // inside capture(): conditional blocks may open
+  // Open conditional blocks (begin_if_selected), innermost last: the stream each body is
+  // captured on, and the stream to return to when it ends. Body streams are kept for reuse.
+  std::vector<cudaStream_t> if_parents;
+  std::vector<cuda::Stream> body_streams;
   cuda::LtHandle lt;
   cuda::DevicePtr own_workspace;
   size_t own_bytes = 0;

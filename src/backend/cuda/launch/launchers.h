@@ -69,6 +69,11 @@ void launch_fingerprint(const BatchRef& x, uint64_t* keys, cudaStream_t stream);
 void launch_fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys,
                               int sm_count, cudaStream_t stream);
 
+// Sets a conditional graph node's condition to whether any flags[i] == value, i < count (one
+// block; the node's graph must be the one running).
+void launch_set_if_selected(cudaGraphConditionalHandle handle, const int32_t* flags, int32_t value,
+                            int64_t count, cudaStream_t stream);
+
 }  // namespace distmuon::cuda
 
 namespace distmuon::cuda {
