@@ -113,6 +113,7 @@ nlohmann::json host_issue(CudaBackend& be, const std::vector<std::string>& workl
 // of gate, up and down in one batch), exact and probe residuals.
 nlohmann::json cache_hit_cost(CudaBackend& be);
 nlohmann::json cache_hit_cost_small(CudaBackend& be);
+nlohmann::json conditional_overhead(CudaBackend& be);
 // The masked dense product Q X on the same shapes, tiles row by row and column by column, against
 // cuBLASLt's unmasked product (what the kernel's tile order costs).
 nlohmann::json masked_dense_order(CudaBackend& be);

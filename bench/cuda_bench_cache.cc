@@ -5,7 +5,7 @@
 //    entries all pass the gate (candidate Q X + residual + gate; the fresh-solve products are
 //    issued masked and skip every matrix on the device), exact and probe residuals, and a call
 //    whose entries all refresh (gamma 0: what the gate adds to a fresh solve); each issued
-//    eagerly and replayed from a capture, where the path no matrix takes is skipped whole.
+//    eagerly and replayed from a capture, where the solve is skipped whole when no matrix refreshes.
 //    cache_hit_cost_small: the same on the launch-bound MLP shapes of the 6 x 384 study model.
 //  - masked_dense_order: the masked dense product Q X of hits and refreshes (our CUTLASS kernel,
 //    every matrix selected) with its tiles row by row and column by column, and with 128 x 256
@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <tuple>
 #include <utility>
@@ -34,7 +35,7 @@ using nlohmann::json;
 namespace {
 
 // Time of one call issued eagerly and as a replay of its capture (Backend::capture: CacheMuon's
-// refresh and hit paths are conditional blocks there, skipped on the device when no matrix takes
+// refresh path is a conditional block there, skipped on the device when no matrix takes
 // them), minus the copy that restores the input.
 std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
                                               const std::function<void()>& call) {
@@ -43,6 +44,16 @@ std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
   DM_CHECK(graph, "capture failed (see the log)");
   const double replay = time_ms(be, 5, [&] { graph->replay(); }) - copy_ms;
   return {eager, replay};
+}
+
+// The same replay with the paths recorded unconditionally (DISTMUON_GRAPH_CONDITIONALS=0).
+double replay_without_conditionals_ms(CudaBackend& be, double copy_ms,
+                                      const std::function<void()>& call) {
+  setenv("DISTMUON_GRAPH_CONDITIONALS", "0", 1);
+  auto graph = be.capture(call);
+  unsetenv("DISTMUON_GRAPH_CONDITIONALS");
+  DM_CHECK(graph, "capture failed (see the log)");
+  return time_ms(be, 5, [&] { graph->replay(); }) - copy_ms;
 }
 
 // Fresh Gram NS against CacheMuon calls whose entries all refresh (gamma 0: what the cache adds
@@ -99,11 +110,13 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
       ortho.run_cached(r, cache, 0, x, out, nullptr, ws.data(), wb);
     };
     const auto [refresh_ms, refresh_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
+    const double refresh_plain_ms = replay_without_conditionals_ms(be, copy_ms, call);
     opt.gamma = 2.0;  // then: the same input again, every entry passes the gate
     cache.set_options(opt);
     call();
     cache.reset_stats();
     const auto [hit_ms, hit_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
+    const double hit_plain_ms = replay_without_conditionals_ms(be, copy_ms, call);
     const CacheStats st = cache.stats();
     json e = {{"hit_ms", hit_ms},
               {"refresh_ms", refresh_ms},
@@ -113,6 +126,8 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
               {"refresh_replay_ms", refresh_replay_ms},
               {"hit_over_fresh_replayed", hit_replay_ms / fresh_replay_ms},
               {"refresh_over_fresh_replayed", refresh_replay_ms / fresh_replay_ms},
+              {"hit_replay_unconditional_ms", hit_plain_ms},
+              {"refresh_replay_unconditional_ms", refresh_plain_ms},
               {"hits", st.hits},
               {"refreshes", st.refreshes},
               {"mean_residual", st.residual.mean},
@@ -121,11 +136,13 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
              " entries: the measurement is not of hits");
     std::fprintf(stderr,
                  "[cache] %s %lldx%lldx%lld %s: fresh %.3f ms (replayed %.3f); hit %.3f ms "
-                 "(%.3f of fresh; replayed %.3f); all-refresh %.3f ms (%.3f; replayed %.3f)\n",
+                 "(%.3f of fresh; replayed %.3f, %.3f without conditional nodes); all-refresh "
+                 "%.3f ms (%.3f; replayed %.3f, %.3f without)\n",
                  label, static_cast<long long>(c), static_cast<long long>(m),
                  static_cast<long long>(n), cache_residual_name(res), fresh_ms, fresh_replay_ms,
-                 hit_ms, hit_ms / fresh_ms, hit_replay_ms / fresh_replay_ms, refresh_ms,
-                 refresh_ms / fresh_ms, refresh_replay_ms / fresh_replay_ms);
+                 hit_ms, hit_ms / fresh_ms, hit_replay_ms / fresh_replay_ms,
+                 hit_plain_ms / fresh_replay_ms, refresh_ms, refresh_ms / fresh_ms,
+                 refresh_replay_ms / fresh_replay_ms, refresh_plain_ms / fresh_replay_ms);
     j[cache_residual_name(res)] = e;
   }
   j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];
@@ -133,6 +150,40 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
 }
 
 }  // namespace
+
+json conditional_overhead(CudaBackend& be) {
+  // 20 small kernels (a lincomb of 64 KB each) replayed plainly, inside one conditional block
+  // whose condition is false, and inside one whose condition is true.
+  const int kernels = 20;
+  std::vector<Buffer> keep;
+  const BatchRef a = dev_batch(be, keep, DType::kF32, 1, 128, 128, 3, 1.0f);
+  const BatchRef b = dev_batch(be, keep, DType::kF32, 1, 128, 128, 4, 0.0f);
+  Buffer flags = be.alloc(sizeof(int32_t));
+  auto work = [&] {
+    for (int i = 0; i < kernels; ++i) be.lincomb(1.0, a, 0.0, nullptr, 0.0, b);
+  };
+  auto plain = be.capture(work);
+  auto cond = be.capture([&] {
+    const bool opened = be.begin_if_selected(BatchMask{flags.as<int32_t>(), 1}, 1);
+    work();
+    if (opened) be.end_if_selected();
+  });
+  DM_CHECK(plain && cond, "capture failed (see the log)");
+  auto set_flag = [&](int32_t v) { be.copy_from_host(flags.data(), &v, sizeof v); };
+  const double plain_ms = time_ms(be, 20, [&] { plain->replay(); });
+  set_flag(0);
+  const double skipped_ms = time_ms(be, 20, [&] { cond->replay(); });
+  set_flag(1);
+  const double taken_ms = time_ms(be, 20, [&] { cond->replay(); });
+  std::fprintf(stderr,
+               "[cache] conditional node: %d small kernels replayed %.1f us, in a block skipped "
+               "%.1f us, in a block taken %.1f us\n",
+               kernels, 1e3 * plain_ms, 1e3 * skipped_ms, 1e3 * taken_ms);
+  return {{"kernels", kernels},
+          {"plain_us", 1e3 * plain_ms},
+          {"skipped_us", 1e3 * skipped_ms},
+          {"taken_us", 1e3 * taken_ms}};
+}
 
 json cache_hit_cost(CudaBackend& be) { return cache_call_cost(be, 24, 3584, 18944, "qwen MLP"); }
 

@@ -42,6 +42,9 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_SYM_EPILOGUE_MIRROR", "1",
        "0: the CUDA symmetric kernels leave the whole upper triangle to a separate mirror pass "
        "instead of storing it transposed in their epilogue (for measuring one against the other)"},
+      {"DISTMUON_GRAPH_CONDITIONALS", "1",
+       "0: a captured CacheMuon call records its refresh path unconditionally instead of as a "
+       "conditional graph node the device skips when no matrix refreshes (for measuring)"},
   };
   return table;
 }

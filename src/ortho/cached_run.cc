@@ -10,8 +10,8 @@
 //      the storage itself (copied only where the storage dtype differs, a segment has a
 //      single step, or in shadow mode);
 //   5. hit (masked): D = Q X.
-// Passes 4 and 5 are each a block the device skips inside a captured graph when the gate sent
-// no matrix of the batch that way (Backend::begin_if_selected).
+// Pass 4 is a block the device skips inside a captured graph when the gate refreshes no matrix
+// of the batch (Backend::begin_if_selected).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -197,21 +197,19 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
     probe_residual(e, b, x, s.opt.seed, b.res);
   }
   e.gate(call.gate);
-  // Each path is a block the device skips, inside a captured graph, when the gate sent no
-  // matrix down it: a call of hits only then costs its check and one product, a call of
-  // refreshes its check and a fresh solve, without the other path's launches.
-  const int64_t c = x.count;
+  // The refresh path is a block the device skips, inside a captured graph, when the gate sent
+  // no matrix down it: a call of hits then costs its check and one product, without the
+  // solve's ~20 launches. The hit path (one masked product) is not: a conditional node costs
+  // about 10 us on the H200, more than one launch that finds no work (bench/NOTES.md run 16).
   e.set_mask(b.decision, kCacheRefresh);
-  bool block = e.begin_if_selected(c);
+  const bool block = e.begin_if_selected(x.count);
   // Probe mode never formed R: only the refreshed matrices pay for it.
   if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   fresh_solve(e, s, b, x, out, call.q_seg, !s.convert,
               [&](const BatchRef& src, const BatchRef& dst) { e.copy(src, dst); });
   if (block) e.end_if_selected();
   e.set_mask(b.decision, kCacheHit);
-  block = e.begin_if_selected(c);
   apply_chain(e, b.qw, x, out, b.g.other, x);
-  if (block) e.end_if_selected();
   e.clear_mask();
 }
 

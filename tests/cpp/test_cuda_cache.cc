@@ -423,7 +423,7 @@ TEST(CudaCache, CachedRunIsGraphCapturableAndHitsOnTheSameInput) {
 namespace distmuon {
 namespace {
 
-// A CacheMuon call captured by the backend (its refresh and hit paths are conditional blocks),
+// A CacheMuon call captured by the backend (its refresh path is a conditional block),
 // replayed under every kind of decision (all refresh, all hit, mixed), equals the same calls
 // issued eagerly bit for bit, output and decisions: a skipped path was one with nothing to do.
 // Isotropic inputs (A) and ones with 16 strong directions (B) switch the decisions at gamma 1:
@@ -475,8 +475,10 @@ TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
       be.copy(dx.ref.data, dsrc.ref.data, dx.ref.bytes());
       ortho.run_cached(r, cache, 0, dx.ref, dout.ref, nullptr, ws.data(), wb);
     };
+    const TransformCache::Ledger before = captured.ledger();
     auto graph = be.capture([&] { issue(captured); });
     ASSERT_TRUE(graph);
+    const TransformCache::Ledger per_replay = captured.ledger() - before;  // as the engine does
     for (size_t k = 0; k < calls.size(); ++k) {
       SCOPED_TRACE("call " + std::to_string(k));
       for (int64_t i = 0; i < c; ++i) in.set(i, calls[k].use_b[i] ? b[i] : a[i]);
@@ -487,6 +489,7 @@ TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
       dout.download(be, out);
       DM_CHECK_CUDA(cudaMemsetAsync(dout.ref.data, 0xff, dout.ref.bytes(), be.stream()));  // NaN
       graph->replay();
+      captured.add_replayed(per_replay);
       be.synchronize();
       dout.download(be, got);
       const CacheStats e1 = eager.stats(), g1 = captured.stats();
