@@ -35,8 +35,8 @@ using nlohmann::json;
 namespace {
 
 // Time of one call issued eagerly and as a replay of its capture (Backend::capture: CacheMuon's
-// refresh path is a conditional block there, skipped on the device when no matrix takes
-// them), minus the copy that restores the input.
+// refresh path is a conditional block there, skipped on the device when no matrix
+// refreshes), minus the copy that restores the input.
 std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
                                               const std::function<void()>& call) {
   const double eager = time_ms(be, 5, call) - copy_ms;
