@@ -202,7 +202,10 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
   // solve's ~20 launches. The hit path (one masked product) is not: a conditional node costs
   // about 10 us on the H200, more than one launch that finds no work (bench/NOTES.md run 16).
   e.set_mask(b.decision, kCacheRefresh);
-  const bool block = e.begin_if_selected(x.count);
+  // Only in half precision: masked products of other dtypes read the flags on the host, which
+  // fails any capture (and a failed capture with an open block cannot be cleaned up).
+  const bool half = x.dtype == DType::kBF16 || x.dtype == DType::kF16;
+  const bool block = half && e.begin_if_selected(x.count);
   // Probe mode never formed R: only the refreshed matrices pay for it.
   if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   fresh_solve(e, s, b, x, out, call.q_seg, !s.convert,
