@@ -40,7 +40,9 @@ namespace {
 std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
                                               const std::function<void()>& call) {
   const double eager = time_ms(be, 5, call) - copy_ms;
+  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);
   auto graph = be.capture(call);
+  unsetenv("DISTMUON_GRAPH_CONDITIONALS");
   DM_CHECK(graph, "capture failed (see the log)");
   const double replay = time_ms(be, 5, [&] { graph->replay(); }) - copy_ms;
   return {eager, replay};
@@ -163,11 +165,13 @@ json conditional_overhead(CudaBackend& be) {
     for (int i = 0; i < kernels; ++i) be.lincomb(1.0, a, 0.0, nullptr, 0.0, b);
   };
   auto plain = be.capture(work);
+  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);
   auto cond = be.capture([&] {
     const bool opened = be.begin_if_selected(BatchMask{flags.as<int32_t>(), 1}, 1);
     work();
     if (opened) be.end_if_selected();
   });
+  unsetenv("DISTMUON_GRAPH_CONDITIONALS");
   DM_CHECK(plain && cond, "capture failed (see the log)");
   auto set_flag = [&](int32_t v) { be.copy_from_host(flags.data(), &v, sizeof v); };
   const double plain_ms = time_ms(be, 20, [&] { plain->replay(); });
