@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <tuple>
 #include <utility>
 
@@ -34,28 +35,29 @@ using nlohmann::json;
 
 namespace {
 
-// Time of one call issued eagerly and as a replay of its capture (Backend::capture: CacheMuon's
-// refresh path is a conditional block there, skipped on the device when no matrix
-// refreshes), minus the copy that restores the input.
-std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
-                                              const std::function<void()>& call) {
-  const double eager = time_ms(be, 5, call) - copy_ms;
-  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);
-  auto graph = be.capture(call);
+// A capture with conditional graph nodes on or off (DISTMUON_GRAPH_CONDITIONALS, read at each
+// capture), so that both are measured in one process.
+std::unique_ptr<BackendGraph> capture_with_conditionals(CudaBackend& be, bool on,
+                                                         const std::function<void()>& issue) {
+  setenv("DISTMUON_GRAPH_CONDITIONALS", on ? "1" : "0", 1);
+  auto graph = be.capture(issue);
   unsetenv("DISTMUON_GRAPH_CONDITIONALS");
   DM_CHECK(graph, "capture failed (see the log)");
-  const double replay = time_ms(be, 5, [&] { graph->replay(); }) - copy_ms;
-  return {eager, replay};
+  return graph;
 }
 
-// The same replay with the paths recorded unconditionally (DISTMUON_GRAPH_CONDITIONALS=0).
-double replay_without_conditionals_ms(CudaBackend& be, double copy_ms,
-                                      const std::function<void()>& call) {
-  setenv("DISTMUON_GRAPH_CONDITIONALS", "0", 1);
-  auto graph = be.capture(call);
-  unsetenv("DISTMUON_GRAPH_CONDITIONALS");
-  DM_CHECK(graph, "capture failed (see the log)");
+// Time of a replay of the call's capture, minus the copy that restores the input.
+double replay_ms(CudaBackend& be, double copy_ms, bool conditionals,
+                 const std::function<void()>& call) {
+  auto graph = capture_with_conditionals(be, conditionals, call);
   return time_ms(be, 5, [&] { graph->replay(); }) - copy_ms;
+}
+
+// Time of one call issued eagerly and as a replay of its capture (CacheMuon's refresh path a
+// conditional block there, skipped on the device when no matrix refreshes).
+std::pair<double, double> eager_and_replay_ms(CudaBackend& be, double copy_ms,
+                                              const std::function<void()>& call) {
+  return {time_ms(be, 5, call) - copy_ms, replay_ms(be, copy_ms, true, call)};
 }
 
 // Fresh Gram NS against CacheMuon calls whose entries all refresh (gamma 0: what the cache adds
@@ -112,13 +114,13 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
       ortho.run_cached(r, cache, 0, x, out, nullptr, ws.data(), wb);
     };
     const auto [refresh_ms, refresh_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
-    const double refresh_plain_ms = replay_without_conditionals_ms(be, copy_ms, call);
+    const double refresh_plain_ms = replay_ms(be, copy_ms, false, call);
     opt.gamma = 2.0;  // then: the same input again, every entry passes the gate
     cache.set_options(opt);
     call();
     cache.reset_stats();
     const auto [hit_ms, hit_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
-    const double hit_plain_ms = replay_without_conditionals_ms(be, copy_ms, call);
+    const double hit_plain_ms = replay_ms(be, copy_ms, false, call);
     const CacheStats st = cache.stats();
     json e = {{"hit_ms", hit_ms},
               {"refresh_ms", refresh_ms},
@@ -164,15 +166,12 @@ json conditional_overhead(CudaBackend& be) {
   auto work = [&] {
     for (int i = 0; i < kernels; ++i) be.lincomb(1.0, a, 0.0, nullptr, 0.0, b);
   };
-  auto plain = be.capture(work);
-  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);
-  auto cond = be.capture([&] {
+  auto plain = capture_with_conditionals(be, false, work);
+  auto cond = capture_with_conditionals(be, true, [&] {
     const bool opened = be.begin_if_selected(BatchMask{flags.as<int32_t>(), 1}, 1);
     work();
     if (opened) be.end_if_selected();
   });
-  unsetenv("DISTMUON_GRAPH_CONDITIONALS");
-  DM_CHECK(plain && cond, "capture failed (see the log)");
   auto set_flag = [&](int32_t v) { be.copy_from_host(flags.data(), &v, sizeof v); };
   const double plain_ms = time_ms(be, 20, [&] { plain->replay(); });
   set_flag(0);
