@@ -115,6 +115,23 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
     };
     const auto [refresh_ms, refresh_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
     const double refresh_plain_ms = replay_ms(be, copy_ms, false, call);
+    // A refresh whose test the check back-off leaves out: after a forced refresh and three
+    // failed tests, an entry is tested at 4 and 8 misses in a row, then every 8th call, so the
+    // median replay is an untested one.
+    double refresh_untested_ms = 0;
+    {
+      CacheOptions backoff = opt;
+      backoff.check_backoff = 8;
+      TransformCache failing(be, backoff);
+      failing.prepare(r, c, m, n);
+      auto failing_call = [&] {
+        be.copy(x.data, x0.data, x.bytes());
+        ortho.run_cached(r, failing, 0, x, out, nullptr, ws.data(), wb);
+      };
+      for (int i = 0; i < 4; ++i) failing_call();
+      refresh_untested_ms = replay_ms(be, copy_ms, true, failing_call);
+      DM_CHECK(failing.stats().unchecked_refreshes > 0, "the back-off left no test out");
+    }
     opt.gamma = 2.0;  // then: the same input again, every entry passes the gate
     cache.set_options(opt);
     call();
@@ -132,6 +149,8 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
               {"refresh_over_fresh_replayed", refresh_replay_ms / fresh_replay_ms},
               {"hit_replay_unconditional_ms", hit_plain_ms},
               {"refresh_replay_unconditional_ms", refresh_plain_ms},
+              {"refresh_untested_replay_ms", refresh_untested_ms},
+              {"refresh_untested_over_fresh_replayed", refresh_untested_ms / fresh_replay_ms},
               {"hits", st.hits},
               {"refreshes", st.refreshes},
               {"mean_residual", st.residual.mean},
@@ -141,12 +160,13 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
     std::fprintf(stderr,
                  "[cache] %s %lldx%lldx%lld %s: fresh %.3f ms (replayed %.3f); hit %.3f ms "
                  "(%.3f of fresh; replayed %.3f, %.3f without conditional nodes); all-refresh "
-                 "%.3f ms (%.3f; replayed %.3f, %.3f without)\n",
+                 "%.3f ms (%.3f; replayed %.3f, %.3f without, %.3f untested by the back-off)\n",
                  label, static_cast<long long>(c), static_cast<long long>(m),
                  static_cast<long long>(n), cache_residual_name(res), fresh_ms, fresh_replay_ms,
                  hit_ms, hit_ms / fresh_ms, hit_replay_ms / fresh_replay_ms,
                  hit_plain_ms / fresh_replay_ms, refresh_ms, refresh_ms / fresh_ms,
-                 refresh_replay_ms / fresh_replay_ms, refresh_plain_ms / fresh_replay_ms);
+                 refresh_replay_ms / fresh_replay_ms, refresh_plain_ms / fresh_replay_ms,
+                 refresh_untested_ms / fresh_replay_ms);
     j[cache_residual_name(res)] = e;
   }
   j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];

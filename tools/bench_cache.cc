@@ -12,6 +12,7 @@ CacheOptions cache_options(const BenchOptions& o, double gamma) {
   c.residual = parse_cache_residual(o.cache_residual);
   c.probes = o.cache_probes;
   c.max_staleness = o.cache_staleness;
+  c.check_backoff = o.cache_backoff;
   if (o.cache_dtype != "work") c.dtype = parse_dtype(o.cache_dtype);
   c.layout = parse_cache_layout(o.cache_layout);
   c.shadow = o.cache_shadow;
@@ -61,6 +62,7 @@ nlohmann::json cache_json(const RunResult& r, const BenchOptions& o) {
                       {"hits", c.hits},
                       {"refreshes", c.refreshes},
                       {"forced_refreshes", c.forced_refreshes},
+                      {"unchecked_refreshes", c.unchecked_refreshes},
                       {"skips", c.skips},
                       {"flops", c.flops},
                       {"fresh_flops", c.fresh_flops},
@@ -68,6 +70,7 @@ nlohmann::json cache_json(const RunResult& r, const BenchOptions& o) {
                       {"residual_mode", o.cache_residual},
                       {"probes", o.cache_probes},
                       {"max_staleness", o.cache_staleness},
+                      {"check_backoff", o.cache_backoff},
                       {"dtype", o.cache_dtype},
                       {"layout", o.cache_layout},
                       {"drift", o.drift}};

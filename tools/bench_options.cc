@@ -104,6 +104,11 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "refresh an entry after S reuses (0: no limit)")
       ->check(cli::at_least(0))
       ->group(cache);
+  app.add_option("--cache-backoff", o.cache_backoff,
+                 "test an entry that keeps refreshing after 1, 2, 4, ... misses, at most B (0: "
+                 "every call)")
+      ->check(cli::at_least(0))
+      ->group(cache);
   app.add_option("--cache-dtype", o.cache_dtype,
                  "precision of the cached transforms (work: the iteration's dtype)")
       ->check(CLI::IsMember({"work", "f32", "f16", "bf16"}))

@@ -29,7 +29,7 @@ struct BenchOptions {
   // CacheMuon (bench_cache.cc).
   std::vector<double> cache;
   std::string cache_residual = "probe";  // CacheOptions' default
-  int cache_probes = 8, cache_staleness = 0;
+  int cache_probes = 8, cache_staleness = 0, cache_backoff = 0;
   std::string cache_dtype = "work", cache_layout = "product";
   bool cache_shadow = false, cache_per_matrix = false;
 

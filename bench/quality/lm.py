@@ -40,9 +40,10 @@ SIZES = {
 }
 # The optimizer arms every size runs (besides AdamW at its size's learning rates; common.py
 # parses them): the references, fresh Gram NS, CacheMuon's residual trigger at several gammas,
-# the residual from 8 probes, and staleness schedules with the residual off.
+# the residual from 8 probes, the check back-off, and staleness schedules with the residual off.
 MUON_ARMS = ("torch-muon", "distmuon:algo=gram-ns",
              "distmuon:algo=gram-ns:gamma=2", "distmuon:algo=gram-ns:gamma=5",
+             "distmuon:algo=gram-ns:gamma=2:backoff=8", "distmuon:algo=gram-ns:gamma=5:backoff=8",
              "distmuon:algo=gram-ns:gamma=15", "distmuon:algo=gram-ns:gamma=30",
              "distmuon:algo=gram-ns:gamma=15:probes=8",
              "distmuon:algo=gram-ns:gamma=1e6:staleness=1", "distmuon:algo=gram-ns:gamma=1e6:staleness=3")

@@ -114,13 +114,16 @@ def plot_curves(study: dict, ylabel: str, path: str) -> None:
 
 
 def marker(arm: str) -> str:
-    """One marker per family: AdamW, torch.optim.Muon, fresh distmuon, residual, probes, staleness."""
+    """One marker per family: AdamW, torch.optim.Muon, fresh distmuon, residual, probes, staleness,
+    back-off."""
     if arm.startswith("adamw"):
         return "^"
     if arm == "torch-muon":
         return "D"
     if "staleness" in arm:
         return "X"
+    if "backoff" in arm:
+        return "v"
     if "probes" in arm:
         return "P"
     return "s" if "gamma" in arm else "o"

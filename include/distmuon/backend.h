@@ -133,6 +133,7 @@ enum CacheDecision : int32_t {
   kCacheRefresh = 0,  // run the fresh solve and refill the entry
   kCacheHit = 1,      // use the cached transform: D = Q X
   kCacheSkip = 2,     // the step skips this matrix (non-finite input): entry untouched
+  kCacheCheck = 3,    // (planning only) the entry is due for its residual test
 };
 
 // Residual histogram of cache_gate: bin 0 holds r < 1e-3, bin b in [1, 24] holds
@@ -145,6 +146,8 @@ enum CacheStatField : int {
   kCacheStatRefreshes,  // every refresh, forced ones included
   kCacheStatForced,     // refreshes without a usable entry: empty, stale, wrong key, non-finite
   kCacheStatSkips,
+  kCacheStatUnchecked,  // refreshes of a usable entry whose test the back-off left out
+  kCacheStatTested,     // residuals computed for a test (what the test's FLOPs are charged on)
   kCacheStatChecks,     // finite residuals measured against an entry of the right key (stale
                         // ones included): the sums, extremes and histogram below
   kCacheStatResSum,
@@ -159,12 +162,18 @@ enum CacheStatField : int {
 // Arguments of Backend::cache_gate; every pointer is device memory with `count` entries.
 // For matrix i, with r = residual[i] * residual_scale:
 //   skip      if status != null and status[i] != kStatusOk: nothing is written but stats[Skips];
+//   tested    = entry_key[i] == key and (misses == null or cache_ref::due_for_check(misses[i],
+//               backoff)): r is read only for these (elsewhere it may be garbage);
 //   usable    = entry_key[i] == key and (max_age <= 0 or age[i] < max_age);
-//   hit       = usable and r finite and r <= gamma;
-//   on a hit: age[i] += 1; on a refresh: age[i] = 0, entry_key[i] = key (the caller then
-//   refills Q in the same stream). stats (if given) count the decision; when the entry has the
-//   right key (stale or not) and r is finite, r enters the residual stats. A non-finite Q needs
-//   no test of its own: every residual is a product with Q, so it is non-finite too.
+//   hit       = usable and tested and r finite and r <= gamma;
+//   on a hit: age[i] += 1, misses[i] = 0; on a refresh: age[i] = 0, entry_key[i] = key (the
+//   caller then refills Q in the same stream), misses[i] += 1 when the entry was usable (a
+//   failed or left-out test), else 0. stats (if given) count the decision; when the entry was
+//   tested and r is finite (stale entries included), r enters the residual stats. A non-finite
+//   Q needs no test of its own: every residual is a product with Q, so it is non-finite too.
+// With `plan`, only decision[i] is written, before any residual exists: kCacheCheck where the
+// matrix will be tested, kCacheSkip or kCacheRefresh elsewhere (so that the caller can leave
+// the residual's work out when no matrix needs it).
 struct CacheGateArgs {
   int64_t count = 0;
   const double* residual = nullptr;  // raw norms from frob_norm
@@ -177,6 +186,9 @@ struct CacheGateArgs {
   double gamma = 0;
   int32_t* decision = nullptr;       // out: CacheDecision
   double* stats = nullptr;           // optional, count x kCacheStatFields, accumulated
+  float* misses = nullptr;           // optional in/out: refreshes since the entry's last hit
+  int32_t backoff = 0;               // longest interval between tests after misses (<= 1: none)
+  bool plan = false;                 // write only the decisions kCacheCheck / Skip / Refresh
 };
 
 class Backend {

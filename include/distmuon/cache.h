@@ -43,6 +43,11 @@ struct CacheOptions {
   CacheResidual residual = CacheResidual::kProbe;
   int probes = 8;         // k, for kProbe
   int max_staleness = 0;  // S: an entry serves at most S steps after its refresh (0: no limit)
+  // Back-off of the residual test: an entry that keeps refreshing is tested at 0, 1, 2, 4, ...
+  // misses in a row, the interval doubling up to this many calls; in between it refreshes
+  // without a test. Inside a graph the backend captures, a call none of whose matrices is due
+  // skips the test's kernels on the device. 0 or 1: every entry is tested on every call.
+  int check_backoff = 0;
   // Storage precision of Q (f32, f16, bf16; f64 for references). Unset: the iteration's work
   // dtype, so that no call converts Q and a refresh writes it straight from the solve.
   std::optional<DType> dtype;
@@ -76,7 +81,7 @@ struct CacheResidualSummary {
 
 struct CacheMatrixStats {
   std::string name;  // set by the engine ("param" or "param[slice]"), else "#index"
-  int64_t hits = 0, refreshes = 0, forced = 0, skips = 0;
+  int64_t hits = 0, refreshes = 0, forced = 0, skips = 0, unchecked = 0;
   double age = 0;  // hits since the last refresh
   double mean_residual = 0, max_residual = 0, last_residual = 0;
   double max_update_error = 0;  // shadow mode only
@@ -87,8 +92,10 @@ struct CacheStats {
   int64_t calls = 0;
   int64_t matrices = 0;  // matrix orthogonalizations that went through the cache
   int64_t hits = 0, refreshes = 0, forced_refreshes = 0, skips = 0;
-  double flops = 0;        // counted FLOPs of an ideal device (hit: gate + D = QX; refresh:
-                           // gate + fresh solve reusing R + building Q)
+  int64_t unchecked_refreshes = 0;  // refreshes the check back-off sent without a test
+  double flops = 0;        // counted FLOPs of an ideal device: the test's on the matrices it
+                           // tested, R for every matrix with the exact residual; hit: D = Q X;
+                           // refresh: the fresh solve reusing R (probes: with R) + building Q
   double fresh_flops = 0;  // what fresh Gram NS costs for the same matrices
   CacheResidualSummary residual;
   size_t memory_bytes = 0;  // Q storage + per-entry metadata
@@ -130,8 +137,8 @@ class TransformCache {
   // steps, restarts, eps) gives a new key: entries filled under the old key are never reused.
   // Storage is reallocated (and state views invalidated) only when its size or dtype changes.
   void prepare(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n);
-  // gamma, probes, staleness, stats and shadow take effect at the next call; dtype and layout
-  // at the next prepare().
+  // gamma, probes, staleness, back-off, stats and shadow take effect at the next call; dtype and
+  // layout at the next prepare().
   void set_options(const CacheOptions& options);
   const CacheOptions& options() const;
 
@@ -147,7 +154,8 @@ class TransformCache {
 
   // State of entries [first, first + n) in backend memory, for checkpoints:
   // "cache_q": lead x segments x m x m (the segments dimension only for kFactors) in the cache
-  // dtype; "cache_age": lead, f32 (hits since refresh); "cache_key": lead, f64 (0 = empty).
+  // dtype; "cache_age": lead, f32 (hits since refresh); "cache_key": lead, f64 (0 = empty);
+  // "cache_misses": lead, f32 (refreshes since the last hit: the check back-off's state).
   // `lead` is the leading shape the caller wants (its product must be n). Writing a Q or age
   // through the view is an import; a key that differs from key() makes the entry refresh.
   TensorView state(const std::string& name, int64_t first, int64_t n,

@@ -245,7 +245,7 @@ class Engine {
   // Distributed: AdamW state and gather-mode momentum are shaped like the local shard; in owner
   // modes the momentum exists on the owner only (data == nullptr elsewhere) and a 3D parameter
   // whose matrices have several owners is read per matrix with matrix_state().
-  // With CacheMuon on a Gram-NS shape also "cache_q", "cache_age", "cache_key" (see
+  // With CacheMuon on a Gram-NS shape also "cache_q", "cache_age", "cache_key", "cache_misses" (see
   // TransformCache::state; leading shape [] for a matrix, [e] for a 3D parameter). Reading them
   // freezes the parameter list (as a first step does); they stay valid until the group's cache
   // dtype, layout or algorithm changes. Distributed: the entries live where the matrix is

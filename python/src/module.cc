@@ -88,6 +88,7 @@ void bind_options(nb::module_& m) {
       .def_rw("residual", &CacheOptions::residual)
       .def_rw("probes", &CacheOptions::probes)
       .def_rw("max_staleness", &CacheOptions::max_staleness)
+      .def_rw("check_backoff", &CacheOptions::check_backoff)
       .def_rw("dtype", &CacheOptions::dtype)
       .def_rw("layout", &CacheOptions::layout)
       .def_rw("per_matrix_stats", &CacheOptions::per_matrix_stats)

@@ -48,13 +48,14 @@ void Backend::copy_masked(const BatchMask& mask, const BatchRef& src, const Batc
 void Backend::cache_gate(const CacheGateArgs& args) {
   const size_t n = static_cast<size_t>(args.count);
   std::vector<double> residual(n);
-  std::vector<float> age(n);
+  std::vector<float> age(n), misses(n);
   std::vector<int32_t> status(n), decision(n);
   std::vector<double> key(n), stats(args.stats ? n * kCacheStatFields : 0);
   synchronize();
-  copy_to_host(residual.data(), args.residual, n * sizeof(double));
+  if (!args.plan) copy_to_host(residual.data(), args.residual, n * sizeof(double));
   copy_to_host(age.data(), args.age, n * sizeof(float));
   copy_to_host(key.data(), args.entry_key, n * sizeof(double));
+  if (args.misses) copy_to_host(misses.data(), args.misses, n * sizeof(float));
   if (args.status) copy_to_host(status.data(), args.status, n * sizeof(int32_t));
   if (args.stats) copy_to_host(stats.data(), args.stats, stats.size() * sizeof(double));
   CacheGateArgs h = args;
@@ -62,13 +63,17 @@ void Backend::cache_gate(const CacheGateArgs& args) {
   h.status = args.status ? status.data() : nullptr;
   h.entry_key = key.data();
   h.age = age.data();
+  h.misses = args.misses ? misses.data() : nullptr;
   h.decision = decision.data();
   h.stats = args.stats ? stats.data() : nullptr;
   for (int64_t i = 0; i < args.count; ++i) cache_ref::gate_one(h, i);
-  copy_from_host(args.age, age.data(), n * sizeof(float));
-  copy_from_host(args.entry_key, key.data(), n * sizeof(double));
   copy_from_host(args.decision, decision.data(), n * sizeof(int32_t));
-  if (args.stats) copy_from_host(args.stats, stats.data(), stats.size() * sizeof(double));
+  if (!args.plan) {
+    copy_from_host(args.age, age.data(), n * sizeof(float));
+    copy_from_host(args.entry_key, key.data(), n * sizeof(double));
+    if (args.misses) copy_from_host(args.misses, misses.data(), n * sizeof(float));
+    if (args.stats) copy_from_host(args.stats, stats.data(), stats.size() * sizeof(double));
+  }
   synchronize();  // the host vectors die on return
 }
 

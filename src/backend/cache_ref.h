@@ -88,20 +88,47 @@ DM_CACHE_HD inline double normal_sample(uint64_t seed, uint64_t index) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
 }
 
+// Whether an entry that has refreshed `misses` times in a row since its last hit is tested
+// this call: always after at most one miss; then the interval between tests doubles (tests at 2,
+// 4, 8, ... misses) up to the largest power of two <= backoff, and stays there. An entry whose
+// transform keeps failing thus costs a test every `backoff` calls instead of every call, and one
+// that starts to fit again is found within that many calls.
+DM_CACHE_HD inline bool due_for_check(float misses, int32_t backoff) {
+  if (backoff <= 1 || misses < 2.0f) return true;
+  const int64_t f = static_cast<int64_t>(misses);
+  int64_t interval = 1;
+  while (interval * 2 <= f && interval * 2 <= backoff) interval *= 2;
+  return f % interval == 0;
+}
+
+// misses + 1, kept below 2^20 (f32 counts exactly to 2^24) without changing it modulo any
+// interval due_for_check uses.
+DM_CACHE_HD inline float one_more_miss(float misses) {
+  const float f = misses + 1.0f;
+  return f >= 1048576.0f ? f - 524288.0f : f;
+}
+
 // Backend::cache_gate for matrix i (contract in backend.h).
 DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i) {
-  double* st = g.stats ? g.stats + i * kCacheStatFields : nullptr;
+  double* st = g.stats && !g.plan ? g.stats + i * kCacheStatFields : nullptr;
   if (g.status && g.status[i] != kStatusOk) {
     g.decision[i] = kCacheSkip;
     if (st) st[kCacheStatSkips] += 1;
     return;
   }
-  const double r = static_cast<double>(g.residual[i]) * g.residual_scale;
-  const bool fresh_enough = g.max_age <= 0 || g.age[i] < static_cast<float>(g.max_age);
   const bool entry_ok = g.entry_key[i] == g.key;
+  const bool tested = entry_ok && (!g.misses || due_for_check(g.misses[i], g.backoff));
+  if (g.plan) {
+    g.decision[i] = tested ? kCacheCheck : kCacheRefresh;
+    return;
+  }
+  const bool fresh_enough = g.max_age <= 0 || g.age[i] < static_cast<float>(g.max_age);
   const bool usable = entry_ok && fresh_enough;
-  const bool hit = usable && std::isfinite(r) && r <= g.gamma;
-  if (st && entry_ok && std::isfinite(r)) {
+  const double r = tested ? static_cast<double>(g.residual[i]) * g.residual_scale : 0.0;
+  const bool finite = tested && std::isfinite(r);
+  const bool hit = usable && finite && r <= g.gamma;
+  if (st && tested) st[kCacheStatTested] += 1;
+  if (st && finite) {
     // Stale entries still report their residual: it shows how far staleness had drifted.
     st[kCacheStatChecks] += 1;
     st[kCacheStatResSum] += r;
@@ -114,14 +141,17 @@ DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i) {
   if (hit) {
     g.decision[i] = kCacheHit;
     g.age[i] += 1.0f;
+    if (g.misses) g.misses[i] = 0.0f;
     if (st) st[kCacheStatHits] += 1;
   } else {
     g.decision[i] = kCacheRefresh;
     g.age[i] = 0.0f;
     g.entry_key[i] = g.key;
+    if (g.misses) g.misses[i] = usable ? one_more_miss(g.misses[i]) : 0.0f;
     if (st) {
       st[kCacheStatRefreshes] += 1;
-      if (!usable || !std::isfinite(r)) st[kCacheStatForced] += 1;
+      if (!usable || (tested && !finite)) st[kCacheStatForced] += 1;
+      if (usable && !tested) st[kCacheStatUnchecked] += 1;
     }
   }
 }

@@ -42,10 +42,9 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_SYM_EPILOGUE_MIRROR", "1",
        "0: the CUDA symmetric kernels leave the whole upper triangle to a separate mirror pass "
        "instead of storing it transposed in their epilogue (for measuring one against the other)"},
-      {"DISTMUON_GRAPH_CONDITIONALS", "0",
-       "1: a captured CacheMuon call records its refresh path as a conditional graph node the "
-       "device skips when no matrix refreshes (off by default until its fix is verified on a GPU: "
-       "bench/NOTES.md run 16)"},
+      {"DISTMUON_GRAPH_CONDITIONALS", "1",
+       "0: a captured CacheMuon call records its refresh path as plain kernels that find no work "
+       "when no matrix refreshes, instead of a conditional graph node the device skips"},
   };
   return table;
 }

@@ -22,16 +22,17 @@ struct TransformCache::Impl {
   DType qtype = DType::kF32;
   CacheLayout layout = CacheLayout::kProduct;
   double key = 0;
-  Buffer q, age, keys, dstats;     // device: Q, f32 age, f64 key, stats (count x fields)
+  Buffer q, age, keys, misses, dstats;  // device: Q, f32 age, f64 key, f32 misses in a row,
+                                        // stats (count x fields)
   std::vector<double> stats_init;  // device stats after a reset: zeros, +inf minima
   bool dirty = false;  // calls issued since the last fold (device counters may be non-zero)
 
-  // FLOP accounting. The fixed part of a call (gate) is known when it is issued; hits and
+  // FLOP accounting. The fixed part of a call is known when it is issued; tests, hits and
   // refreshes are charged when the device counters are folded, at the constants of the calls
   // that produced them (a change of constants folds first).
   int64_t calls = 0, matrices = 0;
   double flops_fixed = 0, flops_charged = 0, flops_fresh = 0;
-  double hit_flops = -1, refresh_flops = -1;
+  double test_flops = -1, hit_flops = -1, refresh_flops = -1;
 
   // Device statistics folded to the host, per entry; `retired` holds the totals of entries of
   // an earlier storage (before a reallocation).
@@ -63,11 +64,12 @@ struct TransformCache::Impl {
     return BatchRef{base, qtype, c, segs * m, m, m, segs * m * m};
   }
   float* age_at(int64_t first) const { return age.as<float>() + first; }
+  float* misses_at(int64_t first) const { return misses.as<float>() + first; }
   double* key_at(int64_t first) const { return keys.as<double>() + first; }
   double* stats_at(int64_t first) const { return dstats.as<double>() + first * kCacheStatFields; }
 
   void fold();                              // synchronises; device counters -> acc
-  void charge(double hit, double refresh);  // sets the constants, folding on a change
+  void charge(double test, double hit, double refresh);  // sets the constants, folding on a change
   void reset_device_stats();
 };
 

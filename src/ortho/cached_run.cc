@@ -5,13 +5,14 @@
 //   2. residual: exact ||Q R Q^T - I|| from R = X X^T, or k probes ||(Q R Q^T - I) W||; it is
 //      also what refuses a non-finite Q (every residual is a product with Q), so Q's own norm
 //      is never taken; an empty or foreign entry is told by its key, an old one by its age;
-//   3. Backend::cache_gate decides hit / refresh / skip per matrix on the device;
+//   3. Backend::cache_gate decides hit / refresh / skip per matrix on the device (with the
+//      check back-off, a plan pass before pass 2 marks the matrices due for a test);
 //   4. refresh (masked): the Gram-NS solve, reusing R, writes the entry's new transform into
 //      the storage itself (copied only where the storage dtype differs, a segment has a
 //      single step, or in shadow mode);
 //   5. hit (masked): D = Q X.
 // Pass 4 is a block the device skips inside a captured graph when the gate refreshes no matrix
-// of the batch (Backend::begin_if_selected).
+// of the batch, and pass 2 one it skips when the back-off tests none (Backend::begin_if_selected).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -190,27 +191,41 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
                  const BatchRef& x, const BatchRef& out) {
   if (s.convert) e.convert(call.q_entries, b.qw_all);
   const bool exact = s.opt.residual == CacheResidual::kExact;
-  if (exact) {
-    e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
-    exact_residual(e, b, b.res);
-  } else {
-    probe_residual(e, b, x, s.opt.seed, b.res);
+  // Blocks the device skips open only in half precision: masked products of other dtypes read
+  // the flags on the host, which fails any capture (and a failed capture with an open block
+  // cannot be cleaned up).
+  const bool half = x.dtype == DType::kBF16 || x.dtype == DType::kF16;
+  // R = X X^T starts the exact test and every refresh, so every matrix pays for it.
+  if (exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
+  // With the check back-off, the test is a block the device skips (inside a captured graph)
+  // when no matrix is due for it; a plan pass of the gate marks the ones that are.
+  bool test_block = false;
+  if (s.opt.check_backoff > 1) {
+    CacheGateArgs plan = call.gate;
+    plan.plan = true;
+    e.gate(plan);
+    test_block = half && e.begin_if_selected(BatchMask{b.decision, kCacheCheck}, x.count);
   }
+  e.charge_to(kCacheCheck);
+  if (exact)
+    exact_residual(e, b, b.res);
+  else
+    probe_residual(e, b, x, s.opt.seed, b.res);
+  e.clear_mask();
+  if (test_block) e.end_if_selected();
   e.gate(call.gate);
   // The refresh path is a block the device skips, inside a captured graph, when the gate sent
-  // no matrix down it: a call of hits then costs its check and one product, without the
+  // no matrix down it: a call of hits then costs its test and one product, without the
   // solve's ~20 launches. The hit path (one masked product) is not: a conditional node costs
   // about 10 us on the H200, more than one launch that finds no work (bench/NOTES.md run 16).
   e.set_mask(b.decision, kCacheRefresh);
-  // Only in half precision: masked products of other dtypes read the flags on the host, which
-  // fails any capture (and a failed capture with an open block cannot be cleaned up).
-  const bool half = x.dtype == DType::kBF16 || x.dtype == DType::kF16;
-  const bool block = half && e.begin_if_selected(x.count);
+  const bool refresh_block =
+      half && e.begin_if_selected(BatchMask{b.decision, kCacheRefresh}, x.count);
   // Probe mode never formed R: only the refreshed matrices pay for it.
   if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   fresh_solve(e, s, b, x, out, call.q_seg, !s.convert,
               [&](const BatchRef& src, const BatchRef& dst) { e.copy(src, dst); });
-  if (block) e.end_if_selected();
+  if (refresh_block) e.end_if_selected();
   e.set_mask(b.decision, kCacheHit);
   apply_chain(e, b.qw, x, out, b.g.other, x);
   e.clear_mask();
@@ -337,7 +352,7 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
     BatchRef x1 = BatchRef::packed(nullptr, t, 1, m, n);
     cached_flow(fc, s, fcall, fb, x1, x1);
   }
-  ci.charge(fc.bucket[1 + kCacheHit], fc.bucket[1 + kCacheRefresh]);
+  ci.charge(fc.bucket[1 + kCacheCheck], fc.bucket[1 + kCacheHit], fc.bucket[1 + kCacheRefresh]);
   ci.calls += 1;
   ci.matrices += c;
   ci.flops_fixed += fc.bucket[0] * c;
@@ -360,6 +375,8 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   g.age = ci.age_at(first);
   g.max_age = o.max_staleness;
   g.gamma = o.gamma;
+  g.misses = ci.misses_at(first);
+  g.backoff = o.check_backoff;
   g.decision = b.decision;
   g.stats = ci.stats_at(first);
 

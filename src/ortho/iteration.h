@@ -71,21 +71,27 @@ struct BackendExec {
     be.fill_normal_keyed(dst, seed, keys);
   }
   void gate(const CacheGateArgs& args) { be.cache_gate(args); }
-  // A block the device skips when the current mask selects none of `count` matrices (inside a
-  // graph the backend captures; elsewhere it runs and its masked operations find no work).
-  bool begin_if_selected(int64_t count) { return masked && be.begin_if_selected(mask, count); }
+  // A block the device skips when `m` selects none of `count` matrices (inside a graph the
+  // backend captures; elsewhere it runs, and its masked operations find no work).
+  bool begin_if_selected(const BatchMask& m, int64_t count) {
+    return be.begin_if_selected(m, count);
+  }
   void end_if_selected() { be.end_if_selected(); }
+  // The operations that follow run unmasked but cost only matrices of decision `value` on an
+  // ideal device (FlopCounter charges them so; clear_mask ends it).
+  void charge_to(int32_t) {}
 };
 
 // Counts FLOPs without touching memory, in one bucket per mask state: bucket 0 for unmasked
-// operations, bucket 1 + v for operations masked to flag value v (v = 0, 1, 2).
+// operations, bucket 1 + v for operations masked (or charged) to decision v (a CacheDecision).
 struct FlopCounter {
-  std::array<double, 4> bucket{};
+  std::array<double, 5> bucket{};
   int current = 0;
 
   void set_mask(const int32_t*, int32_t value) { current = 1 + value; }
+  void charge_to(int32_t value) { current = 1 + value; }
   void clear_mask() { current = 0; }
-  double total() const { return bucket[0] + bucket[1] + bucket[2] + bucket[3]; }
+  double total() const { return bucket[0] + bucket[1] + bucket[2] + bucket[3] + bucket[4]; }
   void sym(Op oa, const BatchRef& a, Op, const BatchRef&, double, double, const BatchRef*,
            const BatchRef& c) {
     bucket[current] += sym_flops(c.rows, inner(oa, a)) * c.count;
@@ -101,7 +107,7 @@ struct FlopCounter {
   void fingerprint(const BatchRef&, uint64_t*) {}
   void normal(const BatchRef&, uint64_t, const uint64_t*) {}
   void gate(const CacheGateArgs&) {}
-  bool begin_if_selected(int64_t) { return false; }
+  bool begin_if_selected(const BatchMask&, int64_t) { return false; }
   void end_if_selected() {}
 };
 

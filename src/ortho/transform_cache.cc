@@ -104,6 +104,7 @@ void validate(const CacheOptions& o, const std::string& what) {
   DM_CHECK(o.residual != CacheResidual::kProbe || (o.probes >= 1 && o.probes <= 4096), what,
            ": probe count must be in [1, 4096] (got ", o.probes, ")");
   DM_CHECK(o.max_staleness >= 0, what, ": max staleness must be >= 0 (got ", o.max_staleness, ")");
+  DM_CHECK(o.check_backoff >= 0, what, ": check back-off must be >= 0 (got ", o.check_backoff, ")");
 }
 
 double CacheStats::hit_rate() const {
@@ -122,6 +123,7 @@ void CacheStats::merge(const CacheStats& o) {
   hits += o.hits;
   refreshes += o.refreshes;
   forced_refreshes += o.forced_refreshes;
+  unchecked_refreshes += o.unchecked_refreshes;
   skips += o.skips;
   flops += o.flops;
   fresh_flops += o.fresh_flops;
@@ -200,15 +202,17 @@ void TransformCache::Impl::fold() {
   be.copy_to_host(dev.data(), dstats.data(), dev.size() * sizeof(double));
   for (int64_t i = 0; i < count; ++i) {
     const double* d = dev.data() + i * kCacheStatFields;
-    flops_charged += d[kCacheStatHits] * hit_flops + d[kCacheStatRefreshes] * refresh_flops;
+    flops_charged += d[kCacheStatTested] * test_flops + d[kCacheStatHits] * hit_flops +
+                     d[kCacheStatRefreshes] * refresh_flops;
     merge_fields(acc.data() + i * kCacheStatFields, d);
   }
   reset_device_stats();
 }
 
-void TransformCache::Impl::charge(double hit, double refresh) {
-  if (hit == hit_flops && refresh == refresh_flops) return;
+void TransformCache::Impl::charge(double test, double hit, double refresh) {
+  if (test == test_flops && hit == hit_flops && refresh == refresh_flops) return;
   fold();  // the counters so far belong to the old constants
+  test_flops = test;
   hit_flops = hit;
   refresh_flops = refresh;
 }
@@ -263,10 +267,12 @@ void TransformCache::prepare(const OrthoConfig& resolved, int64_t count, int64_t
     s.q = s.be.alloc(static_cast<size_t>(count) * s.q_bytes_per_entry());
     s.age = s.be.alloc(sizeof(float) * std::max<int64_t>(count, 1));
     s.keys = s.be.alloc(sizeof(double) * std::max<int64_t>(count, 1));
+    s.misses = s.be.alloc(sizeof(float) * std::max<int64_t>(count, 1));
     s.dstats = s.be.alloc(sizeof(double) * kCacheStatFields * std::max<int64_t>(count, 1));
     if (s.q) s.be.fill_zero(s.q.data(), s.q.bytes());
     s.be.fill_zero(s.age.data(), s.age.bytes());
     s.be.fill_zero(s.keys.data(), s.keys.bytes());  // key 0: empty
+    s.be.fill_zero(s.misses.data(), s.misses.bytes());
     s.stats_init.assign(static_cast<size_t>(std::max<int64_t>(count, 1)) * kCacheStatFields, 0.0);
     for (size_t i = 0; i < s.stats_init.size(); i += kCacheStatFields)
       init_fields(&s.stats_init[i]);
@@ -299,7 +305,7 @@ void TransformCache::invalidate(int64_t first, int64_t n) {
 }
 
 std::vector<std::string> TransformCache::state_names() {
-  return {"cache_q", "cache_age", "cache_key"};
+  return {"cache_q", "cache_age", "cache_key", "cache_misses"};
 }
 
 TensorView TransformCache::state(const std::string& name, int64_t first, int64_t n,
@@ -322,13 +328,15 @@ TensorView TransformCache::state(const std::string& name, int64_t first, int64_t
   }
   if (name == "cache_age") return TensorView::contiguous(s.age_at(first), shape, DType::kF32, dev);
   if (name == "cache_key") return TensorView::contiguous(s.key_at(first), shape, DType::kF64, dev);
-  DM_FAIL("no cache state '", name, "' (expected cache_q, cache_age or cache_key)");
+  if (name == "cache_misses")
+    return TensorView::contiguous(s.misses_at(first), shape, DType::kF32, dev);
+  DM_FAIL("no cache state '", name, "' (expected cache_q, cache_age, cache_key or cache_misses)");
 }
 
 size_t TransformCache::memory_bytes() const {
   const Impl& s = *impl_;
   if (!s.prepared) return 0;
-  return s.q.bytes() + s.age.bytes() + s.keys.bytes() + s.dstats.bytes();
+  return s.q.bytes() + s.age.bytes() + s.keys.bytes() + s.misses.bytes() + s.dstats.bytes();
 }
 
 void TransformCache::reset_stats() {
@@ -414,6 +422,7 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
     pm.refreshes = static_cast<int64_t>(f[kCacheStatRefreshes]);
     pm.forced = static_cast<int64_t>(f[kCacheStatForced]);
     pm.skips = static_cast<int64_t>(f[kCacheStatSkips]);
+    pm.unchecked = static_cast<int64_t>(f[kCacheStatUnchecked]);
     pm.age = ages[i];
     const double checks = f[kCacheStatChecks];
     pm.mean_residual = checks > 0 ? f[kCacheStatResSum] / checks : 0;
@@ -426,6 +435,7 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
   st.refreshes = static_cast<int64_t>(total[kCacheStatRefreshes]);
   st.forced_refreshes = static_cast<int64_t>(total[kCacheStatForced]);
   st.skips = static_cast<int64_t>(total[kCacheStatSkips]);
+  st.unchecked_refreshes = static_cast<int64_t>(total[kCacheStatUnchecked]);
   fill_summary(st.residual, total.data());
   st.compared = sh_n;
   st.update_error_mean = sh_n ? sh_sum / sh_n : 0;

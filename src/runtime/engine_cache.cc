@@ -148,7 +148,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
     return caches[c].cache->state(name, first, count, lead);
   }
   std::vector<int64_t> shape = lead;
-  DType t = name == "cache_age" ? DType::kF32 : DType::kF64;
+  DType t = name == "cache_key" ? DType::kF64 : DType::kF32;
   if (name == "cache_q") {
     const int64_t m = std::min(p.layout.rows, p.layout.cols);
     const OrthoConfig r = resolve_shape(p.spec.group, m, std::max(p.layout.rows, p.layout.cols));
@@ -158,8 +158,9 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
     shape.push_back(m);
     t = cache_storage_dtype(g.muon.cache, r);
   } else {
-    DM_CHECK(name == "cache_age" || name == "cache_key", "no cache state '", name,
-             "' (expected cache_q, cache_age or cache_key)");
+    DM_CHECK(name == "cache_age" || name == "cache_key" || name == "cache_misses",
+             "no cache state '", name,
+             "' (expected cache_q, cache_age, cache_key or cache_misses)");
   }
   return TensorView{nullptr, shape, {}, t, backend.device()};
 }

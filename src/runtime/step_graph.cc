@@ -37,6 +37,7 @@ void add_config(std::vector<uint64_t>& key, const OrthoConfig& c) {
 void add_cache_options(std::vector<uint64_t>& key, const CacheOptions& o) {
   key.insert(key.end(), {bits(o.gamma), static_cast<uint64_t>(o.residual),
                          static_cast<uint64_t>(o.probes), static_cast<uint64_t>(o.max_staleness),
+                         static_cast<uint64_t>(o.check_backoff),
                          o.dtype ? static_cast<uint64_t>(*o.dtype) + 1 : 0,
                          static_cast<uint64_t>(o.layout), o.seed});
 }

@@ -233,6 +233,55 @@ TEST(CacheMuon, GammaZeroReproducesFreshGramNsBitForBit) {
   }
 }
 
+// The check back-off: an entry whose test keeps failing is tested after 0, 1, 2, 4, 8, 12, ...
+// misses in a row (interval doubling up to the back-off, here 4) and refreshes untested in
+// between, with the fresh solve's output bit for bit; once its transform fits again, it is
+// found at the next due test and the count starts over. Decisions per call, both residuals.
+TEST(CacheMuon, CheckBackoffTestsAFailingEntryLessOften) {
+  for (CacheResidual mode : {CacheResidual::kExact, CacheResidual::kProbe}) {
+    SCOPED_TRACE(cache_residual_name(mode));
+    CacheOptions opt;
+    opt.enabled = true;
+    opt.gamma = 0.0;  // every test fails
+    opt.residual = mode;
+    opt.check_backoff = 4;
+    opt.dtype = DType::kF64;
+    const int64_t m = 12, n = 40;
+    Rig rig(opt, 1, m, n);
+    HostBatch plain(DType::kF64, 1, m, n);
+    Buffer ws = rig.be.alloc(Orthogonalizer::workspace_bytes(rig.cfg, 1, m, n));
+    std::vector<Mat> u = {random_matrix(m, n)};
+    // Call k (from 1) tested or not; the first finds the entry empty (a forced refresh).
+    const std::vector<bool> tested = {0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1};
+    for (size_t k = 0; k < tested.size(); ++k) {
+      SCOPED_TRACE("call " + std::to_string(k + 1));
+      const CacheStats before = rig.cache.stats();
+      std::vector<Mat> got = rig.step(u);
+      const CacheStats after = rig.cache.stats();
+      EXPECT_EQ(after.residual.count - before.residual.count, tested[k] ? 1 : 0);
+      EXPECT_EQ(after.refreshes - before.refreshes, 1);
+      EXPECT_EQ(after.unchecked_refreshes - before.unchecked_refreshes, k > 0 && !tested[k]);
+      plain.set(0, normalised(u[0]));
+      rig.ortho.run(rig.cfg, plain.ref, plain.ref, ws.data(), ws.bytes());
+      EXPECT_EQ(std::memcmp(plain.ref.data, rig.out.ref.data, plain.ref.bytes()), 0);
+      u = drifted(u, 0.01);
+    }
+    // 13 misses in a row now: the next test is due at 16 (call 18). The transform fits again
+    // (gamma large): calls 15 to 17 refresh untested, 18 hits, and so does every call after it.
+    opt.gamma = 1e9;
+    rig.cache.set_options(opt);
+    for (int k = 15; k <= 19; ++k) {
+      const CacheStats before = rig.cache.stats();
+      rig.step(u);
+      const CacheStats after = rig.cache.stats();
+      EXPECT_EQ(after.hits - before.hits, k >= 18 ? 1 : 0) << "call " << k;
+      u = drifted(u, 0.01);
+    }
+    TensorView misses = rig.cache.state("cache_misses", 0, 1, {});
+    EXPECT_EQ(*static_cast<const float*>(misses.data), 0.0f);
+  }
+}
+
 TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   const int64_t m = 16, n = 64;
   const double m3 = double(m) * m * m, syrk = double(m) * (m + 1) * n, mm = double(m) * (m + 1) * m;
@@ -249,11 +298,12 @@ TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   CacheStats st = rig.cache.stats();
   ASSERT_EQ(st.hits, 2);
   ASSERT_EQ(st.refreshes, 2);
-  // Exact gate: R (SYRK) + Q R (2m^3) + (QR) Q^T (one triangle). Hit: D = Q X. Refresh: the
-  // fresh solve without its first SYRK plus one symmetric product (one triangle) to multiply
-  // the two segments.
-  const double gate = syrk + 2 * m3 + mm, hit = 2.0 * m * m * n, refresh = fresh - syrk + mm;
-  EXPECT_DOUBLE_EQ(st.flops, 4 * gate + 2 * hit + 2 * refresh);
+  // Every matrix: R (SYRK). Exact test, charged to the tested matrices only (the empty entries
+  // of the first call are not): Q R (2m^3) + (QR) Q^T (one triangle). Hit: D = Q X. Refresh:
+  // the fresh solve without its first SYRK plus one symmetric product (one triangle) to
+  // multiply the two segments.
+  const double test = 2 * m3 + mm, hit = 2.0 * m * m * n, refresh = fresh - syrk + mm;
+  EXPECT_DOUBLE_EQ(st.flops, 4 * syrk + 2 * test + 2 * hit + 2 * refresh);
   EXPECT_DOUBLE_EQ(st.fresh_flops, 4 * fresh);
 
   opt.residual = CacheResidual::kProbe;  // probes: gate O(m n k); refreshes pay for R
@@ -262,8 +312,8 @@ TEST(CacheMuon, FlopAccountingMatchesClosedForms) {
   probe.step(drifted(u, 0.01));
   st = probe.cache.stats();
   ASSERT_EQ(st.hits, 2);
-  const double k = opt.probes, pgate = 2 * (2.0 * m * m * k) + 2 * (2.0 * m * n * k);
-  EXPECT_DOUBLE_EQ(st.flops, 4 * pgate + 2 * hit + 2 * (refresh + syrk));
+  const double k = opt.probes, ptest = 2 * (2.0 * m * m * k) + 2 * (2.0 * m * n * k);
+  EXPECT_DOUBLE_EQ(st.flops, 2 * ptest + 2 * hit + 2 * (refresh + syrk));
 }
 
 TEST(CacheMuon, ReprepareWithOtherAlgorithmOrShapeInvalidatesEntries) {

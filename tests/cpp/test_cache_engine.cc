@@ -174,7 +174,7 @@ TEST(CacheEngine, NonFiniteGradientLeavesCacheStateUntouched) {
   // Entry of slice 0 of "experts" (each slice of a 3D parameter is a matrix of its own).
   auto snapshot = [&] {
     std::vector<uint8_t> bytes;
-    for (const char* n : {"cache_q", "cache_age", "cache_key"}) {
+    for (const char* n : {"cache_q", "cache_age", "cache_key", "cache_misses"}) {
       TensorView v = eng.state(1, n);
       const auto* p = static_cast<const uint8_t*>(v.data);
       bytes.insert(bytes.end(), p, p + v.numel() / 2 * dtype_size(v.dtype));
@@ -231,7 +231,8 @@ TEST(CacheEngine, CacheStateRoundTripsThroughCheckpoints) {
   }
   // Restore into b before its first step, as a PyTorch load_state_dict would.
   EXPECT_EQ(b.state_names(1),
-            (std::vector<std::string>{"momentum_buffer", "cache_q", "cache_age", "cache_key"}));
+            (std::vector<std::string>{"momentum_buffer", "cache_q", "cache_age", "cache_key",
+                                      "cache_misses"}));
   for (int p = 0; p < 2; ++p)
     for (const std::string& n : a.state_names(p)) {
       TensorView src = a.state(p, n), dst = b.state(p, n);

@@ -272,7 +272,7 @@ namespace {
 // open block leaves the backend usable.
 TEST(CudaGraphs, ConditionalBlockRunsOnlyWhenAFlagSelectsIt) {
   DM_SKIP_WITHOUT_CUDA();
-  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // opt-in until verified (bench/NOTES.md run 16)
+  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // the default, unless the environment says 0
   CudaBackend& be = test::cuda_backend();
   const int64_t c = 3, m = 8, n = 16;
   HostBatch src(DType::kF32, c, m, n), dst(DType::kF32, c, m, n), inner(DType::kF32, c, m, n);

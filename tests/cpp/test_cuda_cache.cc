@@ -68,8 +68,8 @@ TEST(CudaCache, GateEqualsCpuOnEveryCase) {
   Buffer dkeys = upload(be, keys), dstats = upload(be, stats);
   Buffer ddec = be.alloc(n * sizeof(int32_t));
   std::vector<int32_t> dec(n, -1);
-  CacheGateArgs h{n,          res.data(), 0.5, st.data(),  key,
-                  keys.data(), age.data(), 4,  2.0, dec.data(), stats.data()};
+  CacheGateArgs h{n,          res.data(), 0.5, st.data(),  key,         keys.data(),
+                  age.data(), 4,          2.0, dec.data(), stats.data()};
   CacheGateArgs d{n,
                   dres.as<double>(),
                   0.5,
@@ -424,17 +424,24 @@ TEST(CudaCache, CachedRunIsGraphCapturableAndHitsOnTheSameInput) {
 namespace distmuon {
 namespace {
 
-// A CacheMuon call captured by the backend (its refresh path is a conditional block),
-// replayed under every kind of decision (all refresh, all hit, mixed), equals the same calls
-// issued eagerly bit for bit, output and decisions: a skipped path was one with nothing to do.
-// Isotropic inputs (A) and ones with 16 strong directions (B) switch the decisions at gamma 1:
-// a transform fitted to one leaves a residual of 3 (A's on B) to 18 (B's on A) on the other, and
-// the same input again leaves 0.3-0.4 (float64 model of the iteration).
-TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
-  DM_SKIP_WITHOUT_CUDA();
-  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // opt-in until verified (bench/NOTES.md run 16)
+// One call of a captured-against-eager run: which matrices see input B (else A), and the
+// decisions expected (refreshes, hits, refreshes the back-off left untested).
+struct DecisionCall {
+  std::vector<bool> use_b;
+  int64_t refreshes, hits, unchecked;
+};
+
+// Issues `calls` through two caches on 4 matrices of 128 x 384: one call captured once by the
+// backend (its test and refresh paths are conditional blocks) and replayed, the other issued
+// eagerly each time; both must decide as expected, and their outputs must be equal bit for bit
+// (a skipped block was one with nothing to do). Isotropic inputs (A) and ones with 16 strong
+// directions (B) switch the decisions at gamma 1: a transform fitted to one leaves a residual of
+// 3 (A's on B) to 18 (B's on A) on the other, and the same input again 0.3-0.4 (float64 model
+// of the iteration).
+void expect_replays_decide_as_eager_calls(int check_backoff,
+                                          const std::vector<DecisionCall>& calls) {
+  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // the default, unless the environment says 0
   CudaBackend& be = test::cuda_backend();
-  if (!be.has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
   const int64_t c = 4, m = 128, n = 384;
   OrthoConfig cfg;
   cfg.iteration = Iteration::kGram;
@@ -449,22 +456,13 @@ TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
     v.topRows(16) *= 10.0;  // 16 strong directions
     b.push_back((v / v.norm()).eval());
   }
-  // Per call: which matrices see B, and the decisions expected (refreshes, hits).
-  struct Call {
-    std::vector<bool> use_b;
-    int64_t refreshes, hits;
-  };
-  const std::vector<Call> calls = {{{0, 0, 0, 0}, 4, 0},   // empty entries
-                                   {{0, 0, 0, 0}, 0, 4},   // the same input
-                                   {{1, 1, 0, 0}, 2, 2},   // mixed
-                                   {{1, 1, 0, 0}, 0, 4},   // the same input
-                                   {{0, 0, 1, 1}, 4, 0}};  // every input switched
   for (CacheResidual res : {CacheResidual::kExact, CacheResidual::kProbe}) {
     SCOPED_TRACE(cache_residual_name(res));
     CacheOptions opt;
     opt.enabled = true;
     opt.gamma = 1.0;
     opt.residual = res;
+    opt.check_backoff = check_backoff;
     HostBatch in(t, c, m, n), out(t, c, m, n), got(t, c, m, n);
     DeviceBatch dsrc(be, in), dx(be, in), dout(be, out);
     const size_t wb = Orthogonalizer::cached_workspace_bytes(r, opt, c, m, n);
@@ -482,7 +480,7 @@ TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
     ASSERT_TRUE(graph);
     const TransformCache::Ledger per_replay = captured.ledger() - before;  // as the engine does
     for (size_t k = 0; k < calls.size(); ++k) {
-      SCOPED_TRACE("call " + std::to_string(k));
+      SCOPED_TRACE("call " + std::to_string(k + 1));
       for (int64_t i = 0; i < c; ++i) in.set(i, calls[k].use_b[i] ? b[i] : a[i]);
       be.copy_from_host(dsrc.ref.data, in.bytes.data(), in.bytes.size());
       const CacheStats e0 = eager.stats(), g0 = captured.stats();
@@ -495,13 +493,47 @@ TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
       be.synchronize();
       dout.download(be, got);
       const CacheStats e1 = eager.stats(), g1 = captured.stats();
-      EXPECT_EQ(e1.refreshes - e0.refreshes, calls[k].refreshes);
-      EXPECT_EQ(e1.hits - e0.hits, calls[k].hits);
-      EXPECT_EQ(g1.refreshes - g0.refreshes, calls[k].refreshes);
-      EXPECT_EQ(g1.hits - g0.hits, calls[k].hits);
+      for (const auto& [s0, s1] : {std::pair{&e0, &e1}, std::pair{&g0, &g1}}) {
+        EXPECT_EQ(s1->refreshes - s0->refreshes, calls[k].refreshes);
+        EXPECT_EQ(s1->hits - s0->hits, calls[k].hits);
+        EXPECT_EQ(s1->unchecked_refreshes - s0->unchecked_refreshes, calls[k].unchecked);
+      }
+      EXPECT_DOUBLE_EQ(g1.flops - g0.flops, e1.flops - e0.flops);
       for (int64_t i = 0; i < c; ++i) EXPECT_TRUE(bits_equal(out, got, i)) << i;
     }
   }
+}
+
+// Replayed under every kind of decision (all refresh, all hit, mixed), the refresh path skipped
+// or not.
+TEST(CudaCache, CapturedCallSkipsOnlyThePathsNoMatrixTakes) {
+  DM_SKIP_WITHOUT_CUDA();
+  if (!test::cuda_backend().has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  expect_replays_decide_as_eager_calls(0, {{{0, 0, 0, 0}, 4, 0, 0},    // empty entries
+                                           {{0, 0, 0, 0}, 0, 4, 0},    // the same input
+                                           {{1, 1, 0, 0}, 2, 2, 0},    // mixed
+                                           {{1, 1, 0, 0}, 0, 4, 0},    // the same input
+                                           {{0, 0, 1, 1}, 4, 0, 0}});  // every input switched
+}
+
+// With the check back-off (4), the test is a block too: replays where no matrix is due (call 5),
+// where some are (call 10) and where all are equal the eager calls. Matrices whose input
+// switches every call miss, and after three misses in a row they skip a test (misses counted
+// before the call: 3 is between the tests at 2 and 4).
+TEST(CudaCache, CapturedCallSkipsTheTestWhenNoMatrixIsDue) {
+  DM_SKIP_WITHOUT_CUDA();
+  if (!test::cuda_backend().has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  expect_replays_decide_as_eager_calls(4, {{{0, 0, 0, 0}, 4, 0, 0},    // 1: empty entries
+                                           {{1, 1, 1, 1}, 4, 0, 0},    // 2: switched (1 miss)
+                                           {{0, 0, 0, 0}, 4, 0, 0},    // 3: (2)
+                                           {{1, 1, 1, 1}, 4, 0, 0},    // 4: (3)
+                                           {{1, 1, 1, 1}, 4, 0, 4},    // 5: none due
+                                           {{1, 1, 1, 1}, 0, 4, 0},    // 6: due again, fits
+                                           {{0, 0, 1, 1}, 2, 2, 0},    // 7
+                                           {{1, 1, 1, 1}, 2, 2, 0},    // 8
+                                           {{0, 0, 1, 1}, 2, 2, 0},    // 9
+                                           {{0, 0, 1, 1}, 2, 2, 2},    // 10: 0, 1 not due
+                                           {{0, 0, 1, 1}, 0, 4, 0}});  // 11
 }
 
 }  // namespace

@@ -49,7 +49,8 @@ const std::vector<PDef>& model() {
   return defs;
 }
 // cache: group 0 runs Gram NS with CacheMuon (every residual passes, so the entries serve until
-// the staleness limit forces a refresh); group 1 (standard NS) cannot use the cache.
+// the staleness limit forces a refresh; the check back-off's plan pass runs, and its miss counts
+// travel with the entries); group 1 (standard NS) cannot use the cache.
 void add_groups(Engine& e, bool cache = false) {
   GroupOptions g0;
   g0.muon.lr = 0.05f;
@@ -59,6 +60,7 @@ void add_groups(Engine& e, bool cache = false) {
     g0.muon.cache.enabled = true;
     g0.muon.cache.gamma = 1e9;
     g0.muon.cache.max_staleness = 2;
+    g0.muon.cache.check_backoff = 4;
   }
   GroupOptions g1;
   g1.muon.lr = 0.02f;
@@ -128,9 +130,9 @@ std::pair<int64_t, int64_t> chunk(int64_t dim0, int parts, int pos) {  // torch.
 }
 
 // A matrix's CacheMuon entry as bytes (empty where this rank holds none or the parameter has no
-// cache): the transform, its age and its key.
+// cache): the transform, its age, its key and its miss count.
 struct CacheEntry {
-  std::vector<uint8_t> q, age, key;
+  std::vector<uint8_t> q, age, key, misses;
   DType q_dtype = DType::kF32;
   bool empty() const { return q.empty(); }
 };
@@ -153,7 +155,8 @@ CacheEntry cache_entry(Engine& e, int p, int64_t m) {
   if (!q.data) return {};
   return {test::read_bytes(e.backend(), q),
           test::read_bytes(e.backend(), e.matrix_state(p, m, "cache_age")),
-          test::read_bytes(e.backend(), e.matrix_state(p, m, "cache_key")), q.dtype};
+          test::read_bytes(e.backend(), e.matrix_state(p, m, "cache_key")),
+          test::read_bytes(e.backend(), e.matrix_state(p, m, "cache_misses")), q.dtype};
 }
 
 // Ages and keys (the decisions) exactly; the transforms bit for bit on the CPU, within the
@@ -163,6 +166,7 @@ void expect_same_cache(const CacheEntry& a, const CacheEntry& b, const std::stri
   if (a.empty() || b.empty()) return;
   EXPECT_EQ(a.age, b.age) << what << " (age)";
   EXPECT_EQ(a.key, b.key) << what << " (key)";
+  EXPECT_EQ(a.misses, b.misses) << what << " (misses)";
   if (test::bit_exact() || a.q_dtype != DType::kF32) {
     EXPECT_EQ(a.q, b.q) << what << " (transform)";
     return;
@@ -536,7 +540,8 @@ TEST(MpiEngine, RaisePolicyThrowsOnEveryRankAndChangesNothing) {
 // Writes an entry saved by cache_entry() back through matrix_state (where this rank holds it).
 void load_cache(Engine& e, int p, int64_t m, const CacheEntry& entry) {
   for (auto [name, bytes] : {std::pair{"cache_q", &entry.q}, std::pair{"cache_age", &entry.age},
-                             std::pair{"cache_key", &entry.key}}) {
+                             std::pair{"cache_key", &entry.key},
+                             std::pair{"cache_misses", &entry.misses}}) {
     TensorView v = e.matrix_state(p, m, name);
     if (!v.data) continue;
     ASSERT_EQ(static_cast<size_t>(v.numel()) * dtype_size(v.dtype), bytes->size()) << name;

@@ -29,6 +29,8 @@ def make(model: torch.nn.Module, **kw: object) -> Muon:
         ({"cache_gamma": True}, "cache_gamma must be a positive number"),
         ({"cache_gamma": 2.0, "cache_probes": 0}, "cache_probes must be None"),
         ({"cache_gamma": 2.0, "cache_max_staleness": -2}, "cache_max_staleness must be an integer"),
+        ({"cache_gamma": 2.0, "cache_check_backoff": -1}, "cache_check_backoff must be an integer"),
+        ({"cache_gamma": 2.0, "cache_check_backoff": 2.5}, "cache_check_backoff must be an integer"),
     ],
 )
 def test_bad_cache_options_are_refused_naming_the_group(bad: dict[str, object], match: str) -> None:
@@ -53,15 +55,19 @@ def test_cache_off_by_default_and_stats_without_it() -> None:
     assert set(opt.state_dict()["state"][0]) == {"step", "momentum_buffer"}
 
 
-def test_tiny_gamma_never_reuses_and_equals_plain_muon() -> None:
+@pytest.mark.parametrize("backoff, untested_steps", [(0, 0), (4, 1)])
+def test_tiny_gamma_never_reuses_and_equals_plain_muon(backoff: int, untested_steps: int) -> None:
+    """Every test fails: every step refreshes, as plain Muon. With the check back-off, step 5
+    (three misses in a row before it) refreshes without a test."""
     torch.manual_seed(0)
     a = TinyGPT()
     b = clone(a)
-    opt_a, opt_b = make(a), make(b, cache_gamma=1e-9)
+    opt_a, opt_b = make(a), make(b, cache_gamma=1e-9, cache_check_backoff=backoff)
     la, lb = train(a, [opt_a], 6), train(b, [opt_b], 6)
     assert la == lb and max_param_diff(a, b) == 0.0
     st = opt_b.stats()
     assert st["cache_hits"] == 0 and st["cache_refreshes"] == 6 * CACHED
+    assert st["cache_unchecked_refreshes"] == untested_steps * CACHED
     assert st["last_hit_rate"] == 0.0 and st["last_mean_residual"] > 1e-9
 
 
@@ -100,7 +106,7 @@ def test_cache_entries_round_trip_through_state_dict(dtype: torch.dtype | None) 
     train(model, [opt], 5)
     sd = opt.state_dict()
     entry = sd["state"][0]
-    assert set(entry) == {"step", "momentum_buffer", "cache_q", "cache_age", "cache_key"}
+    assert set(entry) == {"step", "momentum_buffer", "cache_q", "cache_age", "cache_key", "cache_misses"}
     assert entry["cache_q"].shape == (1, 16, 16) and entry["cache_q"].dtype == torch.float32
     # refresh at step 0, reused at 1..4: age 4 (the next step must refresh)
     assert entry["cache_age"].tolist() == [4.0] and entry["cache_key"].dtype == torch.float64

@@ -54,8 +54,12 @@ def test_arm_options_are_parsed_and_checked():
         common.parse_arm("distmuon:algo=gram-ns:probes=8")
     with pytest.raises(ValueError, match="unknown key"):
         common.parse_arm("distmuon:algo=gram-ns:gama=2")
-    with pytest.raises(ValueError, match="staleness >= 0"):
+    with pytest.raises(ValueError, match="staleness and backoff >= 0"):
         common.parse_arm("distmuon:algo=gram-ns:gamma=2:staleness=-1")
+    backoff = common.parse_arm("distmuon:algo=gram-ns:gamma=2:backoff=8")
+    assert backoff.backoff == 8 and "backoff=8" in backoff.label
+    with pytest.raises(ValueError, match="give gamma"):
+        common.parse_arm("distmuon:algo=gram-ns:backoff=8")
 
 
 def test_a_misspelt_arm_fails_before_any_arm_trains(tmp_path):

@@ -50,6 +50,7 @@ MUON_KEYS = (
     "cache_gamma",
     "cache_probes",
     "cache_max_staleness",
+    "cache_check_backoff",
     "cache_dtype",
     "cache_shadow",
 )
@@ -213,6 +214,7 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     ``cache_gamma`` None keeps the cache off (the other cache keys are still checked);
     ``cache_probes`` k (default 8) estimates the residual with k Gaussian probes, None measures it
     exactly in Gram space; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
+    ``cache_check_backoff`` 0 (or None) tests every entry at every step;
     ``cache_dtype`` stores the transforms (None: in the work dtype); ``cache_shadow`` also runs
     the fresh solve for accepted matrices to measure how far their updates are (diagnostics;
     synchronises)."""
@@ -226,6 +228,10 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     staleness = 0 if staleness is None else staleness
     if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
         raise ValueError(f"{where}: cache_max_staleness must be an integer >= 0 or None (got {staleness!r})")
+    backoff = group["cache_check_backoff"]
+    backoff = 0 if backoff is None else backoff
+    if isinstance(backoff, bool) or not isinstance(backoff, int) or backoff < 0:
+        raise ValueError(f"{where}: cache_check_backoff must be an integer >= 0 or None (got {backoff!r})")
     dtype = None if group["cache_dtype"] is None else torch_dtype_name(group["cache_dtype"])
     if dtype is not None and dtype not in _CACHE_DTYPES:
         raise ValueError(f"{where}: cache_dtype must be one of {_CACHE_DTYPES} (got {dtype})")
@@ -239,6 +245,7 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     if probes is not None:
         c.probes = probes
     c.max_staleness = staleness
+    c.check_backoff = backoff
     c.dtype = None if dtype is None else _DTYPES[dtype]
     c.shadow = group["cache_shadow"]
     return c

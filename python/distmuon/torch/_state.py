@@ -46,10 +46,12 @@ class MatrixState:
 MATRIX_STATE: dict[str, MatrixState] = {
     # CacheMuon's entries (distmuon/cache.h, product layout): the m x m transform Q of the wide
     # orientation, saved in float32 whatever the cache dtype (exact for f16/bf16 entries), the
-    # reuses since its refresh, and the key of the configuration that filled it (0: empty).
+    # reuses since its refresh, the key of the configuration that filled it (0: empty), and the
+    # refreshes since its last hit (the check back-off's state).
     "cache_q": MatrixState(lambda r, c: (min(r, c), min(r, c))),
     "cache_age": MatrixState(lambda r, c: ()),
     "cache_key": MatrixState(lambda r, c: (), torch.float64),
+    "cache_misses": MatrixState(lambda r, c: ()),
 }
 
 

@@ -73,6 +73,9 @@ class Muon(torch.optim.Optimizer):
         cache_probes: k (default 8) estimates the residual with k Gaussian probes; None measures
             it exactly in Gram space (a little cheaper only on small, launch-bound shapes).
         cache_max_staleness: refresh an entry after this many reuses (0 or None: no limit).
+        cache_check_backoff: an entry that keeps failing its test is tested again after 1, 2,
+            4, ... refreshes, at most this many (0 or None, default: tested every step). Inside
+            the CUDA step graph a step none of whose matrices is due skips the test's kernels.
         cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16);
             None (default): the Gram-NS work dtype, so that no step converts them.
         cache_shadow: diagnostics: also run the fresh solve for accepted matrices and report the
@@ -145,6 +148,7 @@ class Muon(torch.optim.Optimizer):
         cache_gamma: float | None = None,
         cache_probes: int | None = 8,
         cache_max_staleness: int | None = 0,
+        cache_check_backoff: int | None = 0,
         cache_dtype: torch.dtype | str | None = None,
         cache_shadow: bool = False,
         adamw_lr: float = 1e-3,
@@ -187,6 +191,7 @@ class Muon(torch.optim.Optimizer):
             "cache_gamma": cache_gamma,
             "cache_probes": cache_probes,
             "cache_max_staleness": cache_max_staleness,
+            "cache_check_backoff": cache_check_backoff,
             "cache_dtype": None if cache_dtype is None else opt.torch_dtype_name(cache_dtype),
             "cache_shadow": cache_shadow,
         }
@@ -655,7 +660,8 @@ class Muon(torch.optim.Optimizer):
           this rank ran, CacheMuon's counted as an ideal device does them), ``owned_matrices``;
         - ``graph_captures`` and ``graph_replays``: steps captured into a CUDA graph and steps
           that replayed it (``cuda_graphs``);
-        - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative),
+        - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative; of
+          which ``cache_unchecked_refreshes`` the check back-off sent without a test),
           ``cache_hit_rate`` (cumulative), ``cache_flops_saved`` (fraction of the fresh solves'
           FLOPs saved), ``last_hit_rate`` and ``last_mean_residual`` (the latest step: the share
           of matrices that reused their transform and the mean residual of the test), and with
@@ -674,6 +680,7 @@ class Muon(torch.optim.Optimizer):
             "graph_replays": e["graph_replays"],
             "cache_hits": c["hits"],
             "cache_refreshes": c["refreshes"],
+            "cache_unchecked_refreshes": c["unchecked_refreshes"],
             "cache_hit_rate": c["hit_rate"],
             "cache_flops_saved": c["flops_saved_fraction"],
             "last_hit_rate": c["latest_hit_rate"],

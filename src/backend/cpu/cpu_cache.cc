@@ -33,7 +33,7 @@ void CpuBackend::copy_masked(const BatchMask& mask, const BatchRef& src, const B
 
 void CpuBackend::cache_gate(const CacheGateArgs& args) {
   DM_CHECK(args.count == 0 ||
-               (args.residual && args.entry_key && args.age && args.decision),
+               ((args.plan || args.residual) && args.entry_key && args.age && args.decision),
            "cache_gate: missing buffers");
   DM_CHECK(args.key != 0, "cache_gate: key 0 is reserved for empty entries");
   for (int64_t i = 0; i < args.count; ++i) cache_ref::gate_one(args, i);

@@ -342,8 +342,8 @@ uint64_t CudaBackend::capture_epoch() const { return impl_->epoch; }
 bool CudaBackend::begin_if_selected(const BatchMask& mask, int64_t count) {
   Impl& s = *impl_;
   if (!s.own_capture || count <= 0) return false;
-  // Opt-in for now (DISTMUON_GRAPH_CONDITIONALS=1; read at each capture, so that a benchmark can
-  // compare the two in one process): the failed-capture fix is not yet verified on a GPU.
+  // DISTMUON_GRAPH_CONDITIONALS=0 turns blocks off (read at each capture, so that a benchmark can
+  // compare the two in one process).
   if (!env::get_bool("DISTMUON_GRAPH_CONDITIONALS")) return false;
   DM_CHECK(mask.flags != nullptr, "begin_if_selected: no flags");
   // The node joins the graph after the stream's current dependencies; its condition is set by a

@@ -87,7 +87,7 @@ void CudaBackend::copy_masked(const BatchMask& mask, const BatchRef& src, const 
 
 void CudaBackend::cache_gate(const CacheGateArgs& args) {
   DM_CHECK(args.count == 0 ||
-               (args.residual && args.entry_key && args.age && args.decision),
+               ((args.plan || args.residual) && args.entry_key && args.age && args.decision),
            "cache_gate: missing buffers");
   DM_CHECK(args.key != 0, "cache_gate: key 0 is reserved for empty entries");
   cuda::launch_cache_gate(args, impl_->stream);
