@@ -39,11 +39,12 @@ void print_cache_table(const std::vector<RunResult>& results) {
                   c.probe_ratio_mean, c.probe_ratio_max);
     for (const CacheMatrixStats& m : c.per_matrix)
       std::printf(
-          "    %-28s hits %4lld refresh %4lld (forced %lld) age %3.0f res mean %.3f max %.3f "
+          "    %-28s hits %4lld refresh %4lld (forced %lld, untested %lld) age %3.0f res mean %.3f "
+          "max %.3f "
           "last %.3f upd err max %.2e\n",
           m.name.c_str(), static_cast<long long>(m.hits), static_cast<long long>(m.refreshes),
-          static_cast<long long>(m.forced), m.age, m.mean_residual, m.max_residual, m.last_residual,
-          m.max_update_error);
+          static_cast<long long>(m.forced), static_cast<long long>(m.unchecked), m.age,
+          m.mean_residual, m.max_residual, m.last_residual, m.max_update_error);
   }
 }
 

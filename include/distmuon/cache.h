@@ -44,8 +44,8 @@ struct CacheOptions {
   int probes = 8;         // k, for kProbe
   int max_staleness = 0;  // S: an entry serves at most S steps after its refresh (0: no limit)
   // Back-off of the residual test: an entry that keeps refreshing is tested at 0, 1, 2, 4, ...
-  // misses in a row, the interval doubling up to this many calls; in between it refreshes
-  // without a test. Inside a graph the backend captures, a call none of whose matrices is due
+  // misses in a row, the interval doubling up to the largest power of two <= this (at most
+  // 65536); in between it refreshes without a test. Inside a graph the backend captures, a call none of whose matrices is due
   // skips the test's kernels on the device. 0 or 1: every entry is tested on every call.
   int check_backoff = 0;
   // Storage precision of Q (f32, f16, bf16; f64 for references). Unset: the iteration's work

@@ -198,9 +198,10 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
   // R = X X^T starts the exact test and every refresh, so every matrix pays for it.
   if (exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   // With the check back-off, the test is a block the device skips (inside a captured graph)
-  // when no matrix is due for it; a plan pass of the gate marks the ones that are.
+  // when no matrix is due for it; a plan pass of the gate marks the ones that are. Where no
+  // block can open the plan would be a wasted launch: the gate applies the back-off either way.
   bool test_block = false;
-  if (s.opt.check_backoff > 1) {
+  if (s.opt.check_backoff > 1 && half) {
     CacheGateArgs plan = call.gate;
     plan.plan = true;
     e.gate(plan);

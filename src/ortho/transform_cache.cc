@@ -104,7 +104,8 @@ void validate(const CacheOptions& o, const std::string& what) {
   DM_CHECK(o.residual != CacheResidual::kProbe || (o.probes >= 1 && o.probes <= 4096), what,
            ": probe count must be in [1, 4096] (got ", o.probes, ")");
   DM_CHECK(o.max_staleness >= 0, what, ": max staleness must be >= 0 (got ", o.max_staleness, ")");
-  DM_CHECK(o.check_backoff >= 0, what, ": check back-off must be >= 0 (got ", o.check_backoff, ")");
+  DM_CHECK(o.check_backoff >= 0 && o.check_backoff <= 65536, what,
+           ": check back-off must be in [0, 65536] (got ", o.check_backoff, ")");
 }
 
 double CacheStats::hit_rate() const {
