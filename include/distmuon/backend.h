@@ -148,7 +148,7 @@ enum CacheStatField : int {
   kCacheStatSkips,
   kCacheStatUnchecked,  // refreshes of a usable entry whose test the back-off left out
   kCacheStatTested,     // residuals computed for a test (what the test's FLOPs are charged on)
-  kCacheStatChecks,     // finite residuals measured against an entry of the right key (stale
+  kCacheStatChecks,     // finite residuals of tested entries (the right key, due; stale
                         // ones included): the sums, extremes and histogram below
   kCacheStatResSum,
   kCacheStatResSqSum,
