@@ -253,11 +253,16 @@ TEST(CacheMuon, CheckBackoffTestsAFailingEntryLessOften) {
     std::vector<Mat> u = {random_matrix(m, n)};
     // Call k (from 1) tested or not; the first finds the entry empty (a forced refresh).
     const std::vector<bool> tested = {0, 1, 1, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1};
+    double flops_of[2] = {-1, -1};  // FLOPs of an untested and of a tested call
     for (size_t k = 0; k < tested.size(); ++k) {
       SCOPED_TRACE("call " + std::to_string(k + 1));
       const CacheStats before = rig.cache.stats();
       std::vector<Mat> got = rig.step(u);
       const CacheStats after = rig.cache.stats();
+      // The test is charged to the calls that ran it, and only to them.
+      double& f = flops_of[tested[k] ? 1 : 0];
+      if (f < 0) f = after.flops - before.flops;
+      EXPECT_DOUBLE_EQ(after.flops - before.flops, f);
       EXPECT_EQ(after.residual.count - before.residual.count, tested[k] ? 1 : 0);
       EXPECT_EQ(after.refreshes - before.refreshes, 1);
       EXPECT_EQ(after.unchecked_refreshes - before.unchecked_refreshes, k > 0 && !tested[k]);
@@ -266,6 +271,7 @@ TEST(CacheMuon, CheckBackoffTestsAFailingEntryLessOften) {
       EXPECT_EQ(std::memcmp(plain.ref.data, rig.out.ref.data, plain.ref.bytes()), 0);
       u = drifted(u, 0.01);
     }
+    EXPECT_GT(flops_of[1], flops_of[0]);
     // 13 misses in a row now: the next test is due at 16 (call 18). The transform fits again
     // (gamma large): calls 15 to 17 refresh untested, 18 hits, and so does every call after it.
     opt.gamma = 1e9;
