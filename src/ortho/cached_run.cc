@@ -205,7 +205,7 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
     CacheGateArgs plan = call.gate;
     plan.plan = true;
     e.gate(plan);
-    test_block = half && e.begin_if_selected(BatchMask{b.decision, kCacheCheck}, x.count);
+    test_block = e.begin_if_selected(BatchMask{b.decision, kCacheCheck}, x.count);
   }
   e.charge_to(kCacheCheck);
   if (exact)

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <array>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -91,7 +92,7 @@ struct FlopCounter {
   void set_mask(const int32_t*, int32_t value) { current = 1 + value; }
   void charge_to(int32_t value) { current = 1 + value; }
   void clear_mask() { current = 0; }
-  double total() const { return bucket[0] + bucket[1] + bucket[2] + bucket[3] + bucket[4]; }
+  double total() const { return std::accumulate(bucket.begin(), bucket.end(), 0.0); }
   void sym(Op oa, const BatchRef& a, Op, const BatchRef&, double, double, const BatchRef*,
            const BatchRef& c) {
     bucket[current] += sym_flops(c.rows, inner(oa, a)) * c.count;
