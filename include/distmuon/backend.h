@@ -238,6 +238,14 @@ class Backend {
   // find no work. Returns whether a block was opened; only then must end_if_selected follow.
   // Blocks nest. A block may hold only device work: no host read, no synchronisation.
   virtual bool begin_if_selected(const BatchMask& mask, int64_t count);
+  // A block with two bodies: what is issued after begin_if_some_selected runs when some but not
+  // all of the flags select, what is issued after else_if_all_selected when all do, and nothing
+  // when none does. It opens where begin_if_selected would; where it does not (returns false),
+  // the caller issues the first body alone, which therefore must be right for any selection.
+  // The second body may drop the mask (CacheMuon: a batch that refreshes whole runs the tuned
+  // kernels of a plain solve). end_if_selected closes it.
+  virtual bool begin_if_some_selected(const BatchMask& mask, int64_t count);
+  virtual void else_if_all_selected() {}
   virtual void end_if_selected() {}
 
   // ---- matrix products ----------------------------------------------------------------------

@@ -116,9 +116,12 @@ class CudaBackend final : public Backend {
   std::unique_ptr<BackendGraph> capture(const std::function<void()>& issue) override;
   bool capturing() const override;
   uint64_t capture_epoch() const override;
-  // Inside capture(): a conditional graph node (IF) whose body is captured on a stream of its
-  // own; a one-block kernel sets its condition from the flags when the graph runs.
+  // Inside capture(): a conditional graph node (IF; SWITCH with two bodies for
+  // begin_if_some_selected) whose bodies are captured on a stream of its own; a one-block kernel
+  // sets its condition from the flags when the graph runs.
   bool begin_if_selected(const BatchMask& mask, int64_t count) override;
+  bool begin_if_some_selected(const BatchMask& mask, int64_t count) override;
+  void else_if_all_selected() override;
   void end_if_selected() override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
   // Masked and CacheMuon operations without host synchronisation (launch/cuda_masked.cc says how

@@ -12,7 +12,8 @@
 //      single step, or in shadow mode);
 //   5. hit (masked): D = Q X.
 // Pass 4 is a block the device skips inside a captured graph when the gate refreshes no matrix
-// of the batch, and pass 2 one it skips when the back-off tests none (Backend::begin_if_selected).
+// of the batch and runs unmasked when it refreshes all (Backend::begin_if_some_selected); pass 2
+// is one it skips when the back-off tests none (Backend::begin_if_selected).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -219,14 +220,25 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
   // no matrix down it: a call of hits then costs its test and one product, without the
   // solve's ~20 launches. The hit path (one masked product) is not: a conditional node costs
   // about 10 us on the H200, more than one launch that finds no work (bench/NOTES.md run 16).
+  // When the gate sends every matrix down it, the block's second body runs the solve unmasked:
+  // the tuned kernels of a plain solve (cuBLASLt for Q X) instead of the masked ones, so that
+  // a batch that refreshes whole costs a fresh solve plus its test (run 18).
+  auto refresh = [&] {
+    // Probe mode never formed R: only the refreshed matrices pay for it.
+    if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
+    fresh_solve(e, s, b, x, out, call.q_seg, !s.convert,
+                [&](const BatchRef& src, const BatchRef& dst) { e.copy(src, dst); });
+  };
   e.set_mask(b.decision, kCacheRefresh);
   const bool refresh_block =
-      half && e.begin_if_selected(BatchMask{b.decision, kCacheRefresh}, x.count);
-  // Probe mode never formed R: only the refreshed matrices pay for it.
-  if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
-  fresh_solve(e, s, b, x, out, call.q_seg, !s.convert,
-              [&](const BatchRef& src, const BatchRef& dst) { e.copy(src, dst); });
-  if (refresh_block) e.end_if_selected();
+      half && e.begin_if_some_selected(BatchMask{b.decision, kCacheRefresh}, x.count);
+  refresh();
+  if (refresh_block) {
+    e.else_if_all_selected();
+    e.clear_mask();
+    refresh();
+    e.end_if_selected();
+  }
   e.set_mask(b.decision, kCacheHit);
   apply_chain(e, b.qw, x, out, b.g.other, x);
   e.clear_mask();

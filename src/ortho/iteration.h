@@ -77,6 +77,11 @@ struct BackendExec {
   bool begin_if_selected(const BatchMask& m, int64_t count) {
     return be.begin_if_selected(m, count);
   }
+  // The same with a second body, after else_if_all_selected, for when all of them are selected.
+  bool begin_if_some_selected(const BatchMask& m, int64_t count) {
+    return be.begin_if_some_selected(m, count);
+  }
+  void else_if_all_selected() { be.else_if_all_selected(); }
   void end_if_selected() { be.end_if_selected(); }
   // The operations that follow run unmasked but cost only matrices of decision `value` on an
   // ideal device (FlopCounter charges them so; clear_mask ends it).
@@ -109,6 +114,8 @@ struct FlopCounter {
   void normal(const BatchRef&, uint64_t, const uint64_t*) {}
   void gate(const CacheGateArgs&) {}
   bool begin_if_selected(const BatchMask&, int64_t) { return false; }
+  bool begin_if_some_selected(const BatchMask&, int64_t) { return false; }
+  void else_if_all_selected() {}
   void end_if_selected() {}
 };
 

@@ -358,5 +358,66 @@ TEST(CudaGraphs, ConditionalBlockRunsOnlyWhenAFlagSelectsIt) {
   EXPECT_EQ(inner.get(2), src.get(2));
 }
 
+// Backend::begin_if_some_selected: of its two bodies, the first runs on replay when some but not
+// all flags select, the second when all do, neither when none does; decided at each replay, with
+// more matrices than the condition kernel's threads. Outside the backend's capture it does not
+// open. An error in the second body fails the capture cleanly.
+TEST(CudaGraphs, TwoBodiesRunForSomeOrAllSelected) {
+  DM_SKIP_WITHOUT_CUDA();
+  setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // the default, unless the environment says 0
+  CudaBackend& be = test::cuda_backend();
+  const int64_t c = 300, m = 2, n = 4;  // 300 flags: two rounds of the 256-thread kernel
+  HostBatch src(DType::kF32, 1, m, n), some(DType::kF32, 1, m, n), all(DType::kF32, 1, m, n);
+  src.set(0, random_matrix(m, n));
+  DeviceBatch dsrc(be, src), dsome(be, some), dall(be, all);
+  Buffer flags = be.alloc(c * sizeof(int32_t));
+  const BatchMask ones{flags.as<int32_t>(), 1};
+  EXPECT_FALSE(be.begin_if_some_selected(ones, c));  // eager: nothing to open
+  int opened = 0;
+  auto graph = be.capture([&] {
+    if (!be.begin_if_some_selected(ones, c)) return;
+    ++opened;
+    be.scale_copy(dsrc.ref, false, {}, dsome.ref);
+    be.else_if_all_selected();
+    be.scale_copy(dsrc.ref, false, {}, dall.ref);
+    be.end_if_selected();
+  });
+  ASSERT_TRUE(graph);
+  EXPECT_EQ(opened, 1);
+  struct Case {
+    std::vector<int> selected;  // indices whose flag is 1 (-1: every one)
+    bool some, all;
+  };
+  for (const Case& k : {Case{{}, false, false}, Case{{299}, true, false}, Case{{-1}, false, true},
+                        Case{{0, 255, 256}, true, false}, Case{{}, false, false}}) {
+    SCOPED_TRACE(::testing::PrintToString(k.selected));
+    std::vector<int32_t> f(c, 0);
+    for (int i : k.selected) {
+      if (i < 0) std::fill(f.begin(), f.end(), 1);
+      else f[i] = 1;
+    }
+    be.copy_from_host(flags.data(), f.data(), f.size() * sizeof(int32_t));
+    DM_CHECK_CUDA(cudaMemsetAsync(dsome.ref.data, 0xff, dsome.ref.bytes(), be.stream()));
+    DM_CHECK_CUDA(cudaMemsetAsync(dall.ref.data, 0xff, dall.ref.bytes(), be.stream()));
+    graph->replay();
+    be.synchronize();
+    dsome.download(be, some);
+    dall.download(be, all);
+    EXPECT_EQ(some.get(0).array().isNaN().all(), !k.some);
+    EXPECT_EQ(all.get(0).array().isNaN().all(), !k.all);
+    if (k.some) EXPECT_EQ(some.get(0), src.get(0));
+    if (k.all) EXPECT_EQ(all.get(0), src.get(0));
+  }
+
+  auto failed = be.capture([&] {
+    EXPECT_TRUE(be.begin_if_some_selected(ones, c));
+    be.else_if_all_selected();
+    DM_FAIL("test: an error inside the second body");
+  });
+  EXPECT_FALSE(failed);
+  auto again = be.capture([&] { be.scale_copy(dsrc.ref, false, {}, dall.ref); });
+  EXPECT_TRUE(again);
+}
+
 }  // namespace
 }  // namespace distmuon

@@ -303,12 +303,12 @@ std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& 
     try {
       issue();
     } catch (...) {
-      if (!s.if_parents.empty()) {
-        while (!s.if_parents.empty()) {
+      if (!s.open_blocks.empty()) {
+        while (!s.open_blocks.empty()) {
           cudaGraph_t body = nullptr;
           cudaStreamEndCapture(s.stream, &body);  // the body belongs to the node: not destroyed
-          s.stream = s.if_parents.back();
-          s.if_parents.pop_back();
+          s.stream = s.open_blocks.back().parent;
+          s.open_blocks.pop_back();
         }
         // The outer graph is ended here and deliberately not destroyed: destroying one whose
         // conditional body's capture was invalidated (a host read inside the block) crashed the
@@ -320,7 +320,7 @@ std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& 
       }
       throw;
     }
-    DM_CHECK(s.if_parents.empty(), "CudaBackend::capture: ", s.if_parents.size(),
+    DM_CHECK(s.open_blocks.empty(), "CudaBackend::capture: ", s.open_blocks.size(),
              " conditional block(s) left open");
   };
   try {
@@ -339,52 +339,93 @@ std::unique_ptr<BackendGraph> CudaBackend::capture(const std::function<void()>& 
 
 uint64_t CudaBackend::capture_epoch() const { return impl_->epoch; }
 
-bool CudaBackend::begin_if_selected(const BatchMask& mask, int64_t count) {
-  Impl& s = *impl_;
-  if (!s.own_capture || count <= 0) return false;
-  // DISTMUON_GRAPH_CONDITIONALS=0 turns blocks off (read at each capture, so that a benchmark can
-  // compare the two in one process).
-  if (!env::get_bool("DISTMUON_GRAPH_CONDITIONALS")) return false;
+namespace {
+
+// Adds a conditional node of `type` with `bodies` bodies after the stream's current
+// dependencies, its condition set by a kernel issued just before it from the flags; the stream
+// then continues after the node. Returns the node's body graphs (owned by the node).
+const cudaGraph_t* add_selected_node(cudaStream_t stream, const BatchMask& mask, int64_t count,
+                                     cudaGraphConditionalNodeType type, unsigned bodies) {
   DM_CHECK(mask.flags != nullptr, "begin_if_selected: no flags");
-  // The node joins the graph after the stream's current dependencies; its condition is set by a
-  // kernel issued just before it, and the stream then continues after the node.
   cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
   cudaGraph_t graph = nullptr;
-  DM_CHECK_CUDA(cudaStreamGetCaptureInfo(s.stream, &st, nullptr, &graph));
+  DM_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &st, nullptr, &graph));
   DM_CHECK(st == cudaStreamCaptureStatusActive, "begin_if_selected: the stream is not capturing");
   cudaGraphConditionalHandle handle{};
   DM_CHECK_CUDA(cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault));
-  cuda::launch_set_if_selected(handle, mask.flags, mask.value, count, s.stream);
+  cuda::launch_set_if_selected(handle, mask.flags, mask.value, count, bodies == 2, stream);
   const cudaGraphNode_t* deps = nullptr;
   const cudaGraphEdgeData* edges = nullptr;
   size_t n = 0;
-  DM_CHECK_CUDA(cudaStreamGetCaptureInfo(s.stream, &st, nullptr, &graph, &deps, &edges, &n));
+  DM_CHECK_CUDA(cudaStreamGetCaptureInfo(stream, &st, nullptr, &graph, &deps, &edges, &n));
   cudaGraphNodeParams p{};
   p.type = cudaGraphNodeTypeConditional;
   p.conditional.handle = handle;
-  p.conditional.type = cudaGraphCondTypeIf;
-  p.conditional.size = 1;
+  p.conditional.type = type;
+  p.conditional.size = bodies;
   cudaGraphNode_t node = nullptr;
   DM_CHECK_CUDA(cudaGraphAddNode(&node, graph, deps, edges, n, &p));
   DM_CHECK_CUDA(
-      cudaStreamUpdateCaptureDependencies(s.stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
-  const size_t depth = s.if_parents.size();
-  if (s.body_streams.size() <= depth) s.body_streams.push_back(cuda::make_stream());
-  const cudaStream_t body = s.body_streams[depth].get();
-  DM_CHECK_CUDA(cudaStreamBeginCaptureToGraph(body, p.conditional.phGraph_out[0], nullptr, nullptr,
-                                              0, cudaStreamCaptureModeThreadLocal));
-  s.if_parents.push_back(s.stream);
-  s.stream = body;
+      cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
+  return p.conditional.phGraph_out;
+}
+
+}  // namespace
+
+// Whether a block may open: inside capture(), with DISTMUON_GRAPH_CONDITIONALS on (read at each
+// capture, so that a benchmark can compare the two in one process).
+bool CudaBackend::Impl::blocks_open(int64_t count) const {
+  return own_capture && count > 0 && env::get_bool("DISTMUON_GRAPH_CONDITIONALS");
+}
+
+void CudaBackend::Impl::capture_body(cudaGraph_t body, cudaGraph_t all_body) {
+  const size_t depth = open_blocks.size();
+  if (body_streams.size() <= depth) body_streams.push_back(cuda::make_stream());
+  const cudaStream_t on = body_streams[depth].get();
+  DM_CHECK_CUDA(cudaStreamBeginCaptureToGraph(on, body, nullptr, nullptr, 0,
+                                              cudaStreamCaptureModeThreadLocal));
+  open_blocks.push_back({stream, all_body});
+  stream = on;
+}
+
+bool CudaBackend::begin_if_selected(const BatchMask& mask, int64_t count) {
+  Impl& s = *impl_;
+  if (!s.blocks_open(count)) return false;
+  const cudaGraph_t* bodies = add_selected_node(s.stream, mask, count, cudaGraphCondTypeIf, 1);
+  s.capture_body(bodies[0], nullptr);
   return true;
+}
+
+bool CudaBackend::begin_if_some_selected(const BatchMask& mask, int64_t count) {
+  Impl& s = *impl_;
+  if (!s.blocks_open(count)) return false;
+  // SWITCH: body 0 for some, body 1 for all; the condition 2 (none) runs neither.
+  const cudaGraph_t* bodies = add_selected_node(s.stream, mask, count, cudaGraphCondTypeSwitch, 2);
+  s.capture_body(bodies[0], bodies[1]);
+  return true;
+}
+
+void CudaBackend::else_if_all_selected() {
+  Impl& s = *impl_;
+  DM_CHECK(!s.open_blocks.empty() && s.open_blocks.back().all_body,
+           "else_if_all_selected: no block of begin_if_some_selected is open");
+  Impl::OpenBlock& b = s.open_blocks.back();
+  cudaGraph_t done = nullptr;
+  DM_CHECK_CUDA(cudaStreamEndCapture(s.stream, &done));
+  DM_CHECK_CUDA(cudaStreamBeginCaptureToGraph(s.stream, b.all_body, nullptr, nullptr, 0,
+                                              cudaStreamCaptureModeThreadLocal));
+  b.all_body = nullptr;
 }
 
 void CudaBackend::end_if_selected() {
   Impl& s = *impl_;
-  DM_CHECK(!s.if_parents.empty(), "end_if_selected: no conditional block is open");
+  DM_CHECK(!s.open_blocks.empty(), "end_if_selected: no conditional block is open");
+  DM_CHECK(!s.open_blocks.back().all_body,
+           "end_if_selected: the block's second body (else_if_all_selected) was not issued");
   cudaGraph_t body = nullptr;
   const cudaError_t err = cudaStreamEndCapture(s.stream, &body);
-  s.stream = s.if_parents.back();
-  s.if_parents.pop_back();
+  s.stream = s.open_blocks.back().parent;
+  s.open_blocks.pop_back();
   DM_CHECK_CUDA(err);
 }
 

@@ -40,9 +40,18 @@ struct CudaBackend::Impl {
   cudaStream_t stream = nullptr;
   cuda::Stream capture_stream;  // Backend::capture records here (created on first use)
   bool own_capture = false;     // inside capture(): conditional blocks may open
-  // Open conditional blocks (begin_if_selected), innermost last: the stream each body is
-  // captured on, and the stream to return to when it ends. Body streams are kept for reuse.
-  std::vector<cudaStream_t> if_parents;
+  // Open conditional blocks (begin_if_selected), innermost last: the stream to return to when
+  // each ends, and the body still to capture (else_if_all_selected; null for one body). The
+  // bodies are captured on streams of their own, one per depth, kept for reuse.
+  struct OpenBlock {
+    cudaStream_t parent;
+    cudaGraph_t all_body;
+  };
+  std::vector<OpenBlock> open_blocks;
+  bool blocks_open(int64_t count) const;
+  // Captures what follows into `body` (on this depth's body stream) until the block ends;
+  // all_body: the second body, still to capture.
+  void capture_body(cudaGraph_t body, cudaGraph_t all_body);
   std::vector<cuda::Stream> body_streams;
   cuda::LtHandle lt;
   cuda::DevicePtr own_workspace;

@@ -74,12 +74,9 @@ void launch_frob_norm(const BatchRef& a, double* norms, const Scratch& scratch, 
     bpm = std::min<int>(bpm, static_cast<int>(scratch.partial_count / n));
     DM_CHECK(bpm >= 1, "cuda frob_norm: workspace too small");
     const dim3 grid(bpm, static_cast<unsigned>(n));
-    if (vec_ok(a))
-      dev::frob_norm_kernel<true><<<grid, 256, 0, stream>>>(
-          a.rows, a.cols, arg(a), norms, scratch.partials, scratch.counters, static_cast<int>(first));
-    else
-      dev::frob_norm_kernel<false><<<grid, 256, 0, stream>>>(
-          a.rows, a.cols, arg(a), norms, scratch.partials, scratch.counters, static_cast<int>(first));
+    const auto kernel = vec_ok(a) ? dev::frob_norm_kernel<true> : dev::frob_norm_kernel<false>;
+    kernel<<<grid, 256, 0, stream>>>(a.rows, a.cols, arg(a), norms, scratch.partials,
+                                     scratch.counters, static_cast<int>(first));
     DM_CHECK_LAUNCH();
   }
 }

@@ -69,10 +69,12 @@ void launch_fingerprint(const BatchRef& x, uint64_t* keys, cudaStream_t stream);
 void launch_fill_normal_keyed(const BatchRef& dst, uint64_t seed, const uint64_t* keys,
                               int sm_count, cudaStream_t stream);
 
-// Sets a conditional graph node's condition to whether any flags[i] == value, i < count (one
-// block; the node's graph must be the one running).
+// Sets a conditional graph node's condition from how many flags[i] == value, i < count (one
+// block; the node's graph must be the one running). An IF node's (two_bodies false): 1 where
+// any does, else 0. A SWITCH node's of two bodies: 0 where some but not all do, 1 where all
+// do, 2 (no body) where none does.
 void launch_set_if_selected(cudaGraphConditionalHandle handle, const int32_t* flags, int32_t value,
-                            int64_t count, cudaStream_t stream);
+                            int64_t count, bool two_bodies, cudaStream_t stream);
 
 }  // namespace distmuon::cuda
 
