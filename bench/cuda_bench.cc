@@ -321,6 +321,7 @@ int run(int argc, char** argv) {
       out["cache"]["masked_dense_order"] = masked_dense_order(be);
       out["cache"]["hit_qwen_mlp"] = cache_hit_cost(be);
       out["cache"]["hit_small_mlp"] = cache_hit_cost_small(be);
+      out["cache"]["hit_medium_mlp"] = cache_hit_cost_medium(be);
       out["cache"]["conditional_node"] = conditional_overhead(be);
     }
     std::ofstream(o.json_path) << out.dump(2) << "\n";

@@ -112,7 +112,10 @@ nlohmann::json host_issue(CudaBackend& be, const std::vector<std::string>& workl
 // CacheMuon hit against a fresh solve on qwen2.5-7b's MLP shapes (24 x 3584 x 18944: 8 layers
 // of gate, up and down in one batch), exact and probe residuals.
 nlohmann::json cache_hit_cost(CudaBackend& be);
+// The same on the quality study's launch-bound MLP shapes: the 6 x 384 model's 12 x 384 x 1536
+// and the 12 x 768 model's 24 x 768 x 3072.
 nlohmann::json cache_hit_cost_small(CudaBackend& be);
+nlohmann::json cache_hit_cost_medium(CudaBackend& be);
 nlohmann::json conditional_overhead(CudaBackend& be);
 // The masked dense product Q X on the same shapes, tiles row by row and column by column, against
 // cuBLASLt's unmasked product (what the kernel's tile order costs).

@@ -5,8 +5,10 @@
 //    entries all pass the gate (candidate Q X + residual + gate; the fresh-solve products are
 //    issued masked and skip every matrix on the device), exact and probe residuals, and a call
 //    whose entries all refresh (gamma 0: what the gate adds to a fresh solve); each issued
-//    eagerly and replayed from a capture, where the solve is skipped whole when no matrix refreshes.
-//    cache_hit_cost_small: the same on the launch-bound MLP shapes of the 6 x 384 study model.
+//    eagerly and replayed from a capture, where the solve is skipped whole when no matrix
+//    refreshes and runs unmasked when all do; and, replayed, a call of half hits, half refreshes.
+//    cache_hit_cost_small / _medium: the same on the MLP shapes of the 6 x 384 and 12 x 768
+//    study models (launch-bound).
 //  - masked_dense_order: the masked dense product Q X of hits and refreshes (our CUTLASS kernel,
 //    every matrix selected) with its tiles row by row and column by column, and with 128 x 256
 //    tiles in 2 x 1 clusters, beside cuBLASLt.
@@ -139,6 +141,13 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
     const auto [hit_ms, hit_replay_ms] = eager_and_replay_ms(be, copy_ms, call);
     const double hit_plain_ms = replay_ms(be, copy_ms, false, call);
     const CacheStats st = cache.stats();
+    // Half the entries hit and half refresh (the call empties the second half first): both
+    // paths run, the solve masked to the refreshed half.
+    const double mixed_replay_ms = replay_ms(be, copy_ms, true, [&] {
+      be.copy(x.data, x0.data, x.bytes());
+      cache.invalidate(c / 2);
+      ortho.run_cached(r, cache, 0, x, out, nullptr, ws.data(), wb);
+    });
     json e = {{"hit_ms", hit_ms},
               {"refresh_ms", refresh_ms},
               {"hit_over_fresh", hit_ms / fresh_ms},
@@ -151,6 +160,8 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
               {"refresh_replay_unconditional_ms", refresh_plain_ms},
               {"refresh_untested_replay_ms", refresh_untested_ms},
               {"refresh_untested_over_fresh_replayed", refresh_untested_ms / fresh_replay_ms},
+              {"mixed_replay_ms", mixed_replay_ms},
+              {"mixed_over_fresh_replayed", mixed_replay_ms / fresh_replay_ms},
               {"hits", st.hits},
               {"refreshes", st.refreshes},
               {"mean_residual", st.residual.mean},
@@ -160,13 +171,14 @@ json cache_call_cost(CudaBackend& be, int64_t c, int64_t m, int64_t n, const cha
     std::fprintf(stderr,
                  "[cache] %s %lldx%lldx%lld %s: fresh %.3f ms (replayed %.3f); hit %.3f ms "
                  "(%.3f of fresh; replayed %.3f, %.3f without conditional nodes); all-refresh "
-                 "%.3f ms (%.3f; replayed %.3f, %.3f without, %.3f untested by the back-off)\n",
+                 "%.3f ms (%.3f; replayed %.3f, %.3f without, %.3f untested by the back-off); "
+                 "half hit, half refresh replayed %.3f\n",
                  label, static_cast<long long>(c), static_cast<long long>(m),
                  static_cast<long long>(n), cache_residual_name(res), fresh_ms, fresh_replay_ms,
                  hit_ms, hit_ms / fresh_ms, hit_replay_ms / fresh_replay_ms,
                  hit_plain_ms / fresh_replay_ms, refresh_ms, refresh_ms / fresh_ms,
                  refresh_replay_ms / fresh_replay_ms, refresh_plain_ms / fresh_replay_ms,
-                 refresh_untested_ms / fresh_replay_ms);
+                 refresh_untested_ms / fresh_replay_ms, mixed_replay_ms / fresh_replay_ms);
     j[cache_residual_name(res)] = e;
   }
   j["cache_hit_over_fresh"] = j["exact"]["hit_over_fresh"];
@@ -212,6 +224,10 @@ json cache_hit_cost(CudaBackend& be) { return cache_call_cost(be, 24, 3584, 1894
 
 json cache_hit_cost_small(CudaBackend& be) {
   return cache_call_cost(be, 12, 384, 1536, "6 x 384 GPT MLP");
+}
+
+json cache_hit_cost_medium(CudaBackend& be) {
+  return cache_call_cost(be, 24, 768, 3072, "12 x 768 GPT MLP");
 }
 
 json masked_dense_order(CudaBackend& be) {
