@@ -12,15 +12,11 @@
 # Output under $OUT: auto_check.log, auto_check.json, steps.tgz (one distmuon-bench JSON each).
 set -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out}
 WL=${WL-gpt2-small,gpt2-large,pi0,qwen2.5-7b:8,deepseek-v2-lite:2,resnet18,bench/workloads/llama3.2-1b.json}
 ROUNDS=${ROUNDS:-3}
-mkdir -p "$OUT"
-LOG="$OUT/auto_check.log"
 cd "$ROOT"
-say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 source bench/h200_bundle.sh
-use_bundle || exit 1
+bundle_preamble auto_check || exit 1
 rc=0
 say "auto against each algorithm per shape class ($WL)"
 $BIN/distmuon-cuda-bench --auto-check --rounds "$ROUNDS" --workloads "$WL" \

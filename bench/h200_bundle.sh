@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Sourced by the bench scripts that run the staged binaries on the device (h200_profile.sh,
-# h200_mirror_ab.sh). Expects ROOT (the working directory), OUT, LOG and a `say` function.
+# Sourced by the bench scripts that run the staged binaries on the device (h200_*.sh), from the
+# repository root (ROOT).
+#   bundle_preamble NAME   what each of them starts with: OUT (default $ROOT/out) created, the log
+#                          $OUT/NAME.log and a `say` that writes to it, then use_bundle
 #   use_bundle             unpacks .gpubin/bundle.tar.xz (tests/gpu/stage.sh) into /tmp/dm unless
 #                          a warm machine already holds this very bundle; sets BIN and the paths
 #   profile_steps "SPECS"  Nsight Compute's per-kernel time of gram-ns steps (1 warm-up + 2) of
 #                          each workload spec (name or name:layers), grouped by kernel_profile.py;
 #                          $OUT/profile.tgz holds one .md and one .csv.xz each. Non-zero if one failed.
+
+bundle_preamble() {
+  OUT=${OUT:-$ROOT/out}
+  mkdir -p "$OUT"
+  LOG="$OUT/$1.log"
+  say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+  use_bundle
+}
 
 use_bundle() {
   local sum

@@ -8,13 +8,9 @@
 # Output under $OUT: cache_graphs.log, cache.json.
 set -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
-LOG="$OUT/cache_graphs.log"
 cd "$ROOT"
-say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 source bench/h200_bundle.sh
-use_bundle || exit 1
+bundle_preamble cache_graphs || exit 1
 export DISTMUON_AUTOTUNE=off
 rc=0
 say "test_cuda_backend (conditional blocks) and test_cuda_cache"

@@ -10,14 +10,10 @@
 # residual, xz'd; bench/kernel_profile.py groups them).
 set -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out}
-mkdir -p "$OUT"
 cd "$ROOT"
 bash bench/h200_cache_graphs.sh; rc=$?
-LOG="$OUT/cache_graphs.log"
-say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 source bench/h200_bundle.sh
-use_bundle || exit 1
+bundle_preamble cache_graphs || exit 1  # the same log, continued
 export DISTMUON_AUTOTUNE=off
 rm -rf /tmp/cprof && mkdir -p /tmp/cprof
 for res in exact probe; do

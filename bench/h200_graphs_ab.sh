@@ -6,15 +6,11 @@
 # Output under $OUT: graphs_ab.log, ab-<setting>-<round>.json.
 set -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out}
 WL=${WL-gpt2-small,gpt2-large,qwen2.5-7b:2}
 ROUNDS=${ROUNDS:-2}
-mkdir -p "$OUT"
-LOG="$OUT/graphs_ab.log"
 cd "$ROOT"
-say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 source bench/h200_bundle.sh
-use_bundle || exit 1
+bundle_preamble graphs_ab || exit 1
 export DISTMUON_AUTOTUNE=off
 rc=0
 for r in $(seq 1 "$ROUNDS"); do

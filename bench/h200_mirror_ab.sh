@@ -8,16 +8,12 @@
 # Output under $OUT: mirror_ab.log, ab-<setting>-<round>.json, profile.tgz.
 set -o pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out}
 WL=${WL-gpt2-small,gpt2-large,qwen2.5-7b:8}
 PROFILE_WL=${PROFILE_WL-gpt2-large qwen2.5-7b:8}
 ROUNDS=${ROUNDS:-2}
-mkdir -p "$OUT"
-LOG="$OUT/mirror_ab.log"
 cd "$ROOT"
-say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 source bench/h200_bundle.sh
-use_bundle || exit 1
+bundle_preamble mirror_ab || exit 1
 export DISTMUON_AUTOTUNE=off
 rc=0
 for t in test_cuda_backend test_cuda_cache test_cuda_muon; do

@@ -11,16 +11,11 @@
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out}
 WL=${WL-gpt2-small,gpt2-large,qwen2.5-7b:8}
 PROFILE_WL=${PROFILE_WL-gpt2-small gpt2-large qwen2.5-7b:8}
-mkdir -p "$OUT"
-LOG="$OUT/profile.log"
 cd "$ROOT"
-say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
-
 source bench/h200_bundle.sh
-use_bundle || exit 1
+bundle_preamble profile || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv 2>&1 | tee -a "$LOG"
 
 rc=0
