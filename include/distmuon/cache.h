@@ -162,6 +162,8 @@ class TransformCache {
   TensorView state(const std::string& name, int64_t first, int64_t n,
                    const std::vector<int64_t>& lead);
   static std::vector<std::string> state_names();
+  // Throws, listing state_names(), unless `name` is one of them.
+  static void check_state_name(const std::string& name);
 
   CacheStats stats(const std::vector<std::string>& names = {});  // synchronises
   void reset_stats();

@@ -309,8 +309,17 @@ std::vector<std::string> TransformCache::state_names() {
   return {"cache_q", "cache_age", "cache_key", "cache_misses"};
 }
 
+void TransformCache::check_state_name(const std::string& name) {
+  const std::vector<std::string> names = state_names();
+  if (std::find(names.begin(), names.end(), name) != names.end()) return;
+  std::string expected;
+  for (const std::string& n : names) expected += (expected.empty() ? "" : ", ") + n;
+  DM_FAIL("no cache state '", name, "' (expected one of ", expected, ")");
+}
+
 TensorView TransformCache::state(const std::string& name, int64_t first, int64_t n,
                                  const std::vector<int64_t>& lead) {
+  check_state_name(name);
   Impl& s = *impl_;
   DM_CHECK(s.prepared, "cache state '", name, "' read before the cache was prepared");
   DM_CHECK(first >= 0 && n >= 0 && first + n <= s.count, "cache state: entries [", first, ", ",
@@ -329,9 +338,7 @@ TensorView TransformCache::state(const std::string& name, int64_t first, int64_t
   }
   if (name == "cache_age") return TensorView::contiguous(s.age_at(first), shape, DType::kF32, dev);
   if (name == "cache_key") return TensorView::contiguous(s.key_at(first), shape, DType::kF64, dev);
-  if (name == "cache_misses")
-    return TensorView::contiguous(s.misses_at(first), shape, DType::kF32, dev);
-  DM_FAIL("no cache state '", name, "' (expected cache_q, cache_age, cache_key or cache_misses)");
+  return TensorView::contiguous(s.misses_at(first), shape, DType::kF32, dev);  // cache_misses
 }
 
 size_t TransformCache::memory_bytes() const {

@@ -158,11 +158,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
     shape.push_back(m);
     t = cache_storage_dtype(g.muon.cache, r);
   } else {
-    const std::vector<std::string> names = TransformCache::state_names();
-    std::string expected;
-    for (const std::string& n : names) expected += (expected.empty() ? "" : ", ") + n;
-    DM_CHECK(std::find(names.begin(), names.end(), name) != names.end(), "no cache state '", name,
-             "' (expected one of ", expected, ")");
+    TransformCache::check_state_name(name);
   }
   return TensorView{nullptr, shape, {}, t, backend.device()};
 }

@@ -261,6 +261,15 @@ TEST(CacheEngine, CacheStateRoundTripsThroughCheckpoints) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("'plain'"), std::string::npos) << e.what();
   }
+  // With the cache, a name it does not have is refused with the ones it has.
+  try {
+    b.state(0, "cache_bogus");
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cache_q, cache_age, cache_key, cache_misses"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
