@@ -438,10 +438,9 @@ struct DecisionCall {
 // refresh's second body, the plain solve's kernels: its output equals a plain solve of the same
 // input bit for bit and the eager (masked) call's to rounding; the eager cache then takes the
 // replayed one's transforms, so that later calls compare bit for bit again. Isotropic inputs
-// (A) and ones with 16 strong
-// directions (B) switch the decisions at gamma 1: a transform fitted to one leaves a residual of
-// 3 (A's on B) to 18 (B's on A) on the other, and the same input again 0.3-0.4 (float64 model
-// of the iteration).
+// (A) and ones with 16 strong directions (B) switch the decisions at gamma 1: a transform
+// fitted to one leaves a residual of 3 (A's on B) to 18 (B's on A) on the other, and the same
+// input again 0.3-0.4 (float64 model of the iteration).
 void expect_replays_decide_as_eager_calls(int check_backoff,
                                           const std::vector<DecisionCall>& calls) {
   setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // the default, unless the environment says 0
