@@ -108,7 +108,8 @@ struct CacheStats {
   // Shadow mode: cosine between each accepted update and the fresh one (1: same direction).
   double alignment_mean = 0, alignment_min = 0;
   // The latest call of every entry in use (filled under the current configuration): the share
-  // that reused its transform, the mean of their latest residuals (entries with one) and, in
+  // that reused its transform, the mean of their latest measured residuals (entries with one;
+  // an entry the check back-off left untested keeps the residual of its last test) and, in
   // shadow mode, the mean relative error and alignment of the accepted updates among them (0 and
   // 1 when none was accepted). When every matrix steps every step these are the last step's
   // values, read without any per-step synchronisation.
