@@ -322,6 +322,11 @@ class Backend {
   // dst_i = src_i rounded to dst's dtype for the matrices `mask` selects; others untouched.
   // This is the device-side select: e.g. "out_i = candidate_i where decision_i == hit".
   virtual void copy_masked(const BatchMask& mask, const BatchRef& src, const BatchRef& dst);
+  // Whether gemm_masked and copy_masked on batches of dtype t (every operand in t, A not
+  // transposed) can be captured in a graph: they decide on the device, without a host read.
+  // Only such operations may be issued inside a conditional block (begin_if_selected).
+  // Default: false (the defaults above synchronise).
+  virtual bool masked_capturable(DType t) const;
   // The CacheMuon accept/refresh decision, one thread per matrix (see CacheGateArgs).
   virtual void cache_gate(const CacheGateArgs& args);
   // Fills dst with standard normal values: element (b, r, c) gets normal_sample(seed,

@@ -124,6 +124,8 @@ class CudaBackend final : public Backend {
   void else_if_all_selected() override;
   void end_if_selected() override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
+  // Half precision on sm_90: the masked products' CUTLASS kernels (launch/cuda_masked.cc).
+  bool masked_capturable(DType t) const override;
   // Masked and CacheMuon operations without host synchronisation (launch/cuda_masked.cc says how
   // a masked product skips the work of unselected matrices).
   void gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a, Op op_b,

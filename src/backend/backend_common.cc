@@ -76,6 +76,7 @@ void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {
 std::unique_ptr<BackendGraph> Backend::capture(const std::function<void()>&) { return nullptr; }
 bool Backend::begin_if_selected(const BatchMask&, int64_t) { return false; }
 bool Backend::begin_if_some_selected(const BatchMask&, int64_t) { return false; }
+bool Backend::masked_capturable(DType) const { return false; }
 
 void Backend::load_kernel_choices_json(const std::string& json) {
   DM_CHECK(json == "[]" || json.empty(), "backend '", name(),

@@ -192,17 +192,17 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
                  const BatchRef& x, const BatchRef& out) {
   if (s.convert) e.convert(call.q_entries, b.qw_all);
   const bool exact = s.opt.residual == CacheResidual::kExact;
-  // Blocks the device skips open only in half precision: masked products of other dtypes read
-  // the flags on the host, which fails any capture (and a failed capture with an open block
-  // cannot be cleaned up).
-  const bool half = x.dtype == DType::kBF16 || x.dtype == DType::kF16;
+  // Blocks the device skips open only where the masked products inside them can be captured
+  // (Backend::masked_capturable): one that reads the flags on the host fails the capture, and a
+  // failed capture with an open block cannot be cleaned up.
+  const bool blocks = e.masked_capturable(x.dtype);
   // R = X X^T starts the exact test and every refresh, so every matrix pays for it.
   if (exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);
   // With the check back-off, the test is a block the device skips (inside a captured graph)
   // when no matrix is due for it; a plan pass of the gate marks the ones that are. Where no
   // block can open the plan would be a wasted launch: the gate applies the back-off either way.
   bool test_block = false;
-  if (s.opt.check_backoff > 1 && half) {
+  if (s.opt.check_backoff > 1 && blocks) {
     CacheGateArgs plan = call.gate;
     plan.plan = true;
     e.gate(plan);
@@ -231,7 +231,7 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
   };
   e.set_mask(b.decision, kCacheRefresh);
   const bool refresh_block =
-      half && e.begin_if_some_selected(BatchMask{b.decision, kCacheRefresh}, x.count);
+      blocks && e.begin_if_some_selected(BatchMask{b.decision, kCacheRefresh}, x.count);
   refresh();
   if (refresh_block) {
     e.else_if_all_selected();

@@ -72,6 +72,7 @@ struct BackendExec {
     be.fill_normal_keyed(dst, seed, keys);
   }
   void gate(const CacheGateArgs& args) { be.cache_gate(args); }
+  bool masked_capturable(DType t) const { return be.masked_capturable(t); }
   // A block the device skips when `m` selects none of `count` matrices (inside a graph the
   // backend captures; elsewhere it runs, and its masked operations find no work).
   bool begin_if_selected(const BatchMask& m, int64_t count) {
@@ -113,6 +114,7 @@ struct FlopCounter {
   void fingerprint(const BatchRef&, uint64_t*) {}
   void normal(const BatchRef&, uint64_t, const uint64_t*) {}
   void gate(const CacheGateArgs&) {}
+  bool masked_capturable(DType) const { return false; }
   bool begin_if_selected(const BatchMask&, int64_t) { return false; }
   bool begin_if_some_selected(const BatchMask&, int64_t) { return false; }
   void else_if_all_selected() {}

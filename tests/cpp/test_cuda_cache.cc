@@ -340,10 +340,15 @@ TEST(CudaCache, MaskedDenseTileOrdersAgreeBitForBit) {
   }
 }
 
-// A product no device kernel covers (fp32) still honours the mask (host fallback).
+// A product no device kernel covers (fp32) still honours the mask (host fallback), and the
+// backend says that such products cannot be captured while half-precision ones can.
 TEST(CudaCache, MaskedFp32FallsBackCorrectly) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();
+  EXPECT_FALSE(be.masked_capturable(DType::kF32));
+  EXPECT_FALSE(be.masked_capturable(DType::kF64));
+  EXPECT_EQ(be.masked_capturable(DType::kBF16), be.has_sm90_kernels());
+  EXPECT_EQ(be.masked_capturable(DType::kF16), be.has_sm90_kernels());
   const std::vector<int32_t> flags = {1, 0, 1};
   Buffer df = upload(be, flags);
   HostBatch a(DType::kF32, 3, 20, 36), got(DType::kF32, 3, 20, 20);

@@ -26,15 +26,18 @@
 
 namespace distmuon {
 
+bool CudaBackend::masked_capturable(DType t) const {
+  return (t == DType::kBF16 || t == DType::kF16) && has_sm90_kernels();
+}
+
 bool CudaBackend::masked_on_device(const BatchMask& mask, bool symmetric, Op op_a,
                                    const BatchRef& a, Op op_b, const BatchRef& b, double alpha,
                                    double beta, const BatchRef* c_in, const BatchRef& c,
                                    int64_t k) {
   Impl& s = *impl_;
   const BatchRef* cin = (c_in && beta != 0.0) ? c_in : nullptr;
-  const bool half = c.dtype == DType::kBF16 || c.dtype == DType::kF16;
   const bool same = a.dtype == c.dtype && b.dtype == c.dtype && (!cin || cin->dtype == c.dtype);
-  if (!half || !same || !has_sm90_kernels() || op_a != Op::kN || k == 0) return false;
+  if (!masked_capturable(c.dtype) || !same || op_a != Op::kN || k == 0) return false;
   cuda::SymGemmArgs g = cuda::make_sym_args(a, b, cin, c, k, alpha, beta);
   g.flags = mask.flags;
   g.flag_value = mask.value;
