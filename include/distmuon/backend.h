@@ -126,6 +126,17 @@ struct BatchMask {
   int32_t value = 1;
 };
 
+// One product of Backend::gemm_grouped.
+struct GemmProblem {
+  Op op_a = Op::kN;
+  BatchRef a;
+  Op op_b = Op::kN;
+  BatchRef b;
+  double alpha = 1.0, beta = 0.0;
+  BatchRef c_in;  // data null: none (beta ignored)
+  BatchRef c;
+};
+
 // ---- CacheMuon gate (docs/algorithms.md section 5) -------------------------------------------
 
 // What cache_gate decided for a matrix (int32 per matrix, device memory).
@@ -258,6 +269,17 @@ class Backend {
   virtual void gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b,
                               double alpha, double beta, const BatchRef* c_in,
                               const BatchRef& c) = 0;
+
+  // Several products of different shapes: problems[i] is C = alpha * op(A) op(B) + beta * Cin
+  // over its own batch (c_in.data null: no source; it may alias c). A backend with a grouped
+  // kernel (grouped_gemm_native) runs them as one launch, which pays off where each product is
+  // too small to fill the device. Each matrix's result depends only on its own operands, not
+  // on the other problems of the call, but it differs from gemm()'s by rounding: callers that
+  // must agree bit for bit take the same route for the same shapes (OrthoConfig's
+  // grouped_products). No problem may write what another reads. Default: gemm() per problem.
+  virtual void gemm_grouped(std::span<const GemmProblem> problems);
+  // Whether gemm_grouped is one launch for this work dtype (else it is the default's loop).
+  virtual bool grouped_gemm_native(DType) const { return false; }
 
   // ---- small batched helpers ----------------------------------------------------------------
   // out = alpha * a + beta * b + diag * I (b may be null; diag needs square matrices).

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,12 @@ struct OrthoConfig {
   float eps = 1e-7f;
   // Used when coefficients == kCustom: row i on step i, the last row repeating after the end.
   std::vector<QuinticCoef> custom_coefficients;
+  // Issue every product through Backend::gemm_grouped, so that batches of several shapes that
+  // iterate alike share each launch (Orthogonalizer::run_group). The engine sets it for shape
+  // classes whose products are too small to fill the device; the results differ from the
+  // ordinary kernels' by rounding, so every path that orthogonalizes a class reads it from the
+  // class's resolved config.
+  bool grouped_products = false;
 };
 
 // Parses an algorithm spec: "ns5" | "ns" | "ns5-sym" | "ns-sym" | "gram-ns" | "auto", optionally
@@ -115,6 +122,22 @@ class Orthogonalizer {
   // backend memory.
   void run(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out, void* workspace,
            size_t workspace_size, OrthoStats* stats = nullptr);
+
+  // Several batches of wide matrices in place, each product of the iteration issued once for
+  // all of them (Backend::gemm_grouped). Every batch must iterate alike (same_schedule: the same
+  // operations in the same order; shapes may differ) and be in its config's work dtype; each
+  // has its own workspace of workspace_bytes(). Each matrix gets the bits that run() with
+  // grouped_products gives it alone.
+  struct GroupMember {
+    OrthoConfig cfg;  // resolved
+    BatchRef x;
+    void* workspace = nullptr;
+    size_t workspace_size = 0;
+  };
+  void run_group(std::span<const GroupMember> members, OrthoStats* stats = nullptr);
+  // Whether two resolved configs issue the same sequence of operations (iteration, steps,
+  // restarts, coefficients, dtype), so that their batches can share a group.
+  static bool same_schedule(const OrthoConfig& a, const OrthoConfig& b);
 
   // CacheMuon: like run() for Gram NS, but each matrix i of x uses entry first + i of `cache`
   // (prepared for this config and shape): the cached transform is applied where the device-side

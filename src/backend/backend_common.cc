@@ -67,6 +67,11 @@ double relative_error(Backend& be, const BatchRef& a, const BatchRef& b) {
   return std::isfinite(r) ? r : INFINITY;
 }
 
+void Backend::gemm_grouped(std::span<const GemmProblem> problems) {
+  for (const GemmProblem& p : problems)
+    gemm(p.op_a, p.a, p.op_b, p.b, p.alpha, p.beta, p.c_in.data ? &p.c_in : nullptr, p.c);
+}
+
 void Backend::tune_kernels(int64_t, int64_t, int64_t) {}
 
 void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {

@@ -42,6 +42,10 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_SYM_EPILOGUE_MIRROR", "1",
        "0: the CUDA symmetric kernels leave the whole upper triangle to a separate mirror pass "
        "instead of storing it transposed in their epilogue (for measuring one against the other)"},
+      {"DISTMUON_GROUPED_PRODUCTS", "auto",
+       "auto | off | all: which shape classes run their products as grouped launches shared with "
+       "the other classes that iterate alike (auto: where the backend has a grouped kernel and "
+       "the class's products are too small to fill the device; all: every class, for tests)"},
       {"DISTMUON_GRAPH_CONDITIONALS", "1",
        "0: a captured CacheMuon call records its refresh path as plain kernels that find no work "
        "when no matrix refreshes, instead of a conditional graph node the device skips"},

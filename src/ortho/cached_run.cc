@@ -393,7 +393,7 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   g.decision = b.decision;
   g.stats = ci.stats_at(first);
 
-  BackendExec e{backend_, nullptr};
+  BackendExec e{backend_, nullptr, r.grouped_products};
   ci.dirty = true;
   if (o.shadow)
     shadow_flow(e, s, call, b, x, out, ci, first);

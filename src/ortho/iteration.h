@@ -26,6 +26,7 @@ inline int64_t inner(Op oa, const BatchRef& a) { return oa == Op::kN ? a.cols : 
 struct BackendExec {
   Backend& be;
   OrthoStats* stats = nullptr;
+  bool grouped = false;  // unmasked products through gemm_grouped (OrthoConfig::grouped_products)
   BatchMask mask{};
   bool masked = false;
 
@@ -41,6 +42,8 @@ struct BackendExec {
            const BatchRef* cin, const BatchRef& c) {
     if (masked)
       be.gemm_masked(mask, true, oa, a, ob, b, alpha, beta, cin, c);
+    else if (grouped)
+      grouped_product(oa, a, ob, b, alpha, beta, cin, c);
     else
       be.gemm_symmetric(oa, a, ob, b, alpha, beta, cin, c);
     add(sym_flops(c.rows, inner(oa, a)) * c.count);
@@ -49,9 +52,18 @@ struct BackendExec {
              const BatchRef* cin, const BatchRef& c) {
     if (masked)
       be.gemm_masked(mask, false, oa, a, ob, b, alpha, beta, cin, c);
+    else if (grouped)
+      grouped_product(oa, a, ob, b, alpha, beta, cin, c);
     else
       be.gemm(oa, a, ob, b, alpha, beta, cin, c);
     add(dense_flops(c.rows, c.cols, inner(oa, a)) * c.count);
+  }
+  // A group of one: the same kernel as the batch's share of a run_group launch, so a batch
+  // orthogonalized alone gets the bits it gets in a group.
+  void grouped_product(Op oa, const BatchRef& a, Op ob, const BatchRef& b, double alpha,
+                       double beta, const BatchRef* cin, const BatchRef& c) {
+    const GemmProblem p{oa, a, ob, b, alpha, beta, cin ? *cin : BatchRef{}, c};
+    be.gemm_grouped({&p, 1});
   }
   // out = z + a I. Never masked: it only writes m x m workspace, which unselected matrices
   // do not read afterwards.
@@ -121,6 +133,53 @@ struct FlopCounter {
   void end_if_selected() {}
 };
 
+// Batches of several shapes that iterate as one (Orthogonalizer::run_group): part i is batch i's
+// buffer. `data` is part 0's, so that the iterations' tests of which buffer holds what (they
+// swap buffers of every part together) read as for one batch.
+struct BatchGroup {
+  std::vector<BatchRef> parts;
+  void* data = nullptr;
+  explicit BatchGroup(std::vector<BatchRef> p = {})
+      : parts(std::move(p)), data(parts.empty() ? nullptr : parts[0].data) {}
+};
+
+// Issues each operation once for every part of a group: products as one gemm_grouped call,
+// the elementwise operations (two per solve at most) per part. Plain solves only: no masks.
+struct GroupExec {
+  Backend& be;
+  OrthoStats* stats = nullptr;
+
+  void product(bool symmetric, Op oa, const BatchGroup& a, Op ob, const BatchGroup& b,
+               double alpha, double beta, const BatchGroup* cin, const BatchGroup& c) {
+    std::vector<GemmProblem> problems;
+    problems.reserve(c.parts.size());
+    for (size_t i = 0; i < c.parts.size(); ++i) {
+      const BatchRef& ci = c.parts[i];
+      problems.push_back({oa, a.parts[i], ob, b.parts[i], alpha, beta,
+                          cin ? cin->parts[i] : BatchRef{}, ci});
+      if (stats)
+        stats->flops += (symmetric ? sym_flops(ci.rows, inner(oa, a.parts[i]))
+                                   : dense_flops(ci.rows, ci.cols, inner(oa, a.parts[i]))) *
+                        ci.count;
+    }
+    be.gemm_grouped(problems);
+  }
+  void sym(Op oa, const BatchGroup& a, Op ob, const BatchGroup& b, double alpha, double beta,
+           const BatchGroup* cin, const BatchGroup& c) {
+    product(true, oa, a, ob, b, alpha, beta, cin, c);
+  }
+  void dense(Op oa, const BatchGroup& a, Op ob, const BatchGroup& b, double alpha, double beta,
+             const BatchGroup* cin, const BatchGroup& c) {
+    product(false, oa, a, ob, b, alpha, beta, cin, c);
+  }
+  void plus_identity(const BatchGroup& z, double a, const BatchGroup& out) {
+    for (size_t i = 0; i < z.parts.size(); ++i) be.lincomb(1.0, z.parts[i], 0.0, nullptr, a, out.parts[i]);
+  }
+  void copy(const BatchGroup& src, const BatchGroup& dst) {
+    for (size_t i = 0; i < src.parts.size(); ++i) be.scale_copy(src.parts[i], false, {}, dst.parts[i]);
+  }
+};
+
 // Carves 256-byte aligned batches out of a workspace (base null: only measures).
 struct Carver {
   char* base;
@@ -151,13 +210,16 @@ inline int gram_segments(const OrthoConfig& cfg) {
   return s;
 }
 
-struct GramBuffers {
-  BatchRef R, Z, T, Q, Qn, other;  // five m x m and one m x n, all in the work dtype
-  GramBuffers slice(int64_t first, int64_t n) const {
+// The iterations' buffers, of one batch (BatchRef) or of a group (BatchGroup).
+template <typename Batch>
+struct GramBuffersOf {
+  Batch R, Z, T, Q, Qn, other;  // five m x m and one m x n, all in the work dtype
+  GramBuffersOf slice(int64_t first, int64_t n) const {
     return {R.slice(first, n),  Z.slice(first, n),  T.slice(first, n),
             Q.slice(first, n),  Qn.slice(first, n), other.slice(first, n)};
   }
 };
+using GramBuffers = GramBuffersOf<BatchRef>;
 
 inline GramBuffers carve_gram(Carver& ws, DType t, int64_t c, int64_t m, int64_t n) {
   GramBuffers b;
@@ -170,12 +232,14 @@ inline GramBuffers carve_gram(Carver& ws, DType t, int64_t c, int64_t m, int64_t
   return b;
 }
 
-struct StandardBuffers {
-  BatchRef A, B, other;  // two m x m and one m x n, in the work dtype
-  StandardBuffers slice(int64_t first, int64_t n) const {
+template <typename Batch>
+struct StandardBuffersOf {
+  Batch A, B, other;  // two m x m and one m x n, in the work dtype
+  StandardBuffersOf slice(int64_t first, int64_t n) const {
     return {A.slice(first, n), B.slice(first, n), other.slice(first, n)};
   }
 };
+using StandardBuffers = StandardBuffersOf<BatchRef>;
 
 inline StandardBuffers carve_standard(Carver& ws, DType t, int64_t c, int64_t m, int64_t n) {
   StandardBuffers b;
@@ -186,23 +250,24 @@ inline StandardBuffers carve_standard(Carver& ws, DType t, int64_t c, int64_t m,
 }
 
 // Standard Newton-Schulz: X <- a X + (b A + c A^2) X with A = X X^T.
-template <typename Exec>
-void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const BatchRef& x,
-                        const BatchRef& out, const StandardBuffers& bufs) {
-  const BatchRef A = bufs.A, B = bufs.B, other = bufs.other;
-  BatchRef cur = x;
+template <typename Exec, typename Batch>
+void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const Batch& x,
+                        const Batch& out, const StandardBuffersOf<Batch>& bufs) {
+  const Batch A = bufs.A, B = bufs.B, other = bufs.other;
+  const Batch* none = nullptr;
+  Batch cur = x;
   auto coef = coefficient_schedule(cfg);
   for (int i = 0; i < cfg.steps; ++i) {
     const auto [a, b, cc] = coef[i];
     if (symmetric) {
-      e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, A);
+      e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, none, A);
       e.sym(Op::kN, A, Op::kN, A, cc, b, &A, B);
     } else {
-      e.dense(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, A);
+      e.dense(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, none, A);
       e.dense(Op::kN, A, Op::kN, A, cc, b, &A, B);
     }
     const bool last = i + 1 == cfg.steps;
-    BatchRef next = last && out.data != cur.data ? out : (cur.data == x.data ? other : x);
+    Batch next = last && out.data != cur.data ? out : (cur.data == x.data ? other : x);
     e.dense(Op::kN, B, Op::kN, cur, 1.0f, a, &cur, next);
     cur = next;
   }
@@ -215,27 +280,28 @@ void standard_iteration(Exec& e, const OrthoConfig& cfg, bool symmetric, const B
 // total transform is Q_last ... Q_0. Where q_out[s] has data, the last product of segment s
 // writes Q_s there instead of the workspace (CacheMuon: straight into the cache storage, with
 // no copy); a segment of one step has no product and leaves Q_s in the workspace.
-template <typename Exec, typename OnSegment>
-void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
-                    const GramBuffers& bufs, bool r_ready, OnSegment&& on_segment,
-                    const std::vector<BatchRef>& q_out = {}) {
-  BatchRef R = bufs.R, Z = bufs.Z, T = bufs.T, Q = bufs.Q, Qn = bufs.Qn, other = bufs.other;
-  BatchRef seg_q = Q;  // the segment's Q: Q, or q_out[segment] once its last product ran
+template <typename Exec, typename Batch, typename OnSegment>
+void gram_iteration(Exec& e, const OrthoConfig& cfg, const Batch& x, const Batch& out,
+                    const GramBuffersOf<Batch>& bufs, bool r_ready, OnSegment&& on_segment,
+                    const std::vector<Batch>& q_out = {}) {
+  Batch R = bufs.R, Z = bufs.Z, T = bufs.T, Q = bufs.Q, Qn = bufs.Qn, other = bufs.other;
+  Batch seg_q = Q;  // the segment's Q: Q, or q_out[segment] once its last product ran
+  const Batch* none = nullptr;
   auto coef = coefficient_schedule(cfg);
-  BatchRef cur = x;
+  Batch cur = x;
   bool have_q = false;
   int segment = 0;
-  if (!r_ready) e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, R);
+  if (!r_ready) e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, none, R);
   for (int i = 0; i < cfg.steps; ++i) {
     const auto [a, b, cc] = coef[i];
     if (restarts_at(cfg, i) && have_q) {
       // Fold Q into X and recompute R: resets the spurious negative eigenvalues that half
       // precision leaves in R and that the recurrence would otherwise amplify.
       on_segment(segment++, seg_q);
-      BatchRef next = cur.data == x.data ? other : x;
-      e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, nullptr, next);
+      Batch next = cur.data == x.data ? other : x;
+      e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, none, next);
       cur = next;
-      e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, nullptr, R);
+      e.sym(Op::kN, cur, Op::kT, cur, 1.0f, 0.0f, none, R);
       have_q = false;
     }
     const bool last = i + 1 == cfg.steps;
@@ -263,23 +329,25 @@ void gram_iteration(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const Ba
   }
   on_segment(segment, seg_q);
   if (out.data != cur.data) {
-    e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, nullptr, out);
+    e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, none, out);
   } else {  // a product may not overwrite its own input
-    BatchRef tmp = cur.data == x.data ? other : x;
-    e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, nullptr, tmp);
+    Batch tmp = cur.data == x.data ? other : x;
+    e.dense(Op::kN, seg_q, Op::kN, cur, 1.0f, 0.0f, none, tmp);
     e.copy(tmp, out);
   }
 }
 
 // The workspace buffers of one iteration over a batch, carved once; slice(first, n) gives the
 // buffers of matrices [first, first + n), so that parts of a batch can iterate independently.
-struct IterationBuffers {
-  StandardBuffers standard;
-  GramBuffers gram;
-  IterationBuffers slice(int64_t first, int64_t n) const {
+template <typename Batch>
+struct IterationBuffersOf {
+  StandardBuffersOf<Batch> standard;
+  GramBuffersOf<Batch> gram;
+  IterationBuffersOf slice(int64_t first, int64_t n) const {
     return {standard.slice(first, n), gram.slice(first, n)};
   }
 };
+using IterationBuffers = IterationBuffersOf<BatchRef>;
 
 inline IterationBuffers carve_iteration(Carver& ws, const OrthoConfig& cfg, const BatchRef& x) {
   IterationBuffers b;
@@ -297,9 +365,9 @@ inline IterationBuffers carve_iteration(Carver& ws, const OrthoConfig& cfg, cons
   return b;
 }
 
-template <typename Exec>
-void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
-             const IterationBuffers& bufs) {
+template <typename Exec, typename Batch, typename Buffers>
+void iterate(Exec& e, const OrthoConfig& cfg, const Batch& x, const Batch& out,
+             const Buffers& bufs) {
   switch (cfg.iteration) {
     case Iteration::kStandardDense:
       standard_iteration(e, cfg, false, x, out, bufs.standard);
@@ -308,7 +376,7 @@ void iterate(Exec& e, const OrthoConfig& cfg, const BatchRef& x, const BatchRef&
       standard_iteration(e, cfg, true, x, out, bufs.standard);
       break;
     case Iteration::kGram:
-      gram_iteration(e, cfg, x, out, bufs.gram, false, [](int, const BatchRef&) {});
+      gram_iteration(e, cfg, x, out, bufs.gram, false, [](int, const Batch&) {});
       break;
     case Iteration::kAuto:
       DM_FAIL("internal: unresolved auto iteration");

@@ -37,8 +37,11 @@ double ortho_flops(const OrthoConfig& cfg, int64_t rows, int64_t cols) {
   return fc.total();
 }
 
-void Orthogonalizer::run(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
-                         void* workspace, size_t workspace_size, OrthoStats* stats) {
+namespace {
+
+// The checks run() and run_group() share; returns the resolved config.
+OrthoConfig checked(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
+                    size_t workspace_size) {
   DM_CHECK(x.rows <= x.cols, "orthogonalizer: input must be wide (m <= n), got ", x.rows, "x",
            x.cols);
   DM_CHECK(out.rows == x.rows && out.cols == x.cols && out.count == x.count,
@@ -46,19 +49,38 @@ void Orthogonalizer::run(const OrthoConfig& cfg, const BatchRef& x, const BatchR
   OrthoConfig r = resolve(cfg, x.rows, x.cols);
   DM_CHECK(x.dtype == iteration_dtype(r), "orthogonalizer: input is ", dtype_name(x.dtype),
            " but ", algorithm_name(r), " iterates in ", dtype_name(iteration_dtype(r)));
+  const size_t need = Orthogonalizer::workspace_bytes(r, x.count, x.rows, x.cols);
+  DM_CHECK(x.count == 0 || workspace_size >= need, "orthogonalizer: workspace of ",
+           workspace_size, " bytes, need ", need);
+  return r;
+}
+
+}  // namespace
+
+bool Orthogonalizer::same_schedule(const OrthoConfig& a, const OrthoConfig& b) {
+  if (a.iteration != b.iteration || a.steps != b.steps || a.restarts != b.restarts ||
+      iteration_dtype(a) != iteration_dtype(b) || a.coefficients != b.coefficients ||
+      a.grouped_products != b.grouped_products)
+    return false;
+  const std::vector<QuinticCoef> ca = coefficient_schedule(a), cb = coefficient_schedule(b);
+  for (size_t i = 0; i < ca.size(); ++i)
+    if (ca[i].a != cb[i].a || ca[i].b != cb[i].b || ca[i].c != cb[i].c) return false;
+  return true;
+}
+
+void Orthogonalizer::run(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
+                         void* workspace, size_t workspace_size, OrthoStats* stats) {
+  const OrthoConfig r = checked(cfg, x, out, workspace_size);
   if (stats) {
     stats->calls += 1;
     stats->matrices += x.count;
   }
   if (x.count == 0) return;
-  const size_t need = workspace_bytes(r, x.count, x.rows, x.cols);
-  DM_CHECK(workspace_size >= need, "orthogonalizer: workspace of ", workspace_size,
-           " bytes, need ", need);
   Carver ws{static_cast<char*>(workspace)};
   const ortho_detail::IterationBuffers bufs = ortho_detail::carve_iteration(ws, r, x);
   const int64_t parts = std::max<int64_t>(1, std::min(backend_.batch_parts(x.count), x.count));
   if (parts == 1) {
-    BackendExec e{backend_, stats};
+    BackendExec e{backend_, stats, r.grouped_products};
     iterate(e, r, x, out, bufs);
     return;
   }
@@ -67,11 +89,52 @@ void Orthogonalizer::run(const OrthoConfig& cfg, const BatchRef& x, const BatchR
   std::vector<OrthoStats> part_stats(static_cast<size_t>(parts));
   backend_.run_parts(parts, [&](int64_t p) {
     const int64_t first = x.count * p / parts, len = x.count * (p + 1) / parts - first;
-    BackendExec e{backend_, stats ? &part_stats[static_cast<size_t>(p)] : nullptr};
+    BackendExec e{backend_, stats ? &part_stats[static_cast<size_t>(p)] : nullptr,
+                  r.grouped_products};
     iterate(e, r, x.slice(first, len), out.slice(first, len), bufs.slice(first, len));
   });
   if (stats)
     for (const OrthoStats& ps : part_stats) stats->flops += ps.flops;
+}
+
+void Orthogonalizer::run_group(std::span<const GroupMember> members, OrthoStats* stats) {
+  using ortho_detail::BatchGroup;
+  std::vector<BatchRef> xs;
+  std::vector<ortho_detail::IterationBuffers> bufs;
+  const OrthoConfig* first = nullptr;
+  for (const GroupMember& g : members) {
+    DM_CHECK(g.cfg.iteration != Iteration::kAuto && g.cfg.grouped_products,
+             "run_group: ", g.x.rows, "x", g.x.cols, "'s config must be resolved and have "
+             "grouped_products set (the bits run() gives a batch alone)");
+    checked(g.cfg, g.x, g.x, g.workspace_size);
+    if (!first) first = &g.cfg;
+    DM_CHECK(same_schedule(g.cfg, *first), "run_group: ", algorithm_name(g.cfg), " on ",
+             g.x.rows, "x", g.x.cols, " does not iterate as ", algorithm_name(*first),
+             " (Orthogonalizer::same_schedule)");
+    if (stats) stats->matrices += g.x.count;
+    if (g.x.count == 0) continue;
+    Carver ws{static_cast<char*>(g.workspace)};
+    bufs.push_back(ortho_detail::carve_iteration(ws, g.cfg, g.x));
+    xs.push_back(g.x);
+  }
+  if (stats) stats->calls += static_cast<int64_t>(members.size());
+  if (xs.empty()) return;
+  // Each buffer of the iteration as a group of every member's buffer.
+  auto group = [&](auto member) {
+    std::vector<BatchRef> parts;
+    for (const ortho_detail::IterationBuffers& b : bufs) parts.push_back(member(b));
+    return BatchGroup(std::move(parts));
+  };
+  ortho_detail::IterationBuffersOf<BatchGroup> gb;
+  gb.standard = {group([](auto& b) { return b.standard.A; }),
+                 group([](auto& b) { return b.standard.B; }),
+                 group([](auto& b) { return b.standard.other; })};
+  gb.gram = {group([](auto& b) { return b.gram.R; }),  group([](auto& b) { return b.gram.Z; }),
+             group([](auto& b) { return b.gram.T; }),  group([](auto& b) { return b.gram.Q; }),
+             group([](auto& b) { return b.gram.Qn; }), group([](auto& b) { return b.gram.other; })};
+  const BatchGroup x(xs);
+  ortho_detail::GroupExec e{backend_, stats};
+  iterate(e, *first, x, x, gb);
 }
 
 void Orthogonalizer::orthogonalize(const OrthoConfig& cfg, const BatchRef& u, const BatchRef& out,

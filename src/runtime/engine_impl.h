@@ -6,6 +6,7 @@
 
 #include <functional>
 #include <map>
+#include <tuple>
 #include <memory>
 #include <string>
 #include <vector>
@@ -148,6 +149,13 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
     int64_t m, n, count;
   };
   OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const override;
+  // OrthoConfig::grouped_products for a class (DISTMUON_GROUPED_PRODUCTS; auto: the backend
+  // groups this work dtype natively, m <= kGroupedMaxRows and count m^2 n <= kGroupedMaxWork,
+  // i.e. one of the class's products is a few microseconds of the device's time: launch-bound).
+  bool grouped_products(int group, int64_t m, int64_t n, DType work) const;
+  static constexpr int64_t kGroupedMaxRows = 512;
+  static constexpr double kGroupedMaxWork = 1 << 30;
+  std::map<std::tuple<int, int64_t, int64_t>, int64_t> shape_counts;  // (group, m, n): count
   void tune_shapes(const std::vector<TuneShape>& shapes);
   std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
   void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')

@@ -68,14 +68,31 @@ measure::TunedConfig decode(const std::string& line, const OrthoConfig& base) {
 
 OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   const OrthoConfig& base = groups[group].muon.ortho;
+  OrthoConfig r = resolve(base, m, n);
   if (base.iteration == Iteration::kAuto && !tuned.empty()) {
     auto it = tuned.find(tuned_key(group, m, n, base));
-    if (it != tuned.end()) return it->second;
+    if (it != tuned.end()) r = it->second;
   }
-  return resolve(base, m, n);
+  r.grouped_products = grouped_products(group, m, n, iteration_dtype(r));
+  return r;
+}
+
+bool Engine::Impl::grouped_products(int group, int64_t m, int64_t n, DType work) const {
+  const std::string mode = env::get("DISTMUON_GROUPED_PRODUCTS");
+  if (mode == "off") return false;
+  if (mode == "all") return true;
+  DM_CHECK(mode == "auto", "DISTMUON_GROUPED_PRODUCTS=", mode, ": expected auto, off or all");
+  if (!backend.grouped_gemm_native(work) || m > kGroupedMaxRows) return false;
+  // The class's count over every rank (tune_shapes' shapes), so that every mode and rank that
+  // orthogonalizes it decides alike, whatever share of it each holds.
+  const auto it = shape_counts.find({group, m, n});
+  const int64_t count = it == shape_counts.end() ? 0 : it->second;
+  return count > 0 && static_cast<double>(count) * m * m * n <= kGroupedMaxWork;
 }
 
 void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
+  shape_counts.clear();
+  for (const TuneShape& t : shapes) shape_counts[{t.group, t.m, t.n}] = t.count;
   AutoTune mode = options.autotune;
   if (const std::string e = env::get("DISTMUON_AUTOTUNE"); !e.empty()) mode = parse_autotune(e);
   if (force_measure) mode = AutoTune::kOn;

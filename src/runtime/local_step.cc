@@ -141,16 +141,47 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   adam_check(ctx);
   if (ctx.raise) raise_if_nonfinite(status_names);
 
-  for (size_t ci = 0; ci < classes.size(); ++ci) {
+  auto x_of = [&](size_t ci) {
     const ShapeClass& c = classes[ci];
+    return BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batches[ci].count, c.m, c.n);
+  };
+  auto how_of = [&](size_t ci) {
+    const ShapeClass& c = classes[ci];
+    return batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
+  };
+  // Classes whose products run grouped (OrthoConfig::grouped_products) and that iterate alike
+  // share every launch of their orthogonalization: pass 2 of each, one run_group, then each
+  // one's skips and updates. A class through CacheMuon runs alone.
+  auto grouped = [&](size_t ci) {
+    return batches[ci].count > 0 && classes[ci].resolved.grouped_products && !how_of(ci).cache;
+  };
+  std::vector<bool> done(classes.size(), false);
+  for (size_t ci = 0; ci < classes.size(); ++ci) {
     const MuonBatch& batch = batches[ci];
-    if (batch.count == 0) continue;
-    const BatchRef x =
-        BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batch.count, c.m, c.n);
-    batch.orthogonalize_momentum(
-        x, batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes),
-        skip_counter.as<int64_t>());
-    batch.update(x);
+    if (batch.count == 0 || done[ci]) continue;
+    if (!grouped(ci)) {
+      batch.orthogonalize_momentum(x_of(ci), how_of(ci), skip_counter.as<int64_t>());
+      batch.update(x_of(ci));
+      continue;
+    }
+    std::vector<size_t> group;
+    for (size_t cj = ci; cj < classes.size(); ++cj)
+      if (!done[cj] && grouped(cj) &&
+          Orthogonalizer::same_schedule(classes[cj].resolved, classes[ci].resolved)) {
+        group.push_back(cj);
+        done[cj] = true;
+      }
+    std::vector<Orthogonalizer::GroupMember> members;
+    for (size_t cj : group) {
+      batches[cj].apply_momentum(x_of(cj));
+      members.push_back({classes[cj].resolved, x_of(cj), classes[cj].workspace.data(),
+                         classes[cj].workspace_bytes});
+    }
+    ortho.run_group(members, &stats.ortho);
+    for (size_t cj : group) {
+      batches[cj].count_skips(skip_counter.as<int64_t>());
+      batches[cj].update(x_of(cj));
+    }
   }
   adam_update();
 }

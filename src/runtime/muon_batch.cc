@@ -10,6 +10,12 @@ void MuonBatch::momentum_norm() const {
 
 void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
                                        int64_t* skip_counter) const {
+  apply_momentum(x);
+  orthogonalize(x, how);
+  count_skips(skip_counter);
+}
+
+void MuonBatch::apply_momentum(const BatchRef& x) const {
   DM_CHECK(static_cast<int64_t>(slots.size()) == count, "internal: ", slots.size(),
            " slots for a batch of ", count);
   for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
@@ -17,8 +23,6 @@ void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
                                 status + k0, muon_input_scale(norms + k0, resolved), tall,
                                 x.slice(k0, len));
   });
-  orthogonalize(x, how);
-  count_skips(skip_counter);
 }
 
 void MuonBatch::orthogonalize(const BatchRef& x, const BatchOrtho& how) const {

@@ -28,7 +28,8 @@ void add_config(std::vector<uint64_t>& key, const OrthoConfig& c) {
   key.insert(key.end(), {static_cast<uint64_t>(c.iteration), static_cast<uint64_t>(c.coefficients),
                          static_cast<uint64_t>(c.steps), static_cast<uint64_t>(c.work_dtype),
                          static_cast<uint64_t>(iteration_dtype(c)), bits(double{c.eps}),
-                         c.restarts.size(), c.custom_coefficients.size()});
+                         c.restarts.size(), c.custom_coefficients.size(),
+                         c.grouped_products ? 1u : 0u});
   for (int r : c.restarts) key.push_back(static_cast<uint64_t>(r));
   for (const QuinticCoef& q : c.custom_coefficients)
     key.insert(key.end(), {bits(double{q.a}), bits(double{q.b}), bits(double{q.c})});

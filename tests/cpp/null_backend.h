@@ -30,6 +30,10 @@ class NullBackend : public Backend {
             const BatchRef&) override { ++ops; }
   void gemm_symmetric(Op, const BatchRef&, Op, const BatchRef&, double, double, const BatchRef*,
                       const BatchRef&) override { ++ops; }
+  // One launch per call, as a device with a grouped kernel (grouped_native) issues it.
+  bool grouped_native = false;
+  void gemm_grouped(std::span<const GemmProblem>) override { ++ops; }
+  bool grouped_gemm_native(DType) const override { return grouped_native; }
   void lincomb(double, const BatchRef&, double, const BatchRef*, double, const BatchRef&) override {
     ++ops;
   }

@@ -443,6 +443,115 @@ TEST(Engine, HalfPrecisionParametersAndGradients) {
 
 // A step issues a few operations per shape class, not per matrix: the operations of one step
 // of a workload do not grow with its layers (every layer adds matrices to the same classes).
+// Classes whose products run grouped share each launch of their orthogonalization
+// (DISTMUON_GROUPED_PRODUCTS=all groups every class); every matrix must still get the bits its
+// class gets in an engine of its own, through standard and Gram NS, a tall member, a missing
+// gradient, and a class through CacheMuon (which runs alone). Without grouped products
+// (symmetric products computed as one triangle) the results agree to rounding.
+TEST(Engine, GroupedProductsGiveEveryClassTheBitsItGetsAlone) {
+  CpuBackend be;
+  GroupOptions g = muon_group(0.05f, 0.1f);
+  g.muon.ortho = parse_algorithm("auto");
+  GroupOptions cached = g;
+  cached.muon.ortho = parse_algorithm("gram-ns");
+  cached.muon.cache.enabled = true;
+  cached.muon.cache.gamma = 1e9;
+  const std::vector<std::pair<std::vector<int64_t>, int>> defs = {
+      {{8, 20}, 0}, {{20, 8}, 0}, {{12, 12}, 0}, {{6, 30}, 0}, {{10, 40}, 0}, {{16, 16}, 0},
+      {{10, 40}, 1}};
+  const size_t n = defs.size();
+  std::vector<std::unique_ptr<Engine>> engines;  // [0]: every parameter; [1 + i]: parameter i
+  for (size_t e = 0; e < n + 2; ++e) {             // [n + 1]: all of them, not grouped
+    engines.push_back(std::make_unique<Engine>(be));
+    engines.back()->add_group(g);
+    engines.back()->add_group(cached);
+  }
+  std::vector<std::vector<std::vector<float>>> w(n + 2);
+  std::vector<std::vector<float>> grads;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& [shape, group] = defs[i];
+    const ParamSpec spec{"p" + std::to_string(i), group, shape, DType::kF32};
+    engines[0]->add_param(spec);
+    engines[1 + i]->add_param(spec);
+    engines[n + 1]->add_param(spec);
+    grads.push_back(to_vec(random_matrix(1, shape[0] * shape[1])));
+  }
+  for (auto& we : w) we.assign(n, {});
+  for (size_t i = 0; i < n; ++i)
+    for (auto& we : w) we[i].assign(grads[i].size(), 0.25f);
+  for (int step = 0; step < 3; ++step) {
+    auto data = [&](size_t e, size_t i) {
+      const float* grad = step == 1 && i == 2 ? nullptr : grads[i].data();
+      return ParamData{w[e][i].data(), grad, DType::kF32, {}};
+    };
+    setenv("DISTMUON_GROUPED_PRODUCTS", "all", 1);
+    std::vector<ParamData> all;
+    for (size_t i = 0; i < n; ++i) all.push_back(data(0, i));
+    engines[0]->step(all);
+    for (size_t i = 0; i < n; ++i) {
+      const std::vector<ParamData> one = {data(1 + i, i)};
+      engines[1 + i]->step(one);
+    }
+    setenv("DISTMUON_GROUPED_PRODUCTS", "off", 1);
+    std::vector<ParamData> plain;
+    for (size_t i = 0; i < n; ++i) plain.push_back(data(n + 1, i));
+    engines[n + 1]->step(plain);
+    for (auto& gr : grads)
+      for (float& x : gr) x = 0.9f * x + 0.01f;
+  }
+  unsetenv("DISTMUON_GROUPED_PRODUCTS");
+  OrthoStats alone;
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(w[0][i], w[1 + i][i]) << "p" << i;
+    double diff = 0;
+    for (size_t k = 0; k < w[0][i].size(); ++k)
+      diff = std::max(diff, std::abs(double{w[0][i][k]} - w[n + 1][i][k]));
+    EXPECT_LT(diff, 1e-5) << "p" << i;
+    alone += engines[1 + i]->stats().ortho;
+  }
+  EXPECT_EQ(engines[0]->stats().ortho.flops, alone.flops);
+  EXPECT_EQ(engines[0]->stats().ortho.matrices, alone.matrices);
+  EXPECT_GT(engines[0]->stats().cache.hits + engines[0]->stats().cache.refreshes, 0);
+  setenv("DISTMUON_GROUPED_PRODUCTS", "sometimes", 1);
+  std::vector<ParamData> d;
+  for (size_t i = 0; i < n; ++i) d.push_back({w[0][i].data(), grads[i].data(), DType::kF32, {}});
+  EXPECT_THROW(engines[0]->step(d), Error);
+  unsetenv("DISTMUON_GROUPED_PRODUCTS");
+}
+
+// ResNet-18's convolutions as matrices: 20 matrices in 11 small classes. Where the backend has a
+// grouped kernel, the launch-bound classes share each product's launch, so a step issues far
+// fewer operations than one launch per class and product.
+TEST(Engine, SmallClassesShareTheirLaunchesWhereTheBackendGroups) {
+  auto ops_per_step = [](bool native) {
+    test::NullBackend be;
+    be.grouped_native = native;
+    Engine e(be);
+    GroupOptions g;
+    g.muon.ortho = parse_algorithm("ns5");
+    e.add_group(g);
+    const Workload w = load_workload("resnet18");
+    std::vector<Buffer> keep;
+    std::vector<ParamData> data;
+    for (const WorkloadEntry& en : w.muon)
+      for (int64_t l = 0; l < en.count; ++l) {
+        e.add_param({en.name + "." + std::to_string(l), 0, en.shape, DType::kF32});
+        keep.push_back(be.alloc(4 * static_cast<size_t>(en.numel())));
+        void* wt = keep.back().data();
+        keep.push_back(be.alloc(4 * static_cast<size_t>(en.numel())));
+        data.push_back({wt, keep.back().data(), DType::kF32, {}});
+      }
+    e.step(data);
+    be.ops = 0;
+    e.step(data);
+    return be.ops;
+  };
+  const int64_t alone = ops_per_step(false), grouped = ops_per_step(true);
+  std::printf("[measure] resnet18, ns5: %lld operations per step, %lld with grouped products\n",
+              static_cast<long long>(alone), static_cast<long long>(grouped));
+  EXPECT_LT(grouped, alone / 2);
+}
+
 TEST(Engine, OperationsPerStepDoNotGrowWithTheMatrices) {
   auto ops_per_step = [](const std::string& workload, int64_t layers, const char* algo) {
     test::NullBackend be;

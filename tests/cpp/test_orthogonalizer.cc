@@ -203,6 +203,71 @@ TEST(Orthogonalizer, SplittingABatchOverThreadsGivesTheSameBitsAndFlops) {
   omp_set_num_threads(omp_threads);
 }
 
+// run_group iterates batches of three shapes as one: every matrix must get the bits run() gives
+// its batch alone (on the CPU gemm_grouped is gemm per problem), with the same FLOPs; batches
+// that do not iterate alike, and configs without grouped_products, are refused.
+TEST(Orthogonalizer, GroupOfShapesGivesEachBatchTheBitsItGetsAlone) {
+  CpuBackend be;
+  Orthogonalizer ortho(be);
+  const std::vector<std::pair<int64_t, int64_t>> shapes = {{24, 80}, {16, 16}, {40, 56}};
+  for (Iteration it : {Iteration::kStandardSym, Iteration::kStandardDense, Iteration::kGram}) {
+    SCOPED_TRACE(iteration_name(it));
+    OrthoConfig cfg;
+    cfg.iteration = it;
+    cfg.grouped_products = true;
+    std::vector<HostBatch> alone, grouped;
+    std::vector<Buffer> ws;
+    std::vector<Orthogonalizer::GroupMember> members;
+    OrthoStats one, group;
+    for (size_t k = 0; k < shapes.size(); ++k) {
+      const auto [m, n] = shapes[k];
+      const OrthoConfig r = resolve(cfg, m, n);
+      const int64_t count = 2 + static_cast<int64_t>(k);
+      alone.emplace_back(iteration_dtype(r), count, m, n);
+      grouped.emplace_back(iteration_dtype(r), count, m, n);
+      for (int64_t i = 0; i < count; ++i) {
+        Mat u = random_matrix(m, n);
+        alone.back().set(i, (u / u.norm()).eval());
+      }
+      grouped.back().bytes = alone.back().bytes;
+      grouped.back().ref.data = grouped.back().bytes.data();
+      const size_t wb = Orthogonalizer::workspace_bytes(r, count, m, n);
+      ws.push_back(be.alloc(wb));
+      ortho.run(r, alone.back().ref, alone.back().ref, ws.back().data(), wb, &one);
+    }
+    for (size_t k = 0; k < shapes.size(); ++k)
+      members.push_back({resolve(cfg, shapes[k].first, shapes[k].second), grouped[k].ref,
+                         ws[k].data(), ws[k].bytes()});
+    ortho.run_group(members, &group);
+    for (size_t k = 0; k < shapes.size(); ++k)
+      EXPECT_EQ(alone[k].bytes, grouped[k].bytes) << shapes[k].first << "x" << shapes[k].second;
+    EXPECT_EQ(group.flops, one.flops);
+    EXPECT_EQ(group.matrices, one.matrices);
+    EXPECT_EQ(group.calls, one.calls);
+  }
+  OrthoConfig gram;
+  gram.iteration = Iteration::kGram;
+  gram.grouped_products = true;
+  OrthoConfig sym = gram;
+  sym.iteration = Iteration::kStandardSym;
+  EXPECT_FALSE(Orthogonalizer::same_schedule(resolve(gram, 8, 16), resolve(sym, 8, 16)));
+  OrthoConfig six = gram;
+  six.steps = 6;
+  EXPECT_FALSE(Orthogonalizer::same_schedule(resolve(gram, 8, 16), resolve(six, 8, 16)));
+  EXPECT_TRUE(Orthogonalizer::same_schedule(resolve(gram, 8, 16), resolve(gram, 4, 40)));
+  HostBatch a(iteration_dtype(resolve(gram, 8, 16)), 1, 8, 16), b(DType::kF32, 1, 8, 16);
+  Buffer w = be.alloc(1 << 20);
+  const std::vector<Orthogonalizer::GroupMember> mixed = {
+      {resolve(gram, 8, 16), a.ref, w.data(), w.bytes()},
+      {resolve(sym, 8, 16), b.ref, w.data(), w.bytes()}};
+  EXPECT_THROW(ortho.run_group(mixed), Error);
+  OrthoConfig plain = gram;
+  plain.grouped_products = false;
+  const std::vector<Orthogonalizer::GroupMember> ungrouped = {
+      {resolve(plain, 8, 16), a.ref, w.data(), w.bytes()}};
+  EXPECT_THROW(ortho.run_group(ungrouped), Error);
+}
+
 TEST(Orthogonalizer, AutoPicksGramOnlyForElongatedShapes) {
   EXPECT_EQ(choose_iteration(768, 768), Iteration::kStandardSym);
   EXPECT_EQ(choose_iteration(768, 1024), Iteration::kStandardSym);

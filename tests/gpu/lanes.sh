@@ -27,7 +27,7 @@ MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PATH -x LD_
 # rig's other suites and the fault tests in the bench lane).
 lane_cpp() {
   local t n
-  for t in test_cuda_backend test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm; do
+  for t in test_cuda_backend test_cuda_grouped test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm; do
     [ -x "$BIN/$t" ] || continue
     run_suite "$t" 1 300 "$BIN/$t" --gtest_output="json:$WORK/$t.gtest.json"
   done
@@ -83,7 +83,7 @@ lane_sanitizer() {
     nccl_dist_suites "$(ranks_where '$1 <= 2')" engine
     return
   fi
-  for t in test_cuda_backend test_cuda_muon test_cuda_cache test_nccl_comm; do
+  for t in test_cuda_backend test_cuda_grouped test_cuda_muon test_cuda_cache test_nccl_comm; do
     [ -x "$BIN/$t" ] && run_suite "sanitizer_memcheck_$t" 1 300 "${cs[@]}" --tool memcheck "$BIN/$t" --gtest_brief=1
   done
   for tool in racecheck synccheck; do
@@ -94,6 +94,8 @@ lane_sanitizer() {
       "$BIN/test_cuda_backend" --gtest_brief=1 --gtest_filter='*Sym*:*BatchedHelpers*:*AdamW*'
     run_suite "sanitizer_${tool}_muon" 1 300 "${judge[@]}" "${cs[@]}" --tool "$tool" \
       "$BIN/test_cuda_muon" --gtest_brief=1 --gtest_filter='CudaMuon.Passes*'
+    run_suite "sanitizer_${tool}_grouped" 1 300 "${judge[@]}" "${cs[@]}" --tool "$tool" \
+      "$BIN/test_cuda_grouped" --gtest_brief=1 --gtest_filter='*EveryProblem*'
   done
   run_suite sanitizer_memcheck_nccl_engine-2 2 400 "${MPIRUN[@]}" -np 2 "${cs[@]}" --tool memcheck \
     "$BIN/test_nccl_dist_engine" --gtest_filter='*sharded*:*dedicated*:*Caller*'

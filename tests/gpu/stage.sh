@@ -17,7 +17,7 @@ cd "$(dirname "$0")/../.."
 JOBS=${JOBS:-2}
 mkdir -p .gpubin
 
-targets="test_cuda_backend test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm
+targets="test_cuda_backend test_cuda_grouped test_cuda_muon test_cuda_cache test_cuda_tune test_nccl_comm
          test_nccl_dist_comm test_nccl_dist_engine test_nccl_dist_errors test_nccl_dist_dedicated
          nccl_fault_probe
          distmuon-bench distmuon-plan distmuon-cuda-bench"

@@ -1,0 +1,161 @@
+// Device side of Backend::gemm_grouped: D = alpha * A op(B) + beta * C for the matrices of several
+// batches of different shapes in one launch (bf16 or fp16 in, fp32 accumulation, rounded once).
+//
+// It serves products too small to fill the device, where a launch per batch costs more than the
+// product (ResNet convolutions as matrices, narrow projections): one block per 64 x 64 output
+// tile of any matrix of any problem, found from a table that travels in the kernel parameters
+// (no device-side list to build, so a graph captures it like any launch). Four warps each own
+// a 32 x 32 quarter of the tile through WMMA fragments; one shared-memory stage of k = 32 at a
+// time. A matrix's tiles do not depend on the other problems of the launch, so its result is
+// the same alone or in any group.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace distmuon::cuda::dev {
+
+constexpr int kGroupedTile = 64;          // output tile: kGroupedTile x kGroupedTile
+constexpr int kGroupedK = 32;             // k per shared-memory stage
+constexpr int kGroupedThreads = 128;      // four warps, 2 x 2 over the tile
+constexpr int kGroupedMaxProblems = 24;   // per launch, so that the table fits the parameters
+
+struct GroupedProblem {
+  const void* a;  // m x k, row-major
+  const void* b;  // k x n row-major, or n x k row-major when b_trans
+  const void* c;  // m x n source, or null
+  void* d;        // m x n output
+  int64_t stride_a, stride_b, stride_c, stride_d;  // elements from one matrix to the next
+  int32_t m, n, k;
+  int32_t lda, ldb, ldc, ldd;
+  int32_t b_trans;
+  int32_t vec;          // A's and B's rows start 16-byte aligned: 8-element loads
+  int32_t tiles_n;      // column tiles of one matrix
+  int32_t tiles;        // tiles of one matrix
+  int32_t first_block;  // the problem's first block in the launch
+  float alpha, beta;
+};
+
+struct GroupedTable {
+  GroupedProblem p[kGroupedMaxProblems];
+  int32_t count;
+};
+
+__device__ __forceinline__ float grouped_to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float grouped_to_float(__half v) { return __half2float(v); }
+template <typename T>
+__device__ __forceinline__ T grouped_from_float(float v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    return __float2bfloat16_rn(v);
+  else
+    return __float2half_rn(v);
+}
+
+// Eight consecutive elements (row, col .. col + 7) of a rows x cols matrix into shared memory,
+// zeros outside it.
+template <typename T>
+__device__ __forceinline__ void grouped_load8(T* dst, const T* src, int row, int rows, int col,
+                                              int cols, int ld, bool vec) {
+  if (vec && row < rows && col + 8 <= cols) {
+    *reinterpret_cast<uint4*>(dst) =
+        *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(row) * ld + col);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    dst[i] = row < rows && col + i < cols ? src[static_cast<int64_t>(row) * ld + col + i]
+                                          : grouped_from_float<T>(0.0f);
+}
+
+template <typename T, bool kTransB>
+__global__ void __launch_bounds__(kGroupedThreads)
+    grouped_gemm_kernel(const __grid_constant__ GroupedTable table) {
+  namespace wmma = nvcuda::wmma;
+  constexpr int BM = kGroupedTile, BN = kGroupedTile, BK = kGroupedK;
+  constexpr int LDA = BK + 8;                      // padded rows: fewer bank conflicts
+  constexpr int LDB = kTransB ? BK + 8 : BN + 8;   // B as n x k rows, or as k x n rows
+  constexpr int LDC = BN + 4;
+  __shared__ __align__(128) T a_s[BM * LDA];
+  __shared__ __align__(128) T b_s[kTransB ? BN * LDB : BK * LDB];
+  __shared__ __align__(128) float c_s[BM * LDC];
+
+  int pi = 0;
+  while (pi + 1 < table.count && static_cast<int>(blockIdx.x) >= table.p[pi + 1].first_block) ++pi;
+  const GroupedProblem& P = table.p[pi];
+  const int local = static_cast<int>(blockIdx.x) - P.first_block;
+  const int mat = local / P.tiles, tile = local % P.tiles;
+  const int row0 = tile / P.tiles_n * BM, col0 = tile % P.tiles_n * BN;
+  const T* A = static_cast<const T*>(P.a) + mat * P.stride_a;
+  const T* B = static_cast<const T*>(P.b) + mat * P.stride_b;
+  const bool vec = P.vec != 0;
+
+  const int warp = static_cast<int>(threadIdx.x) / 32, wm = warp / 2, wn = warp % 2;
+  using LayoutB = std::conditional_t<kTransB, wmma::col_major, wmma::row_major>;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+
+  for (int k0 = 0; k0 < P.k; k0 += BK) {
+    for (int q = threadIdx.x; q < BM * BK / 8; q += kGroupedThreads) {
+      const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
+      grouped_load8(&a_s[r * LDA + kc], A, row0 + r, P.m, k0 + kc, P.k, P.lda, vec);
+    }
+    if constexpr (kTransB) {
+      for (int q = threadIdx.x; q < BN * BK / 8; q += kGroupedThreads) {
+        const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
+        grouped_load8(&b_s[r * LDB + kc], B, col0 + r, P.n, k0 + kc, P.k, P.ldb, vec);
+      }
+    } else {
+      for (int q = threadIdx.x; q < BK * BN / 8; q += kGroupedThreads) {
+        const int r = q / (BN / 8), nc = q % (BN / 8) * 8;
+        grouped_load8(&b_s[r * LDB + nc], B, k0 + r, P.k, col0 + nc, P.n, P.ldb, vec);
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> fb[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        wmma::load_matrix_sync(fa[i], &a_s[(wm * 32 + 16 * i) * LDA + kk], LDA);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if constexpr (kTransB)
+          wmma::load_matrix_sync(fb[j], &b_s[(wn * 32 + 16 * j) * LDB + kk], LDB);
+        else
+          wmma::load_matrix_sync(fb[j], &b_s[kk * LDB + wn * 32 + 16 * j], LDB);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      wmma::store_matrix_sync(&c_s[(wm * 32 + 16 * i) * LDC + wn * 32 + 16 * j], acc[i][j], LDC,
+                              wmma::mem_row_major);
+  __syncthreads();
+  const T* C = P.c ? static_cast<const T*>(P.c) + mat * P.stride_c : nullptr;
+  T* D = static_cast<T*>(P.d) + mat * P.stride_d;
+  for (int e = threadIdx.x; e < BM * BN; e += kGroupedThreads) {
+    const int r = e / BN, col = e % BN, gr = row0 + r, gc = col0 + col;
+    if (gr >= P.m || gc >= P.n) continue;
+    float v = P.alpha * c_s[r * LDC + col];
+    if (C) v += P.beta * grouped_to_float(C[static_cast<int64_t>(gr) * P.ldc + gc]);
+    D[static_cast<int64_t>(gr) * P.ldd + gc] = grouped_from_float<T>(v);
+  }
+}
+
+}  // namespace distmuon::cuda::dev
