@@ -5,8 +5,8 @@
 // product (ResNet convolutions as matrices, narrow projections): one block per 64 x 64 output
 // tile of any matrix of any problem, found from a table that travels in the kernel parameters
 // (no device-side list to build, so a graph captures it like any launch). Four warps each own
-// a 32 x 32 quarter of the tile through WMMA fragments; one shared-memory stage of k = 32 at a
-// time. A matrix's tiles do not depend on the other problems of the launch, so its result is
+// a 32 x 32 quarter of the tile through WMMA fragments; stages of k = 64 go through shared
+// memory while the next stage's loads are in flight in registers. A matrix's tiles do not depend on the other problems of the launch, so its result is
 // the same alone or in any group.
 #pragma once
 
@@ -20,7 +20,7 @@
 namespace distmuon::cuda::dev {
 
 constexpr int kGroupedTile = 64;          // output tile: kGroupedTile x kGroupedTile
-constexpr int kGroupedK = 32;             // k per shared-memory stage
+constexpr int kGroupedK = 64;             // k per shared-memory stage
 constexpr int kGroupedThreads = 128;      // four warps, 2 x 2 over the tile
 constexpr int kGroupedMaxProblems = 24;   // per launch, so that the table fits the parameters
 
@@ -55,20 +55,22 @@ __device__ __forceinline__ T grouped_from_float(float v) {
     return __float2half_rn(v);
 }
 
-// Eight consecutive elements (row, col .. col + 7) of a rows x cols matrix into shared memory,
-// zeros outside it.
+// Eight consecutive elements (row, col .. col + 7) of a rows x cols matrix as one 16-byte
+// register, zeros outside the matrix.
 template <typename T>
-__device__ __forceinline__ void grouped_load8(T* dst, const T* src, int row, int rows, int col,
-                                              int cols, int ld, bool vec) {
-  if (vec && row < rows && col + 8 <= cols) {
-    *reinterpret_cast<uint4*>(dst) =
-        *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(row) * ld + col);
-    return;
-  }
+__device__ __forceinline__ uint4 grouped_load8(const T* src, int row, int rows, int col, int cols,
+                                               int ld, bool vec) {
+  if (vec && row < rows && col + 8 <= cols)
+    return *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(row) * ld + col);
+  union {
+    uint4 v;
+    T e[8];
+  } u;
 #pragma unroll
   for (int i = 0; i < 8; ++i)
-    dst[i] = row < rows && col + i < cols ? src[static_cast<int64_t>(row) * ld + col + i]
+    u.e[i] = row < rows && col + i < cols ? src[static_cast<int64_t>(row) * ld + col + i]
                                           : grouped_from_float<T>(0.0f);
+  return u.v;
 }
 
 template <typename T, bool kTransB>
@@ -79,6 +81,8 @@ __global__ void __launch_bounds__(kGroupedThreads)
   constexpr int LDA = BK + 8;                      // padded rows: fewer bank conflicts
   constexpr int LDB = kTransB ? BK + 8 : BN + 8;   // B as n x k rows, or as k x n rows
   constexpr int LDC = BN + 4;
+  // Chunks of eight elements per thread and stage: A's BM x BK, B's BK x BN.
+  constexpr int kChunksA = BM * BK / 8 / kGroupedThreads, kChunksB = BK * BN / 8 / kGroupedThreads;
   __shared__ __align__(128) T a_s[BM * LDA];
   __shared__ __align__(128) T b_s[kTransB ? BN * LDB : BK * LDB];
   __shared__ __align__(128) float c_s[BM * LDC];
@@ -93,6 +97,44 @@ __global__ void __launch_bounds__(kGroupedThreads)
   const T* B = static_cast<const T*>(P.b) + mat * P.stride_b;
   const bool vec = P.vec != 0;
 
+  // The next stage's operands travel in registers while the current one is multiplied, so that
+  // a block waits on memory once per stage at most, not load then compute in turn.
+  uint4 ra[kChunksA], rb[kChunksB];
+  auto fetch = [&](int k0) {
+#pragma unroll
+    for (int i = 0; i < kChunksA; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
+      const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
+      ra[i] = grouped_load8(A, row0 + r, P.m, k0 + kc, P.k, P.lda, vec);
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksB; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
+      if constexpr (kTransB) {
+        const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
+        rb[i] = grouped_load8(B, col0 + r, P.n, k0 + kc, P.k, P.ldb, vec);
+      } else {
+        const int r = q / (BN / 8), nc = q % (BN / 8) * 8;
+        rb[i] = grouped_load8(B, k0 + r, P.k, col0 + nc, P.n, P.ldb, vec);
+      }
+    }
+  };
+  auto stage = [&] {
+#pragma unroll
+    for (int i = 0; i < kChunksA; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
+      *reinterpret_cast<uint4*>(&a_s[q / (BK / 8) * LDA + q % (BK / 8) * 8]) = ra[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksB; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
+      if constexpr (kTransB)
+        *reinterpret_cast<uint4*>(&b_s[q / (BK / 8) * LDB + q % (BK / 8) * 8]) = rb[i];
+      else
+        *reinterpret_cast<uint4*>(&b_s[q / (BN / 8) * LDB + q % (BN / 8) * 8]) = rb[i];
+    }
+  };
+
   const int warp = static_cast<int>(threadIdx.x) / 32, wm = warp / 2, wn = warp % 2;
   using LayoutB = std::conditional_t<kTransB, wmma::col_major, wmma::row_major>;
   wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
@@ -101,23 +143,11 @@ __global__ void __launch_bounds__(kGroupedThreads)
 #pragma unroll
     for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
+  if (P.k > 0) fetch(0);
   for (int k0 = 0; k0 < P.k; k0 += BK) {
-    for (int q = threadIdx.x; q < BM * BK / 8; q += kGroupedThreads) {
-      const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
-      grouped_load8(&a_s[r * LDA + kc], A, row0 + r, P.m, k0 + kc, P.k, P.lda, vec);
-    }
-    if constexpr (kTransB) {
-      for (int q = threadIdx.x; q < BN * BK / 8; q += kGroupedThreads) {
-        const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
-        grouped_load8(&b_s[r * LDB + kc], B, col0 + r, P.n, k0 + kc, P.k, P.ldb, vec);
-      }
-    } else {
-      for (int q = threadIdx.x; q < BK * BN / 8; q += kGroupedThreads) {
-        const int r = q / (BN / 8), nc = q % (BN / 8) * 8;
-        grouped_load8(&b_s[r * LDB + nc], B, k0 + r, P.k, col0 + nc, P.n, P.ldb, vec);
-      }
-    }
+    stage();
     __syncthreads();
+    if (k0 + BK < P.k) fetch(k0 + BK);
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
