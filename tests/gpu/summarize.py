@@ -112,7 +112,7 @@ def main() -> int:
     rc = {r["name"]: r for r in runs}
 
     # C++: single-process GPU gtests.
-    for t, name in (("test_cuda_backend", "cuda-kernels"), ("test_cuda_muon", "cuda-kernels"), ("test_cuda_cache", "cuda-kernels"),
+    for t, name in (("test_cuda_backend", "cuda-kernels"), ("test_cuda_grouped", "cuda-kernels"), ("test_cuda_muon", "cuda-kernels"), ("test_cuda_cache", "cuda-kernels"),
                     ("test_cuda_tune", "cuda-kernels"), ("test_nccl_comm", "nccl-single")):
         if t not in rc:
             continue

@@ -2,10 +2,10 @@
 // batches of different shapes in one launch (bf16 or fp16 in, fp32 accumulation, rounded once).
 //
 // It serves products too small to fill the device, where a launch per batch costs more than the
-// product (ResNet convolutions as matrices, narrow projections): one block per 64 x 64 output
+// product (ResNet convolutions as matrices, narrow projections): one block per 32 x 32 output
 // tile of any matrix of any problem, found from a table that travels in the kernel parameters
 // (no device-side list to build, so a graph captures it like any launch). Four warps each own
-// a 32 x 32 quarter of the tile through WMMA fragments; stages of k = 64 go through shared
+// a quarter of the tile through WMMA fragments; stages of k = 64 go through shared
 // memory while the next stage's loads are in flight in registers. A matrix's tiles do not depend on the other problems of the launch, so its result is
 // the same alone or in any group.
 #pragma once
@@ -19,7 +19,7 @@
 
 namespace distmuon::cuda::dev {
 
-constexpr int kGroupedTile = 64;          // output tile: kGroupedTile x kGroupedTile
+constexpr int kGroupedTile = 32;          // output tile: kGroupedTile x kGroupedTile
 constexpr int kGroupedK = 64;             // k per shared-memory stage
 constexpr int kGroupedThreads = 128;      // four warps, 2 x 2 over the tile
 constexpr int kGroupedMaxProblems = 24;   // per launch, so that the table fits the parameters
@@ -83,9 +83,14 @@ __global__ void __launch_bounds__(kGroupedThreads)
   constexpr int LDC = BN + 4;
   // Chunks of eight elements per thread and stage: A's BM x BK, B's BK x BN.
   constexpr int kChunksA = BM * BK / 8 / kGroupedThreads, kChunksB = BK * BN / 8 / kGroupedThreads;
-  __shared__ __align__(128) T a_s[BM * LDA];
-  __shared__ __align__(128) T b_s[kTransB ? BN * LDB : BK * LDB];
-  __shared__ __align__(128) float c_s[BM * LDC];
+  // A's and B's stage, and after the last stage the fp32 tile for the epilogue, in one buffer.
+  constexpr int kBytesA = BM * LDA * 2, kBytesB = (kTransB ? BN : BK) * LDB * 2;
+  constexpr int kBytesC = BM * LDC * 4;
+  __shared__ __align__(128) unsigned char smem[kBytesA + kBytesB > kBytesC ? kBytesA + kBytesB
+                                                                           : kBytesC];
+  T* a_s = reinterpret_cast<T*>(smem);
+  T* b_s = reinterpret_cast<T*>(smem + kBytesA);
+  float* c_s = reinterpret_cast<float*>(smem);
 
   int pi = 0;
   while (pi + 1 < table.count && static_cast<int>(blockIdx.x) >= table.p[pi + 1].first_block) ++pi;
@@ -135,13 +140,17 @@ __global__ void __launch_bounds__(kGroupedThreads)
     }
   };
 
+  // Warp (wm, wn) of the 2 x 2 owns rows wm * WT .. and columns wn * WT .. of the tile: F x F
+  // fragments of 16 x 16.
+  constexpr int WT = BM / 2, F = WT / 16;
+  static_assert(BM == BN && WT % 16 == 0, "square tiles of whole fragments per warp");
   const int warp = static_cast<int>(threadIdx.x) / 32, wm = warp / 2, wn = warp % 2;
   using LayoutB = std::conditional_t<kTransB, wmma::col_major, wmma::row_major>;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[F][F];
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < F; ++i)
 #pragma unroll
-    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
+    for (int j = 0; j < F; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
   if (P.k > 0) fetch(0);
   for (int k0 = 0; k0 < P.k; k0 += BK) {
@@ -150,31 +159,31 @@ __global__ void __launch_bounds__(kGroupedThreads)
     if (k0 + BK < P.k) fetch(k0 + BK);
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
-      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[2];
-      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> fb[2];
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[F];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, T, LayoutB> fb[F];
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        wmma::load_matrix_sync(fa[i], &a_s[(wm * 32 + 16 * i) * LDA + kk], LDA);
+      for (int i = 0; i < F; ++i)
+        wmma::load_matrix_sync(fa[i], &a_s[(wm * WT + 16 * i) * LDA + kk], LDA);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+      for (int j = 0; j < F; ++j) {
         if constexpr (kTransB)
-          wmma::load_matrix_sync(fb[j], &b_s[(wn * 32 + 16 * j) * LDB + kk], LDB);
+          wmma::load_matrix_sync(fb[j], &b_s[(wn * WT + 16 * j) * LDB + kk], LDB);
         else
-          wmma::load_matrix_sync(fb[j], &b_s[kk * LDB + wn * 32 + 16 * j], LDB);
+          wmma::load_matrix_sync(fb[j], &b_s[kk * LDB + wn * WT + 16 * j], LDB);
       }
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
+      for (int i = 0; i < F; ++i)
 #pragma unroll
-        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
+        for (int j = 0; j < F; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
     __syncthreads();
   }
 
 #pragma unroll
-  for (int i = 0; i < 2; ++i)
+  for (int i = 0; i < F; ++i)
 #pragma unroll
-    for (int j = 0; j < 2; ++j)
-      wmma::store_matrix_sync(&c_s[(wm * 32 + 16 * i) * LDC + wn * 32 + 16 * j], acc[i][j], LDC,
+    for (int j = 0; j < F; ++j)
+      wmma::store_matrix_sync(&c_s[(wm * WT + 16 * i) * LDC + wn * WT + 16 * j], acc[i][j], LDC,
                               wmma::mem_row_major);
   __syncthreads();
   const T* C = P.c ? static_cast<const T*>(P.c) + mat * P.stride_c : nullptr;
