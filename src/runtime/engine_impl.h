@@ -6,9 +6,9 @@
 
 #include <functional>
 #include <map>
-#include <tuple>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "distmuon/cache.h"
