@@ -272,7 +272,8 @@ class Backend {
 
   // Several products of different shapes: problems[i] is C = alpha * op(A) op(B) + beta * Cin
   // over its own batch (c_in.data null: no source; it may alias c). A backend with a grouped
-  // kernel (grouped_gemm_native) runs them as one launch, which pays off where each product is
+  // kernel (grouped_gemm_native) runs them in as few launches as it can (CUDA: one per dtype,
+  // kind of B and 24 problems), which pays off where each product is
   // too small to fill the device. Each matrix's result depends only on its own operands, not
   // on the other problems of the call, but it differs from gemm()'s by rounding: callers that
   // must agree bit for bit take the same route for the same shapes (OrthoConfig's

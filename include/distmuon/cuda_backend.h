@@ -97,8 +97,9 @@ class CudaBackend final : public Backend {
             const BatchRef* c_in, const BatchRef& c) override;
   void gemm_symmetric(Op op_a, const BatchRef& a, Op op_b, const BatchRef& b, double alpha,
                       double beta, const BatchRef* c_in, const BatchRef& c) override;
-  // One launch of the grouped kernel (kernels/grouped_gemm_kernel.cuh) per call for bf16 and
-  // fp16 problems with A as stored; others go through gemm() one by one.
+  // Launches of the grouped kernel (kernels/grouped_gemm_kernel.cuh) for bf16 and fp16 problems
+  // with A as stored: one per dtype, kind of B (as stored, transposed) and 24 problems, usually
+  // one per call. Other problems (fp32, A transposed) go through gemm() one by one.
   void gemm_grouped(std::span<const GemmProblem> problems) override;
   bool grouped_gemm_native(DType t) const override;
   void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,

@@ -173,10 +173,12 @@ struct GroupExec {
     product(false, oa, a, ob, b, alpha, beta, cin, c);
   }
   void plus_identity(const BatchGroup& z, double a, const BatchGroup& out) {
-    for (size_t i = 0; i < z.parts.size(); ++i) be.lincomb(1.0, z.parts[i], 0.0, nullptr, a, out.parts[i]);
+    for (size_t i = 0; i < z.parts.size(); ++i)
+      be.lincomb(1.0, z.parts[i], 0.0, nullptr, a, out.parts[i]);
   }
   void copy(const BatchGroup& src, const BatchGroup& dst) {
-    for (size_t i = 0; i < src.parts.size(); ++i) be.scale_copy(src.parts[i], false, {}, dst.parts[i]);
+    for (size_t i = 0; i < src.parts.size(); ++i)
+      be.scale_copy(src.parts[i], false, {}, dst.parts[i]);
   }
 };
 

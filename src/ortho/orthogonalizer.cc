@@ -2,6 +2,7 @@
 // and 4). The iterations live in iteration.h as templates over an executor, so ortho_flops() counts
 // exactly the operations run() performs.
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "distmuon/error.h"
@@ -117,6 +118,24 @@ void Orthogonalizer::run_group(std::span<const GroupMember> members, OrthoStats*
     bufs.push_back(ortho_detail::carve_iteration(ws, g.cfg, g.x));
     xs.push_back(g.x);
   }
+  // One launch computes every member's product at once: no member may write what another
+  // reads (on a device that would be a race inside one launch; the CPU would hide it).
+  auto range = [](const void* p, size_t bytes) {
+    const auto b = reinterpret_cast<uintptr_t>(p);
+    return std::pair{b, b + bytes};
+  };
+  std::vector<std::pair<uintptr_t, uintptr_t>> used;
+  for (const GroupMember& g : members) {
+    if (g.x.count == 0) continue;
+    used.push_back(range(g.x.data, g.x.bytes()));
+    used.push_back(range(g.workspace, workspace_bytes(g.cfg, g.x.count, g.x.rows, g.x.cols)));
+  }
+  for (size_t i = 0; i < used.size(); ++i)
+    for (size_t j = i + 1; j < used.size(); ++j)
+      DM_CHECK(used[i].second <= used[j].first || used[j].second <= used[i].first,
+               "run_group: members ", i / 2, " and ", j / 2, " share memory (their ",
+               i % 2 ? "workspace" : "input", " and ", j % 2 ? "workspace" : "input",
+               "): every member needs its own");
   if (stats) stats->calls += static_cast<int64_t>(members.size());
   if (xs.empty()) return;
   // Each buffer of the iteration as a group of every member's buffer.

@@ -126,6 +126,12 @@ void Engine::Impl::dist_setup() {
       err << "parameter '" << p.spec.name << "' has a shard, but " << mode
           << " mode takes full parameters";
   }
+  std::string grouped = "auto";
+  try {
+    grouped = grouped_products_setting();
+  } catch (const Error& e) {
+    if (err.tellp() == 0) err << error_text(e);
+  }
   std::string local_error = err.str();
   shard_size = local_error.empty() ? world_size / R : world_size;
   my_r = rank / shard_size;
@@ -139,7 +145,8 @@ void Engine::Impl::dist_setup() {
          << dist.replicate << ", bucket_bytes " << dist.bucket_bytes << ", grad_mean "
          << dist.grad_mean << ", check_grad_presence " << dist.check_grad_presence
          << ", caller_transfers " << dist.caller_transfers << ", fixed owners "
-         << dist.owners.size() << ", nonfinite " << static_cast<int>(options.nonfinite) << "\n";
+         << dist.owners.size() << ", nonfinite " << static_cast<int>(options.nonfinite)
+         << ", DISTMUON_GROUPED_PRODUCTS " << grouped << "\n";
   for (size_t g = 0; g < groups.size(); ++g) {
     const GroupOptions& o = groups[g];
     common << "group " << g << " "

@@ -152,9 +152,14 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   // OrthoConfig::grouped_products for a class (DISTMUON_GROUPED_PRODUCTS; auto: the backend
   // groups this work dtype natively, m <= kGroupedMaxRows and count m^2 n <= kGroupedMaxWork,
   // i.e. one of the class's products is a few microseconds of the device's time: launch-bound).
+  // DISTMUON_GROUPED_PRODUCTS is read once, where the classes are set up (tune_shapes), so that
+  // a bad value fails before any step and a step never sees it change; distributed, it is part
+  // of what every rank must agree on (dist_setup.cc).
   bool grouped_products(int group, int64_t m, int64_t n, DType work) const;
+  static std::string grouped_products_setting();  // "auto", "off" or "all"; throws otherwise
   static constexpr int64_t kGroupedMaxRows = 512;
   static constexpr double kGroupedMaxWork = 1 << 30;
+  std::string grouped_setting = "auto";
   std::map<std::tuple<int, int64_t, int64_t>, int64_t> shape_counts;  // (group, m, n): count
   void tune_shapes(const std::vector<TuneShape>& shapes);
   std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes

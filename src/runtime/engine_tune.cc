@@ -77,11 +77,17 @@ OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   return r;
 }
 
+std::string Engine::Impl::grouped_products_setting() {
+  std::string v = env::get("DISTMUON_GROUPED_PRODUCTS");
+  if (v.empty()) v = "auto";
+  DM_CHECK(v == "auto" || v == "off" || v == "all", "DISTMUON_GROUPED_PRODUCTS=", v,
+           ": expected auto, off or all");
+  return v;
+}
+
 bool Engine::Impl::grouped_products(int group, int64_t m, int64_t n, DType work) const {
-  const std::string mode = env::get("DISTMUON_GROUPED_PRODUCTS");
-  if (mode == "off") return false;
-  if (mode == "all") return true;
-  DM_CHECK(mode == "auto", "DISTMUON_GROUPED_PRODUCTS=", mode, ": expected auto, off or all");
+  if (grouped_setting == "off") return false;
+  if (grouped_setting == "all") return true;
   if (!backend.grouped_gemm_native(work) || m > kGroupedMaxRows) return false;
   // The class's count over every rank (tune_shapes' shapes), so that every mode and rank that
   // orthogonalizes it decides alike, whatever share of it each holds.
@@ -91,6 +97,7 @@ bool Engine::Impl::grouped_products(int group, int64_t m, int64_t n, DType work)
 }
 
 void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
+  grouped_setting = grouped_products_setting();
   shape_counts.clear();
   for (const TuneShape& t : shapes) shape_counts[{t.group, t.m, t.n}] = t.count;
   AutoTune mode = options.autotune;

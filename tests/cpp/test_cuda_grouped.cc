@@ -66,8 +66,8 @@ struct DeviceProblem {
 };
 
 // Problems the kernel computes (bf16 and fp16, B as stored and transposed, leading dimensions
-// that are not multiples of 8, a source, a source that is the output, several tiles of
-// the kernel tile with ragged edges) and ones that go through gemm() one by one (A transposed, fp32).
+// that are not multiples of 8, a source, a source that is the output, several kernel tiles
+// with ragged edges) and ones that go through gemm() one by one (A transposed, fp32).
 const std::vector<Case> kCases = {
     {DType::kBF16, Op::kN, Op::kT, 3, 64, 64, 147, false, false},   // X X^T, unaligned rows
     {DType::kBF16, Op::kN, Op::kN, 2, 72, 136, 72, true, false},    // Q X with a source

@@ -5,6 +5,8 @@
 // before any data moves, and never hang (ctest runs these with a 60 s communicator timeout).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+
 #include <functional>
 
 #include "dist_rig.h"
@@ -119,6 +121,18 @@ TEST_F(MpiErrors, PlannersThatDifferOrDoNotExist) {
   if (odd_one()) bad.planner = "greedy";
   expect_has(error_everywhere([&] { setup_with(DistMode::kSharded, bad); }),
              {"rank 1: unknown planner 'greedy'"});
+}
+
+// Grouped products decide which kernel every rank runs for a class: ranks must agree on the
+// knob, and a bad value fails the set-up everywhere, before any step.
+TEST_F(MpiErrors, GroupedProductsSettingsThatDifferOrDoNotExist) {
+  if (odd_one()) setenv("DISTMUON_GROUPED_PRODUCTS", "off", 1);
+  expect_has(error_everywhere([&] { setup_with(DistMode::kDedicated, Reg{}); }),
+             {"DISTMUON_GROUPED_PRODUCTS auto", "DISTMUON_GROUPED_PRODUCTS off", "rank 1"});
+  if (odd_one()) setenv("DISTMUON_GROUPED_PRODUCTS", "sometimes", 1);
+  expect_has(error_everywhere([&] { setup_with(DistMode::kSharded, Reg{}); }),
+             {"rank 1: DISTMUON_GROUPED_PRODUCTS=sometimes: expected auto, off or all"});
+  unsetenv("DISTMUON_GROUPED_PRODUCTS");
 }
 
 TEST_F(MpiErrors, ACostFileRankZeroCannotReadFailsEverywhere) {

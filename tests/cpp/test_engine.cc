@@ -512,10 +512,23 @@ TEST(Engine, GroupedProductsGiveEveryClassTheBitsItGetsAlone) {
   EXPECT_EQ(engines[0]->stats().ortho.flops, alone.flops);
   EXPECT_EQ(engines[0]->stats().ortho.matrices, alone.matrices);
   EXPECT_GT(engines[0]->stats().cache.hits + engines[0]->stats().cache.refreshes, 0);
+  // The knob is read where the classes are set up: a bad value fails the first step before
+  // anything changed.
   setenv("DISTMUON_GROUPED_PRODUCTS", "sometimes", 1);
-  std::vector<ParamData> d;
-  for (size_t i = 0; i < n; ++i) d.push_back({w[0][i].data(), grads[i].data(), DType::kF32, {}});
-  EXPECT_THROW(engines[0]->step(d), Error);
+  Engine bad(be);
+  bad.add_group(g);
+  bad.add_param({"p", 0, {8, 20}, DType::kF32});
+  std::vector<float> wb(160, 0.25f);
+  const std::vector<ParamData> d = {{wb.data(), grads[0].data(), DType::kF32, {}}};
+  try {
+    bad.step(d);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("DISTMUON_GROUPED_PRODUCTS=sometimes"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_EQ(wb, std::vector<float>(160, 0.25f));
+  EXPECT_EQ(bad.stats().steps, 0);
   unsetenv("DISTMUON_GROUPED_PRODUCTS");
 }
 

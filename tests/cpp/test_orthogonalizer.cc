@@ -261,6 +261,17 @@ TEST(Orthogonalizer, GroupOfShapesGivesEachBatchTheBitsItGetsAlone) {
       {resolve(gram, 8, 16), a.ref, w.data(), w.bytes()},
       {resolve(sym, 8, 16), b.ref, w.data(), w.bytes()}};
   EXPECT_THROW(ortho.run_group(mixed), Error);
+  HostBatch c(iteration_dtype(resolve(gram, 8, 16)), 1, 8, 16);
+  const std::vector<Orthogonalizer::GroupMember> shared = {
+      {resolve(gram, 8, 16), a.ref, w.data(), w.bytes()},
+      {resolve(gram, 8, 16), c.ref, w.data(), w.bytes()}};
+  try {
+    ortho.run_group(shared);
+    ADD_FAILURE() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("members 0 and 1 share memory"), std::string::npos)
+        << e.what();
+  }
   OrthoConfig plain = gram;
   plain.grouped_products = false;
   const std::vector<Orthogonalizer::GroupMember> ungrouped = {

@@ -5,9 +5,9 @@
 // product (ResNet convolutions as matrices, narrow projections): one block per 32 x 32 output
 // tile of any matrix of any problem, found from a table that travels in the kernel parameters
 // (no device-side list to build, so a graph captures it like any launch). Four warps each own
-// a quarter of the tile through WMMA fragments; stages of k = 64 go through shared
-// memory while the next stage's loads are in flight in registers. A matrix's tiles do not depend on the other problems of the launch, so its result is
-// the same alone or in any group.
+// a quarter of the tile through WMMA fragments; stages of k = 64 go through shared memory
+// while the next stage's loads are in flight in registers. A matrix's tiles do not depend on
+// the other problems of the launch, so its result is the same alone or in any group.
 #pragma once
 
 #include <cuda_bf16.h>
