@@ -19,6 +19,11 @@ namespace distmuon::ortho_detail {
 inline double sym_flops(int64_t m, int64_t k) { return static_cast<double>(m) * (m + 1) * k; }
 inline double dense_flops(int64_t m, int64_t n, int64_t k) { return 2.0 * m * n * k; }
 inline int64_t inner(Op oa, const BatchRef& a) { return oa == Op::kN ? a.cols : a.rows; }
+// Counted FLOPs of C = op(A) op(B) over a batch: one triangle when symmetric.
+inline double product_flops(bool symmetric, Op oa, const BatchRef& a, const BatchRef& c) {
+  const int64_t k = inner(oa, a);
+  return (symmetric ? sym_flops(c.rows, k) : dense_flops(c.rows, c.cols, k)) * c.count;
+}
 
 // Issues operations on the backend. While a mask is set, products and copies touch only the
 // selected matrices; their FLOPs are then not added here (the caller accounts for them once
@@ -46,7 +51,7 @@ struct BackendExec {
       grouped_product(oa, a, ob, b, alpha, beta, cin, c);
     else
       be.gemm_symmetric(oa, a, ob, b, alpha, beta, cin, c);
-    add(sym_flops(c.rows, inner(oa, a)) * c.count);
+    add(product_flops(true, oa, a, c));
   }
   void dense(Op oa, const BatchRef& a, Op ob, const BatchRef& b, double alpha, double beta,
              const BatchRef* cin, const BatchRef& c) {
@@ -56,7 +61,7 @@ struct BackendExec {
       grouped_product(oa, a, ob, b, alpha, beta, cin, c);
     else
       be.gemm(oa, a, ob, b, alpha, beta, cin, c);
-    add(dense_flops(c.rows, c.cols, inner(oa, a)) * c.count);
+    add(product_flops(false, oa, a, c));
   }
   // A group of one: the same kernel as the batch's share of a run_group launch, so a batch
   // orthogonalized alone gets the bits it gets in a group.
@@ -113,11 +118,11 @@ struct FlopCounter {
   double total() const { return std::accumulate(bucket.begin(), bucket.end(), 0.0); }
   void sym(Op oa, const BatchRef& a, Op, const BatchRef&, double, double, const BatchRef*,
            const BatchRef& c) {
-    bucket[current] += sym_flops(c.rows, inner(oa, a)) * c.count;
+    bucket[current] += product_flops(true, oa, a, c);
   }
   void dense(Op oa, const BatchRef& a, Op, const BatchRef&, double, double, const BatchRef*,
              const BatchRef& c) {
-    bucket[current] += dense_flops(c.rows, c.cols, inner(oa, a)) * c.count;
+    bucket[current] += product_flops(false, oa, a, c);
   }
   void plus_identity(const BatchRef&, double, const BatchRef&) {}
   void copy(const BatchRef&, const BatchRef&) {}
@@ -157,10 +162,7 @@ struct GroupExec {
       const BatchRef& ci = c.parts[i];
       problems.push_back({oa, a.parts[i], ob, b.parts[i], alpha, beta,
                           cin ? cin->parts[i] : BatchRef{}, ci});
-      if (stats)
-        stats->flops += (symmetric ? sym_flops(ci.rows, inner(oa, a.parts[i]))
-                                   : dense_flops(ci.rows, ci.cols, inner(oa, a.parts[i]))) *
-                        ci.count;
+      if (stats) stats->flops += product_flops(symmetric, oa, a.parts[i], ci);
     }
     be.gemm_grouped(problems);
   }

@@ -63,10 +63,13 @@ bool Orthogonalizer::same_schedule(const OrthoConfig& a, const OrthoConfig& b) {
       iteration_dtype(a) != iteration_dtype(b) || a.coefficients != b.coefficients ||
       a.grouped_products != b.grouped_products)
     return false;
-  const std::vector<QuinticCoef> ca = coefficient_schedule(a), cb = coefficient_schedule(b);
-  for (size_t i = 0; i < ca.size(); ++i)
-    if (ca[i].a != cb[i].a || ca[i].b != cb[i].b || ca[i].c != cb[i].c) return false;
-  return true;
+  // A named schedule is fixed by its name and the steps; a custom one by its rows.
+  if (a.coefficients != Coefficients::kCustom) return true;
+  auto same = [](const QuinticCoef& p, const QuinticCoef& q) {
+    return p.a == q.a && p.b == q.b && p.c == q.c;
+  };
+  return std::equal(a.custom_coefficients.begin(), a.custom_coefficients.end(),
+                    b.custom_coefficients.begin(), b.custom_coefficients.end(), same);
 }
 
 void Orthogonalizer::run(const OrthoConfig& cfg, const BatchRef& x, const BatchRef& out,
@@ -128,7 +131,7 @@ void Orthogonalizer::run_group(std::span<const GroupMember> members, OrthoStats*
   for (const GroupMember& g : members) {
     if (g.x.count == 0) continue;
     used.push_back(range(g.x.data, g.x.bytes()));
-    used.push_back(range(g.workspace, workspace_bytes(g.cfg, g.x.count, g.x.rows, g.x.cols)));
+    used.push_back(range(g.workspace, g.workspace_size));
   }
   for (size_t i = 0; i < used.size(); ++i)
     for (size_t j = i + 1; j < used.size(); ++j)

@@ -152,21 +152,22 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   // Classes whose products run grouped (OrthoConfig::grouped_products) and that iterate alike
   // share every launch of their orthogonalization: pass 2 of each, one run_group, then each
   // one's skips and updates. A class through CacheMuon runs alone.
-  auto grouped = [&](size_t ci) {
-    return batches[ci].count > 0 && classes[ci].resolved.grouped_products && !how_of(ci).cache;
-  };
-  std::vector<bool> done(classes.size(), false);
+  std::vector<bool> grouped(classes.size()), done(classes.size(), false);
+  for (size_t ci = 0; ci < classes.size(); ++ci)
+    grouped[ci] =
+        batches[ci].count > 0 && classes[ci].resolved.grouped_products && !how_of(ci).cache;
   for (size_t ci = 0; ci < classes.size(); ++ci) {
     const MuonBatch& batch = batches[ci];
     if (batch.count == 0 || done[ci]) continue;
-    if (!grouped(ci)) {
-      batch.orthogonalize_momentum(x_of(ci), how_of(ci), skip_counter.as<int64_t>());
-      batch.update(x_of(ci));
+    if (!grouped[ci]) {
+      const BatchRef x = x_of(ci);
+      batch.orthogonalize_momentum(x, how_of(ci), skip_counter.as<int64_t>());
+      batch.update(x);
       continue;
     }
     std::vector<size_t> group;
     for (size_t cj = ci; cj < classes.size(); ++cj)
-      if (!done[cj] && grouped(cj) &&
+      if (!done[cj] && grouped[cj] &&
           Orthogonalizer::same_schedule(classes[cj].resolved, classes[ci].resolved)) {
         group.push_back(cj);
         done[cj] = true;
