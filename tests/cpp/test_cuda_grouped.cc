@@ -114,6 +114,42 @@ TEST(CudaGrouped, EveryProblemMatchesFloat64AndItsBitsAlone) {
   }
 }
 
+// More problems than one launch's table takes (30, in two launches), half of them given a
+// source with beta = 0 (which must be ignored): each matches float64 and its bits alone.
+TEST(CudaGrouped, ManyProblemsSplitIntoLaunches) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  std::vector<HostProblem> host;
+  for (int p = 0; p < 30; ++p)
+    host.emplace_back(Case{DType::kBF16, Op::kN, Op::kN, 1 + p % 3, 8 + 5 * p, 16 + 3 * p,
+                           24 + 7 * p, false, false});
+  std::vector<std::unique_ptr<DeviceProblem>> together, alone;
+  std::vector<GemmProblem> call;
+  for (size_t p = 0; p < host.size(); ++p) {
+    host[p].out.poison();
+    together.push_back(std::make_unique<DeviceProblem>(be, host[p]));
+    alone.push_back(std::make_unique<DeviceProblem>(be, host[p]));
+    GemmProblem g = together.back()->problem(host[p].c);
+    if (p % 2) g.c_in = together.back()->cin.ref;  // beta stays 0
+    call.push_back(g);
+  }
+  be.gemm_grouped(call);
+  for (size_t p = 0; p < host.size(); ++p) {
+    const GemmProblem one = alone[p]->problem(host[p].c);
+    be.gemm_grouped({&one, 1});
+  }
+  be.synchronize();
+  for (size_t p = 0; p < host.size(); ++p) {
+    SCOPED_TRACE("problem " + std::to_string(p));
+    HostBatch got = like(host[p].out), got_alone = like(host[p].out);
+    together[p]->out.download(be, got);
+    alone[p]->out.download(be, got_alone);
+    for (int64_t i = 0; i < host[p].c.count; ++i)
+      EXPECT_LT(rel_err(got.get(i), host[p].want[i]), 1e-2) << "matrix " << i;
+    EXPECT_TRUE(same_bytes(got, got_alone));
+  }
+}
+
 // run_group over three shapes of one schedule against run() of each batch alone (bit for bit)
 // and against the float64 iteration; ns5 and Gram NS (fp16 work) both.
 TEST(CudaGrouped, RunGroupEqualsRunAloneAndTheFloat64Iteration) {

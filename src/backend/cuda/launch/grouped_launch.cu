@@ -18,6 +18,9 @@ namespace {
 
 bool half_dtype(DType t) { return t == DType::kBF16 || t == DType::kF16; }
 
+// Blocks of one launch at most (a grid's x extent is below 2^31).
+constexpr int64_t kMaxBlocks = std::numeric_limits<int32_t>::max() / 2;
+
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // Whether the kernel computes this problem; then fills `out` (all but first_block).
@@ -33,7 +36,7 @@ bool describe(const GemmProblem& p, DType t, cuda::dev::GroupedProblem* out) {
     if (v > kMax) return false;
   const int64_t tiles_m = (dm.m + cuda::dev::kGroupedTile - 1) / cuda::dev::kGroupedTile;
   const int64_t tiles_n = (dm.n + cuda::dev::kGroupedTile - 1) / cuda::dev::kGroupedTile;
-  if (tiles_m * tiles_n * p.c.count > kMax / 2) return false;
+  if (tiles_m * tiles_n > kMax / 2) return false;  // by shape alone: never by count
   cuda::dev::GroupedProblem g{};
   g.a = p.a.data;
   g.b = p.b.data;
@@ -80,43 +83,61 @@ void launch_table(const cuda::dev::GroupedTable& table, int64_t blocks, bool tra
 bool CudaBackend::grouped_gemm_native(DType t) const { return half_dtype(t); }
 
 void CudaBackend::gemm_grouped(std::span<const GemmProblem> problems) {
-  // Launch lists by dtype (fp16, bf16) and kind of B (as stored, transposed); each problem's
-  // `first_block` holds its matrix count until its list is laid out.
+  // Every problem is checked before anything is issued, so that a bad one leaves nothing done.
+  // Launch lists by dtype (fp16, bf16) and kind of B (as stored, transposed); `first_block`
+  // holds a problem's matrix count until its launch is laid out.
   std::vector<cuda::dev::GroupedProblem> lists[2][2];
+  std::vector<const GemmProblem*> one_by_one;
   for (const GemmProblem& p : problems) {
     cuda::dev::GroupedProblem g;
     const DType t = p.c.dtype;
     if (!half_dtype(t) || !describe(p, t, &g)) {
-      gemm(p.op_a, p.a, p.op_b, p.b, p.alpha, p.beta, p.c_in.data ? &p.c_in : nullptr, p.c);
+      one_by_one.push_back(&p);
       continue;
     }
     if (p.c.count == 0 || g.m == 0 || g.n == 0) continue;
-    g.first_block = static_cast<int32_t>(p.c.count);
-    lists[t == DType::kBF16 ? 1 : 0][g.b_trans].push_back(g);
+    g.first_block = static_cast<int32_t>(std::min<int64_t>(p.c.count, kMaxBlocks / g.tiles));
+    // A problem of more matrices than one launch can take goes in several entries.
+    for (int64_t first = 0; first < p.c.count; first += g.first_block) {
+      cuda::dev::GroupedProblem part = g;
+      const int64_t n = std::min<int64_t>(g.first_block, p.c.count - first);
+      auto at = [&](const void* base, int64_t stride, DType dt) {
+        return static_cast<const char*>(base) + first * stride * dtype_size(dt);
+      };
+      part.a = at(g.a, g.stride_a, t);
+      part.b = at(g.b, g.stride_b, t);
+      part.c = g.c ? at(g.c, g.stride_c, t) : nullptr;
+      part.d = const_cast<char*>(at(g.d, g.stride_d, t));
+      part.first_block = static_cast<int32_t>(n);
+      lists[t == DType::kBF16 ? 1 : 0][g.b_trans].push_back(part);
+    }
   }
+  for (const GemmProblem* p : one_by_one)
+    gemm(p->op_a, p->a, p->op_b, p->b, p->alpha, p->beta, p->c_in.data ? &p->c_in : nullptr, p->c);
   cudaStream_t stream = impl_->stream;
   for (int bf16 = 0; bf16 < 2; ++bf16)
     for (int trans = 0; trans < 2; ++trans) {
       const std::vector<cuda::dev::GroupedProblem>& list = lists[bf16][trans];
-      for (size_t first = 0; first < list.size(); first += cuda::dev::kGroupedMaxProblems) {
-        cuda::dev::GroupedTable table{};
-        table.count = static_cast<int32_t>(
-            std::min<size_t>(cuda::dev::kGroupedMaxProblems, list.size() - first));
-        int64_t blocks = 0;
-        for (int i = 0; i < table.count; ++i) {
-          cuda::dev::GroupedProblem g = list[first + i];
-          const int64_t count = g.first_block;
-          g.first_block = static_cast<int32_t>(blocks);
-          blocks += count * g.tiles;
-          table.p[i] = g;
-          DM_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "gemm_grouped: ", blocks,
-                   " tiles in one launch");
-        }
+      cuda::dev::GroupedTable table{};
+      int64_t blocks = 0;
+      auto flush = [&] {
+        if (table.count == 0) return;
         if (bf16)
           launch_table<__nv_bfloat16>(table, blocks, trans == 1, stream);
         else
           launch_table<__half>(table, blocks, trans == 1, stream);
+        table = {};
+        blocks = 0;
+      };
+      for (cuda::dev::GroupedProblem g : list) {
+        const int64_t count = g.first_block;
+        if (table.count == cuda::dev::kGroupedMaxProblems || blocks + count * g.tiles > kMaxBlocks)
+          flush();
+        g.first_block = static_cast<int32_t>(blocks);
+        blocks += count * g.tiles;
+        table.p[table.count++] = g;
       }
+      flush();
     }
 }
 
