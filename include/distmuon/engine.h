@@ -51,7 +51,8 @@ struct TunedShape {
   OrthoConfig config;          // resolved
   // "stored" / "measured" (the measurement store, earlier or now), "predicted" (the cost model
   // on the stored shapes), "heuristic" (resolve(): an untuned backend, an empty store, autotune
-  // off, or a config the tuner does not cover).
+  // off, or a config the tuner does not cover), "grouped" (a class whose products share their
+  // launches with other small classes: Gram NS for all of them, untimed; docs/design.md).
   std::string source;
   double ms = 0;  // the batch's measured or predicted milliseconds; 0 for the heuristic
 };

@@ -565,6 +565,32 @@ TEST(Engine, SmallClassesShareTheirLaunchesWhereTheBackendGroups) {
   EXPECT_LT(grouped, alone / 2);
 }
 
+// `auto` resolves every class that shares its launches to Gram NS untimed (one schedule, so all
+// of them share every launch), and the others as before.
+TEST(Engine, AutoGivesGroupedClassesOneSchedule) {
+  test::NullBackend be;
+  be.grouped_native = true;
+  Engine e(be);
+  e.add_group(GroupOptions{});  // auto
+  e.add_param({"small", 0, {64, 576}, DType::kF32});
+  e.add_param({"square", 0, {128, 128}, DType::kF32});
+  e.add_param({"large", 0, {1024, 4096}, DType::kF32});
+  const std::vector<TunedShape> rows = e.tune();
+  ASSERT_EQ(rows.size(), 3u);
+  for (const TunedShape& r : rows) {
+    SCOPED_TRACE(std::to_string(r.rows) + "x" + std::to_string(r.cols));
+    const bool small = r.rows <= 128;
+    EXPECT_EQ(r.source, small ? "grouped" : "heuristic");
+    EXPECT_EQ(r.config.grouped_products, small);
+    if (small) EXPECT_EQ(r.config.iteration, Iteration::kGram);
+  }
+  for (int i : {0, 1}) {
+    EXPECT_TRUE(e.resolved_ortho(i).grouped_products) << i;
+    EXPECT_EQ(e.resolved_ortho(i).iteration, Iteration::kGram) << i;
+  }
+  EXPECT_FALSE(e.resolved_ortho(2).grouped_products);
+}
+
 TEST(Engine, OperationsPerStepDoNotGrowWithTheMatrices) {
   auto ops_per_step = [](const std::string& workload, int64_t layers, const char* algo) {
     test::NullBackend be;
