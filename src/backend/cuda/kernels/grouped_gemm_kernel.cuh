@@ -5,10 +5,9 @@
 // product (ResNet convolutions as matrices, narrow projections): one block per 32 x 32 output
 // tile of any matrix of any problem, found from a table that travels in the kernel parameters
 // (no device-side list to build, so a graph captures it like any launch). Four warps each own
-// a quarter of the tile through WMMA fragments; stages of k = 64 go through a ring of four
-// shared-memory buffers, three of them loading (cp.async) while one is multiplied. A matrix's
-// tiles do not depend on the other problems of the launch, so its result is the same alone or
-// in any group.
+// a quarter of the tile through WMMA fragments; stages of k = 64 go through shared memory
+// while the next stage's loads are in flight in registers. A matrix's tiles do not depend on
+// the other problems of the launch, so its result is the same alone or in any group.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,7 +21,6 @@ namespace distmuon::cuda::dev {
 
 constexpr int kGroupedTile = 32;          // output tile: kGroupedTile x kGroupedTile
 constexpr int kGroupedK = 64;             // k per shared-memory stage
-constexpr int kGroupedStages = 4;         // stages in shared memory, S - 1 of them in flight
 constexpr int kGroupedThreads = 128;      // four warps, 2 x 2 over the tile
 constexpr int kGroupedMaxProblems = 24;   // per launch, so that the table fits the parameters
 
@@ -58,10 +56,12 @@ __device__ __forceinline__ T grouped_from_float(float v) {
 }
 
 // Eight consecutive elements (row, col .. col + 7) of a rows x cols matrix as one 16-byte
-// register, zeros outside the matrix (rows that do not start 16-byte aligned).
+// register, zeros outside the matrix.
 template <typename T>
 __device__ __forceinline__ uint4 grouped_load8(const T* src, int row, int rows, int col, int cols,
-                                               int ld) {
+                                               int ld, bool vec) {
+  if (vec && row < rows && col + 8 <= cols)
+    return *reinterpret_cast<const uint4*>(src + static_cast<int64_t>(row) * ld + col);
   union {
     uint4 v;
     T e[8];
@@ -73,38 +73,23 @@ __device__ __forceinline__ uint4 grouped_load8(const T* src, int row, int rows, 
   return u.v;
 }
 
-// The same eight elements copied into shared memory asynchronously (cp.async, 16-byte aligned
-// rows): the bytes past the matrix's edge are filled with zeros.
-template <typename T>
-__device__ __forceinline__ void grouped_copy8_async(T* dst, const T* src, int row, int rows,
-                                                    int col, int cols, int ld) {
-  const int avail = row < rows ? min(max(cols - col, 0), 8) : 0;
-  const T* from = avail > 0 ? src + static_cast<int64_t>(row) * ld + col : src;
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from),
-               "r"(avail * 2));
-}
-__device__ __forceinline__ void grouped_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int kPending>
-__device__ __forceinline__ void grouped_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
 template <typename T, bool kTransB>
 __global__ void __launch_bounds__(kGroupedThreads)
     grouped_gemm_kernel(const __grid_constant__ GroupedTable table) {
   namespace wmma = nvcuda::wmma;
-  constexpr int BM = kGroupedTile, BN = kGroupedTile, BK = kGroupedK, S = kGroupedStages;
+  constexpr int BM = kGroupedTile, BN = kGroupedTile, BK = kGroupedK;
   constexpr int LDA = BK + 8;                      // padded rows: fewer bank conflicts
   constexpr int LDB = kTransB ? BK + 8 : BN + 8;   // B as n x k rows, or as k x n rows
   constexpr int LDC = BN + 4;
   // Chunks of eight elements per thread and stage: A's BM x BK, B's BK x BN.
   constexpr int kChunksA = BM * BK / 8 / kGroupedThreads, kChunksB = BK * BN / 8 / kGroupedThreads;
-  // S stages of A and B, and after the last one the fp32 tile for the epilogue, in one buffer.
+  // A's and B's stage, and after the last stage the fp32 tile for the epilogue, in one buffer.
   constexpr int kBytesA = BM * LDA * 2, kBytesB = (kTransB ? BN : BK) * LDB * 2;
-  constexpr int kBytesStage = kBytesA + kBytesB, kBytesC = BM * LDC * 4;
-  __shared__ __align__(128) unsigned char smem[S * kBytesStage > kBytesC ? S * kBytesStage
-                                                                         : kBytesC];
+  constexpr int kBytesC = BM * LDC * 4;
+  __shared__ __align__(128) unsigned char smem[kBytesA + kBytesB > kBytesC ? kBytesA + kBytesB
+                                                                           : kBytesC];
+  T* a_s = reinterpret_cast<T*>(smem);
+  T* b_s = reinterpret_cast<T*>(smem + kBytesA);
   float* c_s = reinterpret_cast<float*>(smem);
 
   int pi = 0;
@@ -117,34 +102,41 @@ __global__ void __launch_bounds__(kGroupedThreads)
   const T* B = static_cast<const T*>(P.b) + mat * P.stride_b;
   const bool vec = P.vec != 0;
 
-  // Stage k0 of A and B into buffer `buf`: asynchronously where rows start 16-byte aligned, so
-  // that S - 1 stages are in flight while one is multiplied; else through registers (the data
-  // in shared memory, and so the result, is the same either way).
-  auto issue = [&](int buf, int k0) {
-    T* a_s = reinterpret_cast<T*>(smem + buf * kBytesStage);
-    T* b_s = reinterpret_cast<T*>(smem + buf * kBytesStage + kBytesA);
-    auto copy8 = [&](T* dst, const T* src, int row, int rows, int col, int cols, int ld) {
-      if (vec)
-        grouped_copy8_async(dst, src, row, rows, col, cols, ld);
-      else
-        *reinterpret_cast<uint4*>(dst) = grouped_load8(src, row, rows, col, cols, ld);
-    };
+  // The next stage's operands travel in registers while the current one is multiplied, so that
+  // a block waits on memory once per stage at most, not load then compute in turn.
+  uint4 ra[kChunksA], rb[kChunksB];
+  auto fetch = [&](int k0) {
 #pragma unroll
     for (int i = 0; i < kChunksA; ++i) {
       const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
       const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
-      copy8(&a_s[r * LDA + kc], A, row0 + r, P.m, k0 + kc, P.k, P.lda);
+      ra[i] = grouped_load8(A, row0 + r, P.m, k0 + kc, P.k, P.lda, vec);
     }
 #pragma unroll
     for (int i = 0; i < kChunksB; ++i) {
       const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
       if constexpr (kTransB) {
         const int r = q / (BK / 8), kc = q % (BK / 8) * 8;
-        copy8(&b_s[r * LDB + kc], B, col0 + r, P.n, k0 + kc, P.k, P.ldb);
+        rb[i] = grouped_load8(B, col0 + r, P.n, k0 + kc, P.k, P.ldb, vec);
       } else {
         const int r = q / (BN / 8), nc = q % (BN / 8) * 8;
-        copy8(&b_s[r * LDB + nc], B, k0 + r, P.k, col0 + nc, P.n, P.ldb);
+        rb[i] = grouped_load8(B, k0 + r, P.k, col0 + nc, P.n, P.ldb, vec);
       }
+    }
+  };
+  auto stage = [&] {
+#pragma unroll
+    for (int i = 0; i < kChunksA; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
+      *reinterpret_cast<uint4*>(&a_s[q / (BK / 8) * LDA + q % (BK / 8) * 8]) = ra[i];
+    }
+#pragma unroll
+    for (int i = 0; i < kChunksB; ++i) {
+      const int q = static_cast<int>(threadIdx.x) + i * kGroupedThreads;
+      if constexpr (kTransB)
+        *reinterpret_cast<uint4*>(&b_s[q / (BK / 8) * LDB + q % (BK / 8) * 8]) = rb[i];
+      else
+        *reinterpret_cast<uint4*>(&b_s[q / (BN / 8) * LDB + q % (BN / 8) * 8]) = rb[i];
     }
   };
 
@@ -160,18 +152,11 @@ __global__ void __launch_bounds__(kGroupedThreads)
 #pragma unroll
     for (int j = 0; j < F; ++j) wmma::fill_fragment(acc[i][j], 0.0f);
 
-  const int stages = (P.k + BK - 1) / BK;
-  for (int t = 0; t < S - 1; ++t) {
-    if (t < stages) issue(t, t * BK);
-    grouped_commit();  // empty groups too: the wait below counts groups
-  }
-  for (int t = 0; t < stages; ++t) {
-    grouped_wait<S - 2>();  // stage t has landed
-    __syncthreads();        // ... for every thread; and stage t - 1's buffer is free again
-    if (t + S - 1 < stages) issue((t + S - 1) % S, (t + S - 1) * BK);
-    grouped_commit();
-    const T* a_s = reinterpret_cast<const T*>(smem + t % S * kBytesStage);
-    const T* b_s = reinterpret_cast<const T*>(smem + t % S * kBytesStage + kBytesA);
+  if (P.k > 0) fetch(0);
+  for (int k0 = 0; k0 < P.k; k0 += BK) {
+    stage();
+    __syncthreads();
+    if (k0 + BK < P.k) fetch(k0 + BK);
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> fa[F];
@@ -191,9 +176,8 @@ __global__ void __launch_bounds__(kGroupedThreads)
 #pragma unroll
         for (int j = 0; j < F; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
     }
+    __syncthreads();
   }
-  grouped_wait<0>();
-  __syncthreads();  // the epilogue's tile reuses the stages
 
 #pragma unroll
   for (int i = 0; i < F; ++i)
