@@ -82,6 +82,20 @@ struct MuonSlot {
   const MuonUpdateCoef* coef = nullptr;
 };
 
+// One batch of a fused Muon pass issued together with others (Backend::muon_pass_grouped): the
+// arguments of its single-batch call. Each pass reads the fields its single call takes.
+enum class MuonPass { kNorm, kApply, kUpdate };  // muon_momentum_norm / _apply / muon_update
+struct MuonPassBatch {
+  std::span<const MuonSlot> slots;
+  const float* mu = nullptr;  // kNorm, kApply
+  bool nesterov = false;      // kNorm, kApply
+  double* norms = nullptr;    // kNorm writes
+  int32_t* status = nullptr;  // kNorm writes; kApply reads; kUpdate reads (may be null)
+  ScaleSpec scale;            // kApply
+  bool transpose = false;     // kApply, kUpdate
+  BatchRef x;                 // kApply writes; kUpdate reads
+};
+
 // Hyperparameters of one AdamW step; per tensor so that parameter groups can differ.
 struct AdamCoef {
   float lr = 1e-3f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
@@ -314,6 +328,12 @@ class Backend {
   // with each slot's `coef`.
   virtual void muon_update(std::span<const MuonSlot> slots, const int32_t* status,
                            const BatchRef& o, bool transpose) = 0;
+  // One pass over several batches (different shapes, groups and outputs), as the single calls
+  // one after the other would do it, in as few launches as the backend can (CUDA: one per 32
+  // matrices and kind of kernel). Each matrix's result equals its single call's. Where a step
+  // has many small matrices, their per-batch launches cost more than the work. No batch may
+  // write what another reads. Default: the single call per batch.
+  virtual void muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches);
 
   // ---- AdamW for the non-matrix parameters ---------------------------------------------------
   // status[i] = kStatusNonFinite if grad i has NaN/Inf.

@@ -114,6 +114,7 @@ class CudaBackend final : public Backend {
                            const BatchRef& x) override;
   void muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
                    bool transpose) override;
+  void muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) override;
   void adamw_check(std::span<const AdamSlot> slots, int32_t* status) override;
   void adamw_update(std::span<const AdamSlot> slots, const int32_t* status) override;
   void upload_small(void* dst, const void* host_src, size_t bytes) override;

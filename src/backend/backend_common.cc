@@ -72,6 +72,20 @@ void Backend::gemm_grouped(std::span<const GemmProblem> problems) {
     gemm(p.op_a, p.a, p.op_b, p.b, p.alpha, p.beta, p.c_in.data ? &p.c_in : nullptr, p.c);
 }
 
+void Backend::muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) {
+  for (const MuonPassBatch& b : batches) switch (pass) {
+      case MuonPass::kNorm:
+        muon_momentum_norm(b.slots, b.mu, b.nesterov, b.norms, b.status);
+        break;
+      case MuonPass::kApply:
+        muon_momentum_apply(b.slots, b.mu, b.nesterov, b.status, b.scale, b.transpose, b.x);
+        break;
+      case MuonPass::kUpdate:
+        muon_update(b.slots, b.status, b.x, b.transpose);
+        break;
+    }
+}
+
 void Backend::tune_kernels(int64_t, int64_t, int64_t) {}
 
 void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {

@@ -135,55 +135,55 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   }
 
   adam_begin(ctx);
-  // Pass 1 everywhere first, so that the raise policy can stop before any state changes.
-  for (const MuonBatch& batch : batches)
-    if (batch.count > 0) batch.momentum_norm();
-  adam_check(ctx);
-  if (ctx.raise) raise_if_nonfinite(status_names);
-
+  // Each fused pass goes out for every class at once (Backend::muon_pass_grouped: a few launches
+  // where a step has many small classes). Pass 1 everywhere first, so that the raise policy can
+  // stop before any state changes.
+  auto issue_pass = [&](MuonPass pass, auto&& x_of_class) {
+    std::vector<MuonPassBatch> passes;
+    for (size_t ci = 0; ci < classes.size(); ++ci)
+      batches[ci].add_pass(pass, x_of_class(ci), passes);
+    backend.muon_pass_grouped(pass, passes);
+  };
   auto x_of = [&](size_t ci) {
     const ShapeClass& c = classes[ci];
     return BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batches[ci].count, c.m, c.n);
   };
+  issue_pass(MuonPass::kNorm, [](size_t) { return BatchRef{}; });
+  adam_check(ctx);
+  if (ctx.raise) raise_if_nonfinite(status_names);
+  issue_pass(MuonPass::kApply, x_of);
+
   auto how_of = [&](size_t ci) {
     const ShapeClass& c = classes[ci];
     return batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
   };
   // Classes whose products run grouped (OrthoConfig::grouped_products) and that iterate alike
-  // share every launch of their orthogonalization: pass 2 of each, one run_group, then each
-  // one's skips and updates. A class through CacheMuon runs alone.
+  // share every launch of their orthogonalization (one run_group). A class through CacheMuon
+  // runs alone.
   std::vector<bool> grouped(classes.size()), done(classes.size(), false);
   for (size_t ci = 0; ci < classes.size(); ++ci)
     grouped[ci] =
         batches[ci].count > 0 && classes[ci].resolved.grouped_products && !how_of(ci).cache;
   for (size_t ci = 0; ci < classes.size(); ++ci) {
-    const MuonBatch& batch = batches[ci];
-    if (batch.count == 0 || done[ci]) continue;
+    if (batches[ci].count == 0 || done[ci]) continue;
     if (!grouped[ci]) {
-      const BatchRef x = x_of(ci);
-      batch.orthogonalize_momentum(x, how_of(ci), skip_counter.as<int64_t>());
-      batch.update(x);
+      batches[ci].orthogonalize(x_of(ci), how_of(ci));
       continue;
     }
-    std::vector<size_t> group;
+    std::vector<Orthogonalizer::GroupMember> members;
     for (size_t cj = ci; cj < classes.size(); ++cj)
       if (!done[cj] && grouped[cj] &&
           Orthogonalizer::same_schedule(classes[cj].resolved, classes[ci].resolved)) {
-        group.push_back(cj);
+        members.push_back({classes[cj].resolved, x_of(cj), classes[cj].workspace.data(),
+                           classes[cj].workspace_bytes});
         done[cj] = true;
       }
-    std::vector<Orthogonalizer::GroupMember> members;
-    for (size_t cj : group) {
-      batches[cj].apply_momentum(x_of(cj));
-      members.push_back({classes[cj].resolved, x_of(cj), classes[cj].workspace.data(),
-                         classes[cj].workspace_bytes});
-    }
     ortho.run_group(members, &stats.ortho);
-    for (size_t cj : group) {
-      batches[cj].count_skips(skip_counter.as<int64_t>());
-      batches[cj].update(x_of(cj));
-    }
   }
+  issue_pass(MuonPass::kUpdate, x_of);
+  // The skips of every class at once: entries of matrices without a gradient stay zero.
+  if (status_offset > 0)
+    backend.count_status(step_status.as<int32_t>(), status_offset, skip_counter.as<int64_t>());
   adam_update();
 }
 

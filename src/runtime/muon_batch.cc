@@ -4,9 +4,40 @@
 
 namespace distmuon {
 
-void MuonBatch::momentum_norm() const {
-  backend.muon_momentum_norm(slots, mu, options.nesterov, norms, status);
+void MuonBatch::add_pass(MuonPass pass, const BatchRef& x,
+                         std::vector<MuonPassBatch>& out) const {
+  if (count == 0) return;
+  DM_CHECK(static_cast<int64_t>(slots.size()) == count, "internal: ", slots.size(),
+           " slots for a batch of ", count);
+  MuonPassBatch b;
+  b.mu = mu;
+  b.nesterov = options.nesterov;
+  if (pass == MuonPass::kNorm) {
+    b.slots = slots;
+    b.norms = norms;
+    b.status = status;
+    out.push_back(b);
+    return;
+  }
+  for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
+    b.slots = slots.subspan(k0, len);
+    b.status = status + k0;
+    b.scale = muon_input_scale(norms + k0, resolved);
+    b.transpose = tall;
+    b.x = x.slice(k0, len);
+    out.push_back(b);
+  });
 }
+
+namespace {
+void issue_pass(const MuonBatch& batch, MuonPass pass, const BatchRef& x) {
+  std::vector<MuonPassBatch> passes;
+  batch.add_pass(pass, x, passes);
+  batch.backend.muon_pass_grouped(pass, passes);
+}
+}  // namespace
+
+void MuonBatch::momentum_norm() const { issue_pass(*this, MuonPass::kNorm, BatchRef{}); }
 
 void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
                                        int64_t* skip_counter) const {
@@ -15,15 +46,7 @@ void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
   count_skips(skip_counter);
 }
 
-void MuonBatch::apply_momentum(const BatchRef& x) const {
-  DM_CHECK(static_cast<int64_t>(slots.size()) == count, "internal: ", slots.size(),
-           " slots for a batch of ", count);
-  for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
-    backend.muon_momentum_apply(slots.subspan(k0, len), mu, options.nesterov,
-                                status + k0, muon_input_scale(norms + k0, resolved), tall,
-                                x.slice(k0, len));
-  });
-}
+void MuonBatch::apply_momentum(const BatchRef& x) const { issue_pass(*this, MuonPass::kApply, x); }
 
 void MuonBatch::orthogonalize(const BatchRef& x, const BatchOrtho& how) const {
   if (!how.cache) {
@@ -46,10 +69,6 @@ void MuonBatch::count_skips(int64_t* skip_counter) const {
   backend.count_status(status, count, skip_counter);
 }
 
-void MuonBatch::update(const BatchRef& x) const {
-  for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
-    backend.muon_update(slots.subspan(k0, len), status + k0, x.slice(k0, len), tall);
-  });
-}
+void MuonBatch::update(const BatchRef& x) const { issue_pass(*this, MuonPass::kUpdate, x); }
 
 }  // namespace distmuon

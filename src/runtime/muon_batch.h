@@ -7,11 +7,13 @@
 // The sequence: pass 1 momentum_norm (norms and statuses; the raise policy checks them before
 // anything changes), then orthogonalize_momentum (pass 2 per orientation into the iteration
 // buffer x, the orthogonalization of x in place, fresh or through CacheMuon, and the skip count),
-// then update (pass 3 per orientation), or the caller ships x to the matrices' shards.
+// then update (pass 3 per orientation), or the caller ships x to the matrices' shards. A caller
+// with many batches can issue each pass for all of them at once (add_pass).
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "backend/muon_ref.h"
 #include "distmuon/backend.h"
@@ -64,6 +66,10 @@ struct MuonBatch {
     if (tall_begin > 0) f(int64_t{0}, tall_begin, false);
     if (count > tall_begin) f(tall_begin, count - tall_begin, true);
   }
+
+  // This batch's share of a pass issued for several batches at once (Backend::muon_pass_grouped):
+  // pass 1 over all its slots, passes 2 and 3 one entry per orientation, x as below.
+  void add_pass(MuonPass pass, const BatchRef& x, std::vector<MuonPassBatch>& out) const;
 
   // Pass 1: the momentum's norms and the statuses.
   void momentum_norm() const;

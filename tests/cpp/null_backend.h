@@ -46,6 +46,11 @@ class NullBackend : public Backend {
   void muon_update(std::span<const MuonSlot>, const int32_t*, const BatchRef&, bool) override {
     ++ops;
   }
+  // A few launches per pass where the device groups them (as CUDA does), else one per batch.
+  void muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) override {
+    if (grouped_native) ++ops;
+    else Backend::muon_pass_grouped(pass, batches);
+  }
   void adamw_check(std::span<const AdamSlot>, int32_t*) override { ++ops; }
   void adamw_update(std::span<const AdamSlot>, const int32_t*) override { ++ops; }
   void count_status(const int32_t*, int64_t, int64_t*) override { ++ops; }

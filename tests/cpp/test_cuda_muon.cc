@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_handles.h"
@@ -132,6 +133,137 @@ TEST(CudaMuon, ZeroTinyHugeGiveNoNaN) {
   for (double s : {0.0, 1e-30, 1e30}) check_passes(2, 64, 256, s, false);
 }
 TEST(CudaMuon, ManySlotsSplitIntoLaunches) { DM_SKIP_WITHOUT_CUDA(); check_passes(90, 16, 48, 1.0, true); }
+
+// Batches of several shapes, layouts and dtypes in one grouped call per pass
+// (Backend::muon_pass_grouped): every matrix gets the bits its batch's own calls give it, through
+// the flat, 32 x 32 and 64 x 64 transposing kernels, in launches of more than one table.
+struct PassCase {
+  int64_t count, rows, cols;
+  DType grad;   // momentum and weights are fp32
+  int64_t pad;  // extra columns per row (ld = cols + pad)
+};
+
+// One device copy of every case's operands (the same host data for every copy).
+struct PassSet {
+  std::vector<DeviceBatch> g, b, w, x;
+  std::vector<std::vector<MuonSlot>> slots;
+  std::vector<int64_t> offset;  // of each case's norms and statuses
+  Buffer mu, coef, skips, norms, status;
+
+  PassSet(Backend& be, const std::vector<PassCase>& cases, const std::vector<HostBatch>& hg,
+          const std::vector<HostBatch>& hb, const std::vector<HostBatch>& hw) {
+    int64_t total = 0;
+    for (const PassCase& c : cases) offset.push_back(std::exchange(total, total + c.count));
+    const float m = 0.9f;
+    std::vector<MuonUpdateCoef> cf(total, MuonUpdateCoef{0.99f, 0.02f});
+    mu = be.alloc(sizeof(float));
+    coef = be.alloc(sizeof(MuonUpdateCoef) * total);
+    skips = be.alloc(sizeof(int64_t) * total);
+    norms = be.alloc(sizeof(double) * total);
+    status = be.alloc(sizeof(int32_t) * total);
+    be.upload_small(mu.data(), &m, sizeof(float));
+    be.copy_from_host(coef.data(), cf.data(), coef.bytes());
+    be.fill_zero(skips.data(), skips.bytes());
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const PassCase& c = cases[k];
+      g.emplace_back(be, hg[k]);
+      b.emplace_back(be, hb[k]);
+      w.emplace_back(be, hw[k]);
+      HostBatch hx(DType::kBF16, c.count, std::min(c.rows, c.cols), std::max(c.rows, c.cols));
+      hx.poison();
+      x.emplace_back(be, hx);
+      auto at = [&](const DeviceBatch& d, int64_t i) {
+        MatRef r = d.ref.matrix(i);
+        r.cols = c.cols;  // ld stays cols + pad
+        return r;
+      };
+      slots.emplace_back();
+      for (int64_t i = 0; i < c.count; ++i)
+        slots.back().push_back({at(g[k], i), at(b[k], i), at(w[k], i),
+                                skips.as<int64_t>() + offset[k] + i,
+                                coef.as<MuonUpdateCoef>() + offset[k] + i});
+    }
+  }
+  std::vector<MuonPassBatch> batches() {
+    std::vector<MuonPassBatch> out;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      MuonPassBatch p;
+      p.slots = slots[k];
+      p.mu = mu.as<float>();
+      p.nesterov = true;
+      p.norms = norms.as<double>() + offset[k];
+      p.status = status.as<int32_t>() + offset[k];
+      p.scale = {p.norms, 1.0, 1e-7, 1.0};
+      p.transpose = slots[k][0].grad.rows > slots[k][0].grad.cols;
+      p.x = x[k].ref;
+      out.push_back(p);
+    }
+    return out;
+  }
+  std::vector<uint8_t> bytes(Backend& be) const {  // every output, concatenated
+    std::vector<uint8_t> all;
+    auto add = [&](const void* p, size_t n) {
+      const size_t at = all.size();
+      all.resize(at + n);
+      be.copy_to_host(all.data() + at, p, n);
+    };
+    for (const Buffer* buf : {&skips, &norms, &status}) add(buf->data(), buf->bytes());
+    for (const auto* v : {&b, &w, &x})
+      for (const DeviceBatch& d : *v) add(d.buf.data(), d.buf.bytes());
+    return all;
+  }
+};
+
+TEST(CudaMuon, GroupedPassesGiveEveryBatchItsOwnBits) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  const std::vector<PassCase> cases = {{3, 96, 320, DType::kF32, 0},   // flat, vector path
+                                       {2, 200, 72, DType::kF32, 0},   // tall, 64 x 64 tiles
+                                       {2, 53, 37, DType::kBF16, 0},   // tall, 32 x 32 tiles
+                                       {1, 33, 70, DType::kF32, 3},    // flat, scalar path
+                                       {40, 16, 48, DType::kF32, 0}};  // past one table
+  std::vector<HostBatch> hg, hb, hw;
+  for (const PassCase& c : cases) {
+    hg.emplace_back(c.grad, c.count, c.rows, c.cols + c.pad);
+    hb.emplace_back(DType::kF32, c.count, c.rows, c.cols + c.pad);
+    hw.emplace_back(DType::kF32, c.count, c.rows, c.cols + c.pad);
+    for (int64_t i = 0; i < c.count; ++i) {
+      Mat gm = random_matrix(c.rows, c.cols + c.pad, 1.0);
+      if (c.grad == DType::kBF16 && i == 1) gm(c.rows / 2, c.cols / 3) = NAN;  // one skip
+      hg.back().set(i, gm);
+      hb.back().set(i, random_matrix(c.rows, c.cols + c.pad, 0.5));
+      hw.back().set(i, random_matrix(c.rows, c.cols + c.pad, 0.02));
+    }
+  }
+  PassSet grouped(be, cases, hg, hb, hw), alone(be, cases, hg, hb, hw);
+  const std::vector<uint8_t> before = grouped.bytes(be);
+
+  // A bad batch anywhere in the call: nothing is issued.
+  std::vector<MuonPassBatch> bad = grouped.batches();
+  bad.back().x.count = 1;
+  EXPECT_THROW(be.muon_pass_grouped(MuonPass::kApply, bad), Error);
+  EXPECT_TRUE(grouped.bytes(be) == before) << "a refused call changed something";
+
+  for (MuonPass pass : {MuonPass::kNorm, MuonPass::kApply, MuonPass::kUpdate})
+    be.muon_pass_grouped(pass, grouped.batches());
+  for (MuonPass pass : {MuonPass::kNorm, MuonPass::kApply, MuonPass::kUpdate})
+    for (const MuonPassBatch& p : alone.batches()) {
+      if (pass == MuonPass::kNorm)
+        be.muon_momentum_norm(p.slots, p.mu, p.nesterov, p.norms, p.status);
+      else if (pass == MuonPass::kApply)
+        be.muon_momentum_apply(p.slots, p.mu, p.nesterov, p.status, p.scale, p.transpose, p.x);
+      else
+        be.muon_update(p.slots, p.status, p.x, p.transpose);
+    }
+  const std::vector<uint8_t> got = grouped.bytes(be), want = alone.bytes(be);
+  EXPECT_TRUE(got == want) << "the grouped passes differ from the batches' own calls";
+  EXPECT_FALSE(got == before);
+  std::vector<int64_t> skips(48);
+  be.copy_to_host(skips.data(), grouped.skips.data(), skips.size() * sizeof(int64_t));
+  int64_t skipped = 0;
+  for (int64_t s : skips) skipped += s;
+  EXPECT_EQ(skipped, 1);
+}
 
 // Gradients near float's largest value are finite: the Nesterov input (up to 1.95 x the
 // gradient) and the norm (1e39 here) exceed float but not double. Both backends take every

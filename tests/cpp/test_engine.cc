@@ -533,8 +533,9 @@ TEST(Engine, GroupedProductsGiveEveryClassTheBitsItGetsAlone) {
 }
 
 // ResNet-18's convolutions as matrices: 20 matrices in 11 small classes. Where the backend has a
-// grouped kernel, the launch-bound classes share each product's launch, so a step issues far
-// fewer operations than one launch per class and product.
+// grouped kernel, the launch-bound classes share each product's launch and every class shares
+// each fused pass's, so a step issues far fewer operations than one launch per class and product
+// (212 against 47 when written).
 TEST(Engine, SmallClassesShareTheirLaunchesWhereTheBackendGroups) {
   auto ops_per_step = [](bool native) {
     test::NullBackend be;
@@ -562,7 +563,7 @@ TEST(Engine, SmallClassesShareTheirLaunchesWhereTheBackendGroups) {
   const int64_t alone = ops_per_step(false), grouped = ops_per_step(true);
   std::printf("[measure] resnet18, ns5: %lld operations per step, %lld with grouped products\n",
               static_cast<long long>(alone), static_cast<long long>(grouped));
-  EXPECT_LT(grouped, alone / 2);
+  EXPECT_LT(grouped, alone / 4);
 }
 
 // `auto` resolves every class that shares its launches to Gram NS untimed (one schedule, so all

@@ -224,46 +224,40 @@ void CudaBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpe
                              const BatchRef& dst) {
   cuda::launch_scale_copy(src, transpose, scale, dst, impl_->sm_count, impl_->stream);
 }
-namespace {
-// The fused passes' kernels take one shape per launch; an engine batch holds tall and wide
-// weights of the same sides, so a call goes out in runs of consecutive same-shape slots.
-template <typename F>
-void for_shape_runs(std::span<const MuonSlot> slots, F&& f) {
-  auto same = [](const MuonSlot& a, const MuonSlot& b) {
-    return a.grad.rows == b.grad.rows && a.grad.cols == b.grad.cols;
-  };
-  for (size_t k0 = 0, k1; k0 < slots.size(); k0 = k1) {
-    for (k1 = k0 + 1; k1 < slots.size() && same(slots[k1], slots[k0]);) ++k1;
-    f(k0, k1 - k0);
-  }
-}
-}  // namespace
-
 void CudaBackend::muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu,
                                      bool nesterov, double* norms, int32_t* status) {
-  for_shape_runs(slots, [&](size_t k0, size_t n) {
-    cuda::launch_muon_norm(slots.subspan(k0, n), mu, nesterov, norms + k0, status + k0,
-                           impl_->scratch(), impl_->sm_count, impl_->stream);
-  });
+  MuonPassBatch b;
+  b.slots = slots;
+  b.mu = mu;
+  b.nesterov = nesterov;
+  b.norms = norms;
+  b.status = status;
+  muon_pass_grouped(MuonPass::kNorm, {&b, 1});
 }
 void CudaBackend::muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu,
                                       bool nesterov, const int32_t* status,
                                       const ScaleSpec& scale, bool transpose, const BatchRef& x) {
-  for_shape_runs(slots, [&](size_t k0, size_t n) {
-    ScaleSpec sc = scale;
-    if (sc.norms) sc.norms += k0;
-    cuda::launch_muon_apply(slots.subspan(k0, n), mu, nesterov, status ? status + k0 : nullptr,
-                            sc, transpose, x.slice(static_cast<int64_t>(k0), static_cast<int64_t>(n)),
-                            impl_->sm_count, impl_->stream);
-  });
+  MuonPassBatch b;
+  b.slots = slots;
+  b.mu = mu;
+  b.nesterov = nesterov;
+  b.status = const_cast<int32_t*>(status);  // read only in this pass
+  b.scale = scale;
+  b.transpose = transpose;
+  b.x = x;
+  muon_pass_grouped(MuonPass::kApply, {&b, 1});
 }
 void CudaBackend::muon_update(std::span<const MuonSlot> slots, const int32_t* status,
                               const BatchRef& o, bool transpose) {
-  for_shape_runs(slots, [&](size_t k0, size_t n) {
-    cuda::launch_muon_update(slots.subspan(k0, n), status ? status + k0 : nullptr,
-                             o.slice(static_cast<int64_t>(k0), static_cast<int64_t>(n)), transpose,
-                             impl_->sm_count, impl_->stream);
-  });
+  MuonPassBatch b;
+  b.slots = slots;
+  b.status = const_cast<int32_t*>(status);  // read only in this pass
+  b.transpose = transpose;
+  b.x = o;
+  muon_pass_grouped(MuonPass::kUpdate, {&b, 1});
+}
+void CudaBackend::muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) {
+  cuda::launch_muon_pass(pass, batches, impl_->scratch(), impl_->sm_count, impl_->stream);
 }
 void CudaBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
   cuda::launch_adamw_check(slots, status, impl_->sm_count, impl_->stream);

@@ -24,13 +24,11 @@ struct Scratch {
 // elements so that the per-block reduction and launch costs stay small.
 int blocks_per_matrix(int64_t numel, int64_t matrices, int sm_count);
 
-void launch_muon_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov, double* norms,
-                      int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream);
-void launch_muon_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
-                       const int32_t* status, const ScaleSpec& scale, bool transpose,
-                       const BatchRef& x, int sm_count, cudaStream_t stream);
-void launch_muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
-                        bool transpose, int sm_count, cudaStream_t stream);
+// Backend::muon_pass_grouped (and the single-batch passes as one batch): launches of up to
+// kMaxMuonSlots matrices of any shapes per kind of kernel (flat, or transposing for tall
+// matrices in passes 2 and 3). Every batch is checked before anything is issued.
+void launch_muon_pass(MuonPass pass, std::span<const MuonPassBatch> batches,
+                      const Scratch& scratch, int sm_count, cudaStream_t stream);
 
 void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                     const BatchRef& out, int sm_count, cudaStream_t stream);

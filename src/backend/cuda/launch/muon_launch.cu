@@ -1,5 +1,6 @@
 // Launchers of the fused Muon passes (kernels/muon_kernels.cuh).
 #include <algorithm>
+#include <vector>
 
 #include "backend/backend_checks.h"
 #include "backend/cuda/cuda_check.h"
@@ -23,140 +24,143 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Fills the table for slots [first, first + n). Returns true when every matrix is packed and
-// 16-byte aligned with numel % 8 == 0 (the vector path).
-bool fill_table(MuonTable& t, std::span<const MuonSlot> slots, size_t first, int n) {
-  const MuonSlot& s0 = slots[first];
-  t.rows = s0.grad.rows;
-  t.cols = s0.grad.cols;
-  t.ld_g = s0.grad.ld;
-  t.ld_b = s0.momentum.ld;
-  t.ld_w = s0.weight.ld;
-  t.n = n;
-  t.first = static_cast<int>(first);
-  bool vec = (t.rows * t.cols) % 8 == 0 && t.ld_g == t.cols && t.ld_b == t.cols && t.ld_w == t.cols;
-  for (int i = 0; i < n; ++i) {
-    const MuonSlot& s = slots[first + i];
-    DM_CHECK(s.grad.rows == t.rows && s.grad.cols == t.cols && s.momentum.rows == t.rows &&
-                 s.momentum.cols == t.cols && s.weight.rows == t.rows && s.weight.cols == t.cols,
-             "cuda Muon pass: every matrix of one call must have the same shape");
-    DM_CHECK(s.grad.ld == t.ld_g && s.momentum.ld == t.ld_b && s.weight.ld == t.ld_w,
-             "cuda Muon pass: every matrix of one call must have the same layout");
-    t.g[i] = s.grad.data;
-    t.b[i] = s.momentum.data;
-    t.w[i] = s.weight.data;
-    t.g_dt[i] = static_cast<int8_t>(s.grad.dtype);
-    t.b_dt[i] = static_cast<int8_t>(s.momentum.dtype);
-    t.w_dt[i] = static_cast<int8_t>(s.weight.dtype);
-    t.coef[i] = s.coef;
-    t.skips[i] = s.skips;
-    vec = vec && aligned16(s.grad.data) && aligned16(s.momentum.data) && aligned16(s.weight.data);
+// Which kernel a matrix of pass 2 or 3 takes: flat, transposing through 32x32 tiles, or the
+// transposing vector kernel (fp32 G, B, W with rows % 8 == 0, cols % 4 == 0 and 16-byte aligned
+// rows; X/O rows 16-byte aligned).
+enum Kind { kFlat = 0, kT32 = 1, kT64 = 2, kKinds = 3 };
+
+Kind kind_of(MuonPass pass, const MuonPassBatch& b, const MuonSlot& s, const MuonSlotArgs& a) {
+  if (pass == MuonPass::kNorm || !b.transpose) return kFlat;
+  const bool t64 =
+      a.rows % 8 == 0 && a.cols % 4 == 0 && a.ld_g % 4 == 0 && a.ld_b % 4 == 0 &&
+      a.ld_w % 4 == 0 && s.grad.dtype == DType::kF32 && s.momentum.dtype == DType::kF32 &&
+      s.weight.dtype == DType::kF32 && aligned16(a.g) && aligned16(a.b) && aligned16(a.w) &&
+      b.x.dtype != DType::kF64 && b.x.ld % 8 == 0 && aligned16(a.x);
+  return t64 ? kT64 : kT32;
+}
+
+// Matrix i of batch b as the kernels see it.
+MuonSlotArgs slot_args(MuonPass pass, const MuonPassBatch& b, size_t i, int sm_count) {
+  const MuonSlot& s = b.slots[i];
+  MuonSlotArgs a{};
+  a.g = s.grad.data;
+  a.b = s.momentum.data;
+  a.w = s.weight.data;
+  a.coef = s.coef;
+  a.skips = s.skips;
+  a.mu = b.mu;
+  a.nesterov = b.nesterov;
+  a.norm = b.norms ? b.norms + i : nullptr;
+  a.status = b.status ? b.status + i : nullptr;
+  a.scale_norm = b.scale.norms ? b.scale.norms + i : nullptr;
+  a.norm_mul = b.scale.norm_mul;
+  a.eps = b.scale.eps;
+  a.alpha = b.scale.alpha;
+  a.rows = s.grad.rows;
+  a.cols = s.grad.cols;
+  a.ld_g = s.grad.ld;
+  a.ld_b = s.momentum.ld;
+  a.ld_w = s.weight.ld;
+  a.g_dt = static_cast<int8_t>(s.grad.dtype);
+  a.b_dt = static_cast<int8_t>(s.momentum.dtype);
+  a.w_dt = static_cast<int8_t>(s.weight.dtype);
+  const int64_t numel = a.rows * a.cols;
+  a.vec = numel % 8 == 0 && a.ld_g == a.cols && a.ld_b == a.cols && a.ld_w == a.cols &&
+          aligned16(a.g) && aligned16(a.b) && aligned16(a.w);
+  if (pass != MuonPass::kNorm) {
+    const BatchRef& x = b.x;
+    a.x = static_cast<char*>(x.data) +
+          static_cast<size_t>(static_cast<int64_t>(i) * x.stride) * dtype_size(x.dtype);
+    a.ld_x = x.ld;
+    a.x_dt = static_cast<int8_t>(x.dtype);
+    a.vec = a.vec && x.ld == x.cols && aligned16(a.x);
   }
-  return vec;
+  // Blocks from the matrix's own batch size, so that a matrix takes the same blocks (and its
+  // norm the same summation order) whatever else shares its launch.
+  a.blocks = blocks_per_matrix(numel, static_cast<int64_t>(b.slots.size()), sm_count);
+  return a;
 }
 
-// The 64x64 vector transposing kernels: fp32 G, B, W with 16-byte aligned rows, rows % 8 == 0,
-// cols % 4 == 0; X/O rows (length `rows`) 16-byte aligned.
-bool t64_ok(std::span<const MuonSlot> slots, size_t first, int n, const MuonTable& t,
-            const BatchRef& x) {
-  if (t.rows % 8 != 0 || t.cols % 4 != 0 || t.ld_g % 4 != 0 || t.ld_b % 4 != 0 || t.ld_w % 4 != 0)
-    return false;
-  for (int i = 0; i < n; ++i) {
-    const MuonSlot& s = slots[first + i];
-    if (s.grad.dtype != DType::kF32 || s.momentum.dtype != DType::kF32 || s.weight.dtype != DType::kF32)
-      return false;
-    if (!aligned16(s.grad.data) || !aligned16(s.momentum.data) || !aligned16(s.weight.data)) return false;
+void check_batch(MuonPass pass, const MuonPassBatch& b) {
+  static const char* names[] = {"muon_momentum_norm", "muon_momentum_apply", "muon_update"};
+  const char* what = names[static_cast<int>(pass)];
+  if (b.slots.empty()) return;
+  if (pass != MuonPass::kNorm) check_slots(what, b.slots, b.x, b.transpose);
+  if (pass == MuonPass::kUpdate) check_coefs(what, b.slots);
+  if (pass != MuonPass::kUpdate)
+    DM_CHECK(b.mu != nullptr && b.status != nullptr, what, ": needs mu and the statuses");
+  if (pass == MuonPass::kNorm) DM_CHECK(b.norms != nullptr, what, ": needs the norms");
+  if (pass == MuonPass::kNorm)  // (check_slots covers the other passes)
+    for (const MuonSlot& s : b.slots)
+        DM_CHECK(s.momentum.rows == s.grad.rows && s.momentum.cols == s.grad.cols &&
+                   s.weight.rows == s.grad.rows && s.weight.cols == s.grad.cols,
+               what, ": momentum/weight shape differs from the gradient");
+}
+
+void launch(MuonPass pass, Kind kind, const MuonTable& t, const Scratch& scratch,
+            cudaStream_t stream) {
+  int64_t blocks = 1, tiles_x = 1, tiles_y = 1;
+  const int tile = kind == kT64 ? 64 : 32;
+  for (int i = 0; i < t.n; ++i) {
+    blocks = std::max<int64_t>(blocks, t.s[i].blocks);
+    tiles_x = std::max<int64_t>(tiles_x, (t.s[i].cols + tile - 1) / tile);
+    tiles_y = std::max<int64_t>(tiles_y, (t.s[i].rows + tile - 1) / tile);
   }
-  const int64_t es = static_cast<int64_t>(dtype_size(x.dtype));
-  return x.dtype != DType::kF64 && x.ld % 8 == 0 && aligned16(x.data) && (x.stride * es) % 16 == 0;
-}
-
-MatOut mat_out(const BatchRef& x) {
-  return MatOut{x.data, x.stride, x.ld, static_cast<int>(x.dtype)};
-}
-
-bool out_vec_ok(const BatchRef& x) {
-  const size_t es = dtype_size(x.dtype);
-  return x.ld == x.cols && aligned16(x.data) && (x.stride * static_cast<int64_t>(es)) % 16 == 0;
+  const unsigned n = static_cast<unsigned>(t.n);
+  const dim3 flat(static_cast<unsigned>(blocks), n);
+  const dim3 tiled(static_cast<unsigned>(tiles_x), static_cast<unsigned>(tiles_y), n);
+  DM_CHECK(tiles_y <= 65535, "cuda Muon pass: a matrix of ", tiles_y * tile, " rows or more");
+  switch (pass) {
+    case MuonPass::kNorm:
+      dev::muon_norm_kernel<<<flat, 256, 0, stream>>>(t, scratch.partials, scratch.counters);
+      break;
+    case MuonPass::kApply:
+      if (kind == kFlat) dev::muon_apply_kernel<<<flat, 256, 0, stream>>>(t);
+      else if (kind == kT64) dev::muon_apply_t64_kernel<<<tiled, 256, 0, stream>>>(t);
+      else dev::muon_apply_t_kernel<<<tiled, dim3(32, 8), 0, stream>>>(t);
+      break;
+    case MuonPass::kUpdate:
+      if (kind == kFlat) dev::muon_update_kernel<<<flat, 256, 0, stream>>>(t);
+      else if (kind == kT64) dev::muon_update_t64_kernel<<<tiled, 256, 0, stream>>>(t);
+      else dev::muon_update_t_kernel<<<tiled, dim3(32, 8), 0, stream>>>(t);
+      break;
+  }
+  DM_CHECK_LAUNCH();
 }
 
 }  // namespace
 
-void launch_muon_norm(std::span<const MuonSlot> slots, const float* mu, bool nesterov, double* norms,
-                      int32_t* status, const Scratch& scratch, int sm_count, cudaStream_t stream) {
-  for (size_t first = 0; first < slots.size(); first += kMaxMuonSlots) {
-    const int n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, slots.size() - first));
-    MuonTable t{};
-    const bool vec = fill_table(t, slots, first, n);
-    if (t.rows * t.cols == 0) {
-      DM_CHECK_CUDA(cudaMemsetAsync(norms + first, 0, sizeof(double) * n, stream));
-      DM_CHECK_CUDA(cudaMemsetAsync(status + first, 0, sizeof(int32_t) * n, stream));
-      continue;
+void launch_muon_pass(MuonPass pass, std::span<const MuonPassBatch> batches,
+                      const Scratch& scratch, int sm_count, cudaStream_t stream) {
+  // Every batch is checked before anything is issued: a bad one leaves all untouched.
+  for (const MuonPassBatch& b : batches) check_batch(pass, b);
+  DM_CHECK(scratch.counter_count >= kMaxMuonSlots, "cuda: too few reduction counters");
+  std::vector<MuonSlotArgs> todo[kKinds];
+  for (const MuonPassBatch& b : batches)
+    for (size_t i = 0; i < b.slots.size(); ++i) {
+      MuonSlotArgs a = slot_args(pass, b, i, sm_count);
+      todo[kind_of(pass, b, b.slots[i], a)].push_back(a);
     }
-    int bpm = blocks_per_matrix(t.rows * t.cols, n, sm_count);
-    bpm = std::min<int>(bpm, static_cast<int>(scratch.partial_count / n));
-    DM_CHECK(bpm >= 1 && n <= scratch.counter_count, "cuda: workspace too small for a norm pass");
-    dim3 grid(bpm, n);
-    if (vec)
-      dev::muon_norm_kernel<true><<<grid, 256, 0, stream>>>(t, mu, nesterov, norms, status,
-                                                             scratch.partials, scratch.counters);
-    else
-      dev::muon_norm_kernel<false><<<grid, 256, 0, stream>>>(t, mu, nesterov, norms, status,
-                                                              scratch.partials, scratch.counters);
-    DM_CHECK_LAUNCH();
-  }
-}
-
-void launch_muon_apply(std::span<const MuonSlot> slots, const float* mu, bool nesterov,
-                       const int32_t* status, const ScaleSpec& scale, bool transpose,
-                       const BatchRef& x, int sm_count, cudaStream_t stream) {
-  check_slots("muon_momentum_apply", slots, x, transpose);
-  const ScaleArgs sc{scale.norms, scale.norm_mul, scale.eps, scale.alpha};
-  for (size_t first = 0; first < slots.size(); first += kMaxMuonSlots) {
-    const int n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, slots.size() - first));
-    MuonTable t{};
-    const bool vec = fill_table(t, slots, first, n);
-    if (t.rows * t.cols == 0) continue;
-    if (transpose && t64_ok(slots, first, n, t, x)) {
-      dim3 grid((t.cols + 63) / 64, (t.rows + 63) / 64, n);
-      dev::muon_apply_t64_kernel<<<grid, 256, 0, stream>>>(t, mu, nesterov, status, sc, mat_out(x));
-    } else if (transpose) {
-      dim3 grid((t.cols + 31) / 32, (t.rows + 31) / 32, n);
-      dev::muon_apply_t_kernel<<<grid, dim3(32, 8), 0, stream>>>(t, mu, nesterov, status, sc, mat_out(x));
-    } else {
-      dim3 grid(blocks_per_matrix(t.rows * t.cols, n, sm_count), n);
-      if (vec && out_vec_ok(x))
-        dev::muon_apply_kernel<true><<<grid, 256, 0, stream>>>(t, mu, nesterov, status, sc, mat_out(x));
-      else
-        dev::muon_apply_kernel<false><<<grid, 256, 0, stream>>>(t, mu, nesterov, status, sc, mat_out(x));
+  for (int kind = 0; kind < kKinds; ++kind) {
+    const std::vector<MuonSlotArgs>& all = todo[kind];
+    for (size_t first = 0; first < all.size(); first += kMaxMuonSlots) {
+      MuonTable t{};
+      t.n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, all.size() - first));
+      // Pass 1's partial sums: each matrix its own range of the scratch (capped so that the
+      // launch's ranges fit; the cap never binds with the backend's workspace).
+      const int64_t cap = static_cast<int64_t>(scratch.partial_count) / t.n;
+      int64_t partial = 0;
+      for (int i = 0; i < t.n; ++i) {
+        t.s[i] = all[first + i];
+        if (pass == MuonPass::kNorm) {
+          t.s[i].blocks = static_cast<int32_t>(std::min<int64_t>(t.s[i].blocks, cap));
+          DM_CHECK(t.s[i].blocks >= 1, "cuda: workspace too small for a norm pass");
+          t.s[i].partial0 = static_cast<int32_t>(partial);
+          partial += t.s[i].blocks;
+        }
+      }
+      launch(pass, static_cast<Kind>(kind), t, scratch, stream);
     }
-    DM_CHECK_LAUNCH();
-  }
-}
-
-void launch_muon_update(std::span<const MuonSlot> slots, const int32_t* status, const BatchRef& o,
-                        bool transpose, int sm_count, cudaStream_t stream) {
-  check_slots("muon_update", slots, o, transpose);
-  check_coefs("muon_update", slots);
-  for (size_t first = 0; first < slots.size(); first += kMaxMuonSlots) {
-    const int n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, slots.size() - first));
-    MuonTable t{};
-    const bool vec = fill_table(t, slots, first, n);
-    if (t.rows * t.cols == 0) continue;
-    if (transpose && t64_ok(slots, first, n, t, o)) {
-      dim3 grid((t.cols + 63) / 64, (t.rows + 63) / 64, n);
-      dev::muon_update_t64_kernel<<<grid, 256, 0, stream>>>(t, status, mat_out(o));
-    } else if (transpose) {
-      dim3 grid((t.cols + 31) / 32, (t.rows + 31) / 32, n);
-      dev::muon_update_t_kernel<<<grid, dim3(32, 8), 0, stream>>>(t, status, mat_out(o));
-    } else {
-      dim3 grid(blocks_per_matrix(t.rows * t.cols, n, sm_count), n);
-      if (vec && out_vec_ok(o))
-        dev::muon_update_kernel<true><<<grid, 256, 0, stream>>>(t, status, mat_out(o));
-      else
-        dev::muon_update_kernel<false><<<grid, 256, 0, stream>>>(t, status, mat_out(o));
-    }
-    DM_CHECK_LAUNCH();
   }
 }
 
