@@ -329,7 +329,7 @@ class Backend {
   virtual void muon_update(std::span<const MuonSlot> slots, const int32_t* status,
                            const BatchRef& o, bool transpose) = 0;
   // One pass over several batches (different shapes, groups and outputs), as the single calls
-  // one after the other would do it, in as few launches as the backend can (CUDA: one per 32
+  // one after the other would do it, in as few launches as the backend can (CUDA: one per 24
   // matrices and kind of kernel). Each matrix's result equals its single call's. Where a step
   // has many small matrices, their per-batch launches cost more than the work. No batch may
   // write what another reads. Default: the single call per batch.

@@ -22,7 +22,7 @@ void MuonBatch::add_pass(MuonPass pass, const BatchRef& x,
   for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
     b.slots = slots.subspan(k0, len);
     b.status = status + k0;
-    b.scale = muon_input_scale(norms + k0, resolved);
+    if (pass == MuonPass::kApply) b.scale = muon_input_scale(norms + k0, resolved);
     b.transpose = tall;
     b.x = x.slice(k0, len);
     out.push_back(b);

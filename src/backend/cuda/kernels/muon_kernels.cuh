@@ -24,9 +24,11 @@
 
 namespace distmuon::cuda {
 
-constexpr int kMaxMuonSlots = 32;
+constexpr int kMaxMuonSlots = 24;
 
-// One matrix of a launch: its operands, shape and layouts, and where its results go.
+// One matrix of a launch: its operands, shape and layouts, and where its results go. Sides and
+// leading dimensions are int32 (checked on the host) so that a table stays within the 4 KB of
+// kernel parameters every CUDA 12 driver takes.
 struct MuonSlotArgs {
   const void* g;
   void* b;
@@ -39,7 +41,7 @@ struct MuonSlotArgs {
   int32_t* status;             // pass 1 writes, pass 2 reads, pass 3 reads (null there: ok)
   const double* scale_norm;    // pass 2's factor alpha / (norm_mul * norm + eps); null: alpha
   double norm_mul, eps, alpha;
-  int64_t rows, cols, ld_g, ld_b, ld_w, ld_x;
+  int32_t rows, cols, ld_g, ld_b, ld_w, ld_x;
   int32_t blocks;    // flat kernels: this matrix's blocks along x (its grid-stride step)
   int32_t partial0;  // pass 1: where its blocks' partial sums start in the scratch
   int8_t g_dt, b_dt, w_dt, x_dt;
@@ -51,6 +53,8 @@ struct MuonTable {
   MuonSlotArgs s[kMaxMuonSlots];
   int n;
 };
+// With the norm kernel's two scratch pointers.
+static_assert(sizeof(MuonTable) + 16 <= 4096, "a Muon pass table exceeds 4 KB of parameters");
 
 namespace dev {
 
@@ -87,7 +91,7 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(const __grid_constant__ 
   const MuonSlotArgs& a = t.s[blockIdx.y];
   if (static_cast<int>(blockIdx.x) >= a.blocks) return;
   const float mu = *a.mu;
-  const int64_t numel = a.rows * a.cols;
+  const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   double acc = 0;
@@ -121,12 +125,12 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(const __grid_constant__ 
 // Pass 2, flat. grid (most blocks of any matrix, n).
 __global__ void __launch_bounds__(256) muon_apply_kernel(const __grid_constant__ MuonTable t) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
-  if (static_cast<int>(blockIdx.x) >= a.blocks) return;
+  if (static_cast<int>(blockIdx.x) >= a.blocks || a.rows == 0 || a.cols == 0) return;
   const float mu = *a.mu;
   const bool ok = *a.status == 0;
   const double f = ok ? scale_factor(a) : 0.0;
   count_skip(a, ok, blockIdx.x == 0);
-  const int64_t numel = a.rows * a.cols;
+  const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (a.vec) {
@@ -166,6 +170,7 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(const __grid_constant__
 __global__ void __launch_bounds__(256) muon_apply_t_kernel(const __grid_constant__ MuonTable t) {
   __shared__ float tile[32][33];
   const MuonSlotArgs& a = t.s[blockIdx.z];
+  if (a.rows == 0 || a.cols == 0) return;  // (nothing to write, no skip to count)
   const float mu = *a.mu;
   const bool ok = *a.status == 0;
   const double f = ok ? scale_factor(a) : 0.0;
@@ -199,7 +204,7 @@ __global__ void __launch_bounds__(256) muon_update_kernel(const __grid_constant_
   if (static_cast<int>(blockIdx.x) >= a.blocks) return;
   if (a.status && *a.status != 0) return;
   const float decay = a.coef->decay, step = a.coef->step;
-  const int64_t numel = a.rows * a.cols;
+  const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (a.vec) {
@@ -250,6 +255,7 @@ __global__ void __launch_bounds__(256) muon_update_t_kernel(const __grid_constan
 __global__ void __launch_bounds__(256) muon_apply_t64_kernel(const __grid_constant__ MuonTable t) {
   __shared__ float tile[64][65];  // [c][r]
   const MuonSlotArgs& a = t.s[blockIdx.z];
+  if (a.rows == 0 || a.cols == 0) return;  // (nothing to write, no skip to count)
   const float mu = *a.mu;
   const bool ok = *a.status == 0;
   const double f = ok ? scale_factor(a) : 0.0;

@@ -1,5 +1,6 @@
 // Launchers of the fused Muon passes (kernels/muon_kernels.cuh).
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "backend/backend_checks.h"
@@ -56,22 +57,22 @@ MuonSlotArgs slot_args(MuonPass pass, const MuonPassBatch& b, size_t i, int sm_c
   a.norm_mul = b.scale.norm_mul;
   a.eps = b.scale.eps;
   a.alpha = b.scale.alpha;
-  a.rows = s.grad.rows;
-  a.cols = s.grad.cols;
-  a.ld_g = s.grad.ld;
-  a.ld_b = s.momentum.ld;
-  a.ld_w = s.weight.ld;
+  a.rows = static_cast<int32_t>(s.grad.rows);  // (check_batch: every side fits)
+  a.cols = static_cast<int32_t>(s.grad.cols);
+  a.ld_g = static_cast<int32_t>(s.grad.ld);
+  a.ld_b = static_cast<int32_t>(s.momentum.ld);
+  a.ld_w = static_cast<int32_t>(s.weight.ld);
   a.g_dt = static_cast<int8_t>(s.grad.dtype);
   a.b_dt = static_cast<int8_t>(s.momentum.dtype);
   a.w_dt = static_cast<int8_t>(s.weight.dtype);
-  const int64_t numel = a.rows * a.cols;
+  const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   a.vec = numel % 8 == 0 && a.ld_g == a.cols && a.ld_b == a.cols && a.ld_w == a.cols &&
           aligned16(a.g) && aligned16(a.b) && aligned16(a.w);
   if (pass != MuonPass::kNorm) {
     const BatchRef& x = b.x;
     a.x = static_cast<char*>(x.data) +
           static_cast<size_t>(static_cast<int64_t>(i) * x.stride) * dtype_size(x.dtype);
-    a.ld_x = x.ld;
+    a.ld_x = static_cast<int32_t>(x.ld);
     a.x_dt = static_cast<int8_t>(x.dtype);
     a.vec = a.vec && x.ld == x.cols && aligned16(a.x);
   }
@@ -90,9 +91,21 @@ void check_batch(MuonPass pass, const MuonPassBatch& b) {
   if (pass != MuonPass::kUpdate)
     DM_CHECK(b.mu != nullptr && b.status != nullptr, what, ": needs mu and the statuses");
   if (pass == MuonPass::kNorm) DM_CHECK(b.norms != nullptr, what, ": needs the norms");
+  // The table's int32 sides and leading dimensions; the transposing kernels' grid (32-row tiles
+  // along y).
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  for (const MuonSlot& s : b.slots)
+    DM_CHECK(s.grad.rows <= kMax && s.grad.cols <= kMax && s.grad.ld <= kMax &&
+                 s.momentum.ld <= kMax && s.weight.ld <= kMax && b.x.ld <= kMax,
+             what, ": a matrix of ", s.grad.rows, " x ", s.grad.cols, " (ld ", s.grad.ld,
+             ") exceeds the kernels' int32 sides");
+  if (pass != MuonPass::kNorm && b.transpose)
+    for (const MuonSlot& s : b.slots)
+      DM_CHECK(s.grad.rows <= 65535LL * 32, what, ": a tall matrix of ", s.grad.rows,
+               " rows (at most ", 65535LL * 32, ")");
   if (pass == MuonPass::kNorm)  // (check_slots covers the other passes)
     for (const MuonSlot& s : b.slots)
-        DM_CHECK(s.momentum.rows == s.grad.rows && s.momentum.cols == s.grad.cols &&
+      DM_CHECK(s.momentum.rows == s.grad.rows && s.momentum.cols == s.grad.cols &&
                    s.weight.rows == s.grad.rows && s.weight.cols == s.grad.cols,
                what, ": momentum/weight shape differs from the gradient");
 }
@@ -103,13 +116,12 @@ void launch(MuonPass pass, Kind kind, const MuonTable& t, const Scratch& scratch
   const int tile = kind == kT64 ? 64 : 32;
   for (int i = 0; i < t.n; ++i) {
     blocks = std::max<int64_t>(blocks, t.s[i].blocks);
-    tiles_x = std::max<int64_t>(tiles_x, (t.s[i].cols + tile - 1) / tile);
-    tiles_y = std::max<int64_t>(tiles_y, (t.s[i].rows + tile - 1) / tile);
+    tiles_x = std::max<int64_t>(tiles_x, (int64_t{t.s[i].cols} + tile - 1) / tile);
+    tiles_y = std::max<int64_t>(tiles_y, (int64_t{t.s[i].rows} + tile - 1) / tile);
   }
   const unsigned n = static_cast<unsigned>(t.n);
   const dim3 flat(static_cast<unsigned>(blocks), n);
   const dim3 tiled(static_cast<unsigned>(tiles_x), static_cast<unsigned>(tiles_y), n);
-  DM_CHECK(tiles_y <= 65535, "cuda Muon pass: a matrix of ", tiles_y * tile, " rows or more");
   switch (pass) {
     case MuonPass::kNorm:
       dev::muon_norm_kernel<<<flat, 256, 0, stream>>>(t, scratch.partials, scratch.counters);
@@ -134,7 +146,12 @@ void launch_muon_pass(MuonPass pass, std::span<const MuonPassBatch> batches,
                       const Scratch& scratch, int sm_count, cudaStream_t stream) {
   // Every batch is checked before anything is issued: a bad one leaves all untouched.
   for (const MuonPassBatch& b : batches) check_batch(pass, b);
-  DM_CHECK(scratch.counter_count >= kMaxMuonSlots, "cuda: too few reduction counters");
+  DM_CHECK(scratch.counter_count >= kMaxMuonSlots && scratch.partial_count >= kMaxMuonSlots,
+           "cuda: workspace too small for the Muon passes");
+  // Pass 1's partial sums: each matrix of a launch its own range of the scratch, at most a
+  // table's share (a bound that never binds with the backend's workspace, and the same for a
+  // matrix whatever shares its launch).
+  const int64_t most_blocks = static_cast<int64_t>(scratch.partial_count) / kMaxMuonSlots;
   std::vector<MuonSlotArgs> todo[kKinds];
   for (const MuonPassBatch& b : batches)
     for (size_t i = 0; i < b.slots.size(); ++i) {
@@ -146,15 +163,11 @@ void launch_muon_pass(MuonPass pass, std::span<const MuonPassBatch> batches,
     for (size_t first = 0; first < all.size(); first += kMaxMuonSlots) {
       MuonTable t{};
       t.n = static_cast<int>(std::min<size_t>(kMaxMuonSlots, all.size() - first));
-      // Pass 1's partial sums: each matrix its own range of the scratch (capped so that the
-      // launch's ranges fit; the cap never binds with the backend's workspace).
-      const int64_t cap = static_cast<int64_t>(scratch.partial_count) / t.n;
       int64_t partial = 0;
       for (int i = 0; i < t.n; ++i) {
         t.s[i] = all[first + i];
         if (pass == MuonPass::kNorm) {
-          t.s[i].blocks = static_cast<int32_t>(std::min<int64_t>(t.s[i].blocks, cap));
-          DM_CHECK(t.s[i].blocks >= 1, "cuda: workspace too small for a norm pass");
+          t.s[i].blocks = static_cast<int32_t>(std::min<int64_t>(t.s[i].blocks, most_blocks));
           t.s[i].partial0 = static_cast<int32_t>(partial);
           partial += t.s[i].blocks;
         }
