@@ -174,7 +174,9 @@ TEST(Engine, TallAndWideOfOneShapeShareABatchAndEqualSeparateEngines) {
       joint.step(dj);
       wide.step(dw);
       tall.step(dt);
-      if (!cache) EXPECT_EQ(joint.stats().ortho.calls - before, 1) << "one batch per step";
+      if (!cache) {
+        EXPECT_EQ(joint.stats().ortho.calls - before, 1) << "one batch per step";
+      }
       for (auto& gr : grads)  // a slowly drifting gradient, so that cached transforms stay close
         for (float& x : gr) x = 0.9f * x + 0.01f * (x > 0 ? 1.0f : -1.0f);
     }
@@ -583,7 +585,9 @@ TEST(Engine, AutoGivesGroupedClassesOneSchedule) {
     const bool small = r.rows <= 128;
     EXPECT_EQ(r.source, small ? "grouped" : "heuristic");
     EXPECT_EQ(r.config.grouped_products, small);
-    if (small) EXPECT_EQ(r.config.iteration, Iteration::kGram);
+    if (small) {
+      EXPECT_EQ(r.config.iteration, Iteration::kGram);
+    }
   }
   for (int i : {0, 1}) {
     EXPECT_TRUE(e.resolved_ortho(i).grouped_products) << i;
