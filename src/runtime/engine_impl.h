@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -156,8 +157,9 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   // a bad value fails before any step and a step never sees it change; distributed, it is part
   // of what every rank must agree on (dist_setup.cc).
   bool grouped_products(int group, int64_t m, int64_t n, DType work) const;
-  // Whether `auto` resolves the class to grouped Gram NS (resolve_shape), untimed.
-  bool grouped_auto(int group, int64_t m, int64_t n) const;
+  // What `auto` resolves a class to when it shares its launches (grouped Gram NS, untimed), or
+  // nothing when the group is not `auto` or the class is not grouped.
+  std::optional<OrthoConfig> grouped_auto(int group, int64_t m, int64_t n) const;
   static std::string grouped_products_setting();  // "auto", "off" or "all"; throws otherwise
   static constexpr int64_t kGroupedMaxRows = 512;
   static constexpr double kGroupedMaxWork = 1 << 30;

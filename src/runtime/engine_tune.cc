@@ -4,6 +4,7 @@
 // everywhere, so that every rank runs the same algorithm on the same matrix (gather mode solves
 // every matrix on every rank and keeps its own rows: different algorithms would tear a matrix
 // apart).
+#include <optional>
 #include <sstream>
 
 #include "distmuon/env.h"
@@ -67,18 +68,8 @@ measure::TunedConfig decode(const std::string& line, const OrthoConfig& base) {
 }  // namespace
 
 OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
+  if (std::optional<OrthoConfig> g = grouped_auto(group, m, n)) return *g;
   const OrthoConfig& base = groups[group].muon.ortho;
-  if (base.iteration == Iteration::kAuto && grouped_auto(group, m, n)) {
-    // `auto` for a class that shares its launches: Gram NS, one schedule for all of them, so
-    // that they all share every launch. Timed alone and ungrouped, the tuner would pick per
-    // class what is fastest alone (run 19: ns5 for ResNet-18's classes, 0.94 ms a step, where
-    // grouped Gram NS takes 0.73).
-    OrthoConfig g = base;
-    g.iteration = Iteration::kGram;
-    OrthoConfig r = resolve(g, m, n);
-    r.grouped_products = true;
-    return r;
-  }
   OrthoConfig r = resolve(base, m, n);
   if (base.iteration == Iteration::kAuto && !tuned.empty()) {
     auto it = tuned.find(tuned_key(group, m, n, base));
@@ -96,10 +87,18 @@ std::string Engine::Impl::grouped_products_setting() {
   return v;
 }
 
-bool Engine::Impl::grouped_auto(int group, int64_t m, int64_t n) const {
+std::optional<OrthoConfig> Engine::Impl::grouped_auto(int group, int64_t m, int64_t n) const {
+  // `auto` for a class that shares its launches: Gram NS, one schedule for all of them, so that
+  // they all share every launch. Timed alone and ungrouped, the tuner would pick per class what
+  // is fastest alone (run 19: ns5 for ResNet-18's classes, 0.94 ms a step, where grouped Gram
+  // NS takes 0.73).
   OrthoConfig g = groups[group].muon.ortho;
+  if (g.iteration != Iteration::kAuto) return std::nullopt;
   g.iteration = Iteration::kGram;
-  return grouped_products(group, m, n, iteration_dtype(resolve(g, m, n)));
+  OrthoConfig r = resolve(g, m, n);
+  if (!grouped_products(group, m, n, iteration_dtype(r))) return std::nullopt;
+  r.grouped_products = true;
+  return r;
 }
 
 bool Engine::Impl::grouped_products(int group, int64_t m, int64_t n, DType work) const {
@@ -130,9 +129,8 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
     if (groups[t.group].kind != ParamKind::kMuon ||
         groups[t.group].muon.ortho.iteration != Iteration::kAuto)
       continue;
-    if (grouped_auto(t.group, t.m, t.n))  // not timed: see resolve_shape
-      tune_report.push_back({t.group, t.m, t.n, t.count, resolve_shape(t.group, t.m, t.n),
-                             "grouped", 0.0});
+    if (std::optional<OrthoConfig> g = grouped_auto(t.group, t.m, t.n))  // not timed
+      tune_report.push_back({t.group, t.m, t.n, t.count, *g, "grouped", 0.0});
     else
       todo.push_back(t);
   }

@@ -41,12 +41,10 @@ void MuonBatch::momentum_norm() const { issue_pass(*this, MuonPass::kNorm, Batch
 
 void MuonBatch::orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
                                        int64_t* skip_counter) const {
-  apply_momentum(x);
+  issue_pass(*this, MuonPass::kApply, x);
   orthogonalize(x, how);
   count_skips(skip_counter);
 }
-
-void MuonBatch::apply_momentum(const BatchRef& x) const { issue_pass(*this, MuonPass::kApply, x); }
 
 void MuonBatch::orthogonalize(const BatchRef& x, const BatchOrtho& how) const {
   if (!how.cache) {

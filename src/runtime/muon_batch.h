@@ -77,8 +77,6 @@ struct MuonBatch {
   // of x in place and the skips of this step added to skip_counter (device int64).
   void orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
                               int64_t* skip_counter) const;
-  // Pass 2 alone (batches orthogonalized as a group: Orthogonalizer::run_group).
-  void apply_momentum(const BatchRef& x) const;
   // The orthogonalization of x in place (runs of consecutive cache entries become one call).
   void orthogonalize(const BatchRef& x, const BatchOrtho& how) const;
   void count_skips(int64_t* skip_counter) const;
