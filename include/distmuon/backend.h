@@ -151,6 +151,16 @@ struct GemmProblem {
   BatchRef c;
 };
 
+// One term of Backend::lincomb_grouped: out = alpha a + beta b + diag I.
+struct LincombProblem {
+  double alpha = 1.0;
+  BatchRef a;
+  double beta = 0.0;
+  BatchRef b;  // data null: none (beta ignored)
+  double diag = 0.0;
+  BatchRef out;
+};
+
 // ---- CacheMuon gate (docs/algorithms.md section 5) -------------------------------------------
 
 // What cache_gate decided for a matrix (int32 per matrix, device memory).
@@ -300,6 +310,11 @@ class Backend {
   // out = alpha * a + beta * b + diag * I (b may be null; diag needs square matrices).
   virtual void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                        const BatchRef& out) = 0;
+  // lincomb for batches of several shapes at once: each result equals that problem's lincomb()
+  // bit for bit, whatever shares the call. Every problem is checked before any is issued. No
+  // problem may write what another reads. Default: lincomb() per problem (CUDA: one launch per
+  // 48 matrices, where a solve of many small classes would launch one per class).
+  virtual void lincomb_grouped(std::span<const LincombProblem> problems);
   // norms[i] = ||a_i||_F, accumulated in double and rounded to float's precision in double's
   // range (src/backend/muon_ref.h): every finite input has a finite norm. Non-finite entries
   // make the norm NaN/Inf.

@@ -104,6 +104,7 @@ class CudaBackend final : public Backend {
   bool grouped_gemm_native(DType t) const override;
   void lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                const BatchRef& out) override;
+  void lincomb_grouped(std::span<const LincombProblem> problems) override;
   void frob_norm(const BatchRef& a, double* norms) override;
   void scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                   const BatchRef& dst) override;

@@ -72,6 +72,13 @@ void Backend::gemm_grouped(std::span<const GemmProblem> problems) {
     gemm(p.op_a, p.a, p.op_b, p.b, p.alpha, p.beta, p.c_in.data ? &p.c_in : nullptr, p.c);
 }
 
+void Backend::lincomb_grouped(std::span<const LincombProblem> problems) {
+  for (const LincombProblem& p : problems)
+    check_lincomb("lincomb_grouped", p.a, p.b.data ? &p.b : nullptr, p.diag, p.out);
+  for (const LincombProblem& p : problems)
+    lincomb(p.alpha, p.a, p.beta, p.b.data ? &p.b : nullptr, p.diag, p.out);
+}
+
 void Backend::muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) {
   for (const MuonPassBatch& b : batches) switch (pass) {
       case MuonPass::kNorm:
@@ -143,6 +150,13 @@ GemmDims check_gemm(const char* what, Op op_a, const BatchRef& a, Op op_b, const
 void check_same_shape(const char* what, const BatchRef& a, const BatchRef& b) {
   DM_CHECK(a.count == b.count && a.rows == b.rows && a.cols == b.cols, what, ": shapes differ (",
            a.count, "x", a.rows, "x", a.cols, " vs ", b.count, "x", b.rows, "x", b.cols, ")");
+}
+
+void check_lincomb(const char* what, const BatchRef& a, const BatchRef* b, double diag,
+                   const BatchRef& out) {
+  check_same_shape(what, a, out);
+  if (b) check_same_shape(what, *b, out);
+  DM_CHECK(diag == 0.0 || out.rows == out.cols, what, ": identity term needs square matrices");
 }
 
 void check_slots(const char* what, std::span<const MuonSlot> slots, const BatchRef& x,

@@ -148,8 +148,9 @@ struct BatchGroup {
       : parts(std::move(p)), data(parts.empty() ? nullptr : parts[0].data) {}
 };
 
-// Issues each operation once for every part of a group: products as one gemm_grouped call,
-// the elementwise operations (two per solve at most) per part. Plain solves only: no masks.
+// Issues each operation once for every part of a group: products as one gemm_grouped call, the
+// identity terms as one lincomb_grouped call, copies (rare: an output that is the input) per
+// part. Plain solves only: no masks.
 struct GroupExec {
   Backend& be;
   OrthoStats* stats = nullptr;
@@ -175,8 +176,11 @@ struct GroupExec {
     product(false, oa, a, ob, b, alpha, beta, cin, c);
   }
   void plus_identity(const BatchGroup& z, double a, const BatchGroup& out) {
+    std::vector<LincombProblem> terms;
+    terms.reserve(z.parts.size());
     for (size_t i = 0; i < z.parts.size(); ++i)
-      be.lincomb(1.0, z.parts[i], 0.0, nullptr, a, out.parts[i]);
+      terms.push_back({1.0, z.parts[i], 0.0, BatchRef{}, a, out.parts[i]});
+    be.lincomb_grouped(terms);
   }
   void copy(const BatchGroup& src, const BatchGroup& dst) {
     for (size_t i = 0; i < src.parts.size(); ++i)

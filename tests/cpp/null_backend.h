@@ -37,6 +37,10 @@ class NullBackend : public Backend {
   void lincomb(double, const BatchRef&, double, const BatchRef*, double, const BatchRef&) override {
     ++ops;
   }
+  void lincomb_grouped(std::span<const LincombProblem> problems) override {
+    if (grouped_native) ++ops;
+    else Backend::lincomb_grouped(problems);
+  }
   void frob_norm(const BatchRef&, double*) override { ++ops; }
   void scale_copy(const BatchRef&, bool, const ScaleSpec&, const BatchRef&) override { ++ops; }
   void muon_momentum_norm(std::span<const MuonSlot>, const float*, bool, double*,

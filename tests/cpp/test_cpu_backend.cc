@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/error.h"
@@ -132,6 +133,31 @@ TEST(CpuBackend, LincombNormAndScaleCopy) {
   be.scale_copy(ha.ref, true, ScaleSpec{norms, 1.0f, 1e-7f, 1.0f}, t.ref);
   Mat want = ha.get(1).transpose() / (norms[1] + 1e-7);
   EXPECT_LT(rel_err(t.get(1), want), 5e-3);
+}
+
+// The default lincomb_grouped: each problem as its own lincomb(), and a bad problem anywhere
+// refuses the call before any output is written.
+TEST(CpuBackend, LincombGroupedIsLincombPerProblemAndChecksFirst) {
+  CpuBackend be;
+  HostBatch a1(DType::kF32, 2, 12, 12), o1(DType::kF32, 2, 12, 12), w1(DType::kF32, 2, 12, 12);
+  HostBatch a2(DType::kBF16, 1, 6, 9), b2(DType::kBF16, 1, 6, 9), o2(DType::kBF16, 1, 6, 9),
+      w2(DType::kBF16, 1, 6, 9);
+  for (int i = 0; i < 2; ++i) a1.set(i, random_matrix(12, 12));
+  a2.set(0, random_matrix(6, 9));
+  b2.set(0, random_matrix(6, 9));
+  for (HostBatch* h : {&o1, &w1, &o2, &w2}) h->poison();
+  std::vector<LincombProblem> call = {{1.0, a1.ref, 0.0, BatchRef{}, 1.875, o1.ref},
+                                      {0.5, a2.ref, -2.0, b2.ref, 0.0, o2.ref}};
+  std::vector<LincombProblem> bad = call;
+  bad.push_back({1.0, a2.ref, 0.0, BatchRef{}, 1.0, o2.ref});  // identity term, not square
+  EXPECT_THROW(be.lincomb_grouped(bad), Error);
+  EXPECT_TRUE(std::isnan(o1.get(0)(0, 0)) && std::isnan(o2.get(0)(0, 0))) << "written anyway";
+  be.lincomb_grouped(call);
+  be.lincomb(1.0, a1.ref, 0.0, nullptr, 1.875, w1.ref);
+  be.lincomb(0.5, a2.ref, -2.0, &b2.ref, 0.0, w2.ref);
+  EXPECT_EQ(o1.bytes, w1.bytes);
+  EXPECT_EQ(o2.bytes, w2.bytes);
+  EXPECT_LT(rel_err(o1.get(1), a1.get(1) + 1.875 * Mat::Identity(12, 12)), 1e-6);
 }
 
 TEST(CpuBackend, FrobNormDoesNotOverflowOnHugeInputs) {

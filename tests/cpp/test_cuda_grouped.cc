@@ -1,9 +1,11 @@
-// The grouped product (Backend::gemm_grouped) and the grouped orthogonalization on the GPU:
-// every problem of a mixed call against float64 on fresh random inputs, each matrix's bits
-// independent of the rest of its call, and run_group against run() and the float64 iteration.
-// Skips without a GPU.
+// The grouped product (Backend::gemm_grouped), the grouped linear combination
+// (Backend::lincomb_grouped) and the grouped orthogonalization on the GPU: every problem of a
+// mixed call against float64 on fresh random inputs, each matrix's bits independent of the rest
+// of its call, and run_group against run() and the float64 iteration. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "distmuon/ortho.h"
@@ -147,6 +149,111 @@ TEST(CudaGrouped, ManyProblemsSplitIntoLaunches) {
     for (int64_t i = 0; i < host[p].c.count; ++i)
       EXPECT_LT(rel_err(got.get(i), host[p].want[i]), 1e-2) << "matrix " << i;
     EXPECT_TRUE(same_bytes(got, got_alone));
+  }
+}
+
+// One problem of lincomb_grouped: out = alpha a + beta b + diag I, with a padded leading
+// dimension where `pad` > 0 (the host batches hold cols + pad columns; the view takes cols).
+struct LinCase {
+  DType dtype;
+  int64_t count, rows, cols, pad;
+  double alpha, beta, diag;  // beta 0: no b
+  bool in_place;             // out is a
+};
+
+struct LinProblem {
+  LinCase c;
+  HostBatch a, b, out;
+  LinProblem(const LinCase& cs)
+      : c(cs),
+        a(cs.dtype, cs.count, cs.rows, cs.cols + cs.pad),
+        b(cs.dtype, cs.count, cs.rows, cs.cols + cs.pad),
+        out(cs.dtype, cs.count, cs.rows, cs.cols + cs.pad) {
+    for (int64_t i = 0; i < cs.count; ++i) {
+      a.set(i, random_matrix(cs.rows, cs.cols + cs.pad));
+      b.set(i, random_matrix(cs.rows, cs.cols + cs.pad));
+    }
+    out.poison();
+  }
+  BatchRef view(const BatchRef& r) const {
+    BatchRef v = r;
+    v.cols = c.cols;
+    return v;
+  }
+  // The float64 result of matrix i (its first `cols` columns).
+  Mat want(int64_t i) const {
+    Mat w = c.alpha * a.get(i).leftCols(c.cols);
+    if (c.beta != 0) w += c.beta * b.get(i).leftCols(c.cols);
+    for (int64_t d = 0; d < std::min(c.rows, c.cols); ++d) w(d, d) += c.diag;
+    return w;
+  }
+};
+
+struct LinDevice {
+  DeviceBatch a, b, out;
+  LinDevice(Backend& be, const LinProblem& h) : a(be, h.a), b(be, h.b), out(be, h.out) {}
+  const DeviceBatch& result(const LinCase& c) const { return c.in_place ? a : out; }
+  LincombProblem problem(const LinProblem& h) const {
+    const LinCase& c = h.c;
+    return {c.alpha, h.view(a.ref), c.beta, c.beta != 0 ? h.view(b.ref) : BatchRef{}, c.diag,
+            h.view(result(c).ref)};
+  }
+};
+
+// Problems of both kernels (vector: packed, 16-byte aligned; scalar: padded rows or an odd
+// size), an identity term alone (Gram NS's Q = Z + a I), a result written over its input,
+// fp64 (lincomb itself), and more matrices than one table holds (60 of 8 x 8): each equals its
+// own lincomb() bit for bit and float64 to its dtype's rounding. A bad problem at the end of a
+// call refuses the whole call before anything is written.
+TEST(CudaGrouped, LincombGroupedEqualsLincombBitForBit) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  const std::vector<LinCase> cases = {
+      {DType::kBF16, 3, 64, 64, 0, 1.0, 0.0, 1.875, false},   // Q = Z + a I
+      {DType::kF16, 2, 96, 96, 0, 0.5, -1.25, 0.3, true},     // in place, with b
+      {DType::kF32, 2, 33, 40, 8, 0.75, 2.0, 0.0, false},     // padded rows: scalar kernel
+      {DType::kBF16, 1, 35, 35, 0, 1.0, 0.0, -3.25, false},   // odd size: scalar kernel
+      {DType::kF64, 2, 16, 16, 0, 1.5, 0.25, 2.0, false},     // fp64: lincomb itself
+      {DType::kBF16, 60, 8, 8, 0, 1.0, 0.0, 1.5, false},      // two tables
+  };
+  std::vector<LinProblem> host(cases.begin(), cases.end());
+  std::vector<std::unique_ptr<LinDevice>> together, alone;
+  std::vector<LincombProblem> call;
+  for (const LinProblem& h : host) {
+    together.push_back(std::make_unique<LinDevice>(be, h));
+    alone.push_back(std::make_unique<LinDevice>(be, h));
+    call.push_back(together.back()->problem(h));
+  }
+  // A call with a bad last problem (b of another shape) changes nothing.
+  std::vector<LincombProblem> bad = call;
+  LincombProblem wrong = call[0];
+  wrong.b = host[3].view(together[3]->a.ref);
+  wrong.beta = 1.0;
+  bad.push_back(wrong);
+  EXPECT_THROW(be.lincomb_grouped(bad), Error);
+  be.synchronize();
+  for (size_t p = 0; p < host.size(); ++p) {
+    HostBatch untouched = like(host[p].out);
+    together[p]->result(host[p].c).download(be, untouched);
+    EXPECT_TRUE(same_bytes(untouched, host[p].c.in_place ? host[p].a : host[p].out)) << p;
+  }
+
+  be.lincomb_grouped(call);
+  for (size_t p = 0; p < host.size(); ++p) {
+    const LincombProblem one = alone[p]->problem(host[p]);
+    be.lincomb(one.alpha, one.a, one.beta, one.b.data ? &one.b : nullptr, one.diag, one.out);
+  }
+  be.synchronize();
+  for (size_t p = 0; p < host.size(); ++p) {
+    SCOPED_TRACE("problem " + std::to_string(p));
+    const LinCase& c = host[p].c;
+    HostBatch got = like(host[p].out), got_alone = like(host[p].out);
+    together[p]->result(c).download(be, got);
+    alone[p]->result(c).download(be, got_alone);
+    EXPECT_TRUE(same_bytes(got, got_alone)) << "differs from lincomb()";
+    const double tol = c.dtype == DType::kF64 ? 1e-14 : c.dtype == DType::kF32 ? 1e-6 : 1e-2;
+    for (int64_t i = 0; i < c.count; ++i)
+      EXPECT_LT(rel_err(got.get(i).leftCols(c.cols), host[p].want(i)), tol) << "matrix " << i;
   }
 }
 

@@ -59,9 +59,7 @@ void CpuBackend::fill_zero(void* dst, size_t bytes) {
 
 void CpuBackend::lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b,
                          double diag, const BatchRef& out) {
-  check_same_shape("lincomb", a, out);
-  if (b) check_same_shape("lincomb", *b, out);
-  DM_CHECK(diag == 0.0f || out.rows == out.cols, "lincomb: identity term needs square matrices");
+  check_lincomb("lincomb", a, b, diag, out);
   for (int64_t i = 0; i < out.count; ++i) {
     MatRef ma = a.matrix(i), mo = out.matrix(i);
     MatRef mb = b ? b->matrix(i) : MatRef{};

@@ -12,6 +12,26 @@
 
 namespace distmuon::cuda {
 
+constexpr int kMaxLincombSlots = 48;
+
+// One matrix of a grouped lincomb launch. int32 sides (checked on the host) keep a table of 48
+// within the 4 KB of kernel parameters.
+struct LincombSlotArgs {
+  const void* a;
+  const void* b;  // null: no b term
+  void* out;
+  float alpha, beta, diag;
+  int32_t rows, cols, ld_a, ld_b, ld_out;
+  int32_t blocks;  // this matrix's blocks along x (its grid-stride step)
+  int8_t a_dt, b_dt, out_dt;
+};
+
+struct LincombTable {
+  LincombSlotArgs s[kMaxLincombSlots];
+  int n;
+};
+static_assert(sizeof(LincombTable) <= 4096, "a lincomb table exceeds 4 KB of parameters");
+
 namespace dev {
 
 // grid (blocks per matrix, count). VEC: every operand packed (ld == cols) and 16-byte aligned.
@@ -48,6 +68,45 @@ __global__ void __launch_bounds__(256) lincomb_kernel(int64_t rows, int64_t cols
       if (has_b) v += beta * static_cast<C>(load1d(pb, b.dt, r * b.ld + c));
       if (r == c) v += diag;
       store1d(po, out.dt, r * out.ld + c, static_cast<double>(v));
+    }
+  }
+}
+
+// Backend::lincomb_grouped: up to kMaxLincombSlots matrices of any shapes per launch, one table
+// row each, computed in float exactly as lincomb_kernel<float, VEC> computes them (the same
+// expression per element, so the same bits; fp64 problems take lincomb itself). grid (most
+// blocks of any matrix, n); a matrix uses its first `blocks` blocks.
+template <bool VEC>
+__global__ void __launch_bounds__(256) lincomb_grouped_kernel(const __grid_constant__ LincombTable t) {
+  const LincombSlotArgs& s = t.s[blockIdx.y];
+  if (static_cast<int>(blockIdx.x) >= s.blocks) return;
+  const int64_t cols = s.cols, numel = static_cast<int64_t>(s.rows) * cols;
+  const int64_t stride = static_cast<int64_t>(s.blocks) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool has_b = s.b != nullptr;
+  if constexpr (VEC) {
+    for (int64_t i = first * 8; i < numel; i += stride * 8) {
+      F8 va = load8(s.a, s.a_dt, i), r;
+      F8 vb;
+      if (has_b) vb = load8(s.b, s.b_dt, i);
+      int64_t row = i / cols, col = i - row * cols;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        float v = s.alpha * va.v[k];
+        if (has_b) v += s.beta * vb.v[k];
+        if (row == col) v += s.diag;
+        r.v[k] = v;
+        if (++col == cols) { col = 0; ++row; }
+      }
+      store8(s.out, s.out_dt, i, r);
+    }
+  } else {
+    for (int64_t i = first; i < numel; i += stride) {
+      const int64_t r = i / cols, c = i - r * cols;
+      float v = s.alpha * static_cast<float>(load1d(s.a, s.a_dt, r * s.ld_a + c));
+      if (has_b) v += s.beta * static_cast<float>(load1d(s.b, s.b_dt, r * s.ld_b + c));
+      if (r == c) v += s.diag;
+      store1d(s.out, s.out_dt, r * s.ld_out + c, static_cast<double>(v));
     }
   }
 }

@@ -11,8 +11,11 @@
 //   pass 3  muon_update: W <- decay W - step O (O read transposed for tall matrices)
 // mu and pass 3's coefficients are read from device memory, so that a captured step replays
 // with the values uploaded for the step it runs in.
-// Flat kernels move 8 elements per thread step with 16-byte accesses; transposing kernels go
-// through 32x32 shared-memory tiles so that both the read and the write are coalesced.
+// Flat kernels move 8 elements per thread step with 16-byte accesses where every matrix of the
+// launch allows them (VEC; a template parameter, not a per-matrix flag: the two loops in one
+// kernel took 46 registers instead of 40 and pass 1 ran 9 % slower, bench/NOTES.md run 21);
+// transposing kernels go through 32x32 shared-memory tiles so that both the read and the write
+// are coalesced.
 #pragma once
 
 #include <cstdint>
@@ -46,7 +49,6 @@ struct MuonSlotArgs {
   int32_t partial0;  // pass 1: where its blocks' partial sums start in the scratch
   int8_t g_dt, b_dt, w_dt, x_dt;
   bool nesterov;
-  bool vec;  // flat kernels: packed, 16-byte aligned, numel % 8 == 0 (8-element accesses)
 };
 
 struct MuonTable {
@@ -80,12 +82,22 @@ __device__ __forceinline__ double scale_factor(const MuonSlotArgs& a) {
   return a.alpha / (a.norm_mul * *a.scale_norm + a.eps);
 }
 
-// Pass 2's bookkeeping of a skipped matrix: one thread of its first block counts it.
-__device__ __forceinline__ void count_skip(const MuonSlotArgs& a, bool ok, bool first_block) {
+// What every pass-2 block of a matrix starts from: mu, whether the matrix takes part (a skipped
+// one writes X = 0 and keeps B) and its factor. One thread of the matrix's first block counts
+// a skip.
+struct ApplyStart {
+  float mu;
+  bool ok;
+  double f;
+};
+__device__ __forceinline__ ApplyStart apply_start(const MuonSlotArgs& a, bool first_block) {
+  const bool ok = *a.status == 0;
   if (!ok && first_block && threadIdx.x == 0 && threadIdx.y == 0 && a.skips) *a.skips += 1;
+  return {*a.mu, ok, ok ? scale_factor(a) : 0.0};
 }
 
 // Pass 1. grid (most blocks of any matrix, n); a matrix uses its first a.blocks blocks.
+template <bool VEC>
 __global__ void __launch_bounds__(256) muon_norm_kernel(const __grid_constant__ MuonTable t,
                                                         double* partials, unsigned* counters) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
@@ -95,7 +107,7 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(const __grid_constant__ 
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   double acc = 0;
-  if (a.vec) {
+  if constexpr (VEC) {
     for (int64_t i = first * 8; i < numel; i += stride * 8) {
       F8 g = load8(a.g, a.g_dt, i), b = load8(a.b, a.b_dt, i);
 #pragma unroll
@@ -123,17 +135,15 @@ __global__ void __launch_bounds__(256) muon_norm_kernel(const __grid_constant__ 
 }
 
 // Pass 2, flat. grid (most blocks of any matrix, n).
+template <bool VEC>
 __global__ void __launch_bounds__(256) muon_apply_kernel(const __grid_constant__ MuonTable t) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
   if (static_cast<int>(blockIdx.x) >= a.blocks || a.rows == 0 || a.cols == 0) return;
-  const float mu = *a.mu;
-  const bool ok = *a.status == 0;
-  const double f = ok ? scale_factor(a) : 0.0;
-  count_skip(a, ok, blockIdx.x == 0);
+  const auto [mu, ok, f] = apply_start(a, blockIdx.x == 0);
   const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (a.vec) {
+  if constexpr (VEC) {
     for (int64_t i = first * 8; i < numel; i += stride * 8) {
       F8 out;
       if (ok) {
@@ -171,10 +181,7 @@ __global__ void __launch_bounds__(256) muon_apply_t_kernel(const __grid_constant
   __shared__ float tile[32][33];
   const MuonSlotArgs& a = t.s[blockIdx.z];
   if (a.rows == 0 || a.cols == 0) return;  // (nothing to write, no skip to count)
-  const float mu = *a.mu;
-  const bool ok = *a.status == 0;
-  const double f = ok ? scale_factor(a) : 0.0;
-  count_skip(a, ok, blockIdx.x == 0 && blockIdx.y == 0);
+  const auto [mu, ok, f] = apply_start(a, blockIdx.x == 0 && blockIdx.y == 0);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 32, c0 = static_cast<int64_t>(blockIdx.x) * 32;
   if (r0 >= a.rows || c0 >= a.cols) return;
 #pragma unroll
@@ -199,6 +206,7 @@ __global__ void __launch_bounds__(256) muon_apply_t_kernel(const __grid_constant
 }
 
 // Pass 3, flat. grid (most blocks of any matrix, n).
+template <bool VEC>
 __global__ void __launch_bounds__(256) muon_update_kernel(const __grid_constant__ MuonTable t) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
   if (static_cast<int>(blockIdx.x) >= a.blocks) return;
@@ -207,7 +215,7 @@ __global__ void __launch_bounds__(256) muon_update_kernel(const __grid_constant_
   const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (a.vec) {
+  if constexpr (VEC) {
     for (int64_t i = first * 8; i < numel; i += stride * 8) {
       F8 w = load8(a.w, a.w_dt, i), ov = load8(a.x, a.x_dt, i);
 #pragma unroll
@@ -256,10 +264,7 @@ __global__ void __launch_bounds__(256) muon_apply_t64_kernel(const __grid_consta
   __shared__ float tile[64][65];  // [c][r]
   const MuonSlotArgs& a = t.s[blockIdx.z];
   if (a.rows == 0 || a.cols == 0) return;  // (nothing to write, no skip to count)
-  const float mu = *a.mu;
-  const bool ok = *a.status == 0;
-  const double f = ok ? scale_factor(a) : 0.0;
-  count_skip(a, ok, blockIdx.x == 0 && blockIdx.y == 0);
+  const auto [mu, ok, f] = apply_start(a, blockIdx.x == 0 && blockIdx.y == 0);
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * 64, c0 = static_cast<int64_t>(blockIdx.x) * 64;
   if (r0 >= a.rows || c0 >= a.cols) return;
   const int q = threadIdx.x & 15, rr = threadIdx.x >> 4;

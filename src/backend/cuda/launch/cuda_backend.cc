@@ -217,6 +217,9 @@ void CudaBackend::lincomb(double alpha, const BatchRef& a, double beta, const Ba
                           double diag, const BatchRef& out) {
   cuda::launch_lincomb(alpha, a, beta, b, diag, out, impl_->sm_count, impl_->stream);
 }
+void CudaBackend::lincomb_grouped(std::span<const LincombProblem> problems) {
+  cuda::launch_lincomb_grouped(problems, impl_->sm_count, impl_->stream);
+}
 void CudaBackend::frob_norm(const BatchRef& a, double* norms) {
   cuda::launch_frob_norm(a, norms, impl_->scratch(), impl_->sm_count, impl_->stream);
 }

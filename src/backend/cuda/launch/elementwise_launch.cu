@@ -2,6 +2,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <vector>
 
 #include "backend/backend_checks.h"
 #include "backend/cuda/cuda_check.h"
@@ -35,9 +37,7 @@ void for_batch_chunks(int64_t count, F&& f) {
 
 void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                     const BatchRef& out, int sm_count, cudaStream_t stream) {
-  check_same_shape("lincomb", a, out);
-  if (b) check_same_shape("lincomb", *b, out);
-  DM_CHECK(diag == 0.0 || out.rows == out.cols, "lincomb: identity term needs square matrices");
+  check_lincomb("lincomb", a, b, diag, out);
   if (out.count == 0 || out.rows * out.cols == 0) return;
   const bool f64 = a.dtype == DType::kF64 || out.dtype == DType::kF64 || (b && b->dtype == DType::kF64);
   const bool vec = vec_ok(a) && vec_ok(out) && (!b || vec_ok(*b));
@@ -58,6 +58,65 @@ void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef
           b != nullptr, static_cast<float>(diag), arg(so));
     DM_CHECK_LAUNCH();
   });
+}
+
+void launch_lincomb_grouped(std::span<const LincombProblem> problems, int sm_count,
+                            cudaStream_t stream) {
+  constexpr int64_t kMax = std::numeric_limits<int32_t>::max();
+  for (const LincombProblem& p : problems) {
+    const BatchRef* b = p.b.data ? &p.b : nullptr;
+    check_lincomb("lincomb_grouped", p.a, b, p.diag, p.out);
+    DM_CHECK(p.out.rows <= kMax && p.out.cols <= kMax && p.a.ld <= kMax && p.out.ld <= kMax &&
+                 (!b || b->ld <= kMax),
+             "lincomb_grouped: a matrix of ", p.out.rows, " x ", p.out.cols,
+             " exceeds the kernel's int32 sides");
+  }
+  // Every matrix of every problem becomes a table row of the vector or the scalar kernel;
+  // fp64 problems (double arithmetic) go to lincomb itself.
+  std::vector<LincombSlotArgs> todo[2];
+  for (const LincombProblem& p : problems) {
+    const BatchRef* b = p.b.data ? &p.b : nullptr;
+    if (p.out.count == 0 || p.out.rows * p.out.cols == 0) continue;
+    if (p.a.dtype == DType::kF64 || p.out.dtype == DType::kF64 || (b && b->dtype == DType::kF64)) {
+      launch_lincomb(p.alpha, p.a, p.beta, b, p.diag, p.out, sm_count, stream);
+      continue;
+    }
+    const bool vec = vec_ok(p.a) && vec_ok(p.out) && (!b || vec_ok(*b));
+    const int blocks = blocks_per_matrix(p.out.rows * p.out.cols, p.out.count, sm_count);
+    for (int64_t i = 0; i < p.out.count; ++i) {
+      LincombSlotArgs s{};
+      s.a = p.a.matrix(i).data;
+      s.b = b ? b->matrix(i).data : nullptr;
+      s.out = p.out.matrix(i).data;
+      s.alpha = static_cast<float>(p.alpha);
+      s.beta = static_cast<float>(p.beta);
+      s.diag = static_cast<float>(p.diag);
+      s.rows = static_cast<int32_t>(p.out.rows);
+      s.cols = static_cast<int32_t>(p.out.cols);
+      s.ld_a = static_cast<int32_t>(p.a.ld);
+      s.ld_b = b ? static_cast<int32_t>(b->ld) : 0;
+      s.ld_out = static_cast<int32_t>(p.out.ld);
+      s.blocks = blocks;
+      s.a_dt = static_cast<int8_t>(p.a.dtype);
+      s.b_dt = b ? static_cast<int8_t>(b->dtype) : 0;
+      s.out_dt = static_cast<int8_t>(p.out.dtype);
+      todo[vec ? 1 : 0].push_back(s);
+    }
+  }
+  for (int vec = 0; vec < 2; ++vec)
+    for (size_t first = 0; first < todo[vec].size(); first += kMaxLincombSlots) {
+      LincombTable t{};
+      t.n = static_cast<int>(std::min<size_t>(kMaxLincombSlots, todo[vec].size() - first));
+      int blocks = 1;
+      for (int i = 0; i < t.n; ++i) {
+        t.s[i] = todo[vec][first + i];
+        blocks = std::max(blocks, t.s[i].blocks);
+      }
+      const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(t.n));
+      if (vec) dev::lincomb_grouped_kernel<true><<<grid, 256, 0, stream>>>(t);
+      else dev::lincomb_grouped_kernel<false><<<grid, 256, 0, stream>>>(t);
+      DM_CHECK_LAUNCH();
+    }
 }
 
 void launch_frob_norm(const BatchRef& a, double* norms, const Scratch& scratch, int sm_count,

@@ -32,6 +32,8 @@ void launch_muon_pass(MuonPass pass, std::span<const MuonPassBatch> batches,
 
 void launch_lincomb(double alpha, const BatchRef& a, double beta, const BatchRef* b, double diag,
                     const BatchRef& out, int sm_count, cudaStream_t stream);
+void launch_lincomb_grouped(std::span<const LincombProblem> problems, int sm_count,
+                            cudaStream_t stream);
 void launch_frob_norm(const BatchRef& a, double* norms, const Scratch& scratch, int sm_count,
                       cudaStream_t stream);
 void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
