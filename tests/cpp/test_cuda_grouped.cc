@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "distmuon/error.h"
 #include "distmuon/ortho.h"
 #include "test_cuda_util.h"
 
