@@ -11,11 +11,10 @@
 //   pass 3  muon_update: W <- decay W - step O (O read transposed for tall matrices)
 // mu and pass 3's coefficients are read from device memory, so that a captured step replays
 // with the values uploaded for the step it runs in.
-// Flat kernels move 8 elements per thread step with 16-byte accesses where every matrix of the
-// launch allows them (VEC; a template parameter, not a per-matrix flag: the two loops in one
-// kernel took 46 registers instead of 40 and pass 1 ran 9 % slower, bench/NOTES.md run 21);
-// transposing kernels go through 32x32 shared-memory tiles so that both the read and the write
-// are coalesced.
+// Flat kernels move 8 elements per thread step with 16-byte accesses where the matrix allows them
+// (a flag per matrix: templates on the path, one instance per access kind, ran pass 3 6 %
+// slower on pi0 and pass 1 no faster, bench/NOTES.md run 21); transposing kernels go through
+// 32x32 shared-memory tiles so that both the read and the write are coalesced.
 #pragma once
 
 #include <cstdint>
@@ -49,6 +48,7 @@ struct MuonSlotArgs {
   int32_t partial0;  // pass 1: where its blocks' partial sums start in the scratch
   int8_t g_dt, b_dt, w_dt, x_dt;
   bool nesterov;
+  bool vec;  // flat kernels: packed, 16-byte aligned, numel % 8 == 0 (8-element accesses)
 };
 
 struct MuonTable {
@@ -96,12 +96,8 @@ __device__ __forceinline__ ApplyStart apply_start(const MuonSlotArgs& a, bool fi
   return {*a.mu, ok, ok ? scale_factor(a) : 0.0};
 }
 
-// Pass 1. grid (most blocks of any matrix, n); a matrix uses its first a.blocks blocks. At least
-// six blocks per SM: left to itself ptxas gives the vector path 48 registers, five blocks per
-// SM, and the kernel reached 57 % occupancy and 78 % of DRAM bandwidth on pi0 (run 21); 40
-// registers fit it without spills.
-template <bool VEC>
-__global__ void __launch_bounds__(256, 6) muon_norm_kernel(const __grid_constant__ MuonTable t,
+// Pass 1. grid (most blocks of any matrix, n); a matrix uses its first a.blocks blocks.
+__global__ void __launch_bounds__(256) muon_norm_kernel(const __grid_constant__ MuonTable t,
                                                         double* partials, unsigned* counters) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
   if (static_cast<int>(blockIdx.x) >= a.blocks) return;
@@ -110,7 +106,7 @@ __global__ void __launch_bounds__(256, 6) muon_norm_kernel(const __grid_constant
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   double acc = 0;
-  if constexpr (VEC) {
+  if (a.vec) {
     for (int64_t i = first * 8; i < numel; i += stride * 8) {
       F8 g = load8(a.g, a.g_dt, i), b = load8(a.b, a.b_dt, i);
 #pragma unroll
@@ -138,7 +134,6 @@ __global__ void __launch_bounds__(256, 6) muon_norm_kernel(const __grid_constant
 }
 
 // Pass 2, flat. grid (most blocks of any matrix, n).
-template <bool VEC>
 __global__ void __launch_bounds__(256) muon_apply_kernel(const __grid_constant__ MuonTable t) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
   if (static_cast<int>(blockIdx.x) >= a.blocks || a.rows == 0 || a.cols == 0) return;
@@ -146,7 +141,7 @@ __global__ void __launch_bounds__(256) muon_apply_kernel(const __grid_constant__
   const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if constexpr (VEC) {
+  if (a.vec) {
     for (int64_t i = first * 8; i < numel; i += stride * 8) {
       F8 out;
       if (ok) {
@@ -209,7 +204,6 @@ __global__ void __launch_bounds__(256) muon_apply_t_kernel(const __grid_constant
 }
 
 // Pass 3, flat. grid (most blocks of any matrix, n).
-template <bool VEC>
 __global__ void __launch_bounds__(256) muon_update_kernel(const __grid_constant__ MuonTable t) {
   const MuonSlotArgs& a = t.s[blockIdx.y];
   if (static_cast<int>(blockIdx.x) >= a.blocks) return;
@@ -218,7 +212,7 @@ __global__ void __launch_bounds__(256) muon_update_kernel(const __grid_constant_
   const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   const int64_t stride = static_cast<int64_t>(a.blocks) * blockDim.x;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if constexpr (VEC) {
+  if (a.vec) {
     for (int64_t i = first * 8; i < numel; i += stride * 8) {
       F8 w = load8(a.w, a.w_dt, i), ov = load8(a.x, a.x_dt, i);
 #pragma unroll

@@ -25,20 +25,13 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// Which kernel a matrix takes: flat with 16-byte accesses (packed, 16-byte aligned, numel % 8
-// == 0), flat element by element, or for pass 2 or 3 of a tall matrix transposing through 32x32
-// tiles or the transposing vector kernel (fp32 G, B, W with rows % 8 == 0, cols % 4 == 0 and
-// 16-byte aligned rows; X/O rows 16-byte aligned).
-enum Kind { kFlatVec = 0, kFlat = 1, kT32 = 2, kT64 = 3, kKinds = 4 };
+// Which kernel a matrix of pass 2 or 3 takes: flat, transposing through 32x32 tiles, or the
+// transposing vector kernel (fp32 G, B, W with rows % 8 == 0, cols % 4 == 0 and 16-byte aligned
+// rows; X/O rows 16-byte aligned).
+enum Kind { kFlat = 0, kT32 = 1, kT64 = 2, kKinds = 3 };
 
 Kind kind_of(MuonPass pass, const MuonPassBatch& b, const MuonSlot& s, const MuonSlotArgs& a) {
-  if (pass == MuonPass::kNorm || !b.transpose) {
-    const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
-    bool vec = numel % 8 == 0 && a.ld_g == a.cols && a.ld_b == a.cols && a.ld_w == a.cols &&
-               aligned16(a.g) && aligned16(a.b) && aligned16(a.w);
-    if (pass != MuonPass::kNorm) vec = vec && b.x.ld == b.x.cols && aligned16(a.x);
-    return vec ? kFlatVec : kFlat;
-  }
+  if (pass == MuonPass::kNorm || !b.transpose) return kFlat;
   const bool t64 =
       a.rows % 8 == 0 && a.cols % 4 == 0 && a.ld_g % 4 == 0 && a.ld_b % 4 == 0 &&
       a.ld_w % 4 == 0 && s.grad.dtype == DType::kF32 && s.momentum.dtype == DType::kF32 &&
@@ -72,14 +65,17 @@ MuonSlotArgs slot_args(MuonPass pass, const MuonPassBatch& b, size_t i, int sm_c
   a.g_dt = static_cast<int8_t>(s.grad.dtype);
   a.b_dt = static_cast<int8_t>(s.momentum.dtype);
   a.w_dt = static_cast<int8_t>(s.weight.dtype);
+  const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
+  a.vec = numel % 8 == 0 && a.ld_g == a.cols && a.ld_b == a.cols && a.ld_w == a.cols &&
+          aligned16(a.g) && aligned16(a.b) && aligned16(a.w);
   if (pass != MuonPass::kNorm) {
     const BatchRef& x = b.x;
     a.x = static_cast<char*>(x.data) +
           static_cast<size_t>(static_cast<int64_t>(i) * x.stride) * dtype_size(x.dtype);
     a.ld_x = static_cast<int32_t>(x.ld);
     a.x_dt = static_cast<int8_t>(x.dtype);
+    a.vec = a.vec && x.ld == x.cols && aligned16(a.x);
   }
-  const int64_t numel = static_cast<int64_t>(a.rows) * a.cols;
   // Blocks from the matrix's own batch size, so that a matrix takes the same blocks (and its
   // norm the same summation order) whatever else shares its launch.
   a.blocks = blocks_per_matrix(numel, static_cast<int64_t>(b.slots.size()), sm_count);
@@ -118,7 +114,6 @@ void launch(MuonPass pass, Kind kind, const MuonTable& t, const Scratch& scratch
             cudaStream_t stream) {
   int64_t blocks = 1, tiles_x = 1, tiles_y = 1;
   const int tile = kind == kT64 ? 64 : 32;
-  const bool vec = kind == kFlatVec;
   for (int i = 0; i < t.n; ++i) {
     blocks = std::max<int64_t>(blocks, t.s[i].blocks);
     tiles_x = std::max<int64_t>(tiles_x, (int64_t{t.s[i].cols} + tile - 1) / tile);
@@ -129,18 +124,15 @@ void launch(MuonPass pass, Kind kind, const MuonTable& t, const Scratch& scratch
   const dim3 tiled(static_cast<unsigned>(tiles_x), static_cast<unsigned>(tiles_y), n);
   switch (pass) {
     case MuonPass::kNorm:
-      if (vec) dev::muon_norm_kernel<true><<<flat, 256, 0, stream>>>(t, scratch.partials, scratch.counters);
-      else dev::muon_norm_kernel<false><<<flat, 256, 0, stream>>>(t, scratch.partials, scratch.counters);
+      dev::muon_norm_kernel<<<flat, 256, 0, stream>>>(t, scratch.partials, scratch.counters);
       break;
     case MuonPass::kApply:
-      if (kind == kFlatVec) dev::muon_apply_kernel<true><<<flat, 256, 0, stream>>>(t);
-      else if (kind == kFlat) dev::muon_apply_kernel<false><<<flat, 256, 0, stream>>>(t);
+      if (kind == kFlat) dev::muon_apply_kernel<<<flat, 256, 0, stream>>>(t);
       else if (kind == kT64) dev::muon_apply_t64_kernel<<<tiled, 256, 0, stream>>>(t);
       else dev::muon_apply_t_kernel<<<tiled, dim3(32, 8), 0, stream>>>(t);
       break;
     case MuonPass::kUpdate:
-      if (kind == kFlatVec) dev::muon_update_kernel<true><<<flat, 256, 0, stream>>>(t);
-      else if (kind == kFlat) dev::muon_update_kernel<false><<<flat, 256, 0, stream>>>(t);
+      if (kind == kFlat) dev::muon_update_kernel<<<flat, 256, 0, stream>>>(t);
       else if (kind == kT64) dev::muon_update_t64_kernel<<<tiled, 256, 0, stream>>>(t);
       else dev::muon_update_t_kernel<<<tiled, dim3(32, 8), 0, stream>>>(t);
       break;
