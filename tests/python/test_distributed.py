@@ -10,7 +10,11 @@ Tolerances. The ranks reduce gradients in another order than one process sums it
 the runs differ by float32 rounding. Measured after 10 steps (max over parameters, losses):
 FSDP2 x2 5.6e-7 / 4.8e-7, FSDP2 x4 1.0e-6 / 2.4e-7, HSDP 2x2 4.3e-7 / 4.8e-7, DDP x2 and gather
 x2 5.6e-7 / 4.8e-7; resumed at 4 ranks 5.4e-7 / 4.8e-7, at 2 ranks exactly 0. Asserted:
-parameters within PARAM_TOL, losses within LOSS_TOL.
+parameters within PARAM_TOL, losses within LOSS_TOL. With CacheMuon reusing transforms, a hit's
+update D = Q X multiplies the input's rounding gap by Q's eigenvalues (up to the product of the
+iteration's a coefficients): the 3-row gate resumed at 4 ranks and in one process differed from
+the 2-rank run by 6.7e-6 (torch 2.15, 2026-12-03; the other parameters by at most 6.6e-7), so
+those runs are held to CACHE_PARAM_TOL.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from dist_harness import launch, max_diff, ok
 from distmuon.torch import Muon
 
 PARAM_TOL = 5e-6
+CACHE_PARAM_TOL = 2e-5
 LOSS_TOL = 2e-6
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch without distributed")
@@ -296,7 +301,7 @@ def test_cache_entries_resume_at_four_ranks_and_in_one_process(
             for k, v in entry.items():
                 assert torch.equal(res["loaded_state"][i][k], v), (i, k)  # Q, age, key exactly
         assert res["losses"] == pytest.approx(run["losses"][sc.CKPT_AT :], abs=LOSS_TOL, rel=0)
-        assert max_diff(res["params"], run["params"]) < PARAM_TOL
+        assert max_diff(res["params"], run["params"]) < CACHE_PARAM_TOL
     # steps 5..9 reuse the restored transforms (age 1 after step 4) at 5, 7, 8, refreshing at 6
     # and 9: 3 x 5 hits in all
     assert sum(r["stats"]["cache_hits"] for r in results[:4]) == 3 * 5
