@@ -13,9 +13,10 @@ and build B, and B's time over A's. Prints a Markdown table.
 """
 import argparse
 import collections
-import csv
 import re
 import sys
+
+from kernel_profile import MS_PER, read_table
 
 METRICS = {
     "gpu__time_duration.sum": "us",
@@ -23,7 +24,6 @@ METRICS = {
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occ",
     "dram__throughput.avg.pct_of_peak_sustained_elapsed": "dram",
 }
-TIME_SCALE = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
 
 
 def kernel(name: str) -> str:
@@ -37,23 +37,21 @@ def kernel(name: str) -> str:
 
 def read(path):
     """{kernel: [launches, sum us, sum regs, sum occ, sum dram]} of one CSV."""
-    with open(path, newline="") as f:
-        rows = list(csv.reader(l for l in f if l.startswith('"')))
-    if len(rows) < 2:
+    head, units, rows = read_table(path)
+    if not rows:
         sys.exit(f"{path}: no kernel rows (did ncu profile anything?)")
-    head = rows[0]
     name_i = head.index("Kernel Name")
     cols = {key: head.index(m) for m, key in METRICS.items() if m in head}
-    units = rows[1]
+    us_per = 1e3 * MS_PER.get(units[cols["us"]] or "nsecond", 1e-6)
     out = collections.defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
-    for r in rows[2:]:
+    for r in rows:
         try:
             vals = {k: float(r[i].replace(",", "")) for k, i in cols.items()}
         except ValueError:
             continue
         e = out[kernel(r[name_i])]
         e[0] += 1
-        e[1] += vals.get("us", 0.0) * TIME_SCALE.get(units[cols["us"]], 1.0)
+        e[1] += vals.get("us", 0.0) * us_per
         e[2] += vals.get("regs", 0.0)
         e[3] += vals.get("occ", 0.0)
         e[4] += vals.get("dram", 0.0)

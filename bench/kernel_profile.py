@@ -58,21 +58,39 @@ def short(name: str) -> str:
     return name[:110]
 
 
-def read(path):
+# ncu's time units, in milliseconds.
+MS_PER = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
+          "second": 1e3, "s": 1e3}
+
+
+def read_table(path):
+    """ncu's `--csv --page raw` output: (header, units row, one row per kernel launch). ncu prints
+    its own log lines first; the CSV lines are the quoted ones."""
     with open(path, newline="") as f:
-        lines = [l for l in f if l.startswith('"')]  # ncu prints its own log lines first
-    rows = list(csv.reader(lines))
+        rows = list(csv.reader(l for l in f if l.startswith('"')))
+    if not rows:
+        return [], [], []
     head = rows[0]
+    # The units row: present when the first duration cell is not a number.
+    dur_i = head.index("gpu__time_duration.sum") if "gpu__time_duration.sum" in head else None
+    has_units = len(rows) > 1 and dur_i is not None and not rows[1][dur_i].replace(",", "").replace(".", "").isdigit()
+    units = rows[1] if has_units else [""] * len(head)
+    return head, units, rows[2:] if has_units else rows[1:]
+
+
+def read(path):
+    """[(kernel name, milliseconds)] per launch."""
+    head, units, rows = read_table(path)
+    if not head:
+        return []
     name_i, dur_i = head.index("Kernel Name"), head.index("gpu__time_duration.sum")
-    unit = rows[1][dur_i] if len(rows) > 1 and not rows[1][dur_i].replace(".", "").isdigit() else "nsecond"
-    scale = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0,
-             "second": 1e3, "s": 1e3}[unit]
+    scale = MS_PER.get(units[dur_i] or "nsecond", 1e-6)
     out = []
-    for r in rows[1:]:
+    for r in rows:
         try:
             out.append((r[name_i], float(r[dur_i].replace(",", "")) * scale))
         except ValueError:
-            continue  # the unit row
+            continue
     return out
 
 
