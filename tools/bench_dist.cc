@@ -19,11 +19,9 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
 #include <thread>
 
 #include "bench_model.h"
-#include "common/half.h"
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
 #include "distmuon/engine.h"
@@ -51,38 +49,6 @@ std::pair<int64_t, int64_t> chunk(int64_t dim0, int parts, int pos) {  // as FSD
   return {b, e - b};
 }
 
-class Filler {  // windows of one pool of Gaussian values: fast fills of large tensors
- public:
-  Filler(Backend& be, DType t, uint64_t seed) : be_(be), t_(t), rng_(seed) {
-    pool_.resize(1 << 21);
-    std::normal_distribution<float> nd(0.0f, 1.0f);
-    for (float& v : pool_) v = nd(rng_);
-  }
-  void fill(void* dst, int64_t n, float scale) {
-    const int64_t chunk_n = 1 << 20;
-    std::vector<uint8_t> host(static_cast<size_t>(std::min(n, chunk_n)) * dtype_size(t_));
-    std::uniform_int_distribution<size_t> off(0, pool_.size() - chunk_n - 1);
-    for (int64_t s = 0; s < n; s += chunk_n) {
-      const int64_t k = std::min(chunk_n, n - s);
-      const float* src = pool_.data() + off(rng_);
-      for (int64_t i = 0; i < k; ++i) {
-        const float v = src[i] * scale;
-        if (t_ == DType::kF32) reinterpret_cast<float*>(host.data())[i] = v;
-        if (t_ == DType::kBF16) reinterpret_cast<uint16_t*>(host.data())[i] = float_to_bf16(v);
-        if (t_ == DType::kF16) reinterpret_cast<uint16_t*>(host.data())[i] = float_to_f16(v);
-      }
-      be_.copy_from_host(static_cast<char*>(dst) + s * dtype_size(t_), host.data(),
-                         static_cast<size_t>(k) * dtype_size(t_));
-    }
-  }
-
- private:
-  Backend& be_;
-  DType t_;
-  std::mt19937_64 rng_;
-  std::vector<float> pool_;
-};
-
 struct ModeResult {
   std::string mode, algo;
   cli::Summary step_ms, engine_ms;
@@ -106,8 +72,9 @@ class Comparison {
     workload_ = w.name;
     dtype_ = parse_dtype(o.dtype);
     check_fits(be, w, dtype_, !o.no_adamw);
-    Filler weights(be, dtype_, o.seed);
-    Filler grads(be, dtype_, o.seed + 1 + comm.rank());
+    // A pool of 2^21 values each (the model's filler keeps 2^22): two of them per rank.
+    GaussianFiller weights(be, dtype_, o.seed, int64_t{1} << 21);
+    GaussianFiller grads(be, dtype_, o.seed + 1 + comm.rank(), int64_t{1} << 21);
     const int p = comm.size();
     auto add = [&](const WorkloadEntry& e, bool muon) {
       for (int64_t l = 0; l < e.count; ++l) {

@@ -24,34 +24,15 @@ void check_fits(const Backend& be, const Workload& w, DType param_dtype, bool in
            " GiB (use --layers to keep fewer layers)");
 }
 
-BenchModel::BenchModel(Backend& be, const Workload& w, DType dtype, bool include_adamw,
-                       uint64_t seed)
+GaussianFiller::GaussianFiller(Backend& be, DType dtype, uint64_t seed, int64_t pool_size)
     : be_(be), dtype_(dtype), rng_(seed) {
-  // A pool of Gaussian values; tensors copy windows of it from random offsets. Generating
-  // billions of fresh values on the host would dominate start-up on the large workloads.
-  pool_.resize(1 << 22);
+  DM_CHECK(pool_size > (int64_t{1} << 20), "a Gaussian pool needs more than 2^20 values");
+  pool_.resize(static_cast<size_t>(pool_size));
   std::normal_distribution<float> nd(0.0f, 1.0f);
   for (float& v : pool_) v = nd(rng_);
-  auto add = [&](const WorkloadEntry& e, bool muon) {
-    for (int64_t l = 0; l < e.count; ++l) {
-      Tensor t;
-      t.name = e.name + "." + std::to_string(l);
-      t.shape = e.shape;
-      t.muon = muon;
-      size_t bytes = static_cast<size_t>(t.numel()) * dtype_size(dtype);
-      t.weight = be.alloc(bytes);
-      t.grad = be.alloc(bytes);
-      fill_random(t.weight.data(), t.numel(), 0.02);
-      fill_random(t.grad.data(), t.numel(), 1e-3);
-      tensors_.push_back(std::move(t));
-    }
-  };
-  for (const auto& e : w.muon) add(e, true);
-  if (include_adamw)
-    for (const auto& e : w.adamw) add(e, false);
 }
 
-void BenchModel::fill_random(void* dst, int64_t numel, double scale) {
+void GaussianFiller::fill(void* dst, int64_t numel, double scale) {
   const int64_t chunk = 1 << 20;
   std::vector<uint8_t> host(static_cast<size_t>(std::min(numel, chunk)) * dtype_size(dtype_));
   std::uniform_int_distribution<size_t> off(0, pool_.size() - chunk - 1);
@@ -70,6 +51,28 @@ void BenchModel::fill_random(void* dst, int64_t numel, double scale) {
     be_.copy_from_host(static_cast<char*>(dst) + start * dtype_size(dtype_), host.data(),
                        static_cast<size_t>(n) * dtype_size(dtype_));
   }
+}
+
+BenchModel::BenchModel(Backend& be, const Workload& w, DType dtype, bool include_adamw,
+                       uint64_t seed)
+    : be_(be), dtype_(dtype), filler_(be, dtype, seed) {
+  auto add = [&](const WorkloadEntry& e, bool muon) {
+    for (int64_t l = 0; l < e.count; ++l) {
+      Tensor t;
+      t.name = e.name + "." + std::to_string(l);
+      t.shape = e.shape;
+      t.muon = muon;
+      size_t bytes = static_cast<size_t>(t.numel()) * dtype_size(dtype);
+      t.weight = be.alloc(bytes);
+      t.grad = be.alloc(bytes);
+      filler_.fill(t.weight.data(), t.numel(), 0.02);
+      filler_.fill(t.grad.data(), t.numel(), 1e-3);
+      tensors_.push_back(std::move(t));
+    }
+  };
+  for (const auto& e : w.muon) add(e, true);
+  if (include_adamw)
+    for (const auto& e : w.adamw) add(e, false);
 }
 
 void BenchModel::register_with(Engine& engine, const MuonOptions& muon,
@@ -92,11 +95,11 @@ std::vector<ParamData> BenchModel::step_data() const {
 }
 
 void BenchModel::refresh_gradients() {
-  for (Tensor& t : tensors_) fill_random(t.grad.data(), t.numel(), 1e-3);
+  for (Tensor& t : tensors_) filler_.fill(t.grad.data(), t.numel(), 1e-3);
 }
 
 void BenchModel::restart_gradients(uint64_t seed) {
-  rng_.seed(seed);
+  filler_.rng().seed(seed);
   refresh_gradients();
 }
 
@@ -110,7 +113,7 @@ void BenchModel::drift_gradients(double eps) {
     double ss = 0;
     for (float v : g) ss += double(v) * v;
     const float sigma = static_cast<float>(eps * std::sqrt(ss / g.size()));
-    for (float& v : g) v += sigma * nd(rng_);
+    for (float& v : g) v += sigma * nd(filler_.rng());
     be_.copy_from_host(t.grad.data(), g.data(), g.size() * sizeof(float));
   }
 }

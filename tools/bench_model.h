@@ -11,6 +11,23 @@
 
 namespace distmuon::bench {
 
+// Fills backend buffers with scaled Gaussian values in any parameter dtype: windows of one pool
+// of values at random offsets. Generating billions of fresh values on the host would dominate
+// start-up on the large workloads.
+class GaussianFiller {
+ public:
+  GaussianFiller(Backend& be, DType dtype, uint64_t seed, int64_t pool_size = int64_t{1} << 22);
+  void fill(void* dst, int64_t numel, double scale);
+  // The generator behind the offsets (and the pool's values): reseeding it replays the fills.
+  std::mt19937_64& rng() { return rng_; }
+
+ private:
+  Backend& be_;
+  DType dtype_;
+  std::mt19937_64 rng_;
+  std::vector<float> pool_;
+};
+
 struct Tensor {
   std::string name;
   std::vector<int64_t> shape;
@@ -48,12 +65,10 @@ class BenchModel {
   DType dtype() const { return dtype_; }
 
  private:
-  void fill_random(void* dst, int64_t numel, double scale);
   Backend& be_;
   DType dtype_;
   std::vector<Tensor> tensors_;
-  std::vector<float> pool_;  // random values reused at random offsets (fast fills)
-  std::mt19937_64 rng_;
+  GaussianFiller filler_;
 };
 
 }  // namespace distmuon::bench

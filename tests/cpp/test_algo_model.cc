@@ -249,7 +249,9 @@ TEST(AlgoModel, AcceptanceFollowsThePredictedError) {
   const std::optional<AlgoChoice> q = predict_choice(all, 3584, 18944, 24, auto_bf16());
   ASSERT_TRUE(q);
   for (const AlgoCandidate& k : q->candidates)
-    if (k.algorithm == "gram-ns" && !k.restarts.empty()) EXPECT_NEAR(k.ms / 89.652, 1.0, 0.15);
+    if (k.algorithm == "gram-ns" && !k.restarts.empty()) {
+      EXPECT_NEAR(k.ms / 89.652, 1.0, 0.15);
+    }
 }
 
 // Nothing of this schedule measured: no prediction (the caller falls back to the heuristic).

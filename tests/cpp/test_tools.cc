@@ -4,10 +4,14 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <vector>
 
+#include "bench_model.h"
 #include "bench_options.h"
+#include "common/half.h"
 #include "distmuon/error.h"
 #include "tool_runner.h"
 
@@ -26,6 +30,42 @@ void expect_refused(const std::string& tool, const std::vector<std::string>& arg
   EXPECT_THAT(p.err, HasSubstr(message));
   EXPECT_EQ(p.err.rfind(tool + ": error: ", 0), 0u) << p.err;  // one prefix, at the start
   EXPECT_THAT(p.err, Not(HasSubstr("distmuon: "))) << p.err;
+}
+
+// The synthetic model's values: every parameter dtype gets Gaussian values of the asked scale
+// (distmuon-bench's distributed modes once filled f64 tensors with zeros), across several of
+// the filler's 2^20-value chunks.
+TEST(Tools, GaussianFillerFillsEveryDtype) {
+  auto be = make_backend("cpu");
+  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(dtype_name(t));
+    const int64_t n = (int64_t{5} << 19) + 7;  // 2.5 chunks
+    const double scale = 0.02;
+    Buffer buf = be->alloc(static_cast<size_t>(n) * dtype_size(t));
+    bench::GaussianFiller filler(*be, t, 11);
+    filler.fill(buf.data(), n, scale);
+    std::vector<uint8_t> host(static_cast<size_t>(n) * dtype_size(t));
+    be->copy_to_host(host.data(), buf.data(), host.size());
+    double sum = 0, sum_sq = 0;
+    int64_t zeros = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      double v = 0;
+      switch (t) {
+        case DType::kF32: v = reinterpret_cast<const float*>(host.data())[i]; break;
+        case DType::kF64: v = reinterpret_cast<const double*>(host.data())[i]; break;
+        case DType::kBF16: v = bf16_to_float(reinterpret_cast<const uint16_t*>(host.data())[i]); break;
+        case DType::kF16: v = f16_to_float(reinterpret_cast<const uint16_t*>(host.data())[i]); break;
+      }
+      ASSERT_TRUE(std::isfinite(v)) << "element " << i;
+      sum += v;
+      sum_sq += v * v;
+      zeros += v == 0;
+    }
+    const double mean = sum / n, std = std::sqrt(sum_sq / n - mean * mean);
+    EXPECT_LT(std::abs(mean), 0.01 * scale);
+    EXPECT_NEAR(std, scale, 0.02 * scale);
+    EXPECT_LT(zeros, n / 1000);
+  }
 }
 
 TEST(Tools, NumbersOutOfRangeAreRefused) {
