@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "backend/cache_ref.h"
+#include "common/fnv.h"
 #include "distmuon/cache.h"
 #include "distmuon/error.h"
 #include "ortho/cache_impl.h"
@@ -70,11 +71,6 @@ void fill_summary(CacheResidualSummary& r, const double* f) {
   set_quantiles(r);
 }
 
-uint64_t fnv(uint64_t h, const void* p, size_t n) {
-  const auto* c = static_cast<const unsigned char*>(p);
-  for (size_t i = 0; i < n; ++i) h = (h ^ c[i]) * 0x100000001b3ull;
-  return h;
-}
 }  // namespace
 
 CacheResidual parse_cache_residual(const std::string& s) {
@@ -172,19 +168,19 @@ void CacheStats::merge(const CacheStats& o) {
 }
 
 double cache_key(const OrthoConfig& r, int64_t m, int64_t n, DType qtype, CacheLayout layout) {
-  uint64_t h = 0xcbf29ce484222325ull;
+  uint64_t h = kFnvOffset;
   const int32_t ints[] = {static_cast<int32_t>(iteration_dtype(r)), static_cast<int32_t>(qtype),
                           static_cast<int32_t>(layout), r.steps};
-  h = fnv(h, ints, sizeof(ints));
-  h = fnv(h, &m, sizeof(m));
-  h = fnv(h, &n, sizeof(n));
-  for (const QuinticCoef& k : coefficient_schedule(r)) h = fnv(h, &k, sizeof(k));
+  h = fnv1a(h, ints, sizeof(ints));
+  h = fnv1a(h, &m, sizeof(m));
+  h = fnv1a(h, &n, sizeof(n));
+  for (const QuinticCoef& k : coefficient_schedule(r)) h = fnv1a(h, &k, sizeof(k));
   for (int i = 1; i < r.steps; ++i) {
     const char at = ortho_detail::restarts_at(r, i) ? 1 : 0;
-    h = fnv(h, &at, 1);
+    h = fnv1a(h, &at, 1);
   }
   const double norm[] = {norm_multiplier(r.coefficients), static_cast<double>(r.eps)};
-  h = fnv(h, norm, sizeof(norm));
+  h = fnv1a(h, norm, sizeof(norm));
   return static_cast<double>((h >> 12) | 1ull);  // 52 bits, odd: exact in a double, never 0
 }
 

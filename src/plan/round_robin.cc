@@ -3,6 +3,7 @@
 #include <map>
 #include <tuple>
 
+#include "common/fnv.h"
 #include "distmuon/error.h"
 #include "distmuon/ortho.h"
 #include "distmuon/plan.h"
@@ -12,12 +13,11 @@ namespace distmuon {
 
 uint64_t plan_hash(const Plan& plan) {
   // FNV-1a over the owner list and the batch structure: stable across runs and machines.
-  uint64_t h = 1469598103934665603ull;
+  uint64_t h = kFnvOffset;
   auto mix = [&](uint64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= (v >> (8 * i)) & 0xff;
-      h *= 1099511628211ull;
-    }
+    unsigned char b[8];
+    for (int i = 0; i < 8; ++i) b[i] = (v >> (8 * i)) & 0xff;  // little-endian on every host
+    h = fnv1a(h, b, sizeof b);
   };
   mix(plan.owner.size());
   for (int o : plan.owner) mix(static_cast<uint64_t>(o));

@@ -1,6 +1,8 @@
 // Small host-side exchanges (metadata, votes, statuses) staged through backend memory, because a
 // communicator may only accept device buffers (NCCL).
+#include <algorithm>
 #include <numeric>
+#include <sstream>
 
 #include "common/log.h"
 #include "distmuon/error.h"
@@ -50,6 +52,45 @@ void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& valu
   comm.all_reduce(buf.data(), buf.data(), static_cast<int64_t>(n), CommType::kI32, op).wait();
   be.synchronize();
   be.copy_to_host(values.data(), buf.data(), n * sizeof(int32_t));
+}
+
+namespace {
+
+std::vector<std::string> split_lines(const char* p, int64_t n) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (int64_t i = 0; i < n; ++i) {
+    if (p[i] == '\n') {
+      out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += p[i];
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
+}  // namespace
+
+std::string text_differences(Communicator& comm, Backend& be, const std::string& mine,
+                             const std::vector<int64_t>& lengths) {
+  const std::vector<char> texts = host_all_gather_v(comm, be, mine, lengths);
+  const std::vector<std::string> ref = split_lines(texts.data(), lengths[0]);
+  std::ostringstream os;
+  int64_t off = lengths[0];
+  for (int q = 1; q < comm.size(); ++q) {
+    const std::vector<std::string> theirs = split_lines(texts.data() + off, lengths[q]);
+    off += lengths[q];
+    for (size_t l = 0; l < std::max(ref.size(), theirs.size()); ++l) {
+      const std::string a = l < ref.size() ? ref[l] : "(nothing)";
+      const std::string b = l < theirs.size() ? theirs[l] : "(nothing)";
+      if (a == b) continue;
+      os << "\n  rank 0 has `" << a << "` but rank " << q << " has `" << b << "`";
+      break;
+    }
+  }
+  return os.str();
 }
 
 }  // namespace distmuon

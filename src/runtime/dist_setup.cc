@@ -7,6 +7,7 @@
 #include <numeric>
 #include <sstream>
 
+#include "common/fnv.h"
 #include "common/log.h"
 #include "distmuon/error.h"
 #include "runtime/engine_impl.h"
@@ -71,30 +72,6 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
     const std::vector<char> all = host_all_gather_v(world, be, text, lens);
     out.table = parse_cost_tables(std::string(all.data(), all.size()), "rank 0's costs").front();
   }
-  return out;
-}
-
-uint64_t fnv1a(const std::string& s) {
-  uint64_t h = 1469598103934665603ull;
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
-
-std::vector<std::string> lines(const char* p, int64_t n) {
-  std::vector<std::string> out;
-  std::string cur;
-  for (int64_t i = 0; i < n; ++i) {
-    if (p[i] == '\n') {
-      out.push_back(cur);
-      cur.clear();
-    } else {
-      cur += p[i];
-    }
-  }
-  if (!cur.empty()) out.push_back(cur);
   return out;
 }
 
@@ -245,24 +222,9 @@ void Engine::Impl::dist_setup() {
     DM_FAIL(os.str());
   }
   if (differ) {
-    std::vector<char> texts = host_all_gather_v(*world, backend, text, text_len);
-    const std::vector<std::string> ref = lines(texts.data(), text_len[0]);
-    std::ostringstream os;
-    os << "ranks registered different parameters or options (every rank needs the same "
-       << "options, groups, names, shapes and dtypes, in the same order):";
-    int64_t off = text_len[0];
-    for (int q = 1; q < world_size; ++q) {
-      const std::vector<std::string> mine = lines(texts.data() + off, text_len[q]);
-      off += text_len[q];
-      for (size_t l = 0; l < std::max(ref.size(), mine.size()); ++l) {
-        const std::string a = l < ref.size() ? ref[l] : "(nothing)";
-        const std::string b = l < mine.size() ? mine[l] : "(nothing)";
-        if (a == b) continue;
-        os << "\n  rank 0 has `" << a << "` but rank " << q << " has `" << b << "`";
-        break;
-      }
-    }
-    DM_FAIL(os.str());
+    DM_FAIL("ranks registered different parameters or options (every rank needs the same "
+            "options, groups, names, shapes and dtypes, in the same order):",
+            text_differences(*world, backend, text, text_len));
   }
 
   // 5. Shards: every shard group must tile dim 0, and replicas must hold the same rows.

@@ -2,8 +2,10 @@
 // stages software-pipelined (the next bucket's communication overlaps the current bucket's
 // compute), and AdamW parameters are updated beside them.
 #include <algorithm>
+#include <charconv>
 #include <sstream>
 
+#include "common/fnv.h"
 #include "common/log.h"
 #include "distmuon/error.h"
 #include "runtime/engine_impl.h"
@@ -18,12 +20,59 @@ std::string rank_list(const std::vector<int>& r) {
   return os.str();
 }
 
+// The shortest text that reads back as exactly `v` (0.95f prints as 0.95).
+template <typename T>
+std::string exact(T v) {
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
+}
+
+// The options a step reads, per group, written exactly (exact()), one line per group. Ranks must agree on them at every step:
+// each matrix is updated by its owner with the owner's options, so a learning-rate scheduler
+// stepped on some ranks only would otherwise mix learning rates silently. The registration-time
+// options (algorithm, momentum dtype) are checked at set-up (dist_setup.cc); statistics and
+// diagnostics (per-matrix cache stats, shadow solves) may differ.
+std::string step_options_text(const std::vector<GroupOptions>& groups) {
+  std::ostringstream os;
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const GroupOptions& o = groups[g];
+    os << "group " << g;
+    if (o.kind == ParamKind::kAdamW) {
+      const AdamWOptions& a = o.adamw;
+      os << " adamw lr " << exact(a.lr) << " betas " << exact(a.beta1) << " " << exact(a.beta2)
+         << " eps " << exact(a.eps) << " weight_decay " << exact(a.weight_decay) << "\n";
+      continue;
+    }
+    const MuonOptions& m = o.muon;
+    const OrthoConfig& c = m.ortho;
+    os << " muon lr " << exact(m.lr) << " momentum " << exact(m.momentum) << " nesterov "
+       << m.nesterov << " weight_decay " << exact(m.weight_decay) << " scale "
+       << scale_mode_name(m.scale) << " " << algorithm_name(c) << " restarts";
+    for (int r : c.restarts) os << " " << r;
+    os << " work " << dtype_name(c.work_dtype) << " gram_work "
+       << (c.gram_work_dtype ? dtype_name(*c.gram_work_dtype) : "unset") << " eps " << exact(c.eps);
+    for (const QuinticCoef& q : c.custom_coefficients)
+      os << " (" << exact(q.a) << " " << exact(q.b) << " " << exact(q.c) << ")";
+    const CacheOptions& k = m.cache;
+    if (k.enabled)
+      os << " cache gamma " << exact(k.gamma) << " " << cache_residual_name(k.residual)
+         << " probes " << k.probes << " staleness " << k.max_staleness << " backoff "
+         << k.check_backoff << " dtype " << (k.dtype ? dtype_name(*k.dtype) : "work") << " "
+         << cache_layout_name(k.layout) << " seed " << k.seed;
+    os << "\n";
+  }
+  return os.str();
+}
+
 }  // namespace
 
 // A parameter steps on every rank or on none. Sharded modes: ranks whose shard is empty do not
 // vote. Dedicated mode: a rank without a gradient contributes zeros (as DDP treats unused
 // parameters); other modes hold reduced gradients, so a partial set is an error. The vote also
-// carries whether a rank's inputs failed their checks, so that every rank raises that error.
+// carries whether a rank's inputs failed their checks, so that every rank raises that error,
+// and a digest of the step's options (step_options_text), so that ranks whose options differ
+// all raise before anything changes. One all-reduce (max) of 2n + 5 values decides it all: for
+// the digest, max(d) and max(-d) = -min(d) differ exactly when some rank's digest does.
 void Engine::Impl::vote(StepContext& ctx) {
   const size_t n = params.size();
   const bool sharded = is_sharded_mode(dist.mode);
@@ -37,28 +86,37 @@ void Engine::Impl::vote(StepContext& ctx) {
   }
   ctx.active.assign(n, 0);
   ctx.has_local.assign(n, 0);
-  std::vector<int32_t> v(2 * n + 1);
-  v[2 * n] = input_error.empty() ? 0 : 1;
+  const std::string options_text = step_options_text(groups);
+  const uint64_t digest = fnv1a(options_text);
+  const int32_t d_hi = static_cast<int32_t>(digest >> 33), d_lo = static_cast<int32_t>(digest & 0x7fffffff);
+  std::vector<int32_t> v(2 * n + 5);
   for (size_t i = 0; i < n; ++i) {
     const bool has = input_error.empty() && ctx.data[i].grad != nullptr;
     const bool voter = !sharded || params[i].local_numel > 0;
     ctx.has_local[i] = has;
-    v[2 * i] = has && voter;
-    v[2 * i + 1] = voter;
+    v[2 * i] = has && voter;       // max: some voter has a gradient
+    v[2 * i + 1] = voter && !has;  // max: some voter has none
     ctx.active[i] = has || !voter;
   }
+  v[2 * n] = input_error.empty() ? 0 : 1;
+  v[2 * n + 1] = d_hi;
+  v[2 * n + 2] = -d_hi;
+  v[2 * n + 3] = d_lo;
+  v[2 * n + 4] = -d_lo;
   // One rank agrees with itself: no exchange (its input errors are raised as they are).
   if (!dist.check_grad_presence || world_size == 1) {
     if (!input_error.empty()) DM_FAIL(input_error);
     return;
   }
-  host_all_reduce(*world, backend, v, ReduceOp::kSum);
+  host_all_reduce(*world, backend, v, ReduceOp::kMax);
   if (v[2 * n] > 0) {
     const std::vector<int64_t> len =
         host_all_gather(*world, backend, {static_cast<int64_t>(input_error.size())});
     const std::vector<char> all = host_all_gather_v(*world, backend, input_error, len);
     std::ostringstream os;
-    os << "step inputs failed their checks on " << v[2 * n] << " rank(s); nothing was changed:";
+    os << "step inputs failed their checks on "
+       << std::count_if(len.begin(), len.end(), [](int64_t l) { return l > 0; })
+       << " rank(s); nothing was changed:";
     int64_t off = 0;
     for (int q = 0; q < world_size; ++q) {
       if (len[q]) os << "\n  rank " << q << ": " << std::string(&all[off], len[q]);
@@ -66,11 +124,18 @@ void Engine::Impl::vote(StepContext& ctx) {
     }
     DM_FAIL(os.str());
   }
+  if (v[2 * n + 1] != -v[2 * n + 2] || v[2 * n + 3] != -v[2 * n + 4]) {
+    const std::vector<int64_t> len =
+        host_all_gather(*world, backend, {static_cast<int64_t>(options_text.size())});
+    DM_FAIL("ranks step with different options (each matrix would take its owner's: set them, and "
+            "step any learning-rate scheduler, on every rank alike); nothing was changed:",
+            text_differences(*world, backend, options_text, len));
+  }
   std::vector<size_t> bad;
   for (size_t i = 0; i < n; ++i) {
-    const int32_t with = v[2 * i], voters = v[2 * i + 1];
-    ctx.active[i] = with > 0 && (dist.mode == DistMode::kDedicated || with == voters);
-    if (with > 0 && !ctx.active[i]) bad.push_back(i);
+    const bool some_have = v[2 * i] > 0, all_have = v[2 * i + 1] == 0;
+    ctx.active[i] = some_have && (dist.mode == DistMode::kDedicated || all_have);
+    if (some_have && !ctx.active[i]) bad.push_back(i);
   }
   if (bad.empty()) return;
   std::vector<int64_t> mine(n);

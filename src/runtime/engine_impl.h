@@ -243,6 +243,11 @@ std::vector<int64_t> host_all_gather(Communicator& comm, Backend& be,
 std::vector<char> host_all_gather_v(Communicator& comm, Backend& be, const std::string& mine,
                                     const std::vector<int64_t>& lengths);
 void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& values, ReduceOp op);
+// Gathers every rank's `mine` (line-separated; `lengths` from a host_all_gather of the sizes)
+// and describes, per rank that differs from rank 0, its first line that differs:
+// "\n  rank 0 has `a` but rank q has `b`" (empty when all agree). Collective.
+std::string text_differences(Communicator& comm, Backend& be, const std::string& mine,
+                             const std::vector<int64_t>& lengths);
 
 std::string join_shape(std::span<const int64_t> s);
 

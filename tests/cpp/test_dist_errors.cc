@@ -190,6 +190,48 @@ TEST_F(MpiErrors, AGradientOnSomeRanksOnlyNamesThem) {
   }
 }
 
+// Each matrix takes its owner's options, so options that differ at a step (a learning-rate
+// scheduler stepped on some ranks only) must stop the step on every rank, naming the option.
+TEST_F(MpiErrors, StepOptionsThatDifferStopTheStepEverywhere) {
+  for (DistMode m : {DistMode::kReplicated, DistMode::kSharded, DistMode::kGather}) {
+    auto be = test::make_backend();
+    DistOptions opt;
+    opt.mode = m;
+    Engine e(*be, world(), opt);
+    e.add_group(GroupOptions{});
+    GroupOptions adam;
+    adam.kind = ParamKind::kAdamW;
+    e.add_group(adam);
+    const int p = world().size();
+    ParamSpec w{"w", 0, {2 * p, 3}, DType::kF32}, b{"b", 1, {2 * p}, DType::kF32};
+    int64_t rows = 2 * p;
+    if (m != DistMode::kReplicated) {
+      w.shard = b.shard = {2 * world().rank(), 2};
+      rows = 2;
+    }
+    e.add_param(w);
+    e.add_param(b);
+    Mirror<float> wv(*be, std::vector<float>(rows * 3, 1.0f)), wg(*be, std::vector<float>(rows * 3, 0.5f));
+    Mirror<float> bv(*be, std::vector<float>(rows, 1.0f)), bg(*be, std::vector<float>(rows, 0.5f));
+    ParamData d[2] = {{wv.data(), wg.data(), DType::kF32, {}}, {bv.data(), bg.data(), DType::kF32, {}}};
+    if (odd_one()) e.group(0).muon.lr = 0.05f;
+    expect_has(error_everywhere([&] { e.step({d, 2}); }),
+               {"different options", "rank 0 has `group 0 muon lr 0.02 momentum 0.95",
+                "rank 1 has `group 0 muon lr 0.05 momentum 0.95"});
+    EXPECT_EQ(wv.get(), std::vector<float>(rows * 3, 1.0f)) << "weights changed";
+    EXPECT_EQ(bv.get(), std::vector<float>(rows, 1.0f)) << "weights changed";
+    e.group(0).muon.lr = 0.02f;
+    if (odd_one()) e.group(1).adamw.beta2 = 0.99f;
+    expect_has(error_everywhere([&] { e.step({d, 2}); }), {"group 1 adamw", "betas 0.9 0.99 "});
+    e.group(1).adamw.beta2 = 0.999f;
+    if (odd_one()) e.group(0).muon.cache.enabled = true;
+    expect_has(error_everywhere([&] { e.step({d, 2}); }), {"cache gamma 2 "});
+    e.group(0).muon.cache.enabled = false;
+    e.step({d, 2});  // agreeing again: the step runs
+    EXPECT_NE(wv.get(), std::vector<float>(rows * 3, 1.0f));
+  }
+}
+
 TEST_F(MpiErrors, ARegistrationErrorOnOneRankReachesEveryRank) {
   // Rank 1's shard lies outside dim 0: add_param cannot throw there alone, or the other ranks
   // would wait for it in set-up.

@@ -228,6 +228,33 @@ def run_grad_none(rank: int, world: int, kind: str, none_ranks: tuple[int, ...])
     return out
 
 
+def run_lr_mismatch(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """A learning-rate scheduler stepped on rank 1 only: the next step fails on every rank and
+    changes nothing; stepped on rank 0 too, training goes on."""
+    model = make_model()
+    fwd = wrap(model, kind, world)
+    opt = Muon(model, **OPT_KW)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    train(fwd, opt, range(1), rank, world)
+    if rank == 1:
+        sched.step()
+    opt.zero_grad()
+    local_loss(fwd, 1, rank, world).backward()
+    before = full_params(model)
+    out: dict[str, Any] = {}
+    try:
+        opt.step()
+        out["step_error"] = None
+    except RuntimeError as e:
+        out["step_error"] = str(e)
+    out["unchanged"] = all(torch.equal(before[n], t) for n, t in full_params(model).items())
+    if rank == 0:
+        sched.step()
+    opt.step()
+    out["recovered"] = not torch.equal(before["fc.weight"], full_params(model)["fc.weight"])
+    return out
+
+
 def run_mismatch(rank: int, world: int, what: str) -> dict[str, Any]:
     """Rank 1 builds the optimizer over a different parameter set."""
     model = make_model()
@@ -326,6 +353,8 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "tune": guarded(lambda: run_tune(rank, world)),
         "grad_none_fsdp": guarded(lambda: run_grad_none(rank, world, "fsdp", (1,))),
         "grad_none_ddp": guarded(lambda: run_grad_none(rank, world, "ddp", (0,))),
+        "lr_mismatch_fsdp": guarded(lambda: run_lr_mismatch(rank, world, "fsdp")),
+        "lr_mismatch_ddp": guarded(lambda: run_lr_mismatch(rank, world, "ddp")),
         "mismatch_missing": guarded(lambda: run_mismatch(rank, world, "missing")),
         "mismatch_shape": guarded(lambda: run_mismatch(rank, world, "shape")),
         "fqn_api": guarded(lambda: run_fqn_api(rank, world)),

@@ -224,6 +224,19 @@ def test_missing_gradient_on_an_empty_shard_is_not_a_disagreement(world4: list[d
         assert not res["some_none_unchanged"]
 
 
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_a_scheduler_stepped_on_one_rank_stops_the_step_everywhere(world2: list[dict[str, Any]], kind: str) -> None:
+    # Each matrix takes its owner's options: before, rank 1's halved learning rate reached the
+    # matrices it owns and rank 0's the others, silently.
+    for r in world2:
+        res = ok(r[f"lr_mismatch_{kind}"])
+        assert "ranks step with different options" in res["step_error"]
+        assert "rank 0 has `group 0 muon lr 0.02 " in res["step_error"]
+        assert "rank 1 has `group 0 muon lr 0.01 " in res["step_error"]
+        assert res["unchanged"]
+        assert res["recovered"]
+
+
 @pytest.mark.parametrize("what", ["missing", "shape"])
 def test_parameter_sets_that_differ_across_ranks_fail_on_every_rank(world2: list[dict[str, Any]], what: str) -> None:
     for r in world2:
