@@ -39,6 +39,9 @@ struct QuinticCoef {
   double a, b, c;
 };
 
+// The most iteration steps an algorithm may run (a few dozen are ever useful).
+inline constexpr int kMaxOrthoSteps = 100;
+
 struct OrthoConfig {
   Iteration iteration = Iteration::kAuto;
   Coefficients coefficients = Coefficients::kJordan;

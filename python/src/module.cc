@@ -140,6 +140,7 @@ void bind_functions(nb::module_& m) {
 NB_MODULE(_C, m) {
   m.doc() = "distmuon C++ core (types only; the PyTorch front is distmuon.torch)";
   m.attr("__version__") = DISTMUON_VERSION;
+  m.attr("MAX_ORTHO_STEPS") = kMaxOrthoSteps;
   // Torch tensors that view engine state (DLPack) keep the engine alive and may outlive module
   // teardown at interpreter exit; that is not a leak worth a report.
   nb::set_leak_warnings(false);

@@ -124,14 +124,13 @@ std::string algorithm_name(const OrthoConfig& cfg) {
 }
 
 namespace {
-// The step count of an algorithm name: 1 to 1000 (a few dozen are ever useful).
+// The step count of an algorithm name: 1 to kMaxOrthoSteps.
 int parse_steps(const std::string& digits, const std::string& spec) {
-  DM_CHECK(!digits.empty() && digits.size() <= 4 &&
-               std::all_of(digits.begin(), digits.end(), ::isdigit),
-           "bad step count in algorithm '", spec, "' (expected 1 to 1000)");
-  const int steps = std::stoi(digits);
-  DM_CHECK(steps >= 1 && steps <= 1000, "bad step count in algorithm '", spec,
-           "' (expected 1 to 1000)");
+  const bool number = !digits.empty() && digits.size() <= 4 &&
+                      std::all_of(digits.begin(), digits.end(), ::isdigit);
+  const int steps = number ? std::stoi(digits) : 0;
+  DM_CHECK(steps >= 1 && steps <= kMaxOrthoSteps, "bad step count in algorithm '", spec,
+           "' (expected 1 to ", kMaxOrthoSteps, ")");
   return steps;
 }
 }  // namespace
@@ -173,7 +172,8 @@ OrthoConfig parse_algorithm(const std::string& spec, OrthoConfig base) {
     cfg.steps = parse_steps(parts[2], spec);
   }
   DM_CHECK(parts.size() <= 3, "bad algorithm '", spec, "'");
-  DM_CHECK(cfg.steps >= 1 && cfg.steps <= 100, "step count ", cfg.steps, " out of range");
+  DM_CHECK(cfg.steps >= 1 && cfg.steps <= kMaxOrthoSteps, "step count ", cfg.steps,
+           " out of range (1 to ", kMaxOrthoSteps, ")");
   return cfg;
 }
 

@@ -300,6 +300,16 @@ TEST(Orthogonalizer, AlgorithmSpecsParseAndPrint) {
   EXPECT_THROW(parse_algorithm("svd"), Error);
   EXPECT_THROW(parse_algorithm("ns5:magic"), Error);
   EXPECT_THROW(parse_algorithm("gram-ns:jordan:0"), Error);
+  // One range for the step count, named by every message that refuses one.
+  EXPECT_EQ(parse_algorithm("ns5:jordan:" + std::to_string(kMaxOrthoSteps)).steps, kMaxOrthoSteps);
+  for (const std::string bad : {"ns5:jordan:0", "ns5:jordan:500", "ns5:jordan:x"}) {
+    try {
+      parse_algorithm(bad);
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("expected 1 to 100)"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(Orthogonalizer, PolarExpressSafetyFactorsAreApplied) {

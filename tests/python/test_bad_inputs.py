@@ -180,6 +180,17 @@ def test_non_contiguous_parameter_is_an_error() -> None:
         opt.step()
 
 
+def test_channels_last_weights_are_refused_at_construction() -> None:
+    # Before, construction accepted them and every step() raised; now the error comes first and
+    # says what makes a weight so and what to do.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 4))
+    model = model.to(memory_format=torch.channels_last)
+    with pytest.raises(ValueError, match=r"parameter '0.weight' is not contiguous .*channels_last"):
+        Muon(model)
+    model = model.to(memory_format=torch.contiguous_format)
+    Muon(model)  # contiguous again: accepted
+
+
 def test_mixed_devices_are_refused() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a second device")
@@ -242,6 +253,11 @@ def test_options_of_the_wrong_kind_are_refused_in_one_process() -> None:
         Muon([w], cuda_graphs="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="communicator must be one of"):
         Muon([w], communicator="bogus")
+    with pytest.raises(TypeError, match="bucket_mb must be a number"):
+        Muon([w], bucket_mb="32")  # type: ignore[arg-type]
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="bucket_mb must be a finite number"):
+            Muon([w], bucket_mb=bad)
 
 
 def test_copying_the_optimizer_is_refused_clearly() -> None:

@@ -76,6 +76,26 @@ def assert_matches(results: list[dict[str, Any]], single: dict[str, Any], param_
     assert single["losses"][-1] < single["losses"][0]  # it trains
 
 
+def test_dedicate_selects_only_trained_single_matrices() -> None:
+    # What the predicate selects is checked when dedicate() collects it, before any plan or
+    # collective: a bias picked by a loose predicate used to pass and fail later, in Muon().
+    from distmuon.torch._dedicated_layout import collect
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+    def shape(name: str, p: torch.Tensor) -> tuple[int, int, int]:
+        return (p.shape[-2], p.shape[-1], 1)
+
+    assert [m.name for m in collect(model, lambda n, p: n.endswith("weight"), shape)] == ["0.weight", "1.weight"]
+    with pytest.raises(ValueError, match=r"'0.bias' of shape \(4,\) is not a matrix"):
+        collect(model, lambda n, p: n.startswith("0."), shape)
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="'1.weight' does not require grad"):
+        collect(model, lambda n, p: n.endswith("weight"), shape)
+    with pytest.raises(ValueError, match="selected no parameter"):
+        collect(model, lambda n, p: False, shape)
+
+
 def test_unit_of_a_parameter_is_its_layer() -> None:
     assert unit_prefix("transformer.h.3.mlp.c_fc.weight") == "transformer.h.3"
     assert unit_prefix("blocks.0.qkv.weight") == "blocks.0"

@@ -257,6 +257,12 @@ def collect(model: nn.Module, predicate: Any, muon_shape: Any) -> list[Matrix]:
             continue
         if not p.requires_grad:
             raise ValueError(f"dedicate(): parameter '{name}' does not require grad; select only trained matrices")
+        if p.dim() < 2:
+            raise ValueError(
+                f"dedicate(): parameter '{name}' of shape {tuple(p.shape)} is not a matrix; a dedicated parameter is "
+                "a matrix (2-D, or a convolution kernel) that Muon steps: the predicate must not select biases, "
+                "norms or other vectors"
+            )
         rows, cols, count = muon_shape(name, p)
         if count != 1:
             raise ValueError(

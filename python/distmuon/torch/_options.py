@@ -125,8 +125,8 @@ def _coefficient_rows(value: Any, where: str) -> list[tuple[float, float, float]
 def ortho_config(group: dict[str, Any], device_type: str, where: str) -> Any:
     """The engine's OrthoConfig of a Muon group, validated."""
     steps = group["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= 1000:  # the engine's range
-        raise ValueError(f"{where}: ns_steps must be an integer in [1, 1000] (got {steps!r})")
+    if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps <= _C.MAX_ORTHO_STEPS:
+        raise ValueError(f"{where}: ns_steps must be an integer in [1, {_C.MAX_ORTHO_STEPS}] (got {steps!r})")
     eps = _scalar(group, "eps", where)
     if eps <= 0:
         raise ValueError(f"{where}: eps must be > 0 (got {eps})")

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from distmuon.torch._dist import is_dtensor, local_tensor
+
 MuonFilter = Callable[[str, torch.Tensor], bool]
 
 # Owning-module names that mean "embedding" or "output head" in common model code
@@ -97,6 +99,15 @@ def check_tensor_param(param: object, name: str) -> torch.Tensor:
         raise TypeError(f"parameter '{name}' has dtype {param.dtype}; distmuon needs a float dtype")
     if param.numel() == 0:
         raise ValueError(f"parameter '{name}' is empty (shape {tuple(param.shape)})")
+    local = local_tensor(param) if is_dtensor(param) else param
+    if param.requires_grad and not local.is_contiguous():
+        raise ValueError(
+            f"parameter '{name}' is not contiguous (shape {tuple(local.shape)}, strides {local.stride()}): "
+            "the engine updates parameters in place in row-major memory. A channels_last model "
+            "(model.to(memory_format=torch.channels_last)) makes its convolution weights so: keep the "
+            "weights contiguous (convert the inputs to channels_last only), or make them contiguous "
+            "again before building the optimizer"
+        )
     return param
 
 

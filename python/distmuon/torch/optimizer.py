@@ -8,6 +8,7 @@ views of the engine's own state buffers.
 
 from __future__ import annotations
 
+import math
 import warnings
 from itertools import chain
 from typing import Any
@@ -206,8 +207,10 @@ class Muon(torch.optim.Optimizer):
             "weight_decay": adamw_weight_decay,
         }
         self._muon_filter = muon_filter
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0 (got {bucket_mb})")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+            raise TypeError(f"bucket_mb must be a number of megabytes (got {bucket_mb!r})")
+        if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2**40):
+            raise ValueError(f"bucket_mb must be a finite number in (0, 2**40] (got {bucket_mb})")
         self._momentum_dtype = momentum_dtype
         self._nonfinite = nonfinite
         self._cuda_graphs = cuda_graphs
