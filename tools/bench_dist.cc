@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "bench_model.h"
+#include "common/fnv.h"
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
 #include "distmuon/engine.h"
@@ -282,9 +283,30 @@ int threads_per_rank(int world_size) {
 
 }  // namespace
 
+// Every rank must run the same comparison: ranks started with other options (an MPMD launch,
+// a script that passes its arguments differently) would otherwise issue collectives of other
+// sizes and stop inside MPI. Compares a digest of the options that shape the run, before any.
+void check_same_options(Communicator& mpi, const BenchOptions& o) {
+  std::string text = o.workload + "|" + o.backend + "|" + o.dtype + "|" + o.work_dtype + "|" +
+                     o.planner + "|" + std::to_string(o.steps) + "|" + std::to_string(o.warmup) +
+                     "|" + std::to_string(o.layers) + "|" + std::to_string(o.seed) + "|" +
+                     std::to_string(o.no_adamw) + "|" + std::to_string(o.bucket_mb) + "|" +
+                     std::to_string(o.ranks_per_gpu) + "|" + std::to_string(o.algos_given);
+  for (const auto& list : {o.algos, o.modes})
+    for (const std::string& v : list) text += "|" + v;
+  const uint64_t d = fnv1a(text);
+  // Two 32-bit halves: exact in doubles. Max and -min of each agree iff every rank's does.
+  const double hi = static_cast<double>(d >> 32), lo = static_cast<double>(d & 0xffffffffu);
+  const std::vector<double> m = over_ranks(mpi, {hi, lo, -hi, -lo}, ReduceOp::kMax);
+  DM_CHECK(m[0] == -m[2] && m[1] == -m[3],
+           "the ranks were started with different options (every rank of distmuon-bench needs "
+           "the same command line)");
+}
+
 int run_distributed(const BenchOptions& o) {
   std::unique_ptr<Communicator> mpi = make_mpi_world();
   const int rank = mpi->rank(), p = mpi->size();
+  check_same_options(*mpi, o);
   const std::string& backend = o.backend;
   int threads = 0;
   if (backend == "cpu") {

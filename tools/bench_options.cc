@@ -30,6 +30,23 @@ void check_bench_options(const CLI::App& app, BenchOptions& o) {
            "rank (use --backend cuda and --ranks-per-gpu)");
   DM_CHECK(o.ranks_per_gpu == 1 || (o.distributed() && o.backend == "cuda"),
            "--ranks-per-gpu applies to distributed runs with --backend cuda");
+  // An option of a part of the tool that does not run is refused, not silently ignored.
+  const std::vector<const char*> cache_details = {
+      "--cache-residual", "--cache-probes", "--cache-staleness", "--cache-backoff",
+      "--cache-dtype",    "--cache-layout", "--cache-shadow",    "--cache-per-matrix"};
+  for (const char* name : {"--bucket-mb", "--planner"})
+    DM_CHECK(o.distributed() || app.count(name) == 0, name,
+             " applies to the distributed modes (--mode gather, replicated, sharded, dedicated)");
+  if (o.distributed()) {
+    std::vector<const char*> single_only = {"--cache", "--drift"};
+    single_only.insert(single_only.end(), cache_details.begin(), cache_details.end());
+    for (const char* name : single_only)
+      DM_CHECK(app.count(name) == 0, name,
+               " applies to --mode single (the distributed comparison runs the fresh solve on "
+               "fixed gradients)");
+  }
+  for (const char* name : cache_details)
+    DM_CHECK(!o.cache.empty() || app.count(name) == 0, name, " needs --cache (a list of gammas)");
 }
 
 // The rank's index on its node, from the launcher.
@@ -49,13 +66,17 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "where the step runs (distributed cuda: each rank on the device of its local "
                  "rank, see --ranks-per-gpu)")
       ->check(kBackend);
-  app.add_option("--algo", o.algos, "comma list of algorithms, each timed in the same run")
+  app.add_option("--algo", o.algos,
+                 "comma list of algorithms, each timed in the same run (default: ns5,auto; "
+                 "auto alone in the distributed modes)")
       ->delimiter(',')
       ->check(cli::kAlgorithm);
-  app.add_option("--steps", o.steps, "timed steps per algorithm")->check(cli::at_least(1));
-  app.add_option("--warmup", o.warmup, "untimed steps first")->check(cli::at_least(0));
+  app.add_option("--steps", o.steps, "timed steps per algorithm")
+      ->check(cli::at_least(1, cli::kMaxRepeats));
+  app.add_option("--warmup", o.warmup, "untimed steps first")
+      ->check(cli::at_least(0, cli::kMaxRepeats));
   app.add_option("--layers", o.layers, "keep only the first K of each repeated tensor (0: all)")
-      ->check(cli::at_least(0));
+      ->check(cli::at_least(0, cli::kMaxRepeats));
   app.add_option("--seed", o.seed, "random seed");
   app.add_option("--dtype", o.dtype, "parameter and gradient dtype")->check(cli::kDType);
   app.add_option("--work-dtype", o.work_dtype,
@@ -66,7 +87,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
       ->check(cli::kWritableFile);
   app.add_option("--drift", o.drift,
                  "each step's gradient = previous + relative noise EPS (0: fixed; f32 only)")
-      ->check(cli::at_least(0));
+      ->check(cli::at_least(0, 10));
 
   const std::string dist = "Distributed comparison (under mpirun)";
   app.add_option("--mode", o.modes,
@@ -76,7 +97,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
       ->check(CLI::IsMember({"single", "gather", "replicated", "sharded", "dedicated"}))
       ->group(dist);
   app.add_option("--bucket-mb", o.bucket_mb, "MiB of full matrices per bucket")
-      ->check(cli::above(0))
+      ->check(cli::above(0, 1 << 20))
       ->group(dist);
   app.add_option("--planner", o.planner, "owner planner")
       ->check(CLI::IsMember({"milp", "lpt", "round-robin"}))
@@ -86,7 +107,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "local_rank / K (local rank from OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, "
                  "SLURM_LOCALID or LOCAL_RANK). Sharing needs NCCL >= 2.30 with "
                  "NCCL_MULTI_RANK_GPU_ENABLE=1")
-      ->check(cli::at_least(1))
+      ->check(cli::at_least(1, cli::kMaxRanks))
       ->group(dist);
 
   const std::string cache = "CacheMuon";
@@ -126,6 +147,8 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
 
 std::string rank_device(int world_rank, int ranks_per_gpu, int visible) {
   const int local = local_rank(world_rank), device = local / ranks_per_gpu;
+  DM_CHECK(visible > 0, "rank ", world_rank,
+           ": no CUDA device is visible (see CUDA_VISIBLE_DEVICES; a CPU-only build sees none)");
   DM_CHECK(device < visible, "rank ", world_rank, " (local rank ", local,
            ") would use CUDA device ", device, " with --ranks-per-gpu ", ranks_per_gpu, ", but ",
            visible, " device", visible == 1 ? " is" : "s are", " visible; run at most ",

@@ -3,6 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -86,24 +88,31 @@ CLI::Validator accepted_by(Parse parse, const std::string& desc, const std::stri
       desc, name);
 }
 
-CLI::Validator bound(double min, bool strict) {
+// A finite number >= min (> min when strict) and <= max: inf, nan and values that would
+// overflow the option's integer type are refused, not clamped.
+CLI::Validator bound(double min, bool strict, double max) {
   const std::string rel = strict ? "> " : ">= ";
+  const bool capped = max < std::numeric_limits<double>::infinity();
+  const std::string desc =
+      capped ? (strict ? "(" : "[") + format_number(min) + ", " + format_number(max) + "]"
+             : rel + format_number(min);
   return CLI::Validator(
       [=](std::string& v) -> std::string {
         char* end = nullptr;
         const double x = std::strtod(v.c_str(), &end);
         if (v.empty() || *end != '\0' || x != x) return "'" + v + "' is not a number";
-        return (strict ? x > min : x >= min)
-                   ? ""
-                   : "must be " + rel + format_number(min) + " (got " + v + ")";
+        if (!std::isfinite(x)) return "must be finite (got " + v + ")";
+        if (!(strict ? x > min : x >= min) || x > max)
+          return (capped ? "must be in " : "must be ") + desc + " (got " + v + ")";
+        return "";
       },
-      rel + format_number(min), "BOUND");
+      desc, "BOUND");
 }
 
 }  // namespace
 
-CLI::Validator at_least(double min) { return bound(min, false); }
-CLI::Validator above(double min) { return bound(min, true); }
+CLI::Validator at_least(double min, double max) { return bound(min, false, max); }
+CLI::Validator above(double min, double max) { return bound(min, true, max); }
 
 int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body) {
   const std::string tool = app.get_name();
@@ -129,20 +138,27 @@ int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body) 
   }
 }
 
-const CLI::Validator kWritableFile(
-    [](std::string& path) -> std::string {
-      namespace fs = std::filesystem;
-      const fs::path p(path);
-      const fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
-      std::error_code ec;
-      if (p.filename().empty() || fs::is_directory(p, ec)) return "'" + path + "' is a folder";
-      if (!fs::exists(dir, ec)) return "folder '" + dir.string() + "' does not exist";
-      if (!fs::is_directory(dir, ec)) return "'" + dir.string() + "' is not a folder";
-      if (fs::exists(p, ec) ? access(path.c_str(), W_OK) != 0 : access(dir.c_str(), W_OK) != 0)
-        return "cannot write '" + path + "' (permission denied)";
-      return {};
-    },
-    "FILE (writable)", "WRITABLE");
+std::string unwritable(const std::string& path, bool create_folders) {
+  namespace fs = std::filesystem;
+  const fs::path p(path);
+  std::error_code ec;
+  if (path.empty()) return "an empty path is not a file";
+  if (p.filename().empty() || fs::is_directory(p, ec)) return "'" + path + "' is a folder";
+  if (fs::exists(p, ec))
+    return access(path.c_str(), W_OK) == 0 ? "" : "cannot write '" + path + "' (permission denied)";
+  fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
+  // Folders the writer would create: the nearest one that exists must take them.
+  while (create_folders && !fs::exists(dir, ec) && dir.has_parent_path() && dir != dir.parent_path())
+    dir = dir.parent_path();
+  if (!fs::exists(dir, ec)) return "folder '" + dir.string() + "' does not exist";
+  if (!fs::is_directory(dir, ec)) return "'" + dir.string() + "' is not a folder";
+  if (access(dir.c_str(), W_OK) != 0)
+    return "cannot write in '" + dir.string() + "' (permission denied)";
+  return "";
+}
+
+const CLI::Validator kWritableFile([](std::string& path) { return unwritable(path, false); },
+                                   "FILE (writable)", "WRITABLE");
 
 const CLI::Validator kAlgorithm = accepted_by(
     [](const std::string& v) { parse_algorithm(v); },
@@ -170,9 +186,10 @@ Summary summarize(std::vector<double> v) {
 }
 
 std::string format_number(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
+  if (std::isfinite(v) && v == std::floor(v) && std::abs(v) < 1e15)
+    return std::to_string(static_cast<int64_t>(v));  // 1048576, not 1.04858e+06
+  char buf[32];
+  return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);  // shortest exact
 }
 
 }  // namespace distmuon::cli

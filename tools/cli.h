@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,11 @@ constexpr int kRunError = 1;
 // line give kUsageError, errors of `body` kRunError, each printed as above.
 int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body);
 
+// Why `path` cannot be written ("" when it can): it is a folder, its folder does not exist
+// (with create_folders, the nearest existing ancestor is the one that must be writable), or
+// permissions forbid it.
+std::string unwritable(const std::string& path, bool create_folders);
+
 // Validators shared by the tools (each also describes its values in --help).
 // A path a file can be written to: its folder exists and is writable, and so is the file if it
 // exists (checked before the run, so that results are not lost after it).
@@ -33,9 +39,14 @@ extern const CLI::Validator kWorkload;
 std::string workload_help();
 // A dtype name distmuon::parse_dtype accepts.
 extern const CLI::Validator kDType;
-// A number >= min (at_least) or > min (above).
-CLI::Validator at_least(double min);
-CLI::Validator above(double min);
+// Upper bounds of the tools' integer options: far above any real use, and low enough that no
+// sum or product of them overflows or exhausts memory (a world of 10^8 ranks used to run the
+// planners out of memory; 2^63 steps wrapped warm-up + steps to a negative count).
+constexpr double kMaxRepeats = 1e6;             // steps, warm-up steps, repetitions, layers
+constexpr double kMaxRanks = 1 << 20;           // world sizes, replicas, GPUs per node
+// A finite number >= min (at_least) or > min (above), and <= max.
+CLI::Validator at_least(double min, double max = std::numeric_limits<double>::infinity());
+CLI::Validator above(double min, double max = std::numeric_limits<double>::infinity());
 
 // Median, min and max of a list of timings.
 struct Summary {

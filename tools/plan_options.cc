@@ -1,5 +1,6 @@
 #include "plan_options.h"
 
+#include "distmuon/cost_table.h"
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
 
@@ -20,6 +21,13 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
   for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
                         "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
+  // --measure keeps what it measured in the cost cache: a cache it cannot write would fail only
+  // after the measurements.
+  if (a.measure) {
+    const std::string cache = a.cache.empty() ? default_cost_cache_path() : a.cache;
+    const std::string why = cli::unwritable(cache, true);
+    DM_CHECK(why.empty(), "the cost cache of --measure: ", why);
+  }
   Topology topo;
   topo.world_size = a.world_size;
   topo.gpus_per_node = a.gpus_per_node;
@@ -35,12 +43,14 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.add_option("--workload", a.workload, cli::workload_help())
       ->check(cli::kWorkload);
   app.add_option("--layers", a.layers, "keep only the first K of each repeated tensor (0: all)")
-      ->check(cli::at_least(0));
-  app.add_option("--world-size", a.world_size, "ranks (owner slots)")->check(cli::at_least(1));
-  app.add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")->check(cli::at_least(1));
+      ->check(cli::at_least(0, cli::kMaxRepeats));
+  app.add_option("--world-size", a.world_size, "ranks (owner slots)")
+      ->check(cli::at_least(1, cli::kMaxRanks));
+  app.add_option("--gpus-per-node", a.gpus_per_node, "GPUs per node")
+      ->check(cli::at_least(1, cli::kMaxRanks));
   app.add_option("--replicate", a.replicate,
                  "HSDP replicate degree (owner slots span replicate x shard)")
-      ->check(cli::at_least(1));
+      ->check(cli::at_least(1, cli::kMaxRanks));
   app.add_option("--solver", a.solvers, "comma list of planners, compared side by side")
       ->delimiter(',')
       ->check(solver_names);
@@ -48,7 +58,7 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                  "CPU seconds the MILP may take (a guard: node limits keep plans deterministic)")
       ->check(cli::above(0));
   app.add_option("--max-nodes", a.max_nodes, "branch-and-bound nodes CBC may explore")
-      ->check(cli::at_least(1));
+      ->check(cli::at_least(1, 1e9));
   app.add_option("--gap", a.gap, "relative optimality gap at which CBC stops")
       ->check(cli::at_least(0));
   app.add_option("--formulation", a.formulation, "MILP formulation")
@@ -59,7 +69,7 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.add_option("--memory-cap-gib", a.memory_cap_gib, "per-owner memory cap in GiB (0: none)")
       ->check(cli::at_least(0));
   app.add_option("--max-batch", a.max_batch, "largest batch an owner runs at once (0: no limit)")
-      ->check(cli::at_least(0));
+      ->check(cli::at_least(0, 1 << 20));
   app.add_flag("--no-spread", a.no_spread, "do not spread the matrices of one layer over owners");
   app.add_flag("--no-symmetry-breaking", a.no_symmetry_breaking,
                "leave the owner ordering out of the MILP (to compare)");
@@ -84,10 +94,10 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->group(costs);
   app.add_option("--profile-ks", a.profile_ks, "batch sizes timed per shape by --measure")
       ->delimiter(',')
-      ->check(cli::at_least(1))
+      ->check(cli::at_least(1, 1 << 20))
       ->group(costs);
   app.add_option("--profile-reps", a.profile_reps, "timed repetitions per point (median kept)")
-      ->check(cli::at_least(1))
+      ->check(cli::at_least(1, cli::kMaxRepeats))
       ->group(costs);
   app.add_option("--algo", a.algo, "algorithm costed")->check(cli::kAlgorithm)->group(costs);
   app.add_option("--work-dtype", a.work_dtype,
@@ -118,7 +128,7 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
   const std::string sim = "Simulation (--simulate)";
   app.add_option("--sim-max-world", a.sim_max_world,
                  "largest world size simulated (powers of two from 1)")
-      ->check(cli::at_least(1))
+      ->check(cli::at_least(1, cli::kMaxRanks))
       ->group(sim);
   app.add_option("--sim-solver", a.sim_solver,
                  "planner used by --simulate (default: the first of --solver)")

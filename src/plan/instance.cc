@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "distmuon/error.h"
+#include "distmuon/optimizer.h"
 #include "distmuon/workload.h"
 
 namespace distmuon {
@@ -36,11 +37,11 @@ std::vector<PlanMatrix> plan_matrices(const Workload& w, int64_t elem_bytes) {
            " Muon matrices; the planner handles at most ", kMaxMatrices);
   std::vector<PlanMatrix> out;
   for (const auto& e : w.muon) {
-    DM_CHECK(e.shape.size() == 2 || e.shape.size() == 3, "workload ", w.name, ": Muon entry '",
-             e.name, "' has ", e.shape.size(), " dimensions (2-D or stacked 3-D expected)");
+    // As the engine sees the parameter: 3-D stacks are several matrices, 4-D convolution kernels
+    // one (o, i*kh*kw) matrix.
+    const MatrixLayout layout = matrix_layout(e.name, e.shape);
     const bool stacked = e.shape.size() == 3;
-    const int64_t per = stacked ? e.shape[0] : 1;
-    const int64_t rows = e.shape[stacked ? 1 : 0], cols = e.shape[stacked ? 2 : 1];
+    const int64_t per = layout.count, rows = layout.rows, cols = layout.cols;
     for (int64_t k = 0; k < e.count; ++k) {
       for (int64_t j = 0; j < per; ++j) {
         PlanMatrix m;

@@ -69,5 +69,26 @@ TEST(MpiFaults, WithoutRecoveryTheLauncherEndsTheJob) {
   EXPECT_EQ(r.seconds, -1) << "rank 0 outlived its peer: " << r.message;
 }
 
+#ifdef DISTMUON_BENCH_EXE
+// distmuon-bench ranks started with other options (an MPMD launch) used to stop inside MPI
+// ("MPI Error in NBC subrequest", exit 15); now every rank names the cause before any work.
+TEST(MpiFaults, BenchRanksStartedWithOtherOptionsSayWhy) {
+  const std::vector<std::string> rank_args = {DISTMUON_BENCH_EXE, "--mode", "gather", "--layers", "1"};
+  std::vector<std::string> args = {"--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                                   "-np", "1"};
+  args.insert(args.end(), rank_args.begin(), rank_args.end());
+  args.insert(args.end(), {"--steps", "1", ":", "-np", "1"});
+  args.insert(args.end(), rank_args.begin(), rank_args.end());
+  args.insert(args.end(), {"--steps", "2"});
+  const Exit e = run_process(MPIEXEC_EXE, args, {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1"}, 120);
+  EXPECT_TRUE(e.exited) << "signal " << e.signal;
+  EXPECT_NE(e.code, 0);
+  EXPECT_NE(e.err.find("distmuon-bench: error: the ranks were started with different options"),
+            std::string::npos)
+      << e.err;
+  EXPECT_EQ(e.out.find("step ms"), std::string::npos) << "a comparison ran: " << e.out;
+}
+#endif
+
 }  // namespace
 }  // namespace distmuon::test

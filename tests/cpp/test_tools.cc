@@ -69,10 +69,17 @@ TEST(Tools, GaussianFillerFillsEveryDtype) {
 }
 
 TEST(Tools, NumbersOutOfRangeAreRefused) {
-  expect_refused("distmuon-bench", {"--layers", "-2"}, "--layers: must be >= 0 (got -2)");
-  expect_refused("distmuon-bench", {"--steps", "0"}, "--steps: must be >= 1");
+  expect_refused("distmuon-bench", {"--layers", "-2"}, "--layers: must be in [0, 1000000] (got -2)");
+  expect_refused("distmuon-bench", {"--steps", "0"}, "--steps: must be in [1, 1000000] (got 0)");
+  // Refused, not clamped: 2^63 - 1 steps wrapped warm-up + steps negative and timed nothing;
+  // --cache inf failed only after the fresh runs; a world of 10^8 ran the planner out of memory.
+  expect_refused("distmuon-bench", {"--steps", "9223372036854775807"}, "--steps: must be in [1, 1000000]");
+  expect_refused("distmuon-bench", {"--warmup", "1e30"}, "--warmup: must be in [0, 1000000]");
+  expect_refused("distmuon-bench", {"--cache", "2,inf"}, "--cache: must be finite (got inf)");
+  expect_refused("distmuon-bench", {"--drift", "1e300"}, "--drift: must be in [0, 10]");
+  expect_refused("distmuon-plan", {"--world-size", "100000000"}, "--world-size: must be in [1, 1048576]");
   expect_refused("distmuon-bench", {"--steps", "1.5"}, "--steps");
-  expect_refused("distmuon-bench", {"--bucket-mb=0"}, "--bucket-mb: must be > 0");
+  expect_refused("distmuon-bench", {"--bucket-mb=0"}, "--bucket-mb: must be in (0, 1048576] (got 0)");
   expect_refused("distmuon-plan", {"--time-limit", "-1"}, "--time-limit: must be > 0 (got -1)");
   expect_refused("distmuon-plan", {"--world-size", "99999999999"}, "--world-size");
   expect_refused("distmuon-plan", {"--gap", "nan"}, "--gap");
@@ -96,6 +103,12 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
                  "folder '/no/such/folder' does not exist");
   expect_refused("distmuon-plan", {"--json", "/etc/hostname/out.json"},
                  "'/etc/hostname' is not a folder");
+  expect_refused("distmuon-bench", {"--json", ""}, "--json: an empty path is not a file");
+  // --measure's cost cache, checked before measuring (it used to fail after, naming a temporary
+  // file); folders it would create are fine.
+  expect_refused("distmuon-plan", {"--measure", "--cache", "/etc/hostname/x/costs.json"},
+                 "the cost cache of --measure: '/etc/hostname' is not a folder");
+  EXPECT_TRUE(parse_tool("distmuon-plan", {"--measure", "--cache", "/tmp/distmuon-new/a/costs.json"}).ran);
 }
 
 TEST(Tools, OptionsThatConflictAreRefused) {
@@ -103,7 +116,14 @@ TEST(Tools, OptionsThatConflictAreRefused) {
   expect_refused("distmuon-bench", {"--drift", "0.1", "--dtype", "bf16"}, "--drift needs f32");
   expect_refused("distmuon-bench", {"--ranks-per-gpu", "2"},
                  "--ranks-per-gpu applies to distributed runs with --backend cuda");
-  expect_refused("distmuon-bench", {"--ranks-per-gpu", "0"}, "--ranks-per-gpu: must be >= 1");
+  expect_refused("distmuon-bench", {"--ranks-per-gpu", "0"}, "--ranks-per-gpu: must be in [1, ");
+  // Options of a part of distmuon-bench that does not run: refused, not ignored.
+  expect_refused("distmuon-bench", {"--planner", "lpt"}, "--planner applies to the distributed modes");
+  expect_refused("distmuon-bench", {"--bucket-mb", "8"}, "--bucket-mb applies to the distributed modes");
+  expect_refused("distmuon-bench", {"--mode", "gather", "--cache", "2"}, "--cache applies to --mode single");
+  expect_refused("distmuon-bench", {"--mode", "sharded", "--drift", "0.1"}, "--drift applies to --mode single");
+  expect_refused("distmuon-bench", {"--cache-probes", "4"}, "--cache-probes needs --cache");
+  expect_refused("distmuon-bench", {"--cache-shadow"}, "--cache-shadow needs --cache");
   expect_refused("distmuon-plan", {"--measure", "--analytic"}, "choose one of");
   expect_refused("distmuon-plan", {"--replicate", "3"}, "does not divide the world size 8");
 }
@@ -126,6 +146,8 @@ TEST(Tools, ValidCommandLinesReachTheTool) {
   EXPECT_EQ(p.code, 0) << p.err;
   EXPECT_TRUE(p.ran);
   EXPECT_TRUE(parse_tool("distmuon-plan", {"--solver", "lpt", "--simulate", "-h"}).code == 0);
+  EXPECT_TRUE(parse_tool("distmuon-bench", {"--cache", "2", "--cache-probes", "4", "--steps", "1000000"}).ran);
+  EXPECT_TRUE(parse_tool("distmuon-bench", {"--mode", "gather", "--planner", "lpt", "--bucket-mb", "8"}).ran);
 }
 
 TEST(Tools, HelpShowsTypesRangesAndChoices) {
@@ -135,9 +157,9 @@ TEST(Tools, HelpShowsTypesRangesAndChoices) {
     bench::add_bench_options(app, o);
     const std::string help = app.help();
     EXPECT_THAT(help, HasSubstr("-h,--help"));
-    EXPECT_THAT(help, HasSubstr("--layers INT:>= 0=0"));
+    EXPECT_THAT(help, HasSubstr("--layers INT:[0, 1000000]=0"));
     EXPECT_THAT(help, HasSubstr("{cpu, cuda, cuda:N}"));
-    EXPECT_THAT(help, HasSubstr("--ranks-per-gpu INT:>= 1=1"));
+    EXPECT_THAT(help, HasSubstr("--ranks-per-gpu INT:[1, 1048576]=1"));
     EXPECT_THAT(help, HasSubstr("local_rank / K"));
     const Parsed p = parse_tool("distmuon-bench", {flag});
     EXPECT_EQ(p.code, 0);
@@ -157,6 +179,12 @@ TEST(Tools, RanksPerGpuMapsLocalRanksToDevices) {
     EXPECT_THAT(e.message(), HasSubstr("would use CUDA device 2 with --ranks-per-gpu 2, but 2 "
                                        "devices are visible; run at most 4 ranks per node or "
                                        "raise --ranks-per-gpu"));
+  }
+  try {
+    bench::rank_device(13, 2, 0);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_THAT(e.message(), HasSubstr("rank 13: no CUDA device is visible"));
   }
   unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
 }
@@ -192,6 +220,15 @@ TEST(Tools, ExecutablesExitWithCodesNotSignals) {
     }
   }
   std::remove(big);
+
+  // A convolution kernel (4-D Muon entry) is one (o, i*kh*kw) matrix to the planner, as to the
+  // engine and distmuon-bench (distmuon-plan used to refuse what the workload check accepts).
+  const char* conv = "/tmp/distmuon-test-conv.json";
+  std::ofstream(conv) << R"({"name": "conv", "muon": [{"name": "c", "shape": [64, 32, 3, 3], "count": 4}]})";
+  e = run_process(DISTMUON_PLAN_EXE, {"--workload", conv, "--world-size", "2", "--solver", "lpt"});
+  EXPECT_EQ(e.code, 0) << e.err;
+  EXPECT_THAT(e.out, HasSubstr("4 Muon matrices"));
+  std::remove(conv);
 }
 
 }  // namespace
