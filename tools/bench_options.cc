@@ -77,7 +77,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
       ->check(cli::at_least(0, cli::kMaxRepeats));
   app.add_option("--layers", o.layers, "keep only the first K of each repeated tensor (0: all)")
       ->check(cli::at_least(0, cli::kMaxRepeats));
-  app.add_option("--seed", o.seed, "random seed");
+  app.add_option("--seed", o.seed, "random seed")->check(cli::at_least(0, 1.8446744073709552e19));
   app.add_option("--dtype", o.dtype, "parameter and gradient dtype")->check(cli::kDType);
   app.add_option("--work-dtype", o.work_dtype,
                  "dtype of the iteration (auto: bf16 on cuda, f32 on cpu)")

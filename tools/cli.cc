@@ -116,10 +116,14 @@ CLI::Validator above(double min, double max) { return bound(min, true, max); }
 
 int run(CLI::App& app, int argc, char** argv, const std::function<int()>& body) {
   const std::string tool = app.get_name();
+  app.set_version_flag("--version", tool + " " + DISTMUON_VERSION);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp&) {
     std::fputs(app.help().c_str(), stdout);
+    return 0;
+  } catch (const CLI::CallForVersion& v) {
+    std::printf("%s\n", v.what());
     return 0;
   } catch (const CLI::ParseError& e) {
     std::fprintf(stderr, "%s: error: %s\n", tool.c_str(), usage_message(app, e).c_str());

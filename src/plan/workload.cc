@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -85,23 +86,31 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
                }(),
                ")");
   };
+  // A key the format requires: its absence named, not nlohmann's out_of_range.
+  auto need = [&](const nlohmann::json& obj, const char* key,
+                  const std::string& where) -> const nlohmann::json& {
+    DM_CHECK(obj.is_object() && obj.contains(key), "workload ", origin, ": ", where, " has no '",
+             key, "'");
+    return obj.at(key);
+  };
   Workload w;
   try {
     DM_CHECK(j.is_object(), "workload ", origin, " must be a JSON object");
     known_keys(j, {"name", "source", "layers", "muon", "adamw", "muon_params", "adamw_params"},
                "the file");
-    w.name = j.at("name").get<std::string>();
+    w.name = need(j, "name", "the file").get<std::string>();
     w.source = j.value("source", "");
     w.layers = j.contains("layers") ? size(j.at("layers"), "'layers'") : 0;
+    DM_CHECK(w.layers >= 0, "workload ", origin, ": 'layers' must be >= 0 (got ", w.layers, ")");
     auto entries = [&](const char* key, std::vector<WorkloadEntry>& out) {
       if (!j.contains(key)) return;
       DM_CHECK(j.at(key).is_array(), "workload ", origin, ": '", key, "' must be a list");
       for (const auto& e : j.at(key)) {
         WorkloadEntry we;
-        we.name = e.at("name").get<std::string>();
+        we.name = need(e, "name", std::string("an entry of '") + key + "'").get<std::string>();
         const std::string what = "entry '" + we.name + "'";
         known_keys(e, {"name", "shape", "count"}, what);
-        DM_CHECK(e.at("shape").is_array(), "workload ", origin, ": ", what,
+        DM_CHECK(need(e, "shape", what).is_array(), "workload ", origin, ": ", what,
                  " needs a list of sizes as its shape");
         for (const auto& d : e.at("shape")) we.shape.push_back(size(d, what + " shape"));
         we.count = e.contains("count") ? size(e.at("count"), what + " count") : 1;
@@ -132,6 +141,14 @@ Workload parse_workload(const std::string& text, const std::string& origin) {
   } catch (const Error& e) {
     DM_FAIL("workload ", origin, " is too large: ", e.message());
   }
+  // The totals a file may state (for readers) must be its entries' totals.
+  for (const auto& [key, held] : {std::pair<const char*, int64_t>{"muon_params", w.muon_params()},
+                                  {"adamw_params", w.adamw_params()}})
+    if (j.contains(key)) {
+      const int64_t said = size(j.at(key), std::string("'") + key + "'");
+      DM_CHECK(said == held, "workload ", origin, ": '", key, "' says ", said,
+               " but its entries hold ", held, " parameters");
+    }
   return w;
 }
 
@@ -149,6 +166,9 @@ Workload load_workload(const std::string& name_or_path) {
   std::string dir = env::get("DISTMUON_WORKLOAD_DIR");
   if (!dir.empty()) candidates.push_back(dir + "/" + name_or_path + ".json");
   for (const auto& path : candidates) {
+    std::error_code ec;
+    DM_CHECK(!std::filesystem::is_directory(path, ec), "workload '", path,
+             "' is a folder, not a JSON file");
     std::ifstream f(path);
     if (!f) continue;
     std::stringstream ss;

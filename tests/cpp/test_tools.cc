@@ -104,6 +104,8 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
   expect_refused("distmuon-plan", {"--json", "/etc/hostname/out.json"},
                  "'/etc/hostname' is not a folder");
   expect_refused("distmuon-bench", {"--json", ""}, "--json: an empty path is not a file");
+  expect_refused("distmuon-bench", {"--seed", "-1"}, "--seed: must be in [0, ");
+  expect_refused("distmuon-bench", {"--workload", "/tmp"}, "workload '/tmp' is a folder");
   // --measure's cost cache, checked before measuring (it used to fail after, naming a temporary
   // file); folders it would create are fine.
   expect_refused("distmuon-plan", {"--measure", "--cache", "/etc/hostname/x/costs.json"},
@@ -202,6 +204,10 @@ TEST(Tools, ExecutablesExitWithCodesNotSignals) {
             "distmuon-bench: error: --cache: 'abc' is not a number; see distmuon-bench "
             "--help\n");
   EXPECT_FALSE(std::ifstream(json).good());
+
+  e = run_process(DISTMUON_PLAN_EXE, {"--version"});
+  EXPECT_EQ(e.code, 0);
+  EXPECT_EQ(e.out, std::string("distmuon-plan ") + DISTMUON_VERSION + "\n");
 
   e = run_process(DISTMUON_PLAN_EXE, {"-h"});
   EXPECT_EQ(e.code, 0);
