@@ -110,8 +110,18 @@ std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
 
 CacheStats Engine::Impl::cache_stats() {
   CacheStats total;
-  for (CacheClass& cc : caches)
-    if (cc.cache) total.merge(cc.cache->stats(cc.names));
+  for (CacheClass& cc : caches) {
+    if (!cc.cache) continue;
+    CacheStats s = cc.cache->stats(cc.names);
+    if (!groups[cc.group].muon.cache.enabled) {
+      // The group has turned the cache off: its entries have no latest call under the current
+      // configuration (they kept reporting the last one before), only their history.
+      s.latest_entries = s.latest_with_residual = s.latest_compared = 0;
+      s.latest_hit_rate = s.latest_mean_residual = s.latest_update_error = 0;
+      s.latest_alignment = 1;
+    }
+    total.merge(s);
+  }
   return total;
 }
 

@@ -134,6 +134,27 @@ TEST(CacheEngine, StalenessLimitForcesRefreshes) {
   EXPECT_EQ(eng.stats().cache.per_matrix[1].name, "experts[0]");
 }
 
+// Turning the cache off keeps its history in the statistics but no latest call (the latest
+// hit rate used to keep its last value).
+TEST(CacheEngine, TurnedOffTheCacheReportsNoLatestCall) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(cached_group(1e9));
+  Model m;
+  m.add_to(eng, 0);
+  for (int s = 0; s < 3; ++s) eng.step(m.data());
+  CacheStats on = eng.stats().cache;
+  EXPECT_EQ(on.latest_entries, 3);
+  EXPECT_EQ(on.latest_hit_rate, 1.0);
+  eng.group(0).muon.cache.enabled = false;
+  eng.step(m.data());
+  CacheStats off = eng.stats().cache;
+  EXPECT_EQ(off.latest_entries, 0);
+  EXPECT_EQ(off.latest_hit_rate, 0.0);
+  EXPECT_EQ(off.hits, on.hits);
+  EXPECT_EQ(off.refreshes, on.refreshes);
+}
+
 TEST(CacheEngine, AlgorithmAndDtypeChangesInvalidateEntries) {
   CpuBackend be;
   Engine eng(be);
