@@ -115,7 +115,8 @@ struct DistOptions {
   // not be read before.
   bool defer_publish = false;
   // Ranks vote on which parameters have a gradient in each step (one small all-reduce), so that
-  // a parameter is stepped on all ranks or on none. Disable only if the caller guarantees it.
+  // a parameter is stepped on all ranks or on none, and that ranks step with the same options
+  // (a digest of every group's). Disable only if the caller guarantees both.
   bool check_grad_presence = true;
   int gpus_per_node = 8;  // topology hint for the planner
   // Owner planner (distmuon/plan.h): "milp" (LPT for very large instances), "lpt" or

@@ -27,8 +27,9 @@ std::string exact(T v) {
   return std::string(buf, std::to_chars(buf, buf + sizeof buf, v).ptr);
 }
 
-// The options a step reads, per group, written exactly (exact()), one line per group. Ranks must agree on them at every step:
-// each matrix is updated by its owner with the owner's options, so a learning-rate scheduler
+// The options a step reads, per group, written exactly (exact()), one line per group. Ranks
+// must agree on them at every step: each matrix is updated by its owner with the owner's
+// options, so a learning-rate scheduler
 // stepped on some ranks only would otherwise mix learning rates silently. The registration-time
 // options (algorithm, momentum dtype) are checked at set-up (dist_setup.cc); statistics and
 // diagnostics (per-matrix cache stats, shadow solves) may differ.
@@ -86,9 +87,6 @@ void Engine::Impl::vote(StepContext& ctx) {
   }
   ctx.active.assign(n, 0);
   ctx.has_local.assign(n, 0);
-  const std::string options_text = step_options_text(groups);
-  const uint64_t digest = fnv1a(options_text);
-  const int32_t d_hi = static_cast<int32_t>(digest >> 33), d_lo = static_cast<int32_t>(digest & 0x7fffffff);
   std::vector<int32_t> v(2 * n + 5);
   for (size_t i = 0; i < n; ++i) {
     const bool has = input_error.empty() && ctx.data[i].grad != nullptr;
@@ -98,16 +96,20 @@ void Engine::Impl::vote(StepContext& ctx) {
     v[2 * i + 1] = voter && !has;  // max: some voter has none
     ctx.active[i] = has || !voter;
   }
-  v[2 * n] = input_error.empty() ? 0 : 1;
-  v[2 * n + 1] = d_hi;
-  v[2 * n + 2] = -d_hi;
-  v[2 * n + 3] = d_lo;
-  v[2 * n + 4] = -d_lo;
   // One rank agrees with itself: no exchange (its input errors are raised as they are).
   if (!dist.check_grad_presence || world_size == 1) {
     if (!input_error.empty()) DM_FAIL(input_error);
     return;
   }
+  const std::string options_text = step_options_text(groups);
+  const uint64_t digest = fnv1a(options_text);
+  const int32_t d_hi = static_cast<int32_t>(digest >> 33);
+  const int32_t d_lo = static_cast<int32_t>(digest & 0x7fffffff);
+  v[2 * n] = input_error.empty() ? 0 : 1;
+  v[2 * n + 1] = d_hi;
+  v[2 * n + 2] = -d_hi;
+  v[2 * n + 3] = d_lo;
+  v[2 * n + 4] = -d_lo;
   host_all_reduce(*world, backend, v, ReduceOp::kMax);
   if (v[2 * n] > 0) {
     const std::vector<int64_t> len =
