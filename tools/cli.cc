@@ -152,7 +152,8 @@ std::string unwritable(const std::string& path, bool create_folders) {
     return access(path.c_str(), W_OK) == 0 ? "" : "cannot write '" + path + "' (permission denied)";
   fs::path dir = p.parent_path().empty() ? fs::path(".") : p.parent_path();
   // Folders the writer would create: the nearest one that exists must take them.
-  while (create_folders && !fs::exists(dir, ec) && dir.has_parent_path() && dir != dir.parent_path())
+  while (create_folders && !fs::exists(dir, ec) && dir.has_parent_path() &&
+         dir != dir.parent_path())
     dir = dir.parent_path();
   if (!fs::exists(dir, ec)) return "folder '" + dir.string() + "' does not exist";
   if (!fs::is_directory(dir, ec)) return "'" + dir.string() + "' is not a folder";

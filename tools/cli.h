@@ -42,8 +42,8 @@ extern const CLI::Validator kDType;
 // Upper bounds of the tools' integer options: far above any real use, and low enough that no
 // sum or product of them overflows or exhausts memory (a world of 10^8 ranks used to run the
 // planners out of memory; 2^63 steps wrapped warm-up + steps to a negative count).
-constexpr double kMaxRepeats = 1e6;             // steps, warm-up steps, repetitions, layers
-constexpr double kMaxRanks = 1 << 20;           // world sizes, replicas, GPUs per node
+constexpr double kMaxRepeats = 1e6;    // steps, warm-up steps, repetitions, layers
+constexpr double kMaxRanks = 1 << 20;  // world sizes, replicas, GPUs per node
 // A finite number >= min (at_least) or > min (above), and <= max.
 CLI::Validator at_least(double min, double max = std::numeric_limits<double>::infinity());
 CLI::Validator above(double min, double max = std::numeric_limits<double>::infinity());

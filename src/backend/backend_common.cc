@@ -197,8 +197,9 @@ std::unique_ptr<Backend> make_backend(const std::string& spec) {
     return make_cuda_backend(device);
 #else
     (void)device;
-    DM_FAIL("this build of distmuon has no CUDA backend (it was configured without CUDA: "
-            "DISTMUON_WITH_CUDA=OFF, the cpu-only preset, or no nvcc on the PATH)");
+    DM_FAIL(
+        "this build of distmuon has no CUDA backend (it was configured without CUDA: "
+        "DISTMUON_WITH_CUDA=OFF, the cpu-only preset, or no nvcc on the PATH)");
 #endif
   }
   DM_FAIL("unknown backend '", spec, "' (expected cpu, cuda or cuda:N)");

@@ -126,8 +126,8 @@ std::string algorithm_name(const OrthoConfig& cfg) {
 namespace {
 // The step count of an algorithm name: 1 to kMaxOrthoSteps.
 int parse_steps(const std::string& digits, const std::string& spec) {
-  const bool number = !digits.empty() && digits.size() <= 4 &&
-                      std::all_of(digits.begin(), digits.end(), ::isdigit);
+  const bool number =
+      !digits.empty() && digits.size() <= 4 && std::all_of(digits.begin(), digits.end(), ::isdigit);
   const int steps = number ? std::stoi(digits) : 0;
   DM_CHECK(steps >= 1 && steps <= kMaxOrthoSteps, "bad step count in algorithm '", spec,
            "' (expected 1 to ", kMaxOrthoSteps, ")");

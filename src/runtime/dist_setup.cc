@@ -222,9 +222,10 @@ void Engine::Impl::dist_setup() {
     DM_FAIL(os.str());
   }
   if (differ) {
-    DM_FAIL("ranks registered different parameters or options (every rank needs the same "
-            "options, groups, names, shapes and dtypes, in the same order):",
-            text_differences(*world, backend, text, text_len));
+    DM_FAIL(
+        "ranks registered different parameters or options (every rank needs the same "
+        "options, groups, names, shapes and dtypes, in the same order):",
+        text_differences(*world, backend, text, text_len));
   }
 
   // 5. Shards: every shard group must tile dim 0, and replicas must hold the same rows.

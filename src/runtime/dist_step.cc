@@ -129,9 +129,10 @@ void Engine::Impl::vote(StepContext& ctx) {
   if (v[2 * n + 1] != -v[2 * n + 2] || v[2 * n + 3] != -v[2 * n + 4]) {
     const std::vector<int64_t> len =
         host_all_gather(*world, backend, {static_cast<int64_t>(options_text.size())});
-    DM_FAIL("ranks step with different options (each matrix would take its owner's: set them, and "
-            "step any learning-rate scheduler, on every rank alike); nothing was changed:",
-            text_differences(*world, backend, options_text, len));
+    DM_FAIL(
+        "ranks step with different options (each matrix would take its owner's: set them, and "
+        "step any learning-rate scheduler, on every rank alike); nothing was changed:",
+        text_differences(*world, backend, options_text, len));
   }
   std::vector<size_t> bad;
   for (size_t i = 0; i < n; ++i) {

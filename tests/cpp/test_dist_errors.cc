@@ -211,11 +211,15 @@ TEST_F(MpiErrors, StepOptionsThatDifferStopTheStepEverywhere) {
     }
     e.add_param(w);
     e.add_param(b);
-    Mirror<float> wv(*be, std::vector<float>(rows * 3, 1.0f)), wg(*be, std::vector<float>(rows * 3, 0.5f));
+    Mirror<float> wv(*be, std::vector<float>(rows * 3, 1.0f)),
+        wg(*be, std::vector<float>(rows * 3, 0.5f));
     Mirror<float> bv(*be, std::vector<float>(rows, 1.0f)), bg(*be, std::vector<float>(rows, 0.5f));
-    ParamData d[2] = {{wv.data(), wg.data(), DType::kF32, {}}, {bv.data(), bg.data(), DType::kF32, {}}};
+    ParamData d[2] = {{wv.data(), wg.data(), DType::kF32, {}},
+                      {bv.data(), bg.data(), DType::kF32, {}}};
     if (odd_one()) e.group(0).muon.lr = 0.05f;
-    expect_has(error_everywhere([&] { e.step({d, 2}); }),
+    expect_has(error_everywhere([&] {
+                 e.step({d, 2});
+               }),
                {"different options", "rank 0 has `group 0 muon lr 0.02 momentum 0.95",
                 "rank 1 has `group 0 muon lr 0.05 momentum 0.95"});
     EXPECT_EQ(wv.get(), std::vector<float>(rows * 3, 1.0f)) << "weights changed";

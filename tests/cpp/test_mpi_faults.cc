@@ -73,14 +73,16 @@ TEST(MpiFaults, WithoutRecoveryTheLauncherEndsTheJob) {
 // distmuon-bench ranks started with other options (an MPMD launch) used to stop inside MPI
 // ("MPI Error in NBC subrequest", exit 15); now every rank names the cause before any work.
 TEST(MpiFaults, BenchRanksStartedWithOtherOptionsSayWhy) {
-  const std::vector<std::string> rank_args = {DISTMUON_BENCH_EXE, "--mode", "gather", "--layers", "1"};
-  std::vector<std::string> args = {"--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                                   "-np", "1"};
+  const std::vector<std::string> rank_args = {DISTMUON_BENCH_EXE, "--mode", "gather", "--layers",
+                                              "1"};
+  std::vector<std::string> args = {
+      "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "1"};
   args.insert(args.end(), rank_args.begin(), rank_args.end());
   args.insert(args.end(), {"--steps", "1", ":", "-np", "1"});
   args.insert(args.end(), rank_args.begin(), rank_args.end());
   args.insert(args.end(), {"--steps", "2"});
-  const Exit e = run_process(MPIEXEC_EXE, args, {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1"}, 120);
+  const Exit e =
+      run_process(MPIEXEC_EXE, args, {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1"}, 120);
   EXPECT_TRUE(e.exited) << "signal " << e.signal;
   EXPECT_NE(e.code, 0);
   EXPECT_NE(e.err.find("distmuon-bench: error: the ranks were started with different options"),

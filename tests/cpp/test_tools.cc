@@ -51,10 +51,18 @@ TEST(Tools, GaussianFillerFillsEveryDtype) {
     for (int64_t i = 0; i < n; ++i) {
       double v = 0;
       switch (t) {
-        case DType::kF32: v = reinterpret_cast<const float*>(host.data())[i]; break;
-        case DType::kF64: v = reinterpret_cast<const double*>(host.data())[i]; break;
-        case DType::kBF16: v = bf16_to_float(reinterpret_cast<const uint16_t*>(host.data())[i]); break;
-        case DType::kF16: v = f16_to_float(reinterpret_cast<const uint16_t*>(host.data())[i]); break;
+        case DType::kF32:
+          v = reinterpret_cast<const float*>(host.data())[i];
+          break;
+        case DType::kF64:
+          v = reinterpret_cast<const double*>(host.data())[i];
+          break;
+        case DType::kBF16:
+          v = bf16_to_float(reinterpret_cast<const uint16_t*>(host.data())[i]);
+          break;
+        case DType::kF16:
+          v = f16_to_float(reinterpret_cast<const uint16_t*>(host.data())[i]);
+          break;
       }
       ASSERT_TRUE(std::isfinite(v)) << "element " << i;
       sum += v;
@@ -69,17 +77,21 @@ TEST(Tools, GaussianFillerFillsEveryDtype) {
 }
 
 TEST(Tools, NumbersOutOfRangeAreRefused) {
-  expect_refused("distmuon-bench", {"--layers", "-2"}, "--layers: must be in [0, 1000000] (got -2)");
+  expect_refused("distmuon-bench", {"--layers", "-2"},
+                 "--layers: must be in [0, 1000000] (got -2)");
   expect_refused("distmuon-bench", {"--steps", "0"}, "--steps: must be in [1, 1000000] (got 0)");
   // Refused, not clamped: 2^63 - 1 steps wrapped warm-up + steps negative and timed nothing;
   // --cache inf failed only after the fresh runs; a world of 10^8 ran the planner out of memory.
-  expect_refused("distmuon-bench", {"--steps", "9223372036854775807"}, "--steps: must be in [1, 1000000]");
+  expect_refused("distmuon-bench", {"--steps", "9223372036854775807"},
+                 "--steps: must be in [1, 1000000]");
   expect_refused("distmuon-bench", {"--warmup", "1e30"}, "--warmup: must be in [0, 1000000]");
   expect_refused("distmuon-bench", {"--cache", "2,inf"}, "--cache: must be finite (got inf)");
   expect_refused("distmuon-bench", {"--drift", "1e300"}, "--drift: must be in [0, 10]");
-  expect_refused("distmuon-plan", {"--world-size", "100000000"}, "--world-size: must be in [1, 1048576]");
+  expect_refused("distmuon-plan", {"--world-size", "100000000"},
+                 "--world-size: must be in [1, 1048576]");
   expect_refused("distmuon-bench", {"--steps", "1.5"}, "--steps");
-  expect_refused("distmuon-bench", {"--bucket-mb=0"}, "--bucket-mb: must be in (0, 1048576] (got 0)");
+  expect_refused("distmuon-bench", {"--bucket-mb=0"},
+                 "--bucket-mb: must be in (0, 1048576] (got 0)");
   expect_refused("distmuon-plan", {"--time-limit", "-1"}, "--time-limit: must be > 0 (got -1)");
   expect_refused("distmuon-plan", {"--world-size", "99999999999"}, "--world-size");
   expect_refused("distmuon-plan", {"--gap", "nan"}, "--gap");
@@ -110,7 +122,8 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
   // file); folders it would create are fine.
   expect_refused("distmuon-plan", {"--measure", "--cache", "/etc/hostname/x/costs.json"},
                  "the cost cache of --measure: '/etc/hostname' is not a folder");
-  EXPECT_TRUE(parse_tool("distmuon-plan", {"--measure", "--cache", "/tmp/distmuon-new/a/costs.json"}).ran);
+  EXPECT_TRUE(
+      parse_tool("distmuon-plan", {"--measure", "--cache", "/tmp/distmuon-new/a/costs.json"}).ran);
 }
 
 TEST(Tools, OptionsThatConflictAreRefused) {
@@ -120,10 +133,14 @@ TEST(Tools, OptionsThatConflictAreRefused) {
                  "--ranks-per-gpu applies to distributed runs with --backend cuda");
   expect_refused("distmuon-bench", {"--ranks-per-gpu", "0"}, "--ranks-per-gpu: must be in [1, ");
   // Options of a part of distmuon-bench that does not run: refused, not ignored.
-  expect_refused("distmuon-bench", {"--planner", "lpt"}, "--planner applies to the distributed modes");
-  expect_refused("distmuon-bench", {"--bucket-mb", "8"}, "--bucket-mb applies to the distributed modes");
-  expect_refused("distmuon-bench", {"--mode", "gather", "--cache", "2"}, "--cache applies to --mode single");
-  expect_refused("distmuon-bench", {"--mode", "sharded", "--drift", "0.1"}, "--drift applies to --mode single");
+  expect_refused("distmuon-bench", {"--planner", "lpt"},
+                 "--planner applies to the distributed modes");
+  expect_refused("distmuon-bench", {"--bucket-mb", "8"},
+                 "--bucket-mb applies to the distributed modes");
+  expect_refused("distmuon-bench", {"--mode", "gather", "--cache", "2"},
+                 "--cache applies to --mode single");
+  expect_refused("distmuon-bench", {"--mode", "sharded", "--drift", "0.1"},
+                 "--drift applies to --mode single");
   expect_refused("distmuon-bench", {"--cache-probes", "4"}, "--cache-probes needs --cache");
   expect_refused("distmuon-bench", {"--cache-shadow"}, "--cache-shadow needs --cache");
   expect_refused("distmuon-plan", {"--measure", "--analytic"}, "choose one of");
@@ -148,8 +165,12 @@ TEST(Tools, ValidCommandLinesReachTheTool) {
   EXPECT_EQ(p.code, 0) << p.err;
   EXPECT_TRUE(p.ran);
   EXPECT_TRUE(parse_tool("distmuon-plan", {"--solver", "lpt", "--simulate", "-h"}).code == 0);
-  EXPECT_TRUE(parse_tool("distmuon-bench", {"--cache", "2", "--cache-probes", "4", "--steps", "1000000"}).ran);
-  EXPECT_TRUE(parse_tool("distmuon-bench", {"--mode", "gather", "--planner", "lpt", "--bucket-mb", "8"}).ran);
+  EXPECT_TRUE(
+      parse_tool("distmuon-bench", {"--cache", "2", "--cache-probes", "4", "--steps", "1000000"})
+          .ran);
+  EXPECT_TRUE(
+      parse_tool("distmuon-bench", {"--mode", "gather", "--planner", "lpt", "--bucket-mb", "8"})
+          .ran);
 }
 
 TEST(Tools, HelpShowsTypesRangesAndChoices) {
@@ -230,7 +251,8 @@ TEST(Tools, ExecutablesExitWithCodesNotSignals) {
   // A convolution kernel (4-D Muon entry) is one (o, i*kh*kw) matrix to the planner, as to the
   // engine and distmuon-bench (distmuon-plan used to refuse what the workload check accepts).
   const char* conv = "/tmp/distmuon-test-conv.json";
-  std::ofstream(conv) << R"({"name": "conv", "muon": [{"name": "c", "shape": [64, 32, 3, 3], "count": 4}]})";
+  std::ofstream(conv)
+      << R"({"name": "conv", "muon": [{"name": "c", "shape": [64, 32, 3, 3], "count": 4}]})";
   e = run_process(DISTMUON_PLAN_EXE, {"--workload", conv, "--world-size", "2", "--solver", "lpt"});
   EXPECT_EQ(e.code, 0) << e.err;
   EXPECT_THAT(e.out, HasSubstr("4 Muon matrices"));

@@ -55,23 +55,30 @@ std::string message_of(const std::function<void()>& f) {
 // What a file lacks or gets wrong is named (a missing key used to surface as nlohmann's
 // "[json.exception.out_of_range.403]"; negative layers and wrong totals passed).
 TEST(Workload, MissingKeysNegativeLayersAndWrongTotalsAreNamed) {
-  EXPECT_EQ(message_of([] { parse_workload(R"({"muon": [{"name": "a", "shape": [4, 4]}]})", "f"); }),
-            "workload f: the file has no 'name'");
-  EXPECT_EQ(message_of([] { parse_workload(R"({"name": "x", "muon": [{"shape": [4, 4]}]})", "f"); }),
-            "workload f: an entry of 'muon' has no 'name'");
+  EXPECT_EQ(
+      message_of([] { parse_workload(R"({"muon": [{"name": "a", "shape": [4, 4]}]})", "f"); }),
+      "workload f: the file has no 'name'");
+  EXPECT_EQ(
+      message_of([] { parse_workload(R"({"name": "x", "muon": [{"shape": [4, 4]}]})", "f"); }),
+      "workload f: an entry of 'muon' has no 'name'");
   EXPECT_EQ(message_of([] { parse_workload(R"({"name": "x", "muon": [{"name": "a"}]})", "f"); }),
             "workload f: entry 'a' has no 'shape'");
   EXPECT_EQ(message_of([] {
-              parse_workload(R"({"name": "x", "layers": -1, "muon": [{"name": "a", "shape": [4, 4]}]})", "f");
+              parse_workload(
+                  R"({"name": "x", "layers": -1, "muon": [{"name": "a", "shape": [4, 4]}]})", "f");
             }),
             "workload f: 'layers' must be >= 0 (got -1)");
   EXPECT_EQ(message_of([] {
-              parse_workload(R"({"name": "x", "muon_params": 15, "muon": [{"name": "a", "shape": [4, 4]}]})", "f");
+              parse_workload(
+                  R"({"name": "x", "muon_params": 15, "muon": [{"name": "a", "shape": [4, 4]}]})",
+                  "f");
             }),
             "workload f: 'muon_params' says 15 but its entries hold 16 parameters");
-  EXPECT_EQ(parse_workload(R"({"name": "x", "muon_params": 16, "muon": [{"name": "a", "shape": [4, 4]}]})", "f")
-                .muon_params(),
-            16);
+  EXPECT_EQ(
+      parse_workload(
+          R"({"name": "x", "muon_params": 16, "muon": [{"name": "a", "shape": [4, 4]}]})", "f")
+          .muon_params(),
+      16);
 }
 
 // Shapes whose element count leaves int64 were accepted and wrapped (to a negative count, or to
