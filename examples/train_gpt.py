@@ -396,6 +396,19 @@ def parse_args() -> argparse.Namespace:
             ap.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
     if args.n_embd % args.n_head:
         ap.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
+    for k in ("warmup", "eval_every", "threads"):  # optional; 0 means the default for the last two
+        if getattr(args, k) is not None and getattr(args, k) < 0:
+            ap.error(f"--{k.replace('_', '-')} must be >= 0 (got {getattr(args, k)})")
+    for k in ("adamw_lr", "cache_gamma"):
+        v = getattr(args, k)
+        if v is not None and not (math.isfinite(v) and v > 0):
+            ap.error(f"--{k.replace('_', '-')} must be a finite number > 0 (got {v})")
+    if not args.data.is_file():
+        ap.error(f"--data {args.data}: no such file")
+    try:
+        torch.device(args.device)
+    except RuntimeError as e:
+        ap.error(f"--device {args.device}: {e}")
     args.warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
     if args.amp is None:
         args.amp = args.device.startswith("cuda")

@@ -28,6 +28,26 @@ def test_embedding_detected_by_module_type_whatever_its_name() -> None:
     assert muon_names(opt) == {"1.weight"}  # '0.weight' has no telling name but is an nn.Embedding
 
 
+def test_parametrized_embeddings_heads_and_convs_keep_their_role() -> None:
+    # spectral_norm / weight_norm store a weight as '<module>.parametrizations.weight.original[N]':
+    # the embedding and the head used to get Muon through that name and owner.
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = spectral_norm(nn.Embedding(10, 8))
+            self.conv = weight_norm(nn.Conv2d(8, 8, 3))
+            self.fc = nn.Linear(8, 8)
+            self.head = weight_norm(nn.Linear(8, 10))
+
+    opt = Muon(Net())
+    # the conv's direction v is one 8 x 72 matrix; its per-channel scale g is a vector
+    assert muon_names(opt) == {"conv.parametrizations.weight.original1", "fc.weight"}
+    assert is_embedding_or_head_name("head.parametrizations.weight.original1")
+    assert not is_embedding_or_head_name("blocks.0.fc.parametrizations.weight.original")
+
+
 def test_named_parameters_use_name_heuristics() -> None:
     opt = Muon(TinyGPT().named_parameters())
     assert "wte.weight" not in muon_names(opt) and "lm_head.weight" not in muon_names(opt)

@@ -17,6 +17,37 @@ def make(model: torch.nn.Module, **kw: object) -> Muon:
     return Muon(model, lr=0.02, weight_decay=0.1, adamw_lr=3e-3, **kw)  # type: ignore[arg-type]
 
 
+def test_state_dict_hooks_see_and_may_replace_the_whole_dict() -> None:
+    # As in torch: a post-hook gets the complete dict (the engine's state included) and what it
+    # returns is the result; a load pre-hook runs before the dict is checked. Before, the engine's
+    # state was written over a post-hook's edits, and a wrapped dict raised KeyError('state').
+    model = TinyGPT()
+    opt = make(model)
+    train(model, [opt], 2)
+
+    def to_bf16(o: object, sd: dict) -> None:
+        for st in sd["state"].values():
+            for k, v in st.items():
+                if k != "step":
+                    st[k] = v.to(torch.bfloat16)
+
+    handle = opt.register_state_dict_post_hook(to_bf16)
+    assert opt.state_dict()["state"][0]["momentum_buffer"].dtype == torch.bfloat16
+    handle.remove()
+    handle = opt.register_state_dict_post_hook(lambda o, sd: {"format": 1, "payload": sd})
+    wrapped = opt.state_dict()
+    handle.remove()
+    assert wrapped["format"] == 1 and set(wrapped["payload"]) == {"state", "param_groups"}
+    opt.register_load_state_dict_pre_hook(lambda o, sd: sd["payload"] if "payload" in sd else None)
+    other = make(clone(model))
+    other.register_load_state_dict_pre_hook(lambda o, sd: sd["payload"] if "payload" in sd else None)
+    other.load_state_dict(wrapped)
+    expected = opt.state_dict()
+    for i, st in other.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(v, expected["state"][i][k]), (i, k)
+
+
 def test_format_is_torch_optimizer_format() -> None:
     model = TinyGPT()
     opt = make(model)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from distmuon.torch._dist import is_dtensor, local_tensor
 
@@ -23,6 +24,7 @@ MuonFilter = Callable[[str, torch.Tensor], bool]
 # Owning-module names that mean "embedding" or "output head" in common model code
 # (GPT-2: wte, wpe, lm_head; Llama: embed_tokens, output; timm: head).
 _HEAD_NAMES = frozenset({"wte", "wpe", "lm_head", "head", "output"})
+_PARAMETRIZED = re.compile(r"\.parametrizations\.([^.]+)\.original\d*$")
 
 
 def is_embedding_or_head_name(name: str) -> bool:
@@ -31,6 +33,9 @@ def is_embedding_or_head_name(name: str) -> bool:
     Only the owning module (the component before the attribute) is looked at, so that
     'encoder.layer.0.attention.output.dense.weight' (a hidden layer) is not caught by 'output'.
     """
+    # A parametrized weight (torch.nn.utils.parametrize: spectral_norm, weight_norm) is stored as
+    # '<module>.parametrizations.<attr>.original[N]': its owner is <module>.
+    name = _PARAMETRIZED.sub(r".\1", name)
     parts = name.lower().split(".")
     owner = parts[-2] if len(parts) >= 2 else parts[0]
     owner = re.sub(r"_?\d+$", "", owner)  # 'head_0' -> 'head'
@@ -51,13 +56,19 @@ def module_param_infos(model: nn.Module) -> dict[int, ParamInfo]:
     """ParamInfo per id(param) for every parameter of `model`, named as named_parameters()."""
     infos = {id(p): ParamInfo(name, True) for name, p in model.named_parameters()}
     for module in model.modules():
-        for p in module.parameters(recurse=False):
+        # (attribute, parameter) pairs the module owns; a parametrized attribute's originals
+        # (spectral_norm, weight_norm) count as the attribute itself.
+        owned = [(n, p) for n, p in module.named_parameters(recurse=False)]
+        if parametrize.is_parametrized(module):
+            for attr, plist in module.parametrizations.items():
+                owned += [(attr, p) for p in plist.parameters(recurse=False)]
+        for attr, p in owned:
             info = infos.get(id(p))
             if info is None:
                 continue
             if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
                 info.embedding = True
-            if isinstance(module, nn.modules.conv._ConvNd) and p is getattr(module, "weight", None):
+            if isinstance(module, nn.modules.conv._ConvNd) and attr == "weight":
                 info.conv = True
     return infos
 

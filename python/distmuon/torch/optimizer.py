@@ -712,12 +712,23 @@ class Muon(torch.optim.Optimizer):
             if g["use_muon"] and 0.0 <= mu < 1.0:
                 self._rescale_momentum(gi, mu)
         self._refresh_state()
-        sd = super().state_dict()
+        # torch's state_dict() runs the post-hooks on what it built; they must see (and may
+        # replace) the complete dict, so they run here, after the engine's state is in it.
+        post_hooks = self._optimizer_state_dict_post_hooks
+        self._optimizer_state_dict_post_hooks = type(post_hooks)()
+        try:
+            sd = super().state_dict()
+        finally:
+            self._optimizer_state_dict_post_hooks = post_hooks
         for part in self._parts:
             steps = part.engine.param_steps()
             for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots)):
                 entry["step"] = torch.tensor(float(steps[s.index]))
                 sd["state"][s.key] = entry
+        for hook in post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -728,12 +739,14 @@ class Muon(torch.optim.Optimizer):
             self._build_engine()
         topos = [p.topo for p in self._parts]
         try:
-            ckpt.check_layout(state_dict)
-            state_dict = state_dict.copy()
+            if not isinstance(state_dict, dict):
+                raise TypeError(f"a state dict must be a dict (got {type(state_dict).__name__})")
+            state_dict = state_dict.copy()  # as torch: the pre-hooks may change it in place
             for hook in self._optimizer_load_state_dict_pre_hooks.values():
                 result = hook(self, state_dict)
                 if result is not None:
                     state_dict = result
+            ckpt.check_layout(state_dict)  # what the hooks made of it
             merged, plan = self._checked_load(state_dict)
             error = None
         except (ValueError, TypeError, KeyError) as e:
