@@ -228,6 +228,23 @@ def run_grad_none(rank: int, world: int, kind: str, none_ranks: tuple[int, ...])
     return out
 
 
+def run_state_reset(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """Every rank deletes fc.weight's optimizer state after CKPT_AT steps (a re-initialised
+    layer starts fresh, as in torch); the run must equal one process doing the same."""
+    model = make_model()
+    fwd = wrap(model, kind, world)
+    opt = Muon(model, **OPT_KW)
+    losses = train(fwd, opt, range(CKPT_AT), rank, world)
+    del opt.state[model.fc.weight]
+    losses += train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
+    index = [id(p) for g in opt.param_groups for p in g["params"]].index(id(model.fc.weight))
+    return {
+        "losses": losses,
+        "params": full_params(model),
+        "fc_step": float(opt.state_dict()["state"][index]["step"]),
+    }
+
+
 def run_lr_mismatch(rank: int, world: int, kind: str) -> dict[str, Any]:
     """A learning-rate scheduler stepped on rank 1 only: the next step fails on every rank and
     changes nothing; stepped on rank 0 too, training goes on."""
@@ -353,6 +370,8 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "tune": guarded(lambda: run_tune(rank, world)),
         "grad_none_fsdp": guarded(lambda: run_grad_none(rank, world, "fsdp", (1,))),
         "grad_none_ddp": guarded(lambda: run_grad_none(rank, world, "ddp", (0,))),
+        "state_reset_fsdp": guarded(lambda: run_state_reset(rank, world, "fsdp")),
+        "state_reset_ddp": guarded(lambda: run_state_reset(rank, world, "ddp")),
         "lr_mismatch_fsdp": guarded(lambda: run_lr_mismatch(rank, world, "fsdp")),
         "lr_mismatch_ddp": guarded(lambda: run_lr_mismatch(rank, world, "ddp")),
         "mismatch_missing": guarded(lambda: run_mismatch(rank, world, "missing")),

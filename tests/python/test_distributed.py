@@ -225,6 +225,17 @@ def test_missing_gradient_on_an_empty_shard_is_not_a_disagreement(world4: list[d
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_a_state_entry_deleted_on_every_rank_starts_fresh_as_in_one_process(world2: list[dict[str, Any]], kind: str) -> None:
+    reference = ok(launch(1, sc.run_state_reset, "local")[0])
+    assert reference["fc_step"] == sc.STEPS - sc.CKPT_AT
+    for r in world2:
+        res = ok(r[f"state_reset_{kind}"])
+        assert res["fc_step"] == reference["fc_step"]
+        assert res["losses"] == pytest.approx(reference["losses"], abs=LOSS_TOL, rel=0)
+        assert max_diff(res["params"], reference["params"]) < PARAM_TOL
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
 def test_a_scheduler_stepped_on_one_rank_stops_the_step_everywhere(world2: list[dict[str, Any]], kind: str) -> None:
     # Each matrix takes its owner's options: before, rank 1's halved learning rate reached the
     # matrices it owns and rank 0's the others, silently.

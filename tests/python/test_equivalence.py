@@ -149,3 +149,38 @@ def test_batched_3d_and_conv_parameters_equal_separate_matrices(torch_muon_fp32:
     torch.testing.assert_close(conv.weight.detach().reshape(6, -1), flat.detach(), atol=FP32_TOL, rtol=0)
     # the state keeps the parameter's own shape
     assert opt.state[conv.weight]["momentum_buffer"].shape == conv.weight.shape
+
+
+def test_state_entries_deleted_or_replaced_act_as_in_torch(torch_muon_fp32: None) -> None:
+    # optimizer.state views the engine's state; deleting an entry (a re-initialised layer starts
+    # fresh), clearing it, or putting new tensors in it used to be silently ignored. The next
+    # step now sees them as torch's optimizers do.
+    torch.manual_seed(0)
+    model = TinyGPT()
+    ref = clone(model)
+    kw = {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95}
+    refs, mine = reference_optimizers(ref, **kw), ours(model, **kw)
+    train(ref, refs, 3)
+    train(model, [mine], 3)
+
+    def state_of(optimizers: list[torch.optim.Optimizer], p: torch.Tensor) -> dict:
+        return next(o.state for o in optimizers if any(p is q for g in o.param_groups for q in g["params"]))
+
+    ref_params, params = dict(ref.named_parameters()), dict(model.named_parameters())
+    ref_qkv, qkv, ref_wte, wte = ref_params["qkv.weight"], params["qkv.weight"], ref_params["wte.weight"], params["wte.weight"]
+    for optimizers, p in ((refs, ref_qkv), ([mine], qkv)):
+        del state_of(optimizers, p)[p]  # a Muon matrix starts fresh
+    for optimizers, p in ((refs, ref_wte), ([mine], wte)):  # an AdamW moment zeroed by a new tensor
+        state_of(optimizers, p)[p]["exp_avg"] = torch.zeros_like(p)
+    train(ref, refs, 2, first_step=3)
+    train(model, [mine], 2, first_step=3)
+    assert max_param_diff(model, ref) < FP32_TOL
+    steps = {i: float(st["step"]) for i, st in mine.state_dict()["state"].items()}
+    assert steps[[id(p) for g in mine.param_groups for p in g["params"]].index(id(qkv))] == 2.0
+    for o in refs:
+        o.state.clear()
+    mine.state.clear()
+    train(ref, refs, 2, first_step=5)
+    train(model, [mine], 2, first_step=5)
+    assert max_param_diff(model, ref) < FP32_TOL
+    assert all(float(st["step"]) == 2.0 for st in mine.state_dict()["state"].values())

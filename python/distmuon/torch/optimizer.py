@@ -31,6 +31,8 @@ from distmuon.torch._params import (
     split_named,
 )
 from distmuon.torch._parts import Part, build_part, merge_stats
+from distmuon.torch._state_view import StateView
+from distmuon.torch._state_view import edits as state_edits
 from distmuon.torch.dedicate import handle_of
 from distmuon.torch._state import (
     MATRIX_STATE,
@@ -493,13 +495,31 @@ class Muon(torch.optim.Optimizer):
         """``self.state[p]``: the step and the state this process holds in the parameter's
         placement (views of the engine's memory). Momentum kept with owners is not in it (it is
         not in the parameter's placement); ``state_dict()`` gathers it."""
+        entries: dict[Any, dict[str, Any]] = {}
         for part in self._parts:
             exported = export_state(part.engine, part.topo, part.slots, gather_momentum=False)
             steps = part.engine.param_steps()
             for s, entry in zip(part.slots, exported):
                 st = {k: v for k, v in entry.items() if not owner_held(part.topo, s, k)}
                 st["step"] = torch.tensor(float(steps[s.index]))
-                self.state[s.param] = st
+                entries[s.param] = st
+        self.state = StateView.of(entries)
+        self._state_original = {id(p): dict(st) for p, st in entries.items()}
+
+    def _apply_state_edits(self) -> None:
+        """Entries of ``self.state`` deleted, emptied or given new values since it was made take
+        effect now, as torch's next step would see them: a parameter without its entry starts
+        fresh, a new tensor or step is loaded (and checked) like a state dict's. Collective when
+        distributed (every rank edits alike, as the same training code does)."""
+        changes = state_edits(self.state, self._state_original, [s.param for s in self._slots])
+        sd = self._state_dict(hooks=False)
+        for i, change in changes.items():
+            key = self._slots[i].key
+            if change is None:
+                sd["state"].pop(key, None)
+            else:
+                sd["state"][key] = {**sd["state"][key], **change}
+        self._load_state_dict(sd, hooks=False)
 
     def _push_options(self) -> None:
         """Sends changed group options (LR schedulers, user edits) to the engines."""
@@ -590,6 +610,8 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if getattr(self.state, "edited", False):
+            self._apply_state_edits()
         if self._held_params_changed():
             self._build_engine()
         self._push_options()
@@ -703,6 +725,10 @@ class Muon(torch.optim.Optimizer):
         torch.distributed.checkpoint can load it at another world size. Tensors alias the
         engine's live state where it is kept in that placement (as torch's do); momentum kept
         with each matrix's owner is gathered into new tensors (collective)."""
+        return self._state_dict(hooks=True)
+
+    def _state_dict(self, hooks: bool) -> dict[str, Any]:
+        """state_dict(), with the user's hooks (hooks=True) or for the optimizer's own use."""
         if self._held_params_changed():
             self._build_engine()
         # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
@@ -712,20 +738,22 @@ class Muon(torch.optim.Optimizer):
             if g["use_muon"] and 0.0 <= mu < 1.0:
                 self._rescale_momentum(gi, mu)
         self._refresh_state()
-        # torch's state_dict() runs the post-hooks on what it built; they must see (and may
-        # replace) the complete dict, so they run here, after the engine's state is in it.
-        post_hooks = self._optimizer_state_dict_post_hooks
+        # torch's state_dict() runs the pre- and post-hooks around what it builds; the post-hooks
+        # must see (and may replace) the complete dict, so they run here, after the engine's state.
+        pre_hooks, post_hooks = self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks
+        if not hooks:
+            self._optimizer_state_dict_pre_hooks = type(pre_hooks)()
         self._optimizer_state_dict_post_hooks = type(post_hooks)()
         try:
             sd = super().state_dict()
         finally:
-            self._optimizer_state_dict_post_hooks = post_hooks
+            self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = pre_hooks, post_hooks
         for part in self._parts:
             steps = part.engine.param_steps()
             for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots)):
                 entry["step"] = torch.tensor(float(steps[s.index]))
                 sd["state"][s.key] = entry
-        for hook in post_hooks.values():
+        for hook in post_hooks.values() if hooks else ():
             result = hook(self, sd)
             if result is not None:
                 sd = result
@@ -735,6 +763,9 @@ class Muon(torch.optim.Optimizer):
         """Loads a state_dict() of an optimizer with the same groups, saved at any world size
         (DTensor entries in any placement of this mesh, or full tensors); nothing changes unless
         every entry checks out on every rank. Collective when distributed."""
+        self._load_state_dict(state_dict, hooks=True)
+
+    def _load_state_dict(self, state_dict: dict[str, Any], hooks: bool) -> None:
         if self._held_params_changed():
             self._build_engine()
         topos = [p.topo for p in self._parts]
@@ -742,7 +773,7 @@ class Muon(torch.optim.Optimizer):
             if not isinstance(state_dict, dict):
                 raise TypeError(f"a state dict must be a dict (got {type(state_dict).__name__})")
             state_dict = state_dict.copy()  # as torch: the pre-hooks may change it in place
-            for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            for hook in self._optimizer_load_state_dict_pre_hooks.values() if hooks else ():
                 result = hook(self, state_dict)
                 if result is not None:
                     state_dict = result
@@ -765,7 +796,7 @@ class Muon(torch.optim.Optimizer):
                 part.engine.set_param_step(s.index, ckpt.step_of(s.name, entry))
         self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
         self._refresh_state()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
+        for hook in self._optimizer_load_state_dict_post_hooks.values() if hooks else ():
             hook(self)
 
     def _state_numel(self, s: Slot) -> dict[str, int]:

@@ -1,0 +1,124 @@
+"""``optimizer.state`` of distmuon.torch.Muon: per parameter, views of the engine's state.
+
+torch's optimizers read their state from ``optimizer.state`` at every step, so code that
+deletes or replaces an entry (``del opt.state[p]`` to start a re-initialised layer fresh, a new
+tensor under ``'momentum_buffer'``) changes what the next step does. distmuon's state lives in
+its engine and ``optimizer.state`` only views it: in-place changes of the tensors reach the
+engine, but assignments and deletions would be silently lost. These classes record them (one
+flag), and the optimizer applies them at its next step (``edits``), as torch would see them.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+
+class StateEntry(dict):  # type: ignore[type-arg]
+    """One parameter's state; assigning or deleting a key marks the view edited."""
+
+    def __init__(self, view: StateView, *args: Any) -> None:
+        super().__init__(*args)
+        self._view = view
+
+    def _edited(self) -> None:
+        self._view.edited = True
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self._edited()
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        self._edited()
+        super().__delitem__(k)
+
+    def clear(self) -> None:
+        self._edited()
+        super().clear()
+
+    def pop(self, *args: Any) -> Any:
+        self._edited()
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self._edited()
+        return super().popitem()
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        self._edited()
+        super().update(*args, **kw)
+
+    def setdefault(self, k: Any, default: Any = None) -> Any:
+        if k not in self:
+            self._edited()
+        return super().setdefault(k, default)
+
+
+class StateView(defaultdict):  # type: ignore[type-arg]
+    """``optimizer.state``: a defaultdict(dict) as torch's, whose entries are StateEntry views.
+    Reading a parameter without state gives an empty entry, as torch's, without marking an edit."""
+
+    def __init__(self) -> None:
+        super().__init__(dict)
+        self.edited = False
+
+    @classmethod
+    def of(cls, entries: dict[Any, dict[str, Any]]) -> StateView:
+        view = cls()
+        for p, st in entries.items():
+            dict.__setitem__(view, p, StateEntry(view, st))
+        return view
+
+    def __missing__(self, k: Any) -> StateEntry:
+        entry = StateEntry(self)
+        dict.__setitem__(self, k, entry)
+        return entry
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self.edited = True
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        self.edited = True
+        super().__delitem__(k)
+
+    def clear(self) -> None:
+        self.edited = True
+        super().clear()
+
+    def pop(self, *args: Any) -> Any:
+        self.edited = True
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self.edited = True
+        return super().popitem()
+
+    def update(self, *args: Any, **kw: Any) -> None:
+        self.edited = True
+        super().update(*args, **kw)
+
+    def setdefault(self, k: Any, default: Any = None) -> Any:
+        if k not in self:
+            self.edited = True
+        return super().setdefault(k, default)
+
+
+def edits(view: Any, original: dict[int, dict[str, Any]], params: list[Any]) -> dict[int, dict[str, Any] | None]:
+    """What the user changed in `view` since it was made from `original` (id(param) -> entry,
+    its values as they were): per index into `params`, None where the entry is gone or was
+    replaced by an empty one (the parameter starts fresh), else the keys whose value is another
+    object now (a new tensor, a new step)."""
+    out: dict[int, dict[str, Any] | None] = {}
+    for i, p in enumerate(params):
+        before = original.get(id(p))
+        if before is None:
+            continue
+        now = dict.get(view, p)
+        if not now:
+            out[i] = None
+            continue
+        changed = {k: v for k, v in now.items() if before.get(k) is not v}
+        if changed:
+            out[i] = changed
+    return out
