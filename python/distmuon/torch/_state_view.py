@@ -14,53 +14,63 @@ from collections import defaultdict
 from typing import Any
 
 
-class StateEntry(dict):  # type: ignore[type-arg]
-    """One parameter's state; assigning or deleting a key marks the view edited."""
+class _MarksEdits:
+    """dict's mutating methods, each marking an edit (``_mark``) before it acts."""
 
-    def __init__(self, view: StateView, *args: Any) -> None:
-        super().__init__(*args)
-        self._view = view
-
-    def _edited(self) -> None:
-        self._view.edited = True
+    def _mark(self) -> None:
+        raise NotImplementedError
 
     def __setitem__(self, k: Any, v: Any) -> None:
-        self._edited()
-        super().__setitem__(k, v)
+        self._mark()
+        super().__setitem__(k, v)  # type: ignore[misc]
 
     def __delitem__(self, k: Any) -> None:
-        self._edited()
-        super().__delitem__(k)
+        self._mark()
+        super().__delitem__(k)  # type: ignore[misc]
 
     def clear(self) -> None:
-        self._edited()
-        super().clear()
+        self._mark()
+        super().clear()  # type: ignore[misc]
 
     def pop(self, *args: Any) -> Any:
-        self._edited()
-        return super().pop(*args)
+        self._mark()
+        return super().pop(*args)  # type: ignore[misc]
 
     def popitem(self) -> Any:
-        self._edited()
-        return super().popitem()
+        self._mark()
+        return super().popitem()  # type: ignore[misc]
 
     def update(self, *args: Any, **kw: Any) -> None:
-        self._edited()
-        super().update(*args, **kw)
+        self._mark()
+        super().update(*args, **kw)  # type: ignore[misc]
 
     def setdefault(self, k: Any, default: Any = None) -> Any:
-        if k not in self:
-            self._edited()
-        return super().setdefault(k, default)
+        if k not in self:  # type: ignore[operator]
+            self._mark()
+        return super().setdefault(k, default)  # type: ignore[misc]
 
 
-class StateView(defaultdict):  # type: ignore[type-arg]
+class StateEntry(_MarksEdits, dict):  # type: ignore[type-arg]
+    """One parameter's state; changing its keys marks the view edited."""
+
+    def __init__(self, view: StateView, *args: Any) -> None:
+        dict.__init__(self, *args)
+        self._view = view
+
+    def _mark(self) -> None:
+        self._view.edited = True
+
+
+class StateView(_MarksEdits, defaultdict):  # type: ignore[type-arg]
     """``optimizer.state``: a defaultdict(dict) as torch's, whose entries are StateEntry views.
     Reading a parameter without state gives an empty entry, as torch's, without marking an edit."""
 
     def __init__(self) -> None:
-        super().__init__(dict)
+        defaultdict.__init__(self, dict)
         self.edited = False
+
+    def _mark(self) -> None:
+        self.edited = True
 
     @classmethod
     def of(cls, entries: dict[Any, dict[str, Any]]) -> StateView:
@@ -73,35 +83,6 @@ class StateView(defaultdict):  # type: ignore[type-arg]
         entry = StateEntry(self)
         dict.__setitem__(self, k, entry)
         return entry
-
-    def __setitem__(self, k: Any, v: Any) -> None:
-        self.edited = True
-        super().__setitem__(k, v)
-
-    def __delitem__(self, k: Any) -> None:
-        self.edited = True
-        super().__delitem__(k)
-
-    def clear(self) -> None:
-        self.edited = True
-        super().clear()
-
-    def pop(self, *args: Any) -> Any:
-        self.edited = True
-        return super().pop(*args)
-
-    def popitem(self) -> Any:
-        self.edited = True
-        return super().popitem()
-
-    def update(self, *args: Any, **kw: Any) -> None:
-        self.edited = True
-        super().update(*args, **kw)
-
-    def setdefault(self, k: Any, default: Any = None) -> Any:
-        if k not in self:
-            self.edited = True
-        return super().setdefault(k, default)
 
 
 def edits(view: Any, original: dict[int, dict[str, Any]], params: list[Any]) -> dict[int, dict[str, Any] | None]:
