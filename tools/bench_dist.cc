@@ -281,8 +281,6 @@ int threads_per_rank(int world_size) {
   return n;
 }
 
-}  // namespace
-
 // Every rank must run the same comparison: ranks started with other options (an MPMD launch,
 // a script that passes its arguments differently) would otherwise issue collectives of other
 // sizes and stop inside MPI. Compares a digest of the options that shape the run, before any.
@@ -302,6 +300,8 @@ void check_same_options(Communicator& mpi, const BenchOptions& o) {
            "the ranks were started with different options (every rank of distmuon-bench needs "
            "the same command line)");
 }
+
+}  // namespace
 
 int run_distributed(const BenchOptions& o) {
   std::unique_ptr<Communicator> mpi = make_mpi_world();

@@ -16,6 +16,10 @@ const CLI::Validator kBackend(
     },
     "{cpu, cuda, cuda:N}", "BACKEND");
 
+// Help groups; the cache group's options are checked together (check_bench_options).
+const std::string kDistGroup = "Distributed comparison (under mpirun)";
+const std::string kCacheGroup = "CacheMuon";
+
 void check_bench_options(const CLI::App& app, BenchOptions& o) {
   o.algos_given = app.count("--algo") > 0;
   DM_CHECK(!o.algos.empty(), "--algo needs at least one algorithm");
@@ -31,22 +35,21 @@ void check_bench_options(const CLI::App& app, BenchOptions& o) {
   DM_CHECK(o.ranks_per_gpu == 1 || (o.distributed() && o.backend == "cuda"),
            "--ranks-per-gpu applies to distributed runs with --backend cuda");
   // An option of a part of the tool that does not run is refused, not silently ignored.
-  const std::vector<const char*> cache_details = {
-      "--cache-residual", "--cache-probes", "--cache-staleness", "--cache-backoff",
-      "--cache-dtype",    "--cache-layout", "--cache-shadow",    "--cache-per-matrix"};
   for (const char* name : {"--bucket-mb", "--planner"})
     DM_CHECK(o.distributed() || app.count(name) == 0, name,
              " applies to the distributed modes (--mode gather, replicated, sharded, dedicated)");
-  if (o.distributed()) {
-    std::vector<const char*> single_only = {"--cache", "--drift"};
-    single_only.insert(single_only.end(), cache_details.begin(), cache_details.end());
-    for (const char* name : single_only)
-      DM_CHECK(app.count(name) == 0, name,
-               " applies to --mode single (the distributed comparison runs the fresh solve on "
-               "fixed gradients)");
+  std::vector<std::string> single_only = {"--drift"};
+  for (const CLI::Option* opt :
+       app.get_options([](const CLI::Option* opt) { return opt->get_group() == kCacheGroup; })) {
+    const std::string name = opt->get_name();
+    single_only.push_back(name);
+    DM_CHECK(name == "--cache" || !o.cache.empty() || opt->count() == 0, name,
+             " needs --cache (a list of gammas)");
   }
-  for (const char* name : cache_details)
-    DM_CHECK(!o.cache.empty() || app.count(name) == 0, name, " needs --cache (a list of gammas)");
+  for (const std::string& name : single_only)
+    DM_CHECK(!o.distributed() || app.count(name) == 0, name,
+             " applies to --mode single (the distributed comparison runs the fresh solve on "
+             "fixed gradients)");
 }
 
 // The rank's index on its node, from the launcher.
@@ -89,7 +92,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "each step's gradient = previous + relative noise EPS (0: fixed; f32 only)")
       ->check(cli::at_least(0, 10));
 
-  const std::string dist = "Distributed comparison (under mpirun)";
+  const std::string& dist = kDistGroup;
   app.add_option("--mode", o.modes,
                  "single (one process) or a comma list of gather, replicated, sharded, dedicated "
                  "(each timed in the same run)")
@@ -110,7 +113,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
       ->check(cli::at_least(1, cli::kMaxRanks))
       ->group(dist);
 
-  const std::string cache = "CacheMuon";
+  const std::string& cache = kCacheGroup;
   app.add_option("--cache", o.cache, "comma list of gammas, each run beside the fresh runs")
       ->delimiter(',')
       ->check(cli::above(0))
