@@ -34,6 +34,9 @@ void check_bench_options(const CLI::App& app, BenchOptions& o) {
            "rank (use --backend cuda and --ranks-per-gpu)");
   DM_CHECK(o.ranks_per_gpu == 1 || (o.distributed() && o.backend == "cuda"),
            "--ranks-per-gpu applies to distributed runs with --backend cuda");
+  for (const char* name : {"--calibrate", "--profile"})
+    DM_CHECK(app.count(name) == 0 || (o.distributed() && o.backend == "cuda"), name,
+             " applies to the distributed modes on CUDA (--mode ... --backend cuda)");
   // An option of a part of the tool that does not run is refused, not silently ignored.
   for (const char* name : {"--bucket-mb", "--planner"})
     DM_CHECK(o.distributed() || app.count(name) == 0, name,
@@ -95,9 +98,10 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
   const std::string& dist = kDistGroup;
   app.add_option("--mode", o.modes,
                  "single (one process) or a comma list of gather, replicated, sharded, dedicated "
-                 "(each timed in the same run)")
+                 "and adamw (fused AdamW on the FSDP2 shards of every tensor: the baseline), each "
+                 "timed in the same run")
       ->delimiter(',')
-      ->check(CLI::IsMember({"single", "gather", "replicated", "sharded", "dedicated"}))
+      ->check(CLI::IsMember({"single", "gather", "replicated", "sharded", "dedicated", "adamw"}))
       ->group(dist);
   app.add_option("--bucket-mb", o.bucket_mb, "MiB of full matrices per bucket")
       ->check(cli::above(0, 1 << 20))
@@ -109,8 +113,17 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "with --backend cuda: K ranks share each GPU; a rank uses CUDA device "
                  "local_rank / K (local rank from OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID, "
                  "SLURM_LOCALID or LOCAL_RANK). Sharing needs NCCL >= 2.30 with "
-                 "NCCL_MULTI_RANK_GPU_ENABLE=1")
+                 "NCCL_MULTI_RANK_GPU_ENABLE=1; they run at once only under CUDA MPS "
+                 "(docs/distributed.md, the one-GPU cluster)")
       ->check(cli::at_least(1, cli::kMaxRanks))
+      ->group(dist);
+  app.add_flag("--calibrate", o.calibrate,
+               "distributed modes on CUDA: first measure each rank's GEMM rate and copy bandwidth "
+               "with all ranks busy, and the NCCL bandwidth between ranks")
+      ->group(dist);
+  app.add_flag("--profile", o.profile,
+               "distributed modes on CUDA: one more profiled step per mode (CUPTI): each rank's "
+               "time computing, communicating and waiting")
       ->group(dist);
 
   const std::string& cache = kCacheGroup;

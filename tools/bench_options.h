@@ -26,6 +26,8 @@ struct BenchOptions {
   double bucket_mb = 32;
   std::string planner = "milp";
   int ranks_per_gpu = 1;
+  // With distributed CUDA ranks (bench_rank.h): a calibration first, a profiled step per mode.
+  bool calibrate = false, profile = false;
   // CacheMuon (bench_cache.cc).
   std::vector<double> cache;
   std::string cache_residual = "probe";  // CacheOptions' default

@@ -56,6 +56,19 @@ CostTable load_costs(const PlanArgs& a, const std::vector<PlanMatrix>& mats, Ort
   return analytic_cost_table(shape_counts(mats), cfg, r);
 }
 
+// The table with every point's seconds times `f` (an emulated device f times slower).
+CostTable scaled(CostTable t, double f) {
+  if (f == 1) return t;
+  CostTable out = t;
+  for (const auto& [key, shape] : t.shapes()) {
+    std::vector<CostPoint> pts = shape.points;
+    for (CostPoint& p : pts) p.seconds *= f;
+    out.set(shape.m, shape.n, std::move(pts));
+  }
+  out.device = t.device + " x " + cli::format_number(f);
+  return out;
+}
+
 nlohmann::json plan_json(const Plan& p) {
   double max_comm = 0;
   for (double b : p.owner_comm_bytes) max_comm = std::max(max_comm, b);
@@ -84,7 +97,7 @@ int run(const PlanArgs& a) {
   const std::vector<std::string>& solvers = a.solvers;
 
   PlanOptions opts;
-  const CostTable costs = load_costs(a, mats, opts.ortho);
+  const CostTable costs = scaled(load_costs(a, mats, opts.ortho), a.costs_scale);
   opts.time_limit_s = a.time_limit;
   opts.max_nodes = a.max_nodes;
   opts.relative_gap = a.gap;
@@ -186,6 +199,13 @@ int run(const PlanArgs& a) {
                                          {"sharded_comm", p.sharded_comm},
                                          {"dedicated", p.dedicated()},
                                          {"dedicated_comm", p.dedicated_comm},
+                                         {"fsdp_comm", p.fsdp_comm},
+                                         {"dedicated_exchange", p.dedicated_exchange},
+                                         {"adamw_update", p.adamw_update},
+                                         {"gather_step", p.gather_step()},
+                                         {"sharded_step", p.sharded_step()},
+                                         {"dedicated_step", p.dedicated_step()},
+                                         {"adamw_step", p.adamw_step()},
                                          {"speedup_sharded", p.gather() / p.sharded()},
                                          {"speedup_dedicated", p.gather() / p.dedicated()},
                                          {"gather_bytes", p.gather_bytes},

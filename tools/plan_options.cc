@@ -84,6 +84,12 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->group(costs);
   app.add_flag("--analytic", a.analytic, "analytic costs from --tflops, --hbm-tbs, --launch-us")
       ->group(costs);
+  app.add_option("--costs-scale", a.costs_scale,
+                 "multiply every cost by F: a device F times slower at the orthogonalization than "
+                 "the one that was measured (a part of the GPU: its whole-GPU GEMM rate over the "
+                 "part's, from distmuon-bench --calibrate)")
+      ->check(cli::above(0, 1e6))
+      ->group(costs);
   app.add_flag("--measure", a.measure, "measure costs on --backend, cached in --cache")
       ->group(costs);
   app.add_option("--backend", a.backend, "backend measured by --measure")

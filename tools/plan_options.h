@@ -30,6 +30,7 @@ struct PlanArgs {
   int profile_reps = 3;
   std::string algo = "auto", work_dtype = "auto";
   double tflops = 759, hbm_tbs = 4.17, launch_us = 4;
+  double costs_scale = 1;  // every cost times this (a device this many times slower)
   bool owners = false, simulate = false;
   int sim_max_world = 1024;
   std::string sim_solver;

@@ -3,7 +3,8 @@ one process per GPU (torchrun): fused AdamW versus distmuon in sharded mode (unm
 all-to-all to owners) and in dedicated mode (distmuon.torch.dedicate before fully_shard).
 
     torchrun --nproc-per-node 8 bench/multi_gpu/e2e_train.py --config qwen2.5-1.5b --seq 2048 \
-        --optimizers adamw,distmuon-sharded,distmuon-dedicated [--replicate 2] --json out.json
+        --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather [--replicate 2] \
+        --json out.json
 
 Validated on CPU ranks with gloo: --device cpu --config tiny --seq 64.
 """
@@ -46,7 +47,10 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool):
     else:
         from distmuon.torch import Muon
 
-        opt = Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=3e-4, adamw_betas=(0.9, 0.95))
+        # distmuon-gather: every rank all-gathers and orthogonalizes every matrix (the baseline).
+        mode = {"distmuon-gather": "gather"}.get(kind, "auto")
+        opt = Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=3e-4, adamw_betas=(0.9, 0.95),
+                   dist_mode=mode)
     return model, opt
 
 
@@ -129,7 +133,11 @@ def main() -> None:
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.device == "cuda":
+        # More ranks than GPUs (the one-GPU cluster under MPS, bench/cluster/run.sh): ranks share
+        # the GPUs in blocks, which needs NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1.
         local = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        local = local * torch.cuda.device_count() // max(local_world, torch.cuda.device_count())
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:

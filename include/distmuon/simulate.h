@@ -65,6 +65,20 @@ struct SimPoint {
   double gather() const { return gather_compute + gather_elementwise + gather_comm; }
   double sharded() const { return owner_step + sharded_comm; }
   double dedicated() const { return owner_step + dedicated_comm; }
+
+  // The step as distmuon-bench times it (from local unreduced gradients to full updated weights
+  // on every rank), which adds what a training step does around the optimizer:
+  //   fsdp_comm          FSDP2's gradient reduce-scatter and weight all-gather (rings), paid by
+  //                      gather, sharded and the AdamW baseline
+  //   dedicated_exchange the dedicated mode's whole reduce-to-owner and broadcast (chains), where
+  //                      dedicated() charges only what they add to FSDP2's rings
+  //   adamw_update       fused AdamW on the rank's 1/D shard: bf16 weight and gradient read, f32
+  //                      moments read and written, weight written (22 bytes per element)
+  double fsdp_comm = 0, dedicated_exchange = 0, adamw_update = 0;
+  double gather_step() const { return gather() + fsdp_comm; }
+  double sharded_step() const { return sharded() + fsdp_comm; }
+  double dedicated_step() const { return owner_step + dedicated_exchange; }
+  double adamw_step() const { return adamw_update + fsdp_comm; }
 };
 
 // Predicted optimizer step time of the three modes at every world size in `worlds`:

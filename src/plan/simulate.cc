@@ -11,6 +11,10 @@
 namespace distmuon {
 namespace {
 
+// Fused AdamW per element (bf16 weight and gradient read, f32 moments read and written, weight
+// written).
+constexpr double kAdamWBytesPerElement = 2 + 2 + 8 + 8 + 2;
+
 struct Link {
   double alpha, beta;
 };
@@ -142,7 +146,11 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
       const double chains = chain_seconds(total - b_min, d, cm, gpus_per_node);
       const double rings = ring_allgather_seconds(total, d, cm, gpus_per_node);
       sp.dedicated_comm = 2 * std::max(0.0, chains - rings);
+      sp.fsdp_comm = 2 * rings;
+      sp.dedicated_exchange = 2 * chains;
     }
+    sp.adamw_update = kAdamWBytesPerElement * total / static_cast<double>(cm.wire_elem_bytes) / d /
+                      cm.hbm_bytes_per_s;
     out.push_back(sp);
   }
   return out;

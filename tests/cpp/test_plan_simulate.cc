@@ -28,6 +28,30 @@ TEST(PlanSimulate, CollectiveFormulas) {
   EXPECT_FALSE(cm.describe().empty());
 }
 
+// The step as distmuon-bench times it: FSDP2's reduce-scatter and all-gather (two rings) around
+// gather and sharded, the dedicated mode's whole reduce and broadcast (two chains), and the AdamW
+// baseline's update of a 1/D shard at 22 bytes per element.
+TEST(PlanSimulate, BenchStepAddsTheCollectivesAroundTheOptimizer) {
+  const auto mats = plan_matrices(load_workload("gpt2-large").first_layers(4));
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  CommModel cm;
+  double total = 0;
+  for (const auto& m : mats) total += static_cast<double>(m.rows) * m.cols * cm.wire_elem_bytes;
+  const auto pts = simulate(mats, costs, {1, 4}, 4, cm, "lpt");
+  ASSERT_EQ(pts.size(), 2u);
+  EXPECT_EQ(pts[0].fsdp_comm, 0);
+  EXPECT_DOUBLE_EQ(pts[0].gather_step(), pts[0].gather());
+  const SimPoint& p = pts[1];
+  EXPECT_DOUBLE_EQ(p.fsdp_comm, 2 * ring_allgather_seconds(total, 4, cm, 4));
+  EXPECT_DOUBLE_EQ(p.gather_step(), p.gather() + p.fsdp_comm);
+  EXPECT_DOUBLE_EQ(p.sharded_step(), p.sharded() + p.fsdp_comm);
+  EXPECT_GE(p.dedicated_exchange, p.fsdp_comm);  // a chain forwards at least what a ring moves
+  EXPECT_DOUBLE_EQ(p.dedicated_step(), p.owner_step + p.dedicated_exchange);
+  EXPECT_DOUBLE_EQ(p.adamw_update, 22 * total / cm.wire_elem_bytes / 4 / cm.hbm_bytes_per_s);
+  EXPECT_DOUBLE_EQ(p.adamw_step(), p.adamw_update + p.fsdp_comm);
+  EXPECT_LT(p.adamw_step(), p.sharded_step());
+}
+
 TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
   const auto mats = plan_matrices(load_workload("gpt2-large").first_layers(8));
   const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});

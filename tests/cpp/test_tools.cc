@@ -7,12 +7,14 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "bench_model.h"
 #include "bench_options.h"
 #include "common/half.h"
 #include "distmuon/error.h"
+#include "subprocess.h"
 #include "tool_runner.h"
 
 namespace distmuon::test {
@@ -143,6 +145,11 @@ TEST(Tools, OptionsThatConflictAreRefused) {
                  "--drift applies to --mode single");
   expect_refused("distmuon-bench", {"--cache-probes", "4"}, "--cache-probes needs --cache");
   expect_refused("distmuon-bench", {"--cache-shadow"}, "--cache-shadow needs --cache");
+  // The calibration and the profiled steps: distributed ranks on CUDA only.
+  expect_refused("distmuon-bench", {"--mode", "gather", "--calibrate"},
+                 "--calibrate applies to the distributed modes on CUDA");
+  expect_refused("distmuon-bench", {"--profile"}, "--profile applies to the distributed modes on CUDA");
+  expect_refused("distmuon-plan", {"--costs-scale", "0"}, "--costs-scale: must be");
   expect_refused("distmuon-plan", {"--measure", "--analytic"}, "choose one of");
   expect_refused("distmuon-plan", {"--replicate", "3"}, "does not divide the world size 8");
 }
@@ -171,6 +178,11 @@ TEST(Tools, ValidCommandLinesReachTheTool) {
   EXPECT_TRUE(
       parse_tool("distmuon-bench", {"--mode", "gather", "--planner", "lpt", "--bucket-mb", "8"})
           .ran);
+  EXPECT_TRUE(parse_tool("distmuon-bench", {"--mode", "sharded,adamw"}).ran);
+  EXPECT_TRUE(parse_tool("distmuon-bench", {"--mode", "gather,adamw", "--backend", "cuda",
+                                            "--ranks-per-gpu", "4", "--calibrate", "--profile"})
+                  .ran);
+  EXPECT_TRUE(parse_tool("distmuon-plan", {"--costs-scale", "3.5", "--simulate"}).ran);
 }
 
 TEST(Tools, HelpShowsTypesRangesAndChoices) {
@@ -258,6 +270,39 @@ TEST(Tools, ExecutablesExitWithCodesNotSignals) {
   EXPECT_THAT(e.out, HasSubstr("4 Muon matrices"));
   std::remove(conv);
 }
+
+#ifdef MPIEXEC_EXE
+// The distributed comparison on 2 MPI ranks with every mode and the AdamW baseline: it runs, ends
+// with the same weights on both ranks (checked by the tool itself, which fails otherwise) and
+// records every mode with its ratios against gather.
+TEST(Tools, DistributedComparisonRunsEveryMode) {
+  const char* json = "/tmp/distmuon-test-modes.json";
+  std::remove(json);
+  const Exit e = run_process(
+      MPIEXEC_EXE,
+      {"--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
+       DISTMUON_BENCH_EXE, "--workload", "gpt2-small", "--layers", "1", "--steps", "1",
+       "--warmup", "0", "--no-adamw", "--mode", "gather,sharded,dedicated,replicated,adamw",
+       "--json", json},
+      {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1", "DISTMUON_COMM_TIMEOUT_S=60"}, 300);
+  ASSERT_EQ(e.code, 0) << e.err;
+  std::ifstream f(json);
+  ASSERT_TRUE(f.good());
+  const nlohmann::json j = nlohmann::json::parse(f);
+  std::vector<std::string> modes;
+  for (const auto& r : j["runs"]) {
+    modes.push_back(r["mode"]);
+    EXPECT_GT(r["step_ms"]["median"].get<double>(), 0);
+    EXPECT_GT(r["speedup_vs_gather"].get<double>(), 0);
+  }
+  EXPECT_EQ(modes, (std::vector<std::string>{"gather", "sharded", "dedicated", "replicated", "adamw"}));
+  // The AdamW baseline orthogonalizes nothing; the owner modes half of what gather does.
+  EXPECT_EQ(j["runs"][4]["ortho_flops_max_rank"].get<double>(), 0);
+  EXPECT_LT(j["runs"][1]["ortho_flops_max_rank"].get<double>(),
+            0.75 * j["runs"][0]["ortho_flops_max_rank"].get<double>());
+  std::remove(json);
+}
+#endif
 
 }  // namespace
 }  // namespace distmuon::test

@@ -1,0 +1,173 @@
+"""Merges the one-GPU cluster's records (bench/cluster/run.sh) into cluster.json, cluster.md and
+cluster.png, with the simulator's prediction of every measured step.
+
+    python3 bench/cluster/report.py --out OUT [--plan build/bin/distmuon-plan]
+
+The prediction is `distmuon-plan --simulate` on the emulated machine: the cost table measured on
+the whole GPU (OUT/costs.json) scaled by how much slower a rank's part multiplies (whole-GPU GEMM
+rate over the part's, both measured with every part busy), the parts' copy bandwidth as memory
+bandwidth and their NCCL all-gather bus bandwidth as the link. Nothing is fitted to the steps.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+MODES = ("gather", "sharded", "dedicated", "adamw")
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def predict(plan: str, rec: dict, full: dict, costs: str) -> dict[str, float] | None:
+    """Predicted step ms per mode for one record (None when the simulator cannot run). With the
+    whole GPU's measured cost table: that table scaled by the part's GEMM slow-down. Without it:
+    the analytic costs at the part's calibrated GEMM rate and copy bandwidth (a roofline, which
+    the kernels do not reach: the error then includes their distance from it)."""
+    if not (plan and os.path.exists(plan)):
+        return None
+    d = rec["ranks"]
+    cal, full_cal = rec.get("calibration"), full.get("calibration")
+    if not cal or not full_cal:
+        return None
+    scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
+    if os.path.exists(costs):
+        source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
+    else:
+        source = ["--analytic", "--tflops", f"{cal['gemm_tflops_per_rank_min']:.6g}"]
+    args = [plan, "--workload", rec["workload"], "--layers", str(rec["layers"]), *source,
+            "--simulate", "--world-size", str(d),
+            "--gpus-per-node", str(d), "--sim-max-world", str(d), "--solver", rec["planner"],
+            "--hbm-tbs", f"{cal['copy_gbs_per_rank_min'] / 1e3:.6g}"]
+    if d > 1:
+        args += ["--intra-gbs", f"{cal['nccl_allgather_busbw_gbs']:.6g}"]
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        r = subprocess.run(args + ["--json", tmp.name], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"simulator failed for {rec['workload']} at {d}: {r.stderr.strip()[-300:]}",
+                  file=sys.stderr)
+            return None
+        pts = [p for p in load(tmp.name)["simulate"]["points"] if p["world"] == d]
+    if not pts:
+        return None
+    p = pts[0]
+    return {m: p[f"{m}_step"] * 1e3 for m in MODES} | {
+        "costs_scale": scale, "costs": "measured" if os.path.exists(costs) else "analytic"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="the folder run.sh wrote")
+    ap.add_argument("--plan", default="build/bin/distmuon-plan", help="distmuon-plan to simulate with")
+    args = ap.parse_args()
+    steps = [load(p) for p in sorted(glob.glob(os.path.join(args.out, "step-*.json")))]
+    if not steps:
+        sys.exit(f"no step-*.json in {args.out}")
+    by_key = {(s["workload"], s["ranks"]): s for s in steps}
+    costs = os.path.join(args.out, "costs.json")
+    runs, calibration = [], {}
+    for s in sorted(steps, key=lambda s: (s["workload"], s["ranks"])):
+        full = by_key.get((s["workload"], 1), {})
+        pred = predict(args.plan, s, full, costs)
+        if "calibration" in s:
+            calibration.setdefault(str(s["ranks"]), s["calibration"])
+        for r in s["runs"]:
+            row = {"workload": s["workload"], "layers": s["layers"], "ranks": s["ranks"],
+                   "mode": r["mode"], "step_ms": r["step_ms"]["median"],
+                   "engine_ms": r["engine_ms"]["median"],
+                   "predicted_ms": pred[r["mode"]] if pred else None,
+                   "compute_ms": r.get("compute_ms"), "comm_ms": r.get("comm_ms"),
+                   "wait_ms": r.get("wait_ms"), "busiest_rank": r.get("busiest_rank"),
+                   "comm_bytes_per_rank": r["comm_bytes_per_rank"],
+                   "ortho_flops_max_rank": r["ortho_flops_max_rank"],
+                   "speedup_vs_gather": r["speedup_vs_gather"]}
+            if pred:
+                row["costs_scale"] = pred["costs_scale"]
+                row["costs"] = pred["costs"]
+                row["error"] = row["predicted_ms"] / row["step_ms"] - 1
+            runs.append(row)
+    e2e = []
+    for p in sorted(glob.glob(os.path.join(args.out, "e2e-*.json"))):
+        rec = load(p)
+        for r in rec.get("results", []):
+            e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
+                        "step_ms": r["step_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"],
+                        "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
+                        "step_over_adamw": r.get("step_over_adamw"), "config": rec.get("config")})
+    first = steps[0]
+    out = {"mechanism": sorted({s["mechanism"] for s in steps}), "gpu": first["device"],
+           "device_sms": first["device_sms"], "calibration": calibration, "runs": runs, "e2e": e2e,
+           "step_definition": first["step_definition"],
+           "breakdown_definition": first.get("breakdown_definition"),
+           "prediction": __doc__.split("\n\n")[1].replace("\n", " ")}
+    with open(os.path.join(args.out, "cluster.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+    lines = [f"# The one-GPU cluster: {first['device']}", "",
+             "| workload | D | mode | step ms | x gather | predicted ms | error | busiest rank: "
+             "compute / comm / wait ms |", "| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    for r in runs:
+        lines.append(f"| {r['workload']} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
+                     f"{fmt(r['speedup_vs_gather'], '{:.2f}')} | {fmt(r['predicted_ms'])} | "
+                     f"{fmt(r.get('error'), '{:+.0%}')} | {fmt(r['compute_ms'])} / "
+                     f"{fmt(r['comm_ms'])} / {fmt(r['wait_ms'])} |")
+    lines += ["", "| D | GEMM TFLOP/s per rank | total | copy GB/s per rank | total | "
+              "NCCL all-gather GB/s | all-reduce GB/s |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for d, c in sorted(calibration.items(), key=lambda kv: int(kv[0])):
+        lines.append(f"| {d} | {c['gemm_tflops_per_rank_min']:.0f} | {c['gemm_tflops_total']:.0f} | "
+                     f"{c['copy_gbs_per_rank_min']:.0f} | {c['copy_gbs_total']:.0f} | "
+                     f"{c['nccl_allgather_busbw_gbs']:.0f} | {c['nccl_allreduce_busbw_gbs']:.0f} |")
+    if e2e:
+        lines += ["", "| D | optimizer | step ms | x AdamW | fwd+bwd ms | optimizer ms | loss |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in e2e:
+            lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['step_ms']:.1f} | "
+                         f"{fmt(r['step_over_adamw'], '{:.3f}')} | {r['fwd_bwd_ms']:.1f} | "
+                         f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} |")
+    with open(os.path.join(args.out, "cluster.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(runs, os.path.join(args.out, "cluster.png"))
+
+
+def plot(runs: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no matplotlib: no plot", file=sys.stderr)
+        return
+    workloads = sorted({r["workload"] for r in runs})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4.2 * len(workloads), 3.6), squeeze=False)
+    for ax, w in zip(axes[0], workloads):
+        for m in MODES:
+            pts = sorted((r["ranks"], r["step_ms"], r["predicted_ms"]) for r in runs
+                         if r["workload"] == w and r["mode"] == m)
+            if not pts:
+                continue
+            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+            if all(p[2] is not None for p in pts):
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x:", color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks D (1/D of the GPU each)")
+        ax.set_title(w)
+    axes[0][0].set_ylabel("step ms (o measured, x predicted)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# The one-GPU cluster (docs/distributed.md): D MPI ranks running at the same time on one GPU under
+# CUDA MPS, each on 100/D % of its SMs, measured in one call on a GPU machine. With D GPUs the
+# same command runs one rank per GPU instead (no MPS). Prepare on the CPU machine:
+# tests/gpu/stage.sh (carry [".gpubin"]), then
+#
+#   bench/cluster/run.sh                         every stage below
+#   STAGES="step costs" bench/cluster/run.sh     some stages
+#   RANKS=1,2,4,8 WORKLOADS="gpt2-large:0 pi0:8" bench/cluster/run.sh
+#
+# Stages (output under $OUT, default out/cluster):
+#   step   mpirun -np D distmuon-bench --calibrate --profile: modes gather, sharded, dedicated and
+#          the AdamW baseline (fused AdamW on FSDP2 shards of the same matrices), bf16 parameters,
+#          per workload and D: step-<workload>-<D>.json (calibration, per-rank breakdown)
+#   costs  distmuon-plan --measure on the whole GPU: the cost table the simulator scales to a part
+#   e2e    FSDP2 training (bench/multi_gpu/e2e_train.py) with one process per rank under CUDA MPS
+#          (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / D); where MPS cannot start it says so and
+#          runs nothing (time-sliced processes would not measure speed): e2e-<D>.json
+# then bench/cluster/report.py merges everything into cluster.json, cluster.md and cluster.png
+# (it also runs on the CPU machine over a fetched $OUT).
+#
+# Several ranks per GPU need NCCL >= 2.30 with NCCL_MULTI_RANK_GPU_ENABLE=1: the library staged in
+# .gpubin/nccl (tests/gpu/stage.sh with NCCL_LIB) or NCCL_LIB is preloaded.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export NCCL_MULTI_RANK_GPU_ENABLE=1 DISTMUON_AUTOTUNE=${DISTMUON_AUTOTUNE:-off} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+OUT=${OUT:-$ROOT/out/cluster}
+RANKS=${RANKS:-1,2,4,8}
+# name:layers (0: all). Sized so that 8 ranks' weights, gradients, shards and four engines fit in
+# one 80 GB GPU (bf16): 0.6-0.9 B Muon parameters each.
+WORKLOADS=${WORKLOADS:-"gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1"}
+STEPS=${STEPS:-3}
+STAGES=${STAGES:-step costs e2e}
+E2E_RANKS=${E2E_RANKS:-1,8}
+E2E_ARGS=${E2E_ARGS:---config qwen2.5-1.5b --seq 2048 --steps 5 --warmup 2}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+LOG=$OUT/run.log
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH
+
+# ---- binaries and NCCL -----------------------------------------------------------------------
+if [ -n "${BIN:-}" ]; then :
+elif [ -x build/bin/distmuon-bench ]; then BIN=$ROOT/build/bin
+else
+  BIN=/tmp/dm/bin
+  sum=$(sha256sum .gpubin/bundle.tar.xz | cut -c1-16)
+  if [ ! -x $BIN/distmuon-bench ] || [ "$(cat /tmp/dm/bundle.sum 2>/dev/null)" != "$sum" ]; then
+    rm -rf /tmp/dm/bin /tmp/dm/lib && mkdir -p /tmp/dm && tar xJf .gpubin/bundle.tar.xz -C /tmp/dm &&
+      echo "$sum" > /tmp/dm/bundle.sum || { say "no binaries (.gpubin/bundle.tar.xz)"; exit 1; }
+  fi
+  export LD_LIBRARY_PATH=/tmp/dm/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
+CUDA_LIBS=$(ls -d /usr/local/cuda/lib64 /usr/local/cuda/extras/CUPTI/lib64 2>/dev/null | paste -sd:)
+TORCH_NCCL=$($PY -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib'))" 2>/dev/null)
+export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$CUDA_LIBS${TORCH_NCCL:+:$TORCH_NCCL}
+if ldd $BIN/distmuon-bench | grep -q "libmpi.*not found"; then
+  export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$(dirname "$(find / -name 'libmpi.so.40' -not -path '/proc/*' 2>/dev/null | head -1)")
+fi
+ldd $BIN/distmuon-bench | grep "not found" | tee -a "$LOG" | grep -q . && { say "libraries missing"; exit 1; }
+NCCL_LIB=${NCCL_LIB:-}
+if [ -z "$NCCL_LIB" ] && [ -f .gpubin/nccl/libnccl.so.2.xz ]; then
+  mkdir -p /tmp/nccl/lib && xz -dc .gpubin/nccl/libnccl.so.2.xz > /tmp/nccl/lib/libnccl.so.2 && NCCL_LIB=/tmp/nccl/lib/libnccl.so.2
+fi
+[ -n "$NCCL_LIB" ] && export LD_PRELOAD=$NCCL_LIB
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+say "$(nvidia-smi -L | wc -l) x $GPU, driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1); NCCL ${NCCL_LIB:-of torch}; ranks $RANKS; workloads $WORKLOADS"
+
+# ---- optimizer step --------------------------------------------------------------------------
+T0=$(date +%s)
+# Seconds this call may spend (the device tool's calls end at 600 s): runs that would start later
+# are skipped and named, so that the report still comes back.
+BUDGET_S=${BUDGET_S:-540}
+over_budget() { [ $(( $(date +%s) - T0 )) -gt "$1" ]; }
+NGPU=$(nvidia-smi -L | wc -l)
+MPS_CTL=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+MPS_ON=""
+mps_start() { [ -n "$MPS_ON" ] && return 0; mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  [ -n "$MPS_CTL" ] && $MPS_CTL -d && MPS_ON=1 && say "MPS daemon started"; }
+mps_stop() { [ -n "$MPS_ON" ] && echo quit | $MPS_CTL && MPS_ON="" && sleep 1 && say "MPS daemon stopped"; }
+trap mps_stop EXIT
+# distmuon-bench on D ranks: one per GPU where there are D GPUs, else D MPS clients of GPU 0 with
+# 100/D % of its SMs each; the rest of the arguments follow.
+bench() {
+  local d=$1; shift
+  if [ "$d" -gt 1 ] && [ "$d" -gt "$NGPU" ]; then
+    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) mpirun --allow-run-as-root --oversubscribe \
+      --bind-to none -np "$d" $BIN/distmuon-bench --backend cuda --ranks-per-gpu "$d" "$@"
+  else
+    mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$d" $BIN/distmuon-bench \
+      --backend cuda "$@"
+  fi
+}
+# Runs a command with a watchdog: past $1 seconds, every thread's stack goes to the log, then it
+# is killed (so that a hang says where it hangs).
+watched() {
+  local limit=$1; shift
+  "$@" >> "$LOG" 2>&1 & local pid=$!
+  for _ in $(seq "$limit"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  if kill -0 $pid 2>/dev/null; then
+    say "still running after $limit s: the threads' stacks"
+    for q in $(pgrep -f "$BIN/distmuon-bench"); do
+      timeout 60 /usr/local/cuda/bin/cuda-gdb -p "$q" -batch -ex "thread apply all bt 14" 2>&1 \
+        | grep -E "^#|^Thread" | head -n 150 >> "$LOG"
+    done
+    kill -9 $pid $(pgrep -f "$BIN/distmuon-bench") 2>/dev/null; wait $pid 2>/dev/null; return 124
+  fi
+  wait $pid
+}
+SMOKE=(--workload gpt2-large --layers 1 --dtype bf16 --no-adamw --mode gather,sharded,dedicated,adamw
+       --steps 1 --warmup 1)
+EXTRA=(--calibrate --profile)
+if [[ " $STAGES " == *" step "* ]]; then
+  [ "$NGPU" -ge "${RANKS##*,}" ] || mps_start || { say "no CUDA MPS here: ranks sharing the GPU would be time-sliced, nothing to measure"; exit 1; }
+  # A small run first: if the ranks cannot run here, say why (and where they hang) in seconds.
+  say "smoke: 2 ranks"
+  watched 90 bench 2 "${SMOKE[@]}" "${EXTRA[@]}" || { say "the smoke run failed:"; tail -n 80 "$LOG"; exit 1; }
+  for d in ${RANKS//,/ }; do
+    for wl in $WORKLOADS; do
+      name=${wl%%:*} layers=${wl##*:}
+      if over_budget $((BUDGET_S - 90)); then say "SKIPPED (time): $name on $d ranks"; continue; fi
+      say "step: $name (layers $layers) on $d ranks"
+      watched 150 bench "$d" --workload "$name" --layers "$layers" --dtype bf16 --no-adamw \
+        --mode gather,sharded,dedicated,adamw --steps "$STEPS" --warmup 1 \
+        "${EXTRA[@]}" --json "$OUT/step-$name-$d.json" || say "FAILED: $name on $d ranks (rc $?)"
+      tail -n 16 "$LOG" | grep -E "^(gather|sharded|dedicated|adamw) |rank [0-9]+:|calibration" || true
+    done
+  done
+  mps_stop
+fi
+
+# ---- the cost table the simulator scales ------------------------------------------------------
+if [[ " $STAGES " == *" costs "* ]]; then
+  for wl in $WORKLOADS; do
+    name=${wl%%:*} layers=${wl##*:}
+    if over_budget $((BUDGET_S - 40)); then say "SKIPPED (time): costs of $name"; continue; fi
+    say "costs: $name (whole GPU)"
+    timeout -k 10 120 $BIN/distmuon-plan --workload "$name" --layers "$layers" --measure --backend cuda \
+      --cache "$OUT/costs.json" --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of $name"
+  done
+fi
+
+# ---- end to end: FSDP2 training, one process per rank under MPS ---------------------------------
+if [[ " $STAGES " == *" e2e "* ]]; then
+  source bench/gpu_python_setup.sh > /dev/null || say "the Python extension did not build"
+  [ -n "$NCCL_LIB" ] && export LD_PRELOAD=$NCCL_LIB
+  if mps_start; then
+    for d in ${E2E_RANKS//,/ }; do
+      say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS)"
+      CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) timeout -k 10 400 \
+        $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
+        $E2E_ARGS --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather \
+        --json "$OUT/e2e-$d.json" >> "$LOG" 2>&1 || say "FAILED: e2e on $d ranks (rc $?)"
+      grep -E "^\[$d ranks" "$LOG" | tail -n 4
+    done
+    mps_stop
+  else
+    say "e2e SKIPPED: no CUDA MPS on this machine (nvidia-cuda-mps-control ${MPS_CTL:-not found} would not start)"
+    echo '{"skipped": "no CUDA MPS daemon could be started"}' > "$OUT/e2e-skipped.json"
+  fi
+fi
+
+say "report"
+$PY bench/cluster/report.py --out "$OUT" --plan "$BIN/distmuon-plan" 2>&1 | tee -a "$LOG" | tail -n 40

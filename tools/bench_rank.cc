@@ -1,0 +1,292 @@
+#include "bench_rank.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "bench_compare.h"
+#include "distmuon/error.h"
+
+namespace distmuon::bench {
+namespace {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// ---- calibration ------------------------------------------------------------------------------
+
+struct Calibration {
+  double gemm_tflops = 0;    // this rank's bf16 GEMM rate while every rank runs one
+  double copy_gbs = 0;       // this rank's kernel copy bandwidth (read + write) likewise
+  double allgather_gbs = 0;  // NCCL all-gather bus bandwidth between the ranks
+  double allreduce_gbs = 0;  // NCCL all-reduce bus bandwidth
+};
+
+// Median device ms of `reps` runs of `run` on every rank at once (a barrier before each).
+double timed_together(RankSync& sync, Backend& be, int reps, const std::function<void()>& run) {
+  std::vector<double> ms;
+  for (int i = 0; i < reps; ++i) {
+    be.synchronize();
+    sync.barrier();
+    ms.push_back(be.time_ms(1, {}, run));
+  }
+  return cli::summarize(ms).median;
+}
+
+Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
+  Calibration c;
+  {  // bf16 8192 x 8192 x 8192: about 1.1 TFLOP, long enough on the smallest part
+    const int64_t n = 8192;
+    const size_t bytes = static_cast<size_t>(n * n) * 2;
+    Buffer a = be.alloc(bytes), b = be.alloc(bytes), d = be.alloc(bytes);
+    const BatchRef ra = BatchRef::packed(a.data(), DType::kBF16, 1, n, n);
+    const BatchRef rb = BatchRef::packed(b.data(), DType::kBF16, 1, n, n);
+    const BatchRef rd = BatchRef::packed(d.data(), DType::kBF16, 1, n, n);
+    be.fill_normal(ra, 1, 0);
+    be.fill_normal(rb, 2, 0);
+    auto gemm = [&] { be.gemm(Op::kN, ra, Op::kN, rb, 1.0, 0.0, nullptr, rd); };
+    gemm();  // cuBLASLt picks and loads its kernel
+    const double ms = timed_together(sync, be, 5, gemm);
+    c.gemm_tflops = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
+  }
+  {  // 1 GiB copied by a kernel on the rank's SMs (the engine's lincomb: what its elementwise
+     // passes get), not by a copy engine, which no SM partition confines
+    const int64_t rows = 16384, cols = 32768;  // bf16: 1 GiB
+    const size_t bytes = static_cast<size_t>(rows * cols) * 2;
+    Buffer src = be.alloc(bytes), dst = be.alloc(bytes);
+    const BatchRef s = BatchRef::packed(src.data(), DType::kBF16, 1, rows, cols);
+    const BatchRef d = BatchRef::packed(dst.data(), DType::kBF16, 1, rows, cols);
+    be.fill_normal(s, 3, 0);
+    auto copy = [&] { be.lincomb(1.0, s, 0.0, nullptr, 0.0, d); };
+    copy();
+    const double ms = timed_together(sync, be, 5, copy);
+    c.copy_gbs = 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+  }
+  const int p = comm.size();
+  if (p > 1) {  // 256 MiB of bf16 per rank; bus bandwidth as nccl-tests counts it
+    const int64_t count = int64_t{128} << 20;
+    const double bytes = static_cast<double>(count) * 2;
+    Buffer send = be.alloc(static_cast<size_t>(bytes));
+    Buffer recv = be.alloc(static_cast<size_t>(bytes) * p);
+    be.fill_zero(send.data(), static_cast<size_t>(bytes));
+    auto all_gather = [&] { comm.all_gather(send.data(), recv.data(), count, CommType::kBF16).wait(); };
+    auto all_reduce = [&] {
+      comm.all_reduce(send.data(), send.data(), count, CommType::kBF16, ReduceOp::kSum).wait();
+    };
+    all_gather();
+    all_reduce();
+    auto host_ms = [&](const std::function<void()>& f) {  // the slowest rank's, per repetition
+      std::vector<double> ms;
+      for (int i = 0; i < 5; ++i) {
+        be.synchronize();
+        sync.barrier();
+        const auto t0 = Clock::now();
+        f();
+        be.synchronize();
+        ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      }
+      return cli::summarize(sync.reduce(ms, ReduceOp::kMax)).median;
+    };
+    c.allgather_gbs = (p - 1.0) * bytes / (host_ms(all_gather) * 1e-3) / 1e9;
+    c.allreduce_gbs = 2.0 * (p - 1.0) / p * bytes / (host_ms(all_reduce) * 1e-3) / 1e9;
+  }
+  return c;
+}
+
+// Every rank's values of `mine` (k each), in rank order, on every rank.
+std::vector<double> all_ranks(RankSync& sync, const std::vector<double>& mine) {
+  const size_t k = mine.size();
+  std::vector<double> v(k * sync.size(), 0.0);
+  std::copy(mine.begin(), mine.end(), v.begin() + static_cast<std::ptrdiff_t>(k * sync.rank()));
+  return sync.reduce(v, ReduceOp::kSum);
+}
+
+json calibration_json(const std::vector<double>& per_rank, const Calibration& c) {
+  json ranks = json::array();
+  double gemm_sum = 0, copy_sum = 0, gemm_min = 1e300, copy_min = 1e300;
+  for (size_t q = 0; q + 1 < per_rank.size(); q += 2) {
+    ranks.push_back({{"gemm_tflops", per_rank[q]}, {"copy_gbs", per_rank[q + 1]}});
+    gemm_sum += per_rank[q];
+    copy_sum += per_rank[q + 1];
+    gemm_min = std::min(gemm_min, per_rank[q]);
+    copy_min = std::min(copy_min, per_rank[q + 1]);
+  }
+  return {{"what",
+           "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
+           "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
+           "all-gather and all-reduce"},
+          {"gemm_tflops_per_rank_min", gemm_min},
+          {"gemm_tflops_total", gemm_sum},
+          {"copy_gbs_per_rank_min", copy_min},
+          {"copy_gbs_total", copy_sum},
+          {"nccl_allgather_busbw_gbs", c.allgather_gbs},
+          {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
+          {"ranks", ranks}};
+}
+
+// ---- the profiled step --------------------------------------------------------------------
+
+constexpr int kBreakdownFields = 5;  // window, compute, comm, overlap, wait (ms)
+
+// One more step of `run`, profiled; this rank's breakdown. Collective.
+StepBreakdown profiled_step(RankSetup& r, Comparison& cmp, Comparison::Run& run, int64_t i,
+                            const uint64_t& t_begin, const uint64_t& t_end) {
+  r.sync.barrier();
+  if (r.trace_owner) r.trace->start();
+  r.sync.barrier();
+  cmp.step(run, i);
+  r.sync.barrier();
+  if (r.trace_owner) *r.intervals = r.trace->stop();
+  r.sync.barrier();
+  const StepBreakdown b = break_down(*r.intervals, r.context, t_begin, t_end);
+  r.sync.barrier();  // every rank read the intervals before the next profiled step replaces them
+  return b;
+}
+
+void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
+                     const std::vector<ModeResult>& results, const json* calibration,
+                     const std::vector<std::vector<double>>& breakdowns,
+                     const std::map<uint32_t, int64_t>& contexts_seen,
+                     const std::vector<double>& rank_contexts) {
+  const int p = r.sync.size();
+  print_comparison(cmp, results, p, r.be.name());
+  if (calibration) {
+    const json& c = *calibration;
+    std::printf("calibration: GEMM %.0f TFLOP/s per rank (%.0f total), copy %.0f GB/s per rank "
+                "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s (bus)\n",
+                c["gemm_tflops_per_rank_min"].get<double>(), c["gemm_tflops_total"].get<double>(),
+                c["copy_gbs_per_rank_min"].get<double>(), c["copy_gbs_total"].get<double>(),
+                c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>());
+  }
+  json runs = comparison_runs_json(results);
+  if (!breakdowns.empty()) {
+    std::printf("profiled step, busiest rank (ms): compute / communication not hidden / waiting\n");
+    for (size_t m = 0; m < runs.size(); ++m) {
+      const std::vector<double>& all = breakdowns[m];
+      json ranks = json::array();
+      int busiest = 0;
+      for (int q = 0; q < p; ++q) {
+        const double* b = &all[static_cast<size_t>(q) * kBreakdownFields];
+        ranks.push_back({{"rank", q}, {"window_ms", b[0]}, {"compute_ms", b[1]}, {"comm_ms", b[2]},
+                         {"overlap_ms", b[3]}, {"wait_ms", b[4]}});
+        if (b[1] > all[static_cast<size_t>(busiest) * kBreakdownFields + 1]) busiest = q;
+      }
+      const double* b = &all[static_cast<size_t>(busiest) * kBreakdownFields];
+      runs[m]["busiest_rank"] = busiest;
+      runs[m]["profiled_step_ms"] = b[0];
+      runs[m]["compute_ms"] = b[1];
+      runs[m]["comm_ms"] = b[2];
+      runs[m]["wait_ms"] = b[4];
+      runs[m]["ranks"] = ranks;
+      std::printf("  %-10s rank %d: %.1f / %.1f / %.1f of %.1f\n",
+                  runs[m]["mode"].get<std::string>().c_str(), busiest, b[1], b[2], b[4], b[0]);
+    }
+  }
+  if (o.json.empty()) return;
+  json j;
+  j["workload"] = cmp.workload();
+  j["backend"] = o.backend;
+  j["device"] = r.be.name();
+  j["mechanism"] = r.mechanism;
+  j["device_sms"] = r.device_sms;
+  j["sms_per_rank"] = r.sms_per_rank;
+  j["ranks"] = p;
+  j["world_size"] = p;
+  j["layers"] = o.layers;
+  j["dtype"] = o.dtype;
+  j["matrices"] = cmp.matrices();
+  j["muon_params"] = cmp.muon_params();
+  j["adamw_params"] = cmp.adamw_params();
+  j["steps"] = o.steps;
+  j["warmup"] = o.warmup;
+  j["bucket_mb"] = o.bucket_mb;
+  j["planner"] = o.planner;
+  j["ranks_per_gpu"] = o.ranks_per_gpu;
+  j["step_definition"] =
+      "from local unreduced gradients on every rank to full updated weights on every rank; "
+      "gather/sharded/adamw include the FSDP2 reduce-scatter and weight all-gather, replicated "
+      "the DDP all-reduce; step_ms is the median over steps of the slowest rank";
+  j["comm_bytes_definition"] =
+      "bytes sent plus received per rank and step (direct point-to-point payload), max over ranks";
+  if (!breakdowns.empty()) {
+    j["breakdown_definition"] =
+        "one extra profiled step per mode (CUPTI activity): per rank the union of its compute "
+        "kernels and copies (compute_ms), of its NCCL kernels not under compute (comm_ms, "
+        "including time spent inside NCCL waiting for peers) and the rest of its step window "
+        "(wait_ms); the top-level figures are the rank with the most compute";
+    json seen = json::object();  // a check on the profiler's naming of the ranks' contexts
+    for (const auto& [c, n] : contexts_seen) seen[std::to_string(c)] = n;
+    j["profiler_contexts"] = {{"ranks", rank_contexts}, {"intervals_seen_by_rank_0", seen}};
+  }
+  if (calibration) j["calibration"] = *calibration;
+  j["runs"] = runs;
+  std::ofstream f(o.json);
+  DM_CHECK(f.good(), "cannot write ", o.json);
+  f << j.dump(2) << "\n";
+}
+
+}  // namespace
+
+int run_rank(const BenchOptions& o, RankSetup& r) {
+  RankSync& sync = r.sync;
+  const int rank = sync.rank();
+  auto progress = [&](const std::string& what) {
+    if (rank == 0) std::fprintf(stderr, "distmuon-bench: %s\n", what.c_str());
+  };
+  std::vector<double> cal_ranks;
+  Calibration cal;
+  if (o.calibrate) {
+    progress("calibrating (GEMM, copy, NCCL) on every rank at once");
+    cal = calibrate(sync, r.be, r.comm);
+    cal_ranks = all_ranks(sync, {cal.gemm_tflops, cal.copy_gbs});
+  }
+  progress("allocating the workload's tensors on every rank");
+  Comparison cmp(o, sync, r.comm, r.be);
+  uint64_t t_begin = 0, t_end = 0;
+  if (r.trace)
+    cmp.set_step_hook([&](const Comparison::Run&, int64_t, bool begin) {
+      (begin ? t_begin : t_end) = r.trace->now();
+    });
+  const std::vector<std::string> algos = o.algos_given ? o.algos : std::vector<std::string>{"auto"};
+  const int64_t total = o.warmup + o.steps;
+  std::vector<ModeResult> results;
+  std::vector<std::vector<double>> breakdowns;  // per mode: every rank's kBreakdownFields
+  std::map<uint32_t, int64_t> contexts_seen;
+  bool adamw_done = false;  // the AdamW baseline runs once, not once per algorithm
+  for (const std::string& algo : algos) {
+    std::vector<std::unique_ptr<Comparison::Run>> runs;
+    for (const std::string& m : o.modes)
+      if (m != "adamw" || !adamw_done) {
+        progress("setting up " + m + (m == "adamw" ? "" : " (" + algo + ")"));
+        runs.push_back(cmp.prepare(m, algo));
+      }
+    adamw_done = true;
+    for (int64_t i = 0; i < total; ++i)
+      for (auto& run : runs) cmp.step(*run, i);
+    for (auto& run : runs) {
+      if (r.trace) {
+        const StepBreakdown b = profiled_step(r, cmp, *run, total, t_begin, t_end);
+        if (rank == 0)
+          for (const DeviceInterval& iv : *r.intervals) ++contexts_seen[iv.context];
+        breakdowns.push_back(
+            all_ranks(sync, {b.window_ms, b.compute_ms, b.comm_ms, b.overlap_ms, b.wait_ms}));
+      }
+      results.push_back(cmp.result(*run));
+    }
+  }
+  cmp.check_weights_agree();
+  const std::vector<double> rank_contexts = all_ranks(sync, {static_cast<double>(r.context)});
+  if (rank == 0) {
+    const json cal_json = o.calibrate ? calibration_json(cal_ranks, cal) : json();
+    print_and_write(o, r, cmp, results, o.calibrate ? &cal_json : nullptr, breakdowns,
+                    contexts_seen, rank_contexts);
+  }
+  sync.barrier();
+  return 0;
+}
+
+}  // namespace distmuon::bench
