@@ -2,7 +2,9 @@
 
 - DTensor parameters (FSDP2 ``fully_shard``): the engine's sharded mode over the parameters'
   device mesh. A 1D mesh with ``Shard(0)`` is FSDP; a 2D mesh with ``(Replicate(), Shard(0))``
-  is HSDP (replicate x shard).
+  is HSDP (replicate x shard). Parameters on several sub-meshes of one mesh, or placed by tensor
+  or expert parallelism (``parallelize_module``, experts split over an ``ep`` dim), step in the
+  same mode over the whole mesh through ``_layout``.
 - Plain parameters while torch.distributed is initialised with more than one process: the
   replicated mode (DDP: every rank holds the same full parameters and, after backward, the same
   averaged gradients).
@@ -49,6 +51,9 @@ class Topology:
     mesh_groups: tuple[Any, ...] = field(default=())  # the mesh's per-dimension groups
     # Sharded modes: (replica, shard position) of each member on the mesh.
     coords: tuple[tuple[int, int], ...] = field(default=())
+    # Tensor / expert parallel layouts (``_layout``): id(param) -> every member's box of it;
+    # None when the parameters are FSDP2's dim-0 shards of one mesh.
+    layouts: dict[int, Any] | None = None
 
     @property
     def size(self) -> int:
@@ -81,20 +86,14 @@ def chunk_rows(dim0: int, parts: int, index: int) -> tuple[int, int]:
     return begin, max(0, min(dim0, begin + size) - begin)
 
 
-def _placement_error(name: str, p: Any) -> str | None:
+def _fsdp_native(p: Any) -> bool:
+    """FSDP2's dim-0 sharding: (Shard(0),) on a 1D mesh or (Replicate(), Shard(0)) on a 2D
+    (HSDP) mesh. Other placements and several meshes take the layout path (``_layout``)."""
     from torch.distributed.tensor import Replicate, Shard
 
     pl = tuple(p.placements)
     shard0 = len(pl) >= 1 and type(pl[-1]) is Shard and pl[-1].dim == 0
-    if p.device_mesh.ndim == 1 and shard0:
-        return None
-    if p.device_mesh.ndim == 2 and shard0 and type(pl[0]) is Replicate:
-        return None
-    return (
-        f"parameter '{name}' is a DTensor with placements {pl} on a {p.device_mesh.ndim}D mesh; "
-        "distmuon handles FSDP2's dim-0 sharding: (Shard(0),) on a 1D mesh or "
-        "(Replicate(), Shard(0)) on a 2D (HSDP) mesh"
-    )
+    return shard0 and (p.device_mesh.ndim == 1 or (p.device_mesh.ndim == 2 and type(pl[0]) is Replicate))
 
 
 def local_rows(name: str, p: Any) -> tuple[int, int]:
@@ -147,15 +146,13 @@ def detect(params: list[torch.Tensor], names: list[str], mode: str, process_grou
             )
         if mode in ("local", "replicated"):
             raise ValueError(f"dist_mode={mode!r} takes plain tensors, but the parameters are DTensors (FSDP2)")
-        mesh = params[0].device_mesh
-        for p, n in zip(params, names):
-            if p.device_mesh != mesh:
-                raise ValueError(f"parameter '{n}' lives on mesh {p.device_mesh}, '{names[0]}' on {mesh}; one mesh per optimizer")
-            err = _placement_error(n, p)
-            if err:
-                raise ValueError(err)
         if process_group is not None:
             raise ValueError("process_group is for plain (DDP) parameters; DTensor parameters bring their mesh")
+        mesh = params[0].device_mesh
+        if any(p.device_mesh != mesh or not _fsdp_native(p) for p in params):
+            from distmuon.torch._layout import layout_topology
+
+            return layout_topology(params, names, mode)  # tensor / expert parallelism, sub-meshes
         group, ranks = _world_of_mesh(mesh)
         member = ranks.index(dist.get_rank())
         replicate = mesh.size(0) if mesh.ndim == 2 else 1

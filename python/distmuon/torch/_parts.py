@@ -6,7 +6,7 @@ engine holds every parameter group, so group indices and options are shared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,8 @@ class Part:
     order: StreamOrder
     comm: Any = None  # the engine's communicator (None in one process)
     dedicated: Any = None  # the Dedicated handle of a dedicated part
+    # Bytes the front sent and received moving remapped parameters (``_remap``) in its steps.
+    remap_traffic: list[int] = field(default_factory=lambda: [0, 0])
 
     def index_of(self, params: list[torch.Tensor]) -> list[Slot]:
         by_id = {id(s.param): s for s in self.slots}

@@ -11,6 +11,10 @@ torch.distributed.checkpoint can save it once and load it at another world size.
 momentum is moved to that placement on export and back to the owners on import
 (``_redistribute``). The AdamW state (and any state already in the parameter's placement) is
 exported as views of the engine's memory, as torch's optimizers export their live state.
+
+Tensor / expert parallel layouts (``_layout``): a parameter whose boxes are not the engine's rows
+("remap") has its momentum moved from the owners to the engine's rows (``_redistribute``) and on
+to the boxes of its placement (``_remap``) for a checkpoint, and back the same way on load.
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 
 from distmuon import _C
 from distmuon.torch._dist import Topology, chunk_rows, is_dtensor, local_tensor
+from distmuon.torch import _remap
+from distmuon.torch._layout import take
 from distmuon.torch._redistribute import Block, Move, move_rows
+from distmuon.torch._remap import Placed
 
 MOMENTUM = "momentum_buffer"
 # State shaped like its parameter (in the parameter's placement in a checkpoint).
@@ -74,15 +81,39 @@ class Slot:
     dtype: torch.dtype
     rows: tuple[int, int] | None = None
     key: int = -1  # position in the optimizer's state dict (index is the engine's)
+    placed: Placed | None = None  # tensor / expert parallel layouts: how the engine sees it
 
     def local(self) -> torch.Tensor:
+        """What the engine reads and updates: the parameter, its rows, or (layout path) the
+        engine's rows of it or its flat box."""
+        if self.placed is not None and self.placed.kind == "remap":
+            assert self.placed.staging is not None
+            return self.placed.staging
+        if self.placed is not None and self.placed.kind == "flat":
+            return local_tensor(self.param).view(-1)
         return local_tensor(self.param) if self.rows is not None else self.param
 
     @property
     def local_shape(self) -> torch.Size:
+        """The shape of local(): the engine's part of the parameter on this member."""
         if self.rows is None:
             return self.full_shape
+        if self.placed is not None and self.placed.kind == "flat":
+            return torch.Size([self.rows[1]])
         return torch.Size([self.rows[1], *self.full_shape[1:]])
+
+    @property
+    def held_shape(self) -> torch.Size:
+        """The shape of what this process holds of the parameter (and of its gradient)."""
+        return torch.Size(self.placed.box_shape) if self.placed is not None else self.local_shape
+
+    def rows_of(self, topo: Topology, member: int) -> tuple[int, int]:
+        """(begin, count) of dim 0 that `member` registers with the engine."""
+        if self.placed is not None:
+            return self.placed.member_rows[member]
+        if topo.sharded:
+            return chunk_rows(self.dim0, topo.shard_size, topo.shard_position(member))
+        return 0, self.dim0
 
     @property
     def dim0(self) -> int:
@@ -135,10 +166,7 @@ def _placement_blocks(topo: Topology, s: Slot, mine: torch.Tensor | None) -> lis
     """Who holds which rows in the parameter's placement; `mine` is this member's part."""
     blocks = []
     for m in range(topo.size):
-        if topo.sharded:
-            lo, n = chunk_rows(s.dim0, topo.shard_size, topo.shard_position(m))
-        else:
-            lo, n = 0, s.dim0
+        lo, n = s.rows_of(topo, m)
         if n > 0:
             t = mine.view(n, s.inner) if (m == topo.member and mine is not None) else None
             blocks.append(Block(m, lo, lo + n, t))
@@ -160,7 +188,7 @@ def _in_placement(s: Slot, local: torch.Tensor) -> torch.Tensor:
 
     p: Any = s.param
     return DTensor.from_local(
-        local.view(s.local_shape), p.device_mesh, p.placements, run_check=False,
+        local.view(s.held_shape), p.device_mesh, p.placements, run_check=False,
         shape=s.full_shape, stride=_contiguous_stride(s.full_shape),
     )
 
@@ -173,6 +201,7 @@ def export_state(
     momentum out (and communicates nothing)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in slots]
     moves: dict[torch.dtype, list[Move]] = {}
+    remapped: list[tuple[int, torch.Tensor]] = []  # (slot, momentum in the engine's rows) to move to the boxes
     device = None
     for i, s in enumerate(slots):
         for name in engine.state_names(s.index):
@@ -191,13 +220,23 @@ def export_state(
                 device = s.local().device
                 mine = torch.empty(s.local_shape, dtype=dtype, device=device)
                 moves.setdefault(dtype, []).append(Move(s.name, s.inner, blocks, _placement_blocks(topo, s, mine)))
-                out[i][name] = _in_placement(s, mine)
+                if s.placed is not None and s.placed.kind == "remap":
+                    remapped.append((i, mine))
+                else:
+                    out[i][name] = _in_placement(s, mine)
             else:
                 v = _view(engine, s, name)
                 assert v is not None
                 out[i][name] = _in_placement(s, v)
     for dtype, ms in sorted(moves.items(), key=lambda kv: str(kv[0])):
         move_rows(topo, ms, dtype, device)
+    if remapped:
+        boxes = [torch.empty(slots[i].held_shape, dtype=rows.dtype, device=rows.device) for i, rows in remapped]
+        plans = [slots[i].placed.outbound for i, _ in remapped]  # type: ignore[union-attr]
+        items = [(plan, rows, box) for plan, (_, rows), box in zip(plans, remapped, boxes)]
+        _remap.run_items(topo, items, boxes[0].device)
+        for (i, _), box in zip(remapped, boxes):
+            out[i][MOMENTUM] = _in_placement(slots[i], box)
     return out
 
 
@@ -248,8 +287,9 @@ def _momentum_dtype(engine: _C.Engine, s: Slot) -> torch.dtype:
 
 
 def local_part(s: Slot, topo: Topology, value: torch.Tensor) -> torch.Tensor:
-    """This member's rows of a loaded state tensor (DTensor in any placement of the parameter's
-    mesh, or a full tensor), shaped like the local part of the parameter."""
+    """This member's part of a loaded state tensor (DTensor in any placement of the parameter's
+    mesh, or a full tensor), shaped like local(); for a remapped parameter, like its box (the
+    caller moves it to the engine's rows)."""
     if is_dtensor(value):
         v: Any = value
         if s.rows is None:
@@ -259,18 +299,23 @@ def local_part(s: Slot, topo: Topology, value: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"loaded state of '{s.name}' lives on mesh {v.device_mesh}, the parameter on {p.device_mesh}")
         if tuple(v.placements) != tuple(p.placements):
             v = v.redistribute(p.device_mesh, p.placements)
-        return v.to_local().reshape(s.local_shape)
-    full = value.reshape(s.full_shape)
-    if s.rows is None:
-        return full
-    begin, count = s.rows
-    return full[begin : begin + count]
+        held = v.to_local().reshape(s.held_shape)
+    else:
+        full = value.reshape(s.full_shape)
+        if s.rows is None:
+            return full
+        if s.placed is None:
+            begin, count = s.rows
+            return full[begin : begin + count]
+        held = take(full, s.placed.box)
+    return held.reshape(-1) if s.placed is not None and s.placed.kind == "flat" else held
 
 
 def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: list[dict[str, Any] | None]) -> None:
     """Loads checked entries (None: fresh state) into the engine. Collective when the engine
     keeps momentum with owners; every member must pass entries for the same slots."""
     moves: dict[torch.dtype, list[Move]] = {}
+    remapped: list[_remap.Item] = []  # momentum from the boxes to the engine's rows, before the moves
     device = None
     for s, entry in zip(slots, entries):
         for name in engine.state_names(s.index):
@@ -299,6 +344,10 @@ def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: 
                 dtype = _momentum_dtype(engine, s)
                 device = s.local().device
                 mine = local_part(s, topo, entry[name]).to(device=device, dtype=dtype).contiguous()
+                if s.placed is not None and s.placed.kind == "remap":
+                    rows = torch.empty(s.local_shape, dtype=dtype, device=device)
+                    remapped.append((s.placed.inbound, mine, rows))
+                    mine = rows
                 moves.setdefault(dtype, []).append(Move(s.name, s.inner, _placement_blocks(topo, s, mine), blocks))
                 continue
             v = _view(engine, s, name)
@@ -307,5 +356,7 @@ def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: 
                 v.zero_()
             else:
                 v.copy_(local_part(s, topo, entry[name]).reshape(v.shape))
+    if remapped:
+        _remap.run_items(topo, remapped, remapped[0][2].device)
     for dtype, ms in sorted(moves.items(), key=lambda kv: str(kv[0])):
         move_rows(topo, ms, dtype, device)

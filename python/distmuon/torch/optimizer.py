@@ -19,6 +19,7 @@ from torch import nn
 from distmuon import _C
 from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
+from distmuon.torch import _remap as remap
 from distmuon.torch._device import check_communicator, common_device, to_dlpack
 from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows, local_tensor
 from distmuon.torch._params import (
@@ -286,6 +287,7 @@ class Muon(torch.optim.Optimizer):
         if use_muon is None and names is None and any(muon_mask) and self._muon_filter is None:
             self._warn_unnamed()
 
+        groups_before = len(self.param_groups)
         parts = []
         if any(muon_mask):
             parts.append((True, opt.muon_group(group, use_muon, self._muon_defaults)))
@@ -300,7 +302,11 @@ class Muon(torch.optim.Optimizer):
             for k in [k for k in added if k not in keep]:
                 del added[k]  # defaults of the other kind that torch's add_param_group filled in
         if self._parts:
-            self._build_engine()
+            try:
+                self._build_engine()
+            except Exception:
+                del self.param_groups[groups_before:]  # refused: the optimizer stays as it was
+                raise
 
     def _param_info(self, p: torch.Tensor, name: str | None, index: int) -> ParamInfo:
         info = self._infos.get(id(p))
@@ -341,21 +347,30 @@ class Muon(torch.optim.Optimizer):
                 out.append((gi, name, p, self._param_info(p, name if names else None, index)))
         return out
 
-    def _make_slots(self, dedicated: set[int]) -> list[Slot]:
-        """Every parameter's Slot (key: its state_dict index); `dedicated` holds the keys of the
-        dedicated ones. Slot.index is set per engine by _build_engine."""
+    def _make_slots(self, layout: list[tuple[Topology, list[int], Any]]) -> list[Slot]:
+        """Every parameter's Slot (key: its state_dict index) for the engines of `layout`.
+        Slot.index is set per engine by _build_engine."""
+        dedicated = {k for _, keys, h in layout if h is not None for k in keys}
+        topo_of = {k: topo for topo, keys, _ in layout for k in keys}
         slots = []
         for key, (gi, name, p, info) in enumerate(self._named_params()):
             use_muon = self.param_groups[gi]["use_muon"]
             shape = matrix_shape(p, info.conv) if use_muon else list(p.shape)
-            rows = local_rows(name, p) if is_dtensor(p) else None
+            topo, placed = topo_of[key], None
+            if topo.layouts is not None:  # tensor / expert parallel layouts, sub-meshes
+                placed = remap.place(topo, p, use_muon)
+                rows = placed.member_rows[topo.member]
+                if placed.kind == "flat":  # the flat boxes of a replica, end to end
+                    shape = [sum(n for _, n in placed.member_rows[: topo.shard_size])]
+            else:
+                rows = local_rows(name, p) if is_dtensor(p) else None
             if key in dedicated and (not use_muon or len(shape) != 2):
                 raise ValueError(
                     f"parameter '{name}' is dedicated (distmuon.torch.dedicate) but "
                     f"{'is in an AdamW group' if not use_muon else 'is not one matrix'}; dedicated "
                     "parameters must be Muon matrices here"
                 )
-            slots.append(Slot(key, gi, name, p, use_muon, shape, p.shape, p.dtype, rows, key))
+            slots.append(Slot(key, gi, name, p, use_muon, shape, p.shape, p.dtype, rows, key, placed))
         return slots
 
     def _group_options(self, gi: int, device_type: str) -> Any:
@@ -420,7 +435,7 @@ class Muon(torch.optim.Optimizer):
         layout = self._layout()
         try:
             self._adopt_swapped_params()
-            slots = self._make_slots({k for _, keys, h in layout if h is not None for k in keys})
+            slots = self._make_slots(layout)
             device = common_device([s.local() for s in slots], [s.name for s in slots])
             options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
             error = None
@@ -553,14 +568,16 @@ class Muon(torch.optim.Optimizer):
                         v.mul_(factor)
         self._buffer_momentum[gi] = mu
 
-    def _step_inputs(self, slots: list[Slot]) -> tuple[list[Any], list[Any]]:
+    def _step_inputs(self, part: Part) -> tuple[list[Any], list[Any], list[tuple[Slot, torch.Tensor]]]:
         """DLPack capsules of every parameter and gradient (their local parts under FSDP2),
-        checked before the engine touches anything. The binding checks device, dtype and layout
-        against the registration (naming the parameter); the checks here are the ones it
-        cannot make."""
+        checked before the engine touches anything, and the remapped parameters that step
+        (their weights and gradients are moved into the engine's rows here: collective). The
+        binding checks device, dtype and layout against the registration (naming the
+        parameter); the checks here are the ones it cannot make."""
         params: list[Any] = []
         grads: list[Any] = []
-        for s in slots:
+        remapped: list[tuple[Slot, torch.Tensor, torch.Tensor | None]] = []
+        for s in part.slots:
             p = s.param
             if p.shape != s.full_shape:
                 raise RuntimeError(
@@ -570,11 +587,26 @@ class Muon(torch.optim.Optimizer):
             g = p.grad
             if g is not None and s.rows is not None:
                 g = self._local_grad(s, g)
-            if g is not None and (g.layout != torch.strided or g.shape != s.local_shape or not g.is_contiguous()):
+            if g is not None and (g.layout != torch.strided or g.shape != s.held_shape or not g.is_contiguous()):
                 g = self._check_grad(s, g)
             params.append(to_dlpack(s.local()))
+            if s.placed is not None and s.placed.kind == "remap":
+                if g is not None and g.dtype != p.dtype:
+                    raise ValueError(f"gradient of parameter '{s.name}' has dtype {g.dtype}, the parameter {p.dtype}")
+                remapped.append((s, local_tensor(p), g))
+                grads.append(None)  # below, once the ranks agree that it steps
+                continue
+            if g is not None and s.placed is not None and s.placed.kind == "flat":
+                g = g.view(-1)
             grads.append(None if g is None else to_dlpack(g))
-        return params, grads
+        stepped = []
+        if remapped:
+            present = remap.inbound(part.topo, remapped, part.remap_traffic)
+            for (s, w, _), on in zip(remapped, present):
+                if on:
+                    grads[s.index] = to_dlpack(s.placed.grad)  # type: ignore[union-attr]
+                    stepped.append((s, w))
+        return params, grads, stepped
 
     @staticmethod
     def _local_grad(s: Slot, g: torch.Tensor) -> torch.Tensor:
@@ -594,11 +626,11 @@ class Muon(torch.optim.Optimizer):
             raise RuntimeError(
                 f"parameter '{s.name}' has a sparse gradient ({g.layout}); distmuon needs dense gradients"
             )
-        if g.shape != s.local_shape:
+        if g.shape != s.held_shape:
             what = "local shard shape" if s.rows is not None else "shape"
             raise ValueError(
                 f"gradient of parameter '{s.name}' has {what} {tuple(g.shape)}, the parameter "
-                f"{tuple(s.local_shape)}"
+                f"{tuple(s.held_shape)}"
             )
         return g.contiguous()  # the engine reads dense row-major memory
 
@@ -620,9 +652,10 @@ class Muon(torch.optim.Optimizer):
         for part in self._parts:
             if part.dedicated is not None:
                 part.dedicated.before_step()  # reductions complete, owners hold mean gradients
-            params, grads = self._step_inputs(part.slots)
+            params, grads, remapped = self._step_inputs(part)
             part.order.before()
             part.engine.step(params, grads)
+            remap.outbound(part.topo, remapped, part.remap_traffic)  # new weights into their placements
             if part.dedicated is not None:
                 part.dedicated.after_step()
         return loss
@@ -672,11 +705,15 @@ class Muon(torch.optim.Optimizer):
 
     def engine_stats(self) -> dict[str, Any]:
         """Counters of the engines (summed over them): steps, non-finite skips, orthogonalization
-        FLOPs, sizes, communication, and CacheMuon's counters under 'cache'. Synchronises."""
+        FLOPs, sizes, communication, and CacheMuon's counters under 'cache'; and the bytes the
+        front moved for tensor / expert parallel parameters in steps (``remap_bytes_sent``,
+        ``remap_bytes_received``; checkpoints not counted). Synchronises."""
         stats = [p.engine.stats() for p in self._parts]
         out = stats[0]
         for st in stats[1:]:
             out = merge_stats(out, st)
+        out["remap_bytes_sent"] = sum(p.remap_traffic[0] for p in self._parts)
+        out["remap_bytes_received"] = sum(p.remap_traffic[1] for p in self._parts)
         return out
     def stats(self) -> dict[str, Any]:
         """A summary of this rank's work (synchronises the device; not collective):

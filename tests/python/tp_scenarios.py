@@ -1,0 +1,302 @@
+"""What the ranks of the tensor / expert parallel tests run (test_tp.py launches them).
+
+A tiny Llama-style model: attention (fused QKV and an output projection, left whole over the
+``tp`` dim), a SwiGLU MLP (w1, w3 ColwiseParallel, w2 RowwiseParallel on ``tp``) and a stack of
+4 experts split over an ``ep`` dim. Sizes are odd on purpose: w1 / w3 have 30 rows, cut 15 per
+``tp`` rank and 8 / 7 per ``dp`` rank (uneven FSDP2 shards of a tensor-parallel dim).
+
+Tensor and expert parallel ranks see the same tokens (the data is split over the data-parallel
+dims only), so that every layout trains on the single process's global batch; the expert
+outputs are summed over ``ep`` with an all-reduce whose backward is the identity (Megatron's
+"g" operator, as RowwiseParallel's output).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distmuon.torch import Muon
+from helpers import make_batch
+
+GLOBAL_BATCH = 4
+STEPS = 5
+CKPT_AT = 3
+OPT_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
+DIM, HIDDEN, EXPERTS, VOCAB = 16, 30, 4, 23
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) in forward, identity in backward: the output of a region split over a
+    group (Megatron's "g", as RowwiseParallel's output)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Identity in forward, all-reduce (sum) in backward: the input of a region split over a
+    group, whose parts each see a part of the gradient (Megatron's "f")."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
+class TPModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, DIM)
+        self.attn_norm = nn.LayerNorm(DIM)
+        self.wqkv = nn.Linear(DIM, 3 * DIM, bias=False)
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+        self.mlp_norm = nn.LayerNorm(DIM)
+        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
+        self.router = nn.Linear(DIM, EXPERTS, bias=False)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, DIM, DIM) * 0.1)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        self.ep_group: Any = None  # set when the experts are split over an ep dim
+        self.dp_group: Any = None  # set when the experts are left out of fully_shard
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.tok(idx)
+        q, k, v = self.wqkv(self.attn_norm(h)).chunk(3, dim=-1)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = h + self.wo(a)
+        x = self.mlp_norm(h)
+        h = h + self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+        gates, inp = torch.softmax(self.router(h), dim=-1), h
+        experts = self.experts
+        if self.ep_group is None and hasattr(experts, "full_tensor"):  # split over tp along its matrices
+            experts = experts.full_tensor()  # type: ignore[operator]
+        elif hasattr(experts, "to_local"):  # split over ep: this rank's experts, summed over ep
+            experts = experts.to_local()  # type: ignore[operator]
+            gates, inp = _CopyToGroup.apply(gates, self.ep_group), _CopyToGroup.apply(h, self.ep_group)
+            first = dist.get_group_rank(self.ep_group, dist.get_rank()) * experts.shape[0]
+            gates = gates[..., first : first + experts.shape[0]]
+        mixed = torch.einsum("bte,edf,btd->btf", gates, experts, inp)
+        if self.ep_group is not None:
+            mixed = _SumOverGroup.apply(mixed, self.ep_group)
+        return self.output(h + mixed)
+
+
+def make_model() -> TPModel:
+    torch.manual_seed(0)
+    return TPModel()
+
+
+def local_loss(model: nn.Module, step: int, dp_rank: int, dp: int) -> torch.Tensor:
+    x, y = make_batch(step, vocab=VOCAB, batch=GLOBAL_BATCH)
+    per = GLOBAL_BATCH // dp
+    x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def train(model: nn.Module, opt: Muon, steps: range, dp_rank: int = 0, dp: int = 1) -> list[float]:
+    """The global batch's mean loss of each step (every rank's loss averaged over the world:
+    tensor / expert parallel peers hold the same)."""
+    out = []
+    for step in steps:
+        opt.zero_grad()
+        loss = local_loss(model, step, dp_rank, dp)
+        loss.backward()
+        average_ignored(model)  # type: ignore[arg-type]
+        opt.step()
+        value = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        out.append(value.item())
+    return out
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone() for n, p in model.named_parameters()}
+
+
+def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
+    sd = opt.state_dict()
+    return {
+        i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in st.items()}
+        for i, st in sd["state"].items()
+    }
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+
+
+def parallelize(model: TPModel, layout: str) -> tuple[int, int]:
+    """Lays `model` out on this world; returns (data-parallel rank, data-parallel size).
+
+    - 'tp': (dp 2, tp 2): MLP tensor-parallel, fully_shard on dp (attention and the rest on the
+      dp sub-mesh, whole over tp).
+    - 'hsdp_tp': (replicate 2, shard 2, tp 2): the same with HSDP.
+    - 'ep': (dp 2, ep 2): experts split over ep, fully_shard on dp (experts too).
+    - 'ep_nofsdp': the same with the experts left out of fully_shard (replicated over dp; their
+      gradients averaged over dp by hand).
+    - 'fsdp': fully_shard over every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    if layout == "fsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        return dist.get_rank(), world
+    if layout in ("tp", "hsdp_tp"):
+        shape, names = ((2, 2), ("dp", "tp")) if layout == "tp" else ((2, 2, 2), ("rep", "shard", "tp"))
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
+        parallelize_module(model, mesh["tp"], plan)
+        # a stack of matrices split along their columns (the engine assembles each whole)
+        model.experts = nn.Parameter(distribute_tensor(model.experts.data, mesh["tp"], [Shard(2)]))
+        dp_mesh = mesh["dp"] if layout == "tp" else mesh["rep", "shard"]
+        fully_shard(model, mesh=dp_mesh)
+        coord = mesh.get_coordinate()
+        dp_rank = coord[0] if layout == "tp" else coord[0] * 2 + coord[1]
+        return dp_rank, dp_mesh.size()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    model.experts = nn.Parameter(distribute_tensor(model.experts.data, mesh["ep"], [Shard(0)]))
+    model.ep_group = mesh["ep"].get_group()
+    if layout == "ep":
+        fully_shard(model, mesh=mesh["dp"])
+    else:
+        fully_shard(model, mesh=mesh["dp"], ignored_params={model.experts})
+        model.dp_group = mesh["dp"].get_group()
+    return mesh.get_coordinate()[0], 2
+
+
+def average_ignored(model: TPModel) -> None:
+    """'ep_nofsdp': the experts' gradients averaged over dp (what DDP would do)."""
+    if model.dp_group is not None and model.experts.grad is not None:
+        g = model.experts.grad.to_local()  # type: ignore[operator]
+        dist.all_reduce(g, group=model.dp_group)
+        g /= dist.get_world_size(model.dp_group)
+
+
+def run_layout(rank: int, world: int, layout: str, ckpt: str | None = None) -> dict[str, Any]:
+    """STEPS steps of `layout`; with `ckpt`, a DCP checkpoint after CKPT_AT steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model()
+    dp_rank, dp = parallelize(model, layout)
+    opt = Muon(model, **OPT_KW)
+    losses = train(model, opt, range(CKPT_AT), dp_rank, dp)
+    saved = None
+    if ckpt is not None:
+        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+        saved = full_state(opt)
+    losses += train(model, opt, range(CKPT_AT, STEPS), dp_rank, dp)
+    topo = opt._parts[0].topo
+    return {
+        "mode": opt.dist_mode,
+        "replicate": topo.replicate,
+        "losses": losses,
+        "params": full_params(model),
+        "state": full_state(opt),
+        "saved_state": saved,
+        "owned": opt.engine_stats()["owned_matrices"],
+        "kinds": {s.name: (s.placed.kind if s.placed is not None else "fsdp") for s in opt._slots},
+    }
+
+
+def run_resume(rank: int, world: int, layout: str, ckpt: str) -> dict[str, Any]:
+    """A fresh model and optimizer in `layout` (any world size) load the checkpoint written after
+    CKPT_AT steps and train the remaining steps."""
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model()
+    dp_rank, dp = parallelize(model, layout) if dist.is_initialized() else (0, 1)
+    opt = Muon(model, **OPT_KW)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    loaded = full_state(opt)
+    losses = train(model, opt, range(CKPT_AT, STEPS), dp_rank, dp)
+    return {"loaded_state": loaded, "losses": losses, "params": full_params(model)}
+
+
+def _error(fn: Any) -> str | None:
+    try:
+        fn()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def run_refusals(rank: int, world: int) -> dict[str, Any]:
+    """Placements the optimizer cannot take, each refused on every rank at construction (or by
+    add_param_group, which then leaves the optimizer as it was)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0), Partial()]))
+    rows = 3 if mesh.get_coordinate()[0] == 0 else 5  # not torch.chunk's cut of 8 rows
+    local = torch.randn(rows, 4)
+    uneven = nn.Parameter(
+        DTensor.from_local(local, mesh, [Shard(0), Shard(1)], run_check=False, shape=(8, 8), stride=(8, 1))
+    )
+    out: dict[str, Any] = {
+        "partial": _error(lambda: Muon([("blocks.0.w", partial)], **OPT_KW)),
+        "uneven": _error(lambda: Muon([("blocks.1.w", uneven)], **OPT_KW)),
+    }
+    model = make_model()
+    dp_rank, dp = parallelize(model, "tp")
+    out["gather"] = _error(lambda: Muon(model, dist_mode="gather", **OPT_KW))
+    other = init_device_mesh("cpu", (4,))
+    foreign = nn.Parameter(DTensor.from_local(torch.randn(2, 8), other, [Shard(0)]))
+    out["roots"] = _error(lambda: Muon([*model.named_parameters(), ("foreign", foreign)], **OPT_KW))
+    opt = Muon(model, **OPT_KW)
+    groups = len(opt.param_groups)
+    out["add_group"] = _error(lambda: opt.add_param_group({"params": [("blocks.0.w", partial)], "use_muon": True}))
+    out["groups_kept"] = len(opt.param_groups) == groups
+    train(model, opt, range(2), dp_rank, dp)  # the optimizer still steps
+    out["steps"] = opt.stats()["steps"]
+    return out
+
+
+def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    from dist_scenarios import guarded
+
+    return {
+        "tp": guarded(lambda: run_layout(rank, world, "tp", ckpt)),
+        "ep": guarded(lambda: run_layout(rank, world, "ep")),
+        "ep_nofsdp": guarded(lambda: run_layout(rank, world, "ep_nofsdp")),
+        "refusals": guarded(lambda: run_refusals(rank, world)),
+    }
+
+
+def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    from dist_scenarios import guarded
+
+    return {"resume_fsdp": guarded(lambda: run_resume(rank, world, "fsdp", ckpt))}
+
+
+def world8(rank: int, world: int) -> dict[str, Any]:
+    from dist_scenarios import guarded
+
+    return {"hsdp_tp": guarded(lambda: run_layout(rank, world, "hsdp_tp"))}
