@@ -94,9 +94,15 @@ def test_hsdp_by_tp_equals_single_process(single: dict[str, Any]) -> None:
     assert sum(ok(r["hsdp_tp"])["owned"] for r in ranks) == 10
 
 
-def test_dcp_checkpoint_at_tp2_dp2_resumes_at_dp2(world4: list[dict[str, Any]], ckpt: Path) -> None:
+@pytest.fixture(scope="module")
+def world2(world4: list[dict[str, Any]], ckpt: Path) -> list[dict[str, Any]]:
+    assert "error" not in world4[0]["tp"], world4[0]["tp"]  # the checkpoint exists
+    return launch(2, sc.world2, str(ckpt))
+
+
+def test_dcp_checkpoint_at_tp2_dp2_resumes_at_dp2(world4: list[dict[str, Any]], world2: list[dict[str, Any]]) -> None:
     run = ok(world4[0]["tp"])
-    for r in launch(2, sc.world2, str(ckpt)):
+    for r in world2:
         res = ok(r["resume_fsdp"])
         for i, entry in run["saved_state"].items():
             for k, v in entry.items():
@@ -115,6 +121,69 @@ def test_dcp_checkpoint_at_tp2_dp2_resumes_in_one_process(world4: list[dict[str,
             assert torch.equal(res["loaded_state"][i][k], v), (i, k)
     assert res["losses"] == pytest.approx(run["losses"][sc.CKPT_AT :], abs=LOSS_TOL, rel=0)
     assert max_diff(res["params"], run["params"]) < PARAM_TOL
+
+
+class SplitQKV(sc.TPModel):
+    """TPModel with its fused q, k, v as three matrices (the same weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        fused = self.wqkv.weight.detach()
+        del self.wqkv
+        self.wq, self.wk, self.wv = (torch.nn.Linear(sc.DIM, sc.DIM, bias=False) for _ in range(3))
+        for lin, part in zip((self.wq, self.wk, self.wv), fused.chunk(3)):
+            lin.weight.data.copy_(part)
+        self.wqkv = self._qkv  # what forward calls
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.wq(x), self.wk(x), self.wv(x)], dim=-1)
+
+
+def test_row_blocks_orthogonalize_each_block_as_its_own_matrix() -> None:
+    fused = sc.make_model()
+    torch.manual_seed(0)
+    split = SplitQKV()  # the same weights
+    sc.train(fused, Muon(fused, row_blocks={"wqkv.weight": 3}, **sc.OPT_KW), range(sc.STEPS))
+    sc.train(split, Muon(split, **sc.OPT_KW), range(sc.STEPS))
+    blocks = torch.cat([split.wq.weight, split.wk.weight, split.wv.weight]).detach()
+    assert (fused.wqkv.weight.detach() - blocks).abs().max().item() < 1e-6
+    whole = sc.make_model()
+    sc.train(whole, Muon(whole, **sc.OPT_KW), range(sc.STEPS))
+    assert (fused.wqkv.weight.detach() - whole.wqkv.weight.detach()).abs().max().item() > 1e-3  # not the default
+
+
+@pytest.fixture(scope="module")
+def single_blocks() -> dict[str, Any]:
+    model = sc.make_model()
+    opt = Muon(model, **sc.BLOCKS_KW)
+    losses = sc.train(model, opt, range(sc.STEPS))
+    return {"losses": losses, "params": sc.full_params(model), "state": sc.full_state(opt), "mode": opt.dist_mode, "moved": 1.0}
+
+
+def test_row_blocks_cut_through_by_shards_equal_single_process(
+    world4: list[dict[str, Any]], world2: list[dict[str, Any]], single_blocks: dict[str, Any]
+) -> None:
+    """Per-head blocks of the fused q, k, v (attention whole over tp) and the halves of a
+    ColwiseParallel matrix, whose blocks FSDP2's shards cut: tp 2 x dp 2, and FSDP2 alone."""
+    res = assert_matches_single(world4, "tp_blocks", single_blocks)
+    assert sum(ok(r["tp_blocks"])["owned"] for r in world4) == 22  # 12 + 2 blocks, 4 matrices, 4 experts
+    assert res["kinds"]["w1.weight"] == "remap"
+    assert_matches_single(world2, "fsdp_blocks", single_blocks)
+
+
+@pytest.mark.parametrize(
+    "row_blocks, error",
+    [
+        ({"nothing.weight": 2}, "match no Muon matrix"),
+        ({"w1.weight": 4}, "do not divide its rows"),
+        ({"experts": 2}, "only a 2D matrix"),
+        ({"wqkv.weight": [16, 16, 16]}, "number of equal row blocks"),
+        ([("wqkv.weight", 3)], "must be a dict"),
+    ],
+)
+def test_bad_row_blocks_are_refused(row_blocks: Any, error: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=error):
+        Muon(sc.make_model(), row_blocks=row_blocks, **sc.OPT_KW)
 
 
 def test_placements_it_cannot_take_are_refused_on_every_rank(world4: list[dict[str, Any]]) -> None:

@@ -26,6 +26,9 @@ GLOBAL_BATCH = 4
 STEPS = 5
 CKPT_AT = 3
 OPT_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
+# One block per head of the fused q, k, v (4 heads of 4 rows each) and the two halves of w1: the
+# blocks are cut through by FSDP2's shards (w1's 8 / 7 rows of 15 per tp rank).
+BLOCKS_KW: dict[str, Any] = {**OPT_KW, "row_blocks": {"wqkv.weight": 12, "w1.weight": 2}}
 DIM, HIDDEN, EXPERTS, VOCAB = 16, 30, 4, 23
 
 
@@ -196,13 +199,15 @@ def average_ignored(model: TPModel) -> None:
         g /= dist.get_world_size(model.dp_group)
 
 
-def run_layout(rank: int, world: int, layout: str, ckpt: str | None = None) -> dict[str, Any]:
+def run_layout(
+    rank: int, world: int, layout: str, ckpt: str | None = None, kw: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """STEPS steps of `layout`; with `ckpt`, a DCP checkpoint after CKPT_AT steps."""
     import torch.distributed.checkpoint as dcp
 
     model = make_model()
     dp_rank, dp = parallelize(model, layout)
-    opt = Muon(model, **OPT_KW)
+    opt = Muon(model, **(kw or OPT_KW))
     losses = train(model, opt, range(CKPT_AT), dp_rank, dp)
     saved = None
     if ckpt is not None:
@@ -286,6 +291,7 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "tp": guarded(lambda: run_layout(rank, world, "tp", ckpt)),
         "ep": guarded(lambda: run_layout(rank, world, "ep")),
         "ep_nofsdp": guarded(lambda: run_layout(rank, world, "ep_nofsdp")),
+        "tp_blocks": guarded(lambda: run_layout(rank, world, "tp", kw=BLOCKS_KW)),
         "refusals": guarded(lambda: run_refusals(rank, world)),
     }
 
@@ -293,7 +299,10 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
 def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     from dist_scenarios import guarded
 
-    return {"resume_fsdp": guarded(lambda: run_resume(rank, world, "fsdp", ckpt))}
+    return {
+        "resume_fsdp": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+        "fsdp_blocks": guarded(lambda: run_layout(rank, world, "fsdp", kw=BLOCKS_KW)),
+    }
 
 
 def world8(rank: int, world: int) -> dict[str, Any]:

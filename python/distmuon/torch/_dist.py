@@ -127,11 +127,15 @@ def _world_of_mesh(mesh: Any) -> tuple[Any, tuple[int, ...]]:
     return dist.new_group(flat, use_local_synchronization=True), tuple(flat)
 
 
-def detect(params: list[torch.Tensor], names: list[str], mode: str, process_group: Any = None) -> Topology:
+def detect(
+    params: list[torch.Tensor], names: list[str], mode: str, process_group: Any = None, layout: bool = False
+) -> Topology:
     """The Topology of `params` (all of one optimizer), or a ValueError saying what does not fit.
 
     `mode` overrides the detection: 'local' (no communication), 'replicated', 'sharded' or
-    'gather' (the naive baseline of sharded parameters); 'auto' detects.
+    'gather' (the naive baseline of sharded parameters); 'auto' detects. `layout` takes the
+    layout path (``_layout``) for DTensors even on FSDP2's own sharding (matrices cut into row
+    blocks, whose rows FSDP2's shards cut through).
     """
     if mode not in MODES:
         raise ValueError(f"dist_mode must be one of {', '.join(MODES)} (got {mode!r})")
@@ -149,7 +153,7 @@ def detect(params: list[torch.Tensor], names: list[str], mode: str, process_grou
         if process_group is not None:
             raise ValueError("process_group is for plain (DDP) parameters; DTensor parameters bring their mesh")
         mesh = params[0].device_mesh
-        if any(p.device_mesh != mesh or not _fsdp_native(p) for p in params):
+        if layout or any(p.device_mesh != mesh or not _fsdp_native(p) for p in params):
             from distmuon.torch._layout import layout_topology
 
             return layout_topology(params, names, mode)  # tensor / expert parallelism, sub-meshes

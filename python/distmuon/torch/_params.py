@@ -8,6 +8,7 @@ recognised by type.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import re
 from collections.abc import Callable, Iterable
@@ -137,3 +138,40 @@ def split_named(entries: Iterable[object]) -> tuple[list[torch.Tensor], list[str
     if names and len(names) != len(params):
         raise ValueError("all parameters must be named, or none (got a mix of (name, tensor) and tensors)")
     return params, (names or None)
+
+
+RowBlocks = dict[str, int]
+
+
+def check_row_blocks(row_blocks: object) -> RowBlocks:
+    """``row_blocks``: name pattern (fnmatch) -> number of equal row blocks."""
+    if row_blocks is None:
+        return {}
+    if not isinstance(row_blocks, dict):
+        raise TypeError(f"row_blocks must be a dict of name pattern -> number of row blocks (got {row_blocks!r:.80})")
+    for pattern, k in row_blocks.items():
+        if not isinstance(pattern, str):
+            raise TypeError(f"row_blocks keys are parameter name patterns (got {pattern!r})")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise TypeError(
+                f"row_blocks['{pattern}'] must be a number of equal row blocks (got {k!r}); blocks of "
+                "different sizes (a GQA q, k, v) are not supported: give the rows of one head per block"
+            )
+    return dict(row_blocks)
+
+
+def row_blocks_of(name: str, row_blocks: RowBlocks) -> int:
+    """How many equal row blocks `row_blocks` cuts parameter `name` into (1: none); the first
+    matching pattern counts."""
+    return next((k for pattern, k in row_blocks.items() if fnmatch.fnmatchcase(name, pattern)), 1)
+
+
+def blocked_shape(name: str, shape: list[int], blocks: int) -> list[int]:
+    """The engine's shape of a matrix cut into `blocks` equal row blocks: a batch of them."""
+    if blocks == 1:
+        return shape
+    if len(shape) != 2:
+        raise ValueError(f"row_blocks cuts '{name}' (shape {tuple(shape)}), but only a 2D matrix can be cut into row blocks")
+    if shape[0] % blocks:
+        raise ValueError(f"row_blocks cuts '{name}' ({shape[0]} rows) into {blocks} blocks, which do not divide its rows")
+    return [blocks, shape[0] // blocks, shape[1]]

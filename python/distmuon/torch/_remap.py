@@ -166,7 +166,7 @@ class Placed:
     """
 
     kind: str
-    member_rows: tuple[tuple[int, int], ...]  # (begin, count) every member registers
+    member_rows: tuple[tuple[int, int], ...]  # (begin, count) of the engine's dim 0 every member registers
     holdings: tuple[Holding, ...]  # every member's box of the parameter
     member: int
     inbound: list[Transfer]
@@ -188,8 +188,9 @@ class Placed:
         return sum(1 for h in self.holdings if numel(h))
 
 
-def place(topo: Topology, p: Any, use_muon: bool) -> Placed:
-    """The Placed of DTensor parameter `p` on the layout path's topology."""
+def place(topo: Topology, p: Any, use_muon: bool, unit: int = 1) -> Placed:
+    """The Placed of DTensor parameter `p` on the layout path's topology. `unit`: rows of `p` per
+    engine dim-0 index (the block of ``row_blocks``); member_rows count in those."""
     from distmuon.torch._dist import local_tensor
     from distmuon.torch._layout import chunked_rows, flat_rows, native_rows
 
@@ -198,13 +199,14 @@ def place(topo: Topology, p: Any, use_muon: bool) -> Placed:
     if not use_muon:
         return Placed("flat", flat_rows(holdings, topo.shard_size), holdings, me, [], [])
     rows = native_rows(holdings, p.shape, topo.shard_size)
-    if rows is not None:
-        return Placed("native", rows, holdings, me, [], [])
-    rows = chunked_rows(int(p.shape[0]), topo)
+    if rows is not None and all(b % unit == 0 and n % unit == 0 for b, n in rows):
+        return Placed("native", tuple((b // unit, n // unit) for b, n in rows), holdings, me, [], [])
+    blocks = chunked_rows(int(p.shape[0]) // unit, topo)
+    rows = tuple((b * unit, n * unit) for b, n in blocks)
     local = local_tensor(p)
     staging = torch.empty((rows[me][1], *p.shape[1:]), dtype=p.dtype, device=local.device)
     return Placed(
-        "remap", rows, holdings, me, plan_inbound(topo, holdings, rows), plan_outbound(topo, holdings, rows),
+        "remap", blocks, holdings, me, plan_inbound(topo, holdings, rows), plan_outbound(topo, holdings, rows),
         staging, torch.empty_like(staging),
     )
 

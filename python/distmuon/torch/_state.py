@@ -100,7 +100,13 @@ class Slot:
             return self.full_shape
         if self.placed is not None and self.placed.kind == "flat":
             return torch.Size([self.rows[1]])
-        return torch.Size([self.rows[1], *self.full_shape[1:]])
+        return torch.Size([self.rows[1] * self.unit, *self.full_shape[1:]])
+
+    @property
+    def unit(self) -> int:
+        """Rows of the parameter per engine dim-0 index: a block's rows when the engine sees
+        row blocks of a matrix as a batch (``row_blocks``), else 1."""
+        return self.dim0 // self.engine_shape[0] if len(self.engine_shape) == 3 else 1
 
     @property
     def held_shape(self) -> torch.Size:
@@ -108,9 +114,10 @@ class Slot:
         return torch.Size(self.placed.box_shape) if self.placed is not None else self.local_shape
 
     def rows_of(self, topo: Topology, member: int) -> tuple[int, int]:
-        """(begin, count) of dim 0 that `member` registers with the engine."""
+        """(begin, count) of the parameter's dim 0 that `member` registers with the engine."""
         if self.placed is not None:
-            return self.placed.member_rows[member]
+            begin, count = self.placed.member_rows[member]
+            return begin * self.unit, count * self.unit
         if topo.sharded:
             return chunk_rows(self.dim0, topo.shard_size, topo.shard_position(member))
         return 0, self.dim0
@@ -124,9 +131,11 @@ class Slot:
         return math.prod(self.full_shape[1:])
 
     def matrices(self) -> list[tuple[int, int]]:
-        """Dim-0 rows [lo, hi) of each engine matrix: a 3D batch has one per dim-0 index."""
+        """Dim-0 rows [lo, hi) of each engine matrix: a 3D batch has one per dim-0 index (a
+        block of `unit` rows)."""
         if len(self.engine_shape) == 3:
-            return [(k, k + 1) for k in range(self.engine_shape[0])]
+            u = self.unit
+            return [(k * u, (k + 1) * u) for k in range(self.engine_shape[0])]
         return [(0, self.dim0)]
 
 

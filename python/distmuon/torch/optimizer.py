@@ -8,6 +8,7 @@ views of the engine's own state buffers.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import warnings
 from itertools import chain
@@ -25,10 +26,13 @@ from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows
 from distmuon.torch._params import (
     MuonFilter,
     ParamInfo,
+    blocked_shape,
+    check_row_blocks,
     check_tensor_param,
     default_muon_filter,
     matrix_shape,
     module_param_infos,
+    row_blocks_of,
     split_named,
 )
 from distmuon.torch._parts import Part, build_part, merge_stats
@@ -123,6 +127,14 @@ class Muon(torch.optim.Optimizer):
             measurements and predicts the other classes with a cost model calibrated on them;
             'off' takes the aspect-ratio heuristic. ``DISTMUON_AUTOTUNE`` overrides. The CPU
             backend is not tuned: the heuristic.
+        row_blocks: orthogonalize equal row blocks of a fused matrix separately, as if they were
+            separate matrices (dion's ``split_sizes``, Megatron's ``split_qkv``): a dict of
+            parameter name pattern (``fnmatch``, e.g. ``"*.wqkv.weight"``) -> number of blocks,
+            such as 3 for a fused q, k, v of equal sizes, 2 for a fused gate-up projection, or
+            the number of heads for one block per head. Each block gets its own update scale
+            and, distributed, its own owner. Default: none (each matrix orthogonalized whole,
+            torch.optim.Muon's behaviour). Patterns apply to the Muon matrices (2D); one that
+            matches none is an error.
 
     Distributed: every rank builds the optimizer and steps it together (the step is
     collective), and so are ``state_dict()``/``load_state_dict()`` when momentum lives with
@@ -169,6 +181,7 @@ class Muon(torch.optim.Optimizer):
         communicator: str = "auto",
         cuda_graphs: bool = True,
         autotune: str = "on",
+        row_blocks: dict[str, int] | None = None,
     ) -> None:
         if momentum_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"momentum_dtype must be torch.float32 or torch.bfloat16 (got {momentum_dtype})")
@@ -210,6 +223,7 @@ class Muon(torch.optim.Optimizer):
             "weight_decay": adamw_weight_decay,
         }
         self._muon_filter = muon_filter
+        self._row_blocks = check_row_blocks(row_blocks)
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
             raise TypeError(f"bucket_mb must be a number of megabytes (got {bucket_mb!r})")
         if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2**40):
@@ -352,13 +366,18 @@ class Muon(torch.optim.Optimizer):
         Slot.index is set per engine by _build_engine."""
         dedicated = {k for _, keys, h in layout if h is not None for k in keys}
         topo_of = {k: topo for topo, keys, _ in layout for k in keys}
-        slots = []
+        slots, unmatched = [], set(self._row_blocks)
         for key, (gi, name, p, info) in enumerate(self._named_params()):
             use_muon = self.param_groups[gi]["use_muon"]
             shape = matrix_shape(p, info.conv) if use_muon else list(p.shape)
+            blocks = self._row_blocks_of(gi, name)
+            if use_muon:
+                unmatched -= {pattern for pattern in unmatched if fnmatch.fnmatchcase(name, pattern)}
+            if blocks > 1:
+                shape = blocked_shape(name, list(p.shape), blocks)
             topo, placed = topo_of[key], None
             if topo.layouts is not None:  # tensor / expert parallel layouts, sub-meshes
-                placed = remap.place(topo, p, use_muon)
+                placed = remap.place(topo, p, use_muon, int(p.shape[0]) // shape[0] if blocks > 1 else 1)
                 rows = placed.member_rows[topo.member]
                 if placed.kind == "flat":  # the flat boxes of a replica, end to end
                     shape = [sum(n for _, n in placed.member_rows[: topo.shard_size])]
@@ -371,6 +390,8 @@ class Muon(torch.optim.Optimizer):
                     "parameters must be Muon matrices here"
                 )
             slots.append(Slot(key, gi, name, p, use_muon, shape, p.shape, p.dtype, rows, key, placed))
+        if unmatched:
+            raise ValueError(f"row_blocks patterns {sorted(unmatched)} match no Muon matrix of this optimizer")
         return slots
 
     def _group_options(self, gi: int, device_type: str) -> Any:
@@ -404,8 +425,15 @@ class Muon(torch.optim.Optimizer):
         if rest:
             mode = "auto" if self._dist_mode == "dedicated" else self._dist_mode
             params = [named[k][2] for k in rest]
-            out.append((detect(params, [named[k][1] for k in rest], mode, self._process_group), rest, None))
+            # FSDP2's row shards cut through row blocks: blocked matrices take the layout path
+            blocked = any(self._row_blocks_of(gi, name) > 1 for gi, name, _, _ in (named[k] for k in rest))
+            topo = detect(params, [named[k][1] for k in rest], mode, self._process_group, layout=blocked)
+            out.append((topo, rest, None))
         return out
+
+    def _row_blocks_of(self, gi: int, name: str) -> int:
+        """The equal row blocks ``row_blocks`` cuts a Muon matrix into (1: none)."""
+        return row_blocks_of(name, self._row_blocks) if self.param_groups[gi]["use_muon"] else 1
 
     def _held_params_changed(self) -> bool:
         """True when the groups no longer hold exactly the registered parameters, in order: a
