@@ -2,7 +2,8 @@
 left whole over tp, a stack of experts split along its matrices over tp), ep 2 x dp 2 (experts
 split over ep, with and without FSDP2 on dp) and replicate 2 x shard 2 x tp 2 (HSDP x TP), each
 against the single process on the same global batch; a DCP checkpoint written at tp 2 x dp 2
-resumed at dp 2 and in one process; placements that cannot be taken refused on every rank.
+resumed at dp 2 and in one process, one written at ep 2 x dp 2 resumed in one process; row blocks;
+placements that cannot be taken refused on every rank.
 
 Real gloo ranks on the CPU: one launch of 4 ranks runs the tp, ep and refusal scenarios
 (tp_scenarios.py), one of 2 the resume, one of 8 HSDP x TP (8 processes on the 2 cores of CI:
@@ -111,11 +112,14 @@ def test_dcp_checkpoint_at_tp2_dp2_resumes_at_dp2(world4: list[dict[str, Any]], 
         assert max_diff(res["params"], run["params"]) < PARAM_TOL
 
 
-def test_dcp_checkpoint_at_tp2_dp2_resumes_in_one_process(world4: list[dict[str, Any]], ckpt: Path) -> None:
-    run = ok(world4[0]["tp"])
+@pytest.mark.parametrize("key", ["tp", "ep"])
+def test_dcp_checkpoint_at_tp2_dp2_or_ep2_dp2_resumes_in_one_process(
+    world4: list[dict[str, Any]], ckpt: Path, key: str
+) -> None:
+    run = ok(world4[0][key])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "assuming the intent is to load in a single process"
-        res = sc.run_resume(0, 1, "local", str(ckpt))
+        res = sc.run_resume(0, 1, "local", str(ckpt) if key == "tp" else sc.ep_ckpt(str(ckpt)))
     for i, entry in run["saved_state"].items():
         for k, v in entry.items():
             assert torch.equal(res["loaded_state"][i][k], v), (i, k)

@@ -284,12 +284,17 @@ def run_refusals(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def ep_ckpt(ckpt: str) -> str:
+    """Where the ep 2 x dp 2 run writes its checkpoint."""
+    return ckpt + "-ep"
+
+
 def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
     from dist_scenarios import guarded
 
     return {
         "tp": guarded(lambda: run_layout(rank, world, "tp", ckpt)),
-        "ep": guarded(lambda: run_layout(rank, world, "ep")),
+        "ep": guarded(lambda: run_layout(rank, world, "ep", ep_ckpt(ckpt))),
         "ep_nofsdp": guarded(lambda: run_layout(rank, world, "ep_nofsdp")),
         "tp_blocks": guarded(lambda: run_layout(rank, world, "tp", kw=BLOCKS_KW)),
         "refusals": guarded(lambda: run_refusals(rank, world)),

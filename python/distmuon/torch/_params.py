@@ -171,7 +171,11 @@ def blocked_shape(name: str, shape: list[int], blocks: int) -> list[int]:
     if blocks == 1:
         return shape
     if len(shape) != 2:
-        raise ValueError(f"row_blocks cuts '{name}' (shape {tuple(shape)}), but only a 2D matrix can be cut into row blocks")
+        raise ValueError(
+            f"row_blocks cuts '{name}' (shape {tuple(shape)}), but only a 2D matrix can be cut into row blocks"
+        )
     if shape[0] % blocks:
-        raise ValueError(f"row_blocks cuts '{name}' ({shape[0]} rows) into {blocks} blocks, which do not divide its rows")
+        raise ValueError(
+            f"row_blocks cuts '{name}' ({shape[0]} rows) into {blocks} blocks, which do not divide its rows"
+        )
     return [blocks, shape[0] // blocks, shape[1]]
