@@ -201,3 +201,13 @@ def test_placements_it_cannot_take_are_refused_on_every_rank(world4: list[dict[s
     assert "different roots" in first["roots"]
     assert "'blocks.0.w'" in first["add_group"] and "Partial" in first["add_group"]
     assert first["groups_kept"] and first["steps"] == 2
+
+
+def test_a_gradient_missing_on_some_ranks_of_a_remapped_matrix_stops_the_step_everywhere(
+    world4: list[dict[str, Any]],
+) -> None:
+    for r in world4:
+        res = ok(r["grad_none"])
+        assert res["all_none_kept"] and res["all_none_others_moved"]  # missing everywhere: skipped
+        assert res["some_none_error"] is not None and "'w2.weight'" in res["some_none_error"]
+        assert res["some_none_unchanged"] and res["recovered"]

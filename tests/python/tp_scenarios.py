@@ -284,6 +284,41 @@ def run_refusals(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_grad_none(rank: int, world: int) -> dict[str, Any]:
+    """dp 2 x tp 2: w2.weight (RowwiseParallel, remapped) without a gradient on every rank is
+    skipped; without one on rank 1 only, the step fails on every rank and changes nothing; the
+    next full step goes on."""
+    model = make_model()
+    dp_rank, dp = parallelize(model, "tp")
+    opt = Muon(model, **OPT_KW)
+    train(model, opt, range(1), dp_rank, dp)
+
+    def backward(drop: bool) -> None:
+        opt.zero_grad()
+        local_loss(model, 1, dp_rank, dp).backward()
+        if drop:
+            model.w2.weight.grad = None
+
+    out: dict[str, Any] = {}
+    before = full_params(model)
+    backward(drop=True)
+    opt.step()
+    after = full_params(model)
+    out["all_none_kept"] = torch.equal(before["w2.weight"], after["w2.weight"])
+    out["all_none_others_moved"] = not torch.equal(before["w1.weight"], after["w1.weight"])
+    backward(drop=rank == 1)
+    try:
+        opt.step()
+        out["some_none_error"] = None
+    except RuntimeError as e:
+        out["some_none_error"] = str(e)
+    out["some_none_unchanged"] = all(torch.equal(after[n], t) for n, t in full_params(model).items())
+    backward(drop=False)
+    opt.step()
+    out["recovered"] = not torch.equal(after["w2.weight"], full_params(model)["w2.weight"])
+    return out
+
+
 def ep_ckpt(ckpt: str) -> str:
     """Where the ep 2 x dp 2 run writes its checkpoint."""
     return ckpt + "-ep"
@@ -298,6 +333,7 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "ep_nofsdp": guarded(lambda: run_layout(rank, world, "ep_nofsdp")),
         "tp_blocks": guarded(lambda: run_layout(rank, world, "tp", kw=BLOCKS_KW)),
         "refusals": guarded(lambda: run_refusals(rank, world)),
+        "grad_none": guarded(lambda: run_grad_none(rank, world)),
     }
 
 
