@@ -211,3 +211,9 @@ def test_a_gradient_missing_on_some_ranks_of_a_remapped_matrix_stops_the_step_ev
         assert res["all_none_kept"] and res["all_none_others_moved"]  # missing everywhere: skipped
         assert res["some_none_error"] is not None and "'w2.weight'" in res["some_none_error"]
         assert res["some_none_unchanged"] and res["recovered"]
+
+
+def test_torch_state_dict_api_round_trips(world4: list[dict[str, Any]]) -> None:
+    for r in world4:
+        res = ok(r["fqn_api"])
+        assert "w2.weight" in res["keys"] and "experts" in res["keys"] and res["same"]

@@ -319,6 +319,23 @@ def run_grad_none(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_fqn_api(rank: int, world: int) -> dict[str, Any]:
+    """torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict round trip at dp 2
+    x tp 2, with row blocks (remapped momentum both ways)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    model = make_model()
+    dp_rank, dp = parallelize(model, "tp")
+    opt = Muon(model, **BLOCKS_KW)
+    train(model, opt, range(2), dp_rank, dp)
+    before = full_state(opt)
+    osd = get_optimizer_state_dict(model, opt)
+    set_optimizer_state_dict(model, opt, osd)
+    after = full_state(opt)
+    same = all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
+    return {"keys": sorted(osd["state"]), "same": same}
+
+
 def ep_ckpt(ckpt: str) -> str:
     """Where the ep 2 x dp 2 run writes its checkpoint."""
     return ckpt + "-ep"
@@ -334,6 +351,7 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "tp_blocks": guarded(lambda: run_layout(rank, world, "tp", kw=BLOCKS_KW)),
         "refusals": guarded(lambda: run_refusals(rank, world)),
         "grad_none": guarded(lambda: run_grad_none(rank, world)),
+        "fqn_api": guarded(lambda: run_fqn_api(rank, world)),
     }
 
 
