@@ -12,7 +12,8 @@ turns over destinations.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,60 +41,96 @@ class Piece:
         return n
 
 
-@dataclass(frozen=True)
-class Transfer:
-    src: int
-    dst: int
-    pieces: tuple[Piece, ...]
+@dataclass
+class Plan:
+    """One direction of one parameter's transfers, as this member takes part in them (every
+    member builds the same transfers, so each side's pieces come in the same order)."""
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.pieces)
+    local: list[Piece] = field(default_factory=list)  # from this member's source to its destination
+    sends: dict[int, list[Piece]] = field(default_factory=dict)  # member -> pieces of my source
+    recvs: dict[int, list[Piece]] = field(default_factory=dict)  # member -> pieces of my destination
+    cross: int = 0  # elements all members send to others: the same on every member
+
+    def add(self, me: int, src: int, dst: int, pieces: list[Piece]) -> None:
+        if src != dst:
+            self.cross += sum(p.numel for p in pieces)
+        if src == me and dst == me:
+            self.local += pieces
+        elif src == me:
+            self.sends.setdefault(dst, []).extend(pieces)
+        elif dst == me:
+            self.recvs.setdefault(src, []).extend(pieces)
 
 
-def plan_inbound(topo: Topology, holdings: tuple[Holding, ...], rows: tuple[tuple[int, int], ...]) -> list[Transfer]:
+def _overlapping(rows: tuple[tuple[int, int], ...], members: list[int], a: int, b: int) -> list[int]:
+    """The members (of one replica, their rows ascending and tiling dim 0) whose rows meet [a, b)."""
+    starts = [rows[m][0] for m in members]
+    i = max(0, bisect.bisect_right(starts, a) - 1)
+    out = []
+    for m in members[i:]:
+        lo, n = rows[m]
+        if lo >= b:
+            break
+        if n and lo + n > a:
+            out.append(m)
+    return out
+
+
+def _replicas_of(topo: Topology, rows: tuple[tuple[int, int], ...]) -> dict[int, list[int]]:
+    """Members per replica, in the order of their rows."""
+    out: dict[int, list[int]] = {}
+    for m in sorted(range(topo.size), key=lambda m: rows[m][0]):
+        out.setdefault(topo.replica(m), []).append(m)
+    return out
+
+
+def plan_inbound(topo: Topology, holdings: tuple[Holding, ...], rows: tuple[tuple[int, int], ...]) -> Plan:
     """Transfers that fill every member's engine rows (row `lo` of dim 0 at 0, the other dims
     whole) from the members' boxes."""
     cells: dict[Holding, list[int]] = {}
     for m, h in enumerate(holdings):
         if numel(h):
             cells.setdefault(h, []).append(m)
-    out = []
-    for q, (lo, n) in enumerate(rows):
-        if n == 0:
-            continue
-        for h, holders in cells.items():
-            near = [m for m in holders if topo.replica(m) == topo.replica(q)] or holders
-            src = q if q in holders else near[q % len(near)]
-            pieces = []
-            for box, off in boxes(h):
-                a, b = box[0]
-                s, e = max(a, lo), min(b, lo + n)
-                if s < e:
-                    sizes = (e - s,) + tuple(y - x for x, y in box[1:])
-                    pieces.append(Piece(sizes, (off[0] + s - a,) + off[1:], (s - lo,) + tuple(x for x, _ in box[1:])))
-            if pieces:
-                out.append(Transfer(src, q, tuple(pieces)))
-    return out
+    replicas = _replicas_of(topo, rows)
+    plan = Plan()
+    for h, holders in cells.items():
+        first, last = h[0][0][0], h[0][-1][1]
+        for r, members in replicas.items():
+            near = [m for m in holders if topo.replica(m) == r] or holders
+            for q in _overlapping(rows, members, first, last):
+                lo, n = rows[q]
+                pieces = []
+                for box, off in boxes(h):
+                    a, b = box[0]
+                    s, e = max(a, lo), min(b, lo + n)
+                    if s < e:
+                        sizes = (e - s,) + tuple(y - x for x, y in box[1:])
+                        dst = (s - lo,) + tuple(x for x, _ in box[1:])
+                        pieces.append(Piece(sizes, (off[0] + s - a,) + off[1:], dst))
+                if pieces:
+                    plan.add(topo.member, q if q in holders else near[q % len(near)], q, pieces)
+    return plan
 
 
-def plan_outbound(topo: Topology, holdings: tuple[Holding, ...], rows: tuple[tuple[int, int], ...]) -> list[Transfer]:
+def plan_outbound(topo: Topology, holdings: tuple[Holding, ...], rows: tuple[tuple[int, int], ...]) -> Plan:
     """Transfers that fill every member's box from the engine rows of its replica's members."""
-    out = []
+    replicas = _replicas_of(topo, rows)
+    plan = Plan()
     for r, h in enumerate(holdings):
         if not numel(h):
             continue
         by_src: dict[int, list[Piece]] = {}
         for box, off in boxes(h):
             a, b = box[0]
-            for q, (lo, n) in enumerate(rows):
+            for q in _overlapping(rows, replicas[topo.replica(r)], a, b):
+                lo, n = rows[q]
                 s, e = max(a, lo), min(b, lo + n)
-                if s < e and topo.replica(q) == topo.replica(r):
-                    sizes = (e - s,) + tuple(y - x for x, y in box[1:])
-                    piece = Piece(sizes, (s - lo,) + tuple(x for x, _ in box[1:]), (off[0] + s - a,) + off[1:])
-                    by_src.setdefault(q, []).append(piece)
-        out += [Transfer(q, r, tuple(pieces)) for q, pieces in sorted(by_src.items())]
-    return out
+                sizes = (e - s,) + tuple(y - x for x, y in box[1:])
+                piece = Piece(sizes, (s - lo,) + tuple(x for x, _ in box[1:]), (off[0] + s - a,) + off[1:])
+                by_src.setdefault(q, []).append(piece)
+        for q, pieces in sorted(by_src.items()):
+            plan.add(topo.member, q, r, pieces)
+    return plan
 
 
 def _box(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:
@@ -102,7 +139,7 @@ def _box(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> t
     return t
 
 
-Item = tuple[list[Transfer], torch.Tensor, torch.Tensor]  # (plan, this member's source, destination)
+Item = tuple[Plan, torch.Tensor, torch.Tensor]  # (plan, this member's source, destination)
 
 
 def run(topo: Topology, items: list[Item], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
@@ -112,33 +149,27 @@ def run(topo: Topology, items: list[Item], dtype: torch.dtype, device: torch.dev
     chunks: list[list[Item]] = [[]]
     load = 0
     for item in items:
-        cross = sum(t.numel for t in item[0] if t.src != t.dst)
-        if chunks[-1] and load + cross > CHUNK_ELEMENTS:
+        if chunks[-1] and load + item[0].cross > CHUNK_ELEMENTS:
             chunks.append([])
             load = 0
         chunks[-1].append(item)
-        load += cross
+        load += item[0].cross
     done = [_run_chunk(topo, chunk, dtype, device) for chunk in chunks]
     size = torch.empty(0, dtype=dtype).element_size()
     return sum(a for a, _ in done) * size, sum(b for _, b in done) * size
 
 
 def _run_chunk(topo: Topology, items: list[Item], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    me = topo.member
     sends: list[list[torch.Tensor]] = [[] for _ in range(topo.size)]
     recvs: list[list[tuple[torch.Tensor, Piece]]] = [[] for _ in range(topo.size)]
-    any_cross = False
     for plan, src, dst in items:
-        for t in plan:
-            any_cross |= t.src != t.dst
-            if t.src == me and t.dst == me:
-                for p in t.pieces:
-                    _box(dst, p.dst, p.sizes).copy_(_box(src, p.src, p.sizes))
-            elif t.src == me:
-                sends[t.dst] += [_box(src, p.src, p.sizes).reshape(-1).to(dtype) for p in t.pieces]
-            elif t.dst == me:
-                recvs[t.src] += [(dst, p) for p in t.pieces]
-    if not any_cross:
+        for p in plan.local:
+            _box(dst, p.dst, p.sizes).copy_(_box(src, p.src, p.sizes))
+        for q, pieces in plan.sends.items():
+            sends[q] += [_box(src, p.src, p.sizes).reshape(-1).to(dtype) for p in pieces]
+        for q, pieces in plan.recvs.items():
+            recvs[q] += [(dst, p) for p in pieces]
+    if not any(plan.cross for plan, _, _ in items):
         return 0, 0  # every member reached the same verdict: no collective
     send_counts = [sum(x.numel() for x in s) for s in sends]
     recv_counts = [sum(p.numel for _, p in r) for r in recvs]
@@ -169,8 +200,8 @@ class Placed:
     member_rows: tuple[tuple[int, int], ...]  # (begin, count) of the engine's dim 0 every member registers
     holdings: tuple[Holding, ...]  # every member's box of the parameter
     member: int
-    inbound: list[Transfer]
-    outbound: list[Transfer]
+    inbound: Plan
+    outbound: Plan
     staging: torch.Tensor | None = None
     grad: torch.Tensor | None = None
 
@@ -197,10 +228,10 @@ def place(topo: Topology, p: Any, use_muon: bool, unit: int = 1) -> Placed:
     holdings = topo.layouts[id(p)]
     me = topo.member
     if not use_muon:
-        return Placed("flat", flat_rows(holdings, topo.shard_size), holdings, me, [], [])
+        return Placed("flat", flat_rows(holdings, topo.shard_size), holdings, me, Plan(), Plan())
     rows = native_rows(holdings, p.shape, topo.shard_size)
     if rows is not None and all(b % unit == 0 and n % unit == 0 for b, n in rows):
-        return Placed("native", tuple((b // unit, n // unit) for b, n in rows), holdings, me, [], [])
+        return Placed("native", tuple((b // unit, n // unit) for b, n in rows), holdings, me, Plan(), Plan())
     blocks = chunked_rows(int(p.shape[0]) // unit, topo)
     rows = tuple((b * unit, n * unit) for b, n in blocks)
     local = local_tensor(p)
