@@ -101,9 +101,10 @@ class Muon(torch.optim.Optimizer):
         nonfinite: 'skip' (default: a matrix or tensor whose gradient has NaN/Inf is left
             untouched in that step and counted) or 'raise' (nothing is updated; error).
         dist_mode: 'auto' (default) detects the setting: DTensor parameters (FSDP2
-            ``fully_shard``, HSDP) -> 'sharded' over their device mesh; plain parameters with
+            ``fully_shard``, HSDP, tensor / expert parallelism on sub-meshes of one mesh) ->
+            'sharded' over their device mesh (docs/distributed.md); plain parameters with
             torch.distributed initialised over more than one process (DDP) -> 'replicated';
-            else 'local'. 'gather' is the naive baseline for DTensor parameters.
+            else 'local'. 'gather' is the naive baseline for FSDP2's DTensor parameters.
         process_group: the group of the replicated mode (default: the whole world).
         bucket_mb: megabytes of full matrices moved per bucket in the distributed modes (the
             next bucket travels while the current one computes).
