@@ -46,6 +46,13 @@ bool any_nonfinite(const char* p, int64_t n, DType t) {
   return false;
 }
 
+// The gather run a mode's ratios are taken against (same algorithm; any for the AdamW baseline).
+const ModeResult* gather_of(const std::vector<ModeResult>& results, const ModeResult& r) {
+  for (const ModeResult& g : results)
+    if (g.mode == "gather" && (g.algo == r.algo || r.mode == "adamw")) return &g;
+  return nullptr;
+}
+
 }  // namespace
 
 Comparison::Comparison(const BenchOptions& o, RankSync& sync, Communicator& comm, Backend& be)
@@ -263,11 +270,6 @@ void Comparison::check_weights_agree() {
 
 void print_comparison(const Comparison& cmp, const std::vector<ModeResult>& results, int world,
                       const std::string& device) {
-  auto gather_of = [&](const ModeResult& r) -> const ModeResult* {
-    for (const ModeResult& g : results)
-      if (g.mode == "gather" && (g.algo == r.algo || r.mode == "adamw")) return &g;
-    return nullptr;
-  };
   std::printf("\n%s on %d ranks (%s): %lld Muon matrices, %lld Muon + %lld AdamW parameters\n",
               cmp.workload().c_str(), world, device.c_str(),
               static_cast<long long>(cmp.matrices()), static_cast<long long>(cmp.muon_params()),
@@ -280,7 +282,7 @@ void print_comparison(const Comparison& cmp, const std::vector<ModeResult>& resu
               "engine ms", "MB/rank max", "engine MB", "GFLOP/rk max", "GFLOP/rk mean", "flops/gth",
               "bytes/gth", "speedup");
   for (const ModeResult& r : results) {
-    const ModeResult* g = gather_of(r);
+    const ModeResult* g = gather_of(results, r);
     char ratios[64] = "         -          -         -";
     if (g) {
       // One rank moves no bytes in any mode: its byte ratio is "-", not 0/0.
@@ -297,17 +299,12 @@ void print_comparison(const Comparison& cmp, const std::vector<ModeResult>& resu
 }
 
 nlohmann::json comparison_runs_json(const std::vector<ModeResult>& results) {
-  auto gather_of = [&](const ModeResult& r) -> const ModeResult* {
-    for (const ModeResult& g : results)
-      if (g.mode == "gather" && (g.algo == r.algo || r.mode == "adamw")) return &g;
-    return nullptr;
-  };
   auto summary = [](const cli::Summary& s) {
     return nlohmann::json{{"median", s.median}, {"min", s.min}, {"max", s.max}};
   };
   nlohmann::json runs = nlohmann::json::array();
   for (const ModeResult& r : results) {
-    const ModeResult* g = gather_of(r);
+    const ModeResult* g = gather_of(results, r);
     runs.push_back({{"mode", r.mode},
                     {"algo", r.algo},
                     {"step_ms", summary(r.step_ms)},
