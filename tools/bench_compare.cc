@@ -38,10 +38,14 @@ bool any_nonfinite(const char* p, int64_t n, DType t) {
     return false;
   };
   switch (t) {
-    case DType::kF64: return scan(uint64_t{}, uint64_t{0x7ff0000000000000});
-    case DType::kF32: return scan(uint32_t{}, uint32_t{0x7f800000});
-    case DType::kBF16: return scan(uint16_t{}, uint16_t{0x7f80});
-    case DType::kF16: return scan(uint16_t{}, uint16_t{0x7c00});
+    case DType::kF64:
+      return scan(uint64_t{}, uint64_t{0x7ff0000000000000});
+    case DType::kF32:
+      return scan(uint32_t{}, uint32_t{0x7f800000});
+    case DType::kBF16:
+      return scan(uint16_t{}, uint16_t{0x7f80});
+    case DType::kF16:
+      return scan(uint16_t{}, uint16_t{0x7c00});
   }
   return false;
 }
@@ -125,8 +129,8 @@ std::unique_ptr<Comparison::Run> Comparison::prepare(const std::string& mode,
     GroupOptions gm;
     gm.muon.ortho = parse_algorithm(algo);
     const std::string& wd = o_.work_dtype;
-    gm.muon.ortho.work_dtype = parse_dtype(
-        wd == "auto" ? (be_.device().kind == DeviceKind::kCUDA ? "bf16" : "f32") : wd);
+    gm.muon.ortho.work_dtype =
+        parse_dtype(wd == "auto" ? (be_.device().kind == DeviceKind::kCUDA ? "bf16" : "f32") : wd);
     engine.add_group(gm);
   }
   GroupOptions ga;
@@ -205,16 +209,17 @@ void Comparison::step(Run& run, int64_t i) {
   be_.synchronize();
   const auto t3 = Clock::now();
   if (hook_) hook_(run, i, false);
-  auto ms = [](auto a, auto b) {
-    return std::chrono::duration<double, std::milli>(b - a).count();
-  };
+  auto ms = [](auto a, auto b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
   if (i >= warmup && i < warmup + steps) {
     run.step_ms.push_back(ms(t0, t3));
     run.engine_ms.push_back(ms(t1, t2));
   }
   if (me == 0)
     std::fprintf(stderr, "  %-10s %-8s %s %lld/%lld  %.1f ms (rank 0)\n", run.mode.c_str(),
-                 run.algo.c_str(), i < warmup ? "warmup" : i < warmup + steps ? "step  " : "extra ",
+                 run.algo.c_str(),
+                 i < warmup           ? "warmup"
+                 : i < warmup + steps ? "step  "
+                                      : "extra ",
                  static_cast<long long>(i < warmup ? i + 1 : i - warmup + 1),
                  static_cast<long long>(i < warmup ? warmup : steps), ms(t0, t3));
 }
@@ -234,8 +239,8 @@ ModeResult Comparison::result(Run& run) {
   const double bytes = (e.bytes_sent + e.bytes_received + f.bytes_sent + f.bytes_received) / n;
   const double ebytes = (e.bytes_sent + e.bytes_received) / n;
   const double flops = (s1.ortho.flops - run.s0.ortho.flops) / n;
-  std::vector<double> mx = sync_.reduce(
-      {bytes, ebytes, flops, static_cast<double>(s1.owned_matrices)}, ReduceOp::kMax);
+  std::vector<double> mx =
+      sync_.reduce({bytes, ebytes, flops, static_cast<double>(s1.owned_matrices)}, ReduceOp::kMax);
   std::vector<double> sum = sync_.reduce({bytes, flops}, ReduceOp::kSum);
   r.bytes_max = mx[0];
   r.engine_bytes_max = mx[1];
@@ -259,7 +264,8 @@ void Comparison::check_weights_agree() {
     finite = finite && !any_nonfinite(host.data(), t.numel, dtype_);
   }
   // Two 32-bit halves: exact in doubles. Max and -min of each agree iff every rank's does.
-  const double hi = static_cast<double>(digest >> 32), lo = static_cast<double>(digest & 0xffffffffu);
+  const double hi = static_cast<double>(digest >> 32),
+               lo = static_cast<double>(digest & 0xffffffffu);
   const std::vector<double> m =
       sync_.reduce({hi, lo, -hi, -lo, finite ? 0.0 : 1.0}, ReduceOp::kMax);
   DM_CHECK(m[4] == 0, "the weights are not finite on some rank after the steps");
@@ -271,8 +277,8 @@ void Comparison::check_weights_agree() {
 void print_comparison(const Comparison& cmp, const std::vector<ModeResult>& results, int world,
                       const std::string& device) {
   std::printf("\n%s on %d ranks (%s): %lld Muon matrices, %lld Muon + %lld AdamW parameters\n",
-              cmp.workload().c_str(), world, device.c_str(),
-              static_cast<long long>(cmp.matrices()), static_cast<long long>(cmp.muon_params()),
+              cmp.workload().c_str(), world, device.c_str(), static_cast<long long>(cmp.matrices()),
+              static_cast<long long>(cmp.muon_params()),
               static_cast<long long>(cmp.adamw_params()));
   std::printf(
       "step: local unreduced gradients -> full updated weights on every rank "

@@ -11,9 +11,9 @@
 #include <thread>
 
 #include "bench_rank.h"
-#include "device_trace.h"
-#include "cuda_info.h"
 #include "common/fnv.h"
+#include "cuda_info.h"
+#include "device_trace.h"
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
 #include "distmuon/engine.h"
@@ -68,8 +68,8 @@ int run_distributed(const BenchOptions& o) {
     threads = threads_per_rank(p);
     omp_set_num_threads(threads);
   }
-  auto be = make_backend(
-      backend == "cuda" ? rank_device(rank, o.ranks_per_gpu, cuda_device_count()) : backend);
+  auto be = make_backend(backend == "cuda" ? rank_device(rank, o.ranks_per_gpu, cuda_device_count())
+                                           : backend);
   // CPU: the MPI communicator moves host memory. CUDA: an NCCL communicator whose id rank 0
   // shares over MPI.
   std::unique_ptr<Communicator> nccl;
@@ -98,9 +98,10 @@ int run_distributed(const BenchOptions& o) {
   // Ranks that share a GPU run at the same time only under MPS (each then on its share of the
   // SMs, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); without it the GPU time-slices them.
   const char* mps = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE");
-  r.mechanism = backend == "cpu" ? "mpi-cpu"
+  r.mechanism = backend == "cpu"       ? "mpi-cpu"
                 : o.ranks_per_gpu == 1 ? "gpus"
-                : mps ? "mps" : "time-sliced";
+                : mps                  ? "mps"
+                                       : "time-sliced";
   if (be->device().kind == DeviceKind::kCUDA) {
     // An MPS client sees its share of the SMs as the device's; the whole stays unknown (0).
     r.sms_per_rank = device_sm_count(be->device().index);

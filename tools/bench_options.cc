@@ -66,8 +66,7 @@ int local_rank(int world_rank) {
 
 void add_bench_options(CLI::App& app, BenchOptions& o) {
   app.option_defaults()->always_capture_default();
-  app.add_option("--workload", o.workload, cli::workload_help())
-      ->check(cli::kWorkload);
+  app.add_option("--workload", o.workload, cli::workload_help())->check(cli::kWorkload);
   app.add_option("--backend", o.backend,
                  "where the step runs (distributed cuda: each rank on the device of its local "
                  "rank, see --ranks-per-gpu)")

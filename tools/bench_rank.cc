@@ -73,7 +73,9 @@ Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
     Buffer send = be.alloc(static_cast<size_t>(bytes));
     Buffer recv = be.alloc(static_cast<size_t>(bytes) * p);
     be.fill_zero(send.data(), static_cast<size_t>(bytes));
-    auto all_gather = [&] { comm.all_gather(send.data(), recv.data(), count, CommType::kBF16).wait(); };
+    auto all_gather = [&] {
+      comm.all_gather(send.data(), recv.data(), count, CommType::kBF16).wait();
+    };
     auto all_reduce = [&] {
       comm.all_reduce(send.data(), send.data(), count, CommType::kBF16, ReduceOp::kSum).wait();
     };
@@ -115,17 +117,18 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
     gemm_min = std::min(gemm_min, per_rank[q]);
     copy_min = std::min(copy_min, per_rank[q + 1]);
   }
-  return {{"what",
-           "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
-           "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
-           "all-gather and all-reduce"},
-          {"gemm_tflops_per_rank_min", gemm_min},
-          {"gemm_tflops_total", gemm_sum},
-          {"copy_gbs_per_rank_min", copy_min},
-          {"copy_gbs_total", copy_sum},
-          {"nccl_allgather_busbw_gbs", c.allgather_gbs},
-          {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
-          {"ranks", ranks}};
+  return {
+      {"what",
+       "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
+       "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
+       "all-gather and all-reduce"},
+      {"gemm_tflops_per_rank_min", gemm_min},
+      {"gemm_tflops_total", gemm_sum},
+      {"copy_gbs_per_rank_min", copy_min},
+      {"copy_gbs_total", copy_sum},
+      {"nccl_allgather_busbw_gbs", c.allgather_gbs},
+      {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
+      {"ranks", ranks}};
 }
 
 // ---- the profiled step --------------------------------------------------------------------
@@ -156,11 +159,12 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
   print_comparison(cmp, results, p, r.be.name());
   if (calibration) {
     const json& c = *calibration;
-    std::printf("calibration: GEMM %.0f TFLOP/s per rank (%.0f total), copy %.0f GB/s per rank "
-                "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s (bus)\n",
-                c["gemm_tflops_per_rank_min"].get<double>(), c["gemm_tflops_total"].get<double>(),
-                c["copy_gbs_per_rank_min"].get<double>(), c["copy_gbs_total"].get<double>(),
-                c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>());
+    std::printf(
+        "calibration: GEMM %.0f TFLOP/s per rank (%.0f total), copy %.0f GB/s per rank "
+        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s (bus)\n",
+        c["gemm_tflops_per_rank_min"].get<double>(), c["gemm_tflops_total"].get<double>(),
+        c["copy_gbs_per_rank_min"].get<double>(), c["copy_gbs_total"].get<double>(),
+        c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>());
   }
   json runs = comparison_runs_json(results);
   if (!breakdowns.empty()) {
@@ -171,8 +175,12 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
       int busiest = 0;
       for (int q = 0; q < p; ++q) {
         const double* b = &all[static_cast<size_t>(q) * kBreakdownFields];
-        ranks.push_back({{"rank", q}, {"window_ms", b[0]}, {"compute_ms", b[1]}, {"comm_ms", b[2]},
-                         {"overlap_ms", b[3]}, {"wait_ms", b[4]}});
+        ranks.push_back({{"rank", q},
+                         {"window_ms", b[0]},
+                         {"compute_ms", b[1]},
+                         {"comm_ms", b[2]},
+                         {"overlap_ms", b[3]},
+                         {"wait_ms", b[4]}});
         if (b[1] > all[static_cast<size_t>(busiest) * kBreakdownFields + 1]) busiest = q;
       }
       const double* b = &all[static_cast<size_t>(busiest) * kBreakdownFields];

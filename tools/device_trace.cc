@@ -94,7 +94,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
       case CUPTI_ACTIVITY_KIND_KERNEL:
       case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL: {
         const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
-        const bool nccl = k->name && std::string_view(k->name).find("nccl") != std::string_view::npos;
+        const bool nccl =
+            k->name && std::string_view(k->name).find("nccl") != std::string_view::npos;
         got.push_back({k->start, k->end, k->contextId, nccl});
         break;
       }
@@ -108,7 +109,8 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
         got.push_back({m->start, m->end, m->contextId, false});
         break;
       }
-      default: break;
+      default:
+        break;
     }
   }
   std::free(buffer);
@@ -129,7 +131,8 @@ std::unique_ptr<DeviceTrace> DeviceTrace::open(std::string* why) {
   for (const char* name : {"libcupti.so", "libcupti.so.13", "libcupti.so.12"})
     if ((api->lib = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
   if (!api->lib) {
-    if (why) *why = "libcupti could not be loaded (add the CUDA toolkit's CUPTI to LD_LIBRARY_PATH)";
+    if (why)
+      *why = "libcupti could not be loaded (add the CUDA toolkit's CUPTI to LD_LIBRARY_PATH)";
     return nullptr;
   }
   Api& a = *api;

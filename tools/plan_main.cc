@@ -8,7 +8,6 @@
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
-#include "plan_options.h"
 #include "distmuon/backend.h"
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"
@@ -16,6 +15,7 @@
 #include "distmuon/plan.h"
 #include "distmuon/simulate.h"
 #include "distmuon/workload.h"
+#include "plan_options.h"
 
 namespace distmuon::plan_tool {
 namespace {
@@ -188,33 +188,33 @@ int run(const PlanArgs& a) {
                   p.makespan * 1e3, p.imbalance, p.gather() * 1e3, p.gather_comm * 1e3,
                   p.sharded() * 1e3, p.sharded_comm * 1e3, p.dedicated() * 1e3,
                   p.gather() / p.sharded(), p.gather() / p.dedicated());
-      j["simulate"]["points"].push_back({{"world", p.world},
-                                         {"makespan", p.makespan},
-                                         {"imbalance", p.imbalance},
-                                         {"gather", p.gather()},
-                                         {"gather_comm", p.gather_comm},
-                                         {"gather_elementwise", p.gather_elementwise},
-                                         {"owner_step", p.owner_step},
-                                         {"sharded", p.sharded()},
-                                         {"sharded_comm", p.sharded_comm},
-                                         {"dedicated", p.dedicated()},
-                                         {"dedicated_comm", p.dedicated_comm},
-                                         {"fsdp_comm", p.fsdp_comm},
-                                         {"dedicated_exchange", p.dedicated_exchange},
-                                         {"adamw_update", p.adamw_update},
-                                         {"gather_step", p.gather_step()},
-                                         {"sharded_step", p.sharded_step()},
-                                         {"dedicated_step", p.dedicated_step()},
-                                         {"adamw_step", p.adamw_step()},
-                                         {"speedup_sharded", p.gather() / p.sharded()},
-                                         {"speedup_dedicated", p.gather() / p.dedicated()},
-                                         {"gather_bytes", p.gather_bytes},
-                                         {"replicated_bytes", p.replicated_bytes},
-                                         {"sharded_bytes", p.sharded_bytes},
-                                         {"dedicated_bytes", p.dedicated_bytes},
-                                         {"gather_flops", all_flops},
-                                         {"owner_flops_max", *std::max_element(
-                                             owner_flops.begin(), owner_flops.end())}});
+      j["simulate"]["points"].push_back(
+          {{"world", p.world},
+           {"makespan", p.makespan},
+           {"imbalance", p.imbalance},
+           {"gather", p.gather()},
+           {"gather_comm", p.gather_comm},
+           {"gather_elementwise", p.gather_elementwise},
+           {"owner_step", p.owner_step},
+           {"sharded", p.sharded()},
+           {"sharded_comm", p.sharded_comm},
+           {"dedicated", p.dedicated()},
+           {"dedicated_comm", p.dedicated_comm},
+           {"fsdp_comm", p.fsdp_comm},
+           {"dedicated_exchange", p.dedicated_exchange},
+           {"adamw_update", p.adamw_update},
+           {"gather_step", p.gather_step()},
+           {"sharded_step", p.sharded_step()},
+           {"dedicated_step", p.dedicated_step()},
+           {"adamw_step", p.adamw_step()},
+           {"speedup_sharded", p.gather() / p.sharded()},
+           {"speedup_dedicated", p.gather() / p.dedicated()},
+           {"gather_bytes", p.gather_bytes},
+           {"replicated_bytes", p.replicated_bytes},
+           {"sharded_bytes", p.sharded_bytes},
+           {"dedicated_bytes", p.dedicated_bytes},
+           {"gather_flops", all_flops},
+           {"owner_flops_max", *std::max_element(owner_flops.begin(), owner_flops.end())}});
     }
   }
   if (!a.json.empty()) {

@@ -40,8 +40,7 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
 void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.option_defaults()->always_capture_default();
   const auto solver_names = CLI::IsMember({"milp", "lpt", "round-robin"});
-  app.add_option("--workload", a.workload, cli::workload_help())
-      ->check(cli::kWorkload);
+  app.add_option("--workload", a.workload, cli::workload_help())->check(cli::kWorkload);
   app.add_option("--layers", a.layers, "keep only the first K of each repeated tensor (0: all)")
       ->check(cli::at_least(0, cli::kMaxRepeats));
   app.add_option("--world-size", a.world_size, "ranks (owner slots)")
@@ -96,7 +95,8 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->group(costs);
   app.add_option("--cache", a.cache,
-                 "cost cache (default: DISTMUON_COST_CACHE, else $XDG_CACHE_HOME or ~/.cache, distmuon/costs.json)")
+                 "cost cache (default: DISTMUON_COST_CACHE, else $XDG_CACHE_HOME or ~/.cache, "
+                 "distmuon/costs.json)")
       ->group(costs);
   app.add_option("--profile-ks", a.profile_ks, "batch sizes timed per shape by --measure")
       ->delimiter(',')

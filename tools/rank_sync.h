@@ -4,7 +4,6 @@
 #pragma once
 
 #include <vector>
-#include <vector>
 
 #include "distmuon/comm.h"
 

@@ -18,7 +18,7 @@ struct CommModel {
   double inter_bytes_per_s = 50e9;
   double intra_latency_s = 3e-6;
   double inter_latency_s = 6e-6;
-  int64_t wire_elem_bytes = 2;   // bf16 gradients and updates on the wire
+  int64_t wire_elem_bytes = 2;  // bf16 gradients and updates on the wire
   // The elementwise passes around the orthogonalization (gradient and momentum, the Nesterov
   // input and its norm, the iterate in and out, the weight update), as bytes of memory traffic
   // per element a rank orthogonalizes, at the device's memory bandwidth. 44 bytes: measured on

@@ -131,9 +131,9 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
       }
     }
     for (int o = 0; o < d; ++o)
-      sp.owner_step = std::max(sp.owner_step, plan.owner_load[o] + bytes[o] /
-                                                  static_cast<double>(cm.wire_elem_bytes) *
-                                                  elementwise_s);
+      sp.owner_step = std::max(
+          sp.owner_step,
+          plan.owner_load[o] + bytes[o] / static_cast<double>(cm.wire_elem_bytes) * elementwise_s);
     if (d > 1) {
       sp.gather_comm = ring_allgather_seconds(total, d, cm, gpus_per_node);
       // There: each rank sends its 1/D row shard of what others own and the owner receives the

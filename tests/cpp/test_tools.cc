@@ -148,7 +148,8 @@ TEST(Tools, OptionsThatConflictAreRefused) {
   // The calibration and the profiled steps: distributed ranks on CUDA only.
   expect_refused("distmuon-bench", {"--mode", "gather", "--calibrate"},
                  "--calibrate applies to the distributed modes on CUDA");
-  expect_refused("distmuon-bench", {"--profile"}, "--profile applies to the distributed modes on CUDA");
+  expect_refused("distmuon-bench", {"--profile"},
+                 "--profile applies to the distributed modes on CUDA");
   expect_refused("distmuon-plan", {"--costs-scale", "0"}, "--costs-scale: must be");
   expect_refused("distmuon-plan", {"--measure", "--analytic"}, "choose one of");
   expect_refused("distmuon-plan", {"--replicate", "3"}, "does not divide the world size 8");
@@ -280,10 +281,26 @@ TEST(Tools, DistributedComparisonRunsEveryMode) {
   std::remove(json);
   const Exit e = run_process(
       MPIEXEC_EXE,
-      {"--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "2",
-       DISTMUON_BENCH_EXE, "--workload", "gpt2-small", "--layers", "1", "--steps", "1",
-       "--warmup", "0", "--no-adamw", "--mode", "gather,sharded,dedicated,replicated,adamw",
-       "--json", json},
+      {"--allow-run-as-root",
+       "--oversubscribe",
+       "--bind-to",
+       "none",
+       "-np",
+       "2",
+       DISTMUON_BENCH_EXE,
+       "--workload",
+       "gpt2-small",
+       "--layers",
+       "1",
+       "--steps",
+       "1",
+       "--warmup",
+       "0",
+       "--no-adamw",
+       "--mode",
+       "gather,sharded,dedicated,replicated,adamw",
+       "--json",
+       json},
       {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1", "DISTMUON_COMM_TIMEOUT_S=60"}, 300);
   ASSERT_EQ(e.code, 0) << e.err;
   std::ifstream f(json);
@@ -295,7 +312,8 @@ TEST(Tools, DistributedComparisonRunsEveryMode) {
     EXPECT_GT(r["step_ms"]["median"].get<double>(), 0);
     EXPECT_GT(r["speedup_vs_gather"].get<double>(), 0);
   }
-  EXPECT_EQ(modes, (std::vector<std::string>{"gather", "sharded", "dedicated", "replicated", "adamw"}));
+  EXPECT_EQ(modes,
+            (std::vector<std::string>{"gather", "sharded", "dedicated", "replicated", "adamw"}));
   // The AdamW baseline orthogonalizes nothing; the owner modes half of what gather does.
   EXPECT_EQ(j["runs"][4]["ortho_flops_max_rank"].get<double>(), 0);
   EXPECT_LT(j["runs"][1]["ortho_flops_max_rank"].get<double>(),
