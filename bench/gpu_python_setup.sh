@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sourced by the GPU-machine scripts (bench/h200_front.sh, bench/multi_gpu/run.sh): unpacks the
+# Sourced by the GPU-machine scripts (bench/front.sh, bench/multi_gpu/run.sh): unpacks the
 # carried Debian packages (.gpubin/debs, from tests/gpu/stage.sh) into /tmp/sysroot (never
 # into /), points CMake, pkg-config and the linker at them, and builds + installs the distmuon
 # extension with pip (no network there). Expects ROOT, LOG, PY and a `say` function; sets

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Two builds' kernels side by side, from Nsight Compute CSVs of the same program (bench/
-h200_build_ab.sh writes them):
+"""Two builds' kernels side by side, from Nsight Compute CSVs of the same program (`bench/ab.sh
+builds` writes them):
 
     ncu --kernel-name regex:K --metrics gpu__time_duration.sum,launch__registers_per_thread,\\
         sm__warps_active.avg.pct_of_peak_sustained_active,\\

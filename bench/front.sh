@@ -4,20 +4,20 @@
 # example with distmuon, fused AdamW and torch.optim.Muon (step time split into forward+backward
 # and optimizer; final validation losses).
 #
-#   bench/h200_front.sh            the recorded run (example at its GPU preset)
-#   STEPS=300 bench/h200_front.sh  a shorter example run (validation of the script)
-#   SKIP_EXAMPLE=1 bench/h200_front.sh   everything but the training example
-#   ONLY=dedicated bench/h200_front.sh   build, smoke test, the GPU tests of the dedicated
-#                                  runtime and bench/h200_dedicated.py only (a few minutes)
+#   bench/front.sh            the recorded run (example at its GPU preset)
+#   STEPS=300 bench/front.sh  a shorter example run (validation of the script)
+#   SKIP_EXAMPLE=1 bench/front.sh   everything but the training example
+#   ONLY=dedicated bench/front.sh   build, smoke test, the GPU tests of the dedicated
+#                                  runtime and bench/dedicated.py only (a few minutes)
 #
 # Needs .gpubin/ from tests/gpu/stage.sh (device tool: carry [".gpubin"]). The Debian
 # packages are unpacked into /tmp/sysroot (never into /) and CMake, pkg-config and the linker
 # are pointed at it. Output under $OUT: run.log, pytest.log, train_gpt.json, train_gpt.png,
-# summary.txt, dedicated/ (bench/h200_dedicated.py: dedicated.json, summary.txt).
+# summary.txt, dedicated/ (bench/dedicated.py: dedicated.json, summary.txt).
 set -o pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-OUT=${OUT:-$ROOT/out/h200_front}
+OUT=${OUT:-$ROOT/out/front}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 cd "$ROOT"
@@ -54,12 +54,12 @@ fi
 
 # The dedicated runtime (distmuon.torch.dedicate) against the plain optimizer, one GPU.
 dedicated_bench() {
-  say "dedicated runtime: GPU tests (test_gpu.py -k dedicated) and bench/h200_dedicated.py"
+  say "dedicated runtime: GPU tests (test_gpu.py -k dedicated) and bench/dedicated.py"
   $PY -c "import pytest" 2>/dev/null || $PY -m pip install -q --no-index --find-links .gpubin/wheels \
     --root-user-action=ignore pytest >>"$LOG" 2>&1
   OMP_WAIT_POLICY=passive $PY -m pytest tests/python/test_gpu.py -v -rs -k dedicated 2>&1 | tail -12 | tee -a "$LOG"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
-  OUT=$OUT/dedicated $PY bench/h200_dedicated.py ${DEDICATED_ARGS:-} 2>&1 | tee -a "$LOG" | tail -14
+  OUT=$OUT/dedicated $PY bench/dedicated.py ${DEDICATED_ARGS:-} 2>&1 | tee -a "$LOG" | tail -14
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 }
 if [ "${ONLY:-}" = dedicated ]; then

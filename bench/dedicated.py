@@ -3,10 +3,10 @@
 per training step of a GPT-2-small-sized model (12 x 768, block 256, batch 32, bf16 autocast),
 every configuration in the same process, from the same initial weights on the same batches.
 
-    python bench/h200_dedicated.py                       # the recorded run (out/h200_dedicated/)
-    python bench/h200_dedicated.py --steps 20 --layers 2 # a quick check of the script
-    python bench/h200_dedicated.py --device cpu --layers 2 --embd 64 --heads 2 --block 32 --batch 4 --steps 6
-                                                         # the script's logic on a CPU (gloo)
+    python bench/dedicated.py                       # the recorded run (out/dedicated/)
+    python bench/dedicated.py --steps 20 --layers 2 # a quick check of the script
+    python bench/dedicated.py --device cpu --layers 2 --embd 64 --heads 2 --block 32 --batch 4 --steps 6
+                                                    # the script's logic on a CPU (gloo)
 
 Configurations (world size 1; a one-rank NCCL process group gives dedicate() its mesh):
 
@@ -27,7 +27,7 @@ range of the step time, the ratio to `plain`, forward+backward and optimizer med
 separate split pass (synchronised between the parts), the losses' largest difference from
 `plain` (the same arithmetic: 0 or bf16-level), and the peak memory.
 
-Writes $OUT (default out/h200_dedicated)/dedicated.json and summary.txt.
+Writes $OUT (default out/dedicated)/dedicated.json and summary.txt.
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--device", default="cuda", help="cuda (the measurement) or cpu (checks the script)")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out" / "h200_dedicated")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "out" / "dedicated")))
     args = ap.parse_args()
     kinds = [k for k in args.configs.split(",") if k]
     cuda = args.device == "cuda"

@@ -15,7 +15,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 WL=${WL-gpt2-small,gpt2-large,pi0,qwen2.5-7b:8,deepseek-v2-lite:2,resnet18,bench/workloads/llama3.2-1b.json}
 ROUNDS=${ROUNDS:-3}
 cd "$ROOT"
-source bench/h200_bundle.sh
+source bench/lib.sh
 bundle_preamble auto_check || exit 1
 rc=0
 say "auto against each algorithm per shape class ($WL)"
