@@ -112,10 +112,10 @@ TEST(AlgoModel, PicksWithin3PercentOnEveryLeftOutH200Class) {
   std::printf("[model] worst pick / fastest: %.3f (heuristic %.3f)\n", worst, worst_heuristic);
 }
 
-// The 42 shape classes of seven workloads on one H200 (2026-12-02, bench/auto_check.sh,
-// bench/results/2026-12-02-h200-auto/auto_check-graph.json): the tuner's graph-replay
-// measurements of the four candidates (ms, relative error, accepted), and ns5, ns5-sym and
-// Gram NS {2} timed again independently (the truth a pick is judged by).
+// The 42 shape classes of seven workloads on one H200 (2026-12-02, bench/auto_check.sh; the
+// record: git show e79259d:bench/results/2026-12-02-h200-auto/auto_check-graph.json): the
+// tuner's graph-replay measurements of the four candidates (ms, relative error, accepted), and
+// ns5, ns5-sym and Gram NS {2} timed again independently (the truth a pick is judged by).
 struct Cand {
   double ms, rel_err;
   bool accepted;
