@@ -1,7 +1,8 @@
 // distmuon-cuda-bench --host-issue: where an eager step's host time goes. The distributed modes
 // issue their steps eagerly (only a single-process engine replays a graph), and on
-// deepseek-v2-lite's many small matrices an eager step took 32 ms of host time for about 200
-// operations (bench/NOTES.md, run 13) against about 12 us per operation on gpt2-small. For each
+// deepseek-v2-lite's many small matrices five eager steps issued back to back took 32 ms of host
+// time each for about 200 operations, against about 12 us per operation on gpt2-small (one step
+// alone: 2.37 ms, the 32 ms were a full launch queue; H200). For each
 // shape class of each workload this times, on the host, one call of each operation an
 // orthogonalization issues (the symmetric product with its mirror, in both of its sizes; the
 // dense product Q X; a linear combination) and one whole solve per algorithm, with the device
@@ -88,7 +89,7 @@ json class_row(CudaBackend& be, const ShapeClass& s) {
 // One eager step() of the workload's Muon matrices (fp32, `auto` by the heuristic, graphs off:
 // as the distributed modes issue): its host time after a device synchronisation (median of 5),
 // and the host time per step of 5 steps issued back to back, which the launch queue caps once it
-// fills (the host then waits for the device; the 32 ms of run 13 were measured that way).
+// fills (the host then waits for the device: deepseek-v2-lite's 32 ms per step came from that).
 json eager_step(CudaBackend& be, const std::string& spec) {
   const Workload w = workload_of(parse_workload_spec(spec));
   EngineOptions eo;

@@ -82,9 +82,9 @@ std::string default_cost_cache_path();
 // ---- analytic ---------------------------------------------------------------------------------
 
 // Rates of the analytic model. Defaults: an H200's dense bf16 GEMM rate and device copy
-// bandwidth, on the low side of what bench/NOTES.md records (781-806 TFLOP/s, 4.25-4.29 TB/s
-// across runs), and a per-kernel launch/tail overhead that makes small matrices cost more than
-// their FLOPs (why batching pays).
+// bandwidth, on the low side of what H200s measured (781-806 TFLOP/s, 4.25-4.29 TB/s from one
+// machine to another), and a per-kernel launch/tail overhead that makes small matrices cost
+// more than their FLOPs (why batching pays).
 struct AnalyticRates {
   double flops_per_s = 759e12;
   double bytes_per_s = 4.17e12;

@@ -62,7 +62,8 @@ struct EngineOptions {
   // DISTMUON_AUTOTUNE=off|cached|on overrides this when set.
   AutoTune autotune = AutoTune::kOn;
   // Let a tuned `auto` pick Gram NS without restarts where it measured fastest; by default only
-  // restart sets containing 2 (the published choice) are taken (bench/NOTES.md explains why).
+  // restart sets containing 2 (the published choice) are taken: the tuner checks errors on random
+  // inputs, whose spectra hide the half-precision drift a restart corrects on real momentum.
   // DISTMUON_AUTOTUNE_RESTART_FREE=1 overrides.
   bool allow_restart_free = false;
   // Whole-step graphs (single process, on backends that capture: CUDA): the second step in a row

@@ -23,7 +23,8 @@ struct CommModel {
   // input and its norm, the iterate in and out, the weight update), as bytes of memory traffic
   // per element a rank orthogonalizes, at the device's memory bandwidth. 44 bytes: measured on
   // the H200 at one rank with f32 parameters and momentum (gpt2-large: the dedicated step less
-  // the measured orthogonalization costs; run 7 in bench/NOTES.md). 0 leaves them out.
+  // the measured orthogonalization costs: 7.7 ms over 708 M elements; with it the simulator
+  // predicts the step at 28.1 ms against 28.1 measured, pi0 within 4 %). 0 leaves them out.
   double elementwise_bytes = 44;
   double hbm_bytes_per_s = 4.17e12;
   std::string describe() const;  // the assumptions, several lines

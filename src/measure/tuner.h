@@ -37,7 +37,9 @@ struct TunePolicy {
   bool measure = true;  // measure shapes without a stored choice (slow; progress on stderr)
   // Also accept Gram NS without a restart. Off by default: the error check runs on random
   // inputs, whose spectra do not show the half-precision drift that restarts correct on real
-  // momentum (bench/NOTES.md); the published choice keeps a restart before step 2.
+  // momentum (fp16's rounding of X X^T leaves small negative eigenvalues that the recurrence
+  // grows where the spectrum sits near zero, as heavy-tailed momenta's does); the published
+  // choice keeps a restart before step 2.
   bool allow_restart_free = false;
 };
 
@@ -90,7 +92,7 @@ struct TuneOptions {
   // The candidates take turns: `rounds` rounds, each timing every candidate `repeats` times
   // (median); a candidate's time is the median over the rounds. Drift in the device's clock (a
   // GPU warming up) then falls on every candidate alike instead of on whichever came last: run
-  // one after another, two candidates 6 % apart timed alike (bench/NOTES.md, run 14).
+  // one after another, two candidates 6 % apart were timed alike on an H200.
   int rounds = 3;
   int repeats = 3;
   double tolerance = kAcceptTolerance;  // acceptance threshold

@@ -219,10 +219,11 @@ void cached_flow(Exec& e, const Setup& s, const Call& call, const CachedBuffers&
   // The refresh path is a block the device skips, inside a captured graph, when the gate sent
   // no matrix down it: a call of hits then costs its test and one product, without the
   // solve's ~20 launches. The hit path (one masked product) is not: a conditional node costs
-  // about 10 us on the H200, more than one launch that finds no work (bench/NOTES.md run 16).
+  // about 10 us on the H200, more than one launch that finds no work (3-5 us).
   // When the gate sends every matrix down it, the block's second body runs the solve unmasked:
   // the tuned kernels of a plain solve (cuBLASLt for Q X) instead of the masked ones, so that
-  // a batch that refreshes whole costs a fresh solve plus its test (run 18).
+  // a batch that refreshes whole costs a fresh solve plus its test (12 x 384 x 1536 on the
+  // H200: 1.07-1.25x a fresh solve, 1.18-1.38x through the masked solve).
   auto refresh = [&] {
     // Probe mode never formed R: only the refreshed matrices pay for it.
     if (!exact) e.sym(Op::kN, x, Op::kT, x, 1.0, 0.0, nullptr, b.g.R);

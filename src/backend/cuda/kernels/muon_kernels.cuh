@@ -13,7 +13,7 @@
 // with the values uploaded for the step it runs in.
 // Flat kernels move 8 elements per thread step with 16-byte accesses where the matrix allows them
 // (a flag per matrix: templates on the path, one instance per access kind, ran pass 3 6 %
-// slower on pi0 and pass 1 no faster, bench/NOTES.md run 21); transposing kernels go through
+// slower on pi0 and pass 1 no faster on an H200); transposing kernels go through
 // 32x32 shared-memory tiles so that both the read and the write are coalesced.
 #pragma once
 

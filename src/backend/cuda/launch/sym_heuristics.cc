@@ -13,7 +13,7 @@ struct TileCfg {
   int bm, bn, cm;
   double efficiency;  // expected fraction of the dense bf16 rate on full tiles
 };
-// Priors read off the H200 measurements of 2026-11-29 (bench/results): 128x128 tiles keep up
+// Priors read off H200 measurements (2026-11-29): 128x128 tiles keep up
 // with 256x128 ones while k is a few thousand (their epilogue share is what limits both), but
 // lose 10-40% at k >= 8K (0.82 of the dense rate at 4096 x 16384, 0.60 at 16 x 3584 x 18944),
 // their operand traffic per FLOP being twice that of 256x128; the 2x1 cluster halves B's
