@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Merges distmuon-cuda-bench, distmuon-bench and torch baseline JSON into the results file
-bench/results/<date>-h200.json and a markdown table beside it."""
+"""Merges distmuon-cuda-bench, distmuon-bench and torch baseline JSON into <date>-h200.json and a
+markdown table beside it (bench/run_h200.sh copies them to $OUT/report.{json,md})."""
 import argparse
 import datetime
 import json

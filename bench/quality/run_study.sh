@@ -5,7 +5,7 @@
 #   bench/quality/run_study.sh [SIZE...]          SIZE: small, medium (default: both), tiny (a check)
 #
 # OUT  (default out/quality-study): what a run keeps: quality.md, the plots and one summary JSON
-#      per size (copy it to bench/results/quality/ to record it).
+#      per size (to record it, copy it under bench/results/ in place of the study's last record).
 # RAW  (default /tmp/quality-study-raw): lm.py's per-step records and the log, outside the tree.
 # SEEDS (default 0,1), LM_ARGS (more lm.py options), T_SIZE (seconds per size, default 570: an
 # arm cut short is lost, the arms before it are kept), PYTHON (default python3).
