@@ -5,7 +5,7 @@
 #   tests/gpu/verify.sh                       ranks 2, 4, 8 (all on the GPUs this machine has)
 #   RANKS=2,4 tests/gpu/verify.sh             other rank counts
 #   LANES="python" tests/gpu/verify.sh        some lanes only (cpp, python, sanitizer, bench)
-#   OUT_DIR=bench/results/2026-12-01-gpu-multirank tests/gpu/verify.sh
+#   OUT_DIR=bench/results/<date>-gpu-verify tests/gpu/verify.sh
 #
 # What it runs, in four lanes at once (the small test models leave the GPU mostly idle):
 #   cpp        the CUDA gtests and the single-process NCCL test; the distributed engine on the
