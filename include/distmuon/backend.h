@@ -437,6 +437,15 @@ class Backend {
 // "cuda:N"; throws with a clear message when the build or the machine does not support it.
 std::unique_ptr<Backend> make_backend(const std::string& kind);
 
+// The threads of the CPU backend's loops (a batch's matrices spread over them while OpenBLAS
+// runs on one thread, docs/design.md). threads >= 1 fixes the count for the process: the
+// PyTorch front passes torch's intra-op pool size (torch.get_num_threads()) before each step,
+// so that the engine uses the threads torch uses, whichever OpenMP runtime torch has and
+// whichever thread steps. 0 (the start) takes the calling thread's OpenMP setting
+// (omp_get_max_threads). cpu_threads() is the count the next loop of the calling thread gets.
+void set_cpu_threads(int threads);
+int cpu_threads();
+
 // True when this build has the CUDA backend and a CUDA device is visible.
 bool cuda_available();
 // CUDA devices visible to this process (0 without CUDA or without a device).

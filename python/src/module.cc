@@ -133,6 +133,10 @@ void bind_functions(nb::module_& m) {
   m.def("ortho_flops", &ortho_flops, nb::arg("config"), nb::arg("rows"), nb::arg("cols"));
   m.def("resolve", &resolve, nb::arg("config"), nb::arg("rows"), nb::arg("cols"));
   m.def("cuda_available", &cuda_available, "True when this build has the CUDA backend and a GPU.");
+  m.def("set_cpu_threads", &set_cpu_threads, nb::arg("threads"),
+        "Threads of the CPU backend's loops for the process (0: OpenMP's setting); the front "
+        "passes torch.get_num_threads() before each step.");
+  m.def("cpu_threads", &cpu_threads, "Threads the CPU backend's next loop gets.");
 }
 
 }  // namespace

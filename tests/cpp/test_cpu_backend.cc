@@ -1,15 +1,21 @@
 // Every CPU backend operation against a direct float64 computation (Eigen) on fresh random
 // inputs, with outputs poisoned beforehand so that unwritten elements fail.
 #include <gtest/gtest.h>
+#include <omp.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/error.h"
 #include "test_util.h"
+
+extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
 
 namespace distmuon {
 namespace {
@@ -103,6 +109,33 @@ TEST(CpuBackend, NegativeThreadCountIsRefused) {
   }
   ::unsetenv("DISTMUON_NUM_THREADS");
   EXPECT_NE(msg.find("DISTMUON_NUM_THREADS=-3 is not a thread count"), std::string::npos) << msg;
+}
+
+// The PyTorch front passes torch's intra-op pool size before each step: that count, not the
+// calling thread's OpenMP setting, splits a batch and sizes the loops' teams, on every thread;
+// 0 gives the choice back to OpenMP, and a count out of range is refused without effect.
+TEST(CpuBackend, ThreadCountSetForTheProcessSplitsBatches) {
+  const int blas = openblas_get_num_threads(), omp = omp_get_max_threads();
+  openblas_set_num_threads(1);
+  omp_set_num_threads(1);
+  set_cpu_threads(3);
+  EXPECT_EQ(cpu_threads(), 3);
+  EXPECT_EQ(CpuBackend().batch_parts(5), 3);
+  EXPECT_EQ(CpuBackend().batch_parts(2), 2);
+  std::atomic<int> team{0};
+  cpu::for_each_matrix(6, [&](int64_t) { team = omp_get_num_threads(); });
+  EXPECT_EQ(team.load(), 3);
+  int other = 0;  // a thread with OpenMP's default setting
+  std::thread([&] { other = cpu_threads(); }).join();
+  EXPECT_EQ(other, 3);
+  EXPECT_THROW(set_cpu_threads(-1), Error);
+  EXPECT_THROW(set_cpu_threads(5000), Error);
+  EXPECT_EQ(cpu_threads(), 3);
+  set_cpu_threads(0);
+  EXPECT_EQ(cpu_threads(), 1);
+  EXPECT_EQ(CpuBackend().batch_parts(5), 1);
+  openblas_set_num_threads(blas);
+  omp_set_num_threads(omp);
 }
 
 TEST(CpuBackend, GemmRejectsMismatchedShapes) {

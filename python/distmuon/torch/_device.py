@@ -153,12 +153,18 @@ def make_engine(
 
 
 class StreamOrder:
-    """Orders the engine's CUDA work with torch's current stream, without host synchronisation.
+    """Orders the engine's CUDA work with torch's current stream, without host synchronisation;
+    on the CPU, runs the engine's work on as many threads as torch's intra-op pool.
 
     The engine issues on torch's current stream of each step (after an event wait when the
     stream changed since the engine's last work, because its workspace and state were last used
     there); a distributed engine's communicators follow it (the engine binds them to its stream
     whenever it issues work), so there is one stream to follow, the caller's.
+
+    On the CPU the engine's loops take torch.get_num_threads() threads, read before each step:
+    with pip's torch both share one OpenMP pool (libgomp, loaded once), but OpenMP's count is
+    kept per thread, and a thread that has run no torch operation yet would get one per core;
+    and a torch on another OpenMP runtime would keep a second pool of its own.
     """
 
     def __init__(self, engine: _C.Engine, device: torch.device) -> None:
@@ -168,9 +174,12 @@ class StreamOrder:
         self.last = torch.cuda.current_stream(device) if self.cuda else None
 
     def before(self) -> None:
-        """The engine's next work goes to torch's current stream."""
+        """The engine's next work goes to torch's current stream (CUDA), or runs on torch's
+        intra-op thread count (CPU)."""
         if self.cuda:
             self.switch(torch.cuda.current_stream(self.device))
+        else:
+            _C.set_cpu_threads(torch.get_num_threads())
 
     def switch(self, stream: Any) -> None:
         """The engine's next work goes to `stream`, after the engine's last work (a side stream

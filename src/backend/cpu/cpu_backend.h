@@ -11,9 +11,13 @@
 namespace distmuon {
 
 namespace cpu {
+// The OpenMP threads the backend's loops may use: set_cpu_threads' count when one is set (the
+// PyTorch front passes torch's intra-op pool size before each step), else the calling thread's
+// OpenMP setting.
+int threads();
 // How many OpenMP threads may share a batch of n matrices: with one BLAS thread (what
 // distmuon.torch sets: OpenBLAS's workers spin between calls and would take the cores from
-// torch's forward and backward) the matrices are spread over OpenMP threads, whose pool sleeps
+// torch's forward and backward) the matrices are spread over threads(), whose pool sleeps
 // once the loop is done; with several BLAS threads BLAS threads each product instead. 1 inside
 // a parallel region (a part of a batch already has its thread).
 int64_t matrix_threads(int64_t n);

@@ -130,7 +130,7 @@ void CpuBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec
         const S* ps = static_cast<const S*>(ms.data);
         D* pd = static_cast<D*>(md.data);
         // The product in double: a factor of a huge norm (1e-40) is not a normal float.
-#pragma omp parallel for if (ms.rows * ms.cols > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) if (ms.rows * ms.cols > (1 << 16))
         for (int64_t r = 0; r < ms.rows; ++r)
           for (int64_t c = 0; c < ms.cols; ++c) {
             const double v = f * static_cast<double>(to_float(ps[r * ms.ld + c]));
@@ -174,7 +174,8 @@ void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, const float
     bool finite = true;
     with_slot(s, [&](auto* g, auto* b, auto*) {
       using B = std::remove_pointer_t<decltype(b)>;
-#pragma omp parallel for reduction(+ : sum) reduction(&& : finite) if (s.grad.rows * s.grad.cols > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) reduction(+ : sum) reduction(&& : finite) \
+    if (s.grad.rows * s.grad.cols > (1 << 16))
       for (int64_t r = 0; r < s.grad.rows; ++r)
         for (int64_t c = 0; c < s.grad.cols; ++c) {
           float gv = to_float(g[r * s.grad.ld + c]);
@@ -205,7 +206,7 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, const floa
       dispatch(mx.dtype, [&](auto tx) {
         using X = decltype(tx);
         X* px = static_cast<X*>(mx.data);
-#pragma omp parallel for if (s.grad.rows * s.grad.cols > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) if (s.grad.rows * s.grad.cols > (1 << 16))
         for (int64_t r = 0; r < s.grad.rows; ++r)
           for (int64_t c = 0; c < s.grad.cols; ++c) {
             double xv = 0.0;
@@ -237,7 +238,7 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, const int32_t* sta
         using O = decltype(to);
         const O* po = static_cast<const O*>(mo.data);
         const C decay = s.coef->decay, step = s.coef->step;
-#pragma omp parallel for if (s.weight.rows * s.weight.cols > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) if (s.weight.rows * s.weight.cols > (1 << 16))
         for (int64_t r = 0; r < s.weight.rows; ++r)
           for (int64_t c = 0; c < s.weight.cols; ++c) {
             C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
@@ -256,7 +257,8 @@ void CpuBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
     bool finite = true;
     dispatch(slots[i].grad_dtype, [&](auto tg) {
       const auto* g = static_cast<const decltype(tg)*>(slots[i].grad);
-#pragma omp parallel for reduction(&& : finite) if (slots[i].numel > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) reduction(&& : finite) \
+    if (slots[i].numel > (1 << 16))
       for (int64_t j = 0; j < slots[i].numel; ++j) finite = finite && std::isfinite(to_float(g[j]));
     });
     status[i] = finite ? kStatusOk : kStatusNonFinite;
@@ -281,7 +283,7 @@ void CpuBackend::adamw_update(std::span<const AdamSlot> slots, const int32_t* st
         using P = decltype(tp);
         const auto* g = static_cast<const decltype(tg)*>(s.grad);
         P* p = static_cast<P*>(s.param);
-#pragma omp parallel for if (s.numel > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) if (s.numel > (1 << 16))
         for (int64_t j = 0; j < s.numel; ++j) {
           float gv = to_float(g[j]);
           float mj = k.beta1 * m[j] + (1.0f - k.beta1) * gv;

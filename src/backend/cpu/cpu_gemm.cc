@@ -5,6 +5,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <mutex>
 #include <vector>
@@ -17,9 +18,27 @@ extern "C" int openblas_get_num_threads(void);
 
 namespace distmuon {
 
+namespace {
+// set_cpu_threads' count; 0: none set. One value for the process, as torch's pool size is.
+std::atomic<int> g_threads{0};
+}  // namespace
+
+void set_cpu_threads(int threads) {
+  DM_CHECK(threads >= 0 && threads <= 4096, "set_cpu_threads(", threads,
+           "): not a thread count (1 to 4096, or 0 for OpenMP's setting)");
+  g_threads.store(threads, std::memory_order_relaxed);
+}
+
+int cpu_threads() { return cpu::threads(); }
+
+int cpu::threads() {
+  const int set = g_threads.load(std::memory_order_relaxed);
+  return set > 0 ? set : omp_get_max_threads();
+}
+
 int64_t cpu::matrix_threads(int64_t n) {
   if (n < 2 || omp_in_parallel() || openblas_get_num_threads() > 1) return 1;
-  return std::min<int64_t>(n, omp_get_max_threads());
+  return std::min<int64_t>(n, threads());
 }
 
 void cpu::for_each_matrix(int64_t n, const std::function<void(int64_t)>& f) {
