@@ -26,9 +26,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# On the CPU, torch's OpenMP pool, the engine's OpenMP loops and OpenBLAS's threads take turns
-# on the same few cores; busy-waiting pools would steal them from each other between phases.
-# (Read by libgomp when torch loads, so it must come first.)
+# On the CPU, torch's operations and the engine's loops run on one OpenMP pool (torch's intra-op
+# threads; the engine takes their count before each step) beside one OpenBLAS thread. Passive
+# waiting lets the pool's threads sleep between parallel loops instead of spinning, which takes
+# cores from other processes on a shared machine; on an idle one it costs each of torch's many
+# small loops a wake-up (thread_settings() prints what a run used). (Read by libgomp when torch
+# loads, so it must come first.)
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
 import torch  # noqa: E402
@@ -288,6 +291,24 @@ def train(kinds: list[str], init: dict[str, torch.Tensor], cfg: GPTConfig, data:
     return [t.finish() for t in trainers]
 
 
+def thread_settings(device: torch.device, kinds: list[str]) -> dict[str, object]:
+    """The CPU threads a run used: torch's intra-op threads and OpenMP's wait policy, and with
+    distmuon the threads of the engine's loops (what the front last set: torch's count) and its
+    BLAS (library, kernels and thread count, as the engine names its backend)."""
+    if device.type != "cpu":
+        return {}
+    out: dict[str, object] = {
+        "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+    }
+    if "distmuon" in kinds:
+        from distmuon import _C
+
+        out["distmuon_threads"] = _C.cpu_threads()
+        out["distmuon_backend"] = _C.Engine("cpu").backend_name
+    return out
+
+
 def median_after_warmup(xs: list[float]) -> float:
     tail = xs[min(len(xs) // 5, 10) :] or xs
     return statistics.median(tail)
@@ -442,6 +463,7 @@ def main() -> int:
         f"{', bf16 autocast' if args.amp else ''})"
     )
     results = train(args.optimizers, init, cfg, data, args)
+    threads = thread_settings(device, args.optimizers)
     print(f"\n{'optimizer':>10} | {'val loss':>8} | {'fwd+bwd ms':>10} | {'optimizer ms':>12} | {'opt share':>9} | {'train s':>7}")
     print("-" * 72)
     for r in results:
@@ -451,6 +473,11 @@ def main() -> int:
         "(step times: medians after warm-up, the device synchronised around each part; train s: the\n"
         " steps without evaluations)"
     )
+    if threads:
+        line = f"CPU threads: torch {threads['torch_threads']} (OMP_WAIT_POLICY={threads['omp_wait_policy']})"
+        if "distmuon_threads" in threads:
+            line += f"; distmuon's loops {threads['distmuon_threads']}, products on {threads['distmuon_backend']}"
+        print(line)
     if "adamw" in args.optimizers:
         print(f"The AdamW run's learning rate: {args.adamw_lr:g}{' (tuned for this preset: PRESETS)' if args.adamw_lr_tuned else ''}")
     by_kind = {r.optimizer: median_after_warmup(r.opt_ms) for r in results}
@@ -475,6 +502,7 @@ def main() -> int:
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "device": str(device),
         "torch": torch.__version__,
+        "threads": threads,
         "results": [
             {
                 "optimizer": r.optimizer,

@@ -52,4 +52,8 @@ def test_a_tiny_run_trains_every_optimizer(tmp_path: Path) -> None:
         assert math.isfinite(x["final_val_loss"]) and x["final_val_loss"] < 4.5  # log(65) = 4.17 at start
         assert len(x["val_points"]) == 2
     assert results[0]["stats"]["steps"] == 2 and results[0]["stats"]["ortho_flops"] > 0
+    # the thread settings it used (--threads 1: torch's pool, and the engine's loops with it)
+    threads = json.loads((tmp_path / "c.json").read_text())["threads"]
+    assert threads["torch_threads"] == 1 and threads["distmuon_threads"] == 1, threads
+    assert threads["distmuon_backend"].startswith("cpu (") and "CPU threads: torch 1" in r.stdout
     assert (tmp_path / "c.png").stat().st_size > 0
