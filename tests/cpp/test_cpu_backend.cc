@@ -3,11 +3,14 @@
 #include <gtest/gtest.h>
 #include <omp.h>
 
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -136,6 +139,124 @@ TEST(CpuBackend, ThreadCountSetForTheProcessSplitsBatches) {
   EXPECT_EQ(CpuBackend().batch_parts(5), 1);
   openblas_set_num_threads(blas);
   omp_set_num_threads(omp);
+}
+
+// One grouped call per pass (all small matrices in one loop over the threads, a larger batch
+// through its own call) gives every matrix the bits of its batch's own calls: wide and tall
+// batches, a bf16 gradient with a non-finite entry (a skip), and a batch above
+// cpu::kLoopElements per matrix. A bad batch anywhere refuses the call before any write.
+struct PassSet {
+  std::vector<HostBatch> g, b, w, x;
+  std::vector<std::vector<MuonSlot>> slots;
+  std::vector<MuonUpdateCoef> coef;
+  std::vector<int64_t> skips, offset;
+  std::vector<double> norms;
+  std::vector<int32_t> status;
+  float mu = 0.9f;
+
+  // inputs[k][i]: matrix i of case k's gradient, momentum and weight.
+  PassSet(const std::vector<std::tuple<int64_t, int64_t, int64_t, DType>>& cases,
+          const std::vector<std::vector<std::array<Mat, 3>>>& inputs) {
+    int64_t total = 0;
+    for (const auto& c : cases) offset.push_back(std::exchange(total, total + std::get<0>(c)));
+    coef.assign(total, MuonUpdateCoef{0.99f, 0.02f});
+    skips.assign(total, 0);
+    norms.assign(total, 0);
+    status.assign(total, 0);
+    for (size_t k = 0; k < cases.size(); ++k) {
+      const auto [count, rows, cols, dt] = cases[k];
+      g.emplace_back(dt, count, rows, cols);
+      b.emplace_back(DType::kF32, count, rows, cols);
+      w.emplace_back(DType::kF32, count, rows, cols);
+      x.emplace_back(DType::kF32, count, std::min(rows, cols), std::max(rows, cols));
+      x.back().poison();
+      slots.emplace_back();
+      for (int64_t i = 0; i < count; ++i) {
+        g.back().set(i, inputs[k][i][0]);
+        b.back().set(i, inputs[k][i][1]);
+        w.back().set(i, inputs[k][i][2]);
+        const int64_t at = offset[k] + i;
+        slots.back().push_back({g.back().ref.matrix(i), b.back().ref.matrix(i),
+                                w.back().ref.matrix(i), &skips[at], &coef[at]});
+      }
+    }
+  }
+  std::vector<MuonPassBatch> batches() {
+    std::vector<MuonPassBatch> out;
+    for (size_t k = 0; k < slots.size(); ++k) {
+      MuonPassBatch p;
+      p.slots = slots[k];
+      p.mu = &mu;
+      p.nesterov = true;
+      p.norms = norms.data() + offset[k];
+      p.status = status.data() + offset[k];
+      p.scale = {p.norms, 1.0, 1e-7, 1.0};
+      p.transpose = slots[k][0].grad.rows > slots[k][0].grad.cols;
+      p.x = x[k].ref;
+      out.push_back(p);
+    }
+    return out;
+  }
+  std::vector<uint8_t> bytes() const {  // every output, concatenated
+    std::vector<uint8_t> all;
+    auto add = [&](const void* p, size_t n) {
+      all.insert(all.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+    };
+    add(skips.data(), skips.size() * sizeof(int64_t));
+    add(norms.data(), norms.size() * sizeof(double));
+    add(status.data(), status.size() * sizeof(int32_t));
+    for (const auto* v : {&b, &w, &x})
+      for (const HostBatch& h : *v) add(h.bytes.data(), h.bytes.size());
+    return all;
+  }
+};
+
+TEST(CpuBackend, GroupedPassesGiveEveryBatchItsOwnBits) {
+  const int blas = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  set_cpu_threads(3);
+  const std::vector<std::tuple<int64_t, int64_t, int64_t, DType>> cases = {
+      {3, 24, 80, DType::kF32},     // wide
+      {2, 72, 40, DType::kF32},     // tall
+      {3, 37, 21, DType::kBF16},    // tall, one skip
+      {2, 160, 480, DType::kF32}};  // above kLoopElements per matrix: its own call
+  ASSERT_GT(160 * 480, cpu::kLoopElements);
+  std::vector<std::vector<std::array<Mat, 3>>> inputs;
+  for (const auto& [count, rows, cols, dt] : cases) {
+    inputs.emplace_back();
+    for (int64_t i = 0; i < count; ++i) {
+      Mat gm = random_matrix(rows, cols, 1.0);
+      if (dt == DType::kBF16 && i == 1) gm(rows / 2, cols / 3) = NAN;  // one skip
+      inputs.back().push_back(
+          {gm, random_matrix(rows, cols, 0.5), random_matrix(rows, cols, 0.02)});
+    }
+  }
+  CpuBackend be;
+  PassSet grouped(cases, inputs), alone(cases, inputs);
+  const std::vector<uint8_t> before = grouped.bytes();
+
+  std::vector<MuonPassBatch> bad = grouped.batches();
+  bad.back().x.count = 1;
+  EXPECT_THROW(be.muon_pass_grouped(MuonPass::kApply, bad), Error);
+  EXPECT_TRUE(grouped.bytes() == before) << "a refused call changed something";
+
+  for (MuonPass pass : {MuonPass::kNorm, MuonPass::kApply, MuonPass::kUpdate})
+    be.muon_pass_grouped(pass, grouped.batches());
+  for (MuonPass pass : {MuonPass::kNorm, MuonPass::kApply, MuonPass::kUpdate})
+    for (const MuonPassBatch& p : alone.batches()) {
+      if (pass == MuonPass::kNorm)
+        be.muon_momentum_norm(p.slots, p.mu, p.nesterov, p.norms, p.status);
+      else if (pass == MuonPass::kApply)
+        be.muon_momentum_apply(p.slots, p.mu, p.nesterov, p.status, p.scale, p.transpose, p.x);
+      else
+        be.muon_update(p.slots, p.status, p.x, p.transpose);
+    }
+  const std::vector<uint8_t> got = grouped.bytes();
+  EXPECT_TRUE(got == alone.bytes()) << "the grouped passes differ from the batches' own calls";
+  EXPECT_FALSE(got == before);
+  EXPECT_EQ(grouped.skips[grouped.offset[2] + 1], 1);
+  set_cpu_threads(0);
+  openblas_set_num_threads(blas);
 }
 
 TEST(CpuBackend, GemmRejectsMismatchedShapes) {

@@ -11,6 +11,9 @@
 namespace distmuon {
 
 namespace cpu {
+// Elements above which one matrix's elementwise loop is shared by the threads (below, a thread
+// per matrix: sharing would cost more than the loop).
+inline constexpr int64_t kLoopElements = int64_t{1} << 16;
 // The OpenMP threads the backend's loops may use: set_cpu_threads' count when one is set (the
 // PyTorch front passes torch's intra-op pool size before each step), else the calling thread's
 // OpenMP setting.
@@ -62,6 +65,7 @@ class CpuBackend final : public Backend {
   void adamw_check(std::span<const AdamSlot> slots, int32_t* status) override;
   void adamw_update(std::span<const AdamSlot> slots, const int32_t* status) override;
   void count_status(const int32_t* status, int64_t n, int64_t* counter) override;
+  void muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) override;
 
   void gemm_masked(const BatchMask& mask, bool symmetric, Op op_a, const BatchRef& a, Op op_b,
                    const BatchRef& b, double alpha, double beta, const BatchRef* c_in,

@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <utility>
+#include <vector>
 
 #include "backend/adam_ref.h"
 #include "backend/muon_ref.h"
@@ -130,7 +132,7 @@ void CpuBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec
         const S* ps = static_cast<const S*>(ms.data);
         D* pd = static_cast<D*>(md.data);
         // The product in double: a factor of a huge norm (1e-40) is not a normal float.
-#pragma omp parallel for num_threads(cpu::threads()) if (ms.rows * ms.cols > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) if (ms.rows * ms.cols > cpu::kLoopElements)
         for (int64_t r = 0; r < ms.rows; ++r)
           for (int64_t c = 0; c < ms.cols; ++c) {
             const double v = f * static_cast<double>(to_float(ps[r * ms.ld + c]));
@@ -163,31 +165,105 @@ template <typename B>
 inline bool momentum_fits(float b_new) {
   return std::isfinite(to_float(from_float<B>(b_new)));
 }
+
+// Matrix i of a batch, for each pass: what the single calls and muon_pass_grouped run per matrix.
+void norm_matrix(std::span<const MuonSlot> slots, int64_t i, float mu, bool nesterov, double* norms,
+                 int32_t* status) {
+  const MuonSlot& s = slots[i];
+  double sum = 0;
+  bool finite = true;
+  const bool shared = s.grad.rows * s.grad.cols > cpu::kLoopElements;
+  with_slot(s, [&](auto* g, auto* b, auto*) {
+    using B = std::remove_pointer_t<decltype(b)>;
+#pragma omp parallel for num_threads(cpu::threads()) reduction(+ : sum) reduction(&& : finite) \
+    if (shared)
+    for (int64_t r = 0; r < s.grad.rows; ++r)
+      for (int64_t c = 0; c < s.grad.cols; ++c) {
+        float gv = to_float(g[r * s.grad.ld + c]);
+        float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+        const float v = scaled_input(gv, bn, mu, nesterov);
+        finite = finite && std::isfinite(gv) && momentum_fits<B>(bn);
+        sum += static_cast<double>(v) * v;
+      }
+  });
+  norms[i] = float_precision(std::sqrt(sum));
+  status[i] = finite && std::isfinite(sum) ? kStatusOk : kStatusNonFinite;
+}
+
+void apply_matrix(std::span<const MuonSlot> slots, int64_t i, float mu, bool nesterov,
+                  const int32_t* status, const ScaleSpec& scale, bool transpose,
+                  const BatchRef& x) {
+  const MuonSlot& s = slots[i];
+  MatRef mx = x.matrix(i);
+  const bool ok = status[i] == kStatusOk;
+  const double f = ok ? scale_factor(scale, i) : 0.0;
+  if (!ok && s.skips) *s.skips += 1;
+  const bool shared = s.grad.rows * s.grad.cols > cpu::kLoopElements;
+  with_slot(s, [&](auto* g, auto* b, auto*) {
+    using B = std::remove_pointer_t<decltype(b)>;
+    dispatch(mx.dtype, [&](auto tx) {
+      using X = decltype(tx);
+      X* px = static_cast<X*>(mx.data);
+#pragma omp parallel for num_threads(cpu::threads()) if (shared)
+      for (int64_t r = 0; r < s.grad.rows; ++r)
+        for (int64_t c = 0; c < s.grad.cols; ++c) {
+          double xv = 0.0;
+          if (ok) {
+            float gv = to_float(g[r * s.grad.ld + c]);
+            float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+            b[r * s.momentum.ld + c] = from_float<B>(bn);
+            xv = static_cast<double>(scaled_input(gv, bn, mu, nesterov)) * f;
+          }
+          px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(xv);
+        }
+    });
+  });
+}
+
+void update_matrix(std::span<const MuonSlot> slots, int64_t i, const int32_t* status,
+                   const BatchRef& o, bool transpose) {
+  if (status && status[i] != kStatusOk) return;
+  const MuonSlot& s = slots[i];
+  MatRef mo = o.matrix(i);
+  const bool shared = s.weight.rows * s.weight.cols > cpu::kLoopElements;
+  with_slot(s, [&](auto*, auto*, auto* w) {
+    using W = std::remove_pointer_t<decltype(w)>;
+    using C = cpu::compute_t<W>;
+    dispatch(mo.dtype, [&](auto to) {
+      using O = decltype(to);
+      const O* po = static_cast<const O*>(mo.data);
+      const C decay = s.coef->decay, step = s.coef->step;
+#pragma omp parallel for num_threads(cpu::threads()) if (shared)
+      for (int64_t r = 0; r < s.weight.rows; ++r)
+        for (int64_t c = 0; c < s.weight.cols; ++c) {
+          C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
+          C wv = to_float(w[r * s.weight.ld + c]);
+          w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
+        }
+    });
+  });
+}
+
+void pass_matrix(MuonPass pass, const MuonPassBatch& b, int64_t i) {
+  switch (pass) {
+    case MuonPass::kNorm:
+      norm_matrix(b.slots, i, *b.mu, b.nesterov, b.norms, b.status);
+      break;
+    case MuonPass::kApply:
+      apply_matrix(b.slots, i, *b.mu, b.nesterov, b.status, b.scale, b.transpose, b.x);
+      break;
+    case MuonPass::kUpdate:
+      update_matrix(b.slots, i, b.status, b.x, b.transpose);
+      break;
+  }
+}
 }  // namespace
 
 void CpuBackend::muon_momentum_norm(std::span<const MuonSlot> slots, const float* mu_ptr,
                                     bool nesterov, double* norms, int32_t* status) {
   const float mu = *mu_ptr;
-  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
-    const MuonSlot& s = slots[i];
-    double sum = 0;
-    bool finite = true;
-    with_slot(s, [&](auto* g, auto* b, auto*) {
-      using B = std::remove_pointer_t<decltype(b)>;
-#pragma omp parallel for num_threads(cpu::threads()) reduction(+ : sum) reduction(&& : finite) \
-    if (s.grad.rows * s.grad.cols > (1 << 16))
-      for (int64_t r = 0; r < s.grad.rows; ++r)
-        for (int64_t c = 0; c < s.grad.cols; ++c) {
-          float gv = to_float(g[r * s.grad.ld + c]);
-          float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
-          const float v = scaled_input(gv, bn, mu, nesterov);
-          finite = finite && std::isfinite(gv) && momentum_fits<B>(bn);
-          sum += static_cast<double>(v) * v;
-        }
-    });
-    norms[i] = float_precision(std::sqrt(sum));
-    status[i] = finite && std::isfinite(sum) ? kStatusOk : kStatusNonFinite;
-  });
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()),
+                       [&](int64_t i) { norm_matrix(slots, i, mu, nesterov, norms, status); });
 }
 
 void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, const float* mu_ptr,
@@ -196,30 +272,7 @@ void CpuBackend::muon_momentum_apply(std::span<const MuonSlot> slots, const floa
   check_slots("muon_momentum_apply", slots, x, transpose);
   const float mu = *mu_ptr;
   cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
-    const MuonSlot& s = slots[i];
-    MatRef mx = x.matrix(i);
-    const bool ok = status[i] == kStatusOk;
-    const double f = ok ? scale_factor(scale, i) : 0.0;
-    if (!ok && s.skips) *s.skips += 1;
-    with_slot(s, [&](auto* g, auto* b, auto*) {
-      using B = std::remove_pointer_t<decltype(b)>;
-      dispatch(mx.dtype, [&](auto tx) {
-        using X = decltype(tx);
-        X* px = static_cast<X*>(mx.data);
-#pragma omp parallel for num_threads(cpu::threads()) if (s.grad.rows * s.grad.cols > (1 << 16))
-        for (int64_t r = 0; r < s.grad.rows; ++r)
-          for (int64_t c = 0; c < s.grad.cols; ++c) {
-            double xv = 0.0;
-            if (ok) {
-              float gv = to_float(g[r * s.grad.ld + c]);
-              float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
-              b[r * s.momentum.ld + c] = from_float<B>(bn);
-              xv = static_cast<double>(scaled_input(gv, bn, mu, nesterov)) * f;
-            }
-            px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(xv);
-          }
-      });
-    });
+    apply_matrix(slots, i, mu, nesterov, status, scale, transpose, x);
   });
 }
 
@@ -227,27 +280,33 @@ void CpuBackend::muon_update(std::span<const MuonSlot> slots, const int32_t* sta
                              const BatchRef& o, bool transpose) {
   check_slots("muon_update", slots, o, transpose);
   check_coefs("muon_update", slots);
-  cpu::for_each_matrix(static_cast<int64_t>(slots.size()), [&](int64_t i) {
-    if (status && status[i] != kStatusOk) return;
-    const MuonSlot& s = slots[i];
-    MatRef mo = o.matrix(i);
-    with_slot(s, [&](auto*, auto*, auto* w) {
-      using W = std::remove_pointer_t<decltype(w)>;
-      using C = cpu::compute_t<W>;
-      dispatch(mo.dtype, [&](auto to) {
-        using O = decltype(to);
-        const O* po = static_cast<const O*>(mo.data);
-        const C decay = s.coef->decay, step = s.coef->step;
-#pragma omp parallel for num_threads(cpu::threads()) if (s.weight.rows * s.weight.cols > (1 << 16))
-        for (int64_t r = 0; r < s.weight.rows; ++r)
-          for (int64_t c = 0; c < s.weight.cols; ++c) {
-            C ov = to_float(po[transpose ? c * mo.ld + r : r * mo.ld + c]);
-            C wv = to_float(w[r * s.weight.ld + c]);
-            w[r * s.weight.ld + c] = from_float<W>(decay * wv - step * ov);
-          }
-      });
-    });
-  });
+  cpu::for_each_matrix(static_cast<int64_t>(slots.size()),
+                       [&](int64_t i) { update_matrix(slots, i, status, o, transpose); });
+}
+
+// The small matrices of every batch in one loop over the threads: the pool wakes and meets once
+// per pass rather than once per shape class. Each meeting waits for the slowest thread, and on
+// a machine whose other processes hold cores a woken thread may wait milliseconds for one. A
+// larger matrix keeps its batch's call, whose loops share the threads inside the matrix.
+void CpuBackend::muon_pass_grouped(MuonPass pass, std::span<const MuonPassBatch> batches) {
+  for (const MuonPassBatch& b : batches) {
+    if (pass == MuonPass::kApply) check_slots("muon_momentum_apply", b.slots, b.x, b.transpose);
+    if (pass == MuonPass::kUpdate) {
+      check_slots("muon_update", b.slots, b.x, b.transpose);
+      check_coefs("muon_update", b.slots);
+    }
+  }
+  std::vector<std::pair<const MuonPassBatch*, int64_t>> small;
+  for (const MuonPassBatch& b : batches) {
+    const int64_t n = static_cast<int64_t>(b.slots.size());
+    if (n > 0 && b.slots[0].grad.rows * b.slots[0].grad.cols > cpu::kLoopElements) {
+      cpu::for_each_matrix(n, [&](int64_t i) { pass_matrix(pass, b, i); });
+      continue;
+    }
+    for (int64_t i = 0; i < n; ++i) small.emplace_back(&b, i);
+  }
+  cpu::for_each_matrix(static_cast<int64_t>(small.size()),
+                       [&](int64_t k) { pass_matrix(pass, *small[k].first, small[k].second); });
 }
 
 // ---- AdamW ------------------------------------------------------------------------------------
@@ -258,7 +317,7 @@ void CpuBackend::adamw_check(std::span<const AdamSlot> slots, int32_t* status) {
     dispatch(slots[i].grad_dtype, [&](auto tg) {
       const auto* g = static_cast<const decltype(tg)*>(slots[i].grad);
 #pragma omp parallel for num_threads(cpu::threads()) reduction(&& : finite) \
-    if (slots[i].numel > (1 << 16))
+    if (slots[i].numel > cpu::kLoopElements)
       for (int64_t j = 0; j < slots[i].numel; ++j) finite = finite && std::isfinite(to_float(g[j]));
     });
     status[i] = finite ? kStatusOk : kStatusNonFinite;
@@ -283,7 +342,7 @@ void CpuBackend::adamw_update(std::span<const AdamSlot> slots, const int32_t* st
         using P = decltype(tp);
         const auto* g = static_cast<const decltype(tg)*>(s.grad);
         P* p = static_cast<P*>(s.param);
-#pragma omp parallel for num_threads(cpu::threads()) if (s.numel > (1 << 16))
+#pragma omp parallel for num_threads(cpu::threads()) if (s.numel > cpu::kLoopElements)
         for (int64_t j = 0; j < s.numel; ++j) {
           float gv = to_float(g[j]);
           float mj = k.beta1 * m[j] + (1.0f - k.beta1) * gv;
