@@ -2,6 +2,7 @@
 // fused CUDA kernels. Loops are parallelised over rows with OpenMP.
 #include <cblas.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -204,18 +205,30 @@ void apply_matrix(std::span<const MuonSlot> slots, int64_t i, float mu, bool nes
     dispatch(mx.dtype, [&](auto tx) {
       using X = decltype(tx);
       X* px = static_cast<X*>(mx.data);
-#pragma omp parallel for num_threads(cpu::threads()) if (shared)
-      for (int64_t r = 0; r < s.grad.rows; ++r)
-        for (int64_t c = 0; c < s.grad.cols; ++c) {
-          double xv = 0.0;
-          if (ok) {
-            float gv = to_float(g[r * s.grad.ld + c]);
-            float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
-            b[r * s.momentum.ld + c] = from_float<B>(bn);
-            xv = static_cast<double>(scaled_input(gv, bn, mu, nesterov)) * f;
-          }
-          px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(xv);
+      auto element = [&](int64_t r, int64_t c) {
+        double xv = 0.0;
+        if (ok) {
+          float gv = to_float(g[r * s.grad.ld + c]);
+          float bn = mu * to_float(b[r * s.momentum.ld + c]) + gv;
+          b[r * s.momentum.ld + c] = from_float<B>(bn);
+          xv = static_cast<double>(scaled_input(gv, bn, mu, nesterov)) * f;
         }
+        px[transpose ? c * mx.ld + r : r * mx.ld + c] = from_float<X>(xv);
+      };
+      const int64_t rows = s.grad.rows, cols = s.grad.cols;
+      if (!transpose) {
+#pragma omp parallel for num_threads(cpu::threads()) if (shared)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < cols; ++c) element(r, c);
+        return;
+      }
+      // Written transposed: tiles of kTile rows, so that x gets runs of kTile consecutive
+      // elements rather than one element per cache line.
+      constexpr int64_t kTile = 32;
+#pragma omp parallel for num_threads(cpu::threads()) if (shared)
+      for (int64_t r0 = 0; r0 < rows; r0 += kTile)
+        for (int64_t c = 0; c < cols; ++c)
+          for (int64_t r = r0; r < std::min(rows, r0 + kTile); ++r) element(r, c);
     });
   });
 }
