@@ -698,8 +698,8 @@ class Muon(torch.optim.Optimizer):
         slots = part.index_of(params)
         if stream is not None:
             part.order.switch(stream)
-        else:
-            part.order.before()  # the CPU's thread count
+        elif not part.order.cuda:
+            part.order.before()  # the CPU's thread count (the CUDA path as it was)
         part.engine.prepare(
             [s.index for s in slots], [to_dlpack(s.param) for s in slots], [to_dlpack(s.param.grad) for s in slots]
         )
