@@ -59,8 +59,13 @@ const ModeResult* gather_of(const std::vector<ModeResult>& results, const ModeRe
 
 }  // namespace
 
-Comparison::Comparison(const BenchOptions& o, RankSync& sync, Communicator& comm, Backend& be)
-    : o_(o), sync_(sync), comm_(comm), be_(be) {
+std::vector<double> over_ranks(Communicator& host, std::vector<double> v, ReduceOp op) {
+  host.all_reduce(v.data(), v.data(), static_cast<int64_t>(v.size()), CommType::kF64, op).wait();
+  return v;
+}
+
+Comparison::Comparison(const BenchOptions& o, Communicator& host, Communicator& comm, Backend& be)
+    : o_(o), host_(host), comm_(comm), be_(be) {
   Workload w = load_workload(o.workload);
   if (o.layers > 0) w = w.first_layers(o.layers);
   workload_ = w.name;
@@ -170,7 +175,7 @@ void Comparison::step(Run& run, int64_t i) {
     run.f0 = fsdp.stats();
   }
   be_.synchronize();
-  sync_.barrier();
+  host_.barrier().wait();
   if (hook_) hook_(run, i, true);
   const auto t0 = Clock::now();
   std::vector<CommHandle> hs;
@@ -232,16 +237,16 @@ ModeResult Comparison::result(Run& run) {
   r.mode = run.mode;
   r.algo = run.algo;
   // A step takes as long as its slowest rank.
-  r.step_ms = cli::summarize(sync_.reduce(run.step_ms, ReduceOp::kMax));
-  r.engine_ms = cli::summarize(sync_.reduce(run.engine_ms, ReduceOp::kMax));
+  r.step_ms = cli::summarize(over_ranks(host_, run.step_ms, ReduceOp::kMax));
+  r.engine_ms = cli::summarize(over_ranks(host_, run.engine_ms, ReduceOp::kMax));
   const double n = static_cast<double>(o_.steps);
   const CommStats e = s1.comm - run.s0.comm, f = f1 - run.f0;
   const double bytes = (e.bytes_sent + e.bytes_received + f.bytes_sent + f.bytes_received) / n;
   const double ebytes = (e.bytes_sent + e.bytes_received) / n;
   const double flops = (s1.ortho.flops - run.s0.ortho.flops) / n;
-  std::vector<double> mx =
-      sync_.reduce({bytes, ebytes, flops, static_cast<double>(s1.owned_matrices)}, ReduceOp::kMax);
-  std::vector<double> sum = sync_.reduce({bytes, flops}, ReduceOp::kSum);
+  std::vector<double> mx = over_ranks(
+      host_, {bytes, ebytes, flops, static_cast<double>(s1.owned_matrices)}, ReduceOp::kMax);
+  std::vector<double> sum = over_ranks(host_, {bytes, flops}, ReduceOp::kSum);
   r.bytes_max = mx[0];
   r.engine_bytes_max = mx[1];
   r.flops_max = mx[2];
@@ -267,7 +272,7 @@ void Comparison::check_weights_agree() {
   const double hi = static_cast<double>(digest >> 32),
                lo = static_cast<double>(digest & 0xffffffffu);
   const std::vector<double> m =
-      sync_.reduce({hi, lo, -hi, -lo, finite ? 0.0 : 1.0}, ReduceOp::kMax);
+      over_ranks(host_, {hi, lo, -hi, -lo, finite ? 0.0 : 1.0}, ReduceOp::kMax);
   DM_CHECK(m[4] == 0, "the weights are not finite on some rank after the steps");
   DM_CHECK(m[0] == -m[2] && m[1] == -m[3],
            "the ranks hold different weights after the steps (every mode ends with the same full "

@@ -24,7 +24,6 @@
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
 #include "distmuon/engine.h"
-#include "rank_sync.h"
 
 namespace distmuon::bench {
 
@@ -62,8 +61,8 @@ class Comparison {
   // finished the step (end): the cluster's profiler marks its window with it.
   using StepHook = std::function<void(const Run&, int64_t step, bool begin)>;
 
-  // `comm` moves the data (NCCL or MPI), `sync` is the ranks' host-side agreement.
-  Comparison(const BenchOptions& o, RankSync& sync, Communicator& comm, Backend& be);
+  // `comm` moves the data (NCCL or MPI), `host` (MPI) the ranks' barriers and figures.
+  Comparison(const BenchOptions& o, Communicator& host, Communicator& comm, Backend& be);
 
   std::unique_ptr<Run> prepare(const std::string& mode, const std::string& algo);
   // One timed (or warm-up, i < warmup) step of one mode.
@@ -85,7 +84,7 @@ class Comparison {
 
  private:
   const BenchOptions& o_;
-  RankSync& sync_;
+  Communicator& host_;
   Communicator& comm_;
   Backend& be_;
   std::string workload_;
@@ -94,6 +93,10 @@ class Comparison {
   int64_t matrices_ = 0, muon_params_ = 0, adamw_params_ = 0;
   StepHook hook_;
 };
+
+// Element-wise `op` of every rank's `v` (the same length on every rank), over a host
+// communicator.
+std::vector<double> over_ranks(Communicator& host, std::vector<double> v, ReduceOp op);
 
 // The table rank 0 prints: one row per mode and algorithm, ratios against gather.
 void print_comparison(const Comparison& cmp, const std::vector<ModeResult>& results, int world,

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "bench_compare.h"
 #include "bench_rank.h"
 #include "common/fnv.h"
 #include "cuda_info.h"
@@ -38,7 +39,7 @@ int threads_per_rank(int world_size) {
 // Every rank must run the same comparison: ranks started with other options (an MPMD launch,
 // a script that passes its arguments differently) would otherwise issue collectives of other
 // sizes and stop inside MPI. Compares a digest of the options that shape the run, before any.
-void check_same_options(RankSync& sync, const BenchOptions& o) {
+void check_same_options(Communicator& mpi, const BenchOptions& o) {
   std::string text = o.workload + "|" + o.backend + "|" + o.dtype + "|" + o.work_dtype + "|" +
                      o.planner + "|" + std::to_string(o.steps) + "|" + std::to_string(o.warmup) +
                      "|" + std::to_string(o.layers) + "|" + std::to_string(o.seed) + "|" +
@@ -49,7 +50,7 @@ void check_same_options(RankSync& sync, const BenchOptions& o) {
   const uint64_t d = fnv1a(text);
   // Two 32-bit halves: exact in doubles. Max and -min of each agree iff every rank's does.
   const double hi = static_cast<double>(d >> 32), lo = static_cast<double>(d & 0xffffffffu);
-  const std::vector<double> m = sync.reduce({hi, lo, -hi, -lo}, ReduceOp::kMax);
+  const std::vector<double> m = over_ranks(mpi, {hi, lo, -hi, -lo}, ReduceOp::kMax);
   DM_CHECK(m[0] == -m[2] && m[1] == -m[3],
            "the ranks were started with different options (every rank of distmuon-bench needs "
            "the same command line)");
@@ -59,9 +60,8 @@ void check_same_options(RankSync& sync, const BenchOptions& o) {
 
 int run_distributed(const BenchOptions& o) {
   std::unique_ptr<Communicator> mpi = make_mpi_world();
-  CommSync sync(*mpi);
   const int rank = mpi->rank(), p = mpi->size();
-  check_same_options(sync, o);
+  check_same_options(*mpi, o);
   const std::string& backend = o.backend;
   int threads = 0;
   if (backend == "cpu") {
@@ -84,16 +84,13 @@ int run_distributed(const BenchOptions& o) {
     std::fprintf(stderr, "distmuon-bench: %s on %d ranks, %s%s\n", o.workload.c_str(), p,
                  be->name().c_str(),
                  threads ? (", " + std::to_string(threads) + " threads per rank").c_str() : "");
-  // Each process profiles itself (its own collector and context).
+  // Each process profiles itself: its own collector and context.
   std::string why;
   std::unique_ptr<DeviceTrace> trace = o.profile ? DeviceTrace::open(&why) : nullptr;
   if (o.profile && !trace && rank == 0)
     std::fprintf(stderr, "distmuon-bench: no per-rank breakdown: %s\n", why.c_str());
-  std::vector<DeviceInterval> intervals;
-  RankSetup r(sync, comm, *be);
+  RankSetup r(*mpi, comm, *be);
   r.trace = trace.get();
-  r.trace_owner = true;
-  r.intervals = &intervals;
   r.context = trace ? trace->context_id(current_context()) : 0;
   // Ranks that share a GPU run at the same time only under MPS (each then on its share of the
   // SMs, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE); without it the GPU time-slices them.

@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <fstream>
 #include <functional>
-#include <map>
 #include <nlohmann/json.hpp>
 
 #include "bench_compare.h"
@@ -27,17 +26,17 @@ struct Calibration {
 };
 
 // Median device ms of `reps` runs of `run` on every rank at once (a barrier before each).
-double timed_together(RankSync& sync, Backend& be, int reps, const std::function<void()>& run) {
+double timed_together(Communicator& host, Backend& be, int reps, const std::function<void()>& run) {
   std::vector<double> ms;
   for (int i = 0; i < reps; ++i) {
     be.synchronize();
-    sync.barrier();
+    host.barrier().wait();
     ms.push_back(be.time_ms(1, {}, run));
   }
   return cli::summarize(ms).median;
 }
 
-Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
+Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
   Calibration c;
   {  // bf16 8192 x 8192 x 8192: about 1.1 TFLOP, long enough on the smallest part
     const int64_t n = 8192;
@@ -50,7 +49,7 @@ Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
     be.fill_normal(rb, 2, 0);
     auto gemm = [&] { be.gemm(Op::kN, ra, Op::kN, rb, 1.0, 0.0, nullptr, rd); };
     gemm();  // cuBLASLt picks and loads its kernel
-    const double ms = timed_together(sync, be, 5, gemm);
+    const double ms = timed_together(host, be, 5, gemm);
     c.gemm_tflops = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
   }
   {  // 1 GiB copied by a kernel on the rank's SMs (the engine's lincomb: what its elementwise
@@ -63,7 +62,7 @@ Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
     be.fill_normal(s, 3, 0);
     auto copy = [&] { be.lincomb(1.0, s, 0.0, nullptr, 0.0, d); };
     copy();
-    const double ms = timed_together(sync, be, 5, copy);
+    const double ms = timed_together(host, be, 5, copy);
     c.copy_gbs = 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
   }
   const int p = comm.size();
@@ -85,13 +84,13 @@ Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
       std::vector<double> ms;
       for (int i = 0; i < 5; ++i) {
         be.synchronize();
-        sync.barrier();
+        host.barrier().wait();
         const auto t0 = Clock::now();
         f();
         be.synchronize();
         ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       }
-      return cli::summarize(sync.reduce(ms, ReduceOp::kMax)).median;
+      return cli::summarize(over_ranks(host, ms, ReduceOp::kMax)).median;
     };
     c.allgather_gbs = (p - 1.0) * bytes / (host_ms(all_gather) * 1e-3) / 1e9;
     c.allreduce_gbs = 2.0 * (p - 1.0) / p * bytes / (host_ms(all_reduce) * 1e-3) / 1e9;
@@ -100,11 +99,11 @@ Calibration calibrate(RankSync& sync, Backend& be, Communicator& comm) {
 }
 
 // Every rank's values of `mine` (k each), in rank order, on every rank.
-std::vector<double> all_ranks(RankSync& sync, const std::vector<double>& mine) {
+std::vector<double> all_ranks(Communicator& host, const std::vector<double>& mine) {
   const size_t k = mine.size();
-  std::vector<double> v(k * sync.size(), 0.0);
-  std::copy(mine.begin(), mine.end(), v.begin() + static_cast<std::ptrdiff_t>(k * sync.rank()));
-  return sync.reduce(v, ReduceOp::kSum);
+  std::vector<double> v(k * host.size(), 0.0);
+  std::copy(mine.begin(), mine.end(), v.begin() + static_cast<std::ptrdiff_t>(k * host.rank()));
+  return over_ranks(host, v, ReduceOp::kSum);
 }
 
 json calibration_json(const std::vector<double>& per_rank, const Calibration& c) {
@@ -135,27 +134,19 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
 
 constexpr int kBreakdownFields = 5;  // window, compute, comm, overlap, wait (ms)
 
-// One more step of `run`, profiled; this rank's breakdown. Collective.
+// One more step of `run`, profiled by this process; its breakdown. Collective.
 StepBreakdown profiled_step(RankSetup& r, Comparison& cmp, Comparison::Run& run, int64_t i,
                             const uint64_t& t_begin, const uint64_t& t_end) {
-  r.sync.barrier();
-  if (r.trace_owner) r.trace->start();
-  r.sync.barrier();
-  cmp.step(run, i);
-  r.sync.barrier();
-  if (r.trace_owner) *r.intervals = r.trace->stop();
-  r.sync.barrier();
-  const StepBreakdown b = break_down(*r.intervals, r.context, t_begin, t_end);
-  r.sync.barrier();  // every rank read the intervals before the next profiled step replaces them
-  return b;
+  r.trace->start();
+  cmp.step(run, i);  // barriers of its own before and the device's end after
+  const std::vector<DeviceInterval> intervals = r.trace->stop();
+  return break_down(intervals, r.context, t_begin, t_end);
 }
 
 void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
                      const std::vector<ModeResult>& results, const json* calibration,
-                     const std::vector<std::vector<double>>& breakdowns,
-                     const std::map<uint32_t, int64_t>& contexts_seen,
-                     const std::vector<double>& rank_contexts) {
-  const int p = r.sync.size();
+                     const std::vector<std::vector<double>>& breakdowns) {
+  const int p = r.host.size();
   print_comparison(cmp, results, p, r.be.name());
   if (calibration) {
     const json& c = *calibration;
@@ -226,9 +217,6 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
         "kernels and copies (compute_ms), of its NCCL kernels not under compute (comm_ms, "
         "including time spent inside NCCL waiting for peers) and the rest of its step window "
         "(wait_ms); the top-level figures are the rank with the most compute";
-    json seen = json::object();  // a check on the profiler's naming of the ranks' contexts
-    for (const auto& [c, n] : contexts_seen) seen[std::to_string(c)] = n;
-    j["profiler_contexts"] = {{"ranks", rank_contexts}, {"intervals_seen_by_rank_0", seen}};
   }
   if (calibration) j["calibration"] = *calibration;
   j["runs"] = runs;
@@ -240,8 +228,8 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
 }  // namespace
 
 int run_rank(const BenchOptions& o, RankSetup& r) {
-  RankSync& sync = r.sync;
-  const int rank = sync.rank();
+  Communicator& host = r.host;
+  const int rank = host.rank();
   auto progress = [&](const std::string& what) {
     if (rank == 0) std::fprintf(stderr, "distmuon-bench: %s\n", what.c_str());
   };
@@ -249,11 +237,11 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
   Calibration cal;
   if (o.calibrate) {
     progress("calibrating (GEMM, copy, NCCL) on every rank at once");
-    cal = calibrate(sync, r.be, r.comm);
-    cal_ranks = all_ranks(sync, {cal.gemm_tflops, cal.copy_gbs});
+    cal = calibrate(host, r.be, r.comm);
+    cal_ranks = all_ranks(host, {cal.gemm_tflops, cal.copy_gbs});
   }
   progress("allocating the workload's tensors on every rank");
-  Comparison cmp(o, sync, r.comm, r.be);
+  Comparison cmp(o, host, r.comm, r.be);
   uint64_t t_begin = 0, t_end = 0;
   if (r.trace)
     cmp.set_step_hook([&](const Comparison::Run&, int64_t, bool begin) {
@@ -263,7 +251,6 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
   const int64_t total = o.warmup + o.steps;
   std::vector<ModeResult> results;
   std::vector<std::vector<double>> breakdowns;  // per mode: every rank's kBreakdownFields
-  std::map<uint32_t, int64_t> contexts_seen;
   bool adamw_done = false;  // the AdamW baseline runs once, not once per algorithm
   for (const std::string& algo : algos) {
     std::vector<std::unique_ptr<Comparison::Run>> runs;
@@ -278,22 +265,18 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
     for (auto& run : runs) {
       if (r.trace) {
         const StepBreakdown b = profiled_step(r, cmp, *run, total, t_begin, t_end);
-        if (rank == 0)
-          for (const DeviceInterval& iv : *r.intervals) ++contexts_seen[iv.context];
         breakdowns.push_back(
-            all_ranks(sync, {b.window_ms, b.compute_ms, b.comm_ms, b.overlap_ms, b.wait_ms}));
+            all_ranks(host, {b.window_ms, b.compute_ms, b.comm_ms, b.overlap_ms, b.wait_ms}));
       }
       results.push_back(cmp.result(*run));
     }
   }
   cmp.check_weights_agree();
-  const std::vector<double> rank_contexts = all_ranks(sync, {static_cast<double>(r.context)});
   if (rank == 0) {
     const json cal_json = o.calibrate ? calibration_json(cal_ranks, cal) : json();
-    print_and_write(o, r, cmp, results, o.calibrate ? &cal_json : nullptr, breakdowns,
-                    contexts_seen, rank_contexts);
+    print_and_write(o, r, cmp, results, o.calibrate ? &cal_json : nullptr, breakdowns);
   }
-  sync.barrier();
+  host.barrier().wait();
   return 0;
 }
 

@@ -7,30 +7,25 @@
 
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "bench_options.h"
 #include "device_trace.h"
 #include "distmuon/backend.h"
 #include "distmuon/comm.h"
-#include "rank_sync.h"
 
 namespace distmuon::bench {
 
 struct RankSetup {
-  RankSetup(RankSync& s, Communicator& c, Backend& b) : sync(s), comm(c), be(b) {}
-  RankSync& sync;
+  RankSetup(Communicator& h, Communicator& c, Backend& b) : host(h), comm(c), be(b) {}
+  Communicator& host;  // host memory (MPI): barriers and the ranks' figures
   Communicator& comm;  // moves the data (NCCL or MPI)
   Backend& be;
-  // The device profiler (nullptr: no breakdown). `trace_owner` ranks switch it on and off and
-  // leave a profiled step's intervals in *intervals, which every rank then reads: every rank for
-  // processes (each profiles itself), one for ranks that share one process's collector.
+  // This process's device profiler (nullptr: no breakdown), and its context as the profiler
+  // names it.
   DeviceTrace* trace = nullptr;
-  bool trace_owner = false;
-  std::vector<DeviceInterval>* intervals = nullptr;
-  uint32_t context = 0;  // the rank's context as the profiler names it
+  uint32_t context = 0;
   // For the record: how ranks share the hardware ("mpi-cpu", "gpus", "mps", "time-sliced") and
-  // the SMs each may use.
+  // the SMs each may use (0: unknown).
   std::string mechanism;
   int sms_per_rank = 0, device_sms = 0;
 };
