@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -41,8 +45,15 @@ def device_of(rank: int, world: int) -> int:
 def _child(
     rank: int, world: int, port: int, out: str, target: Scenario, args: tuple[Any, ...], backend: str
 ) -> None:
+    import faulthandler
+
     import torch.distributed as dist
 
+    # A rank stuck in native code cannot raise: when a watchdog aborts it (torch's NCCL watchdog
+    # after the process group's timeout) or the launcher finds the launch stuck (SIGUSR1, below),
+    # every thread's Python stack goes to stderr.
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ["DISTMUON_COMM_TIMEOUT_S"] = "60"  # a divergence fails in a minute, not five
     torch.set_num_threads(1)  # ranks share 2 cores
     device = None
@@ -92,14 +103,39 @@ def _launch_once(
         )
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout_s)
         try:
-            while not ctx.join(timeout=1.0):
-                if datetime.datetime.now() > deadline:
+            while True:
+                stuck = datetime.datetime.now() > deadline
+                if stuck or any(p.exitcode not in (None, 0) for p in ctx.processes):
+                    _dump_stacks(ctx.processes)  # before join() kills the ranks left
+                if ctx.join(timeout=1.0):
+                    break
+                if stuck:
                     raise TimeoutError(f"{target.__name__} on {world} ranks did not finish in {timeout_s} s")
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _dump_stacks(processes: list[Any]) -> None:
+    """The stacks of the ranks still running when a launch fails or hangs, on stderr: Python's
+    (SIGUSR1 -> faulthandler) and, where cuda-gdb is installed (GPU machines), the native ones,
+    so that a rank stuck in a native call says which."""
+    alive = [p for p in processes if p.is_alive()]
+    for p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    gdb = shutil.which("cuda-gdb") or next((x for x in ["/usr/local/cuda/bin/cuda-gdb"] if os.path.exists(x)), None)
+    for p in alive if gdb else []:
+        try:
+            bt = subprocess.run(
+                [gdb, "-p", str(p.pid), "-batch", "-ex", "thread apply all bt 20"],
+                capture_output=True, text=True, timeout=60,
+            ).stdout
+        except subprocess.TimeoutExpired:
+            bt = "(cuda-gdb did not answer in 60 s)"
+        lines = [x for x in bt.splitlines() if x.startswith(("#", "Thread"))]
+        print(f"---- native stacks of pid {p.pid}\n" + "\n".join(lines[:200]), file=sys.stderr, flush=True)
 
 
 def ok(result: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,9 @@ bf16 autocast or FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction).
 
 from __future__ import annotations
 
+import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,39 +24,45 @@ DKW = {**ds.OPT_KW, **FP32}
 CACHE_KW = {**sc.CACHE_KW, **FP32}
 
 
+def _each(rank: int, arms: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, Any]:
+    """Runs the arms in order, each guarded, saying on stderr which one starts (a hang names it)."""
+    out = {}
+    for name, fn in arms.items():
+        print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
+        out[name] = sc.guarded(fn)
+    return out
+
+
 def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    g = sc.guarded
-    return {
-        "fsdp": g(lambda: sc.run_train(rank, world, "fsdp", ckpt, kw=KW)),
-        "hsdp": g(lambda: sc.run_train(rank, world, "hsdp", kw=KW)),
-        "fsdp_cache": g(lambda: sc.run_train(rank, world, "fsdp", kw=CACHE_KW)),
-        "fsdp_bf16": g(lambda: sc.run_train(rank, world, "fsdp")),
-        "fsdp_autocast": g(lambda: sc.run_train(rank, world, "fsdp", amp=True)),
-        "fsdp_mp": g(lambda: sc.run_train(rank, world, "fsdp_mp")),
-        "ded_flat": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW)),
-        "ded_hsdp": g(lambda: ds.run_dedicated(rank, world, "hsdp", 1, True, kw=DKW)),
-        "ded_accum": g(lambda: ds.run_dedicated(rank, world, "fsdp", 2, False, kw=DKW)),
-        "ded_autocast": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, amp=True)),
-    }
+    return _each(rank, {
+        "fsdp": lambda: sc.run_train(rank, world, "fsdp", ckpt, kw=KW),
+        "hsdp": lambda: sc.run_train(rank, world, "hsdp", kw=KW),
+        "fsdp_cache": lambda: sc.run_train(rank, world, "fsdp", kw=CACHE_KW),
+        "fsdp_bf16": lambda: sc.run_train(rank, world, "fsdp"),
+        "fsdp_autocast": lambda: sc.run_train(rank, world, "fsdp", amp=True),
+        "fsdp_mp": lambda: sc.run_train(rank, world, "fsdp_mp"),
+        "ded_flat": lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW),
+        "ded_hsdp": lambda: ds.run_dedicated(rank, world, "hsdp", 1, True, kw=DKW),
+        "ded_accum": lambda: ds.run_dedicated(rank, world, "fsdp", 2, False, kw=DKW),
+        "ded_autocast": lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, amp=True),
+    })
 
 
 def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
-    g = sc.guarded
-    return {
-        "fsdp": g(lambda: sc.run_train(rank, world, "fsdp", kw=KW)),
-        "ddp": g(lambda: sc.run_train(rank, world, "ddp", kw=KW)),
-        "gather": g(lambda: sc.run_train(rank, world, "fsdp", dist_mode="gather", kw=KW)),
-        "resume2": g(lambda: sc.run_resume(rank, world, "fsdp", ckpt, kw=KW)),
-        "ded_plain": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, False, kw=DKW)),
-        "ded_overlap": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW)),
-        "ded_accum_overlap": g(lambda: ds.run_dedicated(rank, world, "fsdp", 2, True, kw=DKW)),
-    }
+    return _each(rank, {
+        "fsdp": lambda: sc.run_train(rank, world, "fsdp", kw=KW),
+        "ddp": lambda: sc.run_train(rank, world, "ddp", kw=KW),
+        "gather": lambda: sc.run_train(rank, world, "fsdp", dist_mode="gather", kw=KW),
+        "resume2": lambda: sc.run_resume(rank, world, "fsdp", ckpt, kw=KW),
+        "ded_plain": lambda: ds.run_dedicated(rank, world, "fsdp", 1, False, kw=DKW),
+        "ded_overlap": lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW),
+        "ded_accum_overlap": lambda: ds.run_dedicated(rank, world, "fsdp", 2, True, kw=DKW),
+    })
 
 
 def world8(rank: int, world: int) -> dict[str, Any]:
-    g = sc.guarded
-    return {
-        "fsdp": g(lambda: sc.run_train(rank, world, "fsdp", kw=KW)),
-        "hsdp": g(lambda: sc.run_train(rank, world, "hsdp", kw=KW)),
-        "ded_flat": g(lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW)),
-    }
+    return _each(rank, {
+        "fsdp": lambda: sc.run_train(rank, world, "fsdp", kw=KW),
+        "hsdp": lambda: sc.run_train(rank, world, "hsdp", kw=KW),
+        "ded_flat": lambda: ds.run_dedicated(rank, world, "fsdp", 1, True, kw=DKW),
+    })
