@@ -18,7 +18,7 @@ from typing import Any
 
 # test_dist_engine.cc's parameterised test -> suite (the mode; every HSDP layout is "hsdp").
 ENGINE_SUITE = re.compile(r"EveryMode\.EqualsTheSingleProcessEngine/(\w+)")
-# test_gpu_distributed.py's arms (gpu_dist_scenarios.py) -> suite.
+# test_gpu_distributed.py's arms (gpu_dist_scenarios.py) and test_gpu_tp.py's -> suite.
 ARM_SUITE = [
     ("fsdp2_autocast", "mixed-precision"),
     ("fsdp2_mp", "mixed-precision"),
@@ -31,6 +31,8 @@ ARM_SUITE = [
     ("cache", "cache"),
     ("dedicated", "dedicated"),
     ("dcp", "dcp"),
+    ("tp", "tensor-parallel"),  # test_gpu_tp.py's arms (tp_scenarios.py)
+    ("ep", "expert-parallel"),
 ]
 
 

@@ -12,7 +12,8 @@
 #              NCCL rig (test_nccl_dist_engine: every mode, HSDP 2 x 2 and CacheMuon against the
 #              single-process CUDA engine) at each rank count above 2
 #   python     the GPU pytest modules (test_gpu.py; test_gpu_distributed.py: DDP, FSDP2, HSDP,
-#              dedicate(), mixed precision, DCP 4 -> 2 -> 1 over NCCL)
+#              dedicate(), mixed precision, DCP 4 -> 2 -> 1 over NCCL; test_gpu_tp.py: TP x
+#              FSDP2 and EP at 4 ranks)
 #   sanitizer  compute-sanitizer memcheck over the GPU gtests, racecheck and synccheck over the
 #              kernels' tests, memcheck over a 2-rank NCCL engine run; the engine on the NCCL
 #              rig at 2 ranks (the lanes' times balanced: cpp would run past its limit)

@@ -3,9 +3,10 @@ left whole over tp, a stack of experts split along its matrices over tp), ep 2 x
 split over ep, with and without FSDP2 on dp) and replicate 2 x shard 2 x tp 2 (HSDP x TP), each
 against the single process on the same global batch; a DCP checkpoint written at tp 2 x dp 2
 resumed at dp 2 and in one process, one written at ep 2 x dp 2 resumed in one process; row blocks;
-placements that cannot be taken refused on every rank.
+placements that cannot be taken refused on every rank; the bytes each rank moves in a step of a
+wider block at tp 2 x dp 2 equal a closed-form count from the layout.
 
-Real gloo ranks on the CPU: one launch of 4 ranks runs the tp, ep and refusal scenarios
+Real gloo ranks on the CPU: one launch of 4 ranks runs the tp, ep, refusal and traffic scenarios
 (tp_scenarios.py), one of 2 the resume, one of 8 HSDP x TP (8 processes on the 2 cores of CI:
 the model is tiny, about 20 s).
 
@@ -16,6 +17,7 @@ experts 7.8e-7, HSDP x TP 9.1e-7. Asserted: PARAM_TOL (the issue's 1e-5), losses
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -217,3 +219,83 @@ def test_torch_state_dict_api_round_trips(world4: list[dict[str, Any]]) -> None:
     for r in world4:
         res = ok(r["fqn_api"])
         assert "w2.weight" in res["keys"] and "experts" in res["keys"] and res["same"]
+
+
+# ---- traffic per rank of a TP x FSDP2 step ------------------------------------------------------
+
+
+def _allreduce_moved(count: int, world: int) -> int:
+    """Elements an all-reduce of `count` moves each way per member, as the engine's communicator
+    counts it (include/distmuon/comm.h: reduce-scatter + all-gather, integer division)."""
+    return 2 * (world - 1) * count // world
+
+
+def predicted_traffic(params: list[dict[str, Any]], rank: int, world: int, tp: int) -> tuple[int, int]:
+    """The bytes `rank` sends in one step of the traffic scenario (it receives as many), as
+    (engine's communicator, front's remap), from the layout alone: dp = world / tp with the ranks
+    of a dp shard consecutive (mesh (dp, tp)), every size a multiple of `world`.
+
+    Engine (sharded mode; the simulator's count, src/plan/simulate.cc, on the rows each rank
+    holds instead of an even 1/W of every matrix): a matrix of b bytes owned by rank o, of which
+    rank q holds p_q bytes in the engine's rows, costs q its rows to the owner and its update
+    back, p_q each way, and the owner the other ranks' rows, b - p_o each way. Every 2-D matrix
+    gives each rank b / W (ColwiseParallel's rows cut again by FSDP2; torch.chunk's cut of the
+    remapped ones); a stack of W experts gives rank k expert k whole. Then three int32
+    all-reduces: the gradient-presence vote (2 n + 5 values for n parameters), the Muon
+    matrices' statuses and the AdamW parameters' (one bucket: the block is far below bucket_mb).
+
+    Front (python/distmuon/torch/_remap.py): a Muon matrix split over tp along a dim other than
+    its rows (RowwiseParallel, the experts' columns) has its weights and gradient brought into
+    the engine's rows (each rank holds 1/T of its b / W rows' columns and gets the rest from its
+    T - 1 tp peers) and its new weights sent back: 3 (1 - 1/T) b / W each way. One whole over tp
+    (FSDP2 on the dp sub-mesh only) already holds its engine rows: only its new weights go out,
+    to the T - 1 peers holding the same dp shard, (T - 1) b / W each way. ColwiseParallel x
+    FSDP2 is the engine's rows as they lie: nothing moves."""
+    engine = front = 0
+    muon = [p for p in params if p["muon"]]
+    for p in muon:
+        shape, size = p["shape"], p["element_size"]
+        b = size * math.prod(shape)
+        stacked = len(shape) == 3
+        assert (shape[0] == world) if stacked else (shape[0] % world == 0), p["name"]
+        for k, owner in enumerate(p["owners"]):
+            if stacked:  # expert k, held whole by rank k: nothing moves where k owns it
+                e = size * shape[1] * shape[2]
+                engine += (e if owner != k else 0) if rank == owner else (e if rank == k else 0)
+            else:
+                engine += b - b // world if rank == owner else b // world
+        if p["kind"] == "remap":
+            split = p["tp_dim"] is not None and p["tp_dim"] > 0
+            front += 3 * (tp - 1) * b // (tp * world) if split else (tp - 1) * b // world
+        else:
+            assert p["kind"] == "native" and p["tp_dim"] in (0, None), p["name"]
+    matrices = sum(len(p["owners"]) for p in muon)
+    control = sum(_allreduce_moved(n, world) for n in (2 * len(params) + 5, matrices, len(params) - len(muon)))
+    return engine + 4 * control, front  # int32 control values
+
+
+def test_traffic_per_rank_of_a_tp_by_fsdp2_step_equals_the_closed_form(world4: list[dict[str, Any]]) -> None:
+    """Measured on 4 gloo ranks, TP 2 x FSDP 2, dim 256, MLP 704, 4 experts of 256 x 256 (4.26 MB
+    of Muon matrices in float32), per rank and step, sent = received (the engine's figures
+    include 280 B of control all-reduces):
+
+    | rank | owned | engine sent | front (remap) sent |
+    | ---: | --- | ---: | ---: |
+    | 0 | w1, w3 | 1 787 160 | 926 720 |
+    | 1 | wqkv, router, expert 0 | 1 723 672 | 926 720 |
+    | 2 | w2, expert 1 | 1 688 856 | 926 720 |
+    | 3 | wo, experts 2, 3 | 1 197 336 | 926 720 |
+
+    (owners: the engine's plan on its heuristic CPU costs). FSDP2's own collectives and the
+    front's gradient vote (a torch all-reduce of one int64 per remapped parameter) are not
+    counted."""
+    for rank, r in enumerate(world4):
+        res = ok(r["traffic"])
+        assert res["mode"] == "sharded"
+        engine, front = predicted_traffic(res["params"], rank, len(world4), tp=2)
+        for step in res["steps"]:  # every step alike
+            assert step["comm_bytes_sent"] == step["comm_bytes_received"] == engine, (rank, step, engine)
+            assert step["remap_bytes_sent"] == step["remap_bytes_received"] == front, (rank, step, front)
+            assert step["comm_ops"] == 5  # the vote, 2 all-to-alls, the 2 status all-reduces
+    owners = {o for p in ok(world4[0]["traffic"])["params"] for o in p["owners"]}
+    assert len(owners) >= 3  # the count covers owners and non-owners of each kind of matrix

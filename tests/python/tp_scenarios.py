@@ -9,6 +9,10 @@ Tensor and expert parallel ranks see the same tokens (the data is split over the
 dims only), so that every layout trains on the single process's global batch; the expert
 outputs are summed over ``ep`` with an all-reduce whose backward is the identity (Megatron's
 "g" operator, as RowwiseParallel's output).
+
+The scenarios run where helpers.scenario_device() says: gloo ranks on the CPU (test_tp.py), NCCL
+ranks on CUDA (test_gpu_tp.py). The model is built on the CPU (the same weights everywhere) and
+moved there; what they return is on the CPU.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon
-from helpers import make_batch
+from helpers import make_batch, scenario_device
 
 GLOBAL_BATCH = 4
 STEPS = 5
@@ -30,6 +34,9 @@ OPT_KW: dict[str, Any] = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
 # blocks are cut through by FSDP2's shards (w1's 8 / 7 rows of 15 per tp rank).
 BLOCKS_KW: dict[str, Any] = {**OPT_KW, "row_blocks": {"wqkv.weight": 12, "w1.weight": 2}}
 DIM, HIDDEN, EXPERTS, VOCAB = 16, 30, 4, 23
+# The traffic scenario's block: wide enough that the matrices, not the control messages, make the
+# traffic (4.26 MB of Muon matrices in float32), sizes that 4 ranks cut evenly.
+TRAFFIC_DIM, TRAFFIC_HIDDEN, TRAFFIC_STEPS = 256, 704, 2
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -64,19 +71,21 @@ class _CopyToGroup(torch.autograd.Function):
 
 
 class TPModel(nn.Module):
-    def __init__(self) -> None:
+    """`dim` and `hidden` other than DIM / HIDDEN: the wider block of the traffic scenario."""
+
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.attn_norm = nn.LayerNorm(DIM)
-        self.wqkv = nn.Linear(DIM, 3 * DIM, bias=False)
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-        self.mlp_norm = nn.LayerNorm(DIM)
-        self.w1 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w3 = nn.Linear(DIM, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, DIM, bias=False)
-        self.router = nn.Linear(DIM, EXPERTS, bias=False)
-        self.experts = nn.Parameter(torch.randn(EXPERTS, DIM, DIM) * 0.1)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        self.tok = nn.Embedding(VOCAB, dim)
+        self.attn_norm = nn.LayerNorm(dim)
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.mlp_norm = nn.LayerNorm(dim)
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.router = nn.Linear(dim, EXPERTS, bias=False)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, dim, dim) * 0.1)
+        self.output = nn.Linear(dim, VOCAB, bias=False)
         self.ep_group: Any = None  # set when the experts are split over an ep dim
         self.dp_group: Any = None  # set when the experts are left out of fully_shard
 
@@ -102,15 +111,16 @@ class TPModel(nn.Module):
         return self.output(h + mixed)
 
 
-def make_model() -> TPModel:
+def make_model(dim: int = DIM, hidden: int = HIDDEN) -> TPModel:
     torch.manual_seed(0)
-    return TPModel()
+    return TPModel(dim, hidden).to(scenario_device())
 
 
 def local_loss(model: nn.Module, step: int, dp_rank: int, dp: int) -> torch.Tensor:
     x, y = make_batch(step, vocab=VOCAB, batch=GLOBAL_BATCH)
     per = GLOBAL_BATCH // dp
-    x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
+    dev = scenario_device()
+    x, y = x[dp_rank * per : (dp_rank + 1) * per].to(dev), y[dp_rank * per : (dp_rank + 1) * per].to(dev)
     logits = model(x)
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
@@ -133,16 +143,18 @@ def train(model: nn.Module, opt: Muon, steps: range, dp_rank: int = 0, dp: int =
     return out
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor on the CPU (a DTensor gathered: collective)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone() for n, p in model.named_parameters()}
+    return {n: full(p) for n, p in model.named_parameters()}
 
 
 def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
     sd = opt.state_dict()
-    return {
-        i: {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in st.items()}
-        for i, st in sd["state"].items()
-    }
+    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
 
 
 # ---- layouts ---------------------------------------------------------------------------------
@@ -165,12 +177,13 @@ def parallelize(model: TPModel, layout: str) -> tuple[int, int]:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
+    dev = scenario_device().type
     if layout == "fsdp":
-        fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+        fully_shard(model, mesh=init_device_mesh(dev, (world,)))
         return dist.get_rank(), world
     if layout in ("tp", "hsdp_tp"):
         shape, names = ((2, 2), ("dp", "tp")) if layout == "tp" else ((2, 2, 2), ("rep", "shard", "tp"))
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        mesh = init_device_mesh(dev, shape, mesh_dim_names=names)
         plan = {"w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
         parallelize_module(model, mesh["tp"], plan)
         # a stack of matrices split along their columns (the engine assembles each whole)
@@ -180,7 +193,7 @@ def parallelize(model: TPModel, layout: str) -> tuple[int, int]:
         coord = mesh.get_coordinate()
         dp_rank = coord[0] if layout == "tp" else coord[0] * 2 + coord[1]
         return dp_rank, dp_mesh.size()
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("dp", "ep"))
     model.experts = nn.Parameter(distribute_tensor(model.experts.data, mesh["ep"], [Shard(0)]))
     model.ep_group = mesh["ep"].get_group()
     if layout == "ep":
@@ -227,14 +240,16 @@ def run_layout(
     }
 
 
-def run_resume(rank: int, world: int, layout: str, ckpt: str) -> dict[str, Any]:
+def run_resume(
+    rank: int, world: int, layout: str, ckpt: str, kw: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """A fresh model and optimizer in `layout` (any world size) load the checkpoint written after
     CKPT_AT steps and train the remaining steps."""
     import torch.distributed.checkpoint as dcp
 
     model = make_model()
     dp_rank, dp = parallelize(model, layout) if dist.is_initialized() else (0, 1)
-    opt = Muon(model, **OPT_KW)
+    opt = Muon(model, **(kw or OPT_KW))
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd["model"])
@@ -258,10 +273,11 @@ def run_refusals(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Partial, Shard
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 8), mesh, [Shard(0), Partial()]))
+    dev = scenario_device()
+    mesh = init_device_mesh(dev.type, (2, 2), mesh_dim_names=("dp", "tp"))
+    partial = nn.Parameter(DTensor.from_local(torch.randn(4, 8, device=dev), mesh, [Shard(0), Partial()]))
     rows = 3 if mesh.get_coordinate()[0] == 0 else 5  # not torch.chunk's cut of 8 rows
-    local = torch.randn(rows, 4)
+    local = torch.randn(rows, 4, device=dev)
     uneven = nn.Parameter(
         DTensor.from_local(local, mesh, [Shard(0), Shard(1)], run_check=False, shape=(8, 8), stride=(8, 1))
     )
@@ -272,8 +288,8 @@ def run_refusals(rank: int, world: int) -> dict[str, Any]:
     model = make_model()
     dp_rank, dp = parallelize(model, "tp")
     out["gather"] = _error(lambda: Muon(model, dist_mode="gather", **OPT_KW))
-    other = init_device_mesh("cpu", (4,))
-    foreign = nn.Parameter(DTensor.from_local(torch.randn(2, 8), other, [Shard(0)]))
+    other = init_device_mesh(dev.type, (4,))
+    foreign = nn.Parameter(DTensor.from_local(torch.randn(2, 8, device=dev), other, [Shard(0)]))
     out["roots"] = _error(lambda: Muon([*model.named_parameters(), ("foreign", foreign)], **OPT_KW))
     opt = Muon(model, **OPT_KW)
     groups = len(opt.param_groups)
@@ -336,6 +352,47 @@ def run_fqn_api(rank: int, world: int) -> dict[str, Any]:
     return {"keys": sorted(osd["state"]), "same": same}
 
 
+def tp_shard_dim(p: Any) -> int | None:
+    """The dim a parameter is split along over ``tp``; None where it is whole over tp (its mesh
+    has no such dim, or it is replicated there)."""
+    from torch.distributed.tensor import Shard
+
+    names = p.device_mesh.mesh_dim_names or ()
+    placement = p.placements[names.index("tp")] if "tp" in names else None
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def run_traffic(rank: int, world: int) -> dict[str, Any]:
+    """TRAFFIC_STEPS steps of the wider block (TRAFFIC_DIM, TRAFFIC_HIDDEN) at dp 2 x tp 2: the
+    bytes this rank moved in each, each way (the engine's communicator: ``comm_bytes_*``; the
+    front's transfers of remapped parameters: ``remap_bytes_*``), and what a closed-form count
+    needs: every parameter's shape, kind, split over tp and (Muon) owner of each matrix."""
+    model = make_model(TRAFFIC_DIM, TRAFFIC_HIDDEN)
+    dp_rank, dp = parallelize(model, "tp")
+    opt = Muon(model, **OPT_KW)
+    keys = ("comm_bytes_sent", "comm_bytes_received", "comm_ops", "remap_bytes_sent", "remap_bytes_received")
+    steps = []
+    for step in range(TRAFFIC_STEPS):
+        before = opt.engine_stats()
+        train(model, opt, range(step, step + 1), dp_rank, dp)
+        after = opt.engine_stats()
+        steps.append({k: after[k] - before[k] for k in keys})
+    part = opt._parts[0]
+    params = []
+    for s in part.slots:
+        slices = s.engine_shape[0] if len(s.engine_shape) == 3 else 1
+        params.append({
+            "name": s.name,
+            "shape": tuple(s.full_shape),
+            "muon": s.use_muon,
+            "kind": s.placed.kind if s.placed is not None else "fsdp",
+            "tp_dim": tp_shard_dim(s.param),
+            "owners": [part.engine.owner(s.index, k) for k in range(slices)] if s.use_muon else [],
+            "element_size": s.param.element_size(),
+        })
+    return {"steps": steps, "params": params, "mode": opt.dist_mode}
+
+
 def ep_ckpt(ckpt: str) -> str:
     """Where the ep 2 x dp 2 run writes its checkpoint."""
     return ckpt + "-ep"
@@ -352,7 +409,32 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "refusals": guarded(lambda: run_refusals(rank, world)),
         "grad_none": guarded(lambda: run_grad_none(rank, world)),
         "fqn_api": guarded(lambda: run_fqn_api(rank, world)),
+        "traffic": guarded(lambda: run_traffic(rank, world)),
     }
+
+
+# The NCCL arms (test_gpu_tp.py) iterate in float32, so that they compare tightly with one process.
+NCCL_KW: dict[str, Any] = {**OPT_KW, "ns_dtype": torch.float32}
+
+
+def nccl_world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
+    """What test_gpu_tp.py's NCCL ranks run, each scenario named on stderr as it starts (a hang
+    names it)."""
+    import sys
+    import time
+
+    from dist_scenarios import guarded
+
+    arms = {
+        "tp": lambda: run_layout(rank, world, "tp", ckpt, kw=NCCL_KW),
+        "ep": lambda: run_layout(rank, world, "ep", ep_ckpt(ckpt), kw=NCCL_KW),
+        "ep_nofsdp": lambda: run_layout(rank, world, "ep_nofsdp", kw=NCCL_KW),
+    }
+    out = {}
+    for name, fn in arms.items():
+        print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
+        out[name] = guarded(fn)
+    return out
 
 
 def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
