@@ -56,19 +56,6 @@ CostTable load_costs(const PlanArgs& a, const std::vector<PlanMatrix>& mats, Ort
   return analytic_cost_table(shape_counts(mats), cfg, r);
 }
 
-// The table with every point's seconds times `f` (an emulated device f times slower).
-CostTable scaled(CostTable t, double f) {
-  if (f == 1) return t;
-  CostTable out = t;
-  for (const auto& [key, shape] : t.shapes()) {
-    std::vector<CostPoint> pts = shape.points;
-    for (CostPoint& p : pts) p.seconds *= f;
-    out.set(shape.m, shape.n, std::move(pts));
-  }
-  out.device = t.device + " x " + cli::format_number(f);
-  return out;
-}
-
 nlohmann::json plan_json(const Plan& p) {
   double max_comm = 0;
   for (double b : p.owner_comm_bytes) max_comm = std::max(max_comm, b);
@@ -97,7 +84,7 @@ int run(const PlanArgs& a) {
   const std::vector<std::string>& solvers = a.solvers;
 
   PlanOptions opts;
-  const CostTable costs = scaled(load_costs(a, mats, opts.ortho), a.costs_scale);
+  const CostTable costs = scale_costs(load_costs(a, mats, opts.ortho), a.costs_scale);
   opts.time_limit_s = a.time_limit;
   opts.max_nodes = a.max_nodes;
   opts.relative_gap = a.gap;
@@ -167,12 +154,18 @@ int run(const PlanArgs& a) {
     cm.wire_elem_bytes = a.wire_bytes;
     cm.elementwise_bytes = a.elementwise_bytes;
     cm.hbm_bytes_per_s = a.hbm_tbs * 1e12;
+    cm.intra_reduce_bytes_per_s = a.intra_reduce_gbs * 1e9;
+    cm.collective_latency_s = a.collective_latency_us * 1e-6;
+    cm.local_collective_s = a.local_collective_us * 1e-6;
+    cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
+    cm.comm_compute_share = a.comm_compute_share;
     const std::string solver = a.sim_solver.empty() ? solvers.front() : a.sim_solver;
     std::vector<int> worlds;
     for (int d = 1; d <= a.sim_max_world; d *= 2) worlds.push_back(d);
     std::printf("\nsimulated optimizer step (%s plans, %d GPUs per node, costs: %s)\n%s\n\n",
                 solver.c_str(), topo.gpus_per_node, costs.source.c_str(), cm.describe().c_str());
-    const auto pts = simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts);
+    const auto pts =
+        simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts, sim_tensors(w));
     std::printf("%6s %12s %9s %12s %11s %12s %12s %14s %10s %10s\n", "D", "makespan ms", "imbal.",
                 "gather ms", "(comm ms)", "sharded ms", "(comm ms)", "dedicated ms", "x sharded",
                 "x dedic.");
@@ -203,6 +196,21 @@ int run(const PlanArgs& a) {
            {"fsdp_comm", p.fsdp_comm},
            {"dedicated_exchange", p.dedicated_exchange},
            {"adamw_update", p.adamw_update},
+           {"gather_engine", p.gather_engine},
+           {"sharded_engine", p.sharded_engine},
+           {"dedicated_engine", p.dedicated_engine},
+           {"adamw_engine", p.adamw_engine},
+           {"fsdp_reduce_scatter", p.fsdp_reduce_scatter},
+           {"fsdp_all_gather", p.fsdp_all_gather},
+           {"buckets", p.buckets},
+           {"owner_runs", p.owner_runs},
+           {"gather_runs", p.gather_runs},
+           {"collectives",
+            {{"fsdp", p.fsdp_collectives},
+             {"gather", p.gather_collectives},
+             {"sharded", p.sharded_collectives},
+             {"dedicated", p.dedicated_collectives},
+             {"adamw", p.adamw_collectives}}},
            {"gather_step", p.gather_step()},
            {"sharded_step", p.sharded_step()},
            {"dedicated_step", p.dedicated_step()},

@@ -19,7 +19,9 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
     DM_CHECK(!app.count(o) || (!a.measure && a.costs.empty()), o,
              " applies to analytic costs (not with --costs or --measure)");
   for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
-                        "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes"})
+                        "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes",
+                        "--intra-reduce-gbs", "--collective-latency-us", "--local-collective-us",
+                        "--bucket-mb", "--comm-compute-share"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   // --measure keeps what it measured in the cost cache: a cache it cannot write would fail only
   // after the measurements.
@@ -84,9 +86,10 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.add_flag("--analytic", a.analytic, "analytic costs from --tflops, --hbm-tbs, --launch-us")
       ->group(costs);
   app.add_option("--costs-scale", a.costs_scale,
-                 "multiply every cost by F: a device F times slower at the orthogonalization than "
-                 "the one that was measured (a part of the GPU: its whole-GPU GEMM rate over the "
-                 "part's, from distmuon-bench --calibrate)")
+                 "a device F times slower at the orthogonalization than the one that was measured "
+                 "(a part of the GPU: its whole-GPU GEMM rate over the part's, from distmuon-bench "
+                 "--calibrate): each batch's work times F, its fixed launch cost (the intercept of "
+                 "its first two points) kept")
       ->check(cli::above(0, 1e6))
       ->group(costs);
   app.add_flag("--measure", a.measure, "measure costs on --backend, cached in --cache")
@@ -151,6 +154,30 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->group(sim);
   app.add_option("--inter-us", a.inter_us, "inter-node latency, microseconds")
       ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--intra-reduce-gbs", a.intra_reduce_gbs,
+                 "intra-node bandwidth of reductions (reduce, reduce-scatter), GB/s (0: --intra-gbs)")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--collective-latency-us", a.collective_latency_us,
+                 "host time per collective at D > 1, paid in program order (143: the engine's "
+                 "non-blocking NCCL communicator, H100 with two MPS ranks; distmuon-bench "
+                 "--calibrate's nccl_collective_us)")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--local-collective-us", a.local_collective_us,
+                 "host time per collective at one rank, where NCCL copies locally")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--bucket-mb", a.bucket_mb,
+                 "MiB of full matrices per bucket of the engine (DistOptions::bucket_bytes; "
+                 "distmuon-bench --bucket-mb; 0: one bucket)")
+      ->check(cli::at_least(0, 1 << 20))
+      ->group(sim);
+  app.add_option("--comm-compute-share", a.comm_compute_share,
+                 "ranks sharing one GPU: share of a rank's compute a collective takes while it "
+                 "moves data (0: GPUs of their own)")
+      ->check(CLI::Range(0.0, 0.95))
       ->group(sim);
   app.add_option("--wire-bytes", a.wire_bytes, "bytes per element on the wire")
       ->check(CLI::Range(int64_t{1}, int64_t{16}))

@@ -35,6 +35,10 @@ struct PlanArgs {
   int sim_max_world = 1024;
   std::string sim_solver;
   double intra_gbs = 450, inter_gbs = 50, intra_us = 3, inter_us = 6;
+  double intra_reduce_gbs = 0;  // 0: --intra-gbs
+  double collective_latency_us = 143, local_collective_us = 10;
+  double bucket_mb = 32;
+  double comm_compute_share = 0;
   int64_t wire_bytes = 2;
   double elementwise_bytes = 44;
   std::string json;

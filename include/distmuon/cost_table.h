@@ -74,6 +74,12 @@ std::vector<CostTable> parse_cost_tables(const std::string& json_text, const std
 // library version; throws naming the devices/versions present when none matches.
 CostTable select_cost_table(const std::vector<CostTable>& tables, const std::string& device,
                             const std::string& origin);
+// The table of a device `f` times slower at the work than the one measured (a part of the GPU:
+// the whole GPU's GEMM rate over the part's). A batch's time splits into a fixed part, which
+// the host's launches set whatever the device (the intercept at k = 0 of the line through the
+// shape's first two points, between 0 and the first point), and the rest, scaled by f; a shape
+// with one point is scaled whole.
+CostTable scale_costs(const CostTable& t, double f);
 // The measurement store's path (src/measure/store.h: a cost file that also holds the tuner's
 // choices): DISTMUON_COST_CACHE, else $XDG_CACHE_HOME/distmuon/costs.json, else
 // ~/.cache/distmuon/costs.json.

@@ -1,12 +1,15 @@
 // A cluster simulator for the Muon optimizer step: the compute of a plan (from the cost table)
-// plus the communication of each mode under an alpha-beta model, for world sizes one does not
-// have. Later measurements on real multi-GPU runs are compared with these predictions.
+// and the communication of each mode under an alpha-beta model with a host cost per collective,
+// played as a timeline of the ranks' hosts and streams, for world sizes one does not have.
+// Measurements on real multi-GPU runs and on the one-GPU cluster are compared with these
+// predictions (bench/cluster/report.py).
 #pragma once
 
 #include <string>
 #include <vector>
 
 #include "distmuon/plan.h"
+#include "distmuon/workload.h"
 
 namespace distmuon {
 
@@ -18,7 +21,29 @@ struct CommModel {
   double inter_bytes_per_s = 50e9;
   double intra_latency_s = 3e-6;
   double inter_latency_s = 6e-6;
+  // Reductions (reduce, FSDP's reduce-scatter) inside a node, where they run at another rate
+  // than gathers and broadcasts (an all-reduce's bus bandwidth); 0: intra_bytes_per_s.
+  double intra_reduce_bytes_per_s = 0;
   int64_t wire_elem_bytes = 2;  // bf16 gradients and updates on the wire
+  // What one collective costs the host that issues it, D > 1: the engine's NCCL communicator is
+  // non-blocking, so NCCL launches each call from a thread of its own and the communicator polls
+  // (50 us sleeps) until NCCL has accepted it. Paid in program order, one collective after the
+  // other, while the device runs what was issued before (the step's timeline, simulate()).
+  // Default: 143 us, measured on an H100 with two MPS ranks (distmuon-bench --calibrate's
+  // nccl_collective_us; 768 back-to-back collectives of 8 KiB took 108 ms, 140 us each).
+  double collective_latency_s = 143e-6;
+  // The same at one rank, where NCCL copies locally without a thread (the bench's FSDP2
+  // emulation and the engine still issue their collectives there). Default: 10 us, measured
+  // likewise at one rank (512 collectives, 5.0 ms).
+  double local_collective_s = 10e-6;
+  // Where the ranks share one GPU (MPS): the share of a rank's compute a collective takes while
+  // it moves data (SMs and memory bandwidth of the same chip; an NCCL kernel that only waits for
+  // a peer takes nothing measurable). 0: none (ranks on GPUs of their own).
+  double comm_compute_share = 0;
+  // Full-matrix bytes per bucket of the engine (DistOptions::bucket_bytes, distmuon-bench
+  // --bucket-mb): buckets set how many collectives the gather and sharded modes issue, and cut
+  // the owners' batches (each run of a bucket is one batched orthogonalization). <= 0: one bucket.
+  int64_t bucket_bytes = int64_t{32} << 20;
   // The elementwise passes around the orthogonalization (gradient and momentum, the Nesterov
   // input and its norm, the iterate in and out, the weight update), as bytes of memory traffic
   // per element a rank orthogonalizes, at the device's memory bandwidth. 44 bytes: measured on
@@ -29,6 +54,16 @@ struct CommModel {
   double hbm_bytes_per_s = 4.17e12;
   std::string describe() const;  // the assumptions, several lines
 };
+
+// A parameter tensor as the step around the optimizer moves it: FSDP2 shards its dim 0 (the
+// bench's emulation reduces each shard to its holder, one reduce per shard, and all-gathers each
+// tensor); it holds `matrices` consecutive Muon matrices of rows x cols (3-D stacks several).
+struct SimTensor {
+  int64_t dim0 = 0, numel = 0;
+  int64_t matrices = 1, rows = 0, cols = 0;
+};
+// The Muon tensors of a workload in registration order (the order of plan_matrices()).
+std::vector<SimTensor> sim_tensors(const Workload& workload);
 
 // Collective formulas used (D ranks, n GPUs per node; a ring crossing nodes runs at the
 // inter-node bandwidth, since every GPU's ring edge to the next node is its own NIC):
@@ -48,6 +83,8 @@ struct SimPoint {
   std::string solver;   // the planner that placed the owners
   double makespan = 0;  // owner-mode compute: the plan's slowest owner
   double imbalance = 1;
+
+  // ---- terms (seconds), each alone: compute at the cost table's rates, traffic at beta --------
   double gather_compute = 0, gather_comm = 0;
   double gather_elementwise = 0;  // every rank prepares and orthogonalizes every matrix
   double owner_step = 0;  // owner modes: the slowest owner's compute plus elementwise passes
@@ -63,38 +100,65 @@ struct SimPoint {
   //   dedicated:  reduce to the owner, broadcast from it     2 (total - b_o) + 2 (D-1) b_o
   // with b_o the bytes of the matrices owner o holds, on the wire.
   double gather_bytes = 0, replicated_bytes = 0, sharded_bytes = 0, dedicated_bytes = 0;
-  double gather() const { return gather_compute + gather_elementwise + gather_comm; }
-  double sharded() const { return owner_step + sharded_comm; }
-  double dedicated() const { return owner_step + dedicated_comm; }
-
-  // The step as distmuon-bench times it (from local unreduced gradients to full updated weights
-  // on every rank), which adds what a training step does around the optimizer:
-  //   fsdp_comm          FSDP2's gradient reduce-scatter and weight all-gather (rings), paid by
-  //                      gather, sharded and the AdamW baseline
-  //   dedicated_exchange the dedicated mode's whole reduce-to-owner and broadcast (chains), where
-  //                      dedicated() charges only what they add to FSDP2's rings
+  // What a training step does around the optimizer, as bandwidth alone:
+  //   fsdp_comm          FSDP2's gradient reduce-scatter and weight all-gather (rings)
+  //   dedicated_exchange the dedicated mode's whole reduce-to-owner and broadcast (chains)
   //   adamw_update       fused AdamW on the rank's 1/D shard: bf16 weight and gradient read, f32
   //                      moments read and written, weight written (22 bytes per element)
   double fsdp_comm = 0, dedicated_exchange = 0, adamw_update = 0;
-  double gather_step() const { return gather() + fsdp_comm; }
-  double sharded_step() const { return sharded() + fsdp_comm; }
-  double dedicated_step() const { return owner_step + dedicated_exchange; }
-  double adamw_step() const { return adamw_update + fsdp_comm; }
+
+  // ---- the steps (seconds), from the timeline of simulate() ----------------------------------
+  // The engine's step per mode (Engine::step, as distmuon-bench's engine_ms times it), the
+  // slowest rank's.
+  double gather_engine = 0, sharded_engine = 0, dedicated_engine = 0, adamw_engine = 0;
+  // The bench's FSDP2 emulation around gather, sharded and adamw: the reduce of every dim-0
+  // shard of every tensor before the step, the all-gather of every tensor after it.
+  double fsdp_reduce_scatter = 0, fsdp_all_gather = 0;
+  // Collectives issued per step: the FSDP2 emulation's, and each mode engine's (the vote that
+  // starts a step at D > 1 included); the engine's buckets.
+  int64_t fsdp_collectives = 0, gather_collectives = 0, sharded_collectives = 0,
+          dedicated_collectives = 0, adamw_collectives = 0, buckets = 0;
+  // Orthogonalizations the slowest owner runs (one per run of a bucket: owner, plan batch and
+  // shape), and every rank in gather mode.
+  int64_t owner_runs = 0, gather_runs = 0;
+
+  double gather() const { return gather_engine; }
+  double sharded() const { return sharded_engine; }
+  double dedicated() const { return dedicated_engine; }
+  double fsdp() const { return fsdp_reduce_scatter + fsdp_all_gather; }
+  // The step as distmuon-bench times it (from local unreduced gradients to full updated weights
+  // on every rank): gather, sharded and the AdamW baseline inside the FSDP2 emulation, dedicated
+  // alone (its engine reduces and broadcasts).
+  double gather_step() const { return gather_engine + fsdp(); }
+  double sharded_step() const { return sharded_engine + fsdp(); }
+  double dedicated_step() const { return dedicated_engine; }
+  double adamw_step() const { return adamw_engine + fsdp(); }
 };
 
-// Predicted optimizer step time of the three modes at every world size in `worlds`:
-// - gather: all-gather every full gradient (ring), every rank orthogonalizes everything;
-// - sharded: all-to-all row shards to owners, owners compute, all-to-all updates back;
-// - dedicated: reduce-to-owner and broadcast replace FSDP's reduce-scatter and all-gather inside
-//   backward and forward. A rank forwards every matrix it does not own (G - B_o bytes) where the
-//   ring collectives move (D-1)/D G, so the step pays the owner makespan plus twice the
-//   difference, taken as not hidden (zero when owner bytes are balanced).
-// Each adds its elementwise passes (CommModel::elementwise_bytes over the elements the rank
-// orthogonalizes). FSDP's own collectives are outside all three.
-// World sizes that are not a whole number of nodes are left out of the result.
+// Predicted optimizer step time of the modes at every world size in `worlds`. The plan places
+// the owners; buckets of bucket_bytes consecutive matrices group the engine's traffic as the
+// runtime does (dist_layout.cc), and each rank's step is a timeline (the runtime's phases,
+// dist_step.cc): its host issues kernels and collectives in program order, paying
+// collective_latency_s per collective; kernels run in order on its compute stream and start once
+// issued and once the collectives they wait for ended; collectives run in order on the
+// communicator's stream, once every rank issued them and the kernels issued before them ended.
+// Per mode:
+// - gather: per bucket a status all-reduce and an all-gather of the rows; every rank unpacks the
+//   bucket and orthogonalizes every matrix (one batch per shape of the bucket);
+// - sharded: per bucket the rows to their owners (pack, all-to-all, unpack), the owner's
+//   batches, a status all-reduce, the updates back (pack, all-to-all);
+// - dedicated: a reduce to the owner per matrix, the owner's batches, a broadcast per matrix;
+// - adamw: fused AdamW on the rank's shard.
+// A kernel costs the cost table's batch time (each run of a bucket is one batch) plus its
+// elementwise passes (CommModel::elementwise_bytes per element orthogonalized) and staging
+// copies (read + write of the wire bytes at hbm_bytes_per_s); a collective (D - 1) alpha plus
+// its bytes over beta (reductions over intra_reduce_bytes_per_s where given), or at one rank
+// the local copy NCCL makes. `tensors` (sim_tensors()) give the FSDP2 shards; empty: one
+// tensor per matrix. World sizes that are not a whole number of nodes are left out.
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
                                const std::vector<int>& worlds, int gpus_per_node,
                                const CommModel& cm, const std::string& solver,
-                               const PlanOptions& opts = {});
+                               const PlanOptions& opts = {},
+                               const std::vector<SimTensor>& tensors = {});
 
 }  // namespace distmuon

@@ -1,5 +1,6 @@
 // The cost table: lookup with interpolation, and its JSON file format.
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -209,6 +210,27 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
           " only; this is distmuon ", DISTMUON_VERSION,
           ": re-measure (kernels change between "
           "versions)");
+}
+
+CostTable scale_costs(const CostTable& t, double f) {
+  DM_CHECK(f > 0, "cost scale must be > 0 (got ", f, ")");
+  if (f == 1) return t;
+  CostTable out = t;
+  for (const auto& [key, shape] : t.shapes()) {
+    std::vector<CostPoint> pts = shape.points;
+    double fixed = 0;
+    if (pts.size() >= 2) {
+      const double slope = (pts[1].seconds - pts[0].seconds) / static_cast<double>(pts[1].k - pts[0].k);
+      fixed = std::clamp(pts[0].seconds - slope * static_cast<double>(pts[0].k), 0.0,
+                         pts[0].seconds);
+    }
+    for (CostPoint& p : pts) p.seconds = fixed + f * (p.seconds - fixed);
+    out.set(shape.m, shape.n, std::move(pts));
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", f);
+  out.device = t.device + " x " + buf + " (launches kept)";
+  return out;
 }
 
 std::string default_cost_cache_path() {

@@ -49,6 +49,24 @@ TEST(CostTable, InterpolatesBetweenPointsAndExtendsWithTheLastSlope) {
   EXPECT_NE(msg.find("16x16"), std::string::npos) << msg;
 }
 
+// A part of a GPU f times slower multiplies each batch's work, not the launches every batch pays
+// (the intercept of the shape's first two points): (1, 1.0), (2, 1.5) -> fixed 0.5, work 0.5 k.
+TEST(CostTable, ScalingKeepsTheFixedCostOfABatch) {
+  const CostTable t = sample("dev");
+  const CostTable s = scale_costs(t, 3);
+  EXPECT_DOUBLE_EQ(s.batch_seconds(64, 128, 1), 0.5 + 3 * 0.5);
+  EXPECT_DOUBLE_EQ(s.batch_seconds(64, 128, 2), 0.5 + 3 * 1.0);
+  EXPECT_DOUBLE_EQ(s.batch_seconds(64, 128, 4), 0.5 + 3 * 1.5);
+  EXPECT_DOUBLE_EQ(s.batch_seconds(32, 32, 1), 0.75);  // one point: all of it scaled
+  EXPECT_NE(s.device.find("x 3"), std::string::npos) << s.device;
+  // A flat shape (launch-bound at every k) does not slow down; the identity changes nothing.
+  CostTable flat = sample("dev");
+  flat.set(16, 16, {{1, 0.2}, {2, 0.2}, {4, 0.19}});
+  EXPECT_DOUBLE_EQ(scale_costs(flat, 2).batch_seconds(16, 16, 1), 0.2);
+  EXPECT_DOUBLE_EQ(scale_costs(t, 1).batch_seconds(64, 128, 2), 1.5);
+  EXPECT_THROW(scale_costs(t, 0), Error);
+}
+
 TEST(CostTable, RejectsBadPoints) {
   CostTable t;
   EXPECT_THROW(t.set(4, 4, {}), Error);
