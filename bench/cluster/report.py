@@ -1,12 +1,20 @@
 """Merges the one-GPU cluster's records (bench/cluster/run.sh) into cluster.json, cluster.md and
 cluster.png, with the simulator's prediction of every measured step.
 
-    python3 bench/cluster/report.py --out OUT [--plan build/bin/distmuon-plan]
+    python3 bench/cluster/report.py --out OUT [--plan build/bin/distmuon-plan] [--costs FILE]
+    python3 bench/cluster/report.py --resimulate cluster.json --costs FILE --out DIR
 
 The prediction is `distmuon-plan --simulate` on the emulated machine: the cost table measured on
-the whole GPU (OUT/costs.json) scaled by how much slower a rank's part multiplies (whole-GPU GEMM
-rate over the part's, both measured with every part busy), the parts' copy bandwidth as memory
-bandwidth and their NCCL all-gather bus bandwidth as the link. Nothing is fitted to the steps.
+the whole GPU (OUT/costs.json or --costs) with each batch's work scaled by how much slower a
+rank's part multiplies (whole-GPU GEMM rate over the part's, both measured with every part busy;
+the batch's fixed launch cost kept), the parts' copy bandwidth as memory bandwidth, their NCCL
+all-gather and all-reduce bus bandwidths as the link and its reductions (less the one
+collective's issue time the calibration's timing includes), the calibrated host time per
+collective (nccl_collective_us; --collective-latency-us where the calibration lacks it), the
+bench's buckets, and where ranks share a GPU under MPS the share of a rank's compute a transfer
+takes (--comm-compute-share). Nothing is fitted to the steps. --resimulate predicts again the
+steps of an existing cluster.json (its calibration, its recorded predictions beside) into
+DIR/resimulated.{json,md}.
 """
 from __future__ import annotations
 
@@ -26,11 +34,23 @@ def load(path: str) -> dict:
         return json.load(f)
 
 
-def predict(plan: str, rec: dict, full: dict, costs: str) -> dict[str, float] | None:
-    """Predicted step ms per mode for one record (None when the simulator cannot run). With the
-    whole GPU's measured cost table: that table scaled by the part's GEMM slow-down. Without it:
-    the analytic costs at the part's calibrated GEMM rate and copy bandwidth (a roofline, which
-    the kernels do not reach: the error then includes their distance from it)."""
+# The calibration times one collective of 256 MiB per rank, its issue included.
+CALIBRATION_BYTES = 256 * 2**20
+
+
+def issue_free_gbs(busbw_gbs: float, algo_factor: float, issue_us: float) -> float:
+    """Bus bandwidth of a calibration collective without the host's issue time in its timing
+    (time = factor * bytes / busbw; the issue is paid once per collective by the simulator)."""
+    t = algo_factor * CALIBRATION_BYTES / (busbw_gbs * 1e9)
+    return algo_factor * CALIBRATION_BYTES / max(t - issue_us * 1e-6, 0.5 * t) / 1e9
+
+
+def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespace) -> dict | None:
+    """Predicted step, engine and FSDP2 ms per mode for one record (None when the simulator cannot
+    run). With a cost table measured on the whole GPU: its work scaled by the part's GEMM
+    slow-down. Without it: the analytic costs at the part's calibrated GEMM rate and copy
+    bandwidth (a roofline, which the kernels do not reach: the error then includes their
+    distance from it)."""
     if not (plan and os.path.exists(plan)):
         return None
     d = rec["ranks"]
@@ -38,18 +58,26 @@ def predict(plan: str, rec: dict, full: dict, costs: str) -> dict[str, float] | 
     if not cal or not full_cal:
         return None
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
-    if os.path.exists(costs):
+    if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
     else:
         source = ["--analytic", "--tflops", f"{cal['gemm_tflops_per_rank_min']:.6g}"]
-    args = [plan, "--workload", rec["workload"], "--layers", str(rec["layers"]), *source,
-            "--simulate", "--world-size", str(d),
-            "--gpus-per-node", str(d), "--sim-max-world", str(d), "--solver", rec["planner"],
-            "--hbm-tbs", f"{cal['copy_gbs_per_rank_min'] / 1e3:.6g}"]
+    issue_us = cal.get("nccl_collective_us") or args.collective_latency_us
+    shared = d > 1 and rec.get("mechanism", "mps") == "mps"
+    sim = [plan, "--workload", rec["workload"], "--layers", str(rec["layers"]), *source,
+           "--simulate", "--world-size", str(d),
+           "--gpus-per-node", str(d), "--sim-max-world", str(d), "--solver", rec["planner"],
+           "--hbm-tbs", f"{cal['copy_gbs_per_rank_min'] / 1e3:.6g}",
+           "--bucket-mb", f"{rec.get('bucket_mb', 32):.6g}",
+           "--collective-latency-us", f"{issue_us:.6g}",
+           "--local-collective-us", f"{args.local_collective_us:.6g}",
+           "--comm-compute-share", f"{args.comm_compute_share if shared else 0:.6g}"]
     if d > 1:
-        args += ["--intra-gbs", f"{cal['nccl_allgather_busbw_gbs']:.6g}"]
+        sim += ["--intra-gbs", f"{issue_free_gbs(cal['nccl_allgather_busbw_gbs'], d - 1, issue_us):.6g}",
+                "--intra-reduce-gbs",
+                f"{issue_free_gbs(cal['nccl_allreduce_busbw_gbs'], 2 * (d - 1) / d, issue_us):.6g}"]
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-        r = subprocess.run(args + ["--json", tmp.name], capture_output=True, text=True)
+        r = subprocess.run(sim + ["--json", tmp.name], capture_output=True, text=True)
         if r.returncode != 0:
             print(f"simulator failed for {rec['workload']} at {d}: {r.stderr.strip()[-300:]}",
                   file=sys.stderr)
@@ -58,25 +86,104 @@ def predict(plan: str, rec: dict, full: dict, costs: str) -> dict[str, float] | 
     if not pts:
         return None
     p = pts[0]
-    return {m: p[f"{m}_step"] * 1e3 for m in MODES} | {
-        "costs_scale": scale, "costs": "measured" if os.path.exists(costs) else "analytic"}
+    fsdp = (p["fsdp_reduce_scatter"] + p["fsdp_all_gather"]) * 1e3
+    return ({m: p[f"{m}_step"] * 1e3 for m in MODES}
+            | {f"{m}_engine": p[f"{m}_engine"] * 1e3 for m in MODES}
+            | {f"{m}_collectives": p["collectives"][m] for m in MODES}
+            | {"fsdp": fsdp, "fsdp_collectives": p["collectives"]["fsdp"],
+               "costs_scale": scale,
+               "costs": "measured" if costs and os.path.exists(costs) else "analytic",
+               "collective_us": issue_us})
+
+
+def resimulate(args: argparse.Namespace) -> None:
+    """Predicts the steps of a recorded cluster.json again, beside its measurements and the
+    predictions it recorded."""
+    rec_all = load(args.resimulate)
+    cal = rec_all["calibration"]
+    preds, rows = {}, []
+    for r in rec_all["runs"]:
+        key = (r["workload"], r["ranks"])
+        if key not in preds:
+            rec = {"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"],
+                   "planner": args.planner, "calibration": cal.get(str(r["ranks"])),
+                   "mechanism": "mps" if r["ranks"] > 1 else "whole-gpu"}
+            preds[key] = predict(args.plan, rec, {"calibration": cal.get("1")}, args.costs, args)
+        p, m = preds[key], r["mode"]
+        if not p:
+            continue
+        fsdp_measured = r["step_ms"] - r["engine_ms"]
+        rows.append({"workload": r["workload"], "ranks": r["ranks"], "mode": m,
+                     "step_ms": r["step_ms"], "engine_ms": r["engine_ms"],
+                     "fsdp_ms": fsdp_measured if m != "dedicated" else None,
+                     "recorded_predicted_ms": r.get("predicted_ms"),
+                     "recorded_error": r.get("error"),
+                     "predicted_ms": p[m], "error": p[m] / r["step_ms"] - 1,
+                     "predicted_engine_ms": p[f"{m}_engine"],
+                     "predicted_fsdp_ms": p["fsdp"] if m != "dedicated" else None,
+                     "collectives": p[f"{m}_collectives"] + (p["fsdp_collectives"] if m != "dedicated" else 0),
+                     "costs": p["costs"], "costs_scale": p["costs_scale"],
+                     "collective_us": p["collective_us"]})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "resimulated.json"), "w") as f:
+        json.dump({"source": args.resimulate, "costs": args.costs, "planner": args.planner,
+                   "comm_compute_share": args.comm_compute_share,
+                   "local_collective_us": args.local_collective_us,
+                   "prediction": __doc__.split("\n\n")[2].replace("\n", " "), "runs": rows},
+                  f, indent=1)
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    lines = ["| workload | D | mode | step ms | recorded prediction | error | new prediction | error "
+             "| engine ms: measured / predicted | FSDP2 ms: measured / predicted | collectives |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
+                     f"{fmt(r['recorded_predicted_ms'])} | {fmt(r['recorded_error'], '{:+.0%}')} | "
+                     f"{r['predicted_ms']:.1f} | {r['error']:+.0%} | {r['engine_ms']:.1f} / "
+                     f"{r['predicted_engine_ms']:.1f} | {fmt(r['fsdp_ms'])} / "
+                     f"{fmt(r['predicted_fsdp_ms'])} | {r['collectives']} |")
+    errs = [abs(r["error"]) for r in rows]
+    old = [abs(r["recorded_error"]) for r in rows if r["recorded_error"] is not None]
+    if errs:
+        lines += ["", f"mean |error|: recorded {sum(old) / max(len(old), 1):.1%} (largest "
+                  f"{max(old, default=0):.0%}), new {sum(errs) / len(errs):.1%} (largest "
+                  f"{max(errs):.0%})"]
+    with open(os.path.join(args.out, "resimulated.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="the folder run.sh wrote")
+    ap.add_argument("--out", required=True,
+                    help="the folder run.sh wrote (with --resimulate: where to write)")
     ap.add_argument("--plan", default="build/bin/distmuon-plan", help="distmuon-plan to simulate with")
+    ap.add_argument("--costs", default="",
+                    help="cost table measured on the whole GPU (default: OUT/costs.json if there)")
+    ap.add_argument("--resimulate", default="", metavar="CLUSTER_JSON",
+                    help="predict the runs of this cluster.json again (no step records needed)")
+    ap.add_argument("--planner", default="lpt", help="--resimulate: the planner the runs used")
+    ap.add_argument("--collective-latency-us", type=float, default=143,
+                    help="host time per collective where the calibration lacks "
+                         "nccl_collective_us (143: H100, two MPS ranks, 2026-12-06)")
+    ap.add_argument("--local-collective-us", type=float, default=10,
+                    help="host time per collective at one rank (10: H100, 2026-12-06)")
+    ap.add_argument("--comm-compute-share", type=float, default=0.75,
+                    help="MPS ranks: share of a rank's compute a transfer takes (0.75: a bf16 "
+                         "GEMM beside a 1 GiB NCCL broadcast, H100, two MPS ranks, 2026-12-06)")
     args = ap.parse_args()
+    if args.resimulate:
+        resimulate(args)
+        return
     steps = [load(p) for p in sorted(glob.glob(os.path.join(args.out, "step-*.json")))]
     if not steps:
         sys.exit(f"no step-*.json in {args.out}")
     by_key = {(s["workload"], s["ranks"]): s for s in steps}
-    costs = os.path.join(args.out, "costs.json")
+    costs = args.costs or os.path.join(args.out, "costs.json")
     runs, calibration = [], {}
     for s in sorted(steps, key=lambda s: (s["workload"], s["ranks"])):
         full = by_key.get((s["workload"], 1), {})
-        pred = predict(args.plan, s, full, costs)
+        pred = predict(args.plan, s, full, costs, args)
         if "calibration" in s:
             calibration.setdefault(str(s["ranks"]), s["calibration"])
         for r in s["runs"]:
@@ -84,6 +191,7 @@ def main() -> None:
                    "mode": r["mode"], "step_ms": r["step_ms"]["median"],
                    "engine_ms": r["engine_ms"]["median"],
                    "predicted_ms": pred[r["mode"]] if pred else None,
+                   "predicted_engine_ms": pred[f"{r['mode']}_engine"] if pred else None,
                    "compute_ms": r.get("compute_ms"), "comm_ms": r.get("comm_ms"),
                    "wait_ms": r.get("wait_ms"), "busiest_rank": r.get("busiest_rank"),
                    "comm_bytes_per_rank": r["comm_bytes_per_rank"],
@@ -107,7 +215,7 @@ def main() -> None:
            "device_sms": first["device_sms"], "calibration": calibration, "runs": runs, "e2e": e2e,
            "step_definition": first["step_definition"],
            "breakdown_definition": first.get("breakdown_definition"),
-           "prediction": __doc__.split("\n\n")[1].replace("\n", " ")}
+           "prediction": __doc__.split("\n\n")[2].replace("\n", " ")}
     with open(os.path.join(args.out, "cluster.json"), "w") as f:
         json.dump(out, f, indent=1)
 
