@@ -23,6 +23,9 @@ struct Calibration {
   double copy_gbs = 0;       // this rank's kernel copy bandwidth (read + write) likewise
   double allgather_gbs = 0;  // NCCL all-gather bus bandwidth between the ranks
   double allreduce_gbs = 0;  // NCCL all-reduce bus bandwidth
+  // Host time per collective when many small ones are issued back to back, as the FSDP2
+  // emulation and the engine issue them (the simulator's --collective-latency-us).
+  double collective_us = 0;
 };
 
 // Median device ms of `reps` runs of `run` on every rank at once (a barrier before each).
@@ -94,6 +97,17 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
     };
     c.allgather_gbs = (p - 1.0) * bytes / (host_ms(all_gather) * 1e-3) / 1e9;
     c.allreduce_gbs = 2.0 * (p - 1.0) / p * bytes / (host_ms(all_reduce) * 1e-3) / 1e9;
+    // 256 all-gathers of 1 KiB per rank issued back to back, then waited for: the issue path
+    // (NCCL's non-blocking launch, the communicator's polling) sets the pace, not the bytes.
+    constexpr int kSmall = 256;
+    auto small = [&] {
+      std::vector<CommHandle> hs;
+      for (int i = 0; i < kSmall; ++i)
+        hs.push_back(comm.all_gather(send.data(), recv.data(), 512, CommType::kBF16));
+      wait_all(hs);
+    };
+    small();
+    c.collective_us = host_ms(small) * 1e3 / kSmall;
   }
   return c;
 }
@@ -120,13 +134,15 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"what",
        "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
        "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
-       "all-gather and all-reduce"},
+       "all-gather and all-reduce (each timed alone, its issue included); host time per "
+       "collective of 256 back-to-back 1 KiB all-gathers"},
       {"gemm_tflops_per_rank_min", gemm_min},
       {"gemm_tflops_total", gemm_sum},
       {"copy_gbs_per_rank_min", copy_min},
       {"copy_gbs_total", copy_sum},
       {"nccl_allgather_busbw_gbs", c.allgather_gbs},
       {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
+      {"nccl_collective_us", c.collective_us},
       {"ranks", ranks}};
 }
 
@@ -152,10 +168,12 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
     const json& c = *calibration;
     std::printf(
         "calibration: GEMM %.0f TFLOP/s per rank (%.0f total), copy %.0f GB/s per rank "
-        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s (bus)\n",
+        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s (bus), %.0f us per "
+        "collective\n",
         c["gemm_tflops_per_rank_min"].get<double>(), c["gemm_tflops_total"].get<double>(),
         c["copy_gbs_per_rank_min"].get<double>(), c["copy_gbs_total"].get<double>(),
-        c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>());
+        c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>(),
+        c["nccl_collective_us"].get<double>());
   }
   json runs = comparison_runs_json(results);
   if (!breakdowns.empty()) {
