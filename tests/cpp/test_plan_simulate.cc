@@ -238,7 +238,9 @@ TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {
     EXPECT_DOUBLE_EQ(pts[0].dedicated(), ref[0].dedicated());
     EXPECT_DOUBLE_EQ(pts[0].gather(), ref[0].gather());
     // The owners' compute runs beside the reduces and broadcasts of other buckets: slower.
-    if (share > 0) EXPECT_GT(pts[1].dedicated(), last);
+    if (share > 0) {
+      EXPECT_GT(pts[1].dedicated(), last);
+    }
     // At most every kernel at (1 - share) of its speed.
     EXPECT_LE(pts[1].dedicated(), ref[1].dedicated() / (1 - share) + 1e-12);
     last = pts[1].dedicated();
