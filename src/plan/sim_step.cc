@@ -1,0 +1,380 @@
+// The simulator's step model: see sim_step.h.
+#include "plan/sim_step.h"
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "distmuon/error.h"
+
+namespace distmuon::sim_detail {
+namespace {
+
+// ---- the step's timeline ------------------------------------------------------------------------
+
+struct Clock {
+  double host = 0;     // the host has issued everything up to here
+  double compute = 0;  // the compute stream has finished everything issued to it
+  double comm = 0;     // the communicator's stream likewise
+  // When this rank's collectives moved data (from when every rank had joined to the end), in
+  // order: kernels beside them run at (1 - share) of their speed.
+  std::vector<std::pair<double, double>> moving;
+  size_t first_live = 0;  // moving[i] for i < first_live ended before `compute`
+};
+
+// The ranks of one step. Each host issues in program order: a kernel costs it nothing, a
+// collective `issue_s`. A kernel starts once issued, after the kernels before it and after the
+// collective it waits for (`after`, the runtime's wait_on_stream). A collective starts once every
+// rank issued it and the kernels each issued before it finished (the communicator's stream
+// waits for the caller's), after the collective before it; it ends at the same time everywhere.
+// Where ranks share one GPU, a collective takes `share` of each rank's compute while it moves
+// data (from when every rank joined to its end; NCCL kernels waiting for a peer take nothing).
+class Timeline {
+ public:
+  Timeline(int ranks, double issue_s, double share = 0)
+      : c_(static_cast<size_t>(ranks)), issue_(issue_s), share_(share) {}
+  void kernel(int q, double seconds, double after = 0) {
+    Clock& c = c_[static_cast<size_t>(q)];
+    double t = std::max({c.compute, c.host, after});
+    if (share_ > 0) {  // walk the transfers from t on
+      while (c.first_live < c.moving.size() && c.moving[c.first_live].second <= t) ++c.first_live;
+      for (size_t i = c.first_live; i < c.moving.size() && seconds > 0; ++i) {
+        const auto [b, e] = c.moving[i];
+        if (t < b) {  // full speed until the interval
+          const double free = std::min(seconds, b - t);
+          t += free;
+          seconds -= free;
+          if (seconds <= 0) break;
+        }
+        const double slow = std::min(seconds / (1 - share_), e - std::max(t, b));
+        t = std::max(t, b) + slow;
+        seconds -= slow * (1 - share_);
+      }
+    }
+    c.compute = t + std::max(0.0, seconds);
+  }
+  // Returns when the collective ends.
+  double collective(double seconds) {
+    double start = 0;
+    for (Clock& c : c_) {
+      c.host += issue_;
+      start = std::max({start, c.host, c.compute, c.comm});
+    }
+    const double end = start + seconds;
+    for (Clock& c : c_) {
+      if (share_ > 0 && seconds > 0) c.moving.emplace_back(start, end);
+      c.comm = end;
+    }
+    ++collectives_;
+    return end;
+  }
+  // Every host waits until `t` (a collective it blocks on).
+  void host_wait(double t) {
+    for (Clock& c : c_) c.host = std::max(c.host, t);
+  }
+  // Every host waits for its device; returns when the last one is done.
+  double sync() {
+    double t = 0;
+    for (Clock& c : c_) {
+      c.host = c.compute = c.comm = std::max({c.host, c.compute, c.comm});
+      t = std::max(t, c.host);
+    }
+    return t;
+  }
+  int64_t collectives() const { return collectives_; }
+
+ private:
+  std::vector<Clock> c_;
+  double issue_, share_;
+  int64_t collectives_ = 0;
+};
+
+std::pair<int64_t, int64_t> chunk(int64_t dim0, int parts, int pos) {  // FSDP2's Shard(0)
+  const int64_t cs = (dim0 + parts - 1) / parts;
+  const int64_t b = std::min<int64_t>(pos * cs, dim0), e = std::min<int64_t>(b + cs, dim0);
+  return {b, e - b};
+}
+
+// Elements of slice `slice` of tensor t that dim-0 shard position q of `parts` holds.
+int64_t piece(const SimTensor& t, int64_t slice, int parts, int q) {
+  const auto [b, n] = chunk(t.dim0, parts, q);
+  const int64_t inner = t.numel / t.dim0;
+  const int64_t first = slice * t.rows * t.cols, last = first + t.rows * t.cols;
+  const int64_t start = std::max(b * inner, first), end = std::min((b + n) * inner, last);
+  if (end <= start) return 0;
+  return ((end - first) / t.cols - (start - first) / t.cols) * t.cols;
+}
+
+// A run: the matrices of one bucket that are one batched orthogonalization (gather: one shape;
+// owner modes: one owner, plan batch and shape).
+struct Run {
+  int owner = 0;  // -1: every rank (gather)
+  int64_t m = 0, n = 0, count = 0, elems = 0;
+};
+
+std::vector<Run> runs_of(const std::vector<int>& bucket, const std::vector<SimMatrix>& mats,
+                         bool by_owner) {
+  std::map<std::tuple<int, int, int64_t, int64_t>, Run> runs;
+  for (int j : bucket) {
+    const SimMatrix& mt = mats[static_cast<size_t>(j)];
+    const auto key =
+        std::make_tuple(by_owner ? mt.owner : -1, by_owner ? mt.batch : 0, mt.m(), mt.n());
+    Run& r = runs[key];
+    r.owner = by_owner ? mt.owner : -1;
+    r.m = mt.m();
+    r.n = mt.n();
+    r.count += 1;
+    r.elems += mt.elems;
+  }
+  std::vector<Run> out;
+  for (auto& [key, r] : runs) out.push_back(r);
+  return out;
+}
+
+// The engine's buckets at a world size: consecutive matrices of about bucket_bytes (wire bytes of
+// full matrices); one bucket at one rank, where nothing moves (dist_layout.cc).
+std::vector<std::vector<int>> make_buckets(const std::vector<SimMatrix>& mats, int world,
+                                           const CommModel& cm) {
+  std::vector<std::vector<int>> buckets;
+  const int64_t limit = world == 1 ? 0 : cm.bucket_bytes;
+  int64_t bytes = 0;
+  for (size_t j = 0; j < mats.size(); ++j) {
+    const int64_t mb = mats[j].elems * cm.wire_elem_bytes;
+    if (buckets.empty() || (limit > 0 && bytes + mb > limit)) {
+      buckets.emplace_back();
+      bytes = 0;
+    }
+    buckets.back().push_back(static_cast<int>(j));
+    bytes += mb;
+  }
+  return buckets;
+}
+
+// One world size: the layout, the costs of its pieces, and the modes' timelines.
+class StepModel {
+ public:
+  StepModel(const std::vector<SimTensor>& tensors, std::vector<SimMatrix> mats, int world,
+            int per_node, const CommModel& cm, const CostTable& costs)
+      : tensors_(tensors),
+        mats_(std::move(mats)),
+        d_(world),
+        per_node_(per_node),
+        cm_(cm),
+        costs_(costs),
+        wire_(static_cast<double>(cm.wire_elem_bytes)),
+        issue_(world > 1 ? cm.collective_latency_s : cm.local_collective_s),
+        share_(world > 1 ? cm.comm_compute_share : 0),
+        buckets_(make_buckets(mats_, world, cm)) {}
+
+  int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+  // The FSDP2 emulation of distmuon-bench: before the step one reduce per non-empty dim-0 shard
+  // of every tensor (to its holder), after it one all-gather per tensor. Every rank issues the
+  // same, so one clock stands for all.
+  void fsdp(SimPoint& p) const {
+    const Link r = reduce_link(d_, cm_, per_node_);
+    Timeline rs(1, issue_), ag(1, issue_);
+    for (const SimTensor& t : tensors_) {
+      const double inner = static_cast<double>(t.numel / t.dim0);
+      for (int q = 0; q < d_; ++q) {
+        const int64_t rows = chunk(t.dim0, d_, q).second;
+        if (rows == 0) continue;
+        const double b = static_cast<double>(rows) * inner * wire_;
+        rs.collective(d_ == 1 ? local(b) : (d_ - 1) * r.alpha + b / r.beta);
+      }
+      const double b = static_cast<double>(t.numel) * wire_;
+      ag.collective(d_ == 1 ? local(b) : ring_allgather_seconds(b, d_, cm_, per_node_));
+    }
+    p.fsdp_reduce_scatter = rs.sync();
+    p.fsdp_all_gather = ag.sync();
+    p.fsdp_collectives = rs.collectives() + ag.collectives();
+  }
+
+  void gather(SimPoint& p) const {
+    Timeline t(d_, issue_, share_);
+    vote(t);
+    const size_t nb = buckets_.size();
+    std::vector<double> gathered(nb);
+    for (size_t b = 0; b < nb; ++b) {  // stage 0 of every bucket: statuses, then the rows
+      const double statuses = t.collective(tiny());
+      for (int q = 0; q < d_; ++q) t.kernel(q, 0, statuses);  // pass 2 waits for them
+      const double bytes = elems(buckets_[b]) * wire_;
+      gathered[b] =
+          t.collective(d_ == 1 ? local(bytes) : ring_allgather_seconds(bytes, d_, cm_, per_node_));
+    }
+    int64_t runs = 0;
+    for (size_t b = 0; b < nb; ++b) {  // stage 1: unpack, orthogonalize everything, apply
+      const double e = elems(buckets_[b]);
+      double ortho = 0;
+      for (const Run& r : runs_of(buckets_[b], mats_, false)) {
+        ortho += costs_.batch_seconds(r.m, r.n, r.count);
+        ++runs;
+      }
+      for (int q = 0; q < d_; ++q)
+        t.kernel(q, copy(e * wire_) + ortho + elementwise(e), gathered[b]);
+    }
+    p.gather_engine = t.sync();
+    p.gather_collectives = t.collectives();
+    p.gather_runs = runs;
+  }
+
+  void sharded(SimPoint& p) const {
+    Timeline t(d_, issue_, share_);
+    vote(t);
+    const size_t nb = buckets_.size();
+    std::vector<double> there(nb), back(nb), statuses(nb);
+    std::vector<std::vector<double>> own(nb), mine(nb), ortho(nb);
+    std::vector<double> a2a(nb), a2a_back(nb);
+    std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
+    for (size_t b = 0; b < nb; ++b) {
+      own[b].assign(static_cast<size_t>(d_), 0.0);   // elements of the matrices q owns
+      mine[b].assign(static_cast<size_t>(d_), 0.0);  // elements of q's rows of every matrix
+      ortho[b].assign(static_cast<size_t>(d_), 0.0);
+      std::vector<double> send(static_cast<size_t>(d_), 0.0), recv(send), self(send);
+      for (int j : buckets_[b]) {
+        const SimMatrix& mt = mats_[static_cast<size_t>(j)];
+        own[b][static_cast<size_t>(mt.owner)] += static_cast<double>(mt.elems);
+        for (int q = 0; q < d_; ++q) {
+          const double e =
+              static_cast<double>(piece(tensors_[static_cast<size_t>(mt.tensor)], mt.slice, d_, q));
+          mine[b][static_cast<size_t>(q)] += e;
+          if (q == mt.owner) {
+            self[static_cast<size_t>(q)] += e * wire_;
+            recv[static_cast<size_t>(q)] += (static_cast<double>(mt.elems) - e) * wire_;
+          } else {
+            send[static_cast<size_t>(q)] += e * wire_;
+          }
+        }
+      }
+      for (const Run& r : runs_of(buckets_[b], mats_, true)) {
+        ortho[b][static_cast<size_t>(r.owner)] += costs_.batch_seconds(r.m, r.n, r.count);
+        runs[static_cast<size_t>(r.owner)] += 1;
+      }
+      // The all-to-alls: each rank's own part is a copy on its communicator stream; the slowest
+      // rank sets the pace.
+      for (int q = 0; q < d_; ++q) {
+        const size_t i = static_cast<size_t>(q);
+        const double own_part = d_ == 1 ? local(self[i]) : copy(self[i]);
+        a2a[b] =
+            std::max(a2a[b], own_part + alltoall_seconds(send[i], recv[i], d_, cm_, per_node_));
+        a2a_back[b] = std::max(a2a_back[b],
+                               own_part + alltoall_seconds(recv[i], send[i], d_, cm_, per_node_));
+      }
+    }
+    for (size_t b = 0; b < nb; ++b) {  // stage 0 of every bucket: pack, rows to their owners
+      for (int q = 0; q < d_; ++q) t.kernel(q, copy(mine[b][static_cast<size_t>(q)] * wire_));
+      there[b] = t.collective(a2a[b]);
+    }
+    // Stages 1 (unpack, statuses, orthogonalize) and 2 (pack, updates back), pipelined.
+    for (size_t s = 0; s <= nb; ++s) {
+      if (s < nb) {
+        for (int q = 0; q < d_; ++q)
+          t.kernel(q, copy(own[s][static_cast<size_t>(q)] * wire_), there[s]);
+        statuses[s] = t.collective(tiny());
+        for (int q = 0; q < d_; ++q) {
+          const size_t i = static_cast<size_t>(q);
+          t.kernel(q, ortho[s][i] + elementwise(own[s][i]));
+        }
+      }
+      if (s >= 1) {
+        const size_t b = s - 1;
+        for (int q = 0; q < d_; ++q) t.kernel(q, copy(own[b][static_cast<size_t>(q)] * wire_));
+        back[b] = t.collective(a2a_back[b]);
+      }
+    }
+    for (size_t b = 0; b < nb; ++b)  // stage 3: apply, once the updates and statuses are in
+      for (int q = 0; q < d_; ++q) t.kernel(q, 0, std::max(back[b], statuses[b]));
+    p.sharded_engine = t.sync();
+    p.sharded_collectives = t.collectives();
+    p.owner_runs = std::max(p.owner_runs, *std::max_element(runs.begin(), runs.end()));
+  }
+
+  void dedicated(SimPoint& p) const {
+    Timeline t(d_, issue_, share_);
+    vote(t);
+    const Link r = reduce_link(d_, cm_, per_node_);
+    const size_t nb = buckets_.size();
+    std::vector<double> reduced(nb, 0.0);
+    for (size_t b = 0; b < nb; ++b) {  // stages 0-1 of every bucket: a reduce per matrix
+      for (int j : buckets_[b]) {
+        const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
+        reduced[b] = t.collective(d_ == 1 ? local(bytes) : (d_ - 1) * r.alpha + bytes / r.beta);
+      }
+      for (int q = 0; q < d_; ++q) t.kernel(q, 0, reduced[b]);
+    }
+    std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
+    for (size_t b = 0; b < nb; ++b) {  // stage 2: the owner's step, then a broadcast per matrix
+      std::vector<double> own(static_cast<size_t>(d_), 0.0), ortho(own);
+      for (int j : buckets_[b])
+        own[static_cast<size_t>(mats_[static_cast<size_t>(j)].owner)] +=
+            static_cast<double>(mats_[static_cast<size_t>(j)].elems);
+      for (const Run& rn : runs_of(buckets_[b], mats_, true)) {
+        ortho[static_cast<size_t>(rn.owner)] += costs_.batch_seconds(rn.m, rn.n, rn.count);
+        runs[static_cast<size_t>(rn.owner)] += 1;
+      }
+      for (int q = 0; q < d_; ++q) {
+        const size_t i = static_cast<size_t>(q);
+        // At D > 1 the owner first turns the summed gradient into the mean (in place).
+        t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[i] + elementwise(own[i]));
+      }
+      for (int j : buckets_[b]) {
+        const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
+        t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_));  // in place
+      }
+    }
+    p.dedicated_engine = t.sync();
+    p.dedicated_collectives = t.collectives();
+    p.owner_runs = std::max(p.owner_runs, *std::max_element(runs.begin(), runs.end()));
+  }
+
+  void adamw(SimPoint& p) const {
+    Timeline t(d_, issue_, share_);
+    vote(t);
+    for (int q = 0; q < d_; ++q) t.kernel(q, p.adamw_update);
+    p.adamw_engine = t.sync();
+    p.adamw_collectives = t.collectives();
+  }
+
+ private:
+  // A step starts with the ranks' vote (an all-reduce of a few values the host waits for).
+  void vote(Timeline& t) const {
+    if (d_ > 1) t.host_wait(t.collective(tiny()));
+  }
+  // An all-reduce of a few values: latency only.
+  double tiny() const { return d_ == 1 ? local(0) : 2 * (d_ - 1) * link(d_, cm_, per_node_).alpha; }
+  // Reading and writing `bytes` at the memory bandwidth.
+  double copy(double bytes) const { return 2 * bytes / cm_.hbm_bytes_per_s; }
+  // A collective at one rank: NCCL's local copy of `bytes` (0: in place).
+  double local(double bytes) const { return copy(bytes); }
+  double elementwise(double elems) const {
+    return elems * cm_.elementwise_bytes / cm_.hbm_bytes_per_s;
+  }
+  double elems(const std::vector<int>& bucket) const {
+    double e = 0;
+    for (int j : bucket) e += static_cast<double>(mats_[static_cast<size_t>(j)].elems);
+    return e;
+  }
+
+  const std::vector<SimTensor>& tensors_;
+  std::vector<SimMatrix> mats_;
+  int d_, per_node_;
+  const CommModel& cm_;
+  const CostTable& costs_;
+  double wire_, issue_, share_;
+  std::vector<std::vector<int>> buckets_;
+};
+
+}  // namespace
+
+void play_step(const std::vector<SimTensor>& tensors, std::vector<SimMatrix> mats, int world,
+               int per_node, const CommModel& cm, const CostTable& costs, SimPoint& sp) {
+  const StepModel model(tensors, std::move(mats), world, per_node, cm, costs);
+  sp.buckets = model.buckets();
+  model.fsdp(sp);
+  model.gather(sp);
+  model.sharded(sp);
+  model.dedicated(sp);
+  model.adamw(sp);
+}
+
+}  // namespace distmuon::sim_detail
