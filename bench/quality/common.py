@@ -222,7 +222,9 @@ class ArmResult:
     residual: list[float | None] = field(default_factory=list)
     align: list[float | None] = field(default_factory=list)  # cos(cached, fresh) when probed
     final: float = math.nan
-    wall_s: float = 0.0
+    wall_s: float = 0.0     # the training loop, evaluations included
+    setup_s: float = 0.0    # model, optimizer and batch plan before it
+    device: str = ""        # where it ran (a study merged from several device calls may mix them)
 
 
 def save_results(path: str, meta: dict, results: list[ArmResult]) -> None:
