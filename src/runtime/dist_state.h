@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "distmuon/engine.h"
+#include "distmuon/comm.h"
+#include "distmuon/engine_types.h"
+#include "distmuon/plan.h"
 
 namespace distmuon {
 

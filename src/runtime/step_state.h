@@ -6,7 +6,7 @@
 #include <cstring>
 #include <vector>
 
-#include "distmuon/engine.h"
+#include "distmuon/engine_types.h"
 #include "runtime/registry.h"
 
 namespace distmuon {
