@@ -16,14 +16,15 @@ void Engine::Impl::adam_begin(StepContext& ctx) {
     size_t bytes = 0;
     for (int i : adam_params) {
       adam_offset.push_back(static_cast<int64_t>(bytes));
-      bytes += static_cast<size_t>(params[i].numel) * dtype_size(params[i].spec.dtype);
+      bytes +=
+          static_cast<size_t>(registry.params[i].numel) * dtype_size(registry.params[i].spec.dtype);
     }
     adam_stage = backend.alloc(std::max<size_t>(bytes, 1));
   }
   for (size_t k = 0; k < adam_params.size(); ++k) {
     const int i = adam_params[k];
     if (!ctx.active[i]) continue;
-    const Param& p = params[i];
+    const Param& p = registry.params[i];
     void* dst = adam_stage.as<char>() + adam_offset[k];
     if (ctx.has_local[i])
       copy_block(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, 1, p.numel);
@@ -40,7 +41,7 @@ void Engine::Impl::adam_check(StepContext& ctx) {
   adam_slots.clear();
   for (size_t k = 0; k < adam_params.size(); ++k) {
     const int i = adam_params[k];
-    const Param& p = params[i];
+    const Param& p = registry.params[i];
     const ParamData& d = ctx.data[i];
     // Every AdamW parameter keeps its slot (empty when idle here), so statuses line up on
     // every rank.

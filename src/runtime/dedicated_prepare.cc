@@ -41,10 +41,10 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
   std::vector<std::pair<int, const ParamData*>> sel;
   for (size_t k = 0; k < ps.size(); ++k) {
     const int i = ps[k];
-    DM_CHECK(i >= 0 && i < static_cast<int>(params.size()), "prepare(): no parameter ", i);
-    const Param& p = params[i];
-    DM_CHECK(groups[p.spec.group].kind == ParamKind::kMuon, "prepare(): parameter '", p.spec.name,
-             "' is not a Muon parameter");
+    DM_CHECK(i >= 0 && i < static_cast<int>(registry.params.size()), "prepare(): no parameter ", i);
+    const Param& p = registry.params[i];
+    DM_CHECK(registry.groups[p.spec.group].kind == ParamKind::kMuon, "prepare(): parameter '",
+             p.spec.name, "' is not a Muon parameter");
     for (int j : p.matrices) {
       if (mats[j].owner != rank) continue;
       DM_CHECK(data[k].grad != nullptr && data[k].param != nullptr, "prepare(): parameter '",
@@ -101,9 +101,9 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       pb.mats.push_back(j);
       slots.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
-           MatRef::of(m.momentum.data(), params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), registry.params[m.param].state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           skips_of(params[m.param], m.slice)});
+           skips_of(registry.params[m.param], m.slice)});
     }
     const size_t x_bytes = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
     DM_CHECK(arena.x_used + x_bytes <= arena.x.bytes() &&
@@ -115,7 +115,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     arena.slots_used += count;
 
     const MuonBatch batch{backend,
-                          groups[m0.group].muon,
+                          registry.groups[m0.group].muon,
                           scalars.mu(m0.group),
                           r,
                           count,
@@ -149,7 +149,7 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
       slots.push_back({ref, ref, ref, nullptr, ctx.coef + j});  // the update reads only W
     }
     const MuonBatch batch{backend,
-                          groups[m0.group].muon,
+                          registry.groups[m0.group].muon,
                           scalars.mu(m0.group),
                           {},
                           count,

@@ -11,9 +11,9 @@ namespace distmuon {
 void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
   mats.clear();
   adam_params.clear();
-  for (size_t i = 0; i < params.size(); ++i) {
-    Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) {
+  for (size_t i = 0; i < registry.params.size(); ++i) {
+    Param& p = registry.params[i];
+    if (registry.groups[p.spec.group].kind != ParamKind::kMuon) {
       p.adam_index = static_cast<int>(adam_params.size());
       adam_params.push_back(static_cast<int>(i));
       continue;
@@ -114,14 +114,14 @@ void Engine::Impl::allocate_state() {
     if (dist.mode == DistMode::kGather) {
       stats.owned_matrices += 1;
     } else if (m.owner == rank) {
-      const DType t = params[m.param].state0_dtype;
+      const DType t = registry.params[m.param].state0_dtype;
       m.momentum = backend.alloc(static_cast<size_t>(m.numel()) * dtype_size(t));
       backend.fill_zero(m.momentum.data(), m.momentum.bytes());
       stats.owned_matrices += 1;
     }
   }
-  for (Param& p : params) {
-    const bool muon = groups[p.spec.group].kind == ParamKind::kMuon;
+  for (Param& p : registry.params) {
+    const bool muon = registry.groups[p.spec.group].kind == ParamKind::kMuon;
     if (muon && dist.mode != DistMode::kGather) continue;  // momentum lives with the owner
     const size_t n = static_cast<size_t>(std::max<int64_t>(p.local_numel, 1));
     p.state0 = backend.alloc(n * dtype_size(muon ? p.state0_dtype : DType::kF32));

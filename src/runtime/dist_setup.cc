@@ -87,14 +87,15 @@ void Engine::Impl::dist_setup() {
 
   // 1. Local checks, reported through the exchange so that every rank fails together.
   std::ostringstream err;
-  for (const std::string& e : registration_errors) err << (err.tellp() > 0 ? "; " : "") << e;
+  for (const std::string& e : registry.registration_errors)
+    err << (err.tellp() > 0 ? "; " : "") << e;
   if (err.tellp() == 0 && (R < 1 || world_size % R != 0))
     err << "replicate degree " << dist.replicate << " does not divide the world size "
         << world_size;
   if (err.tellp() == 0 && dist.planner != "milp" && dist.planner != "lpt" &&
       dist.planner != "round-robin")
     err << "unknown planner '" << dist.planner << "' (milp, lpt or round-robin)";
-  for (const Param& p : params) {
+  for (const Param& p : registry.params) {
     if (!err.str().empty()) break;
     if (is_sharded_mode(dist.mode) && !p.spec.shard.sharded())
       err << "parameter '" << p.spec.name << "' has no shard: " << mode
@@ -124,16 +125,16 @@ void Engine::Impl::dist_setup() {
          << ", caller_transfers " << dist.caller_transfers << ", fixed owners "
          << dist.owners.size() << ", nonfinite " << static_cast<int>(options.nonfinite)
          << ", DISTMUON_GROUPED_PRODUCTS " << grouped << "\n";
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const GroupOptions& o = groups[g];
+  for (size_t g = 0; g < registry.groups.size(); ++g) {
+    const GroupOptions& o = registry.groups[g];
     common << "group " << g << " "
            << (o.kind == ParamKind::kMuon ? "muon " + algorithm_name(o.muon.ortho) + " momentum " +
                                                 dtype_name(o.muon.momentum_dtype)
                                           : std::string("adamw"))
            << "\n";
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ParamSpec& s = params[i].spec;
+  for (size_t i = 0; i < registry.params.size(); ++i) {
+    const ParamSpec& s = registry.params[i].spec;
     common << "parameter " << i << " '" << s.name << "' shape " << join_shape(s.shape) << " dtype "
            << dtype_name(s.dtype) << " group " << s.group << "\n";
   }
@@ -148,15 +149,15 @@ void Engine::Impl::dist_setup() {
   spec.device = backend.device().kind;
   spec.owners = dist.owners;
   bool have_ortho = false;
-  for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
-    Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
-    if (!have_ortho) spec.ortho = groups[p.spec.group].muon.ortho;
+  for (size_t i = 0; i < registry.params.size() && local_error.empty(); ++i) {
+    Param& p = registry.params[i];
+    if (registry.groups[p.spec.group].kind != ParamKind::kMuon) continue;
+    if (!have_ortho) spec.ortho = registry.groups[p.spec.group].muon.ortho;
     have_ortho = true;
     const int64_t layer = layer_of(p.spec.name, layer_ids);
     for (int64_t s = 0; s < p.layout.count; ++s) {
       PlanMatrix m;
-      m.name = slice_name(static_cast<int>(i), s);
+      m.name = registry.slice_name(static_cast<int>(i), s);
       m.rows = p.layout.rows;
       m.cols = p.layout.cols;
       m.layer = layer;
@@ -229,19 +230,19 @@ void Engine::Impl::dist_setup() {
   }
 
   // 5. Shards: every shard group must tile dim 0, and replicas must hold the same rows.
-  const size_t np = params.size();
-  for (Param& p : params) p.matrices.clear();
+  const size_t np = registry.params.size();
+  for (Param& p : registry.params) p.matrices.clear();
   if (is_sharded_mode(dist.mode)) {
     std::vector<int64_t> mine(2 * np);
     for (size_t i = 0; i < np; ++i) {
-      mine[2 * i] = params[i].spec.shard.row_begin;
-      mine[2 * i + 1] = params[i].spec.shard.row_count;
+      mine[2 * i] = registry.params[i].spec.shard.row_begin;
+      mine[2 * i + 1] = registry.params[i].spec.shard.row_count;
     }
     const std::vector<int64_t> sh = host_all_gather(*world, backend, mine);
     auto begin = [&](int q, size_t i) { return sh[q * 2 * np + 2 * i]; };
     auto count = [&](int q, size_t i) { return sh[q * 2 * np + 2 * i + 1]; };
     for (size_t i = 0; i < np; ++i) {
-      const Param& p = params[i];
+      const Param& p = registry.params[i];
       for (int r = 0; r < R; ++r) {
         std::vector<std::pair<int64_t, int>> parts;  // (begin, world rank) of non-empty shards
         for (int q = 0; q < shard_size; ++q) {

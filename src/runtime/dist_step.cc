@@ -75,7 +75,7 @@ std::string step_options_text(const std::vector<GroupOptions>& groups) {
 // all raise before anything changes. One all-reduce (max) of 2n + 5 values decides it all: for
 // the digest, max(d) and max(-d) = -min(d) differ exactly when some rank's digest does.
 void Engine::Impl::vote(StepContext& ctx) {
-  const size_t n = params.size();
+  const size_t n = registry.params.size();
   const bool sharded = is_sharded_mode(dist.mode);
   std::string input_error;
   try {
@@ -90,7 +90,7 @@ void Engine::Impl::vote(StepContext& ctx) {
   std::vector<int32_t> v(2 * n + 5);
   for (size_t i = 0; i < n; ++i) {
     const bool has = input_error.empty() && ctx.data[i].grad != nullptr;
-    const bool voter = !sharded || params[i].local_numel > 0;
+    const bool voter = !sharded || registry.params[i].local_numel > 0;
     ctx.has_local[i] = has;
     v[2 * i] = has && voter;       // max: some voter has a gradient
     v[2 * i + 1] = voter && !has;  // max: some voter has none
@@ -101,7 +101,7 @@ void Engine::Impl::vote(StepContext& ctx) {
     if (!input_error.empty()) DM_FAIL(input_error);
     return;
   }
-  const std::string options_text = step_options_text(groups);
+  const std::string options_text = step_options_text(registry.groups);
   const uint64_t digest = fnv1a(options_text);
   const int32_t d_hi = static_cast<int32_t>(digest >> 33);
   const int32_t d_lo = static_cast<int32_t>(digest & 0x7fffffff);
@@ -143,7 +143,7 @@ void Engine::Impl::vote(StepContext& ctx) {
   if (bad.empty()) return;
   std::vector<int64_t> mine(n);
   for (size_t i = 0; i < n; ++i)  // 1: has one, 0: has none, 2: empty shard (no vote)
-    mine[i] = sharded && params[i].local_numel == 0 ? 2 : (ctx.has_local[i] ? 1 : 0);
+    mine[i] = sharded && registry.params[i].local_numel == 0 ? 2 : (ctx.has_local[i] ? 1 : 0);
   const std::vector<int64_t> all = host_all_gather(*world, backend, mine);
   std::ostringstream os;
   os << "ranks disagree on which parameters have a gradient in this step ("
@@ -156,8 +156,8 @@ void Engine::Impl::vote(StepContext& ctx) {
       if (f == 1) with.push_back(q);
       if (f == 0) without.push_back(q);
     }
-    os << "\n  parameter '" << params[i].spec.name << "' has one on ranks " << rank_list(with)
-       << " but not on ranks " << rank_list(without);
+    os << "\n  parameter '" << registry.params[i].spec.name << "' has one on ranks "
+       << rank_list(with) << " but not on ranks " << rank_list(without);
   }
   DM_FAIL(os.str());
 }
@@ -206,7 +206,7 @@ void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names
     if (st[k] != kStatusOk && !muon_names[k].empty()) bad.push_back(muon_names[k]);
   const size_t first_adam = static_cast<size_t>(n_status) - adam_params.size();
   for (size_t k = 0; k < adam_params.size(); ++k)
-    if (st[first_adam + k] != kStatusOk) bad.push_back(params[adam_params[k]].spec.name);
+    if (st[first_adam + k] != kStatusOk) bad.push_back(registry.params[adam_params[k]].spec.name);
   if (bad.empty()) return;
   std::ostringstream os;
   for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
@@ -293,8 +293,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   // complete (with their deadlines).
   DM_LOG(kDebug, "step issued; waiting for ", unchecked.size(), " collectives");
   wait_unchecked();
-  for (size_t i = 0; i < params.size(); ++i)
-    if (ctx->active[i]) params[i].step += 1;
+  for (size_t i = 0; i < registry.params.size(); ++i)
+    if (ctx->active[i]) registry.params[i].step += 1;
   stats.steps += 1;
   if (!deferred.empty()) {
     pending_ctx = std::move(ctx);

@@ -90,19 +90,19 @@ int Engine::add_group(const GroupOptions& o) {
     DM_CHECK(a.eps > 0, "AdamW eps must be > 0 (got ", a.eps, ")");
     DM_CHECK(a.weight_decay >= 0, "AdamW weight_decay must be >= 0");
   }
-  impl_->groups.push_back(o);
-  return static_cast<int>(impl_->groups.size()) - 1;
+  impl_->registry.groups.push_back(o);
+  return static_cast<int>(impl_->registry.groups.size()) - 1;
 }
 
 GroupOptions& Engine::group(int i) {
   DM_CHECK(i >= 0 && i < num_groups(), "no parameter group ", i);
-  return impl_->groups[i];
+  return impl_->registry.groups[i];
 }
-int Engine::num_groups() const { return static_cast<int>(impl_->groups.size()); }
-int Engine::num_params() const { return static_cast<int>(impl_->params.size()); }
+int Engine::num_groups() const { return static_cast<int>(impl_->registry.groups.size()); }
+int Engine::num_params() const { return static_cast<int>(impl_->registry.params.size()); }
 const ParamSpec& Engine::param(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  return impl_->params[i].spec;
+  return impl_->registry.params[i].spec;
 }
 Backend& Engine::backend() { return impl_->backend; }
 bool Engine::distributed() const { return impl_->world != nullptr; }
@@ -112,9 +112,9 @@ const Plan* Engine::plan() const { return impl_->world && impl_->built ? &impl_-
 int Engine::Impl::add_param(const ParamSpec& spec) {
   Impl& s = *this;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  DM_CHECK(spec.group >= 0 && spec.group < static_cast<int>(s.groups.size()), "parameter '",
-           spec.name, "' names group ", spec.group, " but only ", static_cast<int>(s.groups.size()),
-           " exist");
+  DM_CHECK(spec.group >= 0 && spec.group < static_cast<int>(s.registry.groups.size()),
+           "parameter '", spec.name, "' names group ", spec.group, " but only ",
+           static_cast<int>(s.registry.groups.size()), " exist");
   Param p;
   p.spec = spec;
   for (int64_t d : spec.shape)
@@ -137,7 +137,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
   }
   p.local_rows = sh.sharded() ? sh.row_count : p.dim0;
   p.local_numel = p.local_rows * p.inner;
-  const GroupOptions& g = s.groups[spec.group];
+  const GroupOptions& g = s.registry.groups[spec.group];
   if (g.kind == ParamKind::kMuon) {
     p.layout = matrix_layout(spec.name, spec.shape);
     p.state0_dtype = g.muon.momentum_dtype;
@@ -158,8 +158,8 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
       s.backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  s.params.push_back(std::move(p));
-  return static_cast<int>(s.params.size()) - 1;
+  s.registry.params.push_back(std::move(p));
+  return static_cast<int>(s.registry.params.size()) - 1;
 }
 
 int Engine::add_param(const ParamSpec& spec) {
@@ -173,24 +173,24 @@ int Engine::add_param(const ParamSpec& spec) {
   } catch (const Error& e) {
     std::string msg = e.what();
     if (msg.rfind("distmuon: ", 0) == 0) msg.erase(0, 10);
-    s.registration_errors.push_back(msg);
+    s.registry.registration_errors.push_back(msg);
     Param p;
     p.spec = spec;
-    s.params.push_back(std::move(p));
-    return static_cast<int>(s.params.size()) - 1;
+    s.registry.params.push_back(std::move(p));
+    return static_cast<int>(s.registry.params.size()) - 1;
   }
 }
 
 void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
-  DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ", params.size(),
-           " are registered");
+  DM_CHECK(data.size() == registry.params.size(), "step got ", data.size(), " parameters, ",
+           registry.params.size(), " are registered");
   for (size_t i = 0; i < data.size(); ++i) {
     const ParamData& d = data[i];
-    const Param& p = params[i];
+    const Param& p = registry.params[i];
     const std::string where = world ? detail::concat(" (rank ", rank, ")") : std::string();
     // With caller transfers only the owners of a Muon parameter's matrices need its buffers.
     const bool optional =
-        caller_transfers() && !d.grad && groups[p.spec.group].kind == ParamKind::kMuon;
+        caller_transfers() && !d.grad && registry.groups[p.spec.group].kind == ParamKind::kMuon;
     DM_CHECK(d.param != nullptr || p.local_numel == 0 || optional, "parameter '", p.spec.name,
              "' has no data", where);
     if (!d.grad || d.grad_shape.empty()) continue;
@@ -230,9 +230,9 @@ void Engine::wait_published() {
 
 int Engine::owner(int param, int64_t slice) const {
   DM_CHECK(param >= 0 && param < num_params(), "no parameter ", param);
-  const Param& p = impl_->params[param];
-  DM_CHECK(impl_->groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
-           "' is not a Muon parameter");
+  const Param& p = impl_->registry.params[param];
+  DM_CHECK(impl_->registry.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '",
+           p.spec.name, "' is not a Muon parameter");
   DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
            p.layout.count, " matrices, not ", slice + 1);
   if (!impl_->world) return 0;
@@ -242,8 +242,8 @@ int Engine::owner(int param, int64_t slice) const {
 
 TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  Param& p = impl_->params[i];
-  const bool muon = impl_->groups[p.spec.group].kind == ParamKind::kMuon;
+  Param& p = impl_->registry.params[i];
+  const bool muon = impl_->registry.groups[p.spec.group].kind == ParamKind::kMuon;
   DM_CHECK(muon && (name == "momentum_buffer" || name.rfind("cache_", 0) == 0), "parameter '",
            p.spec.name, "' has no matrix state '", name, "'");
   DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
@@ -269,8 +269,8 @@ TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
 TensorView Engine::state(int i, const std::string& name) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  Param& p = s.params[i];
-  const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
+  Param& p = s.registry.params[i];
+  const bool muon = s.registry.groups[p.spec.group].kind == ParamKind::kMuon;
   const Device dev = s.backend.device();
   DM_CHECK(!s.world || s.built, "distributed state exists after setup()");
   std::vector<int64_t> local = p.spec.shape;
@@ -303,15 +303,15 @@ TensorView Engine::state(int i, const std::string& name) {
 
 std::vector<std::string> Engine::state_names(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon)
+  if (impl_->registry.groups[impl_->registry.params[i].spec.group].kind == ParamKind::kMuon)
     return impl_->muon_state_names(i);
   return {"exp_avg", "exp_avg_sq"};
 }
 
 void Engine::Impl::allocate_step_counts() {
-  step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, params.size()));
-  std::vector<int64_t> h(params.size());
-  for (size_t i = 0; i < params.size(); ++i) h[i] = params[i].step;
+  step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, registry.params.size()));
+  std::vector<int64_t> h(registry.params.size());
+  for (size_t i = 0; i < registry.params.size(); ++i) h[i] = registry.params[i].step;
   backend.copy_from_host(step_counts.data(), h.data(), h.size() * sizeof(int64_t));
   matrix_skips = backend.alloc(sizeof(int64_t) * std::max<int64_t>(1, stats.muon_matrices));
   backend.fill_zero(matrix_skips.data(), matrix_skips.bytes());
@@ -329,14 +329,14 @@ std::string Registry::slice_name(int param, int64_t slice) const {
 }
 
 std::vector<int64_t> Engine::Impl::local_skips() {
-  std::vector<int64_t> per_param(params.size(), 0);
+  std::vector<int64_t> per_param(registry.params.size(), 0);
   if (!matrix_skips) return per_param;
   std::vector<int64_t> m(static_cast<size_t>(stats.muon_matrices));
   backend.synchronize();
   backend.copy_to_host(m.data(), matrix_skips.data(), m.size() * sizeof(int64_t));
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
+  for (size_t i = 0; i < registry.params.size(); ++i) {
+    const Param& p = registry.params[i];
+    if (registry.groups[p.spec.group].kind != ParamKind::kMuon) continue;
     for (int64_t s = 0; s < p.layout.count; ++s)
       per_param[i] = std::max(per_param[i], m[p.first_matrix + s]);
   }
@@ -346,9 +346,9 @@ std::vector<int64_t> Engine::Impl::local_skips() {
 int64_t Engine::param_step(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  if (s.groups[s.params[i].spec.group].kind == ParamKind::kMuon)
-    return s.params[i].step - s.local_skips()[i];
-  if (!s.step_counts) return s.params[i].step;
+  if (s.registry.groups[s.registry.params[i].spec.group].kind == ParamKind::kMuon)
+    return s.registry.params[i].step - s.local_skips()[i];
+  if (!s.step_counts) return s.registry.params[i].step;
   int64_t v = 0;
   s.backend.synchronize();
   s.backend.copy_to_host(&v, s.step_count(i), sizeof(int64_t));
@@ -364,15 +364,15 @@ std::vector<int64_t> Engine::param_steps() {
     host_all_reduce(*s.world, s.backend, v, ReduceOp::kMax);
     skips.assign(v.begin(), v.end());
   }
-  std::vector<int64_t> adamw(s.params.size());
+  std::vector<int64_t> adamw(s.registry.params.size());
   if (s.step_counts) {
     s.backend.synchronize();
     s.backend.copy_to_host(adamw.data(), s.step_counts.data(), adamw.size() * sizeof(int64_t));
   }
-  std::vector<int64_t> out(s.params.size());
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const Param& p = s.params[i];
-    const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
+  std::vector<int64_t> out(s.registry.params.size());
+  for (size_t i = 0; i < s.registry.params.size(); ++i) {
+    const Param& p = s.registry.params[i];
+    const bool muon = s.registry.groups[p.spec.group].kind == ParamKind::kMuon;
     out[i] = muon ? p.step - skips[i] : s.step_counts ? adamw[i] : p.step;
   }
   return out;
@@ -382,10 +382,10 @@ void Engine::set_param_step(int i, int64_t step) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   DM_CHECK(step >= 0, "step must be >= 0");
   Impl& s = *impl_;
-  Param& p = s.params[i];
+  Param& p = s.registry.params[i];
   p.step = step;
   if (s.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
-  if (s.matrix_skips && s.groups[p.spec.group].kind == ParamKind::kMuon)
+  if (s.matrix_skips && s.registry.groups[p.spec.group].kind == ParamKind::kMuon)
     s.backend.fill_zero(s.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
 }
 

@@ -31,7 +31,7 @@ bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, in
                                  size_t* workspace_bytes) {
   // The options may change between steps; prepare() keeps the entries unless the shape, dtype
   // or algorithm changed (then their key no longer matches and they refresh).
-  const CacheOptions& co = groups[cc.group].muon.cache;
+  const CacheOptions& co = registry.groups[cc.group].muon.cache;
   cc.use = co.enabled && resolved.iteration == Iteration::kGram && cc.count() > 0;
   if (!cc.use) return false;
   if (!cc.cache) cc.cache = std::make_unique<TransformCache>(backend, co);
@@ -97,7 +97,7 @@ void Engine::Impl::assign_cache_entries() {
 }
 
 std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
-  const Param& p = params[i];
+  const Param& p = registry.params[i];
   if (!world) {
     if (!built) build_classes();  // freezes the parameter list, as a first step does
     const ShapeClass& c = classes[p.cls];
@@ -113,7 +113,7 @@ CacheStats Engine::Impl::cache_stats() {
   for (CacheClass& cc : caches) {
     if (!cc.cache) continue;
     CacheStats s = cc.cache->stats(cc.names);
-    if (!groups[cc.group].muon.cache.enabled) {
+    if (!registry.groups[cc.group].muon.cache.enabled) {
       // The group has turned the cache off: its entries have no latest call under the current
       // configuration (they kept reporting the last one before), only their history.
       s.latest_entries = s.latest_with_residual = s.latest_compared = 0;
@@ -128,7 +128,7 @@ CacheStats Engine::Impl::cache_stats() {
 namespace {
 
 bool caches_shape(const Engine::Impl& e, int group, const MatrixLayout& l) {
-  if (!e.groups[group].muon.cache.enabled) return false;
+  if (!e.registry.groups[group].muon.cache.enabled) return false;
   const int64_t m = std::min(l.rows, l.cols), n = std::max(l.rows, l.cols);
   return e.resolve_shape(group, m, n).iteration == Iteration::kGram;
 }
@@ -140,8 +140,8 @@ bool caches_shape(const Engine::Impl& e, int group, const MatrixLayout& l) {
 // with the right shape and dtype and data == nullptr, as for momentum.
 TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const std::string& name,
                                     const std::vector<int64_t>& lead) {
-  const Param& p = params[i];
-  const GroupOptions& g = groups[p.spec.group];
+  const Param& p = registry.params[i];
+  const GroupOptions& g = registry.groups[p.spec.group];
   DM_CHECK(caches_shape(*this, p.spec.group, p.layout), "parameter '", p.spec.name,
            "' has no CacheMuon state (cache off or ", p.layout.rows, "x", p.layout.cols,
            " is not orthogonalized with Gram NS)");
@@ -174,7 +174,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
 }
 
 std::vector<std::string> Engine::Impl::muon_state_names(int i) const {
-  const Param& p = params[i];
+  const Param& p = registry.params[i];
   std::vector<std::string> names = {"momentum_buffer"};
   if (caches_shape(*this, p.spec.group, p.layout))
     for (const std::string& n : TransformCache::state_names()) names.push_back(n);

@@ -75,9 +75,10 @@ struct PreparedUpdates {
 // plus the single-process shape classes, CacheMuon's entries, the tuned algorithms, AdamW's
 // staging and the prepared updates. The runners do not see it: they get a RunnerContext
 // (mode_runner.h) with the parts their stages read, and the BatchResources it implements.
-struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
+struct Engine::Impl : StepRecord, DistState, BatchResources {
   Backend& backend;
   EngineOptions options;
+  Registry registry;  // groups and parameters as registered
   std::vector<ShapeClass> classes;
   std::vector<CacheClass> caches;  // CacheMuon entries (single process and distributed)
   bool built = false;
@@ -232,8 +233,8 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   // Grows the shared scratch for `count` matrices of a shape with a resolved config.
   void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
                       size_t workspace_bytes = 0);
-  std::string matrix_name(int j) const { return slice_name(mats[j].param, mats[j].slice); }
-  RunnerContext runner_context() { return {backend, *this, *this, *this, *this}; }
+  std::string matrix_name(int j) const { return registry.slice_name(mats[j].param, mats[j].slice); }
+  RunnerContext runner_context() { return {backend, registry, *this, *this, *this}; }
 };
 
 // Helpers for small host-side exchanges through backend memory (dist_exchange.cc): the

@@ -69,7 +69,7 @@ measure::TunedConfig decode(const std::string& line, const OrthoConfig& base) {
 
 OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   if (std::optional<OrthoConfig> g = grouped_auto(group, m, n)) return *g;
-  const OrthoConfig& base = groups[group].muon.ortho;
+  const OrthoConfig& base = registry.groups[group].muon.ortho;
   OrthoConfig r = resolve(base, m, n);
   if (base.iteration == Iteration::kAuto && !tuned.empty()) {
     auto it = tuned.find(tuned_key(group, m, n, base));
@@ -92,7 +92,7 @@ std::optional<OrthoConfig> Engine::Impl::grouped_auto(int group, int64_t m, int6
   // they all share every launch. Timed alone and ungrouped, the tuner would pick per class what
   // is fastest alone (ns5 for ResNet-18's classes: 0.94 ms a step on an H200, where grouped
   // Gram NS takes 0.73).
-  OrthoConfig g = groups[group].muon.ortho;
+  OrthoConfig g = registry.groups[group].muon.ortho;
   if (g.iteration != Iteration::kAuto) return std::nullopt;
   g.iteration = Iteration::kGram;
   OrthoConfig r = resolve(g, m, n);
@@ -126,8 +126,8 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   std::vector<TuneShape> todo;
   tune_report.clear();
   for (const TuneShape& t : shapes) {
-    if (groups[t.group].kind != ParamKind::kMuon ||
-        groups[t.group].muon.ortho.iteration != Iteration::kAuto)
+    if (registry.groups[t.group].kind != ParamKind::kMuon ||
+        registry.groups[t.group].muon.ortho.iteration != Iteration::kAuto)
       continue;
     if (std::optional<OrthoConfig> g = grouped_auto(t.group, t.m, t.n))  // not timed
       tune_report.push_back({t.group, t.m, t.n, t.count, *g, "grouped", 0.0});
@@ -144,7 +144,7 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
       const TuneShape& t = todo[i];
       std::optional<measure::TunedConfig> out;
       if (tuner)
-        out = tuner->config_for(groups[t.group].muon.ortho, t.m, t.n, t.count, policy,
+        out = tuner->config_for(registry.groups[t.group].muon.ortho, t.m, t.n, t.count, policy,
                                 std::to_string(i + 1) + "/" + std::to_string(todo.size()));
       answers += (out ? encode(*out) : std::string("-")) + "\n";
     }
@@ -158,7 +158,7 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   std::istringstream is(answers);
   std::string line;
   for (const TuneShape& t : todo) {
-    const OrthoConfig& base = groups[t.group].muon.ortho;
+    const OrthoConfig& base = registry.groups[t.group].muon.ortho;
     const std::string key = tuned_key(t.group, t.m, t.n, base);
     TunedShape r{t.group, t.m, t.n, t.count, resolve(base, t.m, t.n), "heuristic", 0.0};
     if (std::getline(is, line) && !line.empty() && line != "-") {
@@ -219,8 +219,8 @@ std::vector<TunedShape> Engine::tuned_shapes() const { return impl_->tune_report
 OrthoConfig Engine::resolved_ortho(int i) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  const Param& p = s.params[i];
-  DM_CHECK(s.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
+  const Param& p = s.registry.params[i];
+  DM_CHECK(s.registry.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
            "' is updated with AdamW, not orthogonalized");
   setup();
   return s.resolve_shape(p.spec.group, std::min(p.layout.rows, p.layout.cols),

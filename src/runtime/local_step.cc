@@ -14,9 +14,9 @@ void Engine::Impl::build_classes() {
   // each in registration order, so that each orientation is one slice of the batch.
   std::map<std::tuple<int, int64_t, int64_t>, size_t> index;
   std::vector<std::vector<std::pair<int, int64_t>>> tall;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
+  for (size_t i = 0; i < registry.params.size(); ++i) {
+    const Param& p = registry.params[i];
+    if (registry.groups[p.spec.group].kind != ParamKind::kMuon) continue;
     const int64_t m = std::min(p.layout.rows, p.layout.cols);
     const int64_t n = std::max(p.layout.rows, p.layout.cols);
     auto key = std::make_tuple(p.spec.group, m, n);
@@ -41,19 +41,19 @@ void Engine::Impl::build_classes() {
     CacheClass& cc = caches[c.cache];
     for (size_t k = 0; k < c.members.size(); ++k) {
       auto [pi, slice] = c.members[k];
-      Param& p = params[pi];
+      Param& p = registry.params[pi];
       p.cls = static_cast<int>(ci);
       if (slice == 0) p.first_member = static_cast<int64_t>(k);
-      cc.names.push_back(slice_name(pi, slice));
+      cc.names.push_back(registry.slice_name(pi, slice));
     }
   }
   // Statuses and norms: one entry per Muon matrix (class by class), then one per AdamW parameter.
   adam_params.clear();
   int64_t muon_matrices = 0;
   for (const ShapeClass& c : classes) muon_matrices += static_cast<int64_t>(c.members.size());
-  for (size_t i = 0; i < params.size(); ++i)
-    if (groups[params[i].spec.group].kind != ParamKind::kMuon) {
-      params[i].adam_index = static_cast<int>(adam_params.size());
+  for (size_t i = 0; i < registry.params.size(); ++i)
+    if (registry.groups[registry.params[i].spec.group].kind != ParamKind::kMuon) {
+      registry.params[i].adam_index = static_cast<int>(adam_params.size());
       adam_params.push_back(static_cast<int>(i));
     }
   n_status = muon_matrices + static_cast<int64_t>(adam_params.size());
@@ -89,8 +89,8 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   StepContext ctx;
   ctx.data.assign(data.begin(), data.end());
   ctx.raise = options.nonfinite == NonFinitePolicy::kRaise;
-  ctx.active.resize(params.size());
-  for (size_t i = 0; i < params.size(); ++i) ctx.active[i] = data[i].grad != nullptr;
+  ctx.active.resize(registry.params.size());
+  for (size_t i = 0; i < registry.params.size(); ++i) ctx.active[i] = data[i].grad != nullptr;
   ctx.has_local = ctx.active;
   backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
 
@@ -110,14 +110,14 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
     ClassStep& cs = steps[ci];
     for (size_t k = 0; k < c.members.size(); ++k) {
       const auto [pi, slice] = c.members[k];
-      const Param& p = params[pi];
+      const Param& p = registry.params[pi];
       const ParamData& d = data[pi];
       if (!d.grad) continue;
       const int64_t rows = p.layout.rows, cols = p.layout.cols, offset = slice * rows * cols;
       auto at = [&](const void* base, DType t) {
         return const_cast<char*>(static_cast<const char*>(base)) + offset * dtype_size(t);
       };
-      status_names[status_offset + cs.slots.size()] = slice_name(pi, slice);
+      status_names[status_offset + cs.slots.size()] = registry.slice_name(pi, slice);
       cs.slots.push_back(
           {MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, rows, cols),
            MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, rows, cols),
@@ -127,9 +127,8 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
       if (static_cast<int64_t>(k) < c.wide_members) cs.tall_begin += 1;
     }
     const int64_t count = static_cast<int64_t>(cs.slots.size());
-    batches.push_back({backend, groups[c.group].muon, scalars.mu(c.group), c.resolved, count,
-                       cs.tall_begin, cs.slots,
-                       step_norms.as<double>() + status_offset,
+    batches.push_back({backend, registry.groups[c.group].muon, scalars.mu(c.group), c.resolved,
+                       count, cs.tall_begin, cs.slots, step_norms.as<double>() + status_offset,
                        step_status.as<int32_t>() + status_offset});
     status_offset += static_cast<int64_t>(c.members.size());
   }
@@ -188,8 +187,8 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
 }
 
 void Engine::Impl::count_local_step(std::span<const ParamData> data) {
-  for (size_t i = 0; i < params.size(); ++i)
-    if (data[i].grad) params[i].step += 1;
+  for (size_t i = 0; i < registry.params.size(); ++i)
+    if (data[i].grad) registry.params[i].step += 1;
   stats.steps += 1;
 }
 

@@ -52,26 +52,26 @@ bool Engine::Impl::graphs_enabled() const {
 
 bool Engine::Impl::steps_replay() const {
   if (world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
-  for (const GroupOptions& g : groups)
+  for (const GroupOptions& g : registry.groups)
     if (g.kind == ParamKind::kMuon && g.muon.cache.enabled && g.muon.cache.shadow) return false;
   return true;
 }
 
 std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
   std::vector<uint64_t> key;
-  key.reserve(4 * params.size() + 16 * classes.size() + 1);
+  key.reserve(4 * registry.params.size() + 16 * classes.size() + 1);
   key.push_back(backend.capture_epoch());  // the backend's workspace and kernel choices
-  for (size_t i = 0; i < params.size(); ++i)
+  for (size_t i = 0; i < registry.params.size(); ++i)
     key.insert(key.end(), {bits(data[i].grad), static_cast<uint64_t>(data[i].grad_dtype),
                            bits(data[i].param)});
-  for (const GroupOptions& o : groups)  // the fused passes take nesterov by value
+  for (const GroupOptions& o : registry.groups)  // the fused passes take nesterov by value
     key.push_back(o.kind == ParamKind::kMuon && o.muon.nesterov ? 1 : 0);
   for (const ShapeClass& c : classes) {
     key.insert(key.end(), {bits(c.x.data()), bits(c.workspace.data()), c.workspace_bytes});
     add_config(key, c.resolved);
     const CacheClass& cc = caches[c.cache];
     key.push_back(cc.use ? 1 : 0);
-    if (cc.use) add_cache_options(key, groups[cc.group].muon.cache);
+    if (cc.use) add_cache_options(key, registry.groups[cc.group].muon.cache);
   }
   return key;
 }
@@ -86,7 +86,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
   for (ShapeClass& c : classes) {
     ensure_class_buffers(c);
     const CacheClass& cc = caches[c.cache];
-    shadow = shadow || (cc.use && groups[cc.group].muon.cache.shadow);
+    shadow = shadow || (cc.use && registry.groups[cc.group].muon.cache.shadow);
   }
   const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
   const bool in_callers_capture = backend.capturing();
