@@ -9,20 +9,20 @@
 namespace distmuon {
 
 void Engine::Impl::adam_begin(StepContext& ctx) {
-  if (adam_params.empty()) return;
+  if (record.adam_params.empty()) return;
   if (!adam_dummy) adam_dummy = backend.alloc(64);
   if (!reduces_adam_gradients()) return;
   if (!adam_stage) {
     size_t bytes = 0;
-    for (int i : adam_params) {
+    for (int i : record.adam_params) {
       adam_offset.push_back(static_cast<int64_t>(bytes));
       bytes +=
           static_cast<size_t>(registry.params[i].numel) * dtype_size(registry.params[i].spec.dtype);
     }
     adam_stage = backend.alloc(std::max<size_t>(bytes, 1));
   }
-  for (size_t k = 0; k < adam_params.size(); ++k) {
-    const int i = adam_params[k];
+  for (size_t k = 0; k < record.adam_params.size(); ++k) {
+    const int i = record.adam_params[k];
     if (!ctx.active[i]) continue;
     const Param& p = registry.params[i];
     void* dst = adam_stage.as<char>() + adam_offset[k];
@@ -36,11 +36,11 @@ void Engine::Impl::adam_begin(StepContext& ctx) {
 }
 
 void Engine::Impl::adam_check(StepContext& ctx) {
-  if (adam_params.empty()) return;
+  if (record.adam_params.empty()) return;
   wait_on_stream(adam_handles);
   adam_slots.clear();
-  for (size_t k = 0; k < adam_params.size(); ++k) {
-    const int i = adam_params[k];
+  for (size_t k = 0; k < record.adam_params.size(); ++k) {
+    const int i = record.adam_params[k];
     const Param& p = registry.params[i];
     const ParamData& d = ctx.data[i];
     // Every AdamW parameter keeps its slot (empty when idle here), so statuses line up on
@@ -49,11 +49,11 @@ void Engine::Impl::adam_check(StepContext& ctx) {
       // An empty shard of a stepping tensor still counts the step, as its other shards do.
       void* z = adam_dummy.data();
       adam_slots.push_back({z, z, z, z, DType::kF32, DType::kF32, 0,
-                            ctx.active[i] ? step_count(i) : nullptr, scalars.adam(k)});
+                            ctx.active[i] ? step_count(i) : nullptr, record.scalars.adam(k)});
       continue;
     }
-    AdamSlot s{d.param,      d.grad,       p.state0.data(), p.state1.data(),
-               p.spec.dtype, d.grad_dtype, p.local_numel,   step_count(i), scalars.adam(k)};
+    AdamSlot s{d.param,      d.grad,        p.state0.data(), p.state1.data(),       p.spec.dtype,
+               d.grad_dtype, p.local_numel, step_count(i),   record.scalars.adam(k)};
     if (reduces_adam_gradients()) {
       s.grad = adam_stage.as<char>() + adam_offset[k];
       s.grad_dtype = p.spec.dtype;
@@ -64,22 +64,23 @@ void Engine::Impl::adam_check(StepContext& ctx) {
     }
     adam_slots.push_back(s);
   }
-  int32_t* status = adam_status();
+  int32_t* status = record.adam_status();
   backend.adamw_check(adam_slots, status);
   // Shard holders must skip a tensor whose rows are non-finite anywhere.
   if (world && !ctx.raise && is_sharded_mode(dist.mode)) {
-    CommHandle h = shard->all_reduce(status, status, static_cast<int64_t>(adam_params.size()),
-                                     CommType::kI32, ReduceOp::kMax);
+    CommHandle h =
+        shard->all_reduce(status, status, static_cast<int64_t>(record.adam_params.size()),
+                          CommType::kI32, ReduceOp::kMax);
     wait_on_stream(h);
   }
 }
 
 void Engine::Impl::adam_update() {
-  if (adam_params.empty()) return;
-  int32_t* status = adam_status();
+  if (record.adam_params.empty()) return;
+  int32_t* status = record.adam_status();
   backend.adamw_update(adam_slots, status);
-  backend.count_status(status, static_cast<int64_t>(adam_params.size()),
-                       skip_counter.as<int64_t>());
+  backend.count_status(status, static_cast<int64_t>(record.adam_params.size()),
+                       record.skip_counter.as<int64_t>());
 }
 
 }  // namespace distmuon

@@ -103,7 +103,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), registry.params[m.param].state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           skips_of(registry.params[m.param], m.slice)});
+           record.skips_of(registry.params[m.param], m.slice)});
     }
     const size_t x_bytes = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
     DM_CHECK(arena.x_used + x_bytes <= arena.x.bytes() &&
@@ -116,7 +116,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
 
     const MuonBatch batch{backend,
                           registry.groups[m0.group].muon,
-                          scalars.mu(m0.group),
+                          record.scalars.mu(m0.group),
                           r,
                           count,
                           pb.tall_begin,
@@ -130,7 +130,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     const BatchOrtho how = prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
     batch.orthogonalize_momentum(
         BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n()), how,
-        skip_counter.as<int64_t>());
+        record.skip_counter.as<int64_t>());
     for (int j : pb.mats) arena.is_prepared[j] = 1;
     arena.batches.push_back(std::move(pb));
   }
@@ -150,7 +150,7 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
     }
     const MuonBatch batch{backend,
                           registry.groups[m0.group].muon,
-                          scalars.mu(m0.group),
+                          record.scalars.mu(m0.group),
                           {},
                           count,
                           pb.tall_begin,

@@ -10,12 +10,12 @@ namespace distmuon {
 
 void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
   mats.clear();
-  adam_params.clear();
+  record.adam_params.clear();
   for (size_t i = 0; i < registry.params.size(); ++i) {
     Param& p = registry.params[i];
     if (registry.groups[p.spec.group].kind != ParamKind::kMuon) {
-      p.adam_index = static_cast<int>(adam_params.size());
-      adam_params.push_back(static_cast<int>(i));
+      p.adam_index = static_cast<int>(record.adam_params.size());
+      record.adam_params.push_back(static_cast<int>(i));
       continue;
     }
     for (int64_t s = 0; s < p.layout.count; ++s) {
@@ -105,7 +105,7 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
     b.status_offset = offset;
     offset += static_cast<int64_t>(b.mats.size());
   }
-  n_status = offset + static_cast<int64_t>(adam_params.size());
+  record.n_status = offset + static_cast<int64_t>(record.adam_params.size());
 }
 
 void Engine::Impl::allocate_state() {
@@ -131,7 +131,7 @@ void Engine::Impl::allocate_state() {
       backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  allocate_step_status(backend);
+  record.allocate_step_status(backend);
   allocate_scalars();
   allocate_step_counts();
 }

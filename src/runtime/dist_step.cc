@@ -190,7 +190,7 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
     }
   }
   upload_scalars();
-  ctx.coef = scalars.coef();
+  ctx.coef = record.scalars.coef();
 }
 
 // Raise policy: every rank sees every status before anything changes, so all raise together.
@@ -198,15 +198,16 @@ void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names
   DM_LOG(kDebug, "the host waits for the device (step statuses)");
   backend.synchronize();
   DM_LOG(kDebug, "the device reached the step statuses");
-  std::vector<int32_t> st(static_cast<size_t>(n_status));
-  backend.copy_to_host(st.data(), step_status.data(), st.size() * sizeof(int32_t));
+  std::vector<int32_t> st(static_cast<size_t>(record.n_status));
+  backend.copy_to_host(st.data(), record.step_status.data(), st.size() * sizeof(int32_t));
   if (world) host_all_reduce(*world, backend, st, ReduceOp::kMax);
   std::vector<std::string> bad;
   for (size_t k = 0; k < muon_names.size(); ++k)
     if (st[k] != kStatusOk && !muon_names[k].empty()) bad.push_back(muon_names[k]);
-  const size_t first_adam = static_cast<size_t>(n_status) - adam_params.size();
-  for (size_t k = 0; k < adam_params.size(); ++k)
-    if (st[first_adam + k] != kStatusOk) bad.push_back(registry.params[adam_params[k]].spec.name);
+  const size_t first_adam = static_cast<size_t>(record.n_status) - record.adam_params.size();
+  for (size_t k = 0; k < record.adam_params.size(); ++k)
+    if (st[first_adam + k] != kStatusOk)
+      bad.push_back(registry.params[record.adam_params[k]].spec.name);
   if (bad.empty()) return;
   std::ostringstream os;
   for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
@@ -246,7 +247,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   ctx->raise = options.nonfinite == NonFinitePolicy::kRaise;
   vote(*ctx);
   prepare_buckets(*ctx);
-  backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
+  backend.fill_zero(record.step_status.data(),
+                    static_cast<size_t>(record.n_status) * sizeof(int32_t));
   adam_begin(*ctx);
   if (!prepared.batches.empty()) apply_prepared(*ctx);
 
@@ -267,7 +269,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
     for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
     adam_check(*ctx);
     wait_unchecked();  // the transfers' deadlines before the statuses' device synchronisation
-    std::vector<std::string> names(static_cast<size_t>(n_status) - adam_params.size());
+    std::vector<std::string> names(static_cast<size_t>(record.n_status) -
+                                   record.adam_params.size());
     for (const Bucket& b : buckets)
       for (size_t k = 0; k < b.act.size(); ++k) names[b.status_offset + k] = matrix_name(b.act[k]);
     raise_if_nonfinite(names);

@@ -43,8 +43,8 @@ const char* dist_mode_name(DistMode m) {
 
 Engine::Impl::Impl(Backend& be, EngineOptions opt) : backend(be), options(opt), ortho(be) {
   graph_mode = graphs_enabled();
-  skip_counter = backend.alloc(sizeof(int64_t));
-  backend.fill_zero(skip_counter.data(), sizeof(int64_t));
+  record.skip_counter = backend.alloc(sizeof(int64_t));
+  backend.fill_zero(record.skip_counter.data(), sizeof(int64_t));
 }
 
 Engine::Impl::~Impl() {
@@ -309,12 +309,12 @@ std::vector<std::string> Engine::state_names(int i) const {
 }
 
 void Engine::Impl::allocate_step_counts() {
-  step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, registry.params.size()));
+  record.step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, registry.params.size()));
   std::vector<int64_t> h(registry.params.size());
   for (size_t i = 0; i < registry.params.size(); ++i) h[i] = registry.params[i].step;
-  backend.copy_from_host(step_counts.data(), h.data(), h.size() * sizeof(int64_t));
-  matrix_skips = backend.alloc(sizeof(int64_t) * std::max<int64_t>(1, stats.muon_matrices));
-  backend.fill_zero(matrix_skips.data(), matrix_skips.bytes());
+  backend.copy_from_host(record.step_counts.data(), h.data(), h.size() * sizeof(int64_t));
+  record.matrix_skips = backend.alloc(sizeof(int64_t) * std::max<int64_t>(1, stats.muon_matrices));
+  backend.fill_zero(record.matrix_skips.data(), record.matrix_skips.bytes());
 }
 
 void StepRecord::allocate_step_status(Backend& backend) {
@@ -330,10 +330,10 @@ std::string Registry::slice_name(int param, int64_t slice) const {
 
 std::vector<int64_t> Engine::Impl::local_skips() {
   std::vector<int64_t> per_param(registry.params.size(), 0);
-  if (!matrix_skips) return per_param;
+  if (!record.matrix_skips) return per_param;
   std::vector<int64_t> m(static_cast<size_t>(stats.muon_matrices));
   backend.synchronize();
-  backend.copy_to_host(m.data(), matrix_skips.data(), m.size() * sizeof(int64_t));
+  backend.copy_to_host(m.data(), record.matrix_skips.data(), m.size() * sizeof(int64_t));
   for (size_t i = 0; i < registry.params.size(); ++i) {
     const Param& p = registry.params[i];
     if (registry.groups[p.spec.group].kind != ParamKind::kMuon) continue;
@@ -348,7 +348,7 @@ int64_t Engine::param_step(int i) const {
   Impl& s = *impl_;
   if (s.registry.groups[s.registry.params[i].spec.group].kind == ParamKind::kMuon)
     return s.registry.params[i].step - s.local_skips()[i];
-  if (!s.step_counts) return s.registry.params[i].step;
+  if (!s.record.step_counts) return s.registry.params[i].step;
   int64_t v = 0;
   s.backend.synchronize();
   s.backend.copy_to_host(&v, s.step_count(i), sizeof(int64_t));
@@ -365,15 +365,16 @@ std::vector<int64_t> Engine::param_steps() {
     skips.assign(v.begin(), v.end());
   }
   std::vector<int64_t> adamw(s.registry.params.size());
-  if (s.step_counts) {
+  if (s.record.step_counts) {
     s.backend.synchronize();
-    s.backend.copy_to_host(adamw.data(), s.step_counts.data(), adamw.size() * sizeof(int64_t));
+    s.backend.copy_to_host(adamw.data(), s.record.step_counts.data(),
+                           adamw.size() * sizeof(int64_t));
   }
   std::vector<int64_t> out(s.registry.params.size());
   for (size_t i = 0; i < s.registry.params.size(); ++i) {
     const Param& p = s.registry.params[i];
     const bool muon = s.registry.groups[p.spec.group].kind == ParamKind::kMuon;
-    out[i] = muon ? p.step - skips[i] : s.step_counts ? adamw[i] : p.step;
+    out[i] = muon ? p.step - skips[i] : s.record.step_counts ? adamw[i] : p.step;
   }
   return out;
 }
@@ -384,16 +385,16 @@ void Engine::set_param_step(int i, int64_t step) {
   Impl& s = *impl_;
   Param& p = s.registry.params[i];
   p.step = step;
-  if (s.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
-  if (s.matrix_skips && s.registry.groups[p.spec.group].kind == ParamKind::kMuon)
-    s.backend.fill_zero(s.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
+  if (s.record.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
+  if (s.record.matrix_skips && s.registry.groups[p.spec.group].kind == ParamKind::kMuon)
+    s.backend.fill_zero(s.record.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
 }
 
 EngineStats Engine::stats() {
   Impl& s = *impl_;
   s.backend.synchronize();
   EngineStats st = s.stats;
-  s.backend.copy_to_host(&st.nonfinite_skips, s.skip_counter.data(), sizeof(int64_t));
+  s.backend.copy_to_host(&st.nonfinite_skips, s.record.skip_counter.data(), sizeof(int64_t));
   if (!s.world) st.owned_matrices = st.muon_matrices;
   st.cache = s.cache_stats();
   st.ortho.flops += st.cache.flops;  // run_cached leaves its FLOPs to the cache's accounting

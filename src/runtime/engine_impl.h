@@ -75,10 +75,11 @@ struct PreparedUpdates {
 // plus the single-process shape classes, CacheMuon's entries, the tuned algorithms, AdamW's
 // staging and the prepared updates. The runners do not see it: they get a RunnerContext
 // (mode_runner.h) with the parts their stages read, and the BatchResources it implements.
-struct Engine::Impl : StepRecord, DistState, BatchResources {
+struct Engine::Impl : DistState, BatchResources {
   Backend& backend;
   EngineOptions options;
   Registry registry;  // groups and parameters as registered
+  StepRecord record;  // the step's device statuses, norms, counters and hyperparameters
   std::vector<ShapeClass> classes;
   std::vector<CacheClass> caches;  // CacheMuon entries (single process and distributed)
   bool built = false;
@@ -112,7 +113,7 @@ struct Engine::Impl : StepRecord, DistState, BatchResources {
   void build_classes();
   // Uploads Param::step of every parameter and zeroes the Muon skip counters.
   void allocate_step_counts();
-  int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
+  int64_t* step_count(int i) { return record.step_counts.as<int64_t>() + i; }
   // The step's hyperparameters in backend memory (step_scalars.cc): sized once the classes or
   // the distributed matrices are known, uploaded from the groups' options before every step
   // (and every dedicated prepare()).
@@ -234,7 +235,7 @@ struct Engine::Impl : StepRecord, DistState, BatchResources {
   void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
                       size_t workspace_bytes = 0);
   std::string matrix_name(int j) const { return registry.slice_name(mats[j].param, mats[j].slice); }
-  RunnerContext runner_context() { return {backend, registry, *this, *this, *this}; }
+  RunnerContext runner_context() { return {backend, registry, *this, record, *this}; }
 };
 
 // Helpers for small host-side exchanges through backend memory (dist_exchange.cc): the

@@ -48,16 +48,16 @@ void Engine::Impl::build_classes() {
     }
   }
   // Statuses and norms: one entry per Muon matrix (class by class), then one per AdamW parameter.
-  adam_params.clear();
+  record.adam_params.clear();
   int64_t muon_matrices = 0;
   for (const ShapeClass& c : classes) muon_matrices += static_cast<int64_t>(c.members.size());
   for (size_t i = 0; i < registry.params.size(); ++i)
     if (registry.groups[registry.params[i].spec.group].kind != ParamKind::kMuon) {
-      registry.params[i].adam_index = static_cast<int>(adam_params.size());
-      adam_params.push_back(static_cast<int>(i));
+      registry.params[i].adam_index = static_cast<int>(record.adam_params.size());
+      record.adam_params.push_back(static_cast<int>(i));
     }
-  n_status = muon_matrices + static_cast<int64_t>(adam_params.size());
-  allocate_step_status(backend);
+  record.n_status = muon_matrices + static_cast<int64_t>(record.adam_params.size());
+  record.allocate_step_status(backend);
   allocate_scalars();
   allocate_step_counts();
   tune_shapes(class_shapes());
@@ -92,7 +92,8 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   ctx.active.resize(registry.params.size());
   for (size_t i = 0; i < registry.params.size(); ++i) ctx.active[i] = data[i].grad != nullptr;
   ctx.has_local = ctx.active;
-  backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
+  backend.fill_zero(record.step_status.data(),
+                    static_cast<size_t>(record.n_status) * sizeof(int32_t));
 
   // One batch per shape class: its members that have a gradient in this step (wide ones first),
   // with consecutive status entries from the class's first one.
@@ -103,7 +104,8 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   };
   std::vector<ClassStep> steps(classes.size());
   std::vector<MuonBatch> batches;
-  std::vector<std::string> status_names(static_cast<size_t>(n_status - adam_params.size()));
+  std::vector<std::string> status_names(
+      static_cast<size_t>(record.n_status - record.adam_params.size()));
   int64_t status_offset = 0;
   for (size_t ci = 0; ci < classes.size(); ++ci) {
     const ShapeClass& c = classes[ci];  // its buffers follow the options (local_step)
@@ -121,15 +123,16 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
       cs.slots.push_back(
           {MatRef::of(at(d.grad, d.grad_dtype), d.grad_dtype, rows, cols),
            MatRef::of(at(p.state0.data(), p.state0_dtype), p.state0_dtype, rows, cols),
-           MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols), skips_of(p, slice),
-           scalars.coef(p.first_matrix + slice)});
+           MatRef::of(at(d.param, p.spec.dtype), p.spec.dtype, rows, cols),
+           record.skips_of(p, slice), record.scalars.coef(p.first_matrix + slice)});
       cs.entries.push_back(static_cast<int64_t>(k));
       if (static_cast<int64_t>(k) < c.wide_members) cs.tall_begin += 1;
     }
     const int64_t count = static_cast<int64_t>(cs.slots.size());
-    batches.push_back({backend, registry.groups[c.group].muon, scalars.mu(c.group), c.resolved,
-                       count, cs.tall_begin, cs.slots, step_norms.as<double>() + status_offset,
-                       step_status.as<int32_t>() + status_offset});
+    batches.push_back({backend, registry.groups[c.group].muon, record.scalars.mu(c.group),
+                       c.resolved, count, cs.tall_begin, cs.slots,
+                       record.step_norms.as<double>() + status_offset,
+                       record.step_status.as<int32_t>() + status_offset});
     status_offset += static_cast<int64_t>(c.members.size());
   }
 
@@ -182,7 +185,8 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   issue_pass(MuonPass::kUpdate, x_of);
   // The skips of every class at once: entries of matrices without a gradient stay zero.
   if (status_offset > 0)
-    backend.count_status(step_status.as<int32_t>(), status_offset, skip_counter.as<int64_t>());
+    backend.count_status(record.step_status.as<int32_t>(), status_offset,
+                         record.skip_counter.as<int64_t>());
   adam_update();
 }
 

@@ -15,35 +15,36 @@ void StepScalars::allocate(Backend& backend, int64_t groups, int64_t matrices,
 }
 
 void Engine::Impl::allocate_scalars() {
-  scalars.allocate(backend, static_cast<int64_t>(registry.groups.size()),
-                   world ? static_cast<int64_t>(mats.size()) : stats.muon_matrices,
-                   static_cast<int64_t>(adam_params.size()));
+  record.scalars.allocate(backend, static_cast<int64_t>(registry.groups.size()),
+                          world ? static_cast<int64_t>(mats.size()) : stats.muon_matrices,
+                          static_cast<int64_t>(record.adam_params.size()));
 }
 
 void Engine::Impl::upload_scalars() {
   for (size_t g = 0; g < registry.groups.size(); ++g)
-    scalars.set_mu(static_cast<int>(g), registry.groups[g].kind == ParamKind::kMuon
-                                            ? registry.groups[g].muon.momentum
-                                            : 0.0f);
+    record.scalars.set_mu(static_cast<int>(g), registry.groups[g].kind == ParamKind::kMuon
+                                                   ? registry.groups[g].muon.momentum
+                                                   : 0.0f);
   if (world) {
     for (size_t j = 0; j < mats.size(); ++j)
-      scalars.set_coef(
+      record.scalars.set_coef(
           static_cast<int64_t>(j),
           muon_update_coef(registry.groups[mats[j].group].muon, mats[j].rows, mats[j].cols));
   } else {
     for (const Param& p : registry.params)
       if (registry.groups[p.spec.group].kind == ParamKind::kMuon)
         for (int64_t s = 0; s < p.layout.count; ++s)
-          scalars.set_coef(p.first_matrix + s, muon_update_coef(registry.groups[p.spec.group].muon,
-                                                                p.layout.rows, p.layout.cols));
+          record.scalars.set_coef(
+              p.first_matrix + s,
+              muon_update_coef(registry.groups[p.spec.group].muon, p.layout.rows, p.layout.cols));
   }
-  for (size_t k = 0; k < adam_params.size(); ++k) {
-    const Param& p = registry.params[adam_params[k]];
+  for (size_t k = 0; k < record.adam_params.size(); ++k) {
+    const Param& p = registry.params[record.adam_params[k]];
     const AdamWOptions& a = registry.groups[p.spec.group].adamw;
-    scalars.set_adam(static_cast<int64_t>(k),
-                     {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, p.step + 1});
+    record.scalars.set_adam(static_cast<int64_t>(k),
+                            {a.lr, a.beta1, a.beta2, a.eps, a.weight_decay, p.step + 1});
   }
-  scalars.upload(backend);
+  record.scalars.upload(backend);
 }
 
 }  // namespace distmuon
