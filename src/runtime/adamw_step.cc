@@ -31,13 +31,13 @@ void Engine::Impl::adam_begin(StepContext& ctx) {
     else
       backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
     adam_handles.push_back(
-        world->all_reduce(dst, dst, p.numel, comm_type(p.spec.dtype), ReduceOp::kSum));
+        dist.world->all_reduce(dst, dst, p.numel, comm_type(p.spec.dtype), ReduceOp::kSum));
   }
 }
 
 void Engine::Impl::adam_check(StepContext& ctx) {
   if (record.adam_params.empty()) return;
-  wait_on_stream(adam_handles);
+  dist.wait_on_stream(adam_handles);
   adam_slots.clear();
   for (size_t k = 0; k < record.adam_params.size(); ++k) {
     const int i = record.adam_params[k];
@@ -57,9 +57,9 @@ void Engine::Impl::adam_check(StepContext& ctx) {
     if (reduces_adam_gradients()) {
       s.grad = adam_stage.as<char>() + adam_offset[k];
       s.grad_dtype = p.spec.dtype;
-      if (dist.grad_mean && world_size > 1) {
+      if (dist.options.grad_mean && dist.world_size > 1) {
         BatchRef g = BatchRef::packed(const_cast<void*>(s.grad), s.grad_dtype, 1, 1, p.numel);
-        backend.lincomb(1.0 / world_size, g, 0.0, nullptr, 0.0, g);
+        backend.lincomb(1.0 / dist.world_size, g, 0.0, nullptr, 0.0, g);
       }
     }
     adam_slots.push_back(s);
@@ -67,11 +67,11 @@ void Engine::Impl::adam_check(StepContext& ctx) {
   int32_t* status = record.adam_status();
   backend.adamw_check(adam_slots, status);
   // Shard holders must skip a tensor whose rows are non-finite anywhere.
-  if (world && !ctx.raise && is_sharded_mode(dist.mode)) {
+  if (dist.world && !ctx.raise && is_sharded_mode(dist.options.mode)) {
     CommHandle h =
-        shard->all_reduce(status, status, static_cast<int64_t>(record.adam_params.size()),
-                          CommType::kI32, ReduceOp::kMax);
-    wait_on_stream(h);
+        dist.shard->all_reduce(status, status, static_cast<int64_t>(record.adam_params.size()),
+                               CommType::kI32, ReduceOp::kMax);
+    dist.wait_on_stream(h);
   }
 }
 

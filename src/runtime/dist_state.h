@@ -59,7 +59,7 @@ inline bool is_sharded_mode(DistMode m) {
 
 struct DistState {
   Communicator* world = nullptr;  // nullptr in a single process
-  DistOptions dist;
+  DistOptions options;
   std::unique_ptr<Communicator> shard_owned, replica_owned;
   Communicator* shard = nullptr;    // my shard group (the world when replicate == 1)
   Communicator* replica = nullptr;  // my replicate group (nullptr when replicate == 1)

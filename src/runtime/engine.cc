@@ -64,8 +64,8 @@ Engine::Engine(Backend& backend, Communicator& world, const DistOptions& dist,
   DM_CHECK(world.device().kind == backend.device().kind, "the communicator ", world.name(),
            " moves ", world.device().kind == DeviceKind::kCPU ? "host" : "CUDA",
            " memory but the backend ", backend.name(), " computes elsewhere");
-  impl_->world = &world;
-  impl_->dist = dist;
+  impl_->dist.world = &world;
+  impl_->dist.options = dist;
 }
 
 Engine::~Engine() = default;
@@ -105,9 +105,11 @@ const ParamSpec& Engine::param(int i) const {
   return impl_->registry.params[i].spec;
 }
 Backend& Engine::backend() { return impl_->backend; }
-bool Engine::distributed() const { return impl_->world != nullptr; }
-const DistOptions& Engine::dist_options() const { return impl_->dist; }
-const Plan* Engine::plan() const { return impl_->world && impl_->built ? &impl_->plan : nullptr; }
+bool Engine::distributed() const { return impl_->dist.world != nullptr; }
+const DistOptions& Engine::dist_options() const { return impl_->dist.options; }
+const Plan* Engine::plan() const {
+  return impl_->dist.world && impl_->built ? &impl_->dist.plan : nullptr;
+}
 
 int Engine::Impl::add_param(const ParamSpec& spec) {
   Impl& s = *this;
@@ -129,7 +131,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
   p.inner = p.numel / p.dim0;
   const ShardSpec& sh = spec.shard;
   if (sh.sharded()) {
-    DM_CHECK(s.world != nullptr, "parameter '", spec.name,
+    DM_CHECK(s.dist.world != nullptr, "parameter '", spec.name,
              "' has a shard but the engine is not distributed");
     DM_CHECK(sh.row_begin >= 0 && sh.row_begin + sh.row_count <= p.dim0, "parameter '", spec.name,
              "': shard rows [", sh.row_begin, ", ", sh.row_begin + sh.row_count,
@@ -148,7 +150,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
     s.stats.adamw_params += p.numel;
   }
   // A distributed engine allocates state in setup(), once the owners are known.
-  if (!s.world) {
+  if (!s.dist.world) {
     const size_t n = static_cast<size_t>(p.numel);
     p.state0 =
         s.backend.alloc(n * dtype_size(g.kind == ParamKind::kMuon ? p.state0_dtype : DType::kF32));
@@ -165,7 +167,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
 int Engine::add_param(const ParamSpec& spec) {
   Impl& s = *impl_;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  if (!s.world) return s.add_param(spec);
+  if (!s.dist.world) return s.add_param(spec);
   // Distributed: an error on one rank must reach every rank (setup() reports it everywhere);
   // thrown here it would leave the other ranks waiting for this one until the timeout.
   try {
@@ -187,7 +189,8 @@ void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
   for (size_t i = 0; i < data.size(); ++i) {
     const ParamData& d = data[i];
     const Param& p = registry.params[i];
-    const std::string where = world ? detail::concat(" (rank ", rank, ")") : std::string();
+    const std::string where =
+        dist.world ? detail::concat(" (rank ", dist.rank, ")") : std::string();
     // With caller transfers only the owners of a Muon parameter's matrices need its buffers.
     const bool optional =
         caller_transfers() && !d.grad && registry.groups[p.spec.group].kind == ParamKind::kMuon;
@@ -207,7 +210,7 @@ void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
 void Engine::setup() {
   Impl& s = *impl_;
   if (s.built) return;
-  if (s.world)
+  if (s.dist.world)
     s.dist_setup();
   else
     s.build_classes();
@@ -216,7 +219,7 @@ void Engine::setup() {
 void Engine::step(std::span<const ParamData> data) {
   Impl& s = *impl_;
   if (!s.built) setup();
-  if (s.world) {
+  if (s.dist.world) {
     s.dist_step(data);  // checks the inputs and shares any error with every rank
     return;
   }
@@ -235,9 +238,9 @@ int Engine::owner(int param, int64_t slice) const {
            p.spec.name, "' is not a Muon parameter");
   DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
            p.layout.count, " matrices, not ", slice + 1);
-  if (!impl_->world) return 0;
+  if (!impl_->dist.world) return 0;
   DM_CHECK(impl_->built, "owners are known after setup()");
-  return impl_->mats[p.matrices[slice]].owner;
+  return impl_->dist.mats[p.matrices[slice]].owner;
 }
 
 TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
@@ -255,14 +258,14 @@ TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
   const std::vector<int64_t> shape = {p.layout.rows, p.layout.cols};
   const size_t es = dtype_size(p.state0_dtype);
   const int64_t off = slice * p.layout.rows * p.layout.cols;
-  if (!impl_->world || impl_->dist.mode == DistMode::kGather) {
+  if (!impl_->dist.world || impl_->dist.options.mode == DistMode::kGather) {
     // Single process: the whole parameter; gather: only a whole-matrix local shard qualifies.
-    if (impl_->world && (p.local_numel != p.numel))
+    if (impl_->dist.world && (p.local_numel != p.numel))
       return TensorView{nullptr, shape, {}, p.state0_dtype, dev};
     return TensorView::contiguous(p.state0.as<char>() + off * es, shape, p.state0_dtype, dev);
   }
   DM_CHECK(impl_->built, "distributed state exists after setup()");
-  const DistMatrix& m = impl_->mats[p.matrices[slice]];
+  const DistMatrix& m = impl_->dist.mats[p.matrices[slice]];
   return TensorView::contiguous(m.momentum.data(), shape, p.state0_dtype, dev);
 }
 
@@ -272,14 +275,14 @@ TensorView Engine::state(int i, const std::string& name) {
   Param& p = s.registry.params[i];
   const bool muon = s.registry.groups[p.spec.group].kind == ParamKind::kMuon;
   const Device dev = s.backend.device();
-  DM_CHECK(!s.world || s.built, "distributed state exists after setup()");
+  DM_CHECK(!s.dist.world || s.built, "distributed state exists after setup()");
   std::vector<int64_t> local = p.spec.shape;
   local[0] = p.local_rows;
   if (muon && name == "momentum_buffer") {
-    if (s.world && s.dist.mode != DistMode::kGather) {
+    if (s.dist.world && s.dist.options.mode != DistMode::kGather) {
       DM_CHECK(p.layout.count == 1, "parameter '", p.spec.name, "' holds ", p.layout.count,
                " matrices with their own owners: read them with matrix_state()");
-      const DistMatrix& m = s.mats[p.matrices[0]];
+      const DistMatrix& m = s.dist.mats[p.matrices[0]];
       return TensorView::contiguous(m.momentum.data(), p.spec.shape, p.state0_dtype, dev);
     }
     return TensorView::contiguous(p.state0.data(), local, p.state0_dtype, dev);
@@ -287,8 +290,8 @@ TensorView Engine::state(int i, const std::string& name) {
   if (muon && name.rfind("cache_", 0) == 0) {
     // One entry per matrix: leading shape [] for a matrix, [e] for a 3D parameter. Owner modes:
     // like momentum, a parameter whose matrices have several owners is read per matrix.
-    DM_CHECK(!s.world || s.dist.mode == DistMode::kGather || p.layout.count == 1, "parameter '",
-             p.spec.name, "' holds ", p.layout.count,
+    DM_CHECK(!s.dist.world || s.dist.options.mode == DistMode::kGather || p.layout.count == 1,
+             "parameter '", p.spec.name, "' holds ", p.layout.count,
              " matrices with their own owners: read their cache state with matrix_state()");
     std::vector<int64_t> lead;
     if (p.spec.shape.size() == 3) lead.push_back(p.layout.count);
@@ -359,9 +362,9 @@ std::vector<int64_t> Engine::param_steps() {
   Impl& s = *impl_;
   std::vector<int64_t> skips = s.local_skips();
   // Skips are counted where each matrix's momentum is: every rank takes the largest count.
-  if (s.world && s.built && s.world_size > 1) {
+  if (s.dist.world && s.built && s.dist.world_size > 1) {
     std::vector<int32_t> v(skips.begin(), skips.end());
-    host_all_reduce(*s.world, s.backend, v, ReduceOp::kMax);
+    host_all_reduce(*s.dist.world, s.backend, v, ReduceOp::kMax);
     skips.assign(v.begin(), v.end());
   }
   std::vector<int64_t> adamw(s.registry.params.size());
@@ -395,7 +398,7 @@ EngineStats Engine::stats() {
   s.backend.synchronize();
   EngineStats st = s.stats;
   s.backend.copy_to_host(&st.nonfinite_skips, s.record.skip_counter.data(), sizeof(int64_t));
-  if (!s.world) st.owned_matrices = st.muon_matrices;
+  if (!s.dist.world) st.owned_matrices = st.muon_matrices;
   st.cache = s.cache_stats();
   st.ortho.flops += st.cache.flops;  // run_cached leaves its FLOPs to the cache's accounting
   return st;

@@ -86,10 +86,10 @@ void Engine::Impl::assign_cache_entries() {
   caches.clear();
   // Bucket order, and inside a bucket the sorted order of its runs: the matrices of a run get
   // consecutive entries, so a run is one cached call whenever all of them step.
-  for (const Bucket& b : buckets)
+  for (const Bucket& b : dist.buckets)
     for (int j : b.mats) {
-      DistMatrix& m = mats[j];
-      if (dist.mode != DistMode::kGather && m.owner != rank) continue;
+      DistMatrix& m = dist.mats[j];
+      if (dist.options.mode != DistMode::kGather && m.owner != dist.rank) continue;
       m.cache = cache_class_of(m.group, m.m(), m.n());
       m.cache_entry = caches[m.cache].count();
       caches[m.cache].names.push_back(matrix_name(j));
@@ -98,13 +98,13 @@ void Engine::Impl::assign_cache_entries() {
 
 std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
   const Param& p = registry.params[i];
-  if (!world) {
+  if (!dist.world) {
     if (!built) build_classes();  // freezes the parameter list, as a first step does
     const ShapeClass& c = classes[p.cls];
     return {c.cache, p.first_member + slice};
   }
   DM_CHECK(built, "distributed state exists after setup()");
-  const DistMatrix& m = mats[p.matrices[slice]];
+  const DistMatrix& m = dist.mats[p.matrices[slice]];
   return {m.cache, m.cache_entry};
 }
 
@@ -149,7 +149,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
   for (int64_t k = 1; k < count; ++k) {
     auto [ck, ek] = cache_entry_of(i, slice + k);
     DM_CHECK(ck == c && (c < 0 || ek == first + k), "parameter '", p.spec.name,
-             "': its matrices' cache entries are not held together on rank ", rank,
+             "': its matrices' cache entries are not held together on rank ", dist.rank,
              "; read them per matrix with matrix_state()");
   }
   if (c >= 0) {

@@ -75,11 +75,12 @@ struct PreparedUpdates {
 // plus the single-process shape classes, CacheMuon's entries, the tuned algorithms, AdamW's
 // staging and the prepared updates. The runners do not see it: they get a RunnerContext
 // (mode_runner.h) with the parts their stages read, and the BatchResources it implements.
-struct Engine::Impl : DistState, BatchResources {
+struct Engine::Impl : BatchResources {
   Backend& backend;
   EngineOptions options;
   Registry registry;  // groups and parameters as registered
   StepRecord record;  // the step's device statuses, norms, counters and hyperparameters
+  DistState dist;     // communicators, plan, matrices, buckets (world == nullptr: one process)
   std::vector<ShapeClass> classes;
   std::vector<CacheClass> caches;  // CacheMuon entries (single process and distributed)
   bool built = false;
@@ -220,7 +221,8 @@ struct Engine::Impl : DistState, BatchResources {
   void adam_update();
   // Dedicated mode moving gradients itself: AdamW gradients are all-reduced in the wire dtype.
   bool reduces_adam_gradients() const {
-    return world && dist.mode == DistMode::kDedicated && !dist.caller_transfers;
+    return dist.world && dist.options.mode == DistMode::kDedicated &&
+           !dist.options.caller_transfers;
   }
   // Raise policy: fails, naming every entry that is not ok on some rank, before anything changes.
   // muon_names: per Muon status entry, the matrix it belongs to this step ("" when none).
@@ -229,13 +231,15 @@ struct Engine::Impl : DistState, BatchResources {
   void prepare(std::span<const int> params, std::span<const ParamData> data);
   void apply_prepared(const StepContext& ctx);
   bool caller_transfers() const {
-    return world && dist.mode == DistMode::kDedicated && dist.caller_transfers;
+    return dist.world && dist.options.mode == DistMode::kDedicated && dist.options.caller_transfers;
   }
   // Grows the shared scratch for `count` matrices of a shape with a resolved config.
   void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
                       size_t workspace_bytes = 0);
-  std::string matrix_name(int j) const { return registry.slice_name(mats[j].param, mats[j].slice); }
-  RunnerContext runner_context() { return {backend, registry, *this, record, *this}; }
+  std::string matrix_name(int j) const {
+    return registry.slice_name(dist.mats[j].param, dist.mats[j].slice);
+  }
+  RunnerContext runner_context() { return {backend, registry, dist, record, *this}; }
 };
 
 // Helpers for small host-side exchanges through backend memory (dist_exchange.cc): the

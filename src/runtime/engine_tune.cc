@@ -136,7 +136,7 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
   }
   const bool ask = mode != AutoTune::kOff && !todo.empty();
   std::string answers;  // one line per shape: an encoded answer, or "-" for the heuristic
-  if (ask && (!world || rank == 0)) {
+  if (ask && (!dist.world || dist.rank == 0)) {
     const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
     // An engine that replays its step is timed as it runs: graph replays.
     std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend, steps_replay());
@@ -149,10 +149,10 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
       answers += (out ? encode(*out) : std::string("-")) + "\n";
     }
   }
-  if (ask && world && world_size > 1) {  // every rank takes rank 0's answers
+  if (ask && dist.world && dist.world_size > 1) {  // every rank takes rank 0's answers
     const std::vector<int64_t> len =
-        host_all_gather(*world, backend, {static_cast<int64_t>(answers.size())});
-    const std::vector<char> all = host_all_gather_v(*world, backend, answers, len);
+        host_all_gather(*dist.world, backend, {static_cast<int64_t>(answers.size())});
+    const std::vector<char> all = host_all_gather_v(*dist.world, backend, answers, len);
     answers.assign(all.data(), static_cast<size_t>(len[0]));
   }
   std::istringstream is(answers);
@@ -182,7 +182,7 @@ std::vector<Engine::Impl::TuneShape> Engine::Impl::class_shapes() const {
 
 void Engine::Impl::tune_dist_shapes() {
   std::vector<TuneShape> shapes;
-  for (const DistMatrix& d : mats) {
+  for (const DistMatrix& d : dist.mats) {
     bool found = false;
     for (TuneShape& t : shapes)
       if (t.group == d.group && t.m == d.m() && t.n == d.n()) {
@@ -196,7 +196,7 @@ void Engine::Impl::tune_dist_shapes() {
 
 std::vector<TunedShape> Engine::tune() {
   Impl& s = *impl_;
-  DM_CHECK(!(s.built && s.world),
+  DM_CHECK(!(s.built && s.dist.world),
            "tune() on a distributed engine that is already set up: its owners and buffers were "
            "planned for the algorithms tune() would change; call tune() instead of setup() "
            "(distmuon.torch.Muon.tune() rebuilds its engines)");

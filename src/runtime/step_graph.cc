@@ -51,7 +51,7 @@ bool Engine::Impl::graphs_enabled() const {
 }
 
 bool Engine::Impl::steps_replay() const {
-  if (world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
+  if (dist.world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
   for (const GroupOptions& g : registry.groups)
     if (g.kind == ParamKind::kMuon && g.muon.cache.enabled && g.muon.cache.shadow) return false;
   return true;

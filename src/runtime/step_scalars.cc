@@ -16,7 +16,7 @@ void StepScalars::allocate(Backend& backend, int64_t groups, int64_t matrices,
 
 void Engine::Impl::allocate_scalars() {
   record.scalars.allocate(backend, static_cast<int64_t>(registry.groups.size()),
-                          world ? static_cast<int64_t>(mats.size()) : stats.muon_matrices,
+                          dist.world ? static_cast<int64_t>(dist.mats.size()) : stats.muon_matrices,
                           static_cast<int64_t>(record.adam_params.size()));
 }
 
@@ -25,11 +25,11 @@ void Engine::Impl::upload_scalars() {
     record.scalars.set_mu(static_cast<int>(g), registry.groups[g].kind == ParamKind::kMuon
                                                    ? registry.groups[g].muon.momentum
                                                    : 0.0f);
-  if (world) {
-    for (size_t j = 0; j < mats.size(); ++j)
-      record.scalars.set_coef(
-          static_cast<int64_t>(j),
-          muon_update_coef(registry.groups[mats[j].group].muon, mats[j].rows, mats[j].cols));
+  if (dist.world) {
+    for (size_t j = 0; j < dist.mats.size(); ++j)
+      record.scalars.set_coef(static_cast<int64_t>(j),
+                              muon_update_coef(registry.groups[dist.mats[j].group].muon,
+                                               dist.mats[j].rows, dist.mats[j].cols));
   } else {
     for (const Param& p : registry.params)
       if (registry.groups[p.spec.group].kind == ParamKind::kMuon)
