@@ -68,7 +68,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     int64_t owned = 0;
     for (const DistMatrix& m : dist.mats) {
       if (m.owner != dist.rank) continue;
-      const OrthoConfig r = resolve_shape(m.group, m.m(), m.n());
+      const OrthoConfig r = tuning.resolve_shape(m.group, m.m(), m.n());
       bytes += static_cast<size_t>(m.numel()) * dtype_size(iteration_dtype(r));
       owned += 1;
     }
@@ -88,7 +88,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       if (m.batch != m0.batch || m.group != m0.group || m.m() != m0.m() || m.n() != m0.n()) break;
     }
     const int count = static_cast<int>(b1 - b0);
-    const OrthoConfig r = resolve_shape(m0.group, m0.m(), m0.n());
+    const OrthoConfig r = tuning.resolve_shape(m0.group, m0.m(), m0.n());
     PreparedUpdates::Batch pb;
     pb.x_dtype = iteration_dtype(r);
     pb.tall_begin = count;

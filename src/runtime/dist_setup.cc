@@ -106,7 +106,7 @@ void Engine::Impl::dist_setup() {
   }
   std::string grouped = "auto";
   try {
-    grouped = grouped_products_setting();
+    grouped = ShapeTuning::grouped_products_setting();
   } catch (const Error& e) {
     if (err.tellp() == 0) err << error_text(e);
   }

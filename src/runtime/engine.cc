@@ -41,7 +41,8 @@ const char* dist_mode_name(DistMode m) {
   return "?";
 }
 
-Engine::Impl::Impl(Backend& be, EngineOptions opt) : backend(be), options(opt), ortho(be) {
+Engine::Impl::Impl(Backend& be, EngineOptions opt)
+    : backend(be), options(opt), ortho(be), tuning(be, registry.groups) {
   graph_mode = graphs_enabled();
   record.skip_counter = backend.alloc(sizeof(int64_t));
   backend.fill_zero(record.skip_counter.data(), sizeof(int64_t));

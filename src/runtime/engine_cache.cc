@@ -130,7 +130,7 @@ namespace {
 bool caches_shape(const Engine::Impl& e, int group, const MatrixLayout& l) {
   if (!e.registry.groups[group].muon.cache.enabled) return false;
   const int64_t m = std::min(l.rows, l.cols), n = std::max(l.rows, l.cols);
-  return e.resolve_shape(group, m, n).iteration == Iteration::kGram;
+  return e.tuning.resolve_shape(group, m, n).iteration == Iteration::kGram;
 }
 
 }  // namespace
@@ -153,7 +153,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
              "; read them per matrix with matrix_state()");
   }
   if (c >= 0) {
-    const OrthoConfig r = resolve_shape(p.spec.group, caches[c].m, caches[c].n);
+    const OrthoConfig r = tuning.resolve_shape(p.spec.group, caches[c].m, caches[c].n);
     DM_CHECK(prepare_cache(caches[c], r, 0, nullptr), "internal: cache class not usable");
     return caches[c].cache->state(name, first, count, lead);
   }
@@ -161,7 +161,8 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
   DType t = name == "cache_key" ? DType::kF64 : DType::kF32;
   if (name == "cache_q") {
     const int64_t m = std::min(p.layout.rows, p.layout.cols);
-    const OrthoConfig r = resolve_shape(p.spec.group, m, std::max(p.layout.rows, p.layout.cols));
+    const OrthoConfig r =
+        tuning.resolve_shape(p.spec.group, m, std::max(p.layout.rows, p.layout.cols));
     if (g.muon.cache.layout == CacheLayout::kFactors)
       shape.push_back(ortho_detail::gram_segments(r));
     shape.push_back(m);

@@ -19,6 +19,7 @@
 #include "runtime/mode_runner.h"
 #include "runtime/muon_batch.h"
 #include "runtime/registry.h"
+#include "runtime/shape_tuning.h"
 #include "runtime/step_state.h"
 
 namespace distmuon {
@@ -143,38 +144,15 @@ struct Engine::Impl : BatchResources {
   bool graphs_enabled() const;
   std::vector<uint64_t> step_key(std::span<const ParamData> data);
 
-  // Per-shape algorithms of `auto` (engine_tune.cc). resolve_shape is the one place the runtime
-  // resolves a group's config for a wide m x n shape: the tuned choice when tune_shapes found
-  // one for the group's current config, else resolve(). tune_shapes asks the backend for
-  // (group, m, n, count) shapes; distributed, rank 0 asks and every rank takes its answers
-  // (collective), so every rank runs the same algorithm.
-  struct TuneShape {
-    int group;
-    int64_t m, n, count;
-  };
-  OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const override;
-  // OrthoConfig::grouped_products for a class (DISTMUON_GROUPED_PRODUCTS; auto: the backend
-  // groups this work dtype natively, m <= kGroupedMaxRows and count m^2 n <= kGroupedMaxWork,
-  // i.e. one of the class's products is a few microseconds of the device's time: launch-bound).
-  // DISTMUON_GROUPED_PRODUCTS is read once, where the classes are set up (tune_shapes), so that
-  // a bad value fails before any step and a step never sees it change; distributed, it is part
-  // of what every rank must agree on (dist_setup.cc).
-  bool grouped_products(int group, int64_t m, int64_t n, DType work) const;
-  // What `auto` resolves a class to when it shares its launches (grouped Gram NS, untimed), or
-  // nothing when the group is not `auto` or the class is not grouped.
-  std::optional<OrthoConfig> grouped_auto(int group, int64_t m, int64_t n) const;
-  static std::string grouped_products_setting();  // "auto", "off" or "all"; throws otherwise
-  static constexpr int64_t kGroupedMaxRows = 512;
-  static constexpr double kGroupedMaxWork = 1 << 30;
-  std::string grouped_setting = "auto";
-  std::map<std::tuple<int, int64_t, int64_t>, int64_t> shape_counts;  // (group, m, n): count
+  // Per-shape algorithms of `auto` (shape_tuning.h, engine_tune.cc).
+  ShapeTuning tuning;
+  OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const override {
+    return tuning.resolve_shape(group, m, n);
+  }
+  // tuning.tune() for these shapes with this engine's options (collective when distributed).
   void tune_shapes(const std::vector<TuneShape>& shapes);
   std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
   void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')
-  std::map<std::string, OrthoConfig> tuned;  // key: tuned_key()
-  std::vector<TunedShape> tune_report;       // the last tune_shapes' answers, shape by shape
-  // Set by Engine::tune() around its tuning: measure what the store lacks whatever the mode.
-  bool force_measure = false;
   // Whether this engine's steps replay a captured graph: single process, graphs on, neither the
   // raise policy nor CacheMuon's shadow mode (both read the device on the host mid-step); the
   // tuner then times graph replays. local_step states it per class (step_graph.cc).

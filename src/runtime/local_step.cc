@@ -67,7 +67,7 @@ void Engine::Impl::build_classes() {
 // (Re)allocates a class's buffers when its resolved algorithm or work dtype changed, and binds
 // its cache entries to the current options.
 void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
-  OrthoConfig r = resolve_shape(c.group, c.m, c.n);
+  OrthoConfig r = tuning.resolve_shape(c.group, c.m, c.n);
   const int64_t count = static_cast<int64_t>(c.members.size());
   const bool same = c.x && r.iteration == c.resolved.iteration &&
                     iteration_dtype(r) == iteration_dtype(c.resolved) &&
