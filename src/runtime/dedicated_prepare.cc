@@ -127,7 +127,8 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     std::vector<int64_t> entries;
     for (int j : pb.mats) entries.push_back(dist.mats[j].cache_entry);
     // The iteration buffer is the arena's slot: the shared scratch holds only the workspace.
-    const BatchOrtho how = prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
+    const BatchOrtho how =
+        resources.prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
     batch.orthogonalize_momentum(
         BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n()), how,
         record.skip_counter.as<int64_t>());

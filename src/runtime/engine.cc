@@ -42,7 +42,10 @@ const char* dist_mode_name(DistMode m) {
 }
 
 Engine::Impl::Impl(Backend& be, EngineOptions opt)
-    : backend(be), options(opt), ortho(be), tuning(be, registry.groups) {
+    : backend(be),
+      options(opt),
+      tuning(be, registry.groups),
+      resources(be, registry.groups, tuning, stats.ortho) {
   graph_mode = graphs_enabled();
   record.skip_counter = backend.alloc(sizeof(int64_t));
   backend.fill_zero(record.skip_counter.data(), sizeof(int64_t));
@@ -400,7 +403,7 @@ EngineStats Engine::stats() {
   EngineStats st = s.stats;
   s.backend.copy_to_host(&st.nonfinite_skips, s.record.skip_counter.data(), sizeof(int64_t));
   if (!s.dist.world) st.owned_matrices = st.muon_matrices;
-  st.cache = s.cache_stats();
+  st.cache = s.resources.cache_stats();
   st.ortho.flops += st.cache.flops;  // run_cached leaves its FLOPs to the cache's accounting
   return st;
 }

@@ -15,7 +15,7 @@
 
 namespace distmuon {
 
-int Engine::Impl::cache_class_of(int group, int64_t m, int64_t n) {
+int BatchResources::cache_class_of(int group, int64_t m, int64_t n) {
   for (size_t i = 0; i < caches.size(); ++i)
     if (caches[i].group == group && caches[i].m == m && caches[i].n == n)
       return static_cast<int>(i);
@@ -27,11 +27,11 @@ int Engine::Impl::cache_class_of(int group, int64_t m, int64_t n) {
   return static_cast<int>(caches.size()) - 1;
 }
 
-bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
-                                 size_t* workspace_bytes) {
+bool BatchResources::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
+                                   size_t* workspace_bytes) {
   // The options may change between steps; prepare() keeps the entries unless the shape, dtype
   // or algorithm changed (then their key no longer matches and they refresh).
-  const CacheOptions& co = registry.groups[cc.group].muon.cache;
+  const CacheOptions& co = groups[cc.group].muon.cache;
   cc.use = co.enabled && resolved.iteration == Iteration::kGram && cc.count() > 0;
   if (!cc.use) return false;
   if (!cc.cache) cc.cache = std::make_unique<TransformCache>(backend, co);
@@ -42,20 +42,20 @@ bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, in
   return true;
 }
 
-BatchOrtho Engine::Impl::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
-                                     size_t workspace_bytes) {
+BatchOrtho BatchResources::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
+                                       size_t workspace_bytes) {
   const bool cached = cache >= 0 && caches[cache].use;
   return {&ortho,
-          &stats.ortho,
+          &stats,
           cached ? caches[cache].cache.get() : nullptr,
           cached ? entries : std::span<const int64_t>{},
           workspace,
           workspace_bytes};
 }
 
-BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
-                                       std::vector<int64_t>& entries, int64_t count, int64_t m,
-                                       int64_t n, BatchRef* x) {
+BatchOrtho BatchResources::prepare_batch(const OrthoConfig& resolved, int cache,
+                                         std::vector<int64_t>& entries, int64_t count, int64_t m,
+                                         int64_t n, BatchRef* x) {
   size_t cached_workspace = 0;
   const bool cached =
       cache >= 0 && prepare_cache(caches[cache], resolved, count, &cached_workspace);
@@ -67,8 +67,8 @@ BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
   return batch_ortho(cached ? cache : -1, entries, workspace.data(), workspace_size);
 }
 
-void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
-                                  size_t workspace_bytes) {
+void BatchResources::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m,
+                                    int64_t n, size_t workspace_bytes) {
   const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
   if (xb > x_bytes) {
     x = backend.alloc(xb);
@@ -83,16 +83,16 @@ void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, in
 }
 
 void Engine::Impl::assign_cache_entries() {
-  caches.clear();
+  resources.caches.clear();
   // Bucket order, and inside a bucket the sorted order of its runs: the matrices of a run get
   // consecutive entries, so a run is one cached call whenever all of them step.
   for (const Bucket& b : dist.buckets)
     for (int j : b.mats) {
       DistMatrix& m = dist.mats[j];
       if (dist.options.mode != DistMode::kGather && m.owner != dist.rank) continue;
-      m.cache = cache_class_of(m.group, m.m(), m.n());
-      m.cache_entry = caches[m.cache].count();
-      caches[m.cache].names.push_back(matrix_name(j));
+      m.cache = resources.cache_class_of(m.group, m.m(), m.n());
+      m.cache_entry = resources.caches[m.cache].count();
+      resources.caches[m.cache].names.push_back(matrix_name(j));
     }
 }
 
@@ -108,12 +108,12 @@ std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
   return {m.cache, m.cache_entry};
 }
 
-CacheStats Engine::Impl::cache_stats() {
+CacheStats BatchResources::cache_stats() {
   CacheStats total;
   for (CacheClass& cc : caches) {
     if (!cc.cache) continue;
     CacheStats s = cc.cache->stats(cc.names);
-    if (!registry.groups[cc.group].muon.cache.enabled) {
+    if (!groups[cc.group].muon.cache.enabled) {
       // The group has turned the cache off: its entries have no latest call under the current
       // configuration (they kept reporting the last one before), only their history.
       s.latest_entries = s.latest_with_residual = s.latest_compared = 0;
@@ -153,9 +153,11 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
              "; read them per matrix with matrix_state()");
   }
   if (c >= 0) {
-    const OrthoConfig r = tuning.resolve_shape(p.spec.group, caches[c].m, caches[c].n);
-    DM_CHECK(prepare_cache(caches[c], r, 0, nullptr), "internal: cache class not usable");
-    return caches[c].cache->state(name, first, count, lead);
+    const OrthoConfig r =
+        tuning.resolve_shape(p.spec.group, resources.caches[c].m, resources.caches[c].n);
+    DM_CHECK(resources.prepare_cache(resources.caches[c], r, 0, nullptr),
+             "internal: cache class not usable");
+    return resources.caches[c].cache->state(name, first, count, lead);
   }
   std::vector<int64_t> shape = lead;
   DType t = name == "cache_key" ? DType::kF64 : DType::kF32;

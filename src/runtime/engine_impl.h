@@ -15,6 +15,7 @@
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
 #include "plan/runtime_plan.h"  // the start-up plan (dist_setup.cc)
+#include "runtime/batch_resources.h"
 #include "runtime/dist_state.h"
 #include "runtime/mode_runner.h"
 #include "runtime/muon_batch.h"
@@ -23,19 +24,6 @@
 #include "runtime/step_state.h"
 
 namespace distmuon {
-
-// CacheMuon entries (distmuon/cache.h) of one group and one wide shape m x n: one entry per
-// matrix this process orthogonalizes (single process: every member of a shape class; owner
-// modes: the matrices this rank owns, kept beside their momentum; gather: every matrix, since
-// every rank solves everything). The TransformCache allocates nothing until the cache is used.
-struct CacheClass {
-  int group = 0;
-  int64_t m = 0, n = 0;
-  std::vector<std::string> names;  // per entry ("param" or "param[slice]"), for statistics
-  std::unique_ptr<TransformCache> cache;
-  bool use = false;  // this step: the group enables the cache and m x n resolves to Gram NS
-  int64_t count() const { return static_cast<int64_t>(names.size()); }
-};
 
 // Muon matrices of one group and one wide shape m x n (single process), tall and wide weights
 // together: their orthogonalization runs as one batch in the wide orientation, and the fused
@@ -76,26 +64,20 @@ struct PreparedUpdates {
 // plus the single-process shape classes, CacheMuon's entries, the tuned algorithms, AdamW's
 // staging and the prepared updates. The runners do not see it: they get a RunnerContext
 // (mode_runner.h) with the parts their stages read, and the BatchResources it implements.
-struct Engine::Impl : BatchResources {
+struct Engine::Impl {
   Backend& backend;
   EngineOptions options;
   Registry registry;  // groups and parameters as registered
   StepRecord record;  // the step's device statuses, norms, counters and hyperparameters
   DistState dist;     // communicators, plan, matrices, buckets (world == nullptr: one process)
   std::vector<ShapeClass> classes;
-  std::vector<CacheClass> caches;  // CacheMuon entries (single process and distributed)
   bool built = false;
-  Orthogonalizer ortho;
   EngineStats stats;
   // The skips of every parameter's most-skipped matrix as this rank counted them (synchronises).
   std::vector<int64_t> local_skips();
 
   // ---- distributed (DistState::world == nullptr in a single process) ----
   std::unique_ptr<ModeRunner> runner;
-  // Scratch of the owner computation, grown on demand and shared by all buckets (buckets
-  // compute one after another).
-  Buffer x, workspace;
-  size_t x_bytes = 0, workspace_size = 0;
   bool publish_pending = false;
   std::vector<std::pair<int, int>> deferred;  // (stage, bucket) left for finish_publish()
   std::unique_ptr<StepContext> pending_ctx;
@@ -146,9 +128,9 @@ struct Engine::Impl : BatchResources {
 
   // Per-shape algorithms of `auto` (shape_tuning.h, engine_tune.cc).
   ShapeTuning tuning;
-  OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const override {
-    return tuning.resolve_shape(group, m, n);
-  }
+  // The Orthogonalizer, CacheMuon's entries and the owners' shared scratch
+  // (batch_resources.h, engine_cache.cc).
+  BatchResources resources;
   // tuning.tune() for these shapes with this engine's options (collective when distributed).
   void tune_shapes(const std::vector<TuneShape>& shapes);
   std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
@@ -158,24 +140,12 @@ struct Engine::Impl : BatchResources {
   // tuner then times graph replays. local_step states it per class (step_graph.cc).
   bool steps_replay() const;
 
-  // CacheMuon (engine_cache.cc). The index of the cache class of (group, m, n), created on demand.
-  int cache_class_of(int group, int64_t m, int64_t n);
-  // Binds a cache class to its group's current options for the resolved config; returns whether
-  // this step uses it and, if so, the workspace bytes run_cached needs for `count` matrices.
-  bool prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
-                     size_t* workspace_bytes);
-  // How a batch is orthogonalized: fresh, or through the cache class `cache` (-1: none, or
-  // not used in this step) where matrix k uses entry entries[k].
-  BatchOrtho batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
-                         size_t workspace_bytes);
-  BatchOrtho prepare_batch(const OrthoConfig& resolved, int cache, std::vector<int64_t>& entries,
-                           int64_t count, int64_t m, int64_t n, BatchRef* x) override;
+  // CacheMuon inside the engine (engine_cache.cc).
   // Gives every matrix this rank orthogonalizes its cache entry, in the order the runs use them.
   void assign_cache_entries();
   // The cache entries of matrix `slice` of Muon parameter i on this rank: (class, entry), or
   // (-1, -1) when this rank holds none. Single process: builds the classes.
   std::pair<int, int64_t> cache_entry_of(int i, int64_t slice);
-  CacheStats cache_stats();
   // Checkpoint views of the cache state (see Engine::state) and the state names of a Muon
   // parameter (momentum, plus the cache's when its shape uses one).
   TensorView cache_view(int i, int64_t slice, int64_t count, const std::string& name,
@@ -211,13 +181,10 @@ struct Engine::Impl : BatchResources {
   bool caller_transfers() const {
     return dist.world && dist.options.mode == DistMode::kDedicated && dist.options.caller_transfers;
   }
-  // Grows the shared scratch for `count` matrices of a shape with a resolved config.
-  void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
-                      size_t workspace_bytes = 0);
   std::string matrix_name(int j) const {
     return registry.slice_name(dist.mats[j].param, dist.mats[j].slice);
   }
-  RunnerContext runner_context() { return {backend, registry, dist, record, *this}; }
+  RunnerContext runner_context() { return {backend, registry, dist, record, resources}; }
 };
 
 // Helpers for small host-side exchanges through backend memory (dist_exchange.cc): the

@@ -37,8 +37,8 @@ void Engine::Impl::build_classes() {
     ShapeClass& c = classes[ci];
     c.wide_members = static_cast<int64_t>(c.members.size());
     c.members.insert(c.members.end(), tall[ci].begin(), tall[ci].end());
-    c.cache = cache_class_of(c.group, c.m, c.n);
-    CacheClass& cc = caches[c.cache];
+    c.cache = resources.cache_class_of(c.group, c.m, c.n);
+    CacheClass& cc = resources.caches[c.cache];
     for (size_t k = 0; k < c.members.size(); ++k) {
       auto [pi, slice] = c.members[k];
       Param& p = registry.params[pi];
@@ -79,7 +79,8 @@ void Engine::Impl::ensure_class_buffers(ShapeClass& c) {
     c.workspace = backend.alloc(c.workspace_bytes);
   }
   size_t need = 0;
-  if (prepare_cache(caches[c.cache], r, count, &need) && need > c.workspace_bytes) {
+  if (resources.prepare_cache(resources.caches[c.cache], r, count, &need) &&
+      need > c.workspace_bytes) {
     c.workspace_bytes = need;
     c.workspace = backend.alloc(need);
   }
@@ -157,7 +158,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
 
   auto how_of = [&](size_t ci) {
     const ShapeClass& c = classes[ci];
-    return batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
+    return resources.batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
   };
   // Classes whose products run grouped (OrthoConfig::grouped_products) and that iterate alike
   // share every launch of their orthogonalization (one run_group). A class through CacheMuon
@@ -180,7 +181,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
                            classes[cj].workspace_bytes});
         done[cj] = true;
       }
-    ortho.run_group(members, &stats.ortho);
+    resources.ortho.run_group(members, &stats.ortho);
   }
   issue_pass(MuonPass::kUpdate, x_of);
   // The skips of every class at once: entries of matrices without a gradient stay zero.

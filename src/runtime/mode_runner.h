@@ -9,6 +9,7 @@
 #include <span>
 #include <vector>
 
+#include "runtime/batch_resources.h"
 #include "runtime/dist_state.h"
 #include "runtime/muon_batch.h"
 #include "runtime/registry.h"
@@ -19,25 +20,6 @@ namespace distmuon {
 // Copies a rows x cols block from src to dst, converting the dtype when they differ.
 void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
                 int64_t rows, int64_t cols);
-
-// What the owner computation needs from the engine beyond the state: the algorithm of a shape,
-// and the scratch and CacheMuon binding of a batch (Engine::Impl implements it).
-class BatchResources {
- public:
-  // The algorithm the group runs on a wide m x n shape (its tuned choice where there is one).
-  virtual OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const = 0;
-  // Before a batch of `count` m x n matrices is orthogonalized: binds the CacheMuon class
-  // `cache` (-1: none) to its group's options, grows the shared workspace -- and, when x is not
-  // null, the shared iteration buffer, returned in x -- and says how the batch is
-  // orthogonalized: through the cache where this step uses it (matrix k on entry entries[k]),
-  // else fresh (entries is then cleared).
-  virtual BatchOrtho prepare_batch(const OrthoConfig& resolved, int cache,
-                                   std::vector<int64_t>& entries, int64_t count, int64_t m,
-                                   int64_t n, BatchRef* x) = 0;
-
- protected:
-  ~BatchResources() = default;
-};
 
 // What a runner's stages see: the registry (read-only), the distributed layout and
 // communicators, the step's statuses and counters, and the batch resources -- not the engine.

@@ -69,7 +69,7 @@ std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
   for (const ShapeClass& c : classes) {
     key.insert(key.end(), {bits(c.x.data()), bits(c.workspace.data()), c.workspace_bytes});
     add_config(key, c.resolved);
-    const CacheClass& cc = caches[c.cache];
+    const CacheClass& cc = resources.caches[c.cache];
     key.push_back(cc.use ? 1 : 0);
     if (cc.use) add_cache_options(key, registry.groups[cc.group].muon.cache);
   }
@@ -85,7 +85,7 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
   bool shadow = false;
   for (ShapeClass& c : classes) {
     ensure_class_buffers(c);
-    const CacheClass& cc = caches[c.cache];
+    const CacheClass& cc = resources.caches[c.cache];
     shadow = shadow || (cc.use && registry.groups[cc.group].muon.cache.shadow);
   }
   const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
@@ -103,16 +103,16 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     graph.exec->replay();
     stats.ortho += graph.ortho;
     for (size_t i = 0; i < graph.cache.size(); ++i)
-      if (caches[i].cache) caches[i].cache->add_replayed(graph.cache[i]);
+      if (resources.caches[i].cache) resources.caches[i].cache->add_replayed(graph.cache[i]);
     stats.graph_replays += 1;
     count_local_step(data);
     return;
   }
   if (key == graph.key && graph.failures < kMaxCaptureFailures) {
     const OrthoStats before = stats.ortho;
-    std::vector<TransformCache::Ledger> ledgers(caches.size());
-    for (size_t i = 0; i < caches.size(); ++i)
-      if (caches[i].cache) ledgers[i] = caches[i].cache->ledger();
+    std::vector<TransformCache::Ledger> ledgers(resources.caches.size());
+    for (size_t i = 0; i < resources.caches.size(); ++i)
+      if (resources.caches[i].cache) ledgers[i] = resources.caches[i].cache->ledger();
     bool issued = false;
     std::unique_ptr<BackendGraph> exec = backend.capture([&] {
       issued = true;
@@ -125,9 +125,10 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     } else if (exec) {
       graph.exec = std::move(exec);
       graph.ortho = stats.ortho - before;
-      graph.cache.assign(caches.size(), {});
-      for (size_t i = 0; i < caches.size(); ++i)
-        if (caches[i].cache) graph.cache[i] = caches[i].cache->ledger() - ledgers[i];
+      graph.cache.assign(resources.caches.size(), {});
+      for (size_t i = 0; i < resources.caches.size(); ++i)
+        if (resources.caches[i].cache)
+          graph.cache[i] = resources.caches[i].cache->ledger() - ledgers[i];
       graph.exec->replay();
       stats.graph_captures += 1;
       count_local_step(data);
@@ -136,8 +137,9 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       // Nothing ran: the counters go back and the step is issued eagerly below. A capture that
       // keeps failing (an operation that cannot be captured) is not tried again.
       stats.ortho = before;
-      for (size_t i = 0; i < caches.size(); ++i)
-        if (caches[i].cache) caches[i].cache->add_replayed(ledgers[i] - caches[i].cache->ledger());
+      for (size_t i = 0; i < resources.caches.size(); ++i)
+        if (resources.caches[i].cache)
+          resources.caches[i].cache->add_replayed(ledgers[i] - resources.caches[i].cache->ledger());
       if (++graph.failures == kMaxCaptureFailures)
         DM_LOG(kWarn, "engine: the step could not be captured ", kMaxCaptureFailures,
                " times; steps are issued eagerly from now on");
