@@ -250,7 +250,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   prepare_buckets(*ctx);
   backend.fill_zero(record.step_status.data(),
                     static_cast<size_t>(record.n_status) * sizeof(int32_t));
-  adam_begin(*ctx);
+  adam.begin(*ctx);
   if (!prepared.batches.empty()) apply_prepared(*ctx);
 
   // Three phases. (1) The stages before the compute stage (gradients on their way to the
@@ -268,7 +268,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
     for (int b = 0; b < n; ++b) runner->run_stage(s, b, *ctx);
   if (ctx->raise) {
     for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
-    adam_check(*ctx);
+    adam.check(*ctx);
     dist.wait_unchecked();  // the transfers' deadlines before the statuses' device synchronisation
     std::vector<std::string> names(static_cast<size_t>(record.n_status) -
                                    record.adam_params.size());
@@ -291,8 +291,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
     }
   if (tail < stages)
     for (int b = 0; b < n; ++b) run_or_defer(tail, b, true);
-  if (!ctx->raise) adam_check(*ctx);
-  adam_update();
+  if (!ctx->raise) adam.check(*ctx);
+  adam.update();
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
   DM_LOG(kDebug, "step issued; waiting for ", dist.unchecked.size(), " collectives");

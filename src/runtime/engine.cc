@@ -45,7 +45,8 @@ Engine::Impl::Impl(Backend& be, EngineOptions opt)
     : backend(be),
       options(opt),
       tuning(be, registry.groups),
-      resources(be, registry.groups, tuning, stats.ortho) {
+      resources(be, registry.groups, tuning, stats.ortho),
+      adam(be, registry, record, dist) {
   graph_mode = graphs_enabled();
   record.skip_counter = backend.alloc(sizeof(int64_t));
   backend.fill_zero(record.skip_counter.data(), sizeof(int64_t));
@@ -358,7 +359,7 @@ int64_t Engine::param_step(int i) const {
   if (!s.record.step_counts) return s.registry.params[i].step;
   int64_t v = 0;
   s.backend.synchronize();
-  s.backend.copy_to_host(&v, s.step_count(i), sizeof(int64_t));
+  s.backend.copy_to_host(&v, s.record.step_count(i), sizeof(int64_t));
   return v;
 }
 
@@ -392,7 +393,8 @@ void Engine::set_param_step(int i, int64_t step) {
   Impl& s = *impl_;
   Param& p = s.registry.params[i];
   p.step = step;
-  if (s.record.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
+  if (s.record.step_counts)
+    s.backend.copy_from_host(s.record.step_count(i), &step, sizeof(int64_t));
   if (s.record.matrix_skips && s.registry.groups[p.spec.group].kind == ParamKind::kMuon)
     s.backend.fill_zero(s.record.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
 }

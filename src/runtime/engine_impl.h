@@ -15,6 +15,7 @@
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
 #include "plan/runtime_plan.h"  // the start-up plan (dist_setup.cc)
+#include "runtime/adamw_state.h"
 #include "runtime/batch_resources.h"
 #include "runtime/dist_state.h"
 #include "runtime/mode_runner.h"
@@ -81,11 +82,6 @@ struct Engine::Impl {
   bool publish_pending = false;
   std::vector<std::pair<int, int>> deferred;  // (stage, bucket) left for finish_publish()
   std::unique_ptr<StepContext> pending_ctx;
-  // AdamW in dedicated mode: local gradients copied in the wire dtype and all-reduced.
-  Buffer adam_stage, adam_dummy;
-  std::vector<int64_t> adam_offset;  // bytes, per AdamW parameter
-  std::vector<CommHandle> adam_handles;
-  std::vector<AdamSlot> adam_slots;
   PreparedUpdates prepared;
 
   Impl(Backend& be, EngineOptions opt);
@@ -97,7 +93,6 @@ struct Engine::Impl {
   void build_classes();
   // Uploads Param::step of every parameter and zeroes the Muon skip counters.
   void allocate_step_counts();
-  int64_t* step_count(int i) { return record.step_counts.as<int64_t>() + i; }
   // The step's hyperparameters in backend memory (step_scalars.cc): sized once the classes or
   // the distributed matrices are known, uploaded from the groups' options before every step
   // (and every dedicated prepare()).
@@ -131,6 +126,7 @@ struct Engine::Impl {
   // The Orthogonalizer, CacheMuon's entries and the owners' shared scratch
   // (batch_resources.h, engine_cache.cc).
   BatchResources resources;
+  AdamWState adam;  // AdamW's step and its staging (adamw_state.h, adamw_step.cc)
   // tuning.tune() for these shapes with this engine's options (collective when distributed).
   void tune_shapes(const std::vector<TuneShape>& shapes);
   std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
@@ -163,15 +159,6 @@ struct Engine::Impl {
   void finish_publish();
   void vote(StepContext& ctx);
   void prepare_buckets(StepContext& ctx);
-  // AdamW, one path for every step (adamw_step.cc).
-  void adam_begin(StepContext& ctx);
-  void adam_check(StepContext& ctx);
-  void adam_update();
-  // Dedicated mode moving gradients itself: AdamW gradients are all-reduced in the wire dtype.
-  bool reduces_adam_gradients() const {
-    return dist.world && dist.options.mode == DistMode::kDedicated &&
-           !dist.options.caller_transfers;
-  }
   // Raise policy: fails, naming every entry that is not ok on some rank, before anything changes.
   // muon_names: per Muon status entry, the matrix it belongs to this step ("" when none).
   void raise_if_nonfinite(const std::vector<std::string>& muon_names);

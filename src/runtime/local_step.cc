@@ -137,7 +137,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
     status_offset += static_cast<int64_t>(c.members.size());
   }
 
-  adam_begin(ctx);
+  adam.begin(ctx);
   // Each fused pass goes out for every class at once (Backend::muon_pass_grouped: a few launches
   // where a step has many small classes). Pass 1 everywhere first, so that the raise policy can
   // stop before any state changes.
@@ -152,7 +152,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
     return BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batches[ci].count, c.m, c.n);
   };
   issue_pass(MuonPass::kNorm, [](size_t) { return BatchRef{}; });
-  adam_check(ctx);
+  adam.check(ctx);
   if (ctx.raise) raise_if_nonfinite(status_names);
   issue_pass(MuonPass::kApply, x_of);
 
@@ -188,7 +188,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   if (status_offset > 0)
     backend.count_status(record.step_status.as<int32_t>(), status_offset,
                          record.skip_counter.as<int64_t>());
-  adam_update();
+  adam.update();
 }
 
 void Engine::Impl::count_local_step(std::span<const ParamData> data) {

@@ -56,6 +56,7 @@ struct StepRecord {
   // adamw_update reads and advances them, so a replayed CUDA graph keeps counting. Until it is
   // allocated (the first step or setup) Param::step holds the count.
   Buffer step_counts;
+  int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
   // Muon: per matrix (Param::first_matrix + slice; distributed: its index in DistState::mats),
   // the steps pass 2 skipped it, counted on the device where its momentum is kept (its owner;
   // the rank of a single process; every holder of its rows in gather mode). A Muon parameter's
