@@ -47,7 +47,7 @@ Engine::Impl::Impl(Backend& be, EngineOptions opt)
       tuning(be, registry.groups),
       resources(be, registry.groups, tuning, stats.ortho),
       adam(be, registry, record, dist) {
-  graph_mode = graphs_enabled();
+  local.graph_mode = LocalStep::graphs_enabled(options);
   record.skip_counter = backend.alloc(sizeof(int64_t));
   backend.fill_zero(record.skip_counter.data(), sizeof(int64_t));
 }

@@ -100,7 +100,7 @@ std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
   const Param& p = registry.params[i];
   if (!dist.world) {
     if (!built) build_classes();  // freezes the parameter list, as a first step does
-    const ShapeClass& c = classes[p.cls];
+    const ShapeClass& c = local.classes[p.cls];
     return {c.cache, p.first_member + slice};
   }
   DM_CHECK(built, "distributed state exists after setup()");

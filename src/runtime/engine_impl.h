@@ -18,6 +18,7 @@
 #include "runtime/adamw_state.h"
 #include "runtime/batch_resources.h"
 #include "runtime/dist_state.h"
+#include "runtime/local_step.h"
 #include "runtime/mode_runner.h"
 #include "runtime/muon_batch.h"
 #include "runtime/registry.h"
@@ -25,21 +26,6 @@
 #include "runtime/step_state.h"
 
 namespace distmuon {
-
-// Muon matrices of one group and one wide shape m x n (single process), tall and wide weights
-// together: their orthogonalization runs as one batch in the wide orientation, and the fused
-// momentum and update passes run once per orientation on the two slices of that batch (the wide
-// members come first).
-struct ShapeClass {
-  int group = 0;
-  int64_t m = 0, n = 0;
-  std::vector<std::pair<int, int64_t>> members;  // (param index, slice within a 3D parameter)
-  int64_t wide_members = 0;                      // members [0, wide_members) are not tall
-  OrthoConfig resolved;
-  Buffer x, workspace;
-  size_t workspace_bytes = 0;
-  int cache = -1;  // its entries in Engine::Impl::caches (entry k = member k)
-};
 
 // Dedicated mode with caller transfers: batches prepared since the last step (momentum and
 // orthogonalization done, results in the arena x) whose updates step() applies.
@@ -71,7 +57,7 @@ struct Engine::Impl {
   Registry registry;  // groups and parameters as registered
   StepRecord record;  // the step's device statuses, norms, counters and hyperparameters
   DistState dist;     // communicators, plan, matrices, buckets (world == nullptr: one process)
-  std::vector<ShapeClass> classes;
+  LocalStep local;    // the single-process shape classes and step graph (local_step.h)
   bool built = false;
   EngineStats stats;
   // The skips of every parameter's most-skipped matrix as this rank counted them (synchronises).
@@ -106,20 +92,6 @@ struct Engine::Impl {
   void issue_local_step(std::span<const ParamData> data);
   void count_local_step(std::span<const ParamData> data);
   void check_inputs(std::span<const ParamData> data) const;
-
-  // Whole-step graphs (step_graph.cc, EngineOptions::graphs).
-  struct StepGraph {
-    std::vector<uint64_t> key;           // of the last step issued eagerly or captured
-    std::unique_ptr<BackendGraph> exec;  // captured under `key`
-    OrthoStats ortho;                    // what the captured step added to stats.ortho
-    std::vector<TransformCache::Ledger> cache;  // ... and to each cache class's ledger
-    int failures = 0;                    // captures that failed
-  };
-  static constexpr int kMaxCaptureFailures = 3;
-  bool graph_mode = false;  // EngineOptions::graphs or DISTMUON_GRAPHS, read once
-  StepGraph graph;
-  bool graphs_enabled() const;
-  std::vector<uint64_t> step_key(std::span<const ParamData> data);
 
   // Per-shape algorithms of `auto` (shape_tuning.h, engine_tune.cc).
   ShapeTuning tuning;

@@ -180,7 +180,7 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
 
 std::vector<TuneShape> Engine::Impl::class_shapes() const {
   std::vector<TuneShape> shapes;
-  for (const ShapeClass& c : classes)
+  for (const ShapeClass& c : local.classes)
     shapes.push_back({c.group, c.m, c.n, static_cast<int64_t>(c.members.size())});
   return shapes;
 }

@@ -22,19 +22,20 @@ void Engine::Impl::build_classes() {
     auto key = std::make_tuple(p.spec.group, m, n);
     auto it = index.find(key);
     if (it == index.end()) {
-      it = index.emplace(key, classes.size()).first;
+      it = index.emplace(key, local.classes.size()).first;
       ShapeClass c;
       c.group = p.spec.group;
       c.m = m;
       c.n = n;
-      classes.push_back(std::move(c));
+      local.classes.push_back(std::move(c));
       tall.emplace_back();
     }
-    auto& into = p.layout.rows > p.layout.cols ? tall[it->second] : classes[it->second].members;
+    auto& into =
+        p.layout.rows > p.layout.cols ? tall[it->second] : local.classes[it->second].members;
     for (int64_t s = 0; s < p.layout.count; ++s) into.emplace_back(static_cast<int>(i), s);
   }
-  for (size_t ci = 0; ci < classes.size(); ++ci) {
-    ShapeClass& c = classes[ci];
+  for (size_t ci = 0; ci < local.classes.size(); ++ci) {
+    ShapeClass& c = local.classes[ci];
     c.wide_members = static_cast<int64_t>(c.members.size());
     c.members.insert(c.members.end(), tall[ci].begin(), tall[ci].end());
     c.cache = resources.cache_class_of(c.group, c.m, c.n);
@@ -50,7 +51,7 @@ void Engine::Impl::build_classes() {
   // Statuses and norms: one entry per Muon matrix (class by class), then one per AdamW parameter.
   record.adam_params.clear();
   int64_t muon_matrices = 0;
-  for (const ShapeClass& c : classes) muon_matrices += static_cast<int64_t>(c.members.size());
+  for (const ShapeClass& c : local.classes) muon_matrices += static_cast<int64_t>(c.members.size());
   for (size_t i = 0; i < registry.params.size(); ++i)
     if (registry.groups[registry.params[i].spec.group].kind != ParamKind::kMuon) {
       registry.params[i].adam_index = static_cast<int>(record.adam_params.size());
@@ -103,13 +104,13 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
     std::vector<int64_t> entries;  // the members' cache entries
     int64_t tall_begin = 0;
   };
-  std::vector<ClassStep> steps(classes.size());
+  std::vector<ClassStep> steps(local.classes.size());
   std::vector<MuonBatch> batches;
   std::vector<std::string> status_names(
       static_cast<size_t>(record.n_status - record.adam_params.size()));
   int64_t status_offset = 0;
-  for (size_t ci = 0; ci < classes.size(); ++ci) {
-    const ShapeClass& c = classes[ci];  // its buffers follow the options (local_step)
+  for (size_t ci = 0; ci < local.classes.size(); ++ci) {
+    const ShapeClass& c = local.classes[ci];  // its buffers follow the options (local_step)
     ClassStep& cs = steps[ci];
     for (size_t k = 0; k < c.members.size(); ++k) {
       const auto [pi, slice] = c.members[k];
@@ -143,12 +144,12 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   // stop before any state changes.
   auto issue_pass = [&](MuonPass pass, auto&& x_of_class) {
     std::vector<MuonPassBatch> passes;
-    for (size_t ci = 0; ci < classes.size(); ++ci)
+    for (size_t ci = 0; ci < local.classes.size(); ++ci)
       batches[ci].add_pass(pass, x_of_class(ci), passes);
     backend.muon_pass_grouped(pass, passes);
   };
   auto x_of = [&](size_t ci) {
-    const ShapeClass& c = classes[ci];
+    const ShapeClass& c = local.classes[ci];
     return BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batches[ci].count, c.m, c.n);
   };
   issue_pass(MuonPass::kNorm, [](size_t) { return BatchRef{}; });
@@ -157,28 +158,28 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   issue_pass(MuonPass::kApply, x_of);
 
   auto how_of = [&](size_t ci) {
-    const ShapeClass& c = classes[ci];
+    const ShapeClass& c = local.classes[ci];
     return resources.batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
   };
   // Classes whose products run grouped (OrthoConfig::grouped_products) and that iterate alike
   // share every launch of their orthogonalization (one run_group). A class through CacheMuon
   // runs alone.
-  std::vector<bool> grouped(classes.size()), done(classes.size(), false);
-  for (size_t ci = 0; ci < classes.size(); ++ci)
+  std::vector<bool> grouped(local.classes.size()), done(local.classes.size(), false);
+  for (size_t ci = 0; ci < local.classes.size(); ++ci)
     grouped[ci] =
-        batches[ci].count > 0 && classes[ci].resolved.grouped_products && !how_of(ci).cache;
-  for (size_t ci = 0; ci < classes.size(); ++ci) {
+        batches[ci].count > 0 && local.classes[ci].resolved.grouped_products && !how_of(ci).cache;
+  for (size_t ci = 0; ci < local.classes.size(); ++ci) {
     if (batches[ci].count == 0 || done[ci]) continue;
     if (!grouped[ci]) {
       batches[ci].orthogonalize(x_of(ci), how_of(ci));
       continue;
     }
     std::vector<Orthogonalizer::GroupMember> members;
-    for (size_t cj = ci; cj < classes.size(); ++cj)
+    for (size_t cj = ci; cj < local.classes.size(); ++cj)
       if (!done[cj] && grouped[cj] &&
-          Orthogonalizer::same_schedule(classes[cj].resolved, classes[ci].resolved)) {
-        members.push_back({classes[cj].resolved, x_of(cj), classes[cj].workspace.data(),
-                           classes[cj].workspace_bytes});
+          Orthogonalizer::same_schedule(local.classes[cj].resolved, local.classes[ci].resolved)) {
+        members.push_back({local.classes[cj].resolved, x_of(cj), local.classes[cj].workspace.data(),
+                           local.classes[cj].workspace_bytes});
         done[cj] = true;
       }
     resources.ortho.run_group(members, &stats.ortho);
