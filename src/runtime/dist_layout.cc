@@ -132,9 +132,7 @@ void Engine::Impl::allocate_state() {
       backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  record.allocate_step_status(backend);
-  allocate_scalars();
-  allocate_step_counts();
+  record.allocate(backend, registry, static_cast<int64_t>(dist.mats.size()), stats.muon_matrices);
 }
 
 CommStats DistState::comm_stats() const {

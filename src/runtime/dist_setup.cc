@@ -78,7 +78,8 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
 }  // namespace
 
 void Engine::Impl::dist_setup() {
-  bind_streams();  // the set-up exchanges, and the communicators split from the world
+  dist.bind_streams(
+      backend.native_stream());  // the set-up exchanges, and the communicators split from the world
   dist.rank = dist.world->rank();
   dist.world_size = dist.world->size();
   const std::string mode = dist_mode_name(dist.options.mode);
@@ -295,19 +296,19 @@ void Engine::Impl::dist_setup() {
   assign_cache_entries();
   switch (dist.options.mode) {
     case DistMode::kGather:
-      runner = make_gather_runner(runner_context());
+      pipeline.runner = make_gather_runner(runner_context());
       break;
     case DistMode::kReplicated:
-      runner = make_replicated_runner(runner_context());
+      pipeline.runner = make_replicated_runner(runner_context());
       break;
     case DistMode::kSharded:
-      runner = make_sharded_runner(runner_context());
+      pipeline.runner = make_sharded_runner(runner_context());
       break;
     case DistMode::kDedicated:
-      runner = make_dedicated_runner(runner_context());
+      pipeline.runner = make_dedicated_runner(runner_context());
       break;
   }
-  runner->setup();
+  pipeline.runner->setup();
   built = true;
 }
 

@@ -81,6 +81,8 @@ struct DistState {
     hs.clear();
   }
   void wait_unchecked();  // host-waits `unchecked` (deadlines); on failure drops the rest
+  // The communicators follow the stream the backend issues on (dist_step.cc says why).
+  void bind_streams(void* stream);
   CommStats comm_stats() const;
 };
 

@@ -194,38 +194,15 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
   ctx.coef = record.scalars.coef();
 }
 
-// Raise policy: every rank sees every status before anything changes, so all raise together.
-void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names) {
-  DM_LOG(kDebug, "the host waits for the device (step statuses)");
-  backend.synchronize();
-  DM_LOG(kDebug, "the device reached the step statuses");
-  std::vector<int32_t> st(static_cast<size_t>(record.n_status));
-  backend.copy_to_host(st.data(), record.step_status.data(), st.size() * sizeof(int32_t));
-  if (dist.world) host_all_reduce(*dist.world, backend, st, ReduceOp::kMax);
-  std::vector<std::string> bad;
-  for (size_t k = 0; k < muon_names.size(); ++k)
-    if (st[k] != kStatusOk && !muon_names[k].empty()) bad.push_back(muon_names[k]);
-  const size_t first_adam = static_cast<size_t>(record.n_status) - record.adam_params.size();
-  for (size_t k = 0; k < record.adam_params.size(); ++k)
-    if (st[first_adam + k] != kStatusOk)
-      bad.push_back(registry.params[record.adam_params[k]].spec.name);
-  if (bad.empty()) return;
-  std::ostringstream os;
-  for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
-  DM_FAIL("non-finite gradient (NaN or Inf), or a momentum beyond the range of its dtype, in ",
-          os.str(), "; the step was not applied", dist.world ? " on any rank" : "",
-          " (weights and optimizer state unchanged)");
-}
-
 // Stages order each other's collectives on the device (wait_on_stream makes the communicator's
 // caller stream wait), so the communicators must follow the very stream the backend issues on:
 // on another, kernels would read receive buffers before the collectives land, and collectives
 // would read send buffers before the kernels that fill them. The caller may move the backend to
 // another stream between calls (torch's current stream, a side stream), so every entry point
 // that issues work binds them again.
-void Engine::Impl::bind_streams() {
-  for (Communicator* c : {dist.world, dist.shard, dist.replica})
-    if (c) c->bind_stream(backend.native_stream());
+void DistState::bind_streams(void* stream) {
+  for (Communicator* c : {world, shard, replica})
+    if (c) c->bind_stream(stream);
 }
 
 void DistState::wait_unchecked() {
@@ -239,8 +216,8 @@ void DistState::wait_unchecked() {
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
   DM_LOG(kDebug, "step ", stats.steps, " begins");
-  bind_streams();
-  if (publish_pending) finish_publish();
+  dist.bind_streams(backend.native_stream());
+  if (pipeline.publish_pending) finish_publish();
   dist.wait_unchecked();  // left by a step that raised
   const CommStats before = dist.comm_stats();
   auto ctx = std::make_unique<StepContext>();
@@ -262,26 +239,26 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   // for the outbound transfers, for every bucket at the end: the host blocks on a bucket's
   // slowest owner only once everything is issued, so owners run their whole load back to back
   // (the planner balances the totals, not each bucket).
-  const int stages = runner->num_stages(), compute = runner->compute_stage();
+  const int stages = pipeline.runner->num_stages(), compute = pipeline.runner->compute_stage();
   const int n = static_cast<int>(dist.buckets.size());
   for (int s = 0; s < compute; ++s)
-    for (int b = 0; b < n; ++b) runner->run_stage(s, b, *ctx);
+    for (int b = 0; b < n; ++b) pipeline.runner->run_stage(s, b, *ctx);
   if (ctx->raise) {
-    for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
+    for (int b = 0; b < n; ++b) pipeline.runner->pass1(b, *ctx);
     adam.check(*ctx);
     dist.wait_unchecked();  // the transfers' deadlines before the statuses' device synchronisation
     std::vector<std::string> names(static_cast<size_t>(record.n_status) -
                                    record.adam_params.size());
     for (const Bucket& b : dist.buckets)
       for (size_t k = 0; k < b.act.size(); ++k) names[b.status_offset + k] = matrix_name(b.act[k]);
-    raise_if_nonfinite(names);
+    record.raise_if_nonfinite(backend, registry, dist.world, names);
   }
   const int tail = stages - 1 > compute ? stages - 1 : stages;  // phase 3's stage, if any
   auto run_or_defer = [&](int s, int b, bool after_last_compute) {
     if (dist.options.defer_publish && after_last_compute)
-      deferred.emplace_back(s, b);
+      pipeline.deferred.emplace_back(s, b);
     else
-      runner->run_stage(s, b, *ctx);
+      pipeline.runner->run_stage(s, b, *ctx);
   };
   const int span = tail - compute;
   for (int t = 0; t < n + span - 1; ++t)
@@ -300,21 +277,21 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   for (size_t i = 0; i < registry.params.size(); ++i)
     if (ctx->active[i]) registry.params[i].step += 1;
   stats.steps += 1;
-  if (!deferred.empty()) {
-    pending_ctx = std::move(ctx);
-    publish_pending = true;
+  if (!pipeline.deferred.empty()) {
+    pipeline.pending_ctx = std::move(ctx);
+    pipeline.publish_pending = true;
   }
   stats.comm += dist.comm_stats() - before;
 }
 
 void Engine::Impl::finish_publish() {
-  bind_streams();
+  dist.bind_streams(backend.native_stream());
   const CommStats before = dist.comm_stats();
   std::vector<std::pair<int, int>> items;
-  items.swap(deferred);
-  publish_pending = false;
-  std::unique_ptr<StepContext> ctx = std::move(pending_ctx);
-  for (auto [s, b] : items) runner->run_stage(s, b, *ctx);
+  items.swap(pipeline.deferred);
+  pipeline.publish_pending = false;
+  std::unique_ptr<StepContext> ctx = std::move(pipeline.pending_ctx);
+  for (auto [s, b] : items) pipeline.runner->run_stage(s, b, *ctx);
   dist.wait_unchecked();
   stats.comm += dist.comm_stats() - before;
 }

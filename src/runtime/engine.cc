@@ -55,7 +55,7 @@ Engine::Impl::Impl(Backend& be, EngineOptions opt)
 Engine::Impl::~Impl() {
   // A publication left in flight must land before the buffers it writes are released.
   try {
-    if (publish_pending) finish_publish();
+    if (pipeline.publish_pending) finish_publish();
   } catch (...) {
   }
 }
@@ -233,7 +233,7 @@ void Engine::step(std::span<const ParamData> data) {
 }
 
 void Engine::wait_published() {
-  if (impl_->publish_pending) impl_->finish_publish();
+  if (impl_->pipeline.publish_pending) impl_->finish_publish();
 }
 
 int Engine::owner(int param, int64_t slice) const {
@@ -316,46 +316,17 @@ std::vector<std::string> Engine::state_names(int i) const {
   return {"exp_avg", "exp_avg_sq"};
 }
 
-void Engine::Impl::allocate_step_counts() {
-  record.step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, registry.params.size()));
-  std::vector<int64_t> h(registry.params.size());
-  for (size_t i = 0; i < registry.params.size(); ++i) h[i] = registry.params[i].step;
-  backend.copy_from_host(record.step_counts.data(), h.data(), h.size() * sizeof(int64_t));
-  record.matrix_skips = backend.alloc(sizeof(int64_t) * std::max<int64_t>(1, stats.muon_matrices));
-  backend.fill_zero(record.matrix_skips.data(), record.matrix_skips.bytes());
-}
-
-void StepRecord::allocate_step_status(Backend& backend) {
-  const size_t entries = static_cast<size_t>(std::max<int64_t>(n_status, 1));
-  step_status = backend.alloc(entries * sizeof(int32_t));
-  step_norms = backend.alloc(entries * sizeof(double));
-}
-
 std::string Registry::slice_name(int param, int64_t slice) const {
   const Param& p = params[param];
   return p.layout.count > 1 ? p.spec.name + "[" + std::to_string(slice) + "]" : p.spec.name;
-}
-
-std::vector<int64_t> Engine::Impl::local_skips() {
-  std::vector<int64_t> per_param(registry.params.size(), 0);
-  if (!record.matrix_skips) return per_param;
-  std::vector<int64_t> m(static_cast<size_t>(stats.muon_matrices));
-  backend.synchronize();
-  backend.copy_to_host(m.data(), record.matrix_skips.data(), m.size() * sizeof(int64_t));
-  for (size_t i = 0; i < registry.params.size(); ++i) {
-    const Param& p = registry.params[i];
-    if (registry.groups[p.spec.group].kind != ParamKind::kMuon) continue;
-    for (int64_t s = 0; s < p.layout.count; ++s)
-      per_param[i] = std::max(per_param[i], m[p.first_matrix + s]);
-  }
-  return per_param;
 }
 
 int64_t Engine::param_step(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
   if (s.registry.groups[s.registry.params[i].spec.group].kind == ParamKind::kMuon)
-    return s.registry.params[i].step - s.local_skips()[i];
+    return s.registry.params[i].step -
+           s.record.skips_per_param(s.backend, s.registry, s.stats.muon_matrices)[i];
   if (!s.record.step_counts) return s.registry.params[i].step;
   int64_t v = 0;
   s.backend.synchronize();
@@ -365,7 +336,8 @@ int64_t Engine::param_step(int i) const {
 
 std::vector<int64_t> Engine::param_steps() {
   Impl& s = *impl_;
-  std::vector<int64_t> skips = s.local_skips();
+  std::vector<int64_t> skips =
+      s.record.skips_per_param(s.backend, s.registry, s.stats.muon_matrices);
   // Skips are counted where each matrix's momentum is: every rank takes the largest count.
   if (s.dist.world && s.built && s.dist.world_size > 1) {
     std::vector<int32_t> v(skips.begin(), skips.end());

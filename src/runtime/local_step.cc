@@ -58,9 +58,7 @@ void Engine::Impl::build_classes() {
       record.adam_params.push_back(static_cast<int>(i));
     }
   record.n_status = muon_matrices + static_cast<int64_t>(record.adam_params.size());
-  record.allocate_step_status(backend);
-  allocate_scalars();
-  allocate_step_counts();
+  record.allocate(backend, registry, stats.muon_matrices, stats.muon_matrices);
   tune_shapes(class_shapes());
   built = true;
 }
@@ -154,7 +152,7 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   };
   issue_pass(MuonPass::kNorm, [](size_t) { return BatchRef{}; });
   adam.check(ctx);
-  if (ctx.raise) raise_if_nonfinite(status_names);
+  if (ctx.raise) record.raise_if_nonfinite(backend, registry, dist.world, status_names);
   issue_pass(MuonPass::kApply, x_of);
 
   auto how_of = [&](size_t ci) {

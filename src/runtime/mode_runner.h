@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "runtime/batch_resources.h"
@@ -105,6 +106,15 @@ class ModeRunner {
   DistState& dist_;
   StepRecord& record_;
   BatchResources& resources_;
+};
+
+// The distributed step's driver state (dist_step.cc): the mode's runner, and the publication a
+// step left in flight (DistOptions::defer_publish) until finish_publish().
+struct Pipeline {
+  std::unique_ptr<ModeRunner> runner;
+  bool publish_pending = false;
+  std::vector<std::pair<int, int>> deferred;  // (stage, bucket) left for finish_publish()
+  std::unique_ptr<StepContext> pending_ctx;   // the step they belong to
 };
 
 std::unique_ptr<ModeRunner> make_gather_runner(const RunnerContext& c);
