@@ -123,15 +123,19 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
                           slots,
                           arena.norms.as<double>() + pb.slot,
                           arena.status.as<int32_t>() + pb.slot};
-    batch.momentum_norm();
+    // Pass 1, pass 2 and the orthogonalization as step() runs them; step() applies the update
+    // (apply_prepared).
     std::vector<int64_t> entries;
-    for (int j : pb.mats) entries.push_back(dist.mats[j].cache_entry);
-    // The iteration buffer is the arena's slot: the shared scratch holds only the workspace.
-    const BatchOrtho how =
-        resources.prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
-    batch.orthogonalize_momentum(
-        BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n()), how,
-        record.skip_counter.as<int64_t>());
+    BatchSequence seq;
+    seq.resources = [&](size_t, BatchRef* x, BatchOrtho* how) {
+      for (int j : pb.mats) entries.push_back(dist.mats[j].cache_entry);
+      // The iteration buffer is the arena's slot: the shared scratch holds only the workspace.
+      *how = resources.prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
+      *x = BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
+    };
+    seq.output = BatchSequence::Output::kNone;
+    seq.skip_counter = record.skip_counter.as<int64_t>();
+    run_batches(backend, {&batch, 1}, seq);
     for (int j : pb.mats) arena.is_prepared[j] = 1;
     arena.batches.push_back(std::move(pb));
   }

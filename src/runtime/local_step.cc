@@ -140,53 +140,21 @@ void Engine::Impl::issue_local_step(std::span<const ParamData> data) {
   // Each fused pass goes out for every class at once (Backend::muon_pass_grouped: a few launches
   // where a step has many small classes). Pass 1 everywhere first, so that the raise policy can
   // stop before any state changes.
-  auto issue_pass = [&](MuonPass pass, auto&& x_of_class) {
-    std::vector<MuonPassBatch> passes;
-    for (size_t ci = 0; ci < local.classes.size(); ++ci)
-      batches[ci].add_pass(pass, x_of_class(ci), passes);
-    backend.muon_pass_grouped(pass, passes);
+  BatchSequence seq;
+  seq.after_norms = [&] {
+    adam.check(ctx);
+    if (ctx.raise) record.raise_if_nonfinite(backend, registry, dist.world, status_names);
   };
-  auto x_of = [&](size_t ci) {
+  seq.resources = [&](size_t ci, BatchRef* x, BatchOrtho* how) {
     const ShapeClass& c = local.classes[ci];
-    return BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batches[ci].count, c.m, c.n);
+    *x = BatchRef::packed(c.x.data(), iteration_dtype(c.resolved), batches[ci].count, c.m, c.n);
+    *how = resources.batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
   };
-  issue_pass(MuonPass::kNorm, [](size_t) { return BatchRef{}; });
-  adam.check(ctx);
-  if (ctx.raise) record.raise_if_nonfinite(backend, registry, dist.world, status_names);
-  issue_pass(MuonPass::kApply, x_of);
-
-  auto how_of = [&](size_t ci) {
-    const ShapeClass& c = local.classes[ci];
-    return resources.batch_ortho(c.cache, steps[ci].entries, c.workspace.data(), c.workspace_bytes);
-  };
-  // Classes whose products run grouped (OrthoConfig::grouped_products) and that iterate alike
-  // share every launch of their orthogonalization (one run_group). A class through CacheMuon
-  // runs alone.
-  std::vector<bool> grouped(local.classes.size()), done(local.classes.size(), false);
-  for (size_t ci = 0; ci < local.classes.size(); ++ci)
-    grouped[ci] =
-        batches[ci].count > 0 && local.classes[ci].resolved.grouped_products && !how_of(ci).cache;
-  for (size_t ci = 0; ci < local.classes.size(); ++ci) {
-    if (batches[ci].count == 0 || done[ci]) continue;
-    if (!grouped[ci]) {
-      batches[ci].orthogonalize(x_of(ci), how_of(ci));
-      continue;
-    }
-    std::vector<Orthogonalizer::GroupMember> members;
-    for (size_t cj = ci; cj < local.classes.size(); ++cj)
-      if (!done[cj] && grouped[cj] &&
-          Orthogonalizer::same_schedule(local.classes[cj].resolved, local.classes[ci].resolved)) {
-        members.push_back({local.classes[cj].resolved, x_of(cj), local.classes[cj].workspace.data(),
-                           local.classes[cj].workspace_bytes});
-        done[cj] = true;
-      }
-    resources.ortho.run_group(members, &stats.ortho);
-  }
-  issue_pass(MuonPass::kUpdate, x_of);
+  seq.share_launches = true;
   // The skips of every class at once: entries of matrices without a gradient stay zero.
-  if (status_offset > 0)
-    backend.count_status(record.step_status.as<int32_t>(), status_offset,
-                         record.skip_counter.as<int64_t>());
+  seq.all_status = {record.step_status.as<int32_t>(), static_cast<size_t>(status_offset)};
+  seq.skip_counter = record.skip_counter.as<int64_t>();
+  run_batches(backend, batches, seq);
   adam.update();
 }
 

@@ -57,16 +57,12 @@ class ModeRunner {
   // plan batch, group and wide shape) is one MuonBatch, with its statuses and norms in the step's.
   MuonBatch run_batch(const Bucket& b, const Bucket::Run& run,
                       std::span<const MuonSlot> slots) const;
-  // The owner's work on a run: pass 1 (norms and statuses) ...
+  // Pass 1 (norms and statuses) of an owner's run, for the raise policy's pass1().
   void owner_norms(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
-  // ... then pass 2, the orthogonalization and the update of the slots' weights ...
-  void owner_update(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
-                    const StepContext& ctx);
-  // ... or, instead of the update, the orthogonalized matrix j written to out(j), rows x cols in
-  // the wire dtype (the shards apply it).
-  void owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
-                            std::span<const MuonSlot> slots,
-                            const std::function<void*(int j)>& out);
+  // run_batches (muon_batch.h) over runs of bucket b, batches[k] made from *runs[k] by
+  // run_batch, each run's scratch and CacheMuon binding from prepare_run; `seq` says the rest.
+  void run_runs(const Bucket& b, std::span<const Bucket::Run* const> runs,
+                std::span<const MuonBatch> batches, BatchSequence seq);
   // prepare_batch for a run (its matrices' cache entries go to `entries`; x: the run's shared
   // iteration buffer).
   BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
@@ -75,11 +71,10 @@ class ModeRunner {
   using SlotsOf = std::function<std::vector<MuonSlot>(const Bucket::Run& run)>;
   // Pass 1 on every run of bucket b this rank owns (the raise policy's pass1()).
   void owned_norms(const Bucket& b, const SlotsOf& slots_of);
-  // The owner's step on every run of bucket b it owns: pass 1 (unless the raise policy ran it
-  // already), then owner_update.
+  // The owner's step on every run of bucket b it owns, one run after the other: pass 1 (unless
+  // the raise policy ran it already), pass 2, the orthogonalization and the update of the slots'
+  // weights (with the step's coefficients, ctx.coef).
   void step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of);
-  // Pass 2 and the orthogonalization of an owner's run: the run's iteration buffer.
-  BatchRef owner_orthogonalize(const Bucket& b, const Bucket::Run& run, const MuonBatch& batch);
   int32_t* status_at(const Bucket& b, int pos) const {
     return record_.step_status.as<int32_t>() + b.status_offset + pos;
   }
