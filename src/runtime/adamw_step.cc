@@ -2,7 +2,7 @@
 // single-process and every distributed step.
 #include "distmuon/error.h"
 #include "runtime/adamw_state.h"
-#include "runtime/mode_runner.h"  // copy_block
+#include "runtime/muon_batch.h"  // copy_block
 
 namespace distmuon {
 

@@ -18,10 +18,6 @@
 
 namespace distmuon {
 
-// Copies a rows x cols block from src to dst, converting the dtype when they differ.
-void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
-                int64_t rows, int64_t cols);
-
 // What a runner's stages see: the registry (read-only), the distributed layout and
 // communicators, the step's statuses and counters, and the batch resources -- not the engine.
 struct RunnerContext {

@@ -4,6 +4,17 @@
 
 namespace distmuon {
 
+void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
+                int64_t rows, int64_t cols) {
+  if (rows * cols == 0) return;
+  if (src_t == dst_t) {
+    backend.copy(dst, src, static_cast<size_t>(rows * cols) * dtype_size(src_t));
+    return;
+  }
+  backend.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
+                     ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
+}
+
 void MuonBatch::add_pass(MuonPass pass, const BatchRef& x,
                          std::vector<MuonPassBatch>& out) const {
   if (count == 0) return;

@@ -31,6 +31,10 @@ inline ScaleSpec muon_input_scale(const double* norms, const OrthoConfig& resolv
           1.0};
 }
 
+// Copies a rows x cols block from src to dst, converting the dtype when they differ.
+void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
+                int64_t rows, int64_t cols);
+
 // Where a batch is orthogonalized: fresh, or through the CacheMuon entries of a cache class,
 // where matrix k of the batch uses entry entries[k].
 struct BatchOrtho {
