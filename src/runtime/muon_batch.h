@@ -107,7 +107,7 @@ struct BatchSequence {
   // Instead of pass 2: the caller writes batch k's X into x (gather mode normalises the V it
   // gathered across the shard group; the momentum was applied on each rank's rows).
   std::function<void(size_t k, const BatchRef& x)> stage;
-  // What follows the orthogonalization of batch k: pass 3 (kUpdate); the caller's `output`
+  // What follows the orthogonalization of batch k: pass 3 (kUpdate); custom_output
   // (kCustom: the sharded mode ships x to the shards, gather mode applies its own rows); nothing
   // (kNone: prepare(), whose updates step() applies).
   enum class Output { kUpdate, kCustom, kNone };
@@ -116,13 +116,13 @@ struct BatchSequence {
   // The single process shares launches across its shape classes: each pass goes out once for
   // every batch, classes whose products run grouped and iterate alike share one run_group, and
   // the skips are counted once over `all_status` (every class's entries, idle members' zero)
-  // after the updates. Elsewhere a list is the runs of one bucket, each batch run through on
-  // its own as it comes (Orthogonalizer::run or run_cached).
+  // after the updates. Elsewhere (a bucket's runs, an owner's run, a prepared batch) each batch
+  // goes through on its own after pass 1 of the list (Orthogonalizer::run or run_cached).
   bool share_launches = false;
   std::span<const int32_t> all_status;
   // Without share_launches, batch k's skips are counted right after its orthogonalization
-  // (owner modes, prepare()), or after its custom output (gather mode, which counts once its
-  // rows are updated).
+  // (owner modes, prepare()), or after its custom output (gather mode, as it always did: the
+  // count reads only the statuses, so the order changes no result, only the calls' order).
   bool skips_after_output = false;
   int64_t* skip_counter = nullptr;  // device int64
 };
