@@ -34,21 +34,21 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
            "the whole step are known (prepare nothing, or use the skip policy)");
   DM_CHECK(ps.size() == data.size(), "prepare() got ", ps.size(), " parameters and ", data.size(),
            " data entries");
-  if (prepared.is_prepared.empty()) prepared.is_prepared.assign(mats.size(), 0);
+  if (prepared.is_prepared.empty()) prepared.is_prepared.assign(dist.mats.size(), 0);
   upload_scalars();  // the momentum passes below read mu from it
 
   // The owned matrices among `ps`, in step()'s batching order.
   std::vector<std::pair<int, const ParamData*>> sel;
   for (size_t k = 0; k < ps.size(); ++k) {
     const int i = ps[k];
-    DM_CHECK(i >= 0 && i < static_cast<int>(params.size()), "prepare(): no parameter ", i);
-    const Param& p = params[i];
-    DM_CHECK(groups[p.spec.group].kind == ParamKind::kMuon, "prepare(): parameter '", p.spec.name,
-             "' is not a Muon parameter");
+    DM_CHECK(i >= 0 && i < static_cast<int>(registry.params.size()), "prepare(): no parameter ", i);
+    const Param& p = registry.params[i];
+    DM_CHECK(registry.groups[p.spec.group].kind == ParamKind::kMuon, "prepare(): parameter '",
+             p.spec.name, "' is not a Muon parameter");
     for (int j : p.matrices) {
-      if (mats[j].owner != rank) continue;
+      if (dist.mats[j].owner != dist.rank) continue;
       DM_CHECK(data[k].grad != nullptr && data[k].param != nullptr, "prepare(): parameter '",
-               p.spec.name, "' needs its gradient and weights on its owner, rank ", rank);
+               p.spec.name, "' needs its gradient and weights on its owner, rank ", dist.rank);
       DM_CHECK(!prepared.is_prepared[j], "prepare(): matrix '", matrix_name(j),
                "' was already prepared in this step (gradients must be final when prepared)");
       sel.emplace_back(j, &data[k]);
@@ -56,7 +56,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
   }
   if (sel.empty()) return;
   auto key = [&](int j) {
-    const DistMatrix& a = mats[j];
+    const DistMatrix& a = dist.mats[j];
     return std::make_tuple(a.batch, a.group, a.m(), a.n(), a.tall(), j);
   };
   std::sort(sel.begin(), sel.end(), [&](auto& x, auto& y) { return key(x.first) < key(y.first); });
@@ -66,9 +66,9 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
   if (arena.batches.empty()) {
     size_t bytes = 0;
     int64_t owned = 0;
-    for (const DistMatrix& m : mats) {
-      if (m.owner != rank) continue;
-      const OrthoConfig r = resolve_shape(m.group, m.m(), m.n());
+    for (const DistMatrix& m : dist.mats) {
+      if (m.owner != dist.rank) continue;
+      const OrthoConfig r = tuning.resolve_shape(m.group, m.m(), m.n());
       bytes += static_cast<size_t>(m.numel()) * dtype_size(iteration_dtype(r));
       owned += 1;
     }
@@ -82,28 +82,28 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
   }
 
   for (size_t b0 = 0, b1; b0 < sel.size(); b0 = b1) {
-    const DistMatrix& m0 = mats[sel[b0].first];
+    const DistMatrix& m0 = dist.mats[sel[b0].first];
     for (b1 = b0 + 1; b1 < sel.size(); ++b1) {
-      const DistMatrix& m = mats[sel[b1].first];
+      const DistMatrix& m = dist.mats[sel[b1].first];
       if (m.batch != m0.batch || m.group != m0.group || m.m() != m0.m() || m.n() != m0.n()) break;
     }
     const int count = static_cast<int>(b1 - b0);
-    const OrthoConfig r = resolve_shape(m0.group, m0.m(), m0.n());
+    const OrthoConfig r = tuning.resolve_shape(m0.group, m0.m(), m0.n());
     PreparedUpdates::Batch pb;
     pb.x_dtype = iteration_dtype(r);
     pb.tall_begin = count;
     std::vector<MuonSlot> slots;
     for (int k = 0; k < count; ++k) {
       const int j = sel[b0 + k].first;
-      const DistMatrix& m = mats[j];
+      const DistMatrix& m = dist.mats[j];
       const ParamData& d = *sel[b0 + k].second;
       if (m.tall() && pb.tall_begin == count) pb.tall_begin = k;
       pb.mats.push_back(j);
       slots.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
-           MatRef::of(m.momentum.data(), params[m.param].state0_dtype, m.rows, m.cols),
+           MatRef::of(m.momentum.data(), registry.params[m.param].state0_dtype, m.rows, m.cols),
            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           skips_of(params[m.param], m.slice)});
+           record.skips_of(registry.params[m.param], m.slice)});
     }
     const size_t x_bytes = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
     DM_CHECK(arena.x_used + x_bytes <= arena.x.bytes() &&
@@ -115,22 +115,27 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
     arena.slots_used += count;
 
     const MuonBatch batch{backend,
-                          groups[m0.group].muon,
-                          scalars.mu(m0.group),
+                          registry.groups[m0.group].muon,
+                          record.scalars.mu(m0.group),
                           r,
                           count,
                           pb.tall_begin,
                           slots,
                           arena.norms.as<double>() + pb.slot,
                           arena.status.as<int32_t>() + pb.slot};
-    batch.momentum_norm();
+    // Pass 1, pass 2 and the orthogonalization as step() runs them; step() applies the update
+    // (apply_prepared).
     std::vector<int64_t> entries;
-    for (int j : pb.mats) entries.push_back(mats[j].cache_entry);
-    // The iteration buffer is the arena's slot: the shared scratch holds only the workspace.
-    const BatchOrtho how = prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
-    batch.orthogonalize_momentum(
-        BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n()), how,
-        skip_counter.as<int64_t>());
+    BatchSequence seq;
+    seq.resources = [&](size_t, BatchRef* x, BatchOrtho* how) {
+      for (int j : pb.mats) entries.push_back(dist.mats[j].cache_entry);
+      // The iteration buffer is the arena's slot: the shared scratch holds only the workspace.
+      *how = resources.prepare_batch(r, m0.cache, entries, count, m0.m(), m0.n(), nullptr);
+      *x = BatchRef::packed(arena.x.as<char>() + pb.x_offset, pb.x_dtype, count, m0.m(), m0.n());
+    };
+    seq.output = BatchSequence::Output::kNone;
+    seq.skip_counter = record.skip_counter.as<int64_t>();
+    run_batches(backend, {&batch, 1}, seq);
     for (int j : pb.mats) arena.is_prepared[j] = 1;
     arena.batches.push_back(std::move(pb));
   }
@@ -138,19 +143,19 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
 
 void Engine::Impl::apply_prepared(const StepContext& ctx) {
   for (const PreparedUpdates::Batch& pb : prepared.batches) {
-    const DistMatrix& m0 = mats[pb.mats[0]];
+    const DistMatrix& m0 = dist.mats[pb.mats[0]];
     const int count = static_cast<int>(pb.mats.size());
     std::vector<MuonSlot> slots;
     for (int j : pb.mats) {
-      const DistMatrix& m = mats[j];
+      const DistMatrix& m = dist.mats[j];
       const void* w = ctx.data[m.param].param;
       DM_CHECK(w != nullptr, "step(): prepared matrix '", matrix_name(j), "' has no weights");
       MatRef ref = MatRef::of(at(w, full_offset(m), m.wire), m.wire, m.rows, m.cols);
       slots.push_back({ref, ref, ref, nullptr, ctx.coef + j});  // the update reads only W
     }
     const MuonBatch batch{backend,
-                          groups[m0.group].muon,
-                          scalars.mu(m0.group),
+                          registry.groups[m0.group].muon,
+                          record.scalars.mu(m0.group),
                           {},
                           count,
                           pb.tall_begin,

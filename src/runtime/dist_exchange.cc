@@ -1,12 +1,13 @@
 // Small host-side exchanges (metadata, votes, statuses) staged through backend memory, because a
 // communicator may only accept device buffers (NCCL).
+#include "runtime/dist_exchange.h"
+
 #include <algorithm>
 #include <numeric>
 #include <sstream>
 
 #include "common/log.h"
 #include "distmuon/error.h"
-#include "runtime/engine_impl.h"
 
 namespace distmuon {
 

@@ -78,62 +78,65 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
 }  // namespace
 
 void Engine::Impl::dist_setup() {
-  bind_streams();  // the set-up exchanges, and the communicators split from the world
-  rank = world->rank();
-  world_size = world->size();
-  const std::string mode = dist_mode_name(dist.mode);
+  dist.bind_streams(
+      backend.native_stream());  // the set-up exchanges, and the communicators split from the world
+  dist.rank = dist.world->rank();
+  dist.world_size = dist.world->size();
+  const std::string mode = dist_mode_name(dist.options.mode);
   // Replicated mode has no shards: its world is flat whatever the replicate degree.
-  const int R = dist.mode == DistMode::kReplicated ? 1 : dist.replicate;
+  const int R = dist.options.mode == DistMode::kReplicated ? 1 : dist.options.replicate;
 
   // 1. Local checks, reported through the exchange so that every rank fails together.
   std::ostringstream err;
-  for (const std::string& e : registration_errors) err << (err.tellp() > 0 ? "; " : "") << e;
-  if (err.tellp() == 0 && (R < 1 || world_size % R != 0))
-    err << "replicate degree " << dist.replicate << " does not divide the world size "
-        << world_size;
-  if (err.tellp() == 0 && dist.planner != "milp" && dist.planner != "lpt" &&
-      dist.planner != "round-robin")
-    err << "unknown planner '" << dist.planner << "' (milp, lpt or round-robin)";
-  for (const Param& p : params) {
+  for (const std::string& e : registry.registration_errors)
+    err << (err.tellp() > 0 ? "; " : "") << e;
+  if (err.tellp() == 0 && (R < 1 || dist.world_size % R != 0))
+    err << "replicate degree " << dist.options.replicate << " does not divide the world size "
+        << dist.world_size;
+  if (err.tellp() == 0 && dist.options.planner != "milp" && dist.options.planner != "lpt" &&
+      dist.options.planner != "round-robin")
+    err << "unknown planner '" << dist.options.planner << "' (milp, lpt or round-robin)";
+  for (const Param& p : registry.params) {
     if (!err.str().empty()) break;
-    if (is_sharded_mode(dist.mode) && !p.spec.shard.sharded())
+    if (is_sharded_mode(dist.options.mode) && !p.spec.shard.sharded())
       err << "parameter '" << p.spec.name << "' has no shard: " << mode
           << " mode needs the local dim-0 rows of every parameter (ShardSpec)";
-    else if (!is_sharded_mode(dist.mode) && p.spec.shard.sharded())
+    else if (!is_sharded_mode(dist.options.mode) && p.spec.shard.sharded())
       err << "parameter '" << p.spec.name << "' has a shard, but " << mode
           << " mode takes full parameters";
   }
   std::string grouped = "auto";
   try {
-    grouped = grouped_products_setting();
+    grouped = ShapeTuning::grouped_products_setting();
   } catch (const Error& e) {
     if (err.tellp() == 0) err << error_text(e);
   }
   std::string local_error = err.str();
-  shard_size = local_error.empty() ? world_size / R : world_size;
-  my_r = rank / shard_size;
-  my_s = rank % shard_size;
+  dist.shard_size = local_error.empty() ? dist.world_size / R : dist.world_size;
+  dist.my_r = dist.rank / dist.shard_size;
+  dist.my_s = dist.rank % dist.shard_size;
 
   // 2. What must be identical on every rank.
   std::ostringstream common;
   // Not the plan costs: rank 0's decide (rank0_measured_costs).
-  common << "mode " << mode << ", planner " << dist.planner << ", device "
+  common << "mode " << mode << ", planner " << dist.options.planner << ", device "
          << (backend.device().kind == DeviceKind::kCUDA ? "cuda" : "cpu") << ", replicate "
-         << dist.replicate << ", bucket_bytes " << dist.bucket_bytes << ", grad_mean "
-         << dist.grad_mean << ", check_grad_presence " << dist.check_grad_presence
-         << ", caller_transfers " << dist.caller_transfers << ", fixed owners "
-         << dist.owners.size() << ", nonfinite " << static_cast<int>(options.nonfinite)
-         << ", DISTMUON_GROUPED_PRODUCTS " << grouped << "\n";
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const GroupOptions& o = groups[g];
+         << dist.options.replicate << ", bucket_bytes " << dist.options.bucket_bytes
+         << ", grad_mean " << dist.options.grad_mean << ", check_grad_presence "
+         << dist.options.check_grad_presence << ", caller_transfers "
+         << dist.options.caller_transfers << ", fixed owners " << dist.options.owners.size()
+         << ", nonfinite " << static_cast<int>(options.nonfinite) << ", DISTMUON_GROUPED_PRODUCTS "
+         << grouped << "\n";
+  for (size_t g = 0; g < registry.groups.size(); ++g) {
+    const GroupOptions& o = registry.groups[g];
     common << "group " << g << " "
            << (o.kind == ParamKind::kMuon ? "muon " + algorithm_name(o.muon.ortho) + " momentum " +
                                                 dtype_name(o.muon.momentum_dtype)
                                           : std::string("adamw"))
            << "\n";
   }
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ParamSpec& s = params[i].spec;
+  for (size_t i = 0; i < registry.params.size(); ++i) {
+    const ParamSpec& s = registry.params[i].spec;
     common << "parameter " << i << " '" << s.name << "' shape " << join_shape(s.shape) << " dtype "
            << dtype_name(s.dtype) << " group " << s.group << "\n";
   }
@@ -144,19 +147,19 @@ void Engine::Impl::dist_setup() {
   std::vector<PlanMatrix> pm;
   std::map<std::string, int64_t> layer_ids;
   RuntimePlanSpec spec;
-  spec.solver = dist.planner;
+  spec.solver = dist.options.planner;
   spec.device = backend.device().kind;
-  spec.owners = dist.owners;
+  spec.owners = dist.options.owners;
   bool have_ortho = false;
-  for (size_t i = 0; i < params.size() && local_error.empty(); ++i) {
-    Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
-    if (!have_ortho) spec.ortho = groups[p.spec.group].muon.ortho;
+  for (size_t i = 0; i < registry.params.size() && local_error.empty(); ++i) {
+    Param& p = registry.params[i];
+    if (registry.groups[p.spec.group].kind != ParamKind::kMuon) continue;
+    if (!have_ortho) spec.ortho = registry.groups[p.spec.group].muon.ortho;
     have_ortho = true;
     const int64_t layer = layer_of(p.spec.name, layer_ids);
     for (int64_t s = 0; s < p.layout.count; ++s) {
       PlanMatrix m;
-      m.name = slice_name(static_cast<int>(i), s);
+      m.name = registry.slice_name(static_cast<int>(i), s);
       m.rows = p.layout.rows;
       m.cols = p.layout.cols;
       m.layer = layer;
@@ -164,36 +167,38 @@ void Engine::Impl::dist_setup() {
       pm.push_back(m);
     }
   }
-  Topology topo{world_size, dist.gpus_per_node, R};
-  if (local_error.empty() && !dist.owners.empty() && dist.owners.size() != pm.size())
-    local_error = detail::concat("DistOptions::owners names ", dist.owners.size(), " owners but ",
-                                 pm.size(), " Muon matrices are registered");
-  if (local_error.empty() && dist.caller_transfers && dist.mode != DistMode::kDedicated)
+  Topology topo{dist.world_size, dist.options.gpus_per_node, R};
+  if (local_error.empty() && !dist.options.owners.empty() &&
+      dist.options.owners.size() != pm.size())
+    local_error = detail::concat("DistOptions::owners names ", dist.options.owners.size(),
+                                 " owners but ", pm.size(), " Muon matrices are registered");
+  if (local_error.empty() && dist.options.caller_transfers &&
+      dist.options.mode != DistMode::kDedicated)
     local_error = detail::concat("caller_transfers is an option of the dedicated mode, not of ",
                                  mode, " mode");
-  MeasuredCosts measured =
-      rank0_measured_costs(*world, backend, dist.plan_costs, spec.ortho, !pm.empty(), local_error);
+  MeasuredCosts measured = rank0_measured_costs(*dist.world, backend, dist.options.plan_costs,
+                                                spec.ortho, !pm.empty(), local_error);
   spec.measured = std::move(measured.table);
   try {  // a planner error must reach every rank
     if (local_error.empty() && !pm.empty())
-      plan = make_runtime_plan(pm, topo, spec);
+      dist.plan = make_runtime_plan(pm, topo, spec);
     else if (local_error.empty())
-      plan = plan_round_robin(pm, topo);  // no Muon matrices: the planner has nothing to do
+      dist.plan = plan_round_robin(pm, topo);  // no Muon matrices: the planner has nothing to do
   } catch (const Error& e) {
     local_error = error_text(e);
   }
-  const bool time_limited = plan.status.find("time limit") != std::string::npos;
+  const bool time_limited = dist.plan.status.find("time limit") != std::string::npos;
 
   // 4. Exchange a fixed-size header, then details only where something differs.
   const std::vector<int64_t> hdr = {static_cast<int64_t>(fnv1a(text)),
                                     static_cast<int64_t>(text.size()),
-                                    static_cast<int64_t>(plan.hash),
+                                    static_cast<int64_t>(dist.plan.hash),
                                     static_cast<int64_t>(local_error.size()), time_limited ? 1 : 0};
-  const std::vector<int64_t> all = host_all_gather(*world, backend, hdr);
+  const std::vector<int64_t> all = host_all_gather(*dist.world, backend, hdr);
   auto field = [&](int q, int f) { return all[static_cast<size_t>(q) * hdr.size() + f]; };
-  std::vector<int64_t> err_len(world_size), text_len(world_size);
+  std::vector<int64_t> err_len(dist.world_size), text_len(dist.world_size);
   bool any_error = false, differ = false, plans_differ = false, any_time_limited = false;
-  for (int q = 0; q < world_size; ++q) {
+  for (int q = 0; q < dist.world_size; ++q) {
     err_len[q] = field(q, 3);
     text_len[q] = field(q, 1);
     any_error |= err_len[q] > 0;
@@ -205,17 +210,17 @@ void Engine::Impl::dist_setup() {
   // every rank then takes the deterministic LPT plan instead (same inputs, same plan).
   if (any_time_limited && !any_error && !differ) {
     spec.solver = "lpt";
-    plan = make_runtime_plan(pm, topo, spec);
+    dist.plan = make_runtime_plan(pm, topo, spec);
     plans_differ = false;
   }
-  if (rank == 0 && !any_error && !plan.costs.empty())
-    DM_LOG(kInfo, "planner: ", plan.solver, " on ", plan.costs, "; ", measured.note);
+  if (dist.rank == 0 && !any_error && !dist.plan.costs.empty())
+    DM_LOG(kInfo, "planner: ", dist.plan.solver, " on ", dist.plan.costs, "; ", measured.note);
   if (any_error) {
-    std::vector<char> msgs = host_all_gather_v(*world, backend, local_error, err_len);
+    std::vector<char> msgs = host_all_gather_v(*dist.world, backend, local_error, err_len);
     std::ostringstream os;
     os << "distributed set-up failed before any data moved:";
     int64_t off = 0;
-    for (int q = 0; q < world_size; ++q) {
+    for (int q = 0; q < dist.world_size; ++q) {
       if (err_len[q]) os << "\n  rank " << q << ": " << std::string(&msgs[off], err_len[q]);
       off += err_len[q];
     }
@@ -225,27 +230,27 @@ void Engine::Impl::dist_setup() {
     DM_FAIL(
         "ranks registered different parameters or options (every rank needs the same "
         "options, groups, names, shapes and dtypes, in the same order):",
-        text_differences(*world, backend, text, text_len));
+        text_differences(*dist.world, backend, text, text_len));
   }
 
   // 5. Shards: every shard group must tile dim 0, and replicas must hold the same rows.
-  const size_t np = params.size();
-  for (Param& p : params) p.matrices.clear();
-  if (is_sharded_mode(dist.mode)) {
+  const size_t np = registry.params.size();
+  for (Param& p : registry.params) p.matrices.clear();
+  if (is_sharded_mode(dist.options.mode)) {
     std::vector<int64_t> mine(2 * np);
     for (size_t i = 0; i < np; ++i) {
-      mine[2 * i] = params[i].spec.shard.row_begin;
-      mine[2 * i + 1] = params[i].spec.shard.row_count;
+      mine[2 * i] = registry.params[i].spec.shard.row_begin;
+      mine[2 * i + 1] = registry.params[i].spec.shard.row_count;
     }
-    const std::vector<int64_t> sh = host_all_gather(*world, backend, mine);
+    const std::vector<int64_t> sh = host_all_gather(*dist.world, backend, mine);
     auto begin = [&](int q, size_t i) { return sh[q * 2 * np + 2 * i]; };
     auto count = [&](int q, size_t i) { return sh[q * 2 * np + 2 * i + 1]; };
     for (size_t i = 0; i < np; ++i) {
-      const Param& p = params[i];
+      const Param& p = registry.params[i];
       for (int r = 0; r < R; ++r) {
         std::vector<std::pair<int64_t, int>> parts;  // (begin, world rank) of non-empty shards
-        for (int q = 0; q < shard_size; ++q) {
-          const int wr = r * shard_size + q;
+        for (int q = 0; q < dist.shard_size; ++q) {
+          const int wr = r * dist.shard_size + q;
           DM_CHECK(begin(wr, i) == begin(q, i) && count(wr, i) == count(q, i), "parameter '",
                    p.spec.name, "': rank ", wr, " holds rows [", begin(wr, i), ", ",
                    begin(wr, i) + count(wr, i), ") but rank ", q,
@@ -270,7 +275,7 @@ void Engine::Impl::dist_setup() {
   } else {
     build_matrices(nullptr);
   }
-  for (int q = 0; q < world_size && plans_differ; ++q)
+  for (int q = 0; q < dist.world_size && plans_differ; ++q)
     DM_CHECK(field(q, 2) == field(0, 2),
              "ranks computed different plans from the same "
              "registration: hash ",
@@ -280,30 +285,30 @@ void Engine::Impl::dist_setup() {
 
   // 7. Sub-communicators for HSDP (collective over the world, same order everywhere).
   if (R > 1) {
-    shard_owned = world->split(my_r, my_s);
-    replica_owned = world->split(my_s, my_r);
+    dist.shard_owned = dist.world->split(dist.my_r, dist.my_s);
+    dist.replica_owned = dist.world->split(dist.my_s, dist.my_r);
   }
-  shard = R > 1 ? shard_owned.get() : world;
-  replica = R > 1 ? replica_owned.get() : nullptr;
+  dist.shard = R > 1 ? dist.shard_owned.get() : dist.world;
+  dist.replica = R > 1 ? dist.replica_owned.get() : nullptr;
 
   tune_dist_shapes();
   allocate_state();
   assign_cache_entries();
-  switch (dist.mode) {
+  switch (dist.options.mode) {
     case DistMode::kGather:
-      runner = make_gather_runner(runner_context());
+      pipeline.runner = make_gather_runner(runner_context());
       break;
     case DistMode::kReplicated:
-      runner = make_replicated_runner(runner_context());
+      pipeline.runner = make_replicated_runner(runner_context());
       break;
     case DistMode::kSharded:
-      runner = make_sharded_runner(runner_context());
+      pipeline.runner = make_sharded_runner(runner_context());
       break;
     case DistMode::kDedicated:
-      runner = make_dedicated_runner(runner_context());
+      pipeline.runner = make_dedicated_runner(runner_context());
       break;
   }
-  runner->setup();
+  pipeline.runner->setup();
   built = true;
 }
 

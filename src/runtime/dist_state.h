@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "distmuon/engine.h"
+#include "distmuon/comm.h"
+#include "distmuon/engine_types.h"
+#include "distmuon/plan.h"
 
 namespace distmuon {
 
@@ -57,7 +59,7 @@ inline bool is_sharded_mode(DistMode m) {
 
 struct DistState {
   Communicator* world = nullptr;  // nullptr in a single process
-  DistOptions dist;
+  DistOptions options;
   std::unique_ptr<Communicator> shard_owned, replica_owned;
   Communicator* shard = nullptr;    // my shard group (the world when replicate == 1)
   Communicator* replica = nullptr;  // my replicate group (nullptr when replicate == 1)
@@ -79,6 +81,8 @@ struct DistState {
     hs.clear();
   }
   void wait_unchecked();  // host-waits `unchecked` (deadlines); on failure drops the rest
+  // The communicators follow the stream the backend issues on (dist_step.cc says why).
+  void bind_streams(void* stream);
   CommStats comm_stats() const;
 };
 

@@ -75,13 +75,13 @@ std::string step_options_text(const std::vector<GroupOptions>& groups) {
 // all raise before anything changes. One all-reduce (max) of 2n + 5 values decides it all: for
 // the digest, max(d) and max(-d) = -min(d) differ exactly when some rank's digest does.
 void Engine::Impl::vote(StepContext& ctx) {
-  const size_t n = params.size();
-  const bool sharded = is_sharded_mode(dist.mode);
+  const size_t n = registry.params.size();
+  const bool sharded = is_sharded_mode(dist.options.mode);
   std::string input_error;
   try {
     check_inputs(ctx.data);
   } catch (const Error& e) {
-    if (!dist.check_grad_presence) throw;  // no vote to carry it
+    if (!dist.options.check_grad_presence) throw;  // no vote to carry it
     input_error = e.what();
     if (input_error.rfind("distmuon: ", 0) == 0) input_error.erase(0, 10);
   }
@@ -90,18 +90,18 @@ void Engine::Impl::vote(StepContext& ctx) {
   std::vector<int32_t> v(2 * n + 5);
   for (size_t i = 0; i < n; ++i) {
     const bool has = input_error.empty() && ctx.data[i].grad != nullptr;
-    const bool voter = !sharded || params[i].local_numel > 0;
+    const bool voter = !sharded || registry.params[i].local_numel > 0;
     ctx.has_local[i] = has;
     v[2 * i] = has && voter;       // max: some voter has a gradient
     v[2 * i + 1] = voter && !has;  // max: some voter has none
     ctx.active[i] = has || !voter;
   }
   // One rank agrees with itself: no exchange (its input errors are raised as they are).
-  if (!dist.check_grad_presence || world_size == 1) {
+  if (!dist.options.check_grad_presence || dist.world_size == 1) {
     if (!input_error.empty()) DM_FAIL(input_error);
     return;
   }
-  const std::string options_text = step_options_text(groups);
+  const std::string options_text = step_options_text(registry.groups);
   const uint64_t digest = fnv1a(options_text);
   const int32_t d_hi = static_cast<int32_t>(digest >> 33);
   const int32_t d_lo = static_cast<int32_t>(digest & 0x7fffffff);
@@ -110,17 +110,17 @@ void Engine::Impl::vote(StepContext& ctx) {
   v[2 * n + 2] = -d_hi;
   v[2 * n + 3] = d_lo;
   v[2 * n + 4] = -d_lo;
-  host_all_reduce(*world, backend, v, ReduceOp::kMax);
+  host_all_reduce(*dist.world, backend, v, ReduceOp::kMax);
   if (v[2 * n] > 0) {
     const std::vector<int64_t> len =
-        host_all_gather(*world, backend, {static_cast<int64_t>(input_error.size())});
-    const std::vector<char> all = host_all_gather_v(*world, backend, input_error, len);
+        host_all_gather(*dist.world, backend, {static_cast<int64_t>(input_error.size())});
+    const std::vector<char> all = host_all_gather_v(*dist.world, backend, input_error, len);
     std::ostringstream os;
     os << "step inputs failed their checks on "
        << std::count_if(len.begin(), len.end(), [](int64_t l) { return l > 0; })
        << " rank(s); nothing was changed:";
     int64_t off = 0;
-    for (int q = 0; q < world_size; ++q) {
+    for (int q = 0; q < dist.world_size; ++q) {
       if (len[q]) os << "\n  rank " << q << ": " << std::string(&all[off], len[q]);
       off += len[q];
     }
@@ -128,53 +128,54 @@ void Engine::Impl::vote(StepContext& ctx) {
   }
   if (v[2 * n + 1] != -v[2 * n + 2] || v[2 * n + 3] != -v[2 * n + 4]) {
     const std::vector<int64_t> len =
-        host_all_gather(*world, backend, {static_cast<int64_t>(options_text.size())});
+        host_all_gather(*dist.world, backend, {static_cast<int64_t>(options_text.size())});
     DM_FAIL(
         "ranks step with different options (each matrix would take its owner's: set them, and "
         "step any learning-rate scheduler, on every rank alike); nothing was changed:",
-        text_differences(*world, backend, options_text, len));
+        text_differences(*dist.world, backend, options_text, len));
   }
   std::vector<size_t> bad;
   for (size_t i = 0; i < n; ++i) {
     const bool some_have = v[2 * i] > 0, all_have = v[2 * i + 1] == 0;
-    ctx.active[i] = some_have && (dist.mode == DistMode::kDedicated || all_have);
+    ctx.active[i] = some_have && (dist.options.mode == DistMode::kDedicated || all_have);
     if (some_have && !ctx.active[i]) bad.push_back(i);
   }
   if (bad.empty()) return;
   std::vector<int64_t> mine(n);
   for (size_t i = 0; i < n; ++i)  // 1: has one, 0: has none, 2: empty shard (no vote)
-    mine[i] = sharded && params[i].local_numel == 0 ? 2 : (ctx.has_local[i] ? 1 : 0);
-  const std::vector<int64_t> all = host_all_gather(*world, backend, mine);
+    mine[i] = sharded && registry.params[i].local_numel == 0 ? 2 : (ctx.has_local[i] ? 1 : 0);
+  const std::vector<int64_t> all = host_all_gather(*dist.world, backend, mine);
   std::ostringstream os;
   os << "ranks disagree on which parameters have a gradient in this step ("
-     << dist_mode_name(dist.mode)
+     << dist_mode_name(dist.options.mode)
      << " mode expects reduced gradients: pass each one on every rank or on none):";
   for (size_t i : bad) {
     std::vector<int> with, without;
-    for (int q = 0; q < world_size; ++q) {
+    for (int q = 0; q < dist.world_size; ++q) {
       const int64_t f = all[static_cast<size_t>(q) * n + i];
       if (f == 1) with.push_back(q);
       if (f == 0) without.push_back(q);
     }
-    os << "\n  parameter '" << params[i].spec.name << "' has one on ranks " << rank_list(with)
-       << " but not on ranks " << rank_list(without);
+    os << "\n  parameter '" << registry.params[i].spec.name << "' has one on ranks "
+       << rank_list(with) << " but not on ranks " << rank_list(without);
   }
   DM_FAIL(os.str());
 }
 
 void Engine::Impl::prepare_buckets(StepContext& ctx) {
-  const bool by_owner = dist.mode != DistMode::kGather;
-  for (Bucket& b : buckets) {
+  const bool by_owner = dist.options.mode != DistMode::kGather;
+  for (Bucket& b : dist.buckets) {
     b.act.clear();
     b.runs.clear();
     for (int j : b.mats)  // prepared matrices only take their update (apply_prepared)
-      if (ctx.active[mats[j].param] && (prepared.is_prepared.empty() || !prepared.is_prepared[j]))
+      if (ctx.active[dist.mats[j].param] &&
+          (prepared.is_prepared.empty() || !prepared.is_prepared[j]))
         b.act.push_back(j);
     for (int k = 0; k < static_cast<int>(b.act.size()); ++k) {
-      const DistMatrix& m = mats[b.act[k]];
+      const DistMatrix& m = dist.mats[b.act[k]];
       bool same = false;
       if (k > 0) {
-        const DistMatrix& p = mats[b.act[k - 1]];
+        const DistMatrix& p = dist.mats[b.act[k - 1]];
         same = (!by_owner || (p.owner == m.owner && p.batch == m.batch)) && p.group == m.group &&
                p.m() == m.m() && p.n() == m.n();
       }
@@ -186,33 +187,11 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
     // The sort put the wide matrices of a run first: the first tall one starts the tall part.
     for (Bucket::Run& run : b.runs) {
       run.tall_begin = run.begin;
-      while (run.tall_begin < run.end && !mats[b.act[run.tall_begin]].tall()) ++run.tall_begin;
+      while (run.tall_begin < run.end && !dist.mats[b.act[run.tall_begin]].tall()) ++run.tall_begin;
     }
   }
   upload_scalars();
-  ctx.coef = scalars.coef();
-}
-
-// Raise policy: every rank sees every status before anything changes, so all raise together.
-void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names) {
-  DM_LOG(kDebug, "the host waits for the device (step statuses)");
-  backend.synchronize();
-  DM_LOG(kDebug, "the device reached the step statuses");
-  std::vector<int32_t> st(static_cast<size_t>(n_status));
-  backend.copy_to_host(st.data(), step_status.data(), st.size() * sizeof(int32_t));
-  if (world) host_all_reduce(*world, backend, st, ReduceOp::kMax);
-  std::vector<std::string> bad;
-  for (size_t k = 0; k < muon_names.size(); ++k)
-    if (st[k] != kStatusOk && !muon_names[k].empty()) bad.push_back(muon_names[k]);
-  const size_t first_adam = static_cast<size_t>(n_status) - adam_params.size();
-  for (size_t k = 0; k < adam_params.size(); ++k)
-    if (st[first_adam + k] != kStatusOk) bad.push_back(params[adam_params[k]].spec.name);
-  if (bad.empty()) return;
-  std::ostringstream os;
-  for (size_t i = 0; i < bad.size(); ++i) os << (i ? ", " : "") << "'" << bad[i] << "'";
-  DM_FAIL("non-finite gradient (NaN or Inf), or a momentum beyond the range of its dtype, in ",
-          os.str(), "; the step was not applied", world ? " on any rank" : "",
-          " (weights and optimizer state unchanged)");
+  ctx.coef = record.scalars.coef();
 }
 
 // Stages order each other's collectives on the device (wait_on_stream makes the communicator's
@@ -221,9 +200,9 @@ void Engine::Impl::raise_if_nonfinite(const std::vector<std::string>& muon_names
 // would read send buffers before the kernels that fill them. The caller may move the backend to
 // another stream between calls (torch's current stream, a side stream), so every entry point
 // that issues work binds them again.
-void Engine::Impl::bind_streams() {
+void DistState::bind_streams(void* stream) {
   for (Communicator* c : {world, shard, replica})
-    if (c) c->bind_stream(backend.native_stream());
+    if (c) c->bind_stream(stream);
 }
 
 void DistState::wait_unchecked() {
@@ -237,17 +216,18 @@ void DistState::wait_unchecked() {
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
   DM_LOG(kDebug, "step ", stats.steps, " begins");
-  bind_streams();
-  if (publish_pending) finish_publish();
-  wait_unchecked();  // left by a step that raised
-  const CommStats before = comm_stats();
+  dist.bind_streams(backend.native_stream());
+  if (pipeline.publish_pending) finish_publish();
+  dist.wait_unchecked();  // left by a step that raised
+  const CommStats before = dist.comm_stats();
   auto ctx = std::make_unique<StepContext>();
   ctx->data.assign(data.begin(), data.end());
   ctx->raise = options.nonfinite == NonFinitePolicy::kRaise;
   vote(*ctx);
   prepare_buckets(*ctx);
-  backend.fill_zero(step_status.data(), static_cast<size_t>(n_status) * sizeof(int32_t));
-  adam_begin(*ctx);
+  backend.fill_zero(record.step_status.data(),
+                    static_cast<size_t>(record.n_status) * sizeof(int32_t));
+  adam.begin(*ctx);
   if (!prepared.batches.empty()) apply_prepared(*ctx);
 
   // Three phases. (1) The stages before the compute stage (gradients on their way to the
@@ -259,25 +239,26 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   // for the outbound transfers, for every bucket at the end: the host blocks on a bucket's
   // slowest owner only once everything is issued, so owners run their whole load back to back
   // (the planner balances the totals, not each bucket).
-  const int stages = runner->num_stages(), compute = runner->compute_stage();
-  const int n = static_cast<int>(buckets.size());
+  const int stages = pipeline.runner->num_stages(), compute = pipeline.runner->compute_stage();
+  const int n = static_cast<int>(dist.buckets.size());
   for (int s = 0; s < compute; ++s)
-    for (int b = 0; b < n; ++b) runner->run_stage(s, b, *ctx);
+    for (int b = 0; b < n; ++b) pipeline.runner->run_stage(s, b, *ctx);
   if (ctx->raise) {
-    for (int b = 0; b < n; ++b) runner->pass1(b, *ctx);
-    adam_check(*ctx);
-    wait_unchecked();  // the transfers' deadlines before the statuses' device synchronisation
-    std::vector<std::string> names(static_cast<size_t>(n_status) - adam_params.size());
-    for (const Bucket& b : buckets)
+    for (int b = 0; b < n; ++b) pipeline.runner->pass1(b, *ctx);
+    adam.check(*ctx);
+    dist.wait_unchecked();  // the transfers' deadlines before the statuses' device synchronisation
+    std::vector<std::string> names(static_cast<size_t>(record.n_status) -
+                                   record.adam_params.size());
+    for (const Bucket& b : dist.buckets)
       for (size_t k = 0; k < b.act.size(); ++k) names[b.status_offset + k] = matrix_name(b.act[k]);
-    raise_if_nonfinite(names);
+    record.raise_if_nonfinite(backend, registry, dist.world, names);
   }
   const int tail = stages - 1 > compute ? stages - 1 : stages;  // phase 3's stage, if any
   auto run_or_defer = [&](int s, int b, bool after_last_compute) {
-    if (dist.defer_publish && after_last_compute)
-      deferred.emplace_back(s, b);
+    if (dist.options.defer_publish && after_last_compute)
+      pipeline.deferred.emplace_back(s, b);
     else
-      runner->run_stage(s, b, *ctx);
+      pipeline.runner->run_stage(s, b, *ctx);
   };
   const int span = tail - compute;
   for (int t = 0; t < n + span - 1; ++t)
@@ -287,32 +268,32 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
     }
   if (tail < stages)
     for (int b = 0; b < n; ++b) run_or_defer(tail, b, true);
-  if (!ctx->raise) adam_check(*ctx);
-  adam_update();
+  if (!ctx->raise) adam.check(*ctx);
+  adam.update();
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
-  DM_LOG(kDebug, "step issued; waiting for ", unchecked.size(), " collectives");
-  wait_unchecked();
-  for (size_t i = 0; i < params.size(); ++i)
-    if (ctx->active[i]) params[i].step += 1;
+  DM_LOG(kDebug, "step issued; waiting for ", dist.unchecked.size(), " collectives");
+  dist.wait_unchecked();
+  for (size_t i = 0; i < registry.params.size(); ++i)
+    if (ctx->active[i]) registry.params[i].step += 1;
   stats.steps += 1;
-  if (!deferred.empty()) {
-    pending_ctx = std::move(ctx);
-    publish_pending = true;
+  if (!pipeline.deferred.empty()) {
+    pipeline.pending_ctx = std::move(ctx);
+    pipeline.publish_pending = true;
   }
-  stats.comm += comm_stats() - before;
+  stats.comm += dist.comm_stats() - before;
 }
 
 void Engine::Impl::finish_publish() {
-  bind_streams();
-  const CommStats before = comm_stats();
+  dist.bind_streams(backend.native_stream());
+  const CommStats before = dist.comm_stats();
   std::vector<std::pair<int, int>> items;
-  items.swap(deferred);
-  publish_pending = false;
-  std::unique_ptr<StepContext> ctx = std::move(pending_ctx);
-  for (auto [s, b] : items) runner->run_stage(s, b, *ctx);
-  wait_unchecked();
-  stats.comm += comm_stats() - before;
+  items.swap(pipeline.deferred);
+  pipeline.publish_pending = false;
+  std::unique_ptr<StepContext> ctx = std::move(pipeline.pending_ctx);
+  for (auto [s, b] : items) pipeline.runner->run_stage(s, b, *ctx);
+  dist.wait_unchecked();
+  stats.comm += dist.comm_stats() - before;
 }
 
 }  // namespace distmuon

@@ -41,16 +41,21 @@ const char* dist_mode_name(DistMode m) {
   return "?";
 }
 
-Engine::Impl::Impl(Backend& be, EngineOptions opt) : backend(be), options(opt), ortho(be) {
-  graph_mode = graphs_enabled();
-  skip_counter = backend.alloc(sizeof(int64_t));
-  backend.fill_zero(skip_counter.data(), sizeof(int64_t));
+Engine::Impl::Impl(Backend& be, EngineOptions opt)
+    : backend(be),
+      options(opt),
+      tuning(be, registry.groups),
+      resources(be, registry.groups, tuning, stats.ortho),
+      adam(be, registry, record, dist) {
+  local.graph_mode = LocalStep::graphs_enabled(options);
+  record.skip_counter = backend.alloc(sizeof(int64_t));
+  backend.fill_zero(record.skip_counter.data(), sizeof(int64_t));
 }
 
 Engine::Impl::~Impl() {
   // A publication left in flight must land before the buffers it writes are released.
   try {
-    if (publish_pending) finish_publish();
+    if (pipeline.publish_pending) finish_publish();
   } catch (...) {
   }
 }
@@ -64,8 +69,8 @@ Engine::Engine(Backend& backend, Communicator& world, const DistOptions& dist,
   DM_CHECK(world.device().kind == backend.device().kind, "the communicator ", world.name(),
            " moves ", world.device().kind == DeviceKind::kCPU ? "host" : "CUDA",
            " memory but the backend ", backend.name(), " computes elsewhere");
-  impl_->world = &world;
-  impl_->dist = dist;
+  impl_->dist.world = &world;
+  impl_->dist.options = dist;
 }
 
 Engine::~Engine() = default;
@@ -90,31 +95,33 @@ int Engine::add_group(const GroupOptions& o) {
     DM_CHECK(a.eps > 0, "AdamW eps must be > 0 (got ", a.eps, ")");
     DM_CHECK(a.weight_decay >= 0, "AdamW weight_decay must be >= 0");
   }
-  impl_->groups.push_back(o);
-  return static_cast<int>(impl_->groups.size()) - 1;
+  impl_->registry.groups.push_back(o);
+  return static_cast<int>(impl_->registry.groups.size()) - 1;
 }
 
 GroupOptions& Engine::group(int i) {
   DM_CHECK(i >= 0 && i < num_groups(), "no parameter group ", i);
-  return impl_->groups[i];
+  return impl_->registry.groups[i];
 }
-int Engine::num_groups() const { return static_cast<int>(impl_->groups.size()); }
-int Engine::num_params() const { return static_cast<int>(impl_->params.size()); }
+int Engine::num_groups() const { return static_cast<int>(impl_->registry.groups.size()); }
+int Engine::num_params() const { return static_cast<int>(impl_->registry.params.size()); }
 const ParamSpec& Engine::param(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  return impl_->params[i].spec;
+  return impl_->registry.params[i].spec;
 }
 Backend& Engine::backend() { return impl_->backend; }
-bool Engine::distributed() const { return impl_->world != nullptr; }
-const DistOptions& Engine::dist_options() const { return impl_->dist; }
-const Plan* Engine::plan() const { return impl_->world && impl_->built ? &impl_->plan : nullptr; }
+bool Engine::distributed() const { return impl_->dist.world != nullptr; }
+const DistOptions& Engine::dist_options() const { return impl_->dist.options; }
+const Plan* Engine::plan() const {
+  return impl_->dist.world && impl_->built ? &impl_->dist.plan : nullptr;
+}
 
 int Engine::Impl::add_param(const ParamSpec& spec) {
   Impl& s = *this;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  DM_CHECK(spec.group >= 0 && spec.group < static_cast<int>(s.groups.size()), "parameter '",
-           spec.name, "' names group ", spec.group, " but only ", static_cast<int>(s.groups.size()),
-           " exist");
+  DM_CHECK(spec.group >= 0 && spec.group < static_cast<int>(s.registry.groups.size()),
+           "parameter '", spec.name, "' names group ", spec.group, " but only ",
+           static_cast<int>(s.registry.groups.size()), " exist");
   Param p;
   p.spec = spec;
   for (int64_t d : spec.shape)
@@ -129,7 +136,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
   p.inner = p.numel / p.dim0;
   const ShardSpec& sh = spec.shard;
   if (sh.sharded()) {
-    DM_CHECK(s.world != nullptr, "parameter '", spec.name,
+    DM_CHECK(s.dist.world != nullptr, "parameter '", spec.name,
              "' has a shard but the engine is not distributed");
     DM_CHECK(sh.row_begin >= 0 && sh.row_begin + sh.row_count <= p.dim0, "parameter '", spec.name,
              "': shard rows [", sh.row_begin, ", ", sh.row_begin + sh.row_count,
@@ -137,7 +144,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
   }
   p.local_rows = sh.sharded() ? sh.row_count : p.dim0;
   p.local_numel = p.local_rows * p.inner;
-  const GroupOptions& g = s.groups[spec.group];
+  const GroupOptions& g = s.registry.groups[spec.group];
   if (g.kind == ParamKind::kMuon) {
     p.layout = matrix_layout(spec.name, spec.shape);
     p.state0_dtype = g.muon.momentum_dtype;
@@ -148,7 +155,7 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
     s.stats.adamw_params += p.numel;
   }
   // A distributed engine allocates state in setup(), once the owners are known.
-  if (!s.world) {
+  if (!s.dist.world) {
     const size_t n = static_cast<size_t>(p.numel);
     p.state0 =
         s.backend.alloc(n * dtype_size(g.kind == ParamKind::kMuon ? p.state0_dtype : DType::kF32));
@@ -158,14 +165,14 @@ int Engine::Impl::add_param(const ParamSpec& spec) {
       s.backend.fill_zero(p.state1.data(), p.state1.bytes());
     }
   }
-  s.params.push_back(std::move(p));
-  return static_cast<int>(s.params.size()) - 1;
+  s.registry.params.push_back(std::move(p));
+  return static_cast<int>(s.registry.params.size()) - 1;
 }
 
 int Engine::add_param(const ParamSpec& spec) {
   Impl& s = *impl_;
   DM_CHECK(!s.built, "parameter '", spec.name, "' added after the first step");
-  if (!s.world) return s.add_param(spec);
+  if (!s.dist.world) return s.add_param(spec);
   // Distributed: an error on one rank must reach every rank (setup() reports it everywhere);
   // thrown here it would leave the other ranks waiting for this one until the timeout.
   try {
@@ -173,24 +180,25 @@ int Engine::add_param(const ParamSpec& spec) {
   } catch (const Error& e) {
     std::string msg = e.what();
     if (msg.rfind("distmuon: ", 0) == 0) msg.erase(0, 10);
-    s.registration_errors.push_back(msg);
+    s.registry.registration_errors.push_back(msg);
     Param p;
     p.spec = spec;
-    s.params.push_back(std::move(p));
-    return static_cast<int>(s.params.size()) - 1;
+    s.registry.params.push_back(std::move(p));
+    return static_cast<int>(s.registry.params.size()) - 1;
   }
 }
 
 void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
-  DM_CHECK(data.size() == params.size(), "step got ", data.size(), " parameters, ", params.size(),
-           " are registered");
+  DM_CHECK(data.size() == registry.params.size(), "step got ", data.size(), " parameters, ",
+           registry.params.size(), " are registered");
   for (size_t i = 0; i < data.size(); ++i) {
     const ParamData& d = data[i];
-    const Param& p = params[i];
-    const std::string where = world ? detail::concat(" (rank ", rank, ")") : std::string();
+    const Param& p = registry.params[i];
+    const std::string where =
+        dist.world ? detail::concat(" (rank ", dist.rank, ")") : std::string();
     // With caller transfers only the owners of a Muon parameter's matrices need its buffers.
     const bool optional =
-        caller_transfers() && !d.grad && groups[p.spec.group].kind == ParamKind::kMuon;
+        caller_transfers() && !d.grad && registry.groups[p.spec.group].kind == ParamKind::kMuon;
     DM_CHECK(d.param != nullptr || p.local_numel == 0 || optional, "parameter '", p.spec.name,
              "' has no data", where);
     if (!d.grad || d.grad_shape.empty()) continue;
@@ -207,7 +215,7 @@ void Engine::Impl::check_inputs(std::span<const ParamData> data) const {
 void Engine::setup() {
   Impl& s = *impl_;
   if (s.built) return;
-  if (s.world)
+  if (s.dist.world)
     s.dist_setup();
   else
     s.build_classes();
@@ -216,7 +224,7 @@ void Engine::setup() {
 void Engine::step(std::span<const ParamData> data) {
   Impl& s = *impl_;
   if (!s.built) setup();
-  if (s.world) {
+  if (s.dist.world) {
     s.dist_step(data);  // checks the inputs and shares any error with every rank
     return;
   }
@@ -225,25 +233,25 @@ void Engine::step(std::span<const ParamData> data) {
 }
 
 void Engine::wait_published() {
-  if (impl_->publish_pending) impl_->finish_publish();
+  if (impl_->pipeline.publish_pending) impl_->finish_publish();
 }
 
 int Engine::owner(int param, int64_t slice) const {
   DM_CHECK(param >= 0 && param < num_params(), "no parameter ", param);
-  const Param& p = impl_->params[param];
-  DM_CHECK(impl_->groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
-           "' is not a Muon parameter");
+  const Param& p = impl_->registry.params[param];
+  DM_CHECK(impl_->registry.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '",
+           p.spec.name, "' is not a Muon parameter");
   DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
            p.layout.count, " matrices, not ", slice + 1);
-  if (!impl_->world) return 0;
+  if (!impl_->dist.world) return 0;
   DM_CHECK(impl_->built, "owners are known after setup()");
-  return impl_->mats[p.matrices[slice]].owner;
+  return impl_->dist.mats[p.matrices[slice]].owner;
 }
 
 TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  Param& p = impl_->params[i];
-  const bool muon = impl_->groups[p.spec.group].kind == ParamKind::kMuon;
+  Param& p = impl_->registry.params[i];
+  const bool muon = impl_->registry.groups[p.spec.group].kind == ParamKind::kMuon;
   DM_CHECK(muon && (name == "momentum_buffer" || name.rfind("cache_", 0) == 0), "parameter '",
            p.spec.name, "' has no matrix state '", name, "'");
   DM_CHECK(slice >= 0 && slice < p.layout.count, "parameter '", p.spec.name, "' has ",
@@ -255,31 +263,31 @@ TensorView Engine::matrix_state(int i, int64_t slice, const std::string& name) {
   const std::vector<int64_t> shape = {p.layout.rows, p.layout.cols};
   const size_t es = dtype_size(p.state0_dtype);
   const int64_t off = slice * p.layout.rows * p.layout.cols;
-  if (!impl_->world || impl_->dist.mode == DistMode::kGather) {
+  if (!impl_->dist.world || impl_->dist.options.mode == DistMode::kGather) {
     // Single process: the whole parameter; gather: only a whole-matrix local shard qualifies.
-    if (impl_->world && (p.local_numel != p.numel))
+    if (impl_->dist.world && (p.local_numel != p.numel))
       return TensorView{nullptr, shape, {}, p.state0_dtype, dev};
     return TensorView::contiguous(p.state0.as<char>() + off * es, shape, p.state0_dtype, dev);
   }
   DM_CHECK(impl_->built, "distributed state exists after setup()");
-  const DistMatrix& m = impl_->mats[p.matrices[slice]];
+  const DistMatrix& m = impl_->dist.mats[p.matrices[slice]];
   return TensorView::contiguous(m.momentum.data(), shape, p.state0_dtype, dev);
 }
 
 TensorView Engine::state(int i, const std::string& name) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  Param& p = s.params[i];
-  const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
+  Param& p = s.registry.params[i];
+  const bool muon = s.registry.groups[p.spec.group].kind == ParamKind::kMuon;
   const Device dev = s.backend.device();
-  DM_CHECK(!s.world || s.built, "distributed state exists after setup()");
+  DM_CHECK(!s.dist.world || s.built, "distributed state exists after setup()");
   std::vector<int64_t> local = p.spec.shape;
   local[0] = p.local_rows;
   if (muon && name == "momentum_buffer") {
-    if (s.world && s.dist.mode != DistMode::kGather) {
+    if (s.dist.world && s.dist.options.mode != DistMode::kGather) {
       DM_CHECK(p.layout.count == 1, "parameter '", p.spec.name, "' holds ", p.layout.count,
                " matrices with their own owners: read them with matrix_state()");
-      const DistMatrix& m = s.mats[p.matrices[0]];
+      const DistMatrix& m = s.dist.mats[p.matrices[0]];
       return TensorView::contiguous(m.momentum.data(), p.spec.shape, p.state0_dtype, dev);
     }
     return TensorView::contiguous(p.state0.data(), local, p.state0_dtype, dev);
@@ -287,8 +295,8 @@ TensorView Engine::state(int i, const std::string& name) {
   if (muon && name.rfind("cache_", 0) == 0) {
     // One entry per matrix: leading shape [] for a matrix, [e] for a 3D parameter. Owner modes:
     // like momentum, a parameter whose matrices have several owners is read per matrix.
-    DM_CHECK(!s.world || s.dist.mode == DistMode::kGather || p.layout.count == 1, "parameter '",
-             p.spec.name, "' holds ", p.layout.count,
+    DM_CHECK(!s.dist.world || s.dist.options.mode == DistMode::kGather || p.layout.count == 1,
+             "parameter '", p.spec.name, "' holds ", p.layout.count,
              " matrices with their own owners: read their cache state with matrix_state()");
     std::vector<int64_t> lead;
     if (p.spec.shape.size() == 3) lead.push_back(p.layout.count);
@@ -303,24 +311,9 @@ TensorView Engine::state(int i, const std::string& name) {
 
 std::vector<std::string> Engine::state_names(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
-  if (impl_->groups[impl_->params[i].spec.group].kind == ParamKind::kMuon)
+  if (impl_->registry.groups[impl_->registry.params[i].spec.group].kind == ParamKind::kMuon)
     return impl_->muon_state_names(i);
   return {"exp_avg", "exp_avg_sq"};
-}
-
-void Engine::Impl::allocate_step_counts() {
-  step_counts = backend.alloc(sizeof(int64_t) * std::max<size_t>(1, params.size()));
-  std::vector<int64_t> h(params.size());
-  for (size_t i = 0; i < params.size(); ++i) h[i] = params[i].step;
-  backend.copy_from_host(step_counts.data(), h.data(), h.size() * sizeof(int64_t));
-  matrix_skips = backend.alloc(sizeof(int64_t) * std::max<int64_t>(1, stats.muon_matrices));
-  backend.fill_zero(matrix_skips.data(), matrix_skips.bytes());
-}
-
-void StepRecord::allocate_step_status(Backend& backend) {
-  const size_t entries = static_cast<size_t>(std::max<int64_t>(n_status, 1));
-  step_status = backend.alloc(entries * sizeof(int32_t));
-  step_norms = backend.alloc(entries * sizeof(double));
 }
 
 std::string Registry::slice_name(int param, int64_t slice) const {
@@ -328,52 +321,40 @@ std::string Registry::slice_name(int param, int64_t slice) const {
   return p.layout.count > 1 ? p.spec.name + "[" + std::to_string(slice) + "]" : p.spec.name;
 }
 
-std::vector<int64_t> Engine::Impl::local_skips() {
-  std::vector<int64_t> per_param(params.size(), 0);
-  if (!matrix_skips) return per_param;
-  std::vector<int64_t> m(static_cast<size_t>(stats.muon_matrices));
-  backend.synchronize();
-  backend.copy_to_host(m.data(), matrix_skips.data(), m.size() * sizeof(int64_t));
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Param& p = params[i];
-    if (groups[p.spec.group].kind != ParamKind::kMuon) continue;
-    for (int64_t s = 0; s < p.layout.count; ++s)
-      per_param[i] = std::max(per_param[i], m[p.first_matrix + s]);
-  }
-  return per_param;
-}
-
 int64_t Engine::param_step(int i) const {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  if (s.groups[s.params[i].spec.group].kind == ParamKind::kMuon)
-    return s.params[i].step - s.local_skips()[i];
-  if (!s.step_counts) return s.params[i].step;
+  if (s.registry.groups[s.registry.params[i].spec.group].kind == ParamKind::kMuon)
+    return s.registry.params[i].step -
+           s.record.skips_per_param(s.backend, s.registry, s.stats.muon_matrices)[i];
+  if (!s.record.step_counts) return s.registry.params[i].step;
   int64_t v = 0;
   s.backend.synchronize();
-  s.backend.copy_to_host(&v, s.step_count(i), sizeof(int64_t));
+  s.backend.copy_to_host(&v, s.record.step_count(i), sizeof(int64_t));
   return v;
 }
 
 std::vector<int64_t> Engine::param_steps() {
   Impl& s = *impl_;
-  std::vector<int64_t> skips = s.local_skips();
+  std::vector<int64_t> skips =
+      s.record.skips_per_param(s.backend, s.registry, s.stats.muon_matrices);
   // Skips are counted where each matrix's momentum is: every rank takes the largest count.
-  if (s.world && s.built && s.world_size > 1) {
+  if (s.dist.world && s.built && s.dist.world_size > 1) {
     std::vector<int32_t> v(skips.begin(), skips.end());
-    host_all_reduce(*s.world, s.backend, v, ReduceOp::kMax);
+    host_all_reduce(*s.dist.world, s.backend, v, ReduceOp::kMax);
     skips.assign(v.begin(), v.end());
   }
-  std::vector<int64_t> adamw(s.params.size());
-  if (s.step_counts) {
+  std::vector<int64_t> adamw(s.registry.params.size());
+  if (s.record.step_counts) {
     s.backend.synchronize();
-    s.backend.copy_to_host(adamw.data(), s.step_counts.data(), adamw.size() * sizeof(int64_t));
+    s.backend.copy_to_host(adamw.data(), s.record.step_counts.data(),
+                           adamw.size() * sizeof(int64_t));
   }
-  std::vector<int64_t> out(s.params.size());
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    const Param& p = s.params[i];
-    const bool muon = s.groups[p.spec.group].kind == ParamKind::kMuon;
-    out[i] = muon ? p.step - skips[i] : s.step_counts ? adamw[i] : p.step;
+  std::vector<int64_t> out(s.registry.params.size());
+  for (size_t i = 0; i < s.registry.params.size(); ++i) {
+    const Param& p = s.registry.params[i];
+    const bool muon = s.registry.groups[p.spec.group].kind == ParamKind::kMuon;
+    out[i] = muon ? p.step - skips[i] : s.record.step_counts ? adamw[i] : p.step;
   }
   return out;
 }
@@ -382,20 +363,21 @@ void Engine::set_param_step(int i, int64_t step) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   DM_CHECK(step >= 0, "step must be >= 0");
   Impl& s = *impl_;
-  Param& p = s.params[i];
+  Param& p = s.registry.params[i];
   p.step = step;
-  if (s.step_counts) s.backend.copy_from_host(s.step_count(i), &step, sizeof(int64_t));
-  if (s.matrix_skips && s.groups[p.spec.group].kind == ParamKind::kMuon)
-    s.backend.fill_zero(s.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
+  if (s.record.step_counts)
+    s.backend.copy_from_host(s.record.step_count(i), &step, sizeof(int64_t));
+  if (s.record.matrix_skips && s.registry.groups[p.spec.group].kind == ParamKind::kMuon)
+    s.backend.fill_zero(s.record.skips_of(p, 0), sizeof(int64_t) * p.layout.count);
 }
 
 EngineStats Engine::stats() {
   Impl& s = *impl_;
   s.backend.synchronize();
   EngineStats st = s.stats;
-  s.backend.copy_to_host(&st.nonfinite_skips, s.skip_counter.data(), sizeof(int64_t));
-  if (!s.world) st.owned_matrices = st.muon_matrices;
-  st.cache = s.cache_stats();
+  s.backend.copy_to_host(&st.nonfinite_skips, s.record.skip_counter.data(), sizeof(int64_t));
+  if (!s.dist.world) st.owned_matrices = st.muon_matrices;
+  st.cache = s.resources.cache_stats();
   st.ortho.flops += st.cache.flops;  // run_cached leaves its FLOPs to the cache's accounting
   return st;
 }

@@ -15,7 +15,7 @@
 
 namespace distmuon {
 
-int Engine::Impl::cache_class_of(int group, int64_t m, int64_t n) {
+int BatchResources::cache_class_of(int group, int64_t m, int64_t n) {
   for (size_t i = 0; i < caches.size(); ++i)
     if (caches[i].group == group && caches[i].m == m && caches[i].n == n)
       return static_cast<int>(i);
@@ -27,8 +27,8 @@ int Engine::Impl::cache_class_of(int group, int64_t m, int64_t n) {
   return static_cast<int>(caches.size()) - 1;
 }
 
-bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
-                                 size_t* workspace_bytes) {
+bool BatchResources::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
+                                   size_t* workspace_bytes) {
   // The options may change between steps; prepare() keeps the entries unless the shape, dtype
   // or algorithm changed (then their key no longer matches and they refresh).
   const CacheOptions& co = groups[cc.group].muon.cache;
@@ -42,20 +42,20 @@ bool Engine::Impl::prepare_cache(CacheClass& cc, const OrthoConfig& resolved, in
   return true;
 }
 
-BatchOrtho Engine::Impl::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
-                                     size_t workspace_bytes) {
+BatchOrtho BatchResources::batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
+                                       size_t workspace_bytes) {
   const bool cached = cache >= 0 && caches[cache].use;
   return {&ortho,
-          &stats.ortho,
+          &stats,
           cached ? caches[cache].cache.get() : nullptr,
           cached ? entries : std::span<const int64_t>{},
           workspace,
           workspace_bytes};
 }
 
-BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
-                                       std::vector<int64_t>& entries, int64_t count, int64_t m,
-                                       int64_t n, BatchRef* x) {
+BatchOrtho BatchResources::prepare_batch(const OrthoConfig& resolved, int cache,
+                                         std::vector<int64_t>& entries, int64_t count, int64_t m,
+                                         int64_t n, BatchRef* x) {
   size_t cached_workspace = 0;
   const bool cached =
       cache >= 0 && prepare_cache(caches[cache], resolved, count, &cached_workspace);
@@ -67,8 +67,8 @@ BatchOrtho Engine::Impl::prepare_batch(const OrthoConfig& resolved, int cache,
   return batch_ortho(cached ? cache : -1, entries, workspace.data(), workspace_size);
 }
 
-void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
-                                  size_t workspace_bytes) {
+void BatchResources::ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m,
+                                    int64_t n, size_t workspace_bytes) {
   const size_t xb = static_cast<size_t>(count * m * n) * dtype_size(iteration_dtype(resolved));
   if (xb > x_bytes) {
     x = backend.alloc(xb);
@@ -83,32 +83,32 @@ void Engine::Impl::ensure_scratch(const OrthoConfig& resolved, int64_t count, in
 }
 
 void Engine::Impl::assign_cache_entries() {
-  caches.clear();
+  resources.caches.clear();
   // Bucket order, and inside a bucket the sorted order of its runs: the matrices of a run get
   // consecutive entries, so a run is one cached call whenever all of them step.
-  for (const Bucket& b : buckets)
+  for (const Bucket& b : dist.buckets)
     for (int j : b.mats) {
-      DistMatrix& m = mats[j];
-      if (dist.mode != DistMode::kGather && m.owner != rank) continue;
-      m.cache = cache_class_of(m.group, m.m(), m.n());
-      m.cache_entry = caches[m.cache].count();
-      caches[m.cache].names.push_back(matrix_name(j));
+      DistMatrix& m = dist.mats[j];
+      if (dist.options.mode != DistMode::kGather && m.owner != dist.rank) continue;
+      m.cache = resources.cache_class_of(m.group, m.m(), m.n());
+      m.cache_entry = resources.caches[m.cache].count();
+      resources.caches[m.cache].names.push_back(matrix_name(j));
     }
 }
 
 std::pair<int, int64_t> Engine::Impl::cache_entry_of(int i, int64_t slice) {
-  const Param& p = params[i];
-  if (!world) {
+  const Param& p = registry.params[i];
+  if (!dist.world) {
     if (!built) build_classes();  // freezes the parameter list, as a first step does
-    const ShapeClass& c = classes[p.cls];
+    const ShapeClass& c = local.classes[p.cls];
     return {c.cache, p.first_member + slice};
   }
   DM_CHECK(built, "distributed state exists after setup()");
-  const DistMatrix& m = mats[p.matrices[slice]];
+  const DistMatrix& m = dist.mats[p.matrices[slice]];
   return {m.cache, m.cache_entry};
 }
 
-CacheStats Engine::Impl::cache_stats() {
+CacheStats BatchResources::cache_stats() {
   CacheStats total;
   for (CacheClass& cc : caches) {
     if (!cc.cache) continue;
@@ -128,9 +128,9 @@ CacheStats Engine::Impl::cache_stats() {
 namespace {
 
 bool caches_shape(const Engine::Impl& e, int group, const MatrixLayout& l) {
-  if (!e.groups[group].muon.cache.enabled) return false;
+  if (!e.registry.groups[group].muon.cache.enabled) return false;
   const int64_t m = std::min(l.rows, l.cols), n = std::max(l.rows, l.cols);
-  return e.resolve_shape(group, m, n).iteration == Iteration::kGram;
+  return e.tuning.resolve_shape(group, m, n).iteration == Iteration::kGram;
 }
 
 }  // namespace
@@ -140,8 +140,8 @@ bool caches_shape(const Engine::Impl& e, int group, const MatrixLayout& l) {
 // with the right shape and dtype and data == nullptr, as for momentum.
 TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const std::string& name,
                                     const std::vector<int64_t>& lead) {
-  const Param& p = params[i];
-  const GroupOptions& g = groups[p.spec.group];
+  const Param& p = registry.params[i];
+  const GroupOptions& g = registry.groups[p.spec.group];
   DM_CHECK(caches_shape(*this, p.spec.group, p.layout), "parameter '", p.spec.name,
            "' has no CacheMuon state (cache off or ", p.layout.rows, "x", p.layout.cols,
            " is not orthogonalized with Gram NS)");
@@ -149,19 +149,22 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
   for (int64_t k = 1; k < count; ++k) {
     auto [ck, ek] = cache_entry_of(i, slice + k);
     DM_CHECK(ck == c && (c < 0 || ek == first + k), "parameter '", p.spec.name,
-             "': its matrices' cache entries are not held together on rank ", rank,
+             "': its matrices' cache entries are not held together on rank ", dist.rank,
              "; read them per matrix with matrix_state()");
   }
   if (c >= 0) {
-    const OrthoConfig r = resolve_shape(p.spec.group, caches[c].m, caches[c].n);
-    DM_CHECK(prepare_cache(caches[c], r, 0, nullptr), "internal: cache class not usable");
-    return caches[c].cache->state(name, first, count, lead);
+    const OrthoConfig r =
+        tuning.resolve_shape(p.spec.group, resources.caches[c].m, resources.caches[c].n);
+    DM_CHECK(resources.prepare_cache(resources.caches[c], r, 0, nullptr),
+             "internal: cache class not usable");
+    return resources.caches[c].cache->state(name, first, count, lead);
   }
   std::vector<int64_t> shape = lead;
   DType t = name == "cache_key" ? DType::kF64 : DType::kF32;
   if (name == "cache_q") {
     const int64_t m = std::min(p.layout.rows, p.layout.cols);
-    const OrthoConfig r = resolve_shape(p.spec.group, m, std::max(p.layout.rows, p.layout.cols));
+    const OrthoConfig r =
+        tuning.resolve_shape(p.spec.group, m, std::max(p.layout.rows, p.layout.cols));
     if (g.muon.cache.layout == CacheLayout::kFactors)
       shape.push_back(ortho_detail::gram_segments(r));
     shape.push_back(m);
@@ -174,7 +177,7 @@ TensorView Engine::Impl::cache_view(int i, int64_t slice, int64_t count, const s
 }
 
 std::vector<std::string> Engine::Impl::muon_state_names(int i) const {
-  const Param& p = params[i];
+  const Param& p = registry.params[i];
   std::vector<std::string> names = {"momentum_buffer"};
   if (caches_shape(*this, p.spec.group, p.layout))
     for (const std::string& n : TransformCache::state_names()) names.push_back(n);

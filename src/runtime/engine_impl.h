@@ -1,207 +1,96 @@
-// Internal state of the Engine shared by its files: the registry (engine.cc), the single-process
-// step (local_step.cc), CacheMuon's entries (engine_cache.cc), the tuned algorithms
-// (engine_tune.cc), the distributed set-up and plan (dist_setup.cc, dist_layout.cc), the step
-// driver (dist_step.cc), AdamW (adamw_step.cc) and the prepared updates (dedicated_prepare.cc).
+// The Engine's private state (Engine::Impl): the parts it is made of, each in its own header
+// with the methods that own its data, and the few methods that need several parts at once --
+// registration (engine.cc), the single-process step (local_step.cc, step_graph.cc), CacheMuon's
+// views (engine_cache.cc), the distributed set-up, layout and step (dist_setup.cc,
+// dist_layout.cc, dist_step.cc) and the prepared updates (dedicated_prepare.cc).
 #pragma once
 
 #include <functional>
-#include <map>
 #include <memory>
-#include <optional>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "distmuon/cache.h"
 #include "distmuon/engine.h"
 #include "plan/runtime_plan.h"  // the start-up plan (dist_setup.cc)
+#include "runtime/adamw_state.h"
+#include "runtime/batch_resources.h"
+#include "runtime/dist_exchange.h"
 #include "runtime/dist_state.h"
+#include "runtime/local_step.h"
 #include "runtime/mode_runner.h"
 #include "runtime/muon_batch.h"
+#include "runtime/prepared_updates.h"
 #include "runtime/registry.h"
+#include "runtime/shape_tuning.h"
 #include "runtime/step_state.h"
 
 namespace distmuon {
 
-// CacheMuon entries (distmuon/cache.h) of one group and one wide shape m x n: one entry per
-// matrix this process orthogonalizes (single process: every member of a shape class; owner
-// modes: the matrices this rank owns, kept beside their momentum; gather: every matrix, since
-// every rank solves everything). The TransformCache allocates nothing until the cache is used.
-struct CacheClass {
-  int group = 0;
-  int64_t m = 0, n = 0;
-  std::vector<std::string> names;  // per entry ("param" or "param[slice]"), for statistics
-  std::unique_ptr<TransformCache> cache;
-  bool use = false;  // this step: the group enables the cache and m x n resolves to Gram NS
-  int64_t count() const { return static_cast<int64_t>(names.size()); }
-};
-
-// Muon matrices of one group and one wide shape m x n (single process), tall and wide weights
-// together: their orthogonalization runs as one batch in the wide orientation, and the fused
-// momentum and update passes run once per orientation on the two slices of that batch (the wide
-// members come first).
-struct ShapeClass {
-  int group = 0;
-  int64_t m = 0, n = 0;
-  std::vector<std::pair<int, int64_t>> members;  // (param index, slice within a 3D parameter)
-  int64_t wide_members = 0;                      // members [0, wide_members) are not tall
-  OrthoConfig resolved;
-  Buffer x, workspace;
-  size_t workspace_bytes = 0;
-  int cache = -1;  // its entries in Engine::Impl::caches (entry k = member k)
-};
-
-// Dedicated mode with caller transfers: batches prepared since the last step (momentum and
-// orthogonalization done, results in the arena x) whose updates step() applies.
-struct PreparedUpdates {
-  struct Batch {
-    std::vector<int> mats;  // one owner batch, group and wide shape; wide matrices first
-    int tall_begin = 0;     // first tall one (mats.size() when none)
-    DType x_dtype = DType::kF32;
-    size_t x_offset = 0;  // bytes into x
-    int64_t slot = 0;     // first entry in norms / status
-  };
-  std::vector<Batch> batches;
-  std::vector<char> is_prepared;  // per matrix
-  Buffer x, norms, status;        // the arena: one slot per matrix this rank owns
-  size_t x_used = 0;
-  int64_t slots_used = 0;
-  // Forgets the prepared batches (applied or discarded) and hands the arena out from the front.
-  void reset();
-};
-
-// The engine's state, one base per concern -- the registry (Registry), the step's device
-// statuses and counters (StepRecord), the distributed layout and communicators (DistState) --
-// plus the single-process shape classes, CacheMuon's entries, the tuned algorithms, AdamW's
-// staging and the prepared updates. The runners do not see it: they get a RunnerContext
-// (mode_runner.h) with the parts their stages read, and the BatchResources it implements.
-struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
+// The engine's state as parts (docs/design.md, "The runtime's parts"). Each part holds its own
+// data and the methods that work on it; a part that needs another's data names it in its
+// constructor (ShapeTuning, BatchResources, AdamWState) or takes it per call. The runners do
+// not see the engine: they get a RunnerContext (mode_runner.h) with the parts their stages read.
+// Members are declared in the order they depend on each other, so that they are destroyed
+// before what they refer to (the pipeline's runner first).
+struct Engine::Impl {
   Backend& backend;
   EngineOptions options;
-  std::vector<ShapeClass> classes;
-  std::vector<CacheClass> caches;  // CacheMuon entries (single process and distributed)
-  bool built = false;
-  Orthogonalizer ortho;
   EngineStats stats;
-  // The skips of every parameter's most-skipped matrix as this rank counted them (synchronises).
-  std::vector<int64_t> local_skips();
+  bool built = false;  // setup() has run: the registration is frozen
 
-  // ---- distributed (DistState::world == nullptr in a single process) ----
-  std::unique_ptr<ModeRunner> runner;
-  // Scratch of the owner computation, grown on demand and shared by all buckets (buckets
-  // compute one after another).
-  Buffer x, workspace;
-  size_t x_bytes = 0, workspace_size = 0;
-  bool publish_pending = false;
-  std::vector<std::pair<int, int>> deferred;  // (stage, bucket) left for finish_publish()
-  std::unique_ptr<StepContext> pending_ctx;
-  // AdamW in dedicated mode: local gradients copied in the wire dtype and all-reduced.
-  Buffer adam_stage, adam_dummy;
-  std::vector<int64_t> adam_offset;  // bytes, per AdamW parameter
-  std::vector<CommHandle> adam_handles;
-  std::vector<AdamSlot> adam_slots;
-  PreparedUpdates prepared;
+  Registry registry;         // groups and parameters as registered (registry.h)
+  StepRecord record;         // the step's statuses, norms, counters, scalars (step_state.h)
+  DistState dist;            // communicators, plan, matrices, buckets; world null: one process
+  ShapeTuning tuning;        // the algorithm of every shape (shape_tuning.h)
+  BatchResources resources;  // Orthogonalizer, CacheMuon, owners' scratch (batch_resources.h)
+  AdamWState adam;           // AdamW's step and its staging (adamw_state.h)
+  LocalStep local;           // the single-process shape classes and step graph (local_step.h)
+  PreparedUpdates prepared;  // the dedicated mode's prepare() (prepared_updates.h)
+  Pipeline pipeline;         // the mode's runner and a deferred publication (mode_runner.h)
 
   Impl(Backend& be, EngineOptions opt);
   ~Impl();
-  void bind_streams();  // the communicators follow the backend's current stream
 
-  // registry / single process (engine.cc, local_step.cc)
+  // Registration and inputs (engine.cc).
   int add_param(const ParamSpec& spec);
-  void build_classes();
-  // Uploads Param::step of every parameter and zeroes the Muon skip counters.
-  void allocate_step_counts();
-  int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
-  // The step's hyperparameters in backend memory (step_scalars.cc): sized once the classes or
-  // the distributed matrices are known, uploaded from the groups' options before every step
-  // (and every dedicated prepare()).
-  void allocate_scalars();
-  void upload_scalars();
-  void ensure_class_buffers(ShapeClass& c);
+  void check_inputs(std::span<const ParamData> data) const;
+  // record.upload_scalars() from the groups' current options: before every step (and every
+  // dedicated prepare()).
+  void upload_scalars() { record.upload_scalars(backend, registry, dist); }
+
   // The single-process step: local_step drives it (the hyperparameters' upload, then the
   // step's graph or an eager issue, step_graph.cc); issue_local_step issues the device work
   // (local_step.cc); count_local_step does its host bookkeeping, which a replay repeats.
+  void build_classes();
+  void ensure_class_buffers(ShapeClass& c);
   void local_step(std::span<const ParamData> data);
   void issue_local_step(std::span<const ParamData> data);
   void count_local_step(std::span<const ParamData> data);
-  void check_inputs(std::span<const ParamData> data) const;
-
-  // Whole-step graphs (step_graph.cc, EngineOptions::graphs).
-  struct StepGraph {
-    std::vector<uint64_t> key;           // of the last step issued eagerly or captured
-    std::unique_ptr<BackendGraph> exec;  // captured under `key`
-    OrthoStats ortho;                    // what the captured step added to stats.ortho
-    std::vector<TransformCache::Ledger> cache;  // ... and to each cache class's ledger
-    int failures = 0;                    // captures that failed
-  };
-  static constexpr int kMaxCaptureFailures = 3;
-  bool graph_mode = false;  // EngineOptions::graphs or DISTMUON_GRAPHS, read once
-  StepGraph graph;
-  bool graphs_enabled() const;
-  std::vector<uint64_t> step_key(std::span<const ParamData> data);
-
-  // Per-shape algorithms of `auto` (engine_tune.cc). resolve_shape is the one place the runtime
-  // resolves a group's config for a wide m x n shape: the tuned choice when tune_shapes found
-  // one for the group's current config, else resolve(). tune_shapes asks the backend for
-  // (group, m, n, count) shapes; distributed, rank 0 asks and every rank takes its answers
-  // (collective), so every rank runs the same algorithm.
-  struct TuneShape {
-    int group;
-    int64_t m, n, count;
-  };
-  OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const override;
-  // OrthoConfig::grouped_products for a class (DISTMUON_GROUPED_PRODUCTS; auto: the backend
-  // groups this work dtype natively, m <= kGroupedMaxRows and count m^2 n <= kGroupedMaxWork,
-  // i.e. one of the class's products is a few microseconds of the device's time: launch-bound).
-  // DISTMUON_GROUPED_PRODUCTS is read once, where the classes are set up (tune_shapes), so that
-  // a bad value fails before any step and a step never sees it change; distributed, it is part
-  // of what every rank must agree on (dist_setup.cc).
-  bool grouped_products(int group, int64_t m, int64_t n, DType work) const;
-  // What `auto` resolves a class to when it shares its launches (grouped Gram NS, untimed), or
-  // nothing when the group is not `auto` or the class is not grouped.
-  std::optional<OrthoConfig> grouped_auto(int group, int64_t m, int64_t n) const;
-  static std::string grouped_products_setting();  // "auto", "off" or "all"; throws otherwise
-  static constexpr int64_t kGroupedMaxRows = 512;
-  static constexpr double kGroupedMaxWork = 1 << 30;
-  std::string grouped_setting = "auto";
-  std::map<std::tuple<int, int64_t, int64_t>, int64_t> shape_counts;  // (group, m, n): count
-  void tune_shapes(const std::vector<TuneShape>& shapes);
-  std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
-  void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')
-  std::map<std::string, OrthoConfig> tuned;  // key: tuned_key()
-  std::vector<TunedShape> tune_report;       // the last tune_shapes' answers, shape by shape
-  // Set by Engine::tune() around its tuning: measure what the store lacks whatever the mode.
-  bool force_measure = false;
   // Whether this engine's steps replay a captured graph: single process, graphs on, neither the
   // raise policy nor CacheMuon's shadow mode (both read the device on the host mid-step); the
   // tuner then times graph replays. local_step states it per class (step_graph.cc).
   bool steps_replay() const;
 
-  // CacheMuon (engine_cache.cc). The index of the cache class of (group, m, n), created on demand.
-  int cache_class_of(int group, int64_t m, int64_t n);
-  // Binds a cache class to its group's current options for the resolved config; returns whether
-  // this step uses it and, if so, the workspace bytes run_cached needs for `count` matrices.
-  bool prepare_cache(CacheClass& cc, const OrthoConfig& resolved, int64_t count,
-                     size_t* workspace_bytes);
-  // How a batch is orthogonalized: fresh, or through the cache class `cache` (-1: none, or
-  // not used in this step) where matrix k uses entry entries[k].
-  BatchOrtho batch_ortho(int cache, std::span<const int64_t> entries, void* workspace,
-                         size_t workspace_bytes);
-  BatchOrtho prepare_batch(const OrthoConfig& resolved, int cache, std::vector<int64_t>& entries,
-                           int64_t count, int64_t m, int64_t n, BatchRef* x) override;
+  // tuning.tune() for these shapes with this engine's options (engine_tune.cc; collective when
+  // distributed).
+  void tune_shapes(const std::vector<TuneShape>& shapes);
+  std::vector<TuneShape> class_shapes() const;  // the single-process classes as TuneShapes
+  void tune_dist_shapes();  // tune_shapes over the distributed matrices (counts: all ranks')
+
+  // CacheMuon's entries seen from the registry (engine_cache.cc).
   // Gives every matrix this rank orthogonalizes its cache entry, in the order the runs use them.
   void assign_cache_entries();
   // The cache entries of matrix `slice` of Muon parameter i on this rank: (class, entry), or
   // (-1, -1) when this rank holds none. Single process: builds the classes.
   std::pair<int, int64_t> cache_entry_of(int i, int64_t slice);
-  CacheStats cache_stats();
   // Checkpoint views of the cache state (see Engine::state) and the state names of a Muon
   // parameter (momentum, plus the cache's when its shape uses one).
   TensorView cache_view(int i, int64_t slice, int64_t count, const std::string& name,
                         const std::vector<int64_t>& lead);
   std::vector<std::string> muon_state_names(int i) const;
 
-  // distributed (dist_setup.cc, dist_layout.cc, dist_step.cc)
+  // Distributed (dist_setup.cc, dist_layout.cc, dist_step.cc).
   void dist_setup();
   // Creates `mats` (pieces from shard_of(position, param) = (row_begin, row_count); nullptr:
   // unsharded), the buckets and their order.
@@ -212,42 +101,17 @@ struct Engine::Impl : Registry, StepRecord, DistState, BatchResources {
   void finish_publish();
   void vote(StepContext& ctx);
   void prepare_buckets(StepContext& ctx);
-  // AdamW, one path for every step (adamw_step.cc).
-  void adam_begin(StepContext& ctx);
-  void adam_check(StepContext& ctx);
-  void adam_update();
-  // Dedicated mode moving gradients itself: AdamW gradients are all-reduced in the wire dtype.
-  bool reduces_adam_gradients() const {
-    return world && dist.mode == DistMode::kDedicated && !dist.caller_transfers;
-  }
-  // Raise policy: fails, naming every entry that is not ok on some rank, before anything changes.
-  // muon_names: per Muon status entry, the matrix it belongs to this step ("" when none).
-  void raise_if_nonfinite(const std::vector<std::string>& muon_names);
   // Dedicated mode with caller transfers (dedicated_prepare.cc).
   void prepare(std::span<const int> params, std::span<const ParamData> data);
   void apply_prepared(const StepContext& ctx);
   bool caller_transfers() const {
-    return world && dist.mode == DistMode::kDedicated && dist.caller_transfers;
+    return dist.world && dist.options.mode == DistMode::kDedicated && dist.options.caller_transfers;
   }
-  // Grows the shared scratch for `count` matrices of a shape with a resolved config.
-  void ensure_scratch(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n,
-                      size_t workspace_bytes = 0);
-  std::string matrix_name(int j) const { return slice_name(mats[j].param, mats[j].slice); }
-  RunnerContext runner_context() { return {backend, *this, *this, *this, *this}; }
+  std::string matrix_name(int j) const {
+    return registry.slice_name(dist.mats[j].param, dist.mats[j].slice);
+  }
+  RunnerContext runner_context() { return {backend, registry, dist, record, resources}; }
 };
-
-// Helpers for small host-side exchanges through backend memory (dist_exchange.cc): the
-// communicator may require device buffers.
-std::vector<int64_t> host_all_gather(Communicator& comm, Backend& be,
-                                     const std::vector<int64_t>& mine);
-std::vector<char> host_all_gather_v(Communicator& comm, Backend& be, const std::string& mine,
-                                    const std::vector<int64_t>& lengths);
-void host_all_reduce(Communicator& comm, Backend& be, std::vector<int32_t>& values, ReduceOp op);
-// Gathers every rank's `mine` (line-separated; `lengths` from a host_all_gather of the sizes)
-// and describes, per rank that differs from rank 0, its first line that differs:
-// "\n  rank 0 has `a` but rank q has `b`" (empty when all agree). Collective.
-std::string text_differences(Communicator& comm, Backend& be, const std::string& mine,
-                             const std::vector<int64_t>& lengths);
 
 std::string join_shape(std::span<const int64_t> s);
 

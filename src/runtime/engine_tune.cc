@@ -67,7 +67,7 @@ measure::TunedConfig decode(const std::string& line, const OrthoConfig& base) {
 
 }  // namespace
 
-OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
+OrthoConfig ShapeTuning::resolve_shape(int group, int64_t m, int64_t n) const {
   if (std::optional<OrthoConfig> g = grouped_auto(group, m, n)) return *g;
   const OrthoConfig& base = groups[group].muon.ortho;
   OrthoConfig r = resolve(base, m, n);
@@ -79,7 +79,7 @@ OrthoConfig Engine::Impl::resolve_shape(int group, int64_t m, int64_t n) const {
   return r;
 }
 
-std::string Engine::Impl::grouped_products_setting() {
+std::string ShapeTuning::grouped_products_setting() {
   std::string v = env::get("DISTMUON_GROUPED_PRODUCTS");
   if (v.empty()) v = "auto";
   DM_CHECK(v == "auto" || v == "off" || v == "all", "DISTMUON_GROUPED_PRODUCTS=", v,
@@ -87,7 +87,7 @@ std::string Engine::Impl::grouped_products_setting() {
   return v;
 }
 
-std::optional<OrthoConfig> Engine::Impl::grouped_auto(int group, int64_t m, int64_t n) const {
+std::optional<OrthoConfig> ShapeTuning::grouped_auto(int group, int64_t m, int64_t n) const {
   // `auto` for a class that shares its launches: Gram NS, one schedule for all of them, so that
   // they all share every launch. Timed alone and ungrouped, the tuner would pick per class what
   // is fastest alone (ns5 for ResNet-18's classes: 0.94 ms a step on an H200, where grouped
@@ -101,7 +101,7 @@ std::optional<OrthoConfig> Engine::Impl::grouped_auto(int group, int64_t m, int6
   return r;
 }
 
-bool Engine::Impl::grouped_products(int group, int64_t m, int64_t n, DType work) const {
+bool ShapeTuning::grouped_products(int group, int64_t m, int64_t n, DType work) const {
   if (grouped_setting == "off") return false;
   if (grouped_setting == "all") return true;
   if (!backend.grouped_gemm_native(work) || m > kGroupedMaxRows) return false;
@@ -112,7 +112,8 @@ bool Engine::Impl::grouped_products(int group, int64_t m, int64_t n, DType work)
   return count > 0 && static_cast<double>(count) * m * m * n <= kGroupedMaxWork;
 }
 
-void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
+void ShapeTuning::tune(const std::vector<TuneShape>& shapes, const EngineOptions& options,
+                       bool replay, Communicator* world) {
   grouped_setting = grouped_products_setting();
   shape_counts.clear();
   for (const TuneShape& t : shapes) shape_counts[{t.group, t.m, t.n}] = t.count;
@@ -124,22 +125,22 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
     restart_free = env::get_bool("DISTMUON_AUTOTUNE_RESTART_FREE");
   measure::install_kernel_choices(backend);  // kernel variants: on every rank, each its device
   std::vector<TuneShape> todo;
-  tune_report.clear();
+  report.clear();
   for (const TuneShape& t : shapes) {
     if (groups[t.group].kind != ParamKind::kMuon ||
         groups[t.group].muon.ortho.iteration != Iteration::kAuto)
       continue;
     if (std::optional<OrthoConfig> g = grouped_auto(t.group, t.m, t.n))  // not timed
-      tune_report.push_back({t.group, t.m, t.n, t.count, *g, "grouped", 0.0});
+      report.push_back({t.group, t.m, t.n, t.count, *g, "grouped", 0.0});
     else
       todo.push_back(t);
   }
   const bool ask = mode != AutoTune::kOff && !todo.empty();
   std::string answers;  // one line per shape: an encoded answer, or "-" for the heuristic
-  if (ask && (!world || rank == 0)) {
+  if (ask && (!world || world->rank() == 0)) {
     const measure::TunePolicy policy{mode == AutoTune::kOn, restart_free};
     // An engine that replays its step is timed as it runs: graph replays.
-    std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend, steps_replay());
+    std::optional<measure::AlgorithmTuner> tuner = measure::backend_tuner(backend, replay);
     for (size_t i = 0; i < todo.size(); ++i) {
       const TuneShape& t = todo[i];
       std::optional<measure::TunedConfig> out;
@@ -149,7 +150,7 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
       answers += (out ? encode(*out) : std::string("-")) + "\n";
     }
   }
-  if (ask && world && world_size > 1) {  // every rank takes rank 0's answers
+  if (ask && world && world->size() > 1) {  // every rank takes rank 0's answers
     const std::vector<int64_t> len =
         host_all_gather(*world, backend, {static_cast<int64_t>(answers.size())});
     const std::vector<char> all = host_all_gather_v(*world, backend, answers, len);
@@ -169,20 +170,24 @@ void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
     } else {
       tuned.erase(key);
     }
-    tune_report.push_back(r);
+    report.push_back(r);
   }
 }
 
-std::vector<Engine::Impl::TuneShape> Engine::Impl::class_shapes() const {
+void Engine::Impl::tune_shapes(const std::vector<TuneShape>& shapes) {
+  tuning.tune(shapes, options, steps_replay(), dist.world);
+}
+
+std::vector<TuneShape> Engine::Impl::class_shapes() const {
   std::vector<TuneShape> shapes;
-  for (const ShapeClass& c : classes)
+  for (const ShapeClass& c : local.classes)
     shapes.push_back({c.group, c.m, c.n, static_cast<int64_t>(c.members.size())});
   return shapes;
 }
 
 void Engine::Impl::tune_dist_shapes() {
   std::vector<TuneShape> shapes;
-  for (const DistMatrix& d : mats) {
+  for (const DistMatrix& d : dist.mats) {
     bool found = false;
     for (TuneShape& t : shapes)
       if (t.group == d.group && t.m == d.m() && t.n == d.n()) {
@@ -196,35 +201,35 @@ void Engine::Impl::tune_dist_shapes() {
 
 std::vector<TunedShape> Engine::tune() {
   Impl& s = *impl_;
-  DM_CHECK(!(s.built && s.world),
+  DM_CHECK(!(s.built && s.dist.world),
            "tune() on a distributed engine that is already set up: its owners and buffers were "
            "planned for the algorithms tune() would change; call tune() instead of setup() "
            "(distmuon.torch.Muon.tune() rebuilds its engines)");
-  s.force_measure = true;
+  s.tuning.force_measure = true;
   try {
     if (s.built)
       s.tune_shapes(s.class_shapes());
     else
       setup();
   } catch (...) {
-    s.force_measure = false;
+    s.tuning.force_measure = false;
     throw;
   }
-  s.force_measure = false;
-  return s.tune_report;
+  s.tuning.force_measure = false;
+  return s.tuning.report;
 }
 
-std::vector<TunedShape> Engine::tuned_shapes() const { return impl_->tune_report; }
+std::vector<TunedShape> Engine::tuned_shapes() const { return impl_->tuning.report; }
 
 OrthoConfig Engine::resolved_ortho(int i) {
   DM_CHECK(i >= 0 && i < num_params(), "no parameter ", i);
   Impl& s = *impl_;
-  const Param& p = s.params[i];
-  DM_CHECK(s.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
+  const Param& p = s.registry.params[i];
+  DM_CHECK(s.registry.groups[p.spec.group].kind == ParamKind::kMuon, "parameter '", p.spec.name,
            "' is updated with AdamW, not orthogonalized");
   setup();
-  return s.resolve_shape(p.spec.group, std::min(p.layout.rows, p.layout.cols),
-                         std::max(p.layout.rows, p.layout.cols));
+  return s.tuning.resolve_shape(p.spec.group, std::min(p.layout.rows, p.layout.cols),
+                                std::max(p.layout.rows, p.layout.cols));
 }
 
 }  // namespace distmuon

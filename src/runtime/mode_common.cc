@@ -8,17 +8,6 @@
 
 namespace distmuon {
 
-void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
-                int64_t rows, int64_t cols) {
-  if (rows * cols == 0) return;
-  if (src_t == dst_t) {
-    backend.copy(dst, src, static_cast<size_t>(rows * cols) * dtype_size(src_t));
-    return;
-  }
-  backend.scale_copy(BatchRef::packed(const_cast<void*>(src), src_t, 1, rows, cols), false,
-                     ScaleSpec{}, BatchRef::packed(dst, dst_t, 1, rows, cols));
-}
-
 MuonBatch ModeRunner::run_batch(const Bucket& b, const Bucket::Run& run,
                                 std::span<const MuonSlot> slots) const {
   const DistMatrix& m0 = dist_.mats[b.act[run.begin]];
@@ -47,10 +36,26 @@ void ModeRunner::owned_norms(const Bucket& b, const SlotsOf& slots_of) {
 void ModeRunner::step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of) {
   for (const Bucket::Run& run : b.runs) {
     if (dist_.mats[b.act[run.begin]].owner != dist_.rank) continue;
-    const std::vector<MuonSlot> run_slots = slots_of(run);
-    if (!ctx.raise) owner_norms(b, run, run_slots);
-    owner_update(b, run, run_slots, ctx);
+    // Pass 3's coefficients are in the slots from the start (pass 1 does not read them).
+    std::vector<MuonSlot> slots = slots_of(run);
+    for (int k = run.begin; k < run.end; ++k) slots[k - run.begin].coef = ctx.coef + b.act[k];
+    const MuonBatch batch = run_batch(b, run, slots);
+    const Bucket::Run* runs[] = {&run};
+    BatchSequence seq;
+    seq.norms = !ctx.raise;  // else the raise policy's pass1() ran it
+    run_runs(b, runs, {&batch, 1}, seq);
   }
+}
+
+void ModeRunner::run_runs(const Bucket& b, std::span<const Bucket::Run* const> runs,
+                          std::span<const MuonBatch> batches, BatchSequence seq) {
+  std::vector<std::vector<int64_t>> entries(runs.size());
+  // CacheMuon is decided here, on the device of the rank that orthogonalizes the run.
+  seq.resources = [&](size_t k, BatchRef* x, BatchOrtho* how) {
+    *how = prepare_run(b, *runs[k], batches[k].resolved, &entries[k], x);
+  };
+  seq.skip_counter = record_.skip_counter.as<int64_t>();
+  run_batches(backend_, batches, seq);
 }
 
 BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
@@ -62,39 +67,6 @@ BatchOrtho ModeRunner::prepare_run(const Bucket& b, const Bucket::Run& run,
   for (int k = run.begin; k < run.end; ++k) entries->push_back(dist_.mats[b.act[k]].cache_entry);
   return resources_.prepare_batch(resolved, m0.cache, *entries, run.end - run.begin, m0.m(), m0.n(),
                                   x);
-}
-
-BatchRef ModeRunner::owner_orthogonalize(const Bucket& b, const Bucket::Run& run,
-                                         const MuonBatch& batch) {
-  std::vector<int64_t> entries;
-  BatchRef x;
-  // CacheMuon is decided here, on the owner's device.
-  const BatchOrtho how = prepare_run(b, run, batch.resolved, &entries, &x);
-  batch.orthogonalize_momentum(x, how, record_.skip_counter.as<int64_t>());
-  return x;
-}
-
-void ModeRunner::owner_update(const Bucket& b, const Bucket::Run& run,
-                              std::span<const MuonSlot> slots, const StepContext& ctx) {
-  std::vector<MuonSlot> with_coef(slots.begin(), slots.end());
-  for (int k = run.begin; k < run.end; ++k) with_coef[k - run.begin].coef = ctx.coef + b.act[k];
-  const MuonBatch batch = run_batch(b, run, with_coef);
-  const BatchRef x = owner_orthogonalize(b, run, batch);
-  batch.update(x);
-}
-
-void ModeRunner::owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
-                                      std::span<const MuonSlot> slots,
-                                      const std::function<void*(int j)>& out) {
-  const MuonBatch batch = run_batch(b, run, slots);
-  const BatchRef x = owner_orthogonalize(b, run, batch);
-  // The update in the weight's orientation and the wire dtype, for the matrix's shards.
-  for (int k = run.begin; k < run.end; ++k) {
-    const int j = b.act[k];
-    const DistMatrix& m = dist_.mats[j];
-    backend_.scale_copy(x.slice(k - run.begin, 1), m.tall(), ScaleSpec{},
-                        BatchRef::packed(out(j), m.wire, 1, m.rows, m.cols));
-  }
 }
 
 namespace {

@@ -20,7 +20,7 @@ class DedicatedRunner final : public ModeRunner {
   using ModeRunner::ModeRunner;
 
   void setup() override {
-    caller_ = dist_.dist.caller_transfers;
+    caller_ = dist_.options.caller_transfers;
     grad_stage_offset_.assign(dist_.mats.size(), -1);
     convert_offset_.assign(dist_.mats.size(), -1);
     bufs_.resize(dist_.buckets.size());
@@ -150,7 +150,7 @@ class DedicatedRunner final : public ModeRunner {
   }
   // The owner turns the sum of the local gradients into their mean (DDP semantics).
   void scale(const Bucket& bk) {
-    if (!dist_.dist.grad_mean || dist_.world_size == 1) return;
+    if (!dist_.options.grad_mean || dist_.world_size == 1) return;
     for (int j : bk.act) {
       const DistMatrix& m = dist_.mats[j];
       if (m.owner != dist_.rank) continue;

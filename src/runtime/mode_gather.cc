@@ -164,25 +164,35 @@ class GatherRunner final : public ModeRunner {
         c += piece(m, q);
       }
     }
+    // V was staged by pass 2 on every holder: each run's batch only orthogonalizes (no slots).
+    // CacheMuon: every rank holds every entry and sees the same input, so every rank takes the
+    // same decisions without exchanging them.
+    std::vector<const Bucket::Run*> runs;
+    std::vector<MuonBatch> batches;
     for (const Bucket::Run& run : bk.runs) {
-      const DistMatrix& m0 = dist_.mats[bk.act[run.begin]];
-      // V was staged by pass 2 on every holder: this batch only orthogonalizes.
-      const MuonBatch batch = run_batch(bk, run, {});
-      // CacheMuon: every rank holds every entry and sees the same input, so every rank takes
-      // the same decisions without exchanging them.
-      std::vector<int64_t> entries;
-      BatchRef x;
-      const BatchOrtho how = prepare_run(bk, run, batch.resolved, &entries, &x);
-      // V is staged in the weights' orientation: normalise each orientation's slice into X.
+      runs.push_back(&run);
+      batches.push_back(run_batch(bk, run, {}));
+    }
+    BatchSequence seq;
+    seq.norms = false;  // stage 0 ran pass 1 on this rank's rows
+    // V is staged in the weights' orientation: normalise each orientation's slice into X.
+    seq.stage = [&](size_t r, const BatchRef& x) {
+      const MuonBatch& batch = batches[r];
+      const DistMatrix& m0 = dist_.mats[bk.act[runs[r]->begin]];
       batch.for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
         const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
-        BatchRef v = BatchRef::packed(at(s.ustage.data(), matrix_offset[run.begin + k0], w), w, len,
-                                      rows, cols);
+        BatchRef v = BatchRef::packed(at(s.ustage.data(), matrix_offset[runs[r]->begin + k0], w), w,
+                                      len, rows, cols);
         backend_.frob_norm(v, batch.norms + k0);
         backend_.scale_copy(v, tall, muon_input_scale(batch.norms + k0, batch.resolved),
                             x.slice(k0, len));
       });
-      batch.orthogonalize(x, how);
+    };
+    // Each rank applies the rows of the update it holds; it counts the skips after them.
+    seq.output = BatchSequence::Output::kCustom;
+    seq.skips_after_output = true;
+    seq.custom_output = [&](size_t r, const BatchRef& x) {
+      const Bucket::Run& run = *runs[r];
       for (int k = run.begin; k < run.end; ++k) {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (piece(m, dist_.my_s) == 0) continue;
@@ -208,8 +218,8 @@ class GatherRunner final : public ModeRunner {
         slot.coef = ctx.coef + bk.act[k];
         backend_.muon_update({&slot, 1}, status_at(bk, k), o, m.tall());
       }
-      batch.count_skips(record_.skip_counter.as<int64_t>());
-    }
+    };
+    run_runs(bk, runs, batches, seq);
   }
 
   std::vector<BucketBuffers> bufs_;

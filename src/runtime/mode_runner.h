@@ -7,37 +7,16 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
+#include "runtime/batch_resources.h"
 #include "runtime/dist_state.h"
 #include "runtime/muon_batch.h"
 #include "runtime/registry.h"
 #include "runtime/step_state.h"
 
 namespace distmuon {
-
-// Copies a rows x cols block from src to dst, converting the dtype when they differ.
-void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
-                int64_t rows, int64_t cols);
-
-// What the owner computation needs from the engine beyond the state: the algorithm of a shape,
-// and the scratch and CacheMuon binding of a batch (Engine::Impl implements it).
-class BatchResources {
- public:
-  // The algorithm the group runs on a wide m x n shape (its tuned choice where there is one).
-  virtual OrthoConfig resolve_shape(int group, int64_t m, int64_t n) const = 0;
-  // Before a batch of `count` m x n matrices is orthogonalized: binds the CacheMuon class
-  // `cache` (-1: none) to its group's options, grows the shared workspace -- and, when x is not
-  // null, the shared iteration buffer, returned in x -- and says how the batch is
-  // orthogonalized: through the cache where this step uses it (matrix k on entry entries[k]),
-  // else fresh (entries is then cleared).
-  virtual BatchOrtho prepare_batch(const OrthoConfig& resolved, int cache,
-                                   std::vector<int64_t>& entries, int64_t count, int64_t m,
-                                   int64_t n, BatchRef* x) = 0;
-
- protected:
-  ~BatchResources() = default;
-};
 
 // What a runner's stages see: the registry (read-only), the distributed layout and
 // communicators, the step's statuses and counters, and the batch resources -- not the engine.
@@ -74,16 +53,12 @@ class ModeRunner {
   // plan batch, group and wide shape) is one MuonBatch, with its statuses and norms in the step's.
   MuonBatch run_batch(const Bucket& b, const Bucket::Run& run,
                       std::span<const MuonSlot> slots) const;
-  // The owner's work on a run: pass 1 (norms and statuses) ...
+  // Pass 1 (norms and statuses) of an owner's run, for the raise policy's pass1().
   void owner_norms(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
-  // ... then pass 2, the orthogonalization and the update of the slots' weights ...
-  void owner_update(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots,
-                    const StepContext& ctx);
-  // ... or, instead of the update, the orthogonalized matrix j written to out(j), rows x cols in
-  // the wire dtype (the shards apply it).
-  void owner_orthogonalized(const Bucket& b, const Bucket::Run& run,
-                            std::span<const MuonSlot> slots,
-                            const std::function<void*(int j)>& out);
+  // run_batches (muon_batch.h) over runs of bucket b, batches[k] made from *runs[k] by
+  // run_batch, each run's scratch and CacheMuon binding from prepare_run; `seq` says the rest.
+  void run_runs(const Bucket& b, std::span<const Bucket::Run* const> runs,
+                std::span<const MuonBatch> batches, BatchSequence seq);
   // prepare_batch for a run (its matrices' cache entries go to `entries`; x: the run's shared
   // iteration buffer).
   BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
@@ -92,11 +67,10 @@ class ModeRunner {
   using SlotsOf = std::function<std::vector<MuonSlot>(const Bucket::Run& run)>;
   // Pass 1 on every run of bucket b this rank owns (the raise policy's pass1()).
   void owned_norms(const Bucket& b, const SlotsOf& slots_of);
-  // The owner's step on every run of bucket b it owns: pass 1 (unless the raise policy ran it
-  // already), then owner_update.
+  // The owner's step on every run of bucket b it owns, one run after the other: pass 1 (unless
+  // the raise policy ran it already), pass 2, the orthogonalization and the update of the slots'
+  // weights (with the step's coefficients, ctx.coef).
   void step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of);
-  // Pass 2 and the orthogonalization of an owner's run: the run's iteration buffer.
-  BatchRef owner_orthogonalize(const Bucket& b, const Bucket::Run& run, const MuonBatch& batch);
   int32_t* status_at(const Bucket& b, int pos) const {
     return record_.step_status.as<int32_t>() + b.status_offset + pos;
   }
@@ -123,6 +97,15 @@ class ModeRunner {
   DistState& dist_;
   StepRecord& record_;
   BatchResources& resources_;
+};
+
+// The distributed step's driver state (dist_step.cc): the mode's runner, and the publication a
+// step left in flight (DistOptions::defer_publish) until finish_publish().
+struct Pipeline {
+  std::unique_ptr<ModeRunner> runner;
+  bool publish_pending = false;
+  std::vector<std::pair<int, int>> deferred;  // (stage, bucket) left for finish_publish()
+  std::unique_ptr<StepContext> pending_ctx;   // the step they belong to
 };
 
 std::unique_ptr<ModeRunner> make_gather_runner(const RunnerContext& c);

@@ -165,23 +165,39 @@ class ShardedRunner final : public ModeRunner {
     const Bucket& bk = dist_.buckets[b];
     BucketBuffers& s = bufs_[b];
     if (!ctx.raise) unpack(b);
-    std::vector<std::vector<MuonSlot>> run_slots(bk.runs.size());
-    for (size_t r = 0; r < bk.runs.size(); ++r) {
-      if (dist_.mats[bk.act[bk.runs[r].begin]].owner != dist_.rank) continue;
-      run_slots[r] = slots(bk, bk.runs[r]);
-      if (!ctx.raise) owner_norms(bk, bk.runs[r], run_slots[r]);
+    // The runs this rank owns: pass 1 for all of them (unless the raise policy ran it), then
+    // each one's pass 2 and orthogonalization, the update written for the matrices' shards.
+    std::vector<const Bucket::Run*> owned;
+    std::vector<std::vector<MuonSlot>> run_slots;
+    for (const Bucket::Run& run : bk.runs) {
+      if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
+      owned.push_back(&run);
+      run_slots.push_back(slots(bk, run));
     }
+    std::vector<MuonBatch> batches;
+    for (size_t r = 0; r < owned.size(); ++r)
+      batches.push_back(run_batch(bk, *owned[r], run_slots[r]));
+    BatchSequence seq;
+    seq.norms = !ctx.raise;
     // Shards apply the update, so they must learn whether the owner skipped the matrix.
-    if (!ctx.raise && !bk.act.empty())
-      s.status = dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
-                                         static_cast<int64_t>(bk.act.size()), CommType::kI32,
-                                         ReduceOp::kMax);
-    for (size_t r = 0; r < bk.runs.size(); ++r) {
-      if (run_slots[r].empty()) continue;
-      owner_orthogonalized(bk, bk.runs[r], run_slots[r], [&](int j) {
-        return static_cast<void*>(at(s.ostage.data(), update_stage_offset_[j], dist_.mats[j].wire));
-      });
-    }
+    seq.after_norms = [&] {
+      if (!ctx.raise && !bk.act.empty())
+        s.status = dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
+                                           static_cast<int64_t>(bk.act.size()), CommType::kI32,
+                                           ReduceOp::kMax);
+    };
+    // The update in the weight's orientation and the wire dtype, for the matrix's shards.
+    seq.output = BatchSequence::Output::kCustom;
+    seq.custom_output = [&](size_t r, const BatchRef& x) {
+      for (int k = owned[r]->begin; k < owned[r]->end; ++k) {
+        const int j = bk.act[k];
+        const DistMatrix& m = dist_.mats[j];
+        backend_.scale_copy(x.slice(k - owned[r]->begin, 1), m.tall(), ScaleSpec{},
+                            BatchRef::packed(at(s.ostage.data(), update_stage_offset_[j], m.wire),
+                                             m.wire, 1, m.rows, m.cols));
+      }
+    };
+    run_runs(bk, owned, batches, seq);
     if (!dist_.replica) return;
     for (int j : bk.act) {  // the update reaches the other replicas while the next bucket runs
       const DistMatrix& m = dist_.mats[j];

@@ -1,17 +1,18 @@
 // One batch of the Muon step (docs/algorithms.md section 1): matrices of one group and one wide
-// shape m x n, the wide ones first, members [tall_begin, count) tall. Every path that steps Muon
-// matrices runs its batches through this unit -- the single-process step, each distributed
-// mode's owner computation, the gather mode's replicated computation and the dedicated mode's
-// prepare() -- so that they all issue the same kernels on the same batches and agree bit for bit.
+// shape m x n, the wide ones first, members [tall_begin, count) tall, and the one sequence that
+// steps a list of them (run_batches). Every path that steps Muon matrices calls it -- the
+// single-process step, each distributed mode's owner computation, the gather mode's replicated
+// computation and the dedicated mode's prepare() -- so that they all issue the same kernels on
+// the same batches and agree bit for bit; where they differ, BatchSequence says how and why.
 //
 // The sequence: pass 1 momentum_norm (norms and statuses; the raise policy checks them before
-// anything changes), then orthogonalize_momentum (pass 2 per orientation into the iteration
-// buffer x, the orthogonalization of x in place, fresh or through CacheMuon, and the skip count),
-// then update (pass 3 per orientation), or the caller ships x to the matrices' shards. A caller
-// with many batches can issue each pass for all of them at once (add_pass).
+// anything changes), pass 2 per orientation into the iteration buffer x, the orthogonalization
+// of x in place (fresh or through CacheMuon), the skip count, then pass 3 per orientation
+// (update), or the caller ships x to the matrices' shards.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <vector>
 
@@ -29,6 +30,10 @@ inline ScaleSpec muon_input_scale(const double* norms, const OrthoConfig& resolv
   return {norms, norm_multiplier(resolved.coefficients), resolved.eps * muon_ref::kMuonInputScale,
           1.0};
 }
+
+// Copies a rows x cols block from src to dst, converting the dtype when they differ.
+void copy_block(Backend& backend, const void* src, DType src_t, void* dst, DType dst_t,
+                int64_t rows, int64_t cols);
 
 // Where a batch is orthogonalized: fresh, or through the CacheMuon entries of a cache class,
 // where matrix k of the batch uses entry entries[k].
@@ -73,16 +78,57 @@ struct MuonBatch {
 
   // Pass 1: the momentum's norms and the statuses.
   void momentum_norm() const;
-  // Pass 2 into x (count x m x n, the iteration dtype, wide orientation), the orthogonalization
-  // of x in place and the skips of this step added to skip_counter (device int64).
-  void orthogonalize_momentum(const BatchRef& x, const BatchOrtho& how,
-                              int64_t* skip_counter) const;
   // The orthogonalization of x in place (runs of consecutive cache entries become one call).
   void orthogonalize(const BatchRef& x, const BatchOrtho& how) const;
+  // The skips of this step (status entries not ok) added to skip_counter (device int64).
   void count_skips(int64_t* skip_counter) const;
   // Pass 3: the weights of `slots` <- decay * W - step * O with each slot's coefficients, O
   // read from x (the update's wide orientation).
   void update(const BatchRef& x) const;
 };
+
+// Issues one pass for every batch of the list at once (Backend::muon_pass_grouped); x[k] is
+// batch k's iteration buffer (unused by pass 1).
+void issue_pass(Backend& backend, std::span<const MuonBatch> batches, MuonPass pass,
+                std::span<const BatchRef> x);
+
+// How run_batches goes through its list. Where the paths differ, they differ here, each for the
+// reason its field gives; everything else (the order of passes, products and updates) is one.
+struct BatchSequence {
+  // Pass 1 here. False where it ran before: the raise policy's pass1() (the driver checks every
+  // status of every rank first), or gather mode's pass 1 on each rank's own rows.
+  bool norms = true;
+  // Between pass 1 and the rest, once for the list: the single process's AdamW check and raise
+  // policy; the sharded mode's agreement on the statuses (the shards apply the update).
+  std::function<void()> after_norms;
+  // Batch k's iteration buffer and orthogonalization, asked right before its pass 2 (it may
+  // grow the shared scratch and bind the batch's CacheMuon entries).
+  std::function<void(size_t k, BatchRef* x, BatchOrtho* how)> resources;
+  // Instead of pass 2: the caller writes batch k's X into x (gather mode normalises the V it
+  // gathered across the shard group; the momentum was applied on each rank's rows).
+  std::function<void(size_t k, const BatchRef& x)> stage;
+  // What follows the orthogonalization of batch k: pass 3 (kUpdate); custom_output
+  // (kCustom: the sharded mode ships x to the shards, gather mode applies its own rows); nothing
+  // (kNone: prepare(), whose updates step() applies).
+  enum class Output { kUpdate, kCustom, kNone };
+  Output output = Output::kUpdate;
+  std::function<void(size_t k, const BatchRef& x)> custom_output;
+  // The single process shares launches across its shape classes: each pass goes out once for
+  // every batch, classes whose products run grouped and iterate alike share one run_group, and
+  // the skips are counted once over `all_status` (every class's entries, idle members' zero)
+  // after the updates. Elsewhere (a bucket's runs, an owner's run, a prepared batch) each batch
+  // goes through on its own after pass 1 of the list (Orthogonalizer::run or run_cached).
+  bool share_launches = false;
+  std::span<const int32_t> all_status;
+  // Without share_launches, batch k's skips are counted right after its orthogonalization
+  // (owner modes, prepare()), or after its custom output (gather mode, as it always did: the
+  // count reads only the statuses, so the order changes no result, only the calls' order).
+  bool skips_after_output = false;
+  int64_t* skip_counter = nullptr;  // device int64
+};
+
+// One Muon step over `batches` (docs/algorithms.md section 1): pass 1, pass 2 and the
+// orthogonalization, the skips, pass 3, as `seq` says.
+void run_batches(Backend& backend, std::span<const MuonBatch> batches, const BatchSequence& seq);
 
 }  // namespace distmuon

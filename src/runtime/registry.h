@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "distmuon/engine.h"
+#include "distmuon/engine_types.h"
 
 namespace distmuon {
 

@@ -45,33 +45,35 @@ void add_cache_options(std::vector<uint64_t>& key, const CacheOptions& o) {
 
 }  // namespace
 
-bool Engine::Impl::graphs_enabled() const {
+bool LocalStep::graphs_enabled(const EngineOptions& options) {
   const std::string e = env::get("DISTMUON_GRAPHS");
   return e.empty() ? options.graphs : env::get_bool("DISTMUON_GRAPHS");
 }
 
 bool Engine::Impl::steps_replay() const {
-  if (world || !graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
-  for (const GroupOptions& g : groups)
+  if (dist.world || !local.graph_mode || options.nonfinite == NonFinitePolicy::kRaise) return false;
+  for (const GroupOptions& g : registry.groups)
     if (g.kind == ParamKind::kMuon && g.muon.cache.enabled && g.muon.cache.shadow) return false;
   return true;
 }
 
-std::vector<uint64_t> Engine::Impl::step_key(std::span<const ParamData> data) {
+std::vector<uint64_t> LocalStep::key(Backend& backend, const Registry& registry,
+                                     const std::vector<CacheClass>& caches,
+                                     std::span<const ParamData> data) const {
   std::vector<uint64_t> key;
-  key.reserve(4 * params.size() + 16 * classes.size() + 1);
+  key.reserve(4 * registry.params.size() + 16 * classes.size() + 1);
   key.push_back(backend.capture_epoch());  // the backend's workspace and kernel choices
-  for (size_t i = 0; i < params.size(); ++i)
+  for (size_t i = 0; i < registry.params.size(); ++i)
     key.insert(key.end(), {bits(data[i].grad), static_cast<uint64_t>(data[i].grad_dtype),
                            bits(data[i].param)});
-  for (const GroupOptions& o : groups)  // the fused passes take nesterov by value
+  for (const GroupOptions& o : registry.groups)  // the fused passes take nesterov by value
     key.push_back(o.kind == ParamKind::kMuon && o.muon.nesterov ? 1 : 0);
   for (const ShapeClass& c : classes) {
     key.insert(key.end(), {bits(c.x.data()), bits(c.workspace.data()), c.workspace_bytes});
     add_config(key, c.resolved);
     const CacheClass& cc = caches[c.cache];
     key.push_back(cc.use ? 1 : 0);
-    if (cc.use) add_cache_options(key, groups[cc.group].muon.cache);
+    if (cc.use) add_cache_options(key, registry.groups[cc.group].muon.cache);
   }
   return key;
 }
@@ -83,36 +85,36 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
   // (steps_replay() states the same rule per group, for the tuner; this per-class form is the
   // one the GPU verification ran: folding the two waits for the next device run.)
   bool shadow = false;
-  for (ShapeClass& c : classes) {
+  for (ShapeClass& c : local.classes) {
     ensure_class_buffers(c);
-    const CacheClass& cc = caches[c.cache];
-    shadow = shadow || (cc.use && groups[cc.group].muon.cache.shadow);
+    const CacheClass& cc = resources.caches[c.cache];
+    shadow = shadow || (cc.use && registry.groups[cc.group].muon.cache.shadow);
   }
-  const bool eligible = graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
+  const bool eligible = local.graph_mode && options.nonfinite != NonFinitePolicy::kRaise && !shadow;
   const bool in_callers_capture = backend.capturing();
   if (!eligible || in_callers_capture) {
     // Inside a caller's capture the step is recorded there; the engine's own graph stays (it may
     // not be destroyed while the stream is being captured).
-    if (!in_callers_capture) graph = {};
+    if (!in_callers_capture) local.graph = {};
     issue_local_step(data);
     count_local_step(data);
     return;
   }
-  std::vector<uint64_t> key = step_key(data);
-  if (graph.exec && key == graph.key) {
-    graph.exec->replay();
-    stats.ortho += graph.ortho;
-    for (size_t i = 0; i < graph.cache.size(); ++i)
-      if (caches[i].cache) caches[i].cache->add_replayed(graph.cache[i]);
+  std::vector<uint64_t> key = local.key(backend, registry, resources.caches, data);
+  if (local.graph.exec && key == local.graph.key) {
+    local.graph.exec->replay();
+    stats.ortho += local.graph.ortho;
+    for (size_t i = 0; i < local.graph.cache.size(); ++i)
+      if (resources.caches[i].cache) resources.caches[i].cache->add_replayed(local.graph.cache[i]);
     stats.graph_replays += 1;
     count_local_step(data);
     return;
   }
-  if (key == graph.key && graph.failures < kMaxCaptureFailures) {
+  if (key == local.graph.key && local.graph.failures < LocalStep::kMaxCaptureFailures) {
     const OrthoStats before = stats.ortho;
-    std::vector<TransformCache::Ledger> ledgers(caches.size());
-    for (size_t i = 0; i < caches.size(); ++i)
-      if (caches[i].cache) ledgers[i] = caches[i].cache->ledger();
+    std::vector<TransformCache::Ledger> ledgers(resources.caches.size());
+    for (size_t i = 0; i < resources.caches.size(); ++i)
+      if (resources.caches[i].cache) ledgers[i] = resources.caches[i].cache->ledger();
     bool issued = false;
     std::unique_ptr<BackendGraph> exec = backend.capture([&] {
       issued = true;
@@ -121,14 +123,15 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
     if (!exec && !issued) {
       // This backend does not capture (the CPU's): nothing to retry, nothing to warn about.
       DM_LOG(kDebug, "engine: ", backend.name(), " does not capture; steps are issued eagerly");
-      graph_mode = false;
+      local.graph_mode = false;
     } else if (exec) {
-      graph.exec = std::move(exec);
-      graph.ortho = stats.ortho - before;
-      graph.cache.assign(caches.size(), {});
-      for (size_t i = 0; i < caches.size(); ++i)
-        if (caches[i].cache) graph.cache[i] = caches[i].cache->ledger() - ledgers[i];
-      graph.exec->replay();
+      local.graph.exec = std::move(exec);
+      local.graph.ortho = stats.ortho - before;
+      local.graph.cache.assign(resources.caches.size(), {});
+      for (size_t i = 0; i < resources.caches.size(); ++i)
+        if (resources.caches[i].cache)
+          local.graph.cache[i] = resources.caches[i].cache->ledger() - ledgers[i];
+      local.graph.exec->replay();
       stats.graph_captures += 1;
       count_local_step(data);
       return;
@@ -136,15 +139,16 @@ void Engine::Impl::local_step(std::span<const ParamData> data) {
       // Nothing ran: the counters go back and the step is issued eagerly below. A capture that
       // keeps failing (an operation that cannot be captured) is not tried again.
       stats.ortho = before;
-      for (size_t i = 0; i < caches.size(); ++i)
-        if (caches[i].cache) caches[i].cache->add_replayed(ledgers[i] - caches[i].cache->ledger());
-      if (++graph.failures == kMaxCaptureFailures)
-        DM_LOG(kWarn, "engine: the step could not be captured ", kMaxCaptureFailures,
+      for (size_t i = 0; i < resources.caches.size(); ++i)
+        if (resources.caches[i].cache)
+          resources.caches[i].cache->add_replayed(ledgers[i] - resources.caches[i].cache->ledger());
+      if (++local.graph.failures == LocalStep::kMaxCaptureFailures)
+        DM_LOG(kWarn, "engine: the step could not be captured ", LocalStep::kMaxCaptureFailures,
                " times; steps are issued eagerly from now on");
     }
   }
-  graph.exec.reset();
-  graph.key = std::move(key);
+  local.graph.exec.reset();
+  local.graph.key = std::move(key);
   issue_local_step(data);
   count_local_step(data);
 }

@@ -4,9 +4,11 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#include "distmuon/engine.h"
+#include "distmuon/engine_types.h"
+#include "runtime/dist_state.h"
 #include "runtime/registry.h"
 
 namespace distmuon {
@@ -56,6 +58,7 @@ struct StepRecord {
   // adamw_update reads and advances them, so a replayed CUDA graph keeps counting. Until it is
   // allocated (the first step or setup) Param::step holds the count.
   Buffer step_counts;
+  int64_t* step_count(int i) { return step_counts.as<int64_t>() + i; }
   // Muon: per matrix (Param::first_matrix + slice; distributed: its index in DistState::mats),
   // the steps pass 2 skipped it, counted on the device where its momentum is kept (its owner;
   // the rank of a single process; every holder of its rows in gather mode). A Muon parameter's
@@ -71,7 +74,23 @@ struct StepRecord {
   Buffer step_status, step_norms;
   std::vector<int> adam_params;  // AdamW parameters in registration order
   int32_t* adam_status() { return step_status.as<int32_t>() + (n_status - adam_params.size()); }
-  void allocate_step_status(Backend& backend);
+
+  // Once n_status and adam_params are known: the statuses and norms, the scalars (`matrices`
+  // coefficient slots), the step counts (from Param::step) and zeroed Muon skip counters.
+  void allocate(Backend& backend, const Registry& registry, int64_t matrices,
+                int64_t muon_matrices);
+  // The step's hyperparameters from the groups' current options (before every step and every
+  // dedicated prepare()): per group, per Muon matrix (distributed: per DistState::mats entry),
+  // per AdamW parameter.
+  void upload_scalars(Backend& backend, const Registry& registry, const DistState& dist);
+  // The skips of every parameter's most-skipped matrix as this rank counted them (synchronises).
+  std::vector<int64_t> skips_per_param(Backend& backend, const Registry& registry,
+                                       int64_t muon_matrices) const;
+  // Raise policy: fails, naming every entry that is not ok on some rank (world: all of them),
+  // before anything changes. muon_names: per Muon status entry, the matrix it belongs to this
+  // step ("" when none).
+  void raise_if_nonfinite(Backend& backend, const Registry& registry, Communicator* world,
+                          const std::vector<std::string>& muon_names) const;
 };
 
 }  // namespace distmuon
