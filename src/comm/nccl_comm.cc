@@ -216,14 +216,15 @@ class NcclComm final : public Communicator {
   ~NcclComm() override {
     DeviceGuard g(device_);
     if (sh_->aborted) return;  // ncclCommAbort already released the communicator
+    // A local teardown. ncclCommFinalize and ncclCommDestroy wait until every member has let go
+    // of the communicator too, and members destroy theirs at different moments (Python collects
+    // an optimizer whenever its own allocations say so): the first would wait, GIL held, for
+    // peers busy in other collectives that wait for it (seen on 4 NCCL ranks: one rank stuck a
+    // timeout per communicator until torch's process group gave up). Every collective issued
+    // here was waited on, so none is in flight: abort frees this member's part at once (and
+    // would unblock one left behind by an error, which a synchronisation first would wait for).
+    sh_->abort();
     cudaStreamSynchronize(stream_.get());
-    ncclCommFinalize(sh_->comm);  // flushes outstanding work; completes asynchronously
-    try {
-      sh_->wait_ready("finalize of " + name(), timeout_s());
-    } catch (const std::exception& e) {
-      DM_LOG(kError, e.what());  // wait_ready aborted the communicator
-    }
-    if (!sh_->aborted) ncclCommDestroy(sh_->comm);
   }
   Device device() const override { return Device{DeviceKind::kCUDA, device_}; }
   std::optional<void*> caller_stream() const override { return static_cast<void*>(user_->stream); }

@@ -1,7 +1,8 @@
 // A communicator under mpirun at any world size, on both rigs of dist_rig.h (MPI on host memory,
 // NCCL on CUDA memory): every collective against values each rank can compute on its own, uneven
 // and empty counts, in-place forms, sub-communicators, byte counters, outstanding operations,
-// overlap through MPI's progress thread, and a timeout that names the operation.
+// overlap through MPI's progress thread, a timeout that names the operation, and a teardown
+// that waits for no other member.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -297,6 +298,26 @@ TEST(MpiComm, DeadlineRunsFromTheIssueNotFromTheWait) {
       }
     }
   }
+}
+
+TEST(MpiComm, ACommunicatorIsLetGoWithoutWaitingForTheOtherMembers) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  // Members destroy a communicator at different moments (Python collects an optimizer when its
+  // own allocations say so). Rank 0 lets go of a used communicator first, then meets the others
+  // in a collective on another one, which they reach before letting go of theirs: a teardown
+  // that waited for every member (NCCL's finalize) would hold rank 0 there until its timeout.
+  std::unique_ptr<Communicator> own = test::make_world();
+  own->barrier().wait();  // connected and used
+  Communicator& c = world();
+  Bufs b;
+  Mirror<int64_t> x = b.of(std::vector<int64_t>(4, 1));
+  const auto t0 = std::chrono::steady_clock::now();
+  if (c.rank() == 0) own.reset();
+  c.all_reduce(x.data(), x.data(), 4, CommType::kI64, ReduceOp::kSum).wait(20.0);
+  own.reset();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(x.get()[3], c.size());
+  EXPECT_LT(s, 5.0) << "letting go of a communicator waited for the other members";
 }
 
 TEST(MpiComm, BadArgumentsAreRejectedBeforeAnythingMoves) {
