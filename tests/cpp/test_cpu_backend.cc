@@ -100,6 +100,62 @@ TEST(CpuBackend, SymmetricProductOfCommutingMatrices) {
   EXPECT_LT(rel_err(out.get(0), r * z + 2.0 * r), 1e-12);
 }
 
+// fp32 products of the sizes the backend's own AVX-512 kernel takes (cpu_small_gemm.h, where the
+// CPU has it; OpenBLAS elsewhere): whole 8 x 32 tiles, edge tiles and panels, every layout, with
+// and without a Cin (beta 0 must not read the poisoned C), and symmetric products of either kind
+// (X X^T with a packed transposed panel, two commuting symmetric matrices), which write one
+// triangle and mirror it.
+TEST(CpuBackend, Fp32ProductsOfSmallModelSizes) {
+  CpuBackend be;
+  for (auto [m, n, k] : {std::array<int64_t, 3>{128, 128, 128}, {128, 384, 128},
+                         {64, 96, 200}, {45, 70, 19}, {130, 33, 47}}) {
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (double beta : {0.0, -0.5}) {
+          HostBatch a(DType::kF32, 1, ta ? k : m, ta ? m : k), b(DType::kF32, 1, tb ? n : k, tb ? k : n);
+          HostBatch cin(DType::kF32, 1, m, n), c(DType::kF32, 1, m, n);
+          a.set(0, random_matrix(a.ref.rows, a.ref.cols));
+          b.set(0, random_matrix(b.ref.rows, b.ref.cols));
+          cin.set(0, random_matrix(m, n));
+          Mat ra = a.get(0), rb = b.get(0);
+          Mat want = 0.75 * (ta ? Mat(ra.transpose()) : ra) * (tb ? Mat(rb.transpose()) : rb);
+          if (beta != 0.0) want += beta * cin.get(0);
+          c.poison();
+          be.gemm(ta ? Op::kT : Op::kN, a.ref, tb ? Op::kT : Op::kN, b.ref, 0.75, beta,
+                  beta != 0.0 ? &cin.ref : nullptr, c.ref);
+          EXPECT_LT(rel_err(c.get(0), want), 1e-5)
+              << m << "x" << n << "x" << k << " ta " << ta << " tb " << tb << " beta " << beta;
+        }
+  }
+  for (auto [m, k] : {std::array<int64_t, 2>{128, 512}, {100, 37}, {40, 128}}) {
+    Mat x = random_matrix(m, k);
+    HostBatch bx(DType::kF32, 1, m, k), r(DType::kF32, 1, m, m), z(DType::kF32, 1, m, m),
+        out(DType::kF32, 1, m, m);
+    bx.set(0, x);
+    r.poison();
+    be.gemm_symmetric(Op::kN, bx.ref, Op::kT, bx.ref, 1.0, 0.0, nullptr, r.ref);
+    Mat rx = bx.get(0), got_r = r.get(0);
+    EXPECT_LT(rel_err(got_r, rx * rx.transpose()), 1e-5) << m << "x" << k;
+    EXPECT_EQ((got_r - got_r.transpose()).norm(), 0.0) << "X X^T not exactly symmetric";
+    Mat rr = got_r / got_r.norm();
+    r.set(0, rr);
+    z.set(0, Mat(0.3 * rr + 0.1 * rr * rr));
+    Mat zr = z.get(0);
+    zr = 0.5 * (zr + zr.transpose());
+    z.set(0, zr);
+    out.poison();
+    be.gemm_symmetric(Op::kN, r.ref, Op::kN, z.ref, 1.5, 2.0, &r.ref, out.ref);
+    Mat got = out.get(0);
+    EXPECT_LT(rel_err(got, 1.5 * r.get(0) * zr + 2.0 * r.get(0)), 1e-5) << m;
+    EXPECT_EQ((got - got.transpose()).norm(), 0.0) << "R Z not exactly symmetric";
+    out.poison();
+    be.gemm_symmetric(Op::kN, r.ref, Op::kN, r.ref, 1.0, 0.0, nullptr, out.ref);  // R R
+    got = out.get(0);
+    EXPECT_LT(rel_err(got, r.get(0) * r.get(0)), 1e-5) << m;
+    EXPECT_EQ((got - got.transpose()).norm(), 0.0) << "R R not exactly symmetric";
+  }
+}
+
 // A thread count that is not one is refused where the backend reads it (it used to mean the
 // library default, silently).
 TEST(CpuBackend, NegativeThreadCountIsRefused) {

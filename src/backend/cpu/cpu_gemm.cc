@@ -13,6 +13,7 @@
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_dtype.h"
+#include "backend/cpu/cpu_small_gemm.h"
 
 extern "C" int openblas_get_num_threads(void);
 
@@ -133,6 +134,12 @@ void mirror_lower(S* a, int64_t n, int64_t ld) {
         for (int64_t r = r0; r < std::min(j, r0 + kTile); ++r) a[r * ld + j] = a[j * ld + r];
 }
 
+// Whether an fp32 product of this size runs on the backend's AVX-512 kernel (cpu_small_gemm.h).
+template <typename T>
+bool own_kernel(int64_t m, int64_t n, int64_t k) {
+  return std::is_same_v<T, float> && cpu::small_gemm_available() && cpu::small_gemm_fits(m, n, k);
+}
+
 // Rows [r0, r1) x cols [0, ncols) of C = alpha op(A) op(B) + beta Cin, into the m x n T scratch.
 template <typename T>
 void product_block(bool ta, bool tb, const Staged<T>& a, const Staged<T>& b, int64_t k, T alpha,
@@ -144,6 +151,13 @@ void product_block(bool ta, bool tb, const Staged<T>& a, const Staged<T>& b, int
     for (int64_t i = r0; i < r1; ++i)
       for (int64_t j = 0; j < ncols; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : c[i * ldc + j] * beta;
     return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    if (own_kernel<T>(r1 - r0, ncols, k)) {
+      cpu::small_sgemm(ta, tb, r1 - r0, ncols, k, alpha, a_rows, a.ld, b.ptr, b.ld, beta,
+                       c + r0 * ldc, ldc, false);
+      return;
+    }
   }
   blas_gemm(ta, tb, r1 - r0, ncols, k, alpha, a_rows, a.ld, b.ptr, b.ld, beta, c + r0 * ldc, ldc);
 }
@@ -175,6 +189,12 @@ void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const Bat
     }
     if (!symmetric) {
       product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, 0, d.m, d.n, acc, ld);
+    } else if (d.k > 0 && own_kernel<T>(d.m, d.m, d.k)) {
+      // The tiles of the lower triangle, whatever the operands (X X^T, or two commuting
+      // symmetric matrices).
+      if constexpr (std::is_same_v<T, float>)
+        cpu::small_sgemm(ta, tb, d.m, d.m, d.k, static_cast<T>(alpha), sa.ptr, sa.ld, sb.ptr,
+                         sb.ld, eff_beta, acc, ld, true);
     } else if (a.matrix(i).data == b.matrix(i).data && ta != tb && d.k > 0) {
       // X X^T or X^T X of one operand: BLAS's rank-k update computes the lower triangle.
       blas_syrk(ta, d.m, d.k, static_cast<T>(alpha), sa.ptr, sa.ld, eff_beta, acc, ld);
