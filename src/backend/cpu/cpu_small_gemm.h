@@ -13,14 +13,13 @@
 // 16 x 16 transposes into a k x 32 panel.
 #pragma once
 
-#include <immintrin.h>
+#include "backend/cpu/cpu_simd.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 
-// GCC 12 reports its own _mm512_undefined_* as uninitialised once inlined here.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -35,52 +34,12 @@ inline bool small_gemm_fits(int64_t m, int64_t n, int64_t k) {
          m * n * k <= (int64_t{1} << 28);
 }
 
-inline bool small_gemm_available() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") != 0;
-  }();
-  return ok;
-}
+inline bool small_gemm_available() { return avx512_available(); }
 
 namespace small_gemm {
 
 constexpr int kMR = 8;   // rows of a tile
 constexpr int kNR = 32;  // columns of a tile (two 16-float vectors)
-
-// dst (16 rows of 32 floats, ld_dst) = the transpose of src's 16 x 16 block (ld_src).
-__attribute__((target("avx512f"))) inline void transpose16(const float* src, int64_t ld_src,
-                                                           float* dst, int64_t ld_dst) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * ld_src);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  // r[4q + s] holds, in each 128-bit lane L, column 4L + s of rows 4q .. 4q+3.
-  for (int s = 0; s < 4; ++s) {
-    for (int q = 0; q < 4; q += 2) {
-      t[4 * q + s] = _mm512_shuffle_f32x4(r[4 * q + s], r[4 * q + 4 + s], 0x88);      // lanes 0,2 | 0,2
-      t[4 * q + 4 + s] = _mm512_shuffle_f32x4(r[4 * q + s], r[4 * q + 4 + s], 0xDD);  // lanes 1,3 | 1,3
-    }
-  }
-  // t[s] = rows 0-3 | 8-11 ... (lanes 0,2 of q=0 then q=1): reorder to full columns.
-  for (int s = 0; s < 4; ++s) {
-    const __m512 a = t[s], b = t[8 + s], c = t[4 + s], d = t[12 + s];
-    // a: col s of rows 0-3 (lane L0), col 8+s rows 0-3 (L2) -> after 0x88: [q0.L0, q0.L2, q1.L0, q1.L2]
-    // combine to column s: rows 0-3 (a.0), 4-7 (a.2), 8-11 (b.0), 12-15 (b.2)
-    _mm512_storeu_ps(dst + (s)*ld_dst, _mm512_shuffle_f32x4(a, b, 0x88));
-    _mm512_storeu_ps(dst + (8 + s) * ld_dst, _mm512_shuffle_f32x4(a, b, 0xDD));
-    _mm512_storeu_ps(dst + (4 + s) * ld_dst, _mm512_shuffle_f32x4(c, d, 0x88));
-    _mm512_storeu_ps(dst + (12 + s) * ld_dst, _mm512_shuffle_f32x4(c, d, 0xDD));
-  }
-}
 
 // The k x 32 panel of op(B) = B^T starting at column j0: panel[kk * 32 + jj] = b[(j0 + jj) * ldb
 // + kk], zero past column n.
@@ -91,7 +50,7 @@ __attribute__((target("avx512f"))) inline void pack_bt(const float* b, int64_t l
   if (cols == kNR)
     for (; kk + 16 <= k; kk += 16)
       for (int h = 0; h < 2; ++h)
-        transpose16(b + (j0 + 16 * h) * ldb + kk, ldb, panel + kk * kNR + 16 * h, kNR);
+        simd::transpose16(b + (j0 + 16 * h) * ldb + kk, ldb, panel + kk * kNR + 16 * h, kNR);
   for (; kk < k; ++kk)
     for (int jj = 0; jj < kNR; ++jj)
       panel[kk * kNR + jj] = jj < cols ? b[(j0 + jj) * ldb + kk] : 0.0f;
@@ -103,8 +62,9 @@ __attribute__((target("avx512f"))) inline void pack_bt(const float* b, int64_t l
 __attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, int64_t sr,
                                                     int64_t sk, const float* b, int64_t sb,
                                                     int rows, __mmask16 lm0, __mmask16 lm1,
-                                                    __mmask16 sm0, __mmask16 sm1, float alpha, float beta, float* c,
-                                                    int64_t ldc, bool lower, int64_t r0,
+                                                    __mmask16 sm0, __mmask16 sm1, float alpha,
+                                                    float beta, const float* cin, int64_t ldcin,
+                                                    float* c, int64_t ldc, bool lower, int64_t r0,
                                                     int64_t c0) {
   __m512 acc[kMR][2];
   for (int r = 0; r < kMR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
@@ -148,10 +108,11 @@ __attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, i
       }
     }
     float* cr = c + (r0 + r) * ldc + c0;
+    const float* cir = beta != 0.0f ? cin + (r0 + r) * ldcin + c0 : nullptr;
     for (int h = 0; h < 2; ++h) {
       if (!m[h]) continue;
       __m512 v = _mm512_mul_ps(va, acc[r][h]);
-      if (beta != 0.0f) v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[h], cr + 16 * h), v);
+      if (beta != 0.0f) v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[h], cir + 16 * h), v);
       _mm512_mask_storeu_ps(cr + 16 * h, m[h], v);
     }
   }
@@ -172,12 +133,14 @@ inline float* panel_scratch(int64_t floats) {
 
 }  // namespace small_gemm
 
-// C = alpha op(A) op(B) + beta C for small_gemm_fits sizes on a CPU with AVX-512F; lower: only
-// the elements on and below the diagonal (m == n) are written.
+// C = alpha op(A) op(B) + beta Cin for small_gemm_fits sizes on a CPU with AVX-512F (beta 0:
+// Cin is not read; it may be C itself); lower: only the elements on and below the diagonal
+// (m == n) are written, and only those of Cin read.
 __attribute__((target("avx512f"))) inline void small_sgemm(bool ta, bool tb, int64_t m,
                                                            int64_t n, int64_t k, float alpha,
                                                            const float* a, int64_t lda,
                                                            const float* b, int64_t ldb, float beta,
+                                                           const float* cin, int64_t ldcin,
                                                            float* c, int64_t ldc, bool lower) {
   using namespace small_gemm;
   const int64_t sr = ta ? 1 : lda, sk = ta ? lda : 1;
@@ -200,7 +163,7 @@ __attribute__((target("avx512f"))) inline void small_sgemm(bool ta, bool tb, int
       const int rows = static_cast<int>(std::min<int64_t>(kMR, m - r0));
       // A packed panel is zero-padded: its loads need no mask.
       tile(k, a + r0 * sr, sr, sk, bp, sb, rows, tb ? 0xFFFF : cm0, tb ? 0xFFFF : cm1, cm0, cm1,
-           alpha, beta, c, ldc, lower, r0, c0);
+           alpha, beta, cin, ldcin, c, ldc, lower, r0, c0);
     }
   }
 }
