@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/muon_ref.h"
 #include "distmuon/error.h"
 #include "test_util.h"
 
@@ -266,6 +267,74 @@ struct PassSet {
     return all;
   }
 };
+
+// fp32 passes (the AVX-512 loops where the CPU has them) give the bits of the scalar formulas:
+// B' = mu B + G and W = decay W - step O in float without fused multiply-adds, V in double
+// (muon_ref::scaled_input), X = fl32(V f), written transposed for tall matrices; the norm's double
+// sum may run in another order. Edge tiles (sizes not multiples of 16) and a skipped matrix.
+TEST(CpuBackend, Fp32PassesGiveTheScalarFormulasBits) {
+  const std::vector<std::tuple<int64_t, int64_t, int64_t, DType>> cases = {
+      {2, 37, 70, DType::kF32}, {2, 70, 37, DType::kF32}, {2, 130, 48, DType::kF32}};
+  std::vector<std::vector<std::array<Mat, 3>>> inputs;
+  for (const auto& [count, rows, cols, dt] : cases) {
+    inputs.emplace_back();
+    for (int64_t i = 0; i < count; ++i) {
+      Mat gm = random_matrix(rows, cols, 1.0);
+      if (rows == 130 && i == 1) gm(100, 40) = INFINITY;  // a skip
+      inputs.back().push_back({gm, random_matrix(rows, cols, 0.5), random_matrix(rows, cols, 0.02)});
+    }
+  }
+  PassSet ps(cases, inputs);
+  std::vector<std::vector<std::array<Mat, 3>>> stored;  // the inputs as fp32 holds them
+  for (size_t k = 0; k < cases.size(); ++k) {
+    stored.emplace_back();
+    for (int64_t i = 0; i < std::get<0>(cases[k]); ++i)
+      stored.back().push_back({ps.g[k].get(i), ps.b[k].get(i), ps.w[k].get(i)});
+  }
+  CpuBackend be;
+  for (MuonPass pass : {MuonPass::kNorm, MuonPass::kApply, MuonPass::kUpdate})
+    be.muon_pass_grouped(pass, ps.batches());
+  const float mu = ps.mu;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const auto [count, rows, cols, dt] = cases[k];
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t at = ps.offset[k] + i;
+      const Mat &g = stored[k][i][0], &b = stored[k][i][1], &w = stored[k][i][2];
+      double sum = 0;
+      bool finite = true;
+      Mat bn(rows, cols), v(rows, cols);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const float gv = static_cast<float>(g(r, c));
+          const float bv = mu * static_cast<float>(b(r, c)) + gv;
+          const float vv = muon_ref::scaled_input(gv, bv, mu, true);
+          finite = finite && std::isfinite(gv) && std::isfinite(bv);
+          sum += static_cast<double>(vv) * vv;
+          bn(r, c) = bv;
+          v(r, c) = vv;
+        }
+      ASSERT_EQ(ps.status[at], finite ? kStatusOk : kStatusNonFinite) << k << " " << i;
+      if (!finite) {
+        EXPECT_EQ(ps.b[k].get(i), b) << "a skipped matrix's momentum changed";
+        continue;
+      }
+      const double norm = muon_ref::float_precision(std::sqrt(sum));
+      EXPECT_NEAR(ps.norms[at], norm, norm * 0x1p-22) << k << " " << i;
+      const double f = 1.0 / (ps.norms[at] + 1e-7);
+      const bool tall = rows > cols;
+      Mat x = ps.x[k].get(i), wn = ps.w[k].get(i), bb = ps.b[k].get(i);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          ASSERT_EQ(bb(r, c), bn(r, c)) << "momentum " << k << " " << i << " " << r << " " << c;
+          const float xv = tall ? static_cast<float>(x(c, r)) : static_cast<float>(x(r, c));
+          ASSERT_EQ(xv, static_cast<float>(v(r, c) * f)) << "X " << k << " " << i << " " << r << " " << c;
+          const MuonUpdateCoef& q = ps.coef[at];
+          const float want = q.decay * static_cast<float>(w(r, c)) - q.step * xv;
+          ASSERT_EQ(static_cast<float>(wn(r, c)), want) << "W " << k << " " << i << " " << r << " " << c;
+        }
+    }
+  }
+}
 
 TEST(CpuBackend, GroupedPassesGiveEveryBatchItsOwnBits) {
   const int blas = openblas_get_num_threads();
