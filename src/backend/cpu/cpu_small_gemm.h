@@ -58,7 +58,9 @@ __attribute__((target("avx512f"))) inline void pack_bt(const float* b, int64_t l
 
 // One tile: rows [r0, r0 + rows) and columns [c0, c0 + 32); op(B) loaded under lm0 | lm1 and C
 // stored under sm0 | sm1 (and, when lower, column <= row). A's element (r, kk) is a[r * sr + kk * sk]; op(B)'s row kk of the
-// tile's columns is at b + kk * sb.
+// tile's columns is at b + kk * sb. NV 1: the first 16 columns only (a tile of a lower triangle
+// whose other 16 lie above the diagonal).
+template <int NV>
 __attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, int64_t sr,
                                                     int64_t sk, const float* b, int64_t sb,
                                                     int rows, __mmask16 lm0, __mmask16 lm1,
@@ -68,30 +70,32 @@ __attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, i
                                                     int64_t c0) {
   __m512 acc[kMR][2];
   for (int r = 0; r < kMR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  if (NV == 1) lm1 = sm1 = 0;
   const float* ar[kMR];
   for (int r = 0; r < kMR; ++r) ar[r] = a + std::min(r, rows - 1) * sr;
-  const bool full = lm0 == 0xFFFF && lm1 == 0xFFFF;
+  const bool full = lm0 == 0xFFFF && (NV == 1 || lm1 == 0xFFFF);
   if (sk == 1 && full) {
 #pragma GCC unroll 2
     for (int64_t kk = 0; kk < k; ++kk) {
-      const __m512 b0 = _mm512_loadu_ps(b + kk * sb), b1 = _mm512_loadu_ps(b + kk * sb + 16);
+      const __m512 b0 = _mm512_loadu_ps(b + kk * sb);
+      const __m512 b1 = NV == 2 ? _mm512_loadu_ps(b + kk * sb + 16) : b0;
 #pragma GCC unroll 8
       for (int r = 0; r < kMR; ++r) {
         const __m512 av = _mm512_set1_ps(ar[r][kk]);
         acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+        if (NV == 2) acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
       }
     }
   } else {
     for (int64_t kk = 0; kk < k; ++kk) {
       const __m512 b0 = _mm512_maskz_loadu_ps(lm0, b + kk * sb);
-      const __m512 b1 = _mm512_maskz_loadu_ps(lm1, b + kk * sb + 16);
+      const __m512 b1 = NV == 2 ? _mm512_maskz_loadu_ps(lm1, b + kk * sb + 16) : b0;
       const int64_t off = kk * sk;
 #pragma GCC unroll 8
       for (int r = 0; r < kMR; ++r) {
         const __m512 av = _mm512_set1_ps(ar[r][off]);
         acc[r][0] = _mm512_fmadd_ps(av, b0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
+        if (NV == 2) acc[r][1] = _mm512_fmadd_ps(av, b1, acc[r][1]);
       }
     }
   }
@@ -109,7 +113,7 @@ __attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, i
     }
     float* cr = c + (r0 + r) * ldc + c0;
     const float* cir = beta != 0.0f ? cin + (r0 + r) * ldcin + c0 : nullptr;
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < NV; ++h) {
       if (!m[h]) continue;
       __m512 v = _mm512_mul_ps(va, acc[r][h]);
       if (beta != 0.0f) v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(m[h], cir + 16 * h), v);
@@ -162,8 +166,13 @@ __attribute__((target("avx512f"))) inline void small_sgemm(bool ta, bool tb, int
     for (int64_t r0 = first; r0 < m; r0 += kMR) {
       const int rows = static_cast<int>(std::min<int64_t>(kMR, m - r0));
       // A packed panel is zero-padded: its loads need no mask.
-      tile(k, a + r0 * sr, sr, sk, bp, sb, rows, tb ? 0xFFFF : cm0, tb ? 0xFFFF : cm1, cm0, cm1,
-           alpha, beta, cin, ldcin, c, ldc, lower, r0, c0);
+      const __mmask16 lm0 = tb ? 0xFFFF : cm0, lm1 = tb ? 0xFFFF : cm1;
+      if (lower && r0 + rows - 1 < c0 + 16)  // columns c0 + 16 ... all above the diagonal
+        tile<1>(k, a + r0 * sr, sr, sk, bp, sb, rows, lm0, lm1, cm0, cm1, alpha, beta, cin, ldcin,
+                c, ldc, lower, r0, c0);
+      else
+        tile<2>(k, a + r0 * sr, sr, sk, bp, sb, rows, lm0, lm1, cm0, cm1, alpha, beta, cin, ldcin,
+                c, ldc, lower, r0, c0);
     }
   }
 }
