@@ -23,6 +23,14 @@
 
 namespace distmuon::cpu::simd {
 
+// Floats ahead of the current element that the passes prefetch: the hardware's stream
+// prefetchers stop at each 4 KiB page.
+constexpr int64_t kAhead = 512;
+
+DM_SIMD_PASS inline void prefetch(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+
 DM_SIMD_PASS inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
@@ -72,6 +80,8 @@ DM_SIMD_PASS inline void norm_rows(const float* g, int64_t ldg, const float* b, 
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t c = 0; c < cols; c += 16) {
       const __mmask16 m = lanes(cols - c);
+      prefetch(g + r * ldg + c + kAhead);
+      prefetch(b + r * ldb + c + kAhead);
       const __m512 gv = _mm512_maskz_loadu_ps(m, g + r * ldg + c);
       const Input16 in = input16(gv, _mm512_maskz_loadu_ps(m, b + r * ldb + c), mu, nesterov);
       bad |= not_finite(gv) | not_finite(in.bn);
@@ -101,6 +111,9 @@ DM_SIMD_PASS inline void apply_rows(const float* g, int64_t ldg, float* b, int64
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t c = 0; c < cols; c += 16) {
         const __mmask16 m = lanes(cols - c);
+        prefetch(g + r * ldg + c + kAhead);
+        prefetch(b + r * ldb + c + kAhead);
+        prefetch(x + r * ldx + c + kAhead);
         _mm512_mask_storeu_ps(x + r * ldx + c, m, apply16(g, ldg, b, ldb, r, c, m, mu, nesterov, vf));
       }
     return;
@@ -111,6 +124,11 @@ DM_SIMD_PASS inline void apply_rows(const float* g, int64_t ldg, float* b, int64
     const __mmask16 rm = lanes(rows);
     for (int64_t c = 0; c < cols; c += 16) {
       const __mmask16 m = lanes(cols - c);
+      for (int64_t i = 0; i < 16; ++i) {  // the next tile's lines of G and B, and of X
+        prefetch(g + (t0 + 16 + i) * ldg + c);
+        prefetch(b + (t0 + 16 + i) * ldb + c);
+        prefetch(x + (c + i) * ldx + t0 + 16);
+      }
       for (int64_t i = 0; i < 16; ++i)
         _mm512_store_ps(blk + 16 * i, i < rows ? apply16(g, ldg, b, ldb, t0 + i, c, m, mu, nesterov, vf) : _mm512_setzero_ps());
       transpose16(blk, 16, tr, 16);
@@ -138,6 +156,8 @@ DM_SIMD_PASS inline void update_rows(const float* o, int64_t ldo, bool transpose
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t c = 0; c < cols; c += 16) {
         const __mmask16 m = lanes(cols - c);
+        prefetch(o + r * ldo + c + kAhead);
+        prefetch(w + r * ldw + c + kAhead);
         update16(w, ldw, r, c, m, _mm512_maskz_loadu_ps(m, o + r * ldo + c), vd, vs);
       }
     return;
@@ -149,6 +169,10 @@ DM_SIMD_PASS inline void update_rows(const float* o, int64_t ldo, bool transpose
     for (int64_t c = 0; c < cols; c += 16) {
       const int64_t n = std::min<int64_t>(16, cols - c);
       // Rows c .. c+15 of o hold columns c .. c+15 of O, over O's rows t0 .. t0+15.
+      for (int64_t j = 0; j < 16; ++j) {  // the next tile's lines of O and W
+        prefetch(o + (c + j) * ldo + t0 + 16);
+        prefetch(w + (t0 + 16 + j) * ldw + c);
+      }
       for (int64_t j = 0; j < 16; ++j)
         _mm512_store_ps(blk + 16 * j, j < n ? _mm512_maskz_loadu_ps(rm, o + (c + j) * ldo + t0)
                                             : _mm512_setzero_ps());
