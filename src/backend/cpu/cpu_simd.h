@@ -36,23 +36,26 @@ __attribute__((target("avx512f"))) inline void transpose16(const float* src, int
   }
   for (int i = 0; i < 16; i += 4) {
     r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 1] =
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
   }
-  // r[4q + s] holds, in each 128-bit lane L, column 4L + s of rows 4q .. 4q+3.
+  // r[4q + s] holds, in its 128-bit lane L, column 4L + s of rows 4q .. 4q+3. Per s: t[s] =
+  // lanes (0, 2) of r[s] and r[4 + s], t[4 + s] = their lanes (1, 3); t[8 + s] and t[12 + s]
+  // the same of r[8 + s] and r[12 + s]. Then column 4L + s is lanes (0, 2) or (1, 3) of
+  // t[s] | t[8 + s] (L = 0, 2) or t[4 + s] | t[12 + s] (L = 1, 3).
   for (int s = 0; s < 4; ++s) {
     for (int q = 0; q < 4; q += 2) {
-      t[4 * q + s] = _mm512_shuffle_f32x4(r[4 * q + s], r[4 * q + 4 + s], 0x88);      // lanes 0,2 | 0,2
-      t[4 * q + 4 + s] = _mm512_shuffle_f32x4(r[4 * q + s], r[4 * q + 4 + s], 0xDD);  // lanes 1,3 | 1,3
+      t[4 * q + s] = _mm512_shuffle_f32x4(r[4 * q + s], r[4 * q + 4 + s], 0x88);
+      t[4 * q + 4 + s] = _mm512_shuffle_f32x4(r[4 * q + s], r[4 * q + 4 + s], 0xDD);
     }
   }
-  // t[s] = rows 0-3 | 8-11 ... (lanes 0,2 of q=0 then q=1): reorder to full columns.
   for (int s = 0; s < 4; ++s) {
     const __m512 a = t[s], b = t[8 + s], c = t[4 + s], d = t[12 + s];
-    // a: col s of rows 0-3 (lane L0), col 8+s rows 0-3 (L2) -> after 0x88: [q0.L0, q0.L2, q1.L0, q1.L2]
-    // combine to column s: rows 0-3 (a.0), 4-7 (a.2), 8-11 (b.0), 12-15 (b.2)
-    _mm512_storeu_ps(dst + (s)*ld_dst, _mm512_shuffle_f32x4(a, b, 0x88));
+    _mm512_storeu_ps(dst + s * ld_dst, _mm512_shuffle_f32x4(a, b, 0x88));
     _mm512_storeu_ps(dst + (8 + s) * ld_dst, _mm512_shuffle_f32x4(a, b, 0xDD));
     _mm512_storeu_ps(dst + (4 + s) * ld_dst, _mm512_shuffle_f32x4(c, d, 0x88));
     _mm512_storeu_ps(dst + (12 + s) * ld_dst, _mm512_shuffle_f32x4(c, d, 0xDD));

@@ -114,7 +114,8 @@ DM_SIMD_PASS inline void apply_rows(const float* g, int64_t ldg, float* b, int64
         prefetch(g + r * ldg + c + kAhead);
         prefetch(b + r * ldb + c + kAhead);
         prefetch(x + r * ldx + c + kAhead);
-        _mm512_mask_storeu_ps(x + r * ldx + c, m, apply16(g, ldg, b, ldb, r, c, m, mu, nesterov, vf));
+        _mm512_mask_storeu_ps(x + r * ldx + c, m,
+                              apply16(g, ldg, b, ldb, r, c, m, mu, nesterov, vf));
       }
     return;
   }
@@ -130,7 +131,9 @@ DM_SIMD_PASS inline void apply_rows(const float* g, int64_t ldg, float* b, int64
         prefetch(x + (c + i) * ldx + t0 + 16);
       }
       for (int64_t i = 0; i < 16; ++i)
-        _mm512_store_ps(blk + 16 * i, i < rows ? apply16(g, ldg, b, ldb, t0 + i, c, m, mu, nesterov, vf) : _mm512_setzero_ps());
+        _mm512_store_ps(blk + 16 * i, i < rows
+                                          ? apply16(g, ldg, b, ldb, t0 + i, c, m, mu, nesterov, vf)
+                                          : _mm512_setzero_ps());
       transpose16(blk, 16, tr, 16);
       for (int64_t j = 0; j < std::min<int64_t>(16, cols - c); ++j)
         _mm512_mask_storeu_ps(x + (c + j) * ldx + t0, rm, _mm512_load_ps(tr + 16 * j));
@@ -149,8 +152,8 @@ DM_SIMD_PASS inline void update16(float* w, int64_t ldw, int64_t r, int64_t c, _
 // Pass 3 over rows [r0, r1): W = decay W - step O (float), O read transposed (o holds cols x
 // rows) when transpose.
 DM_SIMD_PASS inline void update_rows(const float* o, int64_t ldo, bool transpose, float* w,
-                                     int64_t ldw, int64_t r0, int64_t r1, int64_t cols,
-                                     float decay, float step) {
+                                     int64_t ldw, int64_t r0, int64_t r1, int64_t cols, float decay,
+                                     float step) {
   const __m512 vd = _mm512_set1_ps(decay), vs = _mm512_set1_ps(step);
   if (!transpose) {
     for (int64_t r = r0; r < r1; ++r)
@@ -177,7 +180,8 @@ DM_SIMD_PASS inline void update_rows(const float* o, int64_t ldo, bool transpose
         _mm512_store_ps(blk + 16 * j, j < n ? _mm512_maskz_loadu_ps(rm, o + (c + j) * ldo + t0)
                                             : _mm512_setzero_ps());
       transpose16(blk, 16, tr, 16);
-      for (int64_t i = 0; i < rows; ++i) update16(w, ldw, t0 + i, c, lanes(n), _mm512_load_ps(tr + 16 * i), vd, vs);
+      for (int64_t i = 0; i < rows; ++i)
+        update16(w, ldw, t0 + i, c, lanes(n), _mm512_load_ps(tr + 16 * i), vd, vs);
     }
   }
 }

@@ -3,22 +3,22 @@
 // type (Haswell: AVX2) halves the rate of the products that dominate a step of small matrices
 // (128 x 128 x 128: 114 GFLOP/s against 190-200 with AVX-512 kernels on a Zen 5 core). This
 // kernel runs wherever the CPU has AVX-512F, whatever OpenBLAS was told, and computes only the
-// tiles of the lower triangle of a symmetric product (62.5 % of a 128 x 128 one), where BLAS has
-// syrk only for X X^T. Larger products, and CPUs without AVX-512F, keep OpenBLAS.
+// tiles of the lower triangle of a symmetric product (56 % of a 128 x 128 one's multiply-adds),
+// where BLAS has syrk only for X X^T. Larger products, and CPUs without AVX-512F, keep OpenBLAS.
 //
-// C (m x n, row-major, ldc) = alpha op(A) op(B) + beta C, beta 0: C is not read. Tiles of 8 rows
-// by 32 columns, accumulated in registers over the whole k: each element is one sequence of
-// fused multiply-adds in k order, then alpha acc + beta c. A is read in place (the tile's 8 rows
+// C (m x n, row-major, ldc) = alpha op(A) op(B) + beta Cin, beta 0: Cin is not read. Tiles of 8
+// rows by 32 columns, accumulated in registers over the whole k: each element is one sequence of
+// fused multiply-adds in k order, then alpha acc + beta cin. A is read in place (the tile's 8 rows
 // are broadcast, whatever op(A)); op(B) is read in place when not transposed, else packed by
 // 16 x 16 transposes into a k x 32 panel.
 #pragma once
-
-#include "backend/cpu/cpu_simd.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+
+#include "backend/cpu/cpu_simd.h"
 
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -57,17 +57,14 @@ __attribute__((target("avx512f"))) inline void pack_bt(const float* b, int64_t l
 }
 
 // One tile: rows [r0, r0 + rows) and columns [c0, c0 + 32); op(B) loaded under lm0 | lm1 and C
-// stored under sm0 | sm1 (and, when lower, column <= row). A's element (r, kk) is a[r * sr + kk * sk]; op(B)'s row kk of the
-// tile's columns is at b + kk * sb. NV 1: the first 16 columns only (a tile of a lower triangle
-// whose other 16 lie above the diagonal).
+// stored under sm0 | sm1 (and, when lower, column <= row). A's element (r, kk) is at
+// a[r * sr + kk * sk]; op(B)'s row kk of the tile's columns at b + kk * sb. NV 1: the first 16
+// columns only (a tile of a lower triangle whose other 16 lie above the diagonal).
 template <int NV>
-__attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, int64_t sr,
-                                                    int64_t sk, const float* b, int64_t sb,
-                                                    int rows, __mmask16 lm0, __mmask16 lm1,
-                                                    __mmask16 sm0, __mmask16 sm1, float alpha,
-                                                    float beta, const float* cin, int64_t ldcin,
-                                                    float* c, int64_t ldc, bool lower, int64_t r0,
-                                                    int64_t c0) {
+__attribute__((target("avx512f"))) inline void tile(
+    int64_t k, const float* a, int64_t sr, int64_t sk, const float* b, int64_t sb, int rows,
+    __mmask16 lm0, __mmask16 lm1, __mmask16 sm0, __mmask16 sm1, float alpha, float beta,
+    const float* cin, int64_t ldcin, float* c, int64_t ldc, bool lower, int64_t r0, int64_t c0) {
   __m512 acc[kMR][2];
   for (int r = 0; r < kMR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   if (NV == 1) lm1 = sm1 = 0;
@@ -106,8 +103,9 @@ __attribute__((target("avx512f"))) inline void tile(int64_t k, const float* a, i
       // Lanes whose column c0 + 16h + lane is at most the row r0 + r.
       for (int h = 0; h < 2; ++h) {
         const int64_t last = r0 + r - (c0 + 16 * h);  // last lane kept
-        const __mmask16 keep =
-            last < 0 ? 0 : last >= 15 ? 0xFFFF : static_cast<__mmask16>((1u << (last + 1)) - 1);
+        const __mmask16 keep = last < 0     ? 0
+                               : last >= 15 ? 0xFFFF
+                                            : static_cast<__mmask16>((1u << (last + 1)) - 1);
         m[h] &= keep;
       }
     }
@@ -140,20 +138,21 @@ inline float* panel_scratch(int64_t floats) {
 // C = alpha op(A) op(B) + beta Cin for small_gemm_fits sizes on a CPU with AVX-512F (beta 0:
 // Cin is not read; it may be C itself); lower: only the elements on and below the diagonal
 // (m == n) are written, and only those of Cin read.
-__attribute__((target("avx512f"))) inline void small_sgemm(bool ta, bool tb, int64_t m,
-                                                           int64_t n, int64_t k, float alpha,
-                                                           const float* a, int64_t lda,
-                                                           const float* b, int64_t ldb, float beta,
-                                                           const float* cin, int64_t ldcin,
-                                                           float* c, int64_t ldc, bool lower) {
+__attribute__((target("avx512f"))) inline void small_sgemm(bool ta, bool tb, int64_t m, int64_t n,
+                                                           int64_t k, float alpha, const float* a,
+                                                           int64_t lda, const float* b, int64_t ldb,
+                                                           float beta, const float* cin,
+                                                           int64_t ldcin, float* c, int64_t ldc,
+                                                           bool lower) {
   using namespace small_gemm;
   const int64_t sr = ta ? 1 : lda, sk = ta ? lda : 1;
   float* panel = tb ? panel_scratch(k * kNR) : nullptr;
   for (int64_t c0 = 0; c0 < n; c0 += kNR) {
     const int64_t cols = std::min<int64_t>(kNR, n - c0);
     const __mmask16 cm0 = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-    const __mmask16 cm1 =
-        cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+    const __mmask16 cm1 = cols >= 32   ? 0xFFFF
+                          : cols <= 16 ? 0
+                                       : static_cast<__mmask16>((1u << (cols - 16)) - 1);
     const float* bp = b + c0;
     int64_t sb = ldb;
     if (tb) {
