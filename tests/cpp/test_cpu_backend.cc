@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/muon_ref.h"
 #include "distmuon/error.h"
 #include "test_util.h"
 
@@ -98,6 +99,62 @@ TEST(CpuBackend, SymmetricProductOfCommutingMatrices) {
   out.poison();
   be.gemm_symmetric(Op::kN, br.ref, Op::kN, bz.ref, 1.0f, 2.0f, &br.ref, out.ref);
   EXPECT_LT(rel_err(out.get(0), r * z + 2.0 * r), 1e-12);
+}
+
+// fp32 products of the sizes the backend's own AVX-512 kernel takes (cpu_small_gemm.h, where the
+// CPU has it; OpenBLAS elsewhere): whole 8 x 32 tiles, edge tiles and panels, every layout, with
+// and without a Cin (beta 0 must not read the poisoned C), and symmetric products of either kind
+// (X X^T with a packed transposed panel, two commuting symmetric matrices), which write one
+// triangle and mirror it.
+TEST(CpuBackend, Fp32ProductsOfSmallModelSizes) {
+  CpuBackend be;
+  for (auto [m, n, k] : {std::array<int64_t, 3>{128, 128, 128}, {128, 384, 128},
+                         {64, 96, 200}, {45, 70, 19}, {130, 33, 47}}) {
+    for (int ta = 0; ta < 2; ++ta)
+      for (int tb = 0; tb < 2; ++tb)
+        for (double beta : {0.0, -0.5}) {
+          HostBatch a(DType::kF32, 1, ta ? k : m, ta ? m : k), b(DType::kF32, 1, tb ? n : k, tb ? k : n);
+          HostBatch cin(DType::kF32, 1, m, n), c(DType::kF32, 1, m, n);
+          a.set(0, random_matrix(a.ref.rows, a.ref.cols));
+          b.set(0, random_matrix(b.ref.rows, b.ref.cols));
+          cin.set(0, random_matrix(m, n));
+          Mat ra = a.get(0), rb = b.get(0);
+          Mat want = 0.75 * (ta ? Mat(ra.transpose()) : ra) * (tb ? Mat(rb.transpose()) : rb);
+          if (beta != 0.0) want += beta * cin.get(0);
+          c.poison();
+          be.gemm(ta ? Op::kT : Op::kN, a.ref, tb ? Op::kT : Op::kN, b.ref, 0.75, beta,
+                  beta != 0.0 ? &cin.ref : nullptr, c.ref);
+          EXPECT_LT(rel_err(c.get(0), want), 1e-5)
+              << m << "x" << n << "x" << k << " ta " << ta << " tb " << tb << " beta " << beta;
+        }
+  }
+  for (auto [m, k] : {std::array<int64_t, 2>{128, 512}, {100, 37}, {40, 128}}) {
+    Mat x = random_matrix(m, k);
+    HostBatch bx(DType::kF32, 1, m, k), r(DType::kF32, 1, m, m), z(DType::kF32, 1, m, m),
+        out(DType::kF32, 1, m, m);
+    bx.set(0, x);
+    r.poison();
+    be.gemm_symmetric(Op::kN, bx.ref, Op::kT, bx.ref, 1.0, 0.0, nullptr, r.ref);
+    Mat rx = bx.get(0), got_r = r.get(0);
+    EXPECT_LT(rel_err(got_r, rx * rx.transpose()), 1e-5) << m << "x" << k;
+    EXPECT_EQ((got_r - got_r.transpose()).norm(), 0.0) << "X X^T not exactly symmetric";
+    Mat rr = got_r / got_r.norm();
+    r.set(0, rr);
+    z.set(0, Mat(0.3 * rr + 0.1 * rr * rr));
+    Mat zr = z.get(0);
+    zr = 0.5 * (zr + zr.transpose());
+    z.set(0, zr);
+    out.poison();
+    be.gemm_symmetric(Op::kN, r.ref, Op::kN, z.ref, 1.5, 2.0, &r.ref, out.ref);
+    Mat got = out.get(0);
+    EXPECT_LT(rel_err(got, 1.5 * r.get(0) * zr + 2.0 * r.get(0)), 1e-5) << m;
+    EXPECT_EQ((got - got.transpose()).norm(), 0.0) << "R Z not exactly symmetric";
+    out.poison();
+    be.gemm_symmetric(Op::kN, r.ref, Op::kN, r.ref, 1.0, 0.0, nullptr, out.ref);  // R R
+    got = out.get(0);
+    EXPECT_LT(rel_err(got, r.get(0) * r.get(0)), 1e-5) << m;
+    EXPECT_EQ((got - got.transpose()).norm(), 0.0) << "R R not exactly symmetric";
+  }
 }
 
 // A thread count that is not one is refused where the backend reads it (it used to mean the
@@ -210,6 +267,74 @@ struct PassSet {
     return all;
   }
 };
+
+// fp32 passes (the AVX-512 loops where the CPU has them) give the bits of the scalar formulas:
+// B' = mu B + G and W = decay W - step O in float without fused multiply-adds, V in double
+// (muon_ref::scaled_input), X = fl32(V f), written transposed for tall matrices; the norm's double
+// sum may run in another order. Edge tiles (sizes not multiples of 16) and a skipped matrix.
+TEST(CpuBackend, Fp32PassesGiveTheScalarFormulasBits) {
+  const std::vector<std::tuple<int64_t, int64_t, int64_t, DType>> cases = {
+      {2, 37, 70, DType::kF32}, {2, 70, 37, DType::kF32}, {2, 130, 48, DType::kF32}};
+  std::vector<std::vector<std::array<Mat, 3>>> inputs;
+  for (const auto& [count, rows, cols, dt] : cases) {
+    inputs.emplace_back();
+    for (int64_t i = 0; i < count; ++i) {
+      Mat gm = random_matrix(rows, cols, 1.0);
+      if (rows == 130 && i == 1) gm(100, 40) = INFINITY;  // a skip
+      inputs.back().push_back({gm, random_matrix(rows, cols, 0.5), random_matrix(rows, cols, 0.02)});
+    }
+  }
+  PassSet ps(cases, inputs);
+  std::vector<std::vector<std::array<Mat, 3>>> stored;  // the inputs as fp32 holds them
+  for (size_t k = 0; k < cases.size(); ++k) {
+    stored.emplace_back();
+    for (int64_t i = 0; i < std::get<0>(cases[k]); ++i)
+      stored.back().push_back({ps.g[k].get(i), ps.b[k].get(i), ps.w[k].get(i)});
+  }
+  CpuBackend be;
+  for (MuonPass pass : {MuonPass::kNorm, MuonPass::kApply, MuonPass::kUpdate})
+    be.muon_pass_grouped(pass, ps.batches());
+  const float mu = ps.mu;
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const auto [count, rows, cols, dt] = cases[k];
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t at = ps.offset[k] + i;
+      const Mat &g = stored[k][i][0], &b = stored[k][i][1], &w = stored[k][i][2];
+      double sum = 0;
+      bool finite = true;
+      Mat bn(rows, cols), v(rows, cols);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          const float gv = static_cast<float>(g(r, c));
+          const float bv = mu * static_cast<float>(b(r, c)) + gv;
+          const float vv = muon_ref::scaled_input(gv, bv, mu, true);
+          finite = finite && std::isfinite(gv) && std::isfinite(bv);
+          sum += static_cast<double>(vv) * vv;
+          bn(r, c) = bv;
+          v(r, c) = vv;
+        }
+      ASSERT_EQ(ps.status[at], finite ? kStatusOk : kStatusNonFinite) << k << " " << i;
+      if (!finite) {
+        EXPECT_EQ(ps.b[k].get(i), b) << "a skipped matrix's momentum changed";
+        continue;
+      }
+      const double norm = muon_ref::float_precision(std::sqrt(sum));
+      EXPECT_NEAR(ps.norms[at], norm, norm * 0x1p-22) << k << " " << i;
+      const double f = 1.0 / (ps.norms[at] + 1e-7);
+      const bool tall = rows > cols;
+      Mat x = ps.x[k].get(i), wn = ps.w[k].get(i), bb = ps.b[k].get(i);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = 0; c < cols; ++c) {
+          ASSERT_EQ(bb(r, c), bn(r, c)) << "momentum " << k << " " << i << " " << r << " " << c;
+          const float xv = tall ? static_cast<float>(x(c, r)) : static_cast<float>(x(r, c));
+          ASSERT_EQ(xv, static_cast<float>(v(r, c) * f)) << "X " << k << " " << i << " " << r << " " << c;
+          const MuonUpdateCoef& q = ps.coef[at];
+          const float want = q.decay * static_cast<float>(w(r, c)) - q.step * xv;
+          ASSERT_EQ(static_cast<float>(wn(r, c)), want) << "W " << k << " " << i << " " << r << " " << c;
+        }
+    }
+  }
+}
 
 TEST(CpuBackend, GroupedPassesGiveEveryBatchItsOwnBits) {
   const int blas = openblas_get_num_threads();

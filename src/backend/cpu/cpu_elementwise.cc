@@ -15,6 +15,7 @@
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_dtype.h"
+#include "backend/cpu/cpu_simd_passes.h"
 #include "distmuon/env.h"
 
 extern "C" char* openblas_get_config(void);
@@ -66,6 +67,23 @@ void CpuBackend::lincomb(double alpha, const BatchRef& a, double beta, const Bat
   for (int64_t i = 0; i < out.count; ++i) {
     MatRef ma = a.matrix(i), mo = out.matrix(i);
     MatRef mb = b ? b->matrix(i) : MatRef{};
+    if (ma.dtype == DType::kF32 && mo.dtype == DType::kF32 && (!b || mb.dtype == DType::kF32)) {
+      // The same float operations as below, in loops the compiler vectorizes (Gram NS's
+      // Q = Z + a I on every solve).
+      const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+      const float fd = static_cast<float>(diag);
+      for (int64_t r = 0; r < mo.rows; ++r) {
+        const float* pa = static_cast<const float*>(ma.data) + r * ma.ld;
+        const float* pb = b ? static_cast<const float*>(mb.data) + r * mb.ld : nullptr;
+        float* po = static_cast<float*>(mo.data) + r * mo.ld;
+        if (pb)
+          for (int64_t c = 0; c < mo.cols; ++c) po[c] = fa * pa[c] + fb * pb[c];
+        else
+          for (int64_t c = 0; c < mo.cols; ++c) po[c] = fa * pa[c];
+        if (r < mo.cols) po[r] += fd;
+      }
+      continue;
+    }
     dispatch(ma.dtype, [&](auto ta) {
       dispatch(mo.dtype, [&](auto to) {
         using A = decltype(ta);
@@ -167,6 +185,15 @@ inline bool momentum_fits(float b_new) {
   return std::isfinite(to_float(from_float<B>(b_new)));
 }
 
+// Whether a slot (and X, where given) takes the AVX-512 passes: every buffer fp32.
+bool simd_slot(const MuonSlot& s, const MatRef* x = nullptr) {
+  return cpu::avx512_available() && s.grad.dtype == DType::kF32 &&
+         s.momentum.dtype == DType::kF32 && s.weight.dtype == DType::kF32 &&
+         (!x || x->dtype == DType::kF32);
+}
+// Rows per block of the AVX-512 passes (a multiple of their 16-row transposed tiles).
+constexpr int64_t kSimdRows = 32;
+
 // Matrix i of a batch, for each pass: what the single calls and muon_pass_grouped run per matrix.
 void norm_matrix(std::span<const MuonSlot> slots, int64_t i, float mu, bool nesterov, double* norms,
                  int32_t* status) {
@@ -174,6 +201,20 @@ void norm_matrix(std::span<const MuonSlot> slots, int64_t i, float mu, bool nest
   double sum = 0;
   bool finite = true;
   const bool shared = s.grad.rows * s.grad.cols > cpu::kLoopElements;
+  if (simd_slot(s)) {
+    const int64_t rows = s.grad.rows;
+#pragma omp parallel for num_threads(cpu::threads()) reduction(+ : sum) reduction(&& : finite) \
+    if (shared)
+    for (int64_t r0 = 0; r0 < rows; r0 += kSimdRows) {
+      double part = 0;
+      bool fin = true;
+      cpu::simd::norm_rows(static_cast<const float*>(s.grad.data), s.grad.ld,
+                           static_cast<const float*>(s.momentum.data), s.momentum.ld, r0,
+                           std::min(rows, r0 + kSimdRows), s.grad.cols, mu, nesterov, &part, &fin);
+      sum += part;
+      finite = finite && fin;
+    }
+  } else
   with_slot(s, [&](auto* g, auto* b, auto*) {
     using B = std::remove_pointer_t<decltype(b)>;
 #pragma omp parallel for num_threads(cpu::threads()) reduction(+ : sum) reduction(&& : finite) \
@@ -200,6 +241,16 @@ void apply_matrix(std::span<const MuonSlot> slots, int64_t i, float mu, bool nes
   const double f = ok ? scale_factor(scale, i) : 0.0;
   if (!ok && s.skips) *s.skips += 1;
   const bool shared = s.grad.rows * s.grad.cols > cpu::kLoopElements;
+  if (ok && simd_slot(s, &mx)) {
+    const int64_t rows = s.grad.rows;
+#pragma omp parallel for num_threads(cpu::threads()) if (shared)
+    for (int64_t r0 = 0; r0 < rows; r0 += kSimdRows)
+      cpu::simd::apply_rows(static_cast<const float*>(s.grad.data), s.grad.ld,
+                            static_cast<float*>(s.momentum.data), s.momentum.ld, r0,
+                            std::min(rows, r0 + kSimdRows), s.grad.cols, mu, nesterov, f,
+                            static_cast<float*>(mx.data), mx.ld, transpose);
+    return;
+  }
   with_slot(s, [&](auto* g, auto* b, auto*) {
     using B = std::remove_pointer_t<decltype(b)>;
     dispatch(mx.dtype, [&](auto tx) {
@@ -239,6 +290,16 @@ void update_matrix(std::span<const MuonSlot> slots, int64_t i, const int32_t* st
   const MuonSlot& s = slots[i];
   MatRef mo = o.matrix(i);
   const bool shared = s.weight.rows * s.weight.cols > cpu::kLoopElements;
+  if (simd_slot(s, &mo)) {
+    const int64_t rows = s.weight.rows;
+#pragma omp parallel for num_threads(cpu::threads()) if (shared)
+    for (int64_t r0 = 0; r0 < rows; r0 += kSimdRows)
+      cpu::simd::update_rows(static_cast<const float*>(mo.data), mo.ld, transpose,
+                             static_cast<float*>(s.weight.data), s.weight.ld, r0,
+                             std::min(rows, r0 + kSimdRows), s.weight.cols, s.coef->decay,
+                             s.coef->step);
+    return;
+  }
   with_slot(s, [&](auto*, auto*, auto* w) {
     using W = std::remove_pointer_t<decltype(w)>;
     using C = cpu::compute_t<W>;

@@ -8,11 +8,13 @@
 #include <atomic>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "backend/backend_checks.h"
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cpu/cpu_dtype.h"
+#include "backend/cpu/cpu_small_gemm.h"
 
 extern "C" int openblas_get_num_threads(void);
 
@@ -126,11 +128,20 @@ void blas_syrk(bool trans, int64_t n, int64_t k, double alpha, const double* a, 
 // read and the columns written both stay within a few cache lines.
 template <typename S>
 void mirror_lower(S* a, int64_t n, int64_t ld) {
+  if constexpr (std::is_same_v<S, float>) {
+    if (cpu::avx512_available()) return cpu::simd::mirror_lower(a, n, ld);
+  }
   constexpr int64_t kTile = 32;
   for (int64_t r0 = 0; r0 < n; r0 += kTile)
     for (int64_t j0 = r0; j0 < n; j0 += kTile)
       for (int64_t j = j0; j < std::min(n, j0 + kTile); ++j)
         for (int64_t r = r0; r < std::min(j, r0 + kTile); ++r) a[r * ld + j] = a[j * ld + r];
+}
+
+// Whether an fp32 product of this size runs on the backend's AVX-512 kernel (cpu_small_gemm.h).
+template <typename T>
+bool own_kernel(int64_t m, int64_t n, int64_t k) {
+  return std::is_same_v<T, float> && cpu::small_gemm_available() && cpu::small_gemm_fits(m, n, k);
 }
 
 // Rows [r0, r1) x cols [0, ncols) of C = alpha op(A) op(B) + beta Cin, into the m x n T scratch.
@@ -165,15 +176,25 @@ void run_products(bool symmetric, Op op_a, const BatchRef& a, Op op_b, const Bat
     std::vector<T> scratch(direct ? 0 : static_cast<size_t>(d.m * d.n));
     T* acc = direct ? static_cast<T*>(out.data) : scratch.data();
     const int64_t ld = direct ? out.ld : d.n;
+    // The own kernel reads Cin where it lies; BLAS needs it in C first.
+    const bool kernel = d.k > 0 && own_kernel<T>(d.m, d.n, d.k);
     T eff_beta = 0;
+    std::optional<Staged<T>> sc;
     if (c_in && beta != 0.0) {
-      Staged<T> sc(c_in->matrix(i));
-      if (sc.ptr != acc)
+      sc.emplace(c_in->matrix(i));
+      if (!kernel && sc->ptr != acc)
         for (int64_t r = 0; r < d.m; ++r)
-          std::copy(sc.ptr + r * sc.ld, sc.ptr + r * sc.ld + d.n, acc + r * ld);
+          std::copy(sc->ptr + r * sc->ld, sc->ptr + r * sc->ld + d.n, acc + r * ld);
       eff_beta = static_cast<T>(beta);
     }
-    if (!symmetric) {
+    if (kernel) {
+      // Symmetric: the tiles of the lower triangle, whatever the operands (X X^T, or two
+      // commuting symmetric matrices).
+      if constexpr (std::is_same_v<T, float>)
+        cpu::small_sgemm(ta, tb, d.m, d.n, d.k, static_cast<T>(alpha), sa.ptr, sa.ld, sb.ptr,
+                         sb.ld, eff_beta, sc ? sc->ptr : acc, sc ? sc->ld : ld, acc, ld,
+                         symmetric);
+    } else if (!symmetric) {
       product_block<T>(ta, tb, sa, sb, d.k, static_cast<T>(alpha), eff_beta, 0, d.m, d.n, acc, ld);
     } else if (a.matrix(i).data == b.matrix(i).data && ta != tb && d.k > 0) {
       // X X^T or X^T X of one operand: BLAS's rank-k update computes the lower triangle.
