@@ -5,7 +5,7 @@
 set -u
 rounds=$1; out=$2; shift 2
 mkdir -p "$out"
-repo=$(cd "$(dirname "$0")/../../.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 for ((i = 1; i <= rounds; i++)); do
   for mode in idle busy; do
     for spec in "$@"; do

@@ -1,6 +1,6 @@
 // The products of one step of the demo's shapes, one at a time at one thread: the backend's own kernel
 // (cpu_small_gemm.h) against OpenBLAS's sgemm. Build from the repository root:
-//   g++ -O3 -std=gnu++20 -Isrc -Iinclude bench/results/2026-12-06-cpu-one-core/products.cc -lopenblas
+//   g++ -O3 -std=gnu++20 -Isrc -Iinclude bench/cpu/products.cc -lopenblas
 // Run as ./a.out (the environment's OPENBLAS_CORETYPE) and env -u OPENBLAS_CORETYPE ./a.out.
 #include "backend/cpu/cpu_small_gemm.h"
 #include <cblas.h>

@@ -2,7 +2,7 @@
 gradients: python3 front_step.py [STEPS], DRV_THREADS torch threads (default 1); prints the median,
 the minimum and the CPU time (getrusage) per step. Run from the repository root."""
 import os, sys, time, resource
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../../examples"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../examples"))
 import torch
 import train_gpt as tg
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 300

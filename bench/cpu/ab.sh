@@ -6,7 +6,7 @@
 set -u
 rounds=$1; shift
 here=$(cd "$(dirname "$0")" && pwd)
-wl=$here/../2026-12-06-cpu-threads/demo-gpt.json
+wl=$here/demo-gpt.json
 export OMP_WAIT_POLICY=passive DISTMUON_NUM_THREADS=1
 run() {  # label bindir mode
   local out t
