@@ -6,9 +6,18 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <cstdlib>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <thread>
+#include <vector>
 
 #include "comm/poll.h"
 #include "common/cuda_handles.h"
@@ -39,6 +48,115 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// Lets go of NCCL communicators off the caller's thread. NCCL's orderly teardown
+// (ncclCommFinalize, then ncclCommDestroy) waits until every member lets go, and members let go
+// at different moments (Python collects an optimizer whenever its own allocations say so): a rank
+// that waited in its destructor, GIL held, would keep the others waiting for it in torch's
+// collectives (seen on 4 NCCL ranks). ncclCommAbort is local but does not give the memory back
+// in time for the next communicators (the 4-rank tests that build many engines ran out of device
+// memory with it). So a destructor hands its communicator here: one thread finalizes every
+// handed communicator at once, polls them, destroys each when its members are done, and aborts
+// one that is not done within its timeout. The thread is detached and the object never freed, so
+// that a forked child (data loader workers) inherits nothing to join; at exit the owning process
+// gives the pending ones a short grace, then aborts them.
+class Reaper {
+ public:
+  static Reaper& instance() {
+    static Reaper* r = new Reaper();  // never freed: see above
+    return *r;
+  }
+  void release(ncclComm_t comm, int device, double timeout_s, std::string name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
+      std::atexit([] { instance().drain_at_exit(); });
+    }
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(timeout_s));
+    handed_.push_back({comm, device, deadline, std::move(name), false});
+    cv_.notify_all();
+  }
+
+ private:
+  struct Item {
+    ncclComm_t comm;
+    int device;
+    std::chrono::steady_clock::time_point deadline;
+    std::string name;
+    bool finalizing;
+  };
+  // A pending communicator that did not finish within this at exit is aborted.
+  static constexpr std::chrono::seconds kExitGrace{5};
+
+  void run() {
+    std::vector<Item> pending;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (pending.empty()) cv_.wait(lock, [&] { return !handed_.empty(); });
+        while (!handed_.empty()) {
+          pending.push_back(std::move(handed_.front()));
+          handed_.pop_front();
+        }
+        busy_ = !pending.empty();
+      }
+      for (Item& it : pending) step(it);
+      std::erase_if(pending, [](const Item& it) { return it.comm == nullptr; });
+      std::unique_lock<std::mutex> lock(mu_);
+      busy_ = !pending.empty() || !handed_.empty();
+      if (!busy_) {
+        cv_.notify_all();  // a drain at exit waits for this
+        continue;
+      }
+      if (handed_.empty()) cv_.wait_for(lock, std::chrono::microseconds(500));
+    }
+  }
+  // Moves one communicator on; sets it to null once it is let go.
+  void step(Item& it) {
+    cudaSetDevice(it.device);
+    ncclResult_t r = ncclSuccess;
+    if (!it.finalizing) {
+      it.finalizing = true;
+      r = ncclCommFinalize(it.comm);  // non-blocking: the wait for the members runs in NCCL
+      if (r == ncclSuccess || r == ncclInProgress) ncclCommGetAsyncError(it.comm, &r);
+    } else {
+      ncclCommGetAsyncError(it.comm, &r);
+    }
+    const bool late = std::chrono::steady_clock::now() >= it.deadline || abort_all_;
+    if (r == ncclInProgress && !late) return;
+    if (r == ncclSuccess) {
+      ncclCommDestroy(it.comm);  // local now: the members are done
+    } else {
+      DM_LOG(kWarn, "nccl: ", it.name, r == ncclInProgress ? " was not let go by every member "
+                                                                "in time"
+                                                           : " failed to finalize",
+             "; aborted instead (its device memory may come back late)");
+      ncclCommAbort(it.comm);
+    }
+    it.comm = nullptr;
+  }
+  void drain_at_exit() {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (getpid() != owner_pid_) return;  // a forked child: no reaper thread here
+    const auto until = std::chrono::steady_clock::now() + kExitGrace;
+    if (!cv_.wait_until(lock, until, [&] { return !busy_ && handed_.empty(); })) {
+      abort_all_ = true;
+      cv_.notify_all();
+      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return !busy_ && handed_.empty(); });
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Item> handed_;
+  bool started_ = false;
+  bool busy_ = false;
+  std::atomic<bool> abort_all_{false};
+  const pid_t owner_pid_ = getpid();
+};
+
 // The caller's stream a communicator follows, shared with the communicators split from it and
 // with the requests in flight, so that bind_stream() moves all of them at once.
 struct StreamBinding {
@@ -50,6 +168,12 @@ struct Shared {
   ncclComm_t comm = nullptr;
   bool aborted = false;
   std::string name;
+  int device = 0;
+  double release_timeout_s = 60;  // the owner's timeout when it let go
+  // The last holder (the communicator or a request that outlived it) hands the handle over.
+  ~Shared() {
+    if (comm && !aborted) Reaper::instance().release(comm, device, release_timeout_s, name);
+  }
   void abort() {
     if (aborted || !comm) return;
     aborted = true;
@@ -215,16 +339,9 @@ class NcclComm final : public Communicator {
         scratch_(cuda::device_alloc(2 * static_cast<size_t>(size) * sizeof(int64_t))) {}
   ~NcclComm() override {
     DeviceGuard g(device_);
-    if (sh_->aborted) return;  // ncclCommAbort already released the communicator
-    // A local teardown. ncclCommFinalize and ncclCommDestroy wait until every member has let go
-    // of the communicator too, and members destroy theirs at different moments (Python collects
-    // an optimizer whenever its own allocations say so): the first would wait, GIL held, for
-    // peers busy in other collectives that wait for it (seen on 4 NCCL ranks: one rank stuck a
-    // timeout per communicator until torch's process group gave up). Every collective issued
-    // here was waited on, so none is in flight: abort frees this member's part at once (and
-    // would unblock one left behind by an error, which a synchronisation first would wait for).
-    sh_->abort();
     cudaStreamSynchronize(stream_.get());
+    sh_->device = device_;
+    sh_->release_timeout_s = timeout_s();  // ~Shared hands the handle to the Reaper
   }
   Device device() const override { return Device{DeviceKind::kCUDA, device_}; }
   std::optional<void*> caller_stream() const override { return static_cast<void*>(user_->stream); }

@@ -103,6 +103,16 @@ std::unique_ptr<Backend> make_backend() {
 #endif
 }
 
+int64_t device_bytes_in_use() {
+#ifdef DM_TEST_RIG_NCCL
+  size_t free = 0, total = 0;
+  DM_CHECK(cudaMemGetInfo(&free, &total) == cudaSuccess, "cudaMemGetInfo failed");
+  return static_cast<int64_t>(total - free);
+#else
+  return -1;
+#endif
+}
+
 const char* rig_name() { return g_nccl ? "nccl" : "mpi"; }
 bool on_cuda() { return g_nccl != nullptr; }
 bool bit_exact() { return !on_cuda(); }

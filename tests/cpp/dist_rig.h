@@ -27,6 +27,8 @@ Communicator& host_world();
 std::unique_ptr<Communicator> make_world();
 // A backend where world()'s buffers live: CPU, or CUDA on this rank's device.
 std::unique_ptr<Backend> make_backend();
+// Bytes of device memory in use on this rank's GPU by every process (-1 on the MPI rig).
+int64_t device_bytes_in_use();
 // "mpi" or "nccl".
 const char* rig_name();
 bool on_cuda();

@@ -320,6 +320,37 @@ TEST(MpiComm, ACommunicatorIsLetGoWithoutWaitingForTheOtherMembers) {
   EXPECT_LT(s, 5.0) << "letting go of a communicator waited for the other members";
 }
 
+TEST(MpiComm, CommunicatorsLetGoGiveTheirMemoryBack) {
+  if (world().size() < 2) GTEST_SKIP() << "needs two ranks";
+  if (test::device_bytes_in_use() < 0) GTEST_SKIP() << "host memory: nothing to give back";
+  // An engine builds several communicators and a training job may rebuild its optimizer; the
+  // memory of the ones let go must come back (an NCCL abort as teardown kept it long enough that
+  // the 4-rank tests which build many engines ran out of device memory).
+  Communicator& host = test::host_world();
+  auto used = [] {
+    std::unique_ptr<Communicator> c = test::make_world();
+    c->barrier().wait();
+    return c;
+  };
+  used().reset();  // the first one's one-off costs (streams, context) are not a leak
+  host.barrier().wait();
+  const int64_t before = test::device_bytes_in_use();
+  std::unique_ptr<Communicator> one = used();
+  host.barrier().wait();
+  const int64_t per_comm = std::max<int64_t>(test::device_bytes_in_use() - before, 1 << 20);
+  one.reset();
+  for (int i = 0; i < 10; ++i) used().reset();
+  host.barrier().wait();
+  int64_t after = test::device_bytes_in_use();
+  for (int i = 0; i < 200 && after > before + per_comm / 2; ++i) {  // let go off the thread
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = test::device_bytes_in_use();
+  }
+  EXPECT_LE(after, before + per_comm / 2)
+      << "11 communicators let go kept " << (after - before) / (1 << 20)
+      << " MiB; one takes about " << per_comm / (1 << 20) << " MiB";
+}
+
 TEST(MpiComm, BadArgumentsAreRejectedBeforeAnythingMoves) {
   Communicator& c = world();
   std::vector<int64_t> short_list(c.size() + 1, 0);
