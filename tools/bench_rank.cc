@@ -278,8 +278,15 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
         runs.push_back(cmp.prepare(m, algo));
       }
     adamw_done = true;
-    for (int64_t i = 0; i < total; ++i)
+    for (int64_t i = 0; i < total; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
       for (auto& run : runs) cmp.step(*run, i);
+      // A slow first step (planning, allocation, a stall) says where the time went.
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (i == 0 || s > 1.0)
+        progress("step " + std::to_string(i + 1) + " of " + std::to_string(total) + " (every mode) took " +
+                 std::to_string(s) + " s");
+    }
     for (auto& run : runs) {
       if (r.trace) {
         const StepBreakdown b = profiled_step(r, cmp, *run, total, t_begin, t_end);

@@ -48,17 +48,17 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-// Lets go of NCCL communicators off the caller's thread. NCCL's orderly teardown
-// (ncclCommFinalize, then ncclCommDestroy) waits until every member lets go, and members let go
-// at different moments (Python collects an optimizer whenever its own allocations say so): a rank
-// that waited in its destructor, GIL held, would keep the others waiting for it in torch's
-// collectives (seen on 4 NCCL ranks). ncclCommAbort is local but does not give the memory back
-// in time for the next communicators (the 4-rank tests that build many engines ran out of device
-// memory with it). So a destructor hands its communicator here: one thread finalizes every
-// handed communicator at once, polls them, destroys each when its members are done, and aborts
-// one that is not done within its timeout. The thread is detached and the object never freed, so
-// that a forked child (data loader workers) inherits nothing to join; at exit the owning process
-// gives the pending ones a short grace, then aborts them.
+// Finishes the teardown of NCCL communicators whose members did not all let go at once.
+// NCCL's orderly teardown (ncclCommFinalize, then ncclCommDestroy) completes only when every
+// member has let go, and members may do so at different moments (Python collects an optimizer
+// whenever its own allocations say so): a rank that waited for that in its destructor, GIL held,
+// kept the others waiting for it in torch's collectives (seen on 4 NCCL ranks). ncclCommAbort is
+// local but kept the memory long enough that the 4-rank tests, which build many engines, ran out
+// of device memory. So ~Shared waits briefly and hands a finalizing communicator here: one thread
+// polls them, destroys each when its members are done, and aborts one past its timeout. The
+// thread is detached and the object never freed, so that a forked child (data loader workers)
+// inherits nothing to join; at exit the owning process gives the pending ones a short grace, then
+// aborts them.
 class Reaper {
  public:
   static Reaper& instance() {
@@ -75,7 +75,7 @@ class Reaper {
     const auto deadline = std::chrono::steady_clock::now() +
                           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                               std::chrono::duration<double>(timeout_s));
-    handed_.push_back({comm, device, deadline, std::move(name), false});
+    handed_.push_back({comm, device, deadline, std::move(name)});
     cv_.notify_all();
   }
 
@@ -85,7 +85,6 @@ class Reaper {
     int device;
     std::chrono::steady_clock::time_point deadline;
     std::string name;
-    bool finalizing;
   };
   // A pending communicator that did not finish within this at exit is aborted.
   static constexpr std::chrono::seconds kExitGrace{5};
@@ -113,25 +112,19 @@ class Reaper {
       if (handed_.empty()) cv_.wait_for(lock, std::chrono::microseconds(500));
     }
   }
-  // Moves one communicator on; sets it to null once it is let go.
+  // Moves one finalizing communicator on; sets it to null once it is let go.
   void step(Item& it) {
     cudaSetDevice(it.device);
     ncclResult_t r = ncclSuccess;
-    if (!it.finalizing) {
-      it.finalizing = true;
-      r = ncclCommFinalize(it.comm);  // non-blocking: the wait for the members runs in NCCL
-      if (r == ncclSuccess || r == ncclInProgress) ncclCommGetAsyncError(it.comm, &r);
-    } else {
-      ncclCommGetAsyncError(it.comm, &r);
-    }
+    ncclCommGetAsyncError(it.comm, &r);
     const bool late = std::chrono::steady_clock::now() >= it.deadline || abort_all_;
     if (r == ncclInProgress && !late) return;
     if (r == ncclSuccess) {
       ncclCommDestroy(it.comm);  // local now: the members are done
     } else {
-      DM_LOG(kWarn, "nccl: ", it.name, r == ncclInProgress ? " was not let go by every member "
-                                                                "in time"
-                                                           : " failed to finalize",
+      DM_LOG(kWarn, "nccl: ", it.name,
+             r == ncclInProgress ? " was not let go by every member in time"
+                                 : " failed to finalize",
              "; aborted instead (its device memory may come back late)");
       ncclCommAbort(it.comm);
     }
@@ -172,8 +165,32 @@ struct Shared {
   double release_timeout_s = 60;  // the owner's timeout when it let go
   // The last holder (the communicator or a request that outlived it) hands the handle over.
   ~Shared() {
-    if (comm && !aborted) Reaper::instance().release(comm, device, release_timeout_s, name);
+    if (!comm || aborted) return;
+    DeviceGuard g(device);
+    // Finalize is non-blocking here: NCCL waits for the members on a thread of its own. When every
+    // member lets go at once (an engine or test that ends on all ranks) it is done within
+    // milliseconds: wait for it, so the memory comes back before the caller goes on (the next
+    // communicators need it; handing every teardown to the reaper kept up to twice the memory of
+    // the 4-rank tests in use). A member that lets go alone (Python's collector) waits at most
+    // kInlineGrace; the reaper finishes the rest.
+    ncclResult_t r = ncclCommFinalize(comm);
+    const auto until = std::chrono::steady_clock::now() + kInlineGrace;
+    while (r == ncclInProgress || r == ncclSuccess) {
+      ncclCommGetAsyncError(comm, &r);
+      if (r != ncclInProgress || std::chrono::steady_clock::now() >= until) break;
+      std::this_thread::yield();
+    }
+    if (r == ncclSuccess) {
+      ncclCommDestroy(comm);
+    } else if (r == ncclInProgress) {
+      Reaper::instance().release(comm, device, release_timeout_s, name);
+    } else {
+      DM_LOG(kWarn, "nccl: ", name, " failed to finalize (", ncclGetErrorString(r),
+             "); aborted instead");
+      ncclCommAbort(comm);
+    }
   }
+  static constexpr std::chrono::milliseconds kInlineGrace{1000};
   void abort() {
     if (aborted || !comm) return;
     aborted = true;

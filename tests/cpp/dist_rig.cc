@@ -31,6 +31,17 @@ class DiffTracker : public ::testing::EmptyTestEventListener {
   void OnTestStart(const ::testing::TestInfo&) override { g_test_diff = 0; }
 };
 
+// Device memory in use (every process on the GPU) at each test's end, on the NCCL rig's rank 0:
+// communicators and engines that are let go must give theirs back.
+class MemoryReporter : public ::testing::EmptyTestEventListener {
+  void OnTestEnd(const ::testing::TestInfo& t) override {
+    const int64_t used = device_bytes_in_use();
+    if (used >= 0)
+      std::printf("[rig] device memory in use after %s: %lld MiB\n", t.name(),
+                  static_cast<long long>(used >> 20));
+  }
+};
+
 class FailurePrinter : public ::testing::EmptyTestEventListener {
  public:
   explicit FailurePrinter(int rank) : rank_(rank) {}
@@ -203,6 +214,7 @@ int main(int argc, char** argv) {
 #endif
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
   listeners.Append(new test::DiffTracker);
+  if (rank == 0) listeners.Append(new test::MemoryReporter);
   if (rank != 0) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new test::FailurePrinter(rank));
