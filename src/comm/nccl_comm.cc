@@ -14,7 +14,6 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -48,105 +47,80 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
-// Finishes the teardown of NCCL communicators whose members did not all let go at once.
-// NCCL's orderly teardown (ncclCommFinalize, then ncclCommDestroy) completes only when every
-// member has let go, and members may do so at different moments (Python collects an optimizer
-// whenever its own allocations say so): a rank that waited for that in its destructor, GIL held,
-// kept the others waiting for it in torch's collectives (seen on 4 NCCL ranks). ncclCommAbort is
-// local but kept the memory long enough that the 4-rank tests, which build many engines, ran out
-// of device memory. So ~Shared waits briefly and hands a finalizing communicator here: one thread
-// polls them, destroys each when its members are done, and aborts one past its timeout. The
-// thread is detached and the object never freed, so that a forked child (data loader workers)
-// inherits nothing to join; at exit the owning process gives the pending ones a short grace, then
-// aborts them.
-class Reaper {
+// Tears NCCL communicators down off the caller's thread. NCCL's orderly teardown
+// (ncclCommFinalize, then ncclCommDestroy) completes only when every member has let go, and
+// members may let go at different moments (Python collects an optimizer whenever its own
+// allocations say so). Measured on 2-4 NCCL ranks of one GPU (H100, H200):
+// - waited for in the destructor, GIL held, it kept the other ranks waiting in torch's
+//   collectives for a timeout per communicator;
+// - a non-blocking finalize issued from the caller's thread, even unwaited, held up that
+//   thread's next collective on another communicator (NCCL's group jobs are per thread);
+// - one teardown thread for every communicator serialised them the same way, and the memory
+//   came back a test late (17.5 GB in use against 10.5);
+// - ncclCommAbort is local but kept the memory long enough that the 4-rank tests ran out of it.
+// So each communicator is torn down on a detached thread of its own, which aborts it past its
+// timeout. Nothing is joined, so a forked child (data loader workers) inherits nothing to wait
+// for; at exit the owning process gives the teardowns in flight a short grace.
+class Teardowns {
  public:
-  static Reaper& instance() {
-    static Reaper* r = new Reaper();  // never freed: see above
-    return *r;
+  static Teardowns& instance() {
+    static Teardowns* t = new Teardowns();  // never freed: a thread may outlive static objects
+    return *t;
   }
-  void release(ncclComm_t comm, int device, double timeout_s, std::string name) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!started_) {
-      started_ = true;
-      std::thread([this] { run(); }).detach();
-      std::atexit([] { instance().drain_at_exit(); });
+  void start(ncclComm_t comm, int device, double timeout_s, std::string name) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!exit_hook_) {
+        exit_hook_ = true;
+        std::atexit([] { instance().drain_at_exit(); });
+      }
+      ++in_flight_;
     }
-    const auto deadline = std::chrono::steady_clock::now() +
-                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                              std::chrono::duration<double>(timeout_s));
-    handed_.push_back({comm, device, deadline, std::move(name)});
-    cv_.notify_all();
+    std::thread([this, comm, device, timeout_s, name = std::move(name)] {
+      tear_down(comm, device, timeout_s, name);
+      std::lock_guard<std::mutex> lock(mu_);
+      --in_flight_;
+      cv_.notify_all();
+    }).detach();
   }
 
  private:
-  struct Item {
-    ncclComm_t comm;
-    int device;
-    std::chrono::steady_clock::time_point deadline;
-    std::string name;
-  };
-  // A pending communicator that did not finish within this at exit is aborted.
   static constexpr std::chrono::seconds kExitGrace{5};
 
-  void run() {
-    std::vector<Item> pending;
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        if (pending.empty()) cv_.wait(lock, [&] { return !handed_.empty(); });
-        while (!handed_.empty()) {
-          pending.push_back(std::move(handed_.front()));
-          handed_.pop_front();
-        }
-        busy_ = !pending.empty();
-      }
-      for (Item& it : pending) step(it);
-      std::erase_if(pending, [](const Item& it) { return it.comm == nullptr; });
-      std::unique_lock<std::mutex> lock(mu_);
-      busy_ = !pending.empty() || !handed_.empty();
-      if (!busy_) {
-        cv_.notify_all();  // a drain at exit waits for this
-        continue;
-      }
-      if (handed_.empty()) cv_.wait_for(lock, std::chrono::microseconds(500));
+  void tear_down(ncclComm_t comm, int device, double timeout_s, const std::string& name) {
+    cudaSetDevice(device);
+    ncclResult_t r = ncclCommFinalize(comm);  // non-blocking: NCCL's own thread waits
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(timeout_s));
+    while (r == ncclSuccess || r == ncclInProgress) {
+      ncclCommGetAsyncError(comm, &r);
+      if (r != ncclInProgress || exiting_ || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-  }
-  // Moves one finalizing communicator on; sets it to null once it is let go.
-  void step(Item& it) {
-    cudaSetDevice(it.device);
-    ncclResult_t r = ncclSuccess;
-    ncclCommGetAsyncError(it.comm, &r);
-    const bool late = std::chrono::steady_clock::now() >= it.deadline || abort_all_;
-    if (r == ncclInProgress && !late) return;
     if (r == ncclSuccess) {
-      ncclCommDestroy(it.comm);  // local now: the members are done
-    } else {
-      DM_LOG(kWarn, "nccl: ", it.name,
-             r == ncclInProgress ? " was not let go by every member in time"
-                                 : " failed to finalize",
-             "; aborted instead (its device memory may come back late)");
-      ncclCommAbort(it.comm);
+      ncclCommDestroy(comm);  // local now: the members are done
+      return;
     }
-    it.comm = nullptr;
+    DM_LOG(kWarn, "nccl: ", name,
+           r == ncclInProgress ? " was not let go by every member in time" : " failed to finalize",
+           "; aborted instead (its device memory may come back late)");
+    ncclCommAbort(comm);
   }
   void drain_at_exit() {
     std::unique_lock<std::mutex> lock(mu_);
-    if (getpid() != owner_pid_) return;  // a forked child: no reaper thread here
-    const auto until = std::chrono::steady_clock::now() + kExitGrace;
-    if (!cv_.wait_until(lock, until, [&] { return !busy_ && handed_.empty(); })) {
-      abort_all_ = true;
-      cv_.notify_all();
-      cv_.wait_for(lock, std::chrono::seconds(1), [&] { return !busy_ && handed_.empty(); });
+    if (getpid() != owner_pid_) return;  // a forked child: the threads are the parent's
+    if (!cv_.wait_for(lock, kExitGrace, [&] { return in_flight_ == 0; })) {
+      exiting_ = true;  // abort what is left
+      cv_.wait_for(lock, std::chrono::seconds(2), [&] { return in_flight_ == 0; });
     }
   }
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Item> handed_;
-  bool started_ = false;
-  bool busy_ = false;
-  std::atomic<bool> abort_all_{false};
+  int in_flight_ = 0;
+  bool exit_hook_ = false;
+  std::atomic<bool> exiting_{false};
   const pid_t owner_pid_ = getpid();
 };
 
@@ -165,32 +139,8 @@ struct Shared {
   double release_timeout_s = 60;  // the owner's timeout when it let go
   // The last holder (the communicator or a request that outlived it) hands the handle over.
   ~Shared() {
-    if (!comm || aborted) return;
-    DeviceGuard g(device);
-    // Finalize is non-blocking here: NCCL waits for the members on a thread of its own. When every
-    // member lets go at once (an engine or test that ends on all ranks) it is done within
-    // milliseconds: wait for it, so the memory comes back before the caller goes on (the next
-    // communicators need it; handing every teardown to the reaper kept up to twice the memory of
-    // the 4-rank tests in use). A member that lets go alone (Python's collector) waits at most
-    // kInlineGrace; the reaper finishes the rest.
-    ncclResult_t r = ncclCommFinalize(comm);
-    const auto until = std::chrono::steady_clock::now() + kInlineGrace;
-    while (r == ncclInProgress || r == ncclSuccess) {
-      ncclCommGetAsyncError(comm, &r);
-      if (r != ncclInProgress || std::chrono::steady_clock::now() >= until) break;
-      std::this_thread::yield();
-    }
-    if (r == ncclSuccess) {
-      ncclCommDestroy(comm);
-    } else if (r == ncclInProgress) {
-      Reaper::instance().release(comm, device, release_timeout_s, name);
-    } else {
-      DM_LOG(kWarn, "nccl: ", name, " failed to finalize (", ncclGetErrorString(r),
-             "); aborted instead");
-      ncclCommAbort(comm);
-    }
+    if (comm && !aborted) Teardowns::instance().start(comm, device, release_timeout_s, name);
   }
-  static constexpr std::chrono::milliseconds kInlineGrace{1000};
   void abort() {
     if (aborted || !comm) return;
     aborted = true;
