@@ -59,7 +59,7 @@ class DeviceGuard {
 //   came back a test late (17.5 GB in use against 10.5);
 // - ncclCommAbort is local but kept the memory long enough that the 4-rank tests ran out of it.
 // So each communicator is torn down on a detached thread of its own, which aborts it past its
-// timeout. Nothing is joined, so a forked child (data loader workers) inherits nothing to wait
+// timeout; the caller waits for it only briefly (start()). Nothing is joined, so a forked child (data loader workers) inherits nothing to wait
 // for; at exit the owning process gives the teardowns in flight a short grace.
 class Teardowns {
  public:
@@ -67,7 +67,12 @@ class Teardowns {
     static Teardowns* t = new Teardowns();  // never freed: a thread may outlive static objects
     return *t;
   }
+  // Starts the teardown and waits for it up to kCallerWait: when every member lets go at once
+  // (an engine or a test that ends on all ranks) it is done by then, and its memory comes back
+  // before the caller builds the next communicators (not waiting kept up to 7 GB more in use
+  // between the 4-rank engine tests); a member that lets go alone goes on after kCallerWait.
   void start(ncclComm_t comm, int device, double timeout_s, std::string name) {
+    auto done = std::make_shared<Done>();
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!exit_hook_) {
@@ -76,15 +81,28 @@ class Teardowns {
       }
       ++in_flight_;
     }
-    std::thread([this, comm, device, timeout_s, name = std::move(name)] {
+    std::thread([this, done, comm, device, timeout_s, name = std::move(name)] {
       tear_down(comm, device, timeout_s, name);
+      {
+        std::lock_guard<std::mutex> lock(done->mu);
+        done->yes = true;
+      }
+      done->cv.notify_all();
       std::lock_guard<std::mutex> lock(mu_);
       --in_flight_;
       cv_.notify_all();
     }).detach();
+    std::unique_lock<std::mutex> lock(done->mu);
+    done->cv.wait_for(lock, kCallerWait, [&] { return done->yes; });
   }
 
  private:
+  struct Done {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool yes = false;
+  };
+  static constexpr std::chrono::seconds kCallerWait{1};
   static constexpr std::chrono::seconds kExitGrace{5};
 
   void tear_down(ncclComm_t comm, int device, double timeout_s, const std::string& name) {
