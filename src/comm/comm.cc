@@ -311,7 +311,37 @@ CommHandle Communicator::barrier() {
   return issue(do_barrier());
 }
 
+void Communicator::grouped(const std::function<void()>& issue) {
+  if (group_depth_ > 0) {  // joins the outer group
+    ++group_depth_;
+    try {
+      issue();
+    } catch (...) {
+      --group_depth_;
+      throw;
+    }
+    --group_depth_;
+    return;
+  }
+  do_group_begin();
+  group_depth_ = 1;
+  try {
+    issue();
+  } catch (...) {
+    group_depth_ = 0;
+    try {
+      do_group_end();  // what was issued is launched, so its handles complete
+    } catch (const std::exception& e) {
+      DM_LOG(kError, describe("grouped"), ": ", e.what());
+    }
+    throw;
+  }
+  group_depth_ = 0;
+  do_group_end();
+}
+
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {
+  DM_CHECK(group_depth_ == 0, describe("split"), ": not inside grouped() (a split completes before it returns)");
   std::unique_ptr<Communicator> c = do_split(color, key);
   if (c) c->set_timeout(timeout_s_);
   return c;

@@ -204,31 +204,35 @@ struct Shared {
 // timeout later). Its device time then is the timeout less the members' skew in starting it.
 constexpr double kTimedOutFraction = 0.9;
 
+// The events around one launch on the communicator's stream: one collective, or every
+// collective of a group (grouped()), whose requests share them.
+struct LaunchEvents {
+  cuda::Event start = cuda::make_event(true), done = cuda::make_event(true);
+  bool launched = false;  // `done` is recorded
+};
+
 class NcclRequest final : public CommRequest {
  public:
-  // `start` was recorded on the communicator's stream where the collective begins.
   NcclRequest(std::shared_ptr<Shared> sh, int device, std::shared_ptr<StreamBinding> user,
-              std::string what, double timeout_s)
+              std::string what, double timeout_s, std::shared_ptr<LaunchEvents> ev)
       : sh_(std::move(sh)),
         device_(device),
         user_(std::move(user)),
         what_(std::move(what)),
         timeout_s_(timeout_s),
-        start_(cuda::make_event(true)),
-        done_(cuda::make_event(true)) {}
-  cudaEvent_t start_event() const { return start_.get(); }
-  cudaEvent_t event() const { return done_.get(); }
+        ev_(std::move(ev)) {}
 
   bool test() override {
     if (finished_) return true;
+    check_launched();
     DeviceGuard g(device_);
     sh_->check_async(what_);
-    cudaError_t q = cudaEventQuery(done_.get());
+    cudaError_t q = cudaEventQuery(ev_->done.get());
     if (q == cudaErrorNotReady) return false;
     DM_CHECK_CUDA(q, what_);
     sh_->check_async(what_);  // an error the library noticed while finishing it
     float ms = 0;
-    DM_CHECK_CUDA(cudaEventElapsedTime(&ms, start_.get(), done_.get()), what_);
+    DM_CHECK_CUDA(cudaEventElapsedTime(&ms, ev_->start.get(), ev_->done.get()), what_);
     if (ms * 1e-3 >= kTimedOutFraction * timeout_s_) {
       sh_->abort();
       throw TimeoutError(detail::concat(what_, " took ", ms * 1e-3, " s on the device, ",
@@ -240,14 +244,15 @@ class NcclRequest final : public CommRequest {
                          __FILE__, __LINE__);
     }
     // Results become visible to the caller's stream without a host round trip.
-    DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, done_.get(), 0), what_);
+    DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, ev_->done.get(), 0), what_);
     finished_ = true;
     return true;
   }
   bool wait_on_stream() override {
+    check_launched();
     DeviceGuard g(device_);
     sh_->check_async(what_);
-    DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, done_.get(), 0), what_);
+    DM_CHECK_CUDA(cudaStreamWaitEvent(user_->stream, ev_->done.get(), 0), what_);
     return true;
   }
   void wait(double timeout_s) override {
@@ -266,9 +271,15 @@ class NcclRequest final : public CommRequest {
   std::shared_ptr<Shared> sh_;
   int device_;
   std::shared_ptr<StreamBinding> user_;
+  // Waiting inside grouped() would wait for what is not launched yet (and a stream wait on an
+  // unrecorded event orders nothing).
+  void check_launched() const {
+    DM_CHECK(ev_->launched, what_, ": waited on inside grouped(), before the group was launched");
+  }
+
   std::string what_;
   double timeout_s_;
-  cuda::Event start_, done_;
+  std::shared_ptr<LaunchEvents> ev_;
   bool finished_ = false;
 };
 
@@ -458,16 +469,45 @@ class NcclComm final : public Communicator {
     DeviceGuard g(device_);
     const std::string what = describe(op);
     sh_->check_async(what);
-    auto req = std::make_unique<NcclRequest>(sh_, device_, user_, what, timeout_s());
     // Start after everything the caller issued on its stream (the inputs are ready then).
     DM_CHECK_CUDA(cudaEventRecord(ready_.get(), user_->stream), what);
     DM_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), ready_.get(), 0), what);
-    DM_CHECK_CUDA(cudaEventRecord(req->start_event(), stream_.get()), what);
+    if (group_) {  // launched with the group (do_group_end)
+      issue();
+      return std::make_unique<NcclRequest>(sh_, device_, user_, what, timeout_s(), group_);
+    }
+    auto ev = std::make_shared<LaunchEvents>();
+    DM_CHECK_CUDA(cudaEventRecord(ev->start.get(), stream_.get()), what);
     issue();
     sh_->wait_ready(what, timeout_s());
-    DM_CHECK_CUDA(cudaEventRecord(req->event(), stream_.get()), what);
+    DM_CHECK_CUDA(cudaEventRecord(ev->done.get(), stream_.get()), what);
+    ev->launched = true;
     DM_LOG(kDebug, what, " issued");
-    return req;
+    return std::make_unique<NcclRequest>(sh_, device_, user_, what, timeout_s(), std::move(ev));
+  }
+
+  void do_group_begin() override {
+    DeviceGuard g(device_);
+    sh_->check_async(describe("grouped"));
+    group_ = std::make_shared<LaunchEvents>();
+    DM_CHECK_NCCL(ncclGroupStart(), describe("grouped"));
+  }
+  void do_group_end() override {
+    DeviceGuard g(device_);
+    const std::string what = describe("grouped");
+    std::shared_ptr<LaunchEvents> ev = std::move(group_);
+    group_.reset();
+    // The group's kernels go on the stream at ncclGroupEnd, after the waits each operation
+    // recorded: the start event goes just before them. The group is ended whatever happens, so
+    // that this thread's NCCL group state is not left open.
+    const cudaError_t recorded = cudaEventRecord(ev->start.get(), stream_.get());
+    const ncclResult_t ended = ncclGroupEnd();
+    DM_CHECK_CUDA(recorded, what);
+    DM_CHECK_NCCL(ended, what);
+    sh_->wait_ready(what, timeout_s());
+    DM_CHECK_CUDA(cudaEventRecord(ev->done.get(), stream_.get()), what);
+    ev->launched = true;
+    DM_LOG(kDebug, what, " issued");
   }
 
   int64_t* scratch() const { return static_cast<int64_t*>(scratch_.get()); }
@@ -478,6 +518,7 @@ class NcclComm final : public Communicator {
   cuda::Stream stream_;
   cuda::Event ready_;
   cuda::DevicePtr scratch_;  // a few int64 for the barrier and split exchanges
+  std::shared_ptr<LaunchEvents> group_;  // while grouped() issues
 };
 
 }  // namespace

@@ -53,11 +53,12 @@ class Timeline {
     }
     c.compute = t + std::max(0.0, seconds);
   }
-  // Returns when the collective ends.
-  double collective(double seconds) {
+  // Returns when the collective ends. One that joins the group of the one before it
+  // (Communicator::grouped) costs the host nothing more: the group is launched once.
+  double collective(double seconds, bool joins_group = false) {
     double start = 0;
     for (Clock& c : c_) {
-      c.host += issue_;
+      if (!joins_group) c.host += issue_;
       start = std::max({start, c.host, c.compute, c.comm});
     }
     const double end = start + seconds;
@@ -295,10 +296,14 @@ class StepModel {
     const Link r = reduce_link(d_, cm_, per_node_);
     const size_t nb = buckets_.size();
     std::vector<double> reduced(nb, 0.0);
+    // Each bucket's reduces, and then its broadcasts, are launched as one group.
     for (size_t b = 0; b < nb; ++b) {  // stages 0-1 of every bucket: a reduce per matrix
+      bool joins = false;
       for (int j : buckets_[b]) {
         const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-        reduced[b] = t.collective(d_ == 1 ? local(bytes) : (d_ - 1) * r.alpha + bytes / r.beta);
+        reduced[b] =
+            t.collective(d_ == 1 ? local(bytes) : (d_ - 1) * r.alpha + bytes / r.beta, joins);
+        joins = true;
       }
       for (int q = 0; q < d_; ++q) t.kernel(q, 0, reduced[b]);
     }
@@ -317,9 +322,12 @@ class StepModel {
         // At D > 1 the owner first turns the summed gradient into the mean (in place).
         t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[i] + elementwise(own[i]));
       }
+      bool joins = false;
       for (int j : buckets_[b]) {
         const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-        t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_));  // in place
+        t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_),  // in place
+                     joins);
+        joins = true;
       }
     }
     p.dedicated_engine = t.sync();

@@ -92,11 +92,13 @@ class ReplicatedRunner final : public ModeRunner {
       return;
     }
     step_owned_runs(bk, ctx, [&](const Bucket::Run& run) { return slots(bk, run, ctx); });
-    for (int j : bk.act) {
-      const DistMatrix& m = dist_.mats[j];
-      void* w = at(ctx.data[m.param].param, full_offset(m), m.wire);
-      handles_[b].push_back(dist_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
-    }
+    dist_.world->grouped([&] {  // one launch per bucket
+      for (int j : bk.act) {
+        const DistMatrix& m = dist_.mats[j];
+        void* w = at(ctx.data[m.param].param, full_offset(m), m.wire);
+        handles_[b].push_back(dist_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
+      }
+    });
   }
 
  private:

@@ -63,49 +63,61 @@ class DedicatedRunner final : public ModeRunner {
       return;
     }
     switch (stage) {
+      // Each stage's collectives (one per matrix, to or from its owner) launch as one group:
+      // one host launch per bucket and stage instead of one per matrix.
       case 0:
-        for (int j : bk.act) {
-          const DistMatrix& m = dist_.mats[j];
-          void* recv = m.owner_s == dist_.my_s ? gstage(j) : nullptr;
-          s.reduce_in_shard.push_back(dist_.shard->reduce(
-              source(b, j, ctx), recv, m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_s));
-        }
+        dist_.shard->grouped([&] {
+          for (int j : bk.act) {
+            const DistMatrix& m = dist_.mats[j];
+            void* recv = m.owner_s == dist_.my_s ? gstage(j) : nullptr;
+            s.reduce_in_shard.push_back(dist_.shard->reduce(
+                source(b, j, ctx), recv, m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_s));
+          }
+        });
         break;
       case 1:
         dist_.wait_on_stream(s.reduce_in_shard);
         if (!dist_.replica) break;
-        for (int j : bk.act) {
-          const DistMatrix& m = dist_.mats[j];
-          if (m.owner_s != dist_.my_s) continue;
-          s.reduce_across_replicas.push_back(dist_.replica->reduce(
-              gstage(j), gstage(j), m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_r));
-        }
+        dist_.replica->grouped([&] {
+          for (int j : bk.act) {
+            const DistMatrix& m = dist_.mats[j];
+            if (m.owner_s != dist_.my_s) continue;
+            s.reduce_across_replicas.push_back(dist_.replica->reduce(
+                gstage(j), gstage(j), m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_r));
+          }
+        });
         break;
-      case 2:
+      case 2: {
         dist_.wait_on_stream(s.reduce_across_replicas);
         if (!ctx.raise) scale(bk);
         step_owned_runs(bk, ctx, owned_slots(bk, ctx));
-        for (int j : bk.act) {
-          const DistMatrix& m = dist_.mats[j];
-          void* w = weight(j, ctx);
-          if (dist_.replica) {
-            if (m.owner_s == dist_.my_s)
+        Communicator& first = dist_.replica ? *dist_.replica : *dist_.shard;
+        first.grouped([&] {
+          for (int j : bk.act) {
+            const DistMatrix& m = dist_.mats[j];
+            void* w = weight(j, ctx);
+            if (dist_.replica) {
+              if (m.owner_s == dist_.my_s)
+                s.broadcast_first.push_back(
+                    dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+            } else {
               s.broadcast_first.push_back(
-                  dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
-          } else {
-            s.broadcast_first.push_back(
-                dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+                  dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+            }
           }
-        }
+        });
         break;
+      }
       case 3:
         if (!dist_.replica) break;
         dist_.wait_on_stream(s.broadcast_first);
-        for (int j : bk.act) {
-          const DistMatrix& m = dist_.mats[j];
-          s.broadcast_in_shard.push_back(
-              dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
-        }
+        dist_.shard->grouped([&] {
+          for (int j : bk.act) {
+            const DistMatrix& m = dist_.mats[j];
+            s.broadcast_in_shard.push_back(
+                dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
+          }
+        });
         break;
       case 4:
         dist_.wait_on_stream(s.broadcast_first);

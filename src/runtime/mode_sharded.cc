@@ -199,13 +199,15 @@ class ShardedRunner final : public ModeRunner {
     };
     run_runs(bk, owned, batches, seq);
     if (!dist_.replica) return;
-    for (int j : bk.act) {  // the update reaches the other replicas while the next bucket runs
-      const DistMatrix& m = dist_.mats[j];
-      if (m.owner_s != dist_.my_s) continue;
-      s.bcast.push_back(
-          dist_.replica->broadcast(at(s.ostage.data(), update_stage_offset_[j], m.wire), m.numel(),
-                                   comm_type(m.wire), m.owner_r));
-    }
+    // The update reaches the other replicas while the next bucket runs (one launch per bucket).
+    dist_.replica->grouped([&] {
+      for (int j : bk.act) {
+        const DistMatrix& m = dist_.mats[j];
+        if (m.owner_s != dist_.my_s) continue;
+        s.bcast.push_back(dist_.replica->broadcast(at(s.ostage.data(), update_stage_offset_[j], m.wire),
+                                                   m.numel(), comm_type(m.wire), m.owner_r));
+      }
+    });
   }
 
   void relay(int b) {

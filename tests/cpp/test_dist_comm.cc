@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <stdexcept>
 #include <numeric>
 #include <thread>
 
@@ -77,6 +78,90 @@ TEST(MpiComm, ReduceAndBroadcastFromEveryRoot) {
     c.broadcast(v.data(), 2, CommType::kI64, root).wait();
     EXPECT_EQ(v.get(), (std::vector<int64_t>{100 + root, 5}));
   }
+}
+
+TEST(MpiComm, GroupedOperationsCompleteTogetherWithTheirOwnResults) {
+  // A reduce to every root, a broadcast from every root, an all-gather, an all-to-all and a
+  // nested group, launched as one (NCCL: one group); each handle then holds its own result.
+  Communicator& c = world();
+  Bufs b;
+  const int p = c.size(), r = c.rank();
+  std::vector<Mirror<float>> sums, casts;
+  for (int root = 0; root < p; ++root) {
+    sums.push_back(b.of<float>({1.0f + r, 2.0f}));
+    casts.push_back(b.of<float>({r == root ? 10.0f + root : -1.0f}));
+  }
+  std::vector<int64_t> ones(p, 1), displs(p);
+  std::iota(displs.begin(), displs.end(), int64_t{0});
+  auto mine = b.of<float>({100.0f + r}), all = b.of(std::vector<float>(p, -1.0f));
+  std::vector<float> to_each(p);
+  for (int q = 0; q < p; ++q) to_each[q] = 1000.0f * r + q;
+  auto send = b.of(to_each), recv = b.of(std::vector<float>(p, -1.0f));
+  auto total = b.of<int64_t>({r + 1});
+  const CommStats before = c.stats();
+  std::vector<CommHandle> handles;
+  c.grouped([&] {
+    for (int root = 0; root < p; ++root) {
+      handles.push_back(c.reduce(sums[root].data(), sums[root].data(), 2, CommType::kF32,
+                                 ReduceOp::kSum, root));
+      handles.push_back(c.broadcast(casts[root].data(), 1, CommType::kF32, root));
+    }
+    handles.push_back(c.all_gather(mine.data(), all.data(), 1, CommType::kF32));
+    c.grouped([&] {
+      handles.push_back(c.all_to_all_v(send.data(), ones, displs, recv.data(), ones, displs,
+                                       CommType::kF32));
+      handles.push_back(c.all_reduce(total.data(), total.data(), 1, CommType::kI64, ReduceOp::kSum));
+    });
+  });
+  wait_all(handles);
+  EXPECT_EQ(c.stats().ops - before.ops, 2 * p + 3);  // counted as the operations they are
+  for (int root = 0; root < p; ++root) {
+    if (r == root) {
+      EXPECT_EQ(sums[root].get(), (std::vector<float>{p * (p + 1) / 2.0f, 2.0f * p}));
+    }
+    EXPECT_EQ(casts[root].get()[0], 10.0f + root);
+  }
+  const std::vector<float> gathered = all.get(), received = recv.get();
+  for (int q = 0; q < p; ++q) {
+    EXPECT_EQ(gathered[q], 100.0f + q);
+    EXPECT_EQ(received[q], 1000.0f * q + r);
+  }
+  EXPECT_EQ(total.get()[0], p * (p + 1) / 2);
+}
+
+TEST(MpiComm, AGroupThatThrowsStillLaunchesWhatItIssued) {
+  Communicator& c = world();
+  Bufs b;
+  auto x = b.of<int64_t>({1});
+  CommHandle h;
+  EXPECT_THROW(c.grouped([&] {
+    h = c.all_reduce(x.data(), x.data(), 1, CommType::kI64, ReduceOp::kSum);
+    throw std::runtime_error("the caller's own error");
+  }),
+               std::runtime_error);
+  h.wait();  // launched when the group ended
+  EXPECT_EQ(x.get()[0], c.size());
+  EXPECT_THROW(c.grouped([&] { (void)c.split(0, c.rank()); }), Error);  // a split never groups
+  c.barrier().wait();  // the communicator goes on
+}
+
+TEST(MpiComm, WaitingInsideAGroupIsRefused) {
+  if (!test::on_cuda()) GTEST_SKIP() << "MPI issues grouped operations as they come";
+  Communicator& c = world();
+  Bufs b;
+  auto x = b.of<int64_t>({1});
+  CommHandle h;
+  try {
+    c.grouped([&] {
+      h = c.all_reduce(x.data(), x.data(), 1, CommType::kI64, ReduceOp::kSum);
+      h.wait();
+    });
+    ADD_FAILURE() << "a wait inside grouped() returned";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inside grouped()"), std::string::npos) << e.what();
+  }
+  h.wait();  // an explicit wait still waits, and the group was launched
+  EXPECT_EQ(x.get()[0], c.size());
 }
 
 TEST(MpiComm, AllGatherVWithUnevenAndEmptyCounts) {
