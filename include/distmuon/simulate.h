@@ -147,7 +147,9 @@ struct SimPoint {
 //   bucket and orthogonalizes every matrix (one batch per shape of the bucket);
 // - sharded: per bucket the rows to their owners (pack, all-to-all, unpack), the owner's
 //   batches, a status all-reduce, the updates back (pack, all-to-all);
-// - dedicated: a reduce to the owner per matrix, the owner's batches, a broadcast per matrix;
+// - dedicated: the dedicated runtime's buckets (a layer's matrices of one owner: PlanMatrix::layer,
+//   else dedicated_unit() of the name), a reduce of each to its owner, the owner's batches (the
+//   engine's buckets), a broadcast of each bucket once its matrices are stepped;
 // - adamw: fused AdamW on the rank's shard.
 // A kernel costs the cost table's batch time (each run of a bucket is one batch) plus its
 // elementwise passes (CommModel::elementwise_bytes per element orthogonalized) and staging

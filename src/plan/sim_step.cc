@@ -289,21 +289,42 @@ class StepModel {
     p.owner_runs = std::max(p.owner_runs, *std::max_element(runs.begin(), runs.end()));
   }
 
+  // The dedicated runtime (distmuon.torch.dedicate's transfers, then the engine's owner step):
+  // the matrices of one layer owned by one member are one bucket, one flat buffer: one reduce
+  // of its gradients to the owner, and one broadcast of its weights from the owner once its
+  // matrices are stepped. The owners' batches follow the engine's buckets.
   void dedicated(SimPoint& p) const {
     Timeline t(d_, issue_, share_);
     vote(t);
     const Link r = reduce_link(d_, cm_, per_node_);
-    const size_t nb = buckets_.size();
-    std::vector<double> reduced(nb, 0.0);
-    for (size_t b = 0; b < nb; ++b) {  // stages 0-1 of every bucket: a reduce per matrix
-      for (int j : buckets_[b]) {
-        const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-        reduced[b] = t.collective(d_ == 1 ? local(bytes) : (d_ - 1) * r.alpha + bytes / r.beta);
+    // The (unit, owner) buckets in the order of their first matrix, their bytes, and each
+    // matrix's.
+    std::map<std::pair<int, int>, size_t> index;
+    std::vector<double> group_bytes;
+    std::vector<size_t> group_of(mats_.size());
+    std::vector<size_t> last_of;  // per group: its last matrix
+    for (size_t j = 0; j < mats_.size(); ++j) {
+      const auto [it, fresh] =
+          index.emplace(std::make_pair(mats_[j].unit, mats_[j].owner), group_bytes.size());
+      if (fresh) {
+        group_bytes.push_back(0);
+        last_of.push_back(0);
       }
-      for (int q = 0; q < d_; ++q) t.kernel(q, 0, reduced[b]);
+      group_of[j] = it->second;
+      group_bytes[it->second] += static_cast<double>(mats_[j].elems) * wire_;
+      last_of[it->second] = j;
     }
+    const size_t ng = group_bytes.size();
+    std::vector<double> reduced(ng, 0.0);
+    for (size_t g = 0; g < ng; ++g)  // stages 0-1: a reduce per (unit, owner) bucket
+      reduced[g] = t.collective(d_ == 1 ? local(group_bytes[g])
+                                        : (d_ - 1) * r.alpha + group_bytes[g] / r.beta);
+    const size_t nb = buckets_.size();
     std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
-    for (size_t b = 0; b < nb; ++b) {  // stage 2: the owner's step, then a broadcast per matrix
+    for (size_t b = 0; b < nb; ++b) {  // stage 2: the owner's step, then the broadcasts
+      double ready = 0;
+      for (int j : buckets_[b]) ready = std::max(ready, reduced[group_of[static_cast<size_t>(j)]]);
+      for (int q = 0; q < d_; ++q) t.kernel(q, 0, ready);
       std::vector<double> own(static_cast<size_t>(d_), 0.0), ortho(own);
       for (int j : buckets_[b])
         own[static_cast<size_t>(mats_[static_cast<size_t>(j)].owner)] +=
@@ -317,9 +338,11 @@ class StepModel {
         // At D > 1 the owner first turns the summed gradient into the mean (in place).
         t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[i] + elementwise(own[i]));
       }
+      // A (unit, owner) bucket's weights go out once its last matrix is stepped (in place).
       for (int j : buckets_[b]) {
-        const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-        t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_));  // in place
+        const size_t g = group_of[static_cast<size_t>(j)];
+        if (last_of[g] != static_cast<size_t>(j)) continue;
+        t.collective(d_ == 1 ? local(0) : chain_seconds(group_bytes[g], d_, cm_, per_node_));
       }
     }
     p.dedicated_engine = t.sync();

@@ -38,6 +38,7 @@ struct SimMatrix {
   int tensor = 0;
   int64_t slice = 0;
   int owner = 0, batch = 0;
+  int unit = 0;  // the dedicated runtime's layer (the plan's layer, else dedicated_unit()), numbered
   int64_t m() const { return std::min(rows, cols); }
   int64_t n() const { return std::max(rows, cols); }
 };

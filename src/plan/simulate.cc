@@ -5,7 +5,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
+#include <string>
 
+#include "distmuon/dedicated.h"
 #include "distmuon/error.h"
 #include "distmuon/optimizer.h"
 #include "plan/sim_step.h"
@@ -44,7 +47,8 @@ std::string CommModel::describe() const {
       "of the slowest hop\n"
       "  all-to-all (sharded mode, twice per bucket): pairwise, (D-1) alpha + max(intra share / "
       "intra beta, inter share / inter beta) for the busiest owner\n"
-      "  reduce + broadcast (dedicated mode, per matrix): chains, (D-1) alpha + bytes / beta\n"
+      "  reduce + broadcast (dedicated mode, per layer and owner): chains, (D-1) alpha + bytes / "
+      "beta\n"
       "  FSDP2 around gather, sharded and AdamW (distmuon-bench's emulation): a reduce per dim-0 "
       "shard and an all-gather per tensor\n"
       "  compute: the cost table's batch times, one batch per run of a bucket (gather: every "
@@ -127,6 +131,15 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
   }
   DM_CHECK(layout.size() == matrices.size(), "simulator: the tensors hold ", layout.size(),
            " matrices, not ", matrices.size());
+  // The dedicated runtime's layers, numbered in order of first appearance: the plan's layer
+  // (a workload's names are not model paths), else the runtime's rule on the name.
+  std::map<std::string, int> units;
+  for (size_t j = 0; j < layout.size(); ++j) {
+    const PlanMatrix& m = matrices[j];
+    const std::string key = m.layer >= 0 ? "layer " + std::to_string(m.layer)
+                                         : "module " + dedicated_unit(m.name);
+    layout[j].unit = units.emplace(key, static_cast<int>(units.size())).first->second;
+  }
 
   const double elementwise_s = cm.elementwise_bytes / cm.hbm_bytes_per_s;  // per element
   // Everything on one rank, batched: what the gather baseline computes on every rank.
