@@ -6,12 +6,15 @@
 // needs it.
 //
 // Ordering. Members must issue the collectives of one communicator in the same order. Forward
-// broadcasts follow the unit order of the forward pass; gradient reductions follow one fixed
-// order of the matrices (the expected backward order: units in reverse, matrices in reverse
-// inside): a matrix is reduced only once every matrix before it has been, so members whose
-// gradients complete in another order still agree. What is left at finish() (matrices without a
-// gradient here, or held back by an earlier one) is reduced then, after a vote on the host
-// control communicator says which matrices have a gradient anywhere.
+// broadcasts follow the unit order of the forward pass. Gradients are reduced a bucket at a time
+// (the bucket's matrices have one owner: one reduction of the bucket's flat gradient buffer, and
+// in HSDP one more across replicas, instead of one per matrix), once every matrix of the bucket
+// has its gradient here, in one fixed order of the buckets (the expected backward order: units
+// in reverse, and inside one the bucket whose first matrix comes last first): a bucket is
+// reduced only once every bucket before it has been, so members whose gradients complete in
+// another order still agree. What is left at finish() (buckets with a matrix without a gradient
+// here, or held back by an earlier one) is reduced then, after a vote on the host control
+// communicator says which matrices have a gradient anywhere.
 //
 // Streams. With communicators that follow a stream (NCCL) every stage binds them to the stream
 // it is given and orders results on it (CommHandle::wait_on_stream), so a stage is issued right
@@ -46,11 +49,16 @@ class DedicatedMemory {
   virtual Region bucket(int b) = 0;
   // This member is done with bucket b's weights for now: their memory may go unless kept.
   virtual void release_bucket(int b) = 0;
-  // Matrix j's gradient, contiguous (zeros where this member has none; the owner keeps it as
-  // the matrix's gradient).
-  virtual Region grad(int j) = 0;
-  // A non-owner sent matrix j's gradient: it may drop it (the transfers keep the region alive
-  // for the collective).
+  // Bucket b's gradients as one flat buffer of the bucket's numel (matrix j at the layout's
+  // offset[j]) for one reduction: this member's gradient of each matrix of `present` (those with
+  // a gradient on some member), zeros where it has none and for the bucket's other matrices. The
+  // owner keeps the `present` ones as its matrices' gradients, views of the buffer (the
+  // reduction writes the sums there). A front whose gradients already are such views lends the
+  // buffer as it is; otherwise it copies them in (work ordered on the stream of the stage that
+  // asks, no host wait).
+  virtual Region grads(int b, std::span<const int> present) = 0;
+  // A non-owner sent matrix j's gradient (in its bucket's buffer): it may drop it (the
+  // transfers keep the region alive for the collective).
   virtual void drop_grad(int j) = 0;
   // This member has a gradient of matrix j (for the vote of finish()).
   virtual bool has_grad(int j) = 0;
@@ -97,8 +105,10 @@ class DedicatedTransfers {
   // Every broadcast done, every bucket released.
   void release_all(void* stream);
 
-  // ---- backward: gradients reduced to the owners --------------------------------------------
-  // Backward completed matrix j's gradient on this member. Returns, for each unit whose
+  // ---- backward: gradients reduced to the owners, one reduction per bucket ------------------
+  // Backward completed matrix j's gradient on this member; the bucket's reduction is issued
+  // once its last matrix's gradient is here (and the buckets before it in the fixed order are
+  // sent). Returns, for each unit whose
   // matrices owned here all landed now, those matrices (during backward only): the caller may
   // wait() on them and prepare their updates, then report it with prepared().
   std::vector<std::vector<int>> grad_ready(int j, void* stream);
@@ -125,6 +135,10 @@ class DedicatedTransfers {
   // member of the shard group, complete for `stream` on return (for a model state_dict).
   void broadcast_bucket(int b, void* buf, void* stream);
 
+  // What the communicators of the dedicated traffic moved so far (the shard group's, which is
+  // the world when flat, and the replica group's): collectives and bytes, for tests.
+  CommStats traffic() const;
+
  private:
   enum class State { kNone, kReady, kSkipped, kSent, kLanded };
   enum class Role { kOwner, kRelay, kSender };
@@ -141,16 +155,20 @@ class DedicatedTransfers {
   Role role(int j) const;
   int shard_position(int member) const { return member % shard_size_; }
   int replica_of(int member) const { return member / shard_size_; }
+  Role role_of_bucket(int b) const { return role(layout_.buckets[b].matrices.front()); }
   bool done(InFlight& f);  // complete, or ordered on a stream (test() may finish it)
   // Completes `f` for work issued afterwards on the bound stream (host communicators: waits).
   void order(InFlight& f);
-  void complete(int j);  // order() on matrix j's reduction; its gradient is no longer needed
+  void complete(int b);  // order() on bucket b's reduction; its gradients are no longer needed
   void retire();         // drops the ordered collectives that completed (polled)
   void reset();
-  void send(int j);
+  // Stage 0 of bucket b: its flat gradient buffer reduced in the shard group. `present`: the
+  // matrices with a gradient on some member (all of them during backward).
+  void send(int b, const std::vector<int>& present);
   void advance(bool blocking, std::vector<std::vector<int>>* landed);
-  void arrived(int j, std::vector<std::vector<int>>* landed);
-  void second_pass(const std::vector<int>& redo);
+  void arrived(int b, std::vector<std::vector<int>>* landed);
+  // Buckets `redo` reduced again, each with its present matrices.
+  void second_pass(const std::vector<int>& redo, const std::vector<std::vector<int>>& present);
   void wait_replica(int b);
 
   std::vector<DedicatedMatrix> matrices_;
@@ -173,13 +191,15 @@ class DedicatedTransfers {
   std::vector<int> pending_grads_;  // per bucket: gradients still to come
 
   // Backward.
-  std::vector<int> order_;  // the fixed reduction order
+  std::vector<int> order_;  // the fixed reduction order of the buckets
   std::vector<int> mine_per_unit_;
-  std::vector<State> state_;
-  std::vector<InFlight> reduction_;            // per matrix: the stage in flight
-  std::vector<DedicatedMemory::Region> grad_;  // per matrix: the gradient the stages reduce
+  std::vector<State> state_;                   // per matrix
+  std::vector<int> missing_;                   // per bucket: matrices without a gradient yet
+  std::vector<bool> sent_;                     // per bucket: stage 0 issued in this pass
+  std::vector<InFlight> reduction_;            // per bucket: the stage in flight
+  std::vector<DedicatedMemory::Region> grad_;  // per bucket: the gradients the stages reduce
   size_t next_send_ = 0, next_move_ = 0;       // positions in order_
-  std::vector<int> arriving_;                  // owner: final stage issued, not known complete
+  std::vector<int> arriving_;                  // owner: buckets whose final stage is issued
   std::vector<bool> dirty_, prepared_, late_;
   std::vector<int> landed_per_unit_;
   bool collecting_ = false;

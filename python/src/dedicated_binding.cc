@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -33,15 +34,17 @@ std::vector<DedicatedMatrix> dedicated_matrices(const std::vector<std::string>& 
   return mats;
 }
 
-// DedicatedMemory over a Python object with bucket(b) and grad(j) (each a DLPack capsule of a
-// contiguous tensor), release_bucket(b), drop_grad(j) and has_grad(j) -> bool. Called with the
-// GIL held (every stage is entered from Python).
+// DedicatedMemory over a Python object with bucket(b) and grads(b, present) (each a DLPack
+// capsule of a contiguous tensor), release_bucket(b), drop_grad(j) and has_grad(j) -> bool.
+// Called with the GIL held (every stage is entered from Python).
 class PyMemory final : public DedicatedMemory {
  public:
   explicit PyMemory(nb::object impl) : impl_(std::move(impl)) {}
   Region bucket(int b) override { return region(impl_.attr("bucket")(b)); }
   void release_bucket(int b) override { impl_.attr("release_bucket")(b); }
-  Region grad(int j) override { return region(impl_.attr("grad")(j)); }
+  Region grads(int b, std::span<const int> present) override {
+    return region(impl_.attr("grads")(b, std::vector<int>(present.begin(), present.end())));
+  }
   void drop_grad(int j) override { impl_.attr("drop_grad")(j); }
   bool has_grad(int j) override { return nb::cast<bool>(impl_.attr("has_grad")(j)); }
 
@@ -132,7 +135,7 @@ void bind_dedicated(nb::module_& m) {
           nb::keep_alive<1, 10>(), nb::keep_alive<1, 11>(),
           "`world`: the communicator of the dedicated world (None for one member; split here "
           "in HSDP); `control`: a host communicator over it for the vote; `memory`: lends the "
-          "buffers (bucket, release_bucket, grad, drop_grad, has_grad); `stream`: orders the "
+          "buffers (bucket, release_bucket, grads, drop_grad, has_grad); `stream`: orders the "
           "split's collectives.")
       .def("begin_forward", [](PyTransfers& t) { t.transfers->begin_forward(); })
       .def(
@@ -189,7 +192,19 @@ void bind_dedicated(nb::module_& m) {
               value_error("broadcast_bucket: no bucket " + std::to_string(b) + " of that size");
             t.transfers->broadcast_bucket(b, buf.data(), stream_of(s));
           },
-          nb::arg("bucket"), nb::arg("buffer"), nb::arg("stream"));
+          nb::arg("bucket"), nb::arg("buffer"), nb::arg("stream"))
+      .def(
+          "traffic",
+          [](const PyTransfers& t) {
+            const CommStats s = t.transfers->traffic();
+            nb::dict d;
+            d["ops"] = s.ops;
+            d["bytes_sent"] = s.bytes_sent;
+            d["bytes_received"] = s.bytes_received;
+            return d;
+          },
+          "What the dedicated traffic's communicators (shard group, replica group) moved so far: "
+          "{'ops', 'bytes_sent', 'bytes_received'}.");
 }
 
 }  // namespace distmuon::py

@@ -44,19 +44,31 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
   } else {
     shard_ = world_comm_;
   }
-  const size_t buckets = layout_.buckets.size(), n = matrices_.size();
+  const size_t buckets = layout_.buckets.size();
   broadcast_.resize(buckets);
   publication_.resize(buckets);
   issued_.assign(buckets, false);
   pending_grads_.assign(buckets, 0);
-  for (auto u = layout_.units.rbegin(); u != layout_.units.rend(); ++u)
-    order_.insert(order_.end(), u->matrices.rbegin(), u->matrices.rend());
+  // The expected backward order: units in reverse; inside one, a bucket is complete once its
+  // first matrix is (matrices in reverse), so the bucket whose first matrix comes last goes first.
+  for (auto u = layout_.units.rbegin(); u != layout_.units.rend(); ++u) {
+    std::vector<int> bs = u->buckets;
+    const auto first = [&](int b) {
+      return std::find(u->matrices.begin(), u->matrices.end(),
+                       layout_.buckets[b].matrices.front()) -
+             u->matrices.begin();
+    };
+    std::stable_sort(bs.begin(), bs.end(), [&](int a, int b) { return first(a) > first(b); });
+    order_.insert(order_.end(), bs.begin(), bs.end());
+  }
+  DM_CHECK(order_.size() == buckets, "dedicated transfers: the layout's units hold ",
+           order_.size(), " of its ", buckets, " buckets");
   for (const DedicatedLayout::Unit& u : layout_.units)
     mine_per_unit_.push_back(
         static_cast<int>(std::count_if(u.matrices.begin(), u.matrices.end(), [&](int j) {
           return matrices_[j].owner == world_.member;
         })));
-  reduction_.resize(n);
+  reduction_.resize(buckets);
   reset();
 }
 
@@ -109,8 +121,12 @@ void DedicatedTransfers::retire() {
 }
 
 void DedicatedTransfers::reset() {
-  const size_t n = matrices_.size();
+  const size_t n = matrices_.size(), buckets = layout_.buckets.size();
   state_.assign(n, State::kNone);
+  missing_.resize(buckets);
+  for (size_t b = 0; b < buckets; ++b)
+    missing_[b] = static_cast<int>(layout_.buckets[b].matrices.size());
+  sent_.assign(buckets, false);
   next_send_ = next_move_ = 0;
   arriving_.clear();
   dirty_.assign(n, false);
@@ -119,7 +135,7 @@ void DedicatedTransfers::reset() {
   landed_per_unit_.assign(layout_.units.size(), 0);
   collecting_ = false;
   forwards_since_finish_ = 0;
-  grad_.assign(n, {});
+  grad_.assign(buckets, {});
 }
 
 // ---- forward ----------------------------------------------------------------------------------
@@ -234,65 +250,81 @@ std::vector<std::vector<int>> DedicatedTransfers::grad_ready(int j, void* stream
   }
   bind(stream);
   state_[j] = State::kReady;
-  while (next_send_ < order_.size() && state_[order_[next_send_]] == State::kReady) {
-    send(order_[next_send_]);  // may throw (the memory's gradient): the cursor stays on it
-    ++next_send_;
+  --missing_[layout_.bucket_of[j]];
+  while (next_send_ < order_.size() && missing_[order_[next_send_]] == 0) {
+    const int b = order_[next_send_];
+    send(b, layout_.buckets[b].matrices);  // may throw (the memory's gradients): the cursor
+    ++next_send_;                          // stays on it
   }
   advance(/*blocking=*/false, &landed);
   return landed;
 }
 
-// Stage 0: the reduction inside the shard group to the owner's shard position.
-void DedicatedTransfers::send(int j) {
-  const DedicatedMatrix& m = matrices_[j];
-  grad_[j] = memory_.grad(j);
-  state_[j] = State::kSent;
+// Stage 0: the bucket's gradients, one flat buffer, reduced inside the shard group to the
+// owner's shard position.
+void DedicatedTransfers::send(int b, const std::vector<int>& present) {
+  const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+  grad_[b] = memory_.grads(b, present);
+  for (int j : bucket.matrices) state_[j] = State::kSkipped;
+  for (int j : present) state_[j] = State::kSent;
+  sent_[b] = true;
   if (shard_size_ > 1) {
-    const int root = shard_position(m.owner);
-    void* recv = root == shard_position(world_.member) ? grad_[j].data : nullptr;
-    reduction_[j] = {
-        shard_->reduce(grad_[j].data, recv, m.numel, comm_type(m.dtype), ReduceOp::kSum, root),
-        grad_[j].keep};
+    const int root = shard_position(bucket.owner);
+    void* recv = root == shard_position(world_.member) ? grad_[b].data : nullptr;
+    reduction_[b] = {shard_->reduce(grad_[b].data, recv, bucket.numel, comm_type(bucket.dtype),
+                                    ReduceOp::kSum, root),
+                     grad_[b].keep};
   }
-  if (role(j) != Role::kOwner) memory_.drop_grad(j);  // only the collective still needs it
+  if (role_of_bucket(b) != Role::kOwner)  // only the collective still needs them
+    for (int j : present) memory_.drop_grad(j);
 }
 
-// Moves sent matrices on, in the fixed order: stage 1 across replicas (HSDP, at the owner's
+// Moves sent buckets on, in the fixed order: stage 1 across replicas (HSDP, at the owner's
 // shard position), then arrival on the owner.
 void DedicatedTransfers::advance(bool blocking, std::vector<std::vector<int>>* landed) {
   for (; next_move_ < next_send_; ++next_move_) {
-    const int j = order_[next_move_];
-    if (state_[j] == State::kSkipped) continue;
-    if (!blocking && !done(reduction_[j])) break;
-    const Role r = role(j);
-    const DedicatedMatrix& m = matrices_[j];
+    const int b = order_[next_move_];
+    if (!sent_[b]) continue;
+    if (!blocking && !done(reduction_[b])) break;
+    const Role r = role_of_bucket(b);
+    const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
     if (world_.replicate > 1 && r != Role::kSender) {
-      order(reduction_[j]);  // stage 0 complete (on a stream: for the bound stream)
-      reduction_[j] = {replica_->reduce(grad_[j].data, grad_[j].data, m.numel, comm_type(m.dtype),
-                                        ReduceOp::kSum, replica_of(m.owner)),
-                       grad_[j].keep};
+      order(reduction_[b]);  // stage 0 complete (on a stream: for the bound stream)
+      reduction_[b] = {replica_->reduce(grad_[b].data, grad_[b].data, bucket.numel,
+                                        comm_type(bucket.dtype), ReduceOp::kSum,
+                                        replica_of(bucket.owner)),
+                       grad_[b].keep};
     } else if (r == Role::kSender) {
       // Nothing here reads the result: only the memory and the deadline are left to check.
-      if (reduction_[j].handle.pending()) unchecked_.push_back(std::move(reduction_[j]));
-      reduction_[j] = {};
-      grad_[j] = {};
+      if (reduction_[b].handle.pending()) unchecked_.push_back(std::move(reduction_[b]));
+      reduction_[b] = {};
+      grad_[b] = {};
     }
-    if (r == Role::kOwner) arriving_.push_back(j);
+    if (r == Role::kOwner) arriving_.push_back(b);
   }
   std::vector<int> still;
-  for (int j : arriving_) {
-    if (blocking || done(reduction_[j]))
-      arrived(j, landed);
+  for (int b : arriving_) {
+    if (blocking || done(reduction_[b]))
+      arrived(b, landed);
     else
-      still.push_back(j);
+      still.push_back(b);
   }
   arriving_ = std::move(still);
 }
 
-void DedicatedTransfers::arrived(int j, std::vector<std::vector<int>>* landed) {
-  state_[j] = State::kLanded;
-  const int unit = layout_.unit_of[j];
-  if (++landed_per_unit_[unit] != mine_per_unit_[unit] || collecting_ || landed == nullptr) return;
+void DedicatedTransfers::arrived(int b, std::vector<std::vector<int>>* landed) {
+  const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+  int count = 0;
+  for (int j : bucket.matrices) {
+    if (state_[j] != State::kSent) continue;
+    state_[j] = State::kLanded;
+    ++count;
+  }
+  const int unit = bucket.unit;
+  landed_per_unit_[unit] += count;
+  if (count == 0 || landed_per_unit_[unit] != mine_per_unit_[unit] || collecting_ ||
+      landed == nullptr)
+    return;
   std::vector<int> mine;
   for (int k : layout_.units[unit].matrices)
     if (matrices_[k].owner == world_.member) mine.push_back(k);
@@ -301,12 +333,16 @@ void DedicatedTransfers::arrived(int j, std::vector<std::vector<int>>* landed) {
 
 void DedicatedTransfers::wait(std::span<const int> js, void* stream) {
   bind(stream);
-  for (int j : js) complete(j);
+  for (int j : js) {
+    DM_CHECK(j >= 0 && j < static_cast<int>(matrices_.size()), "dedicated transfers: no matrix ",
+             j);
+    complete(layout_.bucket_of[j]);
+  }
 }
 
-void DedicatedTransfers::complete(int j) {
-  order(reduction_[j]);
-  grad_[j] = {};
+void DedicatedTransfers::complete(int b) {
+  order(reduction_[b]);
+  grad_[b] = {};
 }
 
 void DedicatedTransfers::prepared(std::span<const int> js) {
@@ -338,16 +374,26 @@ std::vector<int> DedicatedTransfers::finish(void* stream) {
   control_->all_reduce(flags.data(), flags.data(), 3 * n, CommType::kI32, ReduceOp::kSum).wait();
   const auto present = [&](int j) { return flags[j] > 0; };
 
+  // The buckets left: reduced whole if a matrix of theirs has a gradient anywhere (zeros for
+  // the others), else skipped.
+  const auto present_of = [&](int b) {
+    std::vector<int> out;
+    for (int j : layout_.buckets[b].matrices)
+      if (present(j)) out.push_back(j);
+    return out;
+  };
   for (size_t pos = next_send_; pos < order_.size(); ++pos) {
-    const int j = order_[pos];
-    if (present(j))
-      send(j);
-    else
-      state_[j] = State::kSkipped;
+    const int b = order_[pos];
+    const std::vector<int> here = present_of(b);
+    if (!here.empty()) {
+      send(b, here);
+    } else {
+      for (int j : layout_.buckets[b].matrices) state_[j] = State::kSkipped;
+    }
   }
   next_send_ = order_.size();
   advance(/*blocking=*/true, nullptr);
-  for (int j = 0; j < n; ++j) complete(j);
+  for (size_t b = 0; b < layout_.buckets.size(); ++b) complete(static_cast<int>(b));
   const auto late = std::find_if(flags.begin() + 2 * n, flags.end(), [](int32_t f) { return f; });
   if (late != flags.end()) {
     const std::string name = matrices_[late - flags.begin() - 2 * n].name;
@@ -358,10 +404,18 @@ std::vector<int> DedicatedTransfers::finish(void* stream) {
             "a checkpoint). Accumulate micro-batches under Dedicated.no_sync() so that only the "
             "last backward reduces, or pass overlap_step=False");
   }
-  std::vector<int> redo;
-  for (int j : order_)
-    if (flags[n + j] > 0) redo.push_back(j);
-  if (!redo.empty()) second_pass(redo);
+  std::vector<int> redo;  // buckets with a gradient that arrived after they were sent
+  for (int b : order_)
+    for (int j : layout_.buckets[b].matrices)
+      if (flags[n + j] > 0) {
+        redo.push_back(b);
+        break;
+      }
+  if (!redo.empty()) {
+    std::vector<std::vector<int>> present_in(layout_.buckets.size());
+    for (int b : redo) present_in[b] = present_of(b);
+    second_pass(redo, present_in);
+  }
 
   std::vector<int> to_average;
   for (int j = 0; j < n; ++j)
@@ -372,7 +426,8 @@ std::vector<int> DedicatedTransfers::finish(void* stream) {
   return to_average;
 }
 
-void DedicatedTransfers::second_pass(const std::vector<int>& redo) {
+void DedicatedTransfers::second_pass(const std::vector<int>& redo,
+                                     const std::vector<std::vector<int>>& present) {
   // The fixed order comes back even if a collective throws here (a later step uses it).
   struct Restore {
     std::vector<int>& order;
@@ -381,12 +436,20 @@ void DedicatedTransfers::second_pass(const std::vector<int>& redo) {
   } restore{order_, std::exchange(order_, redo)};
   next_send_ = next_move_ = 0;
   arriving_.clear();
-  for (int j : redo) {
-    send(j);
+  sent_.assign(sent_.size(), false);
+  for (int b : redo) {
+    send(b, present[b]);
     ++next_send_;
   }
   advance(/*blocking=*/true, nullptr);
-  for (int j : redo) complete(j);
+  for (int b : redo) complete(b);
+}
+
+CommStats DedicatedTransfers::traffic() const {
+  CommStats s;
+  if (shard_ != nullptr) s += shard_->stats();
+  if (replica_) s += replica_->stats();
+  return s;
 }
 
 }  // namespace distmuon

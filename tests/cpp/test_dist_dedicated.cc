@@ -4,15 +4,19 @@
 // zeros for those missing here, a second backward before the step is reduced again, a gradient
 // after its update was prepared fails on every rank (and the next step still works), forward
 // broadcasts bring every bucket from its owner and free it after its last gradient, and HSDP
-// owners publish their weights to the other replicas.
+// owners publish their weights to the other replicas; one backward reduces each bucket once, as
+// one buffer (exact collective count and bytes). Each runs with owners spread over neighbouring
+// matrices and with each layer on one owner (buckets of several matrices).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <chrono>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "dist_rig.h"
@@ -35,71 +39,124 @@ float grad_value(int rank, int j, int k, int round) {
   return static_cast<float>((rank + 1) * (j + 2) + k) * 0.5f + static_cast<float>(round * 3);
 }
 
-// The front's memory: one buffer per bucket, gradients as a front keeps them (dropped by
-// non-owners once sent), with what the transfers asked for counted.
+// The front's memory: one weight buffer per bucket, gradients as a front keeps them: each a
+// tensor of its own from backward, or a view into its bucket's gradient buffer once the
+// transfers asked for that (the owner keeps the views; non-owners drop theirs once sent), with
+// what the transfers asked for counted.
 class Memory final : public DedicatedMemory {
  public:
   Memory(Backend& be, const DedicatedLayout& layout, int member,
          const std::vector<DedicatedMatrix>& mats)
-      : be_(be), member_(member), mats_(mats), grads_(mats.size()) {
+      : be_(be), layout_(layout), member_(member), mats_(mats), grads_(mats.size()) {
     for (const DedicatedLayout::Bucket& b : layout.buckets)
       buckets_.emplace_back(be, std::vector<float>(b.numel, -1.0f));
     released.assign(layout.buckets.size(), 0);
+    grad_buffers_.resize(layout.buckets.size());
   }
   Region bucket(int b) override { return {buckets_[b].data(), nullptr}; }
   void release_bucket(int b) override { ++released[b]; }
-  Region grad(int j) override {
-    if (j == fail_grad) {  // once: a front whose gradient cannot be lent (not contiguous, OOM)
-      fail_grad = -1;
+  Region grads(int b, std::span<const int> present) override {
+    const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+    if (std::find(bucket.matrices.begin(), bucket.matrices.end(), fail_grad) !=
+        bucket.matrices.end()) {  // once: a front whose gradient cannot be lent (OOM)
+      const int j = std::exchange(fail_grad, -1);
       DM_FAIL("gradient ", j, " cannot be lent");
     }
-    if (!grads_[j]) {  // none here: zeros (the owner keeps them as its gradient)
-      ++zero_filled;
-      grads_[j] = std::make_shared<Mirror<float>>(be_, std::vector<float>(kNumel, 0.0f));
+    const std::shared_ptr<Mirror<float>>& held = grad_buffers_[b];
+    const bool views = held && std::all_of(bucket.matrices.begin(), bucket.matrices.end(),
+                                           [&](int j) {
+                                             return grads_[j].buf == held &&
+                                                    grads_[j].offset == layout_.offset[j];
+                                           });
+    if (views) {
+      ++lent_as_is;
+      return {held->data(), held};
     }
-    return {grads_[j]->data(), grads_[j]};  // a dropped gradient lives on while it travels
+    ++copied;  // compacted into a fresh buffer
+    std::vector<float> flat(static_cast<size_t>(bucket.numel), 0.0f);
+    for (int j : present) {
+      if (!grads_[j].buf) {  // none here: zeros (the owner keeps them as its gradient)
+        ++zero_filled;
+        continue;
+      }
+      const std::vector<float> g = values(grads_[j]);
+      std::copy(g.begin(), g.end(), flat.begin() + layout_.offset[j]);
+    }
+    auto buf = std::make_shared<Mirror<float>>(be_, flat);
+    if (bucket.owner == member_) {
+      for (int j : present) grads_[j] = {buf, layout_.offset[j]};
+      grad_buffers_[b] = buf;
+    }
+    return {buf->data(), buf};  // a dropped gradient lives on while it travels
   }
   void drop_grad(int j) override {
     EXPECT_NE(mats_[j].owner, member_) << "the owner keeps its gradient";
-    grads_[j].reset();
+    grads_[j] = {};
   }
-  bool has_grad(int j) override { return grads_[j] != nullptr; }
+  bool has_grad(int j) override { return grads_[j].buf != nullptr; }
 
-  // Backward accumulating into matrix j's gradient.
+  // Backward accumulating into matrix j's gradient (in place into a view).
   void accumulate(int j, const std::vector<float>& g) {
-    if (!grads_[j]) {
-      grads_[j] = std::make_shared<Mirror<float>>(be_, g);
+    Grad& d = grads_[j];
+    if (!d.buf) {
+      d = {std::make_shared<Mirror<float>>(be_, g), 0};
       return;
     }
-    std::vector<float> v = grads_[j]->get();
-    for (size_t k = 0; k < v.size(); ++k) v[k] += g[k];
-    grads_[j]->set(v);
+    std::vector<float> v = d.buf->get();
+    for (size_t k = 0; k < g.size(); ++k) v[d.offset + k] += g[k];
+    d.buf->set(v);
+  }
+  // zero_grad(set_to_none=False): the gradients stay where they are, zeroed.
+  void zero(int j) {
+    Grad& d = grads_[j];
+    if (!d.buf) return;
+    std::vector<float> v = d.buf->get();
+    std::fill(v.begin() + d.offset, v.begin() + d.offset + kNumel, 0.0f);
+    d.buf->set(v);
   }
   std::optional<std::vector<float>> grad_values(int j) const {
-    if (!grads_[j]) return std::nullopt;
-    return grads_[j]->get();
+    if (!grads_[j].buf) return std::nullopt;
+    return values(grads_[j]);
   }
   std::vector<float> bucket_values(int b) const { return buckets_[b].get(); }
   void set_bucket(int b, const std::vector<float>& v) { buckets_[b].set(v); }
 
   std::vector<int> released;
-  int zero_filled = 0;
-  int fail_grad = -1;  // the next request for this matrix's gradient throws
+  int zero_filled = 0;  // present matrices sent as zeros (no gradient here)
+  int copied = 0;       // bucket buffers compacted from gradients of their own
+  int lent_as_is = 0;   // bucket buffers whose gradients already were views of it
+  int fail_grad = -1;   // the next request for this matrix's bucket throws
 
  private:
+  struct Grad {
+    std::shared_ptr<Mirror<float>> buf;
+    int64_t offset = 0;
+  };
+  static std::vector<float> values(const Grad& d) {
+    const std::vector<float> all = d.buf->get();
+    return {all.begin() + d.offset, all.begin() + d.offset + kNumel};
+  }
   Backend& be_;
+  const DedicatedLayout& layout_;
   int member_;
   const std::vector<DedicatedMatrix>& mats_;
   std::vector<Mirror<float>> buckets_;
-  std::vector<std::shared_ptr<Mirror<float>>> grads_;
+  std::vector<Grad> grads_;
+  std::vector<std::shared_ptr<Mirror<float>>> grad_buffers_;  // the owner's, per bucket
 };
 
+// Who owns what: spread (neighbouring matrices on different members: one-matrix buckets at
+// several ranks) or by layer (each layer's matrices on one member: one bucket of two).
+enum class Owners { kSpread, kByLayer };
+
 struct Rig {
-  explicit Rig(int replicate) {
+  explicit Rig(int replicate, Owners owners = Owners::kSpread) {
     Communicator& w = test::world();
     world = {w.size(), replicate, w.rank()};
-    for (size_t j = 0; j < kNames.size(); ++j)
-      mats.push_back({kNames[j], kNumel, DType::kF32, static_cast<int>((j * 5 + 1) % w.size())});
+    for (size_t j = 0; j < kNames.size(); ++j) {
+      const size_t owner = owners == Owners::kSpread ? j * 5 + 1 : j / 2;
+      mats.push_back({kNames[j], kNumel, DType::kF32, static_cast<int>(owner % w.size())});
+    }
     layout = dedicated_layout(mats, kModules, world);
     memory.emplace(*be, layout, world.member, mats);
     const bool many = w.size() > 1;
@@ -141,14 +198,16 @@ struct Rig {
   std::optional<DedicatedTransfers> transfers;
 };
 
+class DedicatedTransfersTest : public ::testing::TestWithParam<Owners> {};
+
 std::vector<int> replicate_degrees() {
   const int size = test::world().size();
   return size == 4 ? std::vector<int>{1, 2} : std::vector<int>{1};
 }
 
-TEST(DedicatedTransfers, GradientsReachTheirOwnersSummedInAnyCompletionOrder) {
+TEST_P(DedicatedTransfersTest, GradientsReachTheirOwnersSummedInAnyCompletionOrder) {
   for (int replicate : replicate_degrees()) {
-    Rig rig(replicate);
+    Rig rig(replicate, GetParam());
     const int n = static_cast<int>(kNames.size());
     std::vector<int> order(n);
     for (int j = 0; j < n; ++j) order[j] = j;  // forward order: against the expected one
@@ -179,8 +238,8 @@ TEST(DedicatedTransfers, GradientsReachTheirOwnersSummedInAnyCompletionOrder) {
 
 // A member whose gradient could not be read when it was ready (the hook raised) sends it at the
 // next stage, still in its place in the order: the members stay matched and the sums are whole.
-TEST(DedicatedTransfers, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
-  Rig rig(1);
+TEST_P(DedicatedTransfersTest, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
+  Rig rig(1, GetParam());
   const int n = static_cast<int>(kNames.size());
   std::vector<int> order(n);
   for (int j = 0; j < n; ++j) order[j] = n - 1 - j;  // backward order
@@ -203,14 +262,14 @@ TEST(DedicatedTransfers, AGradientThatCouldNotBeReadIsSentLaterInItsPlace) {
 // step(); another forward before step() would pair its broadcasts with the others' reductions.
 // It fails on every member instead, changes nothing (step() then reduces everything), and a
 // forward after step() or after an even backward passes the check.
-TEST(DedicatedTransfers, AForwardAfterAnUnevenBackwardFailsOnEveryMemberAndStepStillWorks) {
+TEST_P(DedicatedTransfersTest, AForwardAfterAnUnevenBackwardFailsOnEveryMemberAndStepStillWorks) {
   // On a stream (NCCL) the other members' reductions wait on the device for member 1, which
   // issues its part only at finish(); this rig's gradients are host mirrors that synchronise the
   // device on every write, so the members would wait there forever (seen at 8 ranks on the H200):
   // the hazard docs/dedicated.md names (no device synchronisation between an uneven backward and
   // step()). The check itself is host code on the control communicator, the same on both rigs.
   if (test::on_cuda()) GTEST_SKIP() << "needs host-side gradients (see the comment)";
-  Rig rig(1);
+  Rig rig(1, GetParam());
   if (rig.world.size == 1) GTEST_SKIP() << "one member holds nothing back";
   const int n = static_cast<int>(kNames.size());
   const int first = n - 1;  // the reduction order starts with the last layer's last matrix
@@ -239,8 +298,8 @@ TEST(DedicatedTransfers, AForwardAfterAnUnevenBackwardFailsOnEveryMemberAndStepS
   rig.transfers->finish(rig.stream());
 }
 
-TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
-  Rig rig(1);
+TEST_P(DedicatedTransfersTest, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
+  Rig rig(1, GetParam());
   // Matrix 0: a gradient on rank 0 only (the others send zeros at finish); matrix 1: none.
   if (rig.world.member == 0) {
     rig.memory->accumulate(0, rig.grad_of(0, 0, 0));
@@ -256,8 +315,8 @@ TEST(DedicatedTransfers, TheVoteSkipsMatricesWithoutAGradientAnywhere) {
   EXPECT_EQ(rig.memory->zero_filled, expected_zeros);
 }
 
-TEST(DedicatedTransfers, ASecondBackwardBeforeTheStepIsReducedAgain) {
-  Rig rig(1);
+TEST_P(DedicatedTransfersTest, ASecondBackwardBeforeTheStepIsReducedAgain) {
+  Rig rig(1, GetParam());
   const int n = static_cast<int>(kNames.size());
   std::vector<int> all(n);
   for (int j = 0; j < n; ++j) all[j] = j;
@@ -276,8 +335,8 @@ TEST(DedicatedTransfers, ASecondBackwardBeforeTheStepIsReducedAgain) {
       test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0, 1}), kNames[j]);
 }
 
-TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
-  Rig rig(1);
+TEST_P(DedicatedTransfersTest, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
+  Rig rig(1, GetParam());
   if (rig.world.size == 1) GTEST_SKIP() << "one rank reduces nothing";
   const int n = static_cast<int>(kNames.size());
   auto backward = [&](int j, int round) {
@@ -306,9 +365,71 @@ TEST(DedicatedTransfers, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {
   rig.transfers->finish(rig.stream());
 }
 
-TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGradients) {
+// One backward issues one reduction per bucket (a bucket's matrices have one owner), of the
+// bucket's flat gradient buffer, during backward (not at step()); in HSDP one more across
+// replicas at the owner's shard position. The owner keeps its gradients as views of the buffer:
+// after zero_grad(set_to_none=False) the next backward accumulates there and the buffer is lent
+// as it is, without a copy.
+TEST_P(DedicatedTransfersTest, OneBackwardReducesEachBucketOnceAsOneBuffer) {
   for (int replicate : replicate_degrees()) {
-    Rig rig(replicate);
+    Rig rig(replicate, GetParam());
+    if (rig.world.size == 1) GTEST_SKIP() << "one member moves nothing";
+    const int n = static_cast<int>(kNames.size());
+    const int shard = rig.world.size / replicate;
+    const int my_s = rig.world.member % shard, my_r = rig.world.member / shard;
+    const int64_t es = sizeof(float);
+    // What this member's communicators count for one backward.
+    CommStats want;
+    int owned = 0;
+    const int buckets = static_cast<int>(rig.layout.buckets.size());
+    for (const DedicatedLayout::Bucket& b : rig.layout.buckets) {
+      const int owner_s = b.owner % shard, owner_r = b.owner / shard;
+      owned += b.owner == rig.world.member;
+      want.ops += 1;  // in the shard group, to the owner's shard position
+      if (owner_s == my_s)
+        want.bytes_received += (shard - 1) * b.numel * es;
+      else
+        want.bytes_sent += b.numel * es;
+      if (replicate == 1 || owner_s != my_s) continue;
+      want.ops += 1;  // across replicas, to the owner
+      if (owner_r == my_r)
+        want.bytes_received += (replicate - 1) * b.numel * es;
+      else
+        want.bytes_sent += b.numel * es;
+    }
+    // One per matrix before: fewer wherever a bucket holds several.
+    if (GetParam() == Owners::kByLayer) {
+      EXPECT_EQ(buckets, n / 2);
+    }
+    for (int step = 0; step < 2; ++step) {
+      const CommStats before = rig.transfers->traffic();
+      const int copied = rig.memory->copied, lent = rig.memory->lent_as_is;
+      for (int j = n - 1; j >= 0; --j) {
+        rig.memory->zero(j);  // the owner's views of the last step (none elsewhere)
+        rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, step));
+        rig.transfers->grad_ready(j, rig.stream());
+      }
+      const CommStats in_backward = rig.transfers->traffic() - before;
+      EXPECT_GE(in_backward.ops, buckets) << "every bucket's reduction starts during backward";
+      EXPECT_LE(in_backward.ops, want.ops);
+      rig.transfers->finish(rig.stream());
+      const CommStats got = rig.transfers->traffic() - before;
+      EXPECT_EQ(got.ops, want.ops) << "step " << step;
+      EXPECT_EQ(got.bytes_sent, want.bytes_sent) << "step " << step;
+      EXPECT_EQ(got.bytes_received, want.bytes_received) << "step " << step;
+      for (int j = 0; j < n; ++j)
+        if (rig.mine(j))
+          test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {step}), kNames[j]);
+      // Non-owners (and relays) compact the gradients backward made; the owner too at first.
+      EXPECT_EQ(rig.memory->copied - copied, step == 0 ? buckets : buckets - owned);
+      EXPECT_EQ(rig.memory->lent_as_is - lent, step == 0 ? 0 : owned);
+    }
+  }
+}
+
+TEST_P(DedicatedTransfersTest, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGradients) {
+  for (int replicate : replicate_degrees()) {
+    Rig rig(replicate, GetParam());
     const int shard = rig.world.size / replicate;
     const int my_r = rig.world.member / shard;
     auto owner_values = [&](int b) {
@@ -344,6 +465,12 @@ TEST(DedicatedTransfers, ForwardBringsEachBucketFromItsOwnerAndFreesItAfterItsGr
     rig.transfers->release_all(rig.stream());
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Owners, DedicatedTransfersTest,
+                         ::testing::Values(Owners::kSpread, Owners::kByLayer),
+                         [](const ::testing::TestParamInfo<Owners>& info) {
+                           return info.param == Owners::kSpread ? "spread" : "by_layer";
+                         });
 
 }  // namespace
 }  // namespace distmuon

@@ -230,6 +230,26 @@ def run_late_gradient(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_traffic(rank: int, world: int) -> dict[str, Any]:
+    """What one synchronised backward moves on the dedicated traffic's communicators, after a
+    first step (flat: every bucket's reduction is issued during backward), with the buckets."""
+    model, dm, opt = build("fsdp", world, overlap=False)
+    out: dict[str, Any] = {"steps": []}
+    for step in range(2):  # owners' gradients: fresh tensors, then (set_to_none=False) views
+        opt.zero_grad(set_to_none=step == 0)
+        loss = local_loss(model, step, rank, world)
+        before = dm.transfers.traffic()
+        loss.backward()
+        after = dm.transfers.traffic()
+        opt.step()
+        out["steps"].append({k: after[k] - before[k] for k in before})
+    out["buckets"] = [{"owner": b.owner, "nbytes": b.nbytes} for b in dm.buckets]
+    out["matrices"] = len(dm.matrices)
+    out["member"] = dm.grid.member
+    out["params"] = full_model(model)
+    return out
+
+
 def run_corrupt_store(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     """Rank 0's measurement store is corrupt (the other ranks have none): dedicate() raises on
     every rank instead of leaving them waiting for rank 0's plan."""
@@ -298,6 +318,7 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "accum_overlap": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, True)),
         "accum_sync": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False, sync_all=True)),
         "late_gradient": guarded(lambda: run_late_gradient(rank, world)),
+        "traffic": guarded(lambda: run_traffic(rank, world)),
         "corrupt_store": guarded(lambda: run_corrupt_store(rank, world, str(Path(ckpt).parent))),
     }
 
@@ -309,4 +330,5 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "hsdp": guarded(lambda: run_dedicated(rank, world, "hsdp", 1, True)),
         "hsdp_accum": guarded(lambda: run_dedicated(rank, world, "hsdp", 2, True)),
         "resume4": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
+        "traffic": guarded(lambda: run_traffic(rank, world)),
     }

@@ -232,3 +232,26 @@ def test_a_gradient_after_its_update_was_prepared_raises_on_every_rank(world2: l
         assert "traceback" not in res, res.get("traceback")
         assert res["error"] is not None and "no_sync()" in res["error"]
         assert len(res["then"]) == 1
+
+
+def test_one_backward_reduces_each_layer_and_owner_once(world2: list[dict[str, Any]], world4: list[dict[str, Any]]) -> None:
+    """Backward reduces the gradients of each (layer, owner) bucket as one buffer: one reduce per
+    bucket, of the bucket's bytes (the root receives them from each other rank, the others send
+    them once), not one per matrix; the same with the owners' gradients views of the buffer
+    (zero_grad(set_to_none=False)), and the training still matches one process."""
+    for ranks in (world2, world4):
+        size = len(ranks)
+        for r in ranks:
+            res = ok(r["traffic"])
+            buckets, me = res["buckets"], res["member"]
+            assert len(buckets) < res["matrices"] if size == 2 else len(buckets) <= res["matrices"]
+            want = {
+                "ops": len(buckets),
+                "bytes_received": sum((size - 1) * b["nbytes"] for b in buckets if b["owner"] == me),
+                "bytes_sent": sum(b["nbytes"] for b in buckets if b["owner"] != me),
+            }
+            for got in res["steps"]:
+                assert got == want
+        params = [ok(r["traffic"])["params"] for r in ranks]
+        for p in params[1:]:
+            assert max_diff(p, params[0]) == 0.0  # every rank holds the same model

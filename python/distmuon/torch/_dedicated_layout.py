@@ -78,6 +78,11 @@ class Matrix:
     def numel(self) -> int:
         return self.rows * self.cols
 
+    @property
+    def numel_of_param(self) -> int:
+        """Elements of the parameter in its bucket's buffers (the layout's numel)."""
+        return self.param.numel()
+
 
 @dataclass
 class Bucket:
@@ -88,6 +93,8 @@ class Bucket:
     matrices: list[int]
     flat: torch.Tensor
     kept: bool  # this rank holds it between steps (owner, or HSDP relay)
+    # The owner's gradient buffer of the last reduction: its matrices' .grad are views of it.
+    grad_flat: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -117,8 +124,9 @@ class Unit:
 
 class Memory:
     """What the engine's transfers ask for when a stage moves data (DedicatedMemory): a bucket's
-    flat buffer, materialised on demand, and each matrix's gradient, dropped by non-owners once
-    sent (the transfers hold the tensor until the collective is done)."""
+    flat buffer, materialised on demand, and a bucket's gradients as one flat buffer (one
+    reduction per bucket), dropped by non-owners once sent (the transfers hold the buffer until
+    the collective is done)."""
 
     def __init__(self, matrices: list[Matrix], buckets: list[Bucket], member: int) -> None:
         self.matrices, self.buckets, self.member = matrices, buckets, member
@@ -131,14 +139,44 @@ class Memory:
     def release_bucket(self, b: int) -> None:
         self.buckets[b].free()
 
-    def grad(self, j: int) -> Any:
+    def grads(self, b: int, present: list[int]) -> Any:
+        """Bucket b's gradients as one flat buffer for its one reduction: lent as it is where
+        every gradient of the bucket already is its view at its offset (the owner's since its
+        last step, while they are zeroed rather than set to None), else a fresh buffer they are
+        copied into, zeros where this rank has none (copies queued on the current stream: no
+        host wait). The owner keeps the `present` matrices' gradients as views of it."""
+        bucket = self.buckets[b]
+        held = bucket.grad_flat
+        if held is not None and all(self._is_view(j, held) for j in bucket.matrices):
+            return to_dlpack(held)
+        first = self.matrices[bucket.matrices[0]].param
+        flat = torch.empty(bucket.flat.numel(), dtype=first.dtype, device=first.device)
+        keep = set(present)
+        for j in bucket.matrices:
+            m = self.matrices[j]
+            view = flat[m.offset : m.offset + m.numel_of_param]
+            g = m.param.grad if j in keep else None
+            if g is None:
+                view.zero_()
+            else:
+                view.copy_(g.reshape(-1))
+        if bucket.owner == self.member:
+            for j in present:
+                m = self.matrices[j]
+                m.param.grad = flat[m.offset : m.offset + m.numel_of_param].view(m.param.shape)
+            bucket.grad_flat = flat
+        return to_dlpack(flat)
+
+    def _is_view(self, j: int, flat: torch.Tensor) -> bool:
         m = self.matrices[j]
         g = m.param.grad
-        if g is None:
-            g = torch.zeros_like(m.param)
-            if m.owner == self.member:
-                m.param.grad = g
-        return to_dlpack(g)
+        return (
+            g is not None
+            and g.is_contiguous()
+            and g.dtype == flat.dtype
+            and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+            and g.data_ptr() == flat.data_ptr() + m.offset * flat.element_size()
+        )
 
     def drop_grad(self, j: int) -> None:
         self.matrices[j].param.grad = None

@@ -7,9 +7,10 @@ steps:
 
 - forward: before a layer runs, each owner broadcasts its matrices of that layer in one call
   (one flat buffer per owner per layer), the next layer's already in flight;
-- backward: as soon as a matrix's gradient is complete it is reduced to its owner (HSDP: in the
-  shard group, then across replicas) while backward goes on, and the other ranks free their
-  copy of the weight and their gradient; with ``overlap_step`` the owner then runs momentum and
+- backward: as soon as the gradients of a layer's matrices of one owner are complete they are
+  reduced to that owner as one flat buffer, one collective (HSDP: in the shard group, then one
+  across replicas), while backward goes on, and the other ranks free their copy of the weights
+  and their gradients; with ``overlap_step`` the owner then runs momentum and
   orthogonalization of each layer it has completely received (on a side stream on CUDA), so
   that ``step()`` only applies the updates of those;
 - HSDP: after the step each owner sends its updated weights to its replicas asynchronously.
