@@ -67,6 +67,7 @@ class Timeline {
       c.comm = end;
     }
     ++collectives_;
+    if (!joins_group) ++launches_;
     return end;
   }
   // Every host waits until `t` (a collective it blocks on).
@@ -83,11 +84,12 @@ class Timeline {
     return t;
   }
   int64_t collectives() const { return collectives_; }
+  int64_t launches() const { return launches_; }
 
  private:
   std::vector<Clock> c_;
   double issue_, share_;
-  int64_t collectives_ = 0;
+  int64_t collectives_ = 0, launches_ = 0;
 };
 
 std::pair<int64_t, int64_t> chunk(int64_t dim0, int parts, int pos) {  // FSDP2's Shard(0)
@@ -332,6 +334,7 @@ class StepModel {
     }
     p.dedicated_engine = t.sync();
     p.dedicated_collectives = t.collectives();
+    p.dedicated_launches = t.launches();
     p.owner_runs = std::max(p.owner_runs, *std::max_element(runs.begin(), runs.end()));
   }
 

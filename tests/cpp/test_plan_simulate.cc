@@ -94,8 +94,9 @@ CommModel latency_only(double latency_s) {
   return cm;
 }
 
-// (a) Every collective costs its issuing host collective_latency_s, one after the other: twice
-// the collectives add exactly N alpha.
+// (a) Every launch costs its issuing host collective_latency_s, one after the other: twice the
+// collectives add exactly N alpha (the dedicated mode launches a bucket's reduces, and its
+// broadcasts, as one group each).
 TEST(PlanSimulate, CollectiveLatencyIsPaidPerCollective) {
   const double alpha = 143e-6;
   const CommModel cm = latency_only(alpha);
@@ -108,9 +109,11 @@ TEST(PlanSimulate, CollectiveLatencyIsPaidPerCollective) {
     // FSDP2 emulation: a reduce per rank's shard and an all-gather, per tensor.
     EXPECT_EQ(p.fsdp_collectives, 3 * n);
     EXPECT_NEAR(p.fsdp(), 3 * n * alpha, 1e-12);
-    // Dedicated: the vote, a reduce and a broadcast per matrix, nothing else to wait for.
+    // Dedicated: the vote, a reduce and a broadcast per matrix, launched per bucket; nothing
+    // else to wait for.
     EXPECT_EQ(p.dedicated_collectives, 1 + 2 * n);
-    EXPECT_NEAR(p.dedicated(), (1 + 2 * n) * alpha, 1e-9);
+    EXPECT_EQ(p.dedicated_launches, 1 + 2 * p.buckets);
+    EXPECT_NEAR(p.dedicated(), p.dedicated_launches * alpha, 1e-9);
   }
   const auto step = [&](int64_t n) {
     const Workload w = uniform(n, {64, 32});
@@ -121,7 +124,8 @@ TEST(PlanSimulate, CollectiveLatencyIsPaidPerCollective) {
   EXPECT_NEAR(b.fsdp() - a.fsdp(), (b.fsdp_collectives - a.fsdp_collectives) * alpha, 1e-12);
   EXPECT_NEAR(b.fsdp() - a.fsdp(), 24 * alpha, 1e-12);
   EXPECT_NEAR(b.adamw_step() - a.adamw_step(), 24 * alpha, 1e-12);
-  EXPECT_NEAR(b.dedicated() - a.dedicated(), 16 * alpha, 1e-9);
+  EXPECT_NEAR(b.dedicated() - a.dedicated(), (b.dedicated_launches - a.dedicated_launches) * alpha,
+              1e-9);
   // No latency: nothing is left.
   const Workload w = uniform(16, {64, 32});
   const auto mats = plan_matrices(w);
@@ -306,7 +310,8 @@ TEST(PlanSimulate, HostBoundStepsPayEveryCollective) {
   for (size_t i = 0; i < pts.size(); ++i) {
     const SimPoint& p = pts[i];
     SCOPED_TRACE(p.world);
-    EXPECT_GE(p.dedicated(), p.dedicated_collectives * cm.collective_latency_s);
+    EXPECT_GE(p.dedicated(), p.dedicated_launches * cm.collective_latency_s);
+    EXPECT_LT(p.dedicated_launches, p.dedicated_collectives);  // a bucket holds several
     EXPECT_GE(p.gather(), p.gather_collectives * cm.collective_latency_s);
     EXPECT_GE(p.sharded(), p.sharded_collectives * cm.collective_latency_s);
     EXPECT_GE(p.fsdp(), p.fsdp_collectives * cm.collective_latency_s);
