@@ -183,13 +183,16 @@ void Comparison::step(Run& run, int64_t i) {
     if (run.dist == DistMode::kReplicated) {  // DDP: gradients all-reduced before the step
       hs.push_back(fsdp.all_reduce(t.g.data(), t.g.data(), t.numel, ct, ReduceOp::kSum));
     } else if (sharded) {  // FSDP2: reduce-scatter of the gradient into dim-0 shards
-      for (int q = 0; q < p; ++q) {
-        auto [b, n] = chunk(t.dim0, p, q);
-        if (n == 0) continue;
-        hs.push_back(fsdp.reduce(t.g.as<char>() + b * t.inner * dtype_size(dtype_),
-                                 q == me ? t.g_shard.data() : nullptr, n * t.inner, ct,
-                                 ReduceOp::kSum, q));
-      }
+      // One launch per tensor, as FSDP2's reduce-scatter is one collective (per module).
+      fsdp.grouped([&] {
+        for (int q = 0; q < p; ++q) {
+          auto [b, n] = chunk(t.dim0, p, q);
+          if (n == 0) continue;
+          hs.push_back(fsdp.reduce(t.g.as<char>() + b * t.inner * dtype_size(dtype_),
+                                   q == me ? t.g_shard.data() : nullptr, n * t.inner, ct,
+                                   ReduceOp::kSum, q));
+        }
+      });
     }
   }
   wait_all(hs);

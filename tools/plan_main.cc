@@ -211,7 +211,7 @@ int run(const PlanArgs& a) {
              {"sharded", p.sharded_collectives},
              {"dedicated", p.dedicated_collectives},
              {"adamw", p.adamw_collectives}}},
-           {"dedicated_launches", p.dedicated_launches},
+           {"launches", {{"fsdp", p.fsdp_launches}, {"dedicated", p.dedicated_launches}}},
            {"gather_step", p.gather_step()},
            {"sharded_step", p.sharded_step()},
            {"dedicated_step", p.dedicated_step()},

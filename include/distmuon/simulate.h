@@ -118,8 +118,9 @@ struct SimPoint {
   // starts a step at D > 1 included); the engine's buckets.
   int64_t fsdp_collectives = 0, gather_collectives = 0, sharded_collectives = 0,
           dedicated_collectives = 0, adamw_collectives = 0, buckets = 0;
-  // Host launches of the dedicated mode's collectives (a group per bucket and stage, the vote).
-  int64_t dedicated_launches = 0;
+  // Host launches: the FSDP2 emulation's (a group per tensor's reduce-scatter, an all-gather per
+  // tensor) and the dedicated mode's (a group per bucket and stage, the vote).
+  int64_t fsdp_launches = 0, dedicated_launches = 0;
   // Orthogonalizations the slowest owner runs (one per run of a bucket: owner, plan batch and
   // shape), and every rank in gather mode.
   int64_t owner_runs = 0, gather_runs = 0;

@@ -172,18 +172,20 @@ class StepModel {
   int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
   // The FSDP2 emulation of distmuon-bench: before the step one reduce per non-empty dim-0 shard
-  // of every tensor (to its holder), after it one all-gather per tensor. Every rank issues the
-  // same, so one clock stands for all.
+  // of every tensor (to its holder; a tensor's reduces launched as one group), after it one
+  // all-gather per tensor. Every rank issues the same, so one clock stands for all.
   void fsdp(SimPoint& p) const {
     const Link r = reduce_link(d_, cm_, per_node_);
     Timeline rs(1, issue_), ag(1, issue_);
     for (const SimTensor& t : tensors_) {
       const double inner = static_cast<double>(t.numel / t.dim0);
+      bool joins = false;
       for (int q = 0; q < d_; ++q) {
         const int64_t rows = chunk(t.dim0, d_, q).second;
         if (rows == 0) continue;
         const double b = static_cast<double>(rows) * inner * wire_;
-        rs.collective(d_ == 1 ? local(b) : (d_ - 1) * r.alpha + b / r.beta);
+        rs.collective(d_ == 1 ? local(b) : (d_ - 1) * r.alpha + b / r.beta, joins);
+        joins = true;
       }
       const double b = static_cast<double>(t.numel) * wire_;
       ag.collective(d_ == 1 ? local(b) : ring_allgather_seconds(b, d_, cm_, per_node_));
@@ -191,6 +193,7 @@ class StepModel {
     p.fsdp_reduce_scatter = rs.sync();
     p.fsdp_all_gather = ag.sync();
     p.fsdp_collectives = rs.collectives() + ag.collectives();
+    p.fsdp_launches = rs.launches() + ag.launches();
   }
 
   void gather(SimPoint& p) const {
