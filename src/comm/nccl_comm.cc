@@ -55,12 +55,13 @@ class DeviceGuard {
 //   collectives for a timeout per communicator;
 // - a non-blocking finalize issued from the caller's thread, even unwaited, held up that
 //   thread's next collective on another communicator (NCCL's group jobs are per thread);
-// - one teardown thread for every communicator serialised them the same way, and the memory
-//   came back a test late (17.5 GB in use against 10.5);
+// - left entirely to other threads, the memory came back a test late (17.5 GB in use after the
+//   4-rank HSDP engine test against 10.5 when the destructor waited);
 // - ncclCommAbort is local but kept the memory long enough that the 4-rank tests ran out of it.
 // So each communicator is torn down on a detached thread of its own, which aborts it past its
-// timeout; the caller waits for it only briefly (start()). Nothing is joined, so a forked child (data loader workers) inherits nothing to wait
-// for; at exit the owning process gives the teardowns in flight a short grace.
+// timeout, and the caller waits for it only briefly (start()). Nothing is joined, so a forked
+// child (data loader workers) inherits nothing to wait for; at exit the owning process gives the
+// teardowns in flight a short grace.
 class Teardowns {
  public:
   static Teardowns& instance() {
@@ -68,9 +69,9 @@ class Teardowns {
     return *t;
   }
   // Starts the teardown and waits for it up to kCallerWait: when every member lets go at once
-  // (an engine or a test that ends on all ranks) it is done by then, and its memory comes back
-  // before the caller builds the next communicators (not waiting kept up to 7 GB more in use
-  // between the 4-rank engine tests); a member that lets go alone goes on after kCallerWait.
+  // (an engine or a test that ends on all ranks) it should be done by then, so that its memory
+  // is back before the caller builds the next communicators; a member that lets go alone goes
+  // on after kCallerWait.
   void start(ncclComm_t comm, int device, double timeout_s, std::string name) {
     auto done = std::make_shared<Done>();
     {
