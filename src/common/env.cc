@@ -31,6 +31,10 @@ const std::vector<Knob>& knobs() {
        "costs of the engine's start-up plan when DistOptions::plan_costs is empty: auto "
        "(measured where the store holds the shapes, analytic elsewhere) | analytic | <cost file>; "
        "read on rank 0 only"},
+      {"DISTMUON_PLAN_MEASURE", "auto",
+       "auto | on | off: with DISTMUON_PLAN_COSTS=auto, rank 0 times the shape classes its store "
+       "lacks at start-up (batches of 1 and 4, three runs each) and keeps them in the store for "
+       "the next runs (auto: on CUDA only)"},
       {"DISTMUON_GRAPHS", "",
        "0 | 1: capture the single-process step into a graph and replay it while its buffers stay "
        "the same (CUDA; unset: EngineOptions::graphs, on by default)"},

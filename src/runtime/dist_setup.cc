@@ -9,6 +9,8 @@
 
 #include "common/fnv.h"
 #include "common/log.h"
+#include "distmuon/cost_table.h"
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 #include "runtime/engine_impl.h"
 #include "runtime/mode_runner.h"
@@ -46,21 +48,52 @@ std::string error_text(const Error& e) {
   return s;
 }
 
-// Rank 0 reads the measured costs (its DistOptions::plan_costs, its store) and every rank plans
+// Whether rank 0 times the shape classes its store lacks before planning (DISTMUON_PLAN_MEASURE):
+// by default on CUDA, where a class takes milliseconds; on CPUs a large class takes seconds.
+bool measure_at_start(const Backend& be) {
+  const std::string v = env::get("DISTMUON_PLAN_MEASURE");
+  DM_CHECK(v == "auto" || v == "on" || v == "off", "DISTMUON_PLAN_MEASURE is '", v,
+           "': use auto, on or off");
+  return v == "on" || (v == "auto" && be.device().kind == DeviceKind::kCUDA);
+}
+
+// Times the classes of `shapes` the store lacks and adds them to it, so that the plan below
+// (and every later run on this device) balances measured costs. A store that cannot be written
+// costs the measurement, not the run: the plan then uses what the store holds.
+void measure_missing_costs(Backend& be, const std::string& store, const std::vector<ShapeCount>& shapes,
+                           const OrthoConfig& ortho) {
+  ProfileOptions opts;
+  opts.ks = {1, 4};
+  opts.progress = false;
+  try {
+    const CachedCosts c = cached_cost_table(be, shapes, ortho, opts, store);
+    if (c.shapes_measured > 0)
+      DM_LOG(kInfo, "planner: timed ", c.shapes_measured, " shape classes at start-up into ",
+             c.path, " (", c.shapes_reused, " were there)");
+  } catch (const Error& e) {
+    DM_LOG(kWarn, "planner: could not time the shape classes at start-up (", e.what(),
+           "); planning on what the store holds");
+  }
+}
+
+// Rank 0 reads the measured costs (its DistOptions::plan_costs, its store, first completed by
+// measure_missing_costs where DISTMUON_PLAN_MEASURE says so) and every rank plans
 // from the same numbers: ranks whose stores differ would otherwise plan differently and fail
 // the plan-hash check. Every rank, rank 0 included, parses the text rank 0 sent, so the doubles
 // are identical. Rank 0's read error becomes its set-up error (reported on every rank with the
 // other set-up errors); the other ranks then plan on analytic costs, a plan nobody uses.
 // The note (where the table came from, or why there is none) is rank 0's only.
 MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::string& setting,
-                                   const OrthoConfig& ortho, bool wanted,
+                                   const OrthoConfig& ortho, const std::vector<ShapeCount>& shapes,
                                    std::string& local_error) {
   MeasuredCosts out;
   std::string text;
-  if (world.rank() == 0 && wanted && local_error.empty()) {
+  if (world.rank() == 0 && !shapes.empty() && local_error.empty()) {
     try {
-      out = read_measured_costs(
-          plan_cost_source(setting), [&] { return be.name(); }, ortho);
+      const PlanCostSource source = plan_cost_source(setting);
+      if (source.kind == PlanCostSource::Kind::kAuto && measure_at_start(be))
+        measure_missing_costs(be, source.path, shapes, ortho);
+      out = read_measured_costs(source, [&] { return be.name(); }, ortho);
       if (out.table) text = cost_table_json({*out.table});
     } catch (const Error& e) {
       local_error = error_text(e);
@@ -177,7 +210,7 @@ void Engine::Impl::dist_setup() {
     local_error = detail::concat("caller_transfers is an option of the dedicated mode, not of ",
                                  mode, " mode");
   MeasuredCosts measured = rank0_measured_costs(*dist.world, backend, dist.options.plan_costs,
-                                                spec.ortho, !pm.empty(), local_error);
+                                                spec.ortho, shape_counts(pm), local_error);
   spec.measured = std::move(measured.table);
   try {  // a planner error must reach every rank
     if (local_error.empty() && !pm.empty())

@@ -8,6 +8,11 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <optional>
+#include <string>
 #include <map>
 #include <memory>
 #include <tuple>
@@ -15,6 +20,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "distmuon/cost_table.h"
 #include "distmuon/engine.h"
+#include "distmuon/error.h"
 #include "dist_rig.h"
 #include "runtime/engine_impl.h"
 
@@ -161,6 +167,82 @@ TEST(MpiPlan, RanksWithDifferentStoresPlanOnRankZerosTable) {
     if (c.size() == 2) {
       EXPECT_NE(plan_on(&mine, c.size()).hash, want.hash);
     }
+  }
+}
+
+class EnvSetting {  // an environment knob for one test
+ public:
+  EnvSetting(const char* name, const char* value) : name_(name) {
+    if (const char* v = std::getenv(name)) saved_ = v;
+    setenv(name, value, 1);
+  }
+  ~EnvSetting() {
+    if (saved_)
+      setenv(name_, saved_->c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> saved_;
+};
+
+std::string file_text(const std::string& path) {
+  std::ifstream f(path);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+TEST(MpiPlan, AutoTimesTheShapesTheStoreLacksOnRankZeroOnly) {
+  Communicator& c = world();
+  CpuBackend be;
+  const std::string path =
+      ::testing::TempDir() + "distmuon_timed_store_rank" + std::to_string(c.rank()) + ".json";
+  CostStore store(path);
+  EnvSetting measure("DISTMUON_PLAN_MEASURE", "on");  // the default times on CUDA only
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = "auto";
+  const auto first = mlp_engine(be, c, opt);
+  EXPECT_NE(first->plan()->costs.find("measured costs for 2 of 2 shapes (" + be.name() + ")"),
+            std::string::npos)
+      << first->plan()->costs;
+  if (c.rank() == 0) {
+    const std::vector<CostTable> tables = read_cost_file(path);
+    ASSERT_EQ(tables.size(), 1u);
+    EXPECT_EQ(tables[0].device, be.name());
+    ASSERT_EQ(tables[0].shapes().size(), 2u);
+    for (const auto& [shape, sc] : tables[0].shapes()) {
+      ASSERT_FALSE(sc.points.empty()) << shape.first << "x" << shape.second;
+      for (const CostPoint& p : sc.points) EXPECT_GT(p.seconds, 0.0);
+    }
+  } else {
+    EXPECT_FALSE(std::filesystem::exists(path)) << "only rank 0 times the shapes";
+  }
+  // The next engine finds everything in the store: nothing is timed again, the plan is the same.
+  const std::string before = c.rank() == 0 ? file_text(path) : "";
+  const auto second = mlp_engine(be, c, opt);
+  EXPECT_EQ(second->plan()->hash, first->plan()->hash);
+  if (c.rank() == 0) {
+    EXPECT_EQ(file_text(path), before);
+  }
+}
+
+TEST(MpiPlan, ABadPlanMeasureSettingIsASetUpErrorOnEveryRank) {
+  Communicator& c = world();
+  CpuBackend be;
+  CostStore store(::testing::TempDir() + "distmuon_unused_store_rank" + std::to_string(c.rank()) +
+                  ".json");
+  EnvSetting measure("DISTMUON_PLAN_MEASURE", "sometimes");
+  DistOptions opt;
+  opt.mode = DistMode::kDedicated;
+  opt.plan_costs = "auto";
+  try {
+    (void)mlp_engine(be, c, opt);
+    ADD_FAILURE() << "a bad DISTMUON_PLAN_MEASURE was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("DISTMUON_PLAN_MEASURE is 'sometimes'"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -111,7 +111,9 @@ lane_sanitizer() {
 lane_bench() {
   local n
   for n in ${RANKS//,/ }; do
-    run_suite "bench-$n" "$n" 300 "${MPIRUN[@]}" -np "$n" "$BIN/distmuon-bench" --backend cuda \
+    # Planned on analytic costs, as distmuon-plan below, so that the bytes compare plan for plan.
+    run_suite "bench-$n" "$n" 300 env DISTMUON_PLAN_COSTS=analytic "${MPIRUN[@]}" \
+      -x DISTMUON_PLAN_COSTS -np "$n" "$BIN/distmuon-bench" --backend cuda \
       --workload gpt2-small --dtype bf16 --no-adamw --mode gather,sharded,dedicated --steps 3 \
       --warmup 1 \
       --ranks-per-gpu $(( (n + NGPU - 1) / NGPU )) --json "$WORK/bench-$n.json"

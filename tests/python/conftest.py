@@ -15,6 +15,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 _NO_STORE = os.path.join(tempfile.gettempdir(), f"distmuon-no-store-{os.getpid()}")
 os.environ["DISTMUON_COST_CACHE"] = os.path.join(_NO_STORE, "costs.json")
 os.environ.pop("DISTMUON_PLAN_COSTS", None)
+# Nor is the store filled at start-up (on CUDA rank 0 would time the shapes it lacks into it).
+os.environ["DISTMUON_PLAN_MEASURE"] = "off"
 
 import pytest  # noqa: E402
 import torch.optim._muon as torch_muon  # noqa: E402
