@@ -64,7 +64,11 @@ NCCL_LIB=${NCCL_LIB:-}
 if [ -z "$NCCL_LIB" ] && [ -f .gpubin/nccl/libnccl.so.2.xz ]; then
   mkdir -p /tmp/nccl/lib && xz -dc .gpubin/nccl/libnccl.so.2.xz > /tmp/nccl/lib/libnccl.so.2 && NCCL_LIB=/tmp/nccl/lib/libnccl.so.2
 fi
-[ -n "$NCCL_LIB" ] && export LD_PRELOAD=$NCCL_LIB
+# Preloaded into the ranks only (`ranks_env`), not into this shell and every tool it starts: the
+# MPS daemon and the shell's own pipes ran with it once and the shell died of a segmentation
+# fault after the daemon started.
+ranks_env=(env)
+[ -n "$NCCL_LIB" ] && ranks_env=(env "LD_PRELOAD=$NCCL_LIB")
 GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 say "$(nvidia-smi -L | wc -l) x $GPU, driver $(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1); NCCL ${NCCL_LIB:-of torch}; ranks $RANKS; workloads $WORKLOADS"
 
@@ -87,11 +91,11 @@ trap mps_stop EXIT
 bench() {
   local d=$1; shift
   if [ "$d" -gt 1 ] && [ "$d" -gt "$NGPU" ]; then
-    CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) mpirun --allow-run-as-root --oversubscribe \
-      --bind-to none -np "$d" $BIN/distmuon-bench --backend cuda --ranks-per-gpu "$d" "$@"
+    "${ranks_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) mpirun --allow-run-as-root \
+      --oversubscribe --bind-to none -np "$d" $BIN/distmuon-bench --backend cuda --ranks-per-gpu "$d" "$@"
   else
-    mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$d" $BIN/distmuon-bench \
-      --backend cuda "$@"
+    "${ranks_env[@]}" mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$d" \
+      $BIN/distmuon-bench --backend cuda "$@"
   fi
 }
 # Runs a command with a watchdog: past $1 seconds, every thread's stack goes to the log, then it
@@ -146,11 +150,10 @@ fi
 # ---- end to end: FSDP2 training, one process per rank under MPS ---------------------------------
 if [[ " $STAGES " == *" e2e "* ]]; then
   source bench/gpu_python_setup.sh > /dev/null || say "the Python extension did not build"
-  [ -n "$NCCL_LIB" ] && export LD_PRELOAD=$NCCL_LIB
   if mps_start; then
     for d in ${E2E_RANKS//,/ }; do
       say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS)"
-      CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) timeout -k 10 400 \
+      "${ranks_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) timeout -k 10 400 \
         $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
         $E2E_ARGS --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather \
         --json "$OUT/e2e-$d.json" >> "$LOG" 2>&1 || say "FAILED: e2e on $d ranks (rc $?)"
