@@ -46,6 +46,8 @@ def main():
              "distmuon_graph_ms": w["distmuon_graph_ms"], "floor_ms": w["floor_ms"], "floor_tuned_ms": w.get("floor_tuned_ms"),
              "torch_muon_ms": t.get("torch_muon_ms"), "adamw_ms": t.get("adamw_ms"),
              "adamw_full_model_ms": t.get("adamw_full_model_ms"),
+             # dion's Muon in its CUDA-graph wrapper: Triton kernels, Gram Newton-Schulz kernels
+             "dion_ms": t.get("dion_ms"), "dion_gns_ms": t.get("dion_gns_ms"),
              # measured on qwen's MLP shapes (the qwen workload's largest class)
              "cache_hit_over_fresh": hit.get("cache_hit_over_fresh") if w["name"].startswith("qwen") else None,
              "distmuon_bench_ms": tool.get(w["name"]), "classes": w["classes"],
@@ -90,6 +92,17 @@ def main():
                      f"{f(None if tm is None or not ok else tm / d, '{:.1f}')} | {f(aw)} / {f(awf)} | "
                      f"{f(None if aw is None or not ok else d / aw)} / "
                      f"{f(None if awf is None or not ok else d / awf)} |")
+    dion = [e for e in res["workloads"] if e.get("dion_ms") or e.get("dion_gns_ms")]
+    if dion:
+        f = lambda v: "-" if v is None else f"{v:.2f}"
+        lines += ["", "dion's Muon (its CUDA-graph wrapper; fp32, same matrices), ms per step:", "",
+                  "| workload | distmuon | dion, Triton kernels | dion, Gram Newton-Schulz kernels | "
+                  "dion's best / distmuon |", "|---|---|---|---|---|"]
+        for e in dion:
+            best = min(v for v in (e.get("dion_ms"), e.get("dion_gns_ms")) if v is not None)
+            d = e["distmuon_ms"]
+            lines.append(f"| {e['name']} | {f(d)} | {f(e.get('dion_ms'))} | {f(e.get('dion_gns_ms'))} | "
+                         f"{f(best / d if d else None)} |")
     if res["auto_vs_best"]:
         lines += ["", "`auto` against the fastest single algorithm (distmuon-bench, median step ms):", "",
                   "| workload | auto | fastest of ns5 / ns5-sym / gram-ns | auto / fastest |",

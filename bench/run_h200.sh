@@ -68,7 +68,13 @@ done
 tar czf "$OUT/tools.tgz" -C /tmp/tools .
 
 say "torch baselines"
-[ -z "${SKIP_TORCH:-}" ] && python3 bench/torch_baselines.py --workloads "$WL" --json "$OUT/torch.json" 2>&1 | tee -a "$LOG"
+# dion's Muon beside them where tests/gpu/stage.sh staged it (DION_REPO=...: .gpubin/dion.tar.xz).
+DION_ARG=()
+if [ -f .gpubin/dion.tar.xz ]; then
+  rm -rf /tmp/dion && mkdir -p /tmp/dion && tar xJf .gpubin/dion.tar.xz -C /tmp/dion && DION_ARG=(--dion /tmp/dion)
+fi
+[ -z "${SKIP_TORCH:-}" ] && python3 bench/torch_baselines.py --workloads "$WL" --json "$OUT/torch.json" \
+  "${DION_ARG[@]}" 2>&1 | tee -a "$LOG"
 
 say "report"
 python3 bench/make_report.py --cuda "$OUT/cuda_bench.json" --torch "$OUT/torch.json" \

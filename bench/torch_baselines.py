@@ -1,10 +1,16 @@
 #!/usr/bin/env python3
-"""torch.optim.Muon and torch.optim.AdamW(fused=True) on the Muon matrices of each workload.
+"""torch.optim.Muon, torch.optim.AdamW(fused=True) and dion's Muon on the Muon matrices of
+each workload.
 
 Same shapes as distmuon-cuda-bench (the workloads' Muon matrices, first K layers where asked),
-fp32 parameters, random gradients, one H200. torch.optim.Muon is host-bound, so it is timed
+fp32 parameters, random gradients, one GPU. torch.optim.Muon is host-bound, so it is timed
 with wall clock around synchronised steps; AdamW with CUDA events. Also times fused AdamW on
-the whole model (Muon matrices + the AdamW tensors) for reference. Prints progress, writes JSON.
+the whole model (Muon matrices + the AdamW tensors) for reference. With --dion DIR (a checkout
+of microsoft/dion, or the package tests/gpu/stage.sh stages with DION_REPO=...): dion's Muon in
+its best single-GPU configurations, its CUDA-graph wrapper around the Triton Newton-Schulz
+kernels (dion_ms) and, where `gram_newton_schulz` imports, around Dao-AILab's Gram
+Newton-Schulz kernels (dion_gns_ms); both replayed graphs, timed with CUDA events and with wall
+clock. Prints progress, writes JSON.
 """
 import argparse
 import json
@@ -66,14 +72,46 @@ def time_events(step, warmup, steps):
     return statistics.median(t)
 
 
+def time_dion(ps, dion_dir, gram, warmup, steps):
+    """dion.Muon on `ps` inside dion.cuda_graph.CudaGraphOptimizer: (events ms, wall ms), or a
+    string saying why it could not run."""
+    import sys
+
+    if dion_dir not in sys.path:
+        sys.path.insert(0, dion_dir)
+    try:
+        from dion import Muon as DionMuon
+        from dion.cuda_graph import CudaGraphOptimizer
+
+        if gram:
+            import gram_newton_schulz  # noqa: F401  (dion imports it lazily; fail here, clearly)
+        inner = DionMuon(ps, lr=0.02, mu=0.95, nesterov=True, weight_decay=0.0,
+                         use_triton=not gram, use_gram_newton_schulz=gram)
+        opt = CudaGraphOptimizer(inner, warmup_steps=2)
+        # Compile, warm up and capture (dion's first steps take seconds), then replay.
+        return time_events(opt.step, warmup, steps), time_wall(opt.step, 1, steps)
+    except Exception as e:  # noqa: BLE001  (recorded, and the other baselines go on)
+        return f"{type(e).__name__}: {e}"[:300]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--workloads", default="gpt2-small,gpt2-large,pi0,qwen2.5-7b:8")
     ap.add_argument("--json", default="torch_baselines.json")
     ap.add_argument("--muon-steps", type=int, default=3)
     ap.add_argument("--adamw-steps", type=int, default=10)
+    ap.add_argument("--dion", default="", help="a microsoft/dion checkout: time its Muon too")
+    ap.add_argument("--dion-steps", type=int, default=10)
     args = ap.parse_args()
     out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "workloads": []}
+    if args.dion:
+        import subprocess
+
+        stamp = os.path.join(args.dion, "REV")  # the staged package's commit (tests/gpu/stage.sh)
+        rev = (open(stamp).read().strip() if os.path.exists(stamp) else
+               subprocess.run(["git", "-C", args.dion, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip())
+        out["dion"] = rev or "unknown commit"
     for spec in args.workloads.split(","):
         name, _, layers = spec.partition(":")
         layers = int(layers) if layers else 0
@@ -91,6 +129,17 @@ def main():
         print(f"[torch] {res['name']}: AdamW(fused) on the Muon matrices {res['adamw_ms']:.2f} ms",
               flush=True)
         del opt
+        if args.dion:
+            for key, gram in (("dion_ms", False), ("dion_gns_ms", True)):
+                got = time_dion(ps, args.dion, gram, 4, args.dion_steps)
+                if isinstance(got, str):
+                    res[key.replace("_ms", "_error")] = got
+                    print(f"[dion] {res['name']}: {key} not measured: {got}", flush=True)
+                else:
+                    res[key], res[key.replace("_ms", "_wall_ms")] = got
+                    print(f"[dion] {res['name']}: {key} {got[0]:.2f} ms (wall {got[1]:.2f})",
+                          flush=True)
+                torch.cuda.empty_cache()
         ps += make(adamw_shapes, gen)
         opt = torch.optim.AdamW(ps, lr=1e-3, fused=True)
         res["adamw_full_model_ms"] = time_events(opt.step, 3, args.adamw_steps)

@@ -11,6 +11,8 @@
 #   nccl/libnccl.so.2.xz   NCCL >= 2.30 for several ranks per GPU: NCCL_LIB=<a libnccl.so.2> (e.g.
 #                          from tests/gpu/build_nccl.sh), or
 #   nccl-src/              NCCL_SRC=<a copy of NVIDIA/nccl's src, makefiles, Makefile> built there
+#   dion.tar.xz            DION_REPO=<a clone of microsoft/dion>: its optimizer package, the
+#                          yardstick bench/torch_baselines.py --dion times (pure Python + Triton)
 # Usage: tests/gpu/stage.sh        (JOBS=2 by default; the CUDA build takes a while on 2 cores)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -69,5 +71,11 @@ elif [ -n "${NCCL_SRC:-}" ]; then
   echo "[stage] NCCL source $NCCL_SRC"
   rm -rf .gpubin/nccl-src && mkdir -p .gpubin/nccl-src
   cp -r "$NCCL_SRC"/{src,makefiles,Makefile,LICENSE.txt} .gpubin/nccl-src/
+fi
+if [ -n "${DION_REPO:-}" ]; then
+  echo "[stage] dion $(git -C "$DION_REPO" rev-parse --short HEAD) from $DION_REPO"
+  rev=$(mktemp -d) && git -C "$DION_REPO" rev-parse --short HEAD > "$rev/REV"
+  git -C "$DION_REPO" archive --format=tar HEAD dion LICENSE > "$rev/dion.tar"
+  tar rf "$rev/dion.tar" -C "$rev" REV && xz -9 -c "$rev/dion.tar" > .gpubin/dion.tar.xz && rm -rf "$rev"
 fi
 du -sh .gpubin/* | sort -h
