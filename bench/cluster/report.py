@@ -3,6 +3,7 @@ cluster.png, with the simulator's prediction of every measured step.
 
     python3 bench/cluster/report.py --out OUT [--plan build/bin/distmuon-plan] [--costs FILE]
     python3 bench/cluster/report.py --resimulate cluster.json --costs FILE --out DIR
+    python3 bench/cluster/report.py --predict 2,4,8 --from-record cluster.json [--planner milp]
 
 The prediction is `distmuon-plan --simulate` on the emulated machine: the cost table measured on
 the whole GPU (OUT/costs.json or --costs) with each batch's work scaled by how much slower a
@@ -14,7 +15,7 @@ collective (nccl_collective_us; --collective-latency-us where the calibration la
 bench's buckets, and where ranks share a GPU under MPS the share of a rank's compute a transfer
 takes (--comm-compute-share). Nothing is fitted to the steps. --resimulate predicts again the
 steps of an existing cluster.json (its calibration, its recorded predictions beside) into
-DIR/resimulated.{json,md}.
+DIR/resimulated.{json,md}. --predict prints, before a run, what it should measure.
 """
 from __future__ import annotations
 
@@ -152,10 +153,39 @@ def resimulate(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def predict_planned(args: argparse.Namespace) -> None:
+    """Predicts, before a run, the steps run.sh will measure: every workload of --workloads at
+    every D of --predict, from a recorded cluster.json's calibrations (a D it lacks takes the
+    largest recorded D's, its GEMM rate and copy bandwidth per rank scaled by that D over this
+    one; the on-chip NCCL bandwidth kept) and the cost table. Prints a markdown table."""
+    rec = load(args.from_record)
+    cals = {int(k): v for k, v in rec["calibration"].items()}
+    costs = args.costs or os.path.join(os.path.dirname(args.from_record), "sim-calibration", "costs.json")
+    print("| workload | D | gather | sharded | dedicated | adamw | calibration |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for d in (int(x) for x in args.predict.split(",")):
+        if d in cals:
+            cal, how = cals[d], "recorded"
+        else:
+            top = max(k for k in cals if k > 1)
+            cal = dict(cals[top], gemm_tflops_per_rank_min=cals[top]["gemm_tflops_per_rank_min"] * top / d,
+                       copy_gbs_per_rank_min=cals[top]["copy_gbs_per_rank_min"] * top / d)
+            how = f"D = {top}'s scaled"
+        cal = {k: v for k, v in cal.items() if k != "nccl_collective_us"}  # --collective-latency-us
+        for spec in args.workloads.split():
+            name, _, layers = spec.partition(":")
+            r = {"ranks": d, "workload": name, "layers": int(layers or 0), "planner": args.planner,
+                 "calibration": cal, "mechanism": "mps"}
+            p = predict(args.plan, r, {"calibration": cals[1]}, costs, args)
+            if p:
+                print(f"| {name} | {d} | {p['gather']:.1f} | {p['sharded']:.1f} | "
+                      f"{p['dedicated']:.1f} | {p['adamw']:.1f} | {how} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True,
+    ap.add_argument("--out", default="",
                     help="the folder run.sh wrote (with --resimulate: where to write)")
     ap.add_argument("--plan", default="build/bin/distmuon-plan", help="distmuon-plan to simulate with")
     ap.add_argument("--costs", default="",
@@ -171,7 +201,21 @@ def main() -> None:
     ap.add_argument("--comm-compute-share", type=float, default=0.75,
                     help="MPS ranks: share of a rank's compute a transfer takes (0.75: a bf16 "
                          "GEMM beside a 1 GiB NCCL broadcast, H100, two MPS ranks, 2026-12-06)")
+    ap.add_argument("--predict", default="", metavar="D,...",
+                    help="predict the steps of a run at these D before it runs (with --from-record, "
+                         "--workloads; prints a table; --out is not written)")
+    ap.add_argument("--from-record", default="", metavar="CLUSTER_JSON",
+                    help="--predict: the cluster.json whose calibrations to use")
+    ap.add_argument("--workloads", default="gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1",
+                    help="--predict: name:layers, as run.sh's WORKLOADS")
     args = ap.parse_args()
+    if args.predict:
+        if not args.from_record:
+            ap.error("--predict needs --from-record CLUSTER_JSON")
+        predict_planned(args)
+        return
+    if not args.out:
+        ap.error("--out is required")
     if args.resimulate:
         resimulate(args)
         return
