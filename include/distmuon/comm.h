@@ -68,6 +68,9 @@ class CommRequest {
   // returns true; false where the implementation has no stream (host memory), and then the
   // caller must wait().
   virtual bool wait_on_stream() { return false; }
+  // False while the operation is issued but not launched (inside Communicator::grouped()):
+  // waiting on it then is a usage error, not a failed operation.
+  virtual bool launched() const { return true; }
 
  protected:
   // When an operation issued at this object's construction has had timeout_s seconds.

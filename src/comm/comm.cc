@@ -132,6 +132,7 @@ void CommHandle::failed() {
 
 bool CommHandle::test() {
   if (!request_) return true;
+  if (!request_->launched()) request_->test();  // throws the usage error, counted as no failure
   try {
     if (!request_->test()) return false;
   } catch (...) {
@@ -146,6 +147,7 @@ void CommHandle::wait() { wait(timeout_s_); }
 
 void CommHandle::wait(double timeout_s) {
   if (!request_) return;
+  if (!request_->launched()) request_->test();  // throws the usage error, counted as no failure
   try {
     request_->wait(timeout_s);
   } catch (...) {

@@ -121,18 +121,17 @@ class Teardowns {
       ncclCommDestroy(comm);  // local now: the members are done
       return;
     }
+    if (exiting_) return;  // the process is ending: the driver takes it all back
     DM_LOG(kWarn, "nccl: ", name,
            r == ncclInProgress ? " was not let go by every member in time" : " failed to finalize",
            "; aborted instead (its device memory may come back late)");
     ncclCommAbort(comm);
   }
   void drain_at_exit() {
+    if (getpid() != owner_pid_) return;  // a forked child: the threads (and the lock) are the parent's
     std::unique_lock<std::mutex> lock(mu_);
-    if (getpid() != owner_pid_) return;  // a forked child: the threads are the parent's
-    if (!cv_.wait_for(lock, kExitGrace, [&] { return in_flight_ == 0; })) {
-      exiting_ = true;  // abort what is left
-      cv_.wait_for(lock, std::chrono::seconds(2), [&] { return in_flight_ == 0; });
-    }
+    if (!cv_.wait_for(lock, kExitGrace, [&] { return in_flight_ == 0; }))
+      exiting_ = true;  // what is left stops touching NCCL and CUDA; exit goes on
   }
 
   std::mutex mu_;
@@ -153,21 +152,31 @@ struct StreamBinding {
 struct Shared {
   ncclComm_t comm = nullptr;
   bool aborted = false;
+  // While this thread's NCCL group holds operations of the communicator, an abort waits for the
+  // group's end (do_group_end): aborting inside it would free what ncclGroupEnd then launches.
+  bool in_group = false, abort_pending = false;
   std::string name;
   int device = 0;
   double release_timeout_s = 60;  // the owner's timeout when it let go
+  const pid_t pid = getpid();     // a forked child must not tear down its parent's communicator
   // The last holder (the communicator or a request that outlived it) hands the handle over.
   ~Shared() {
-    if (comm && !aborted) Teardowns::instance().start(comm, device, release_timeout_s, name);
+    if (comm && !aborted && getpid() == pid)
+      Teardowns::instance().start(comm, device, release_timeout_s, name);
   }
   void abort() {
     if (aborted || !comm) return;
+    if (in_group) {
+      abort_pending = true;
+      return;
+    }
     aborted = true;
     ncclCommAbort(comm);  // unblocks kernels stuck waiting for peers
   }
   // Throws if NCCL reported an asynchronous error (aborting first).
   void check_async(const std::string& what) {
-    DM_CHECK(!aborted, what, ": the communicator ", name, " was aborted after an earlier error");
+    DM_CHECK(!aborted && !abort_pending, what, ": the communicator ", name,
+             " was aborted after an earlier error");
     ncclResult_t r = ncclSuccess;
     ncclCommGetAsyncError(comm, &r);
     if (r != ncclSuccess && r != ncclInProgress) {
@@ -177,6 +186,7 @@ struct Shared {
   }
   // Waits until a non-blocking call has been accepted (state leaves ncclInProgress).
   void wait_ready(const std::string& what, double timeout_s) {
+    DM_CHECK(!aborted, what, ": the communicator ", name, " was aborted after an earlier error");
     comm_detail::poll_until_done(
         timeout_s, std::chrono::microseconds(50), std::chrono::microseconds(50),
         [&] {
@@ -210,6 +220,7 @@ constexpr double kTimedOutFraction = 0.9;
 struct LaunchEvents {
   cuda::Event start = cuda::make_event(true), done = cuda::make_event(true);
   bool launched = false;  // `done` is recorded
+  std::string failed;     // why the group's launch failed, if it did
 };
 
 class NcclRequest final : public CommRequest {
@@ -273,10 +284,13 @@ class NcclRequest final : public CommRequest {
   int device_;
   std::shared_ptr<StreamBinding> user_;
   // Waiting inside grouped() would wait for what is not launched yet (and a stream wait on an
-  // unrecorded event orders nothing).
+  // unrecorded event orders nothing): a usage error, which CommHandle does not count as a failed
+  // operation (launched()).
   void check_launched() const {
+    DM_CHECK(ev_->failed.empty(), what_, ": its group's launch failed: ", ev_->failed);
     DM_CHECK(ev_->launched, what_, ": waited on inside grouped(), before the group was launched");
   }
+  bool launched() const override { return ev_->launched || !ev_->failed.empty(); }
 
   std::string what_;
   double timeout_s_;
@@ -316,6 +330,11 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   DM_FAIL("nccl: unknown reduction");
 }
 
+// The communicator whose grouped() is open on this thread: NCCL's group is per thread, so an
+// operation of another NCCL communicator issued meanwhile would join it unbeknown to that
+// communicator, which would record its completion before the group launched it.
+thread_local const void* t_open_group = nullptr;
+
 char* at(void* p, int64_t elems, CommType t) {
   return static_cast<char*>(p) + elems * static_cast<int64_t>(comm_type_size(t));
 }
@@ -335,6 +354,7 @@ class NcclComm final : public Communicator {
         ready_(cuda::make_event(false)),
         scratch_(cuda::device_alloc(2 * static_cast<size_t>(size) * sizeof(int64_t))) {}
   ~NcclComm() override {
+    if (getpid() != sh_->pid) return;  // a forked child: the CUDA context is the parent's
     DeviceGuard g(device_);
     cudaStreamSynchronize(stream_.get());
     sh_->device = device_;
@@ -458,6 +478,7 @@ class NcclComm final : public Communicator {
     }
     auto sh = std::make_shared<Shared>();
     sh->comm = sub;
+    sh->device = device_;
     sh->name = name() + "/split(" + std::to_string(color) + ")";
     sh->wait_ready("initialisation of " + sh->name, timeout_s());
     return std::make_unique<NcclComm>(std::move(sh), my_rank, static_cast<int>(members.size()),
@@ -469,6 +490,9 @@ class NcclComm final : public Communicator {
   std::unique_ptr<CommRequest> launch(const char* op, F&& issue) {
     DeviceGuard g(device_);
     const std::string what = describe(op);
+    DM_CHECK(t_open_group == nullptr || t_open_group == this, what,
+             ": issued inside another communicator's grouped(); only that communicator's "
+             "operations may be");
     sh_->check_async(what);
     // Start after everything the caller issued on its stream (the inputs are ready then).
     DM_CHECK_CUDA(cudaEventRecord(ready_.get(), user_->stream), what);
@@ -489,9 +513,14 @@ class NcclComm final : public Communicator {
 
   void do_group_begin() override {
     DeviceGuard g(device_);
-    sh_->check_async(describe("grouped"));
+    const std::string what = describe("grouped");
+    DM_CHECK(t_open_group == nullptr, what,
+             ": another communicator's grouped() is open on this thread");
+    sh_->check_async(what);
     group_ = std::make_shared<LaunchEvents>();
-    DM_CHECK_NCCL(ncclGroupStart(), describe("grouped"));
+    DM_CHECK_NCCL(ncclGroupStart(), what);
+    t_open_group = this;
+    sh_->in_group = true;
   }
   void do_group_end() override {
     DeviceGuard g(device_);
@@ -500,13 +529,26 @@ class NcclComm final : public Communicator {
     group_.reset();
     // The group's kernels go on the stream at ncclGroupEnd, after the waits each operation
     // recorded: the start event goes just before them. The group is ended whatever happens, so
-    // that this thread's NCCL group state is not left open.
+    // that this thread's NCCL group state is not left open; an abort asked for meanwhile runs
+    // after it.
     const cudaError_t recorded = cudaEventRecord(ev->start.get(), stream_.get());
     const ncclResult_t ended = ncclGroupEnd();
-    DM_CHECK_CUDA(recorded, what);
-    DM_CHECK_NCCL(ended, what);
-    sh_->wait_ready(what, timeout_s());
-    DM_CHECK_CUDA(cudaEventRecord(ev->done.get(), stream_.get()), what);
+    t_open_group = nullptr;
+    sh_->in_group = false;
+    try {
+      if (sh_->abort_pending) {
+        sh_->abort_pending = false;
+        sh_->abort();
+        DM_FAIL(what, ": the communicator ", sh_->name, " was aborted after an error in the group");
+      }
+      DM_CHECK_CUDA(recorded, what);
+      DM_CHECK_NCCL(ended, what);
+      sh_->wait_ready(what, timeout_s());
+      DM_CHECK_CUDA(cudaEventRecord(ev->done.get(), stream_.get()), what);
+    } catch (const std::exception& e) {
+      ev->failed = e.what();  // its requests say so instead of "waited on inside grouped()"
+      throw;
+    }
     ev->launched = true;
     DM_LOG(kDebug, what, " issued");
   }
@@ -550,6 +592,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& uid, in
   config.blocking = 0;
   auto sh = std::make_shared<Shared>();
   sh->name = "nccl:world";
+  sh->device = device;
   DM_CHECK_NCCL(ncclCommInitRankConfig(&sh->comm, size, id, rank, &config),
                 "nccl: initialisation of rank ", rank, " of ", size);
   // The first communicator's timeout is the environment's (set_timeout applies afterwards).

@@ -19,17 +19,24 @@ void AdamWState::begin(const StepContext& ctx) {
     }
     stage = backend.alloc(std::max<size_t>(bytes, 1));
   }
-  dist.world->grouped([&] {  // one launch for every parameter's all-reduce
+  for (size_t k = 0; k < record.adam_params.size(); ++k) {
+    const int i = record.adam_params[k];
+    if (!ctx.active[i]) continue;
+    const Param& p = registry.params[i];
+    void* dst = stage.as<char>() + offset[k];
+    if (ctx.has_local[i])
+      copy_block(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, 1, p.numel);
+    else
+      backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
+  }
+  // One launch for every parameter's all-reduce; only collectives inside the group (a rank failing
+  // inside it would launch part of the group and leave the others waiting until the timeout).
+  dist.world->grouped([&] {
     for (size_t k = 0; k < record.adam_params.size(); ++k) {
       const int i = record.adam_params[k];
       if (!ctx.active[i]) continue;
       const Param& p = registry.params[i];
       void* dst = stage.as<char>() + offset[k];
-      if (ctx.has_local[i])
-        copy_block(backend, ctx.data[i].grad, ctx.data[i].grad_dtype, dst, p.spec.dtype, 1,
-                   p.numel);
-      else
-        backend.fill_zero(dst, static_cast<size_t>(p.numel) * dtype_size(p.spec.dtype));
       handles.push_back(
           dist.world->all_reduce(dst, dst, p.numel, comm_type(p.spec.dtype), ReduceOp::kSum));
     }

@@ -3,6 +3,7 @@
 // of them and nobody is left waiting in a collective), then owners are planned, rows of shards
 // located, buckets formed and state allocated.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <numeric>
 #include <sstream>
@@ -49,12 +50,17 @@ std::string error_text(const Error& e) {
 }
 
 // Whether rank 0 times the shape classes its store lacks before planning (DISTMUON_PLAN_MEASURE):
-// by default on CUDA, where a class takes milliseconds; on CPUs a large class takes seconds.
+// by default on CUDA, where a class takes milliseconds (on CPUs a large class takes seconds), and
+// not where ranks share the GPU (CUDA MPS, or NCCL's several ranks per GPU): rank 0 would time
+// its share, or time-sliced with the others, and keep that as the device's cost.
 bool measure_at_start(const Backend& be) {
   const std::string v = env::get("DISTMUON_PLAN_MEASURE");
   DM_CHECK(v == "auto" || v == "on" || v == "off", "DISTMUON_PLAN_MEASURE is '", v,
            "': use auto, on or off");
-  return v == "on" || (v == "auto" && be.device().kind == DeviceKind::kCUDA);
+  if (v != "auto") return v == "on";
+  const bool shared = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") != nullptr ||
+                      std::getenv("NCCL_MULTI_RANK_GPU_ENABLE") != nullptr;
+  return be.device().kind == DeviceKind::kCUDA && !shared;
 }
 
 // Times the classes of `shapes` the store lacks and adds them to it, so that the plan below
@@ -88,6 +94,11 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
                                    std::string& local_error) {
   MeasuredCosts out;
   std::string text;
+  try {  // a bad setting is an error on every rank, not only where it would be used
+    (void)measure_at_start(be);
+  } catch (const Error& e) {
+    if (local_error.empty()) local_error = error_text(e);
+  }
   if (world.rank() == 0 && !shapes.empty() && local_error.empty()) {
     try {
       const PlanCostSource source = plan_cost_source(setting);

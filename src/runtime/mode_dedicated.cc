@@ -65,16 +65,23 @@ class DedicatedRunner final : public ModeRunner {
     switch (stage) {
       // Each stage's collectives (one per matrix, to or from its owner) launch as one group:
       // one host launch per bucket and stage instead of one per matrix.
-      case 0:
+      case 0: {
+        // The contributions (conversions, allocations) before the group: a rank failing inside
+        // it would launch part of the group and leave the others waiting until the timeout.
+        std::vector<const void*> src;
+        for (int j : bk.act) src.push_back(source(b, j, ctx));
         dist_.shard->grouped([&] {
-          for (int j : bk.act) {
+          for (size_t k = 0; k < bk.act.size(); ++k) {
+            const int j = bk.act[k];
             const DistMatrix& m = dist_.mats[j];
             void* recv = m.owner_s == dist_.my_s ? gstage(j) : nullptr;
-            s.reduce_in_shard.push_back(dist_.shard->reduce(
-                source(b, j, ctx), recv, m.numel(), comm_type(m.wire), ReduceOp::kSum, m.owner_s));
+            s.reduce_in_shard.push_back(dist_.shard->reduce(src[k], recv, m.numel(),
+                                                            comm_type(m.wire), ReduceOp::kSum,
+                                                            m.owner_s));
           }
         });
         break;
+      }
       case 1:
         dist_.wait_on_stream(s.reduce_in_shard);
         if (!dist_.replica) break;

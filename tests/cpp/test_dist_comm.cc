@@ -162,6 +162,24 @@ TEST(MpiComm, WaitingInsideAGroupIsRefused) {
   }
   h.wait();  // an explicit wait still waits, and the group was launched
   EXPECT_EQ(x.get()[0], c.size());
+  // NCCL's group is the thread's: another communicator's operation inside would join it unseen.
+  std::unique_ptr<Communicator> other = test::make_world();
+  auto y = b.of<int64_t>({1});
+  CommHandle g;
+  try {
+    c.grouped([&] {
+      g = c.all_reduce(x.data(), x.data(), 1, CommType::kI64, ReduceOp::kSum);
+      (void)other->all_reduce(y.data(), y.data(), 1, CommType::kI64, ReduceOp::kSum);
+    });
+    ADD_FAILURE() << "another communicator's operation was issued inside grouped()";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("another communicator's grouped()"), std::string::npos)
+        << e.what();
+  }
+  g.wait();  // what the group issued before the error was launched
+  EXPECT_EQ(x.get()[0], c.size() * c.size());
+  other->barrier().wait();  // both go on
+  c.barrier().wait();
 }
 
 TEST(MpiComm, AllGatherVWithUnevenAndEmptyCounts) {
