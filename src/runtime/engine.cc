@@ -58,6 +58,10 @@ Engine::Impl::~Impl() {
     if (pipeline.publish_pending) finish_publish();
   } catch (...) {
   }
+  // So must the collectives a step that raised left unchecked: they may write into the runner's
+  // staging buffers, which `pipeline` (declared after `dist`) releases first. Each handle waits
+  // (or, after a failure on its communicator, is abandoned) as it goes.
+  dist.unchecked.clear();
 }
 
 Engine::Engine(Backend& backend, EngineOptions options)
