@@ -75,9 +75,9 @@ class DedicatedTransfers {
   // outlive this object, as must `memory`. `stream` orders the split's collectives, as every
   // stage's: a world communicator that follows a stream is bound to it first (it may still be
   // bound to the stream of an earlier user, since gone).
-  DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout,
-                     HsdpWorld world, Communicator* world_comm, Communicator* control,
-                     DedicatedMemory& memory, void* stream);
+  DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout, HsdpWorld world,
+                     Communicator* world_comm, Communicator* control, DedicatedMemory& memory,
+                     void* stream);
   // Waits for the collectives still in flight, ordered on the stream of the last stage: that
   // stream (or the world's rebinding to another) must outlive this object.
   ~DedicatedTransfers();

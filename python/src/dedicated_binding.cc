@@ -95,7 +95,8 @@ void bind_dedicated(nb::module_& m) {
       .def_ro("member", &HsdpWorld::member)
       .def_prop_ro("shard", &HsdpWorld::shard)
       .def(
-          "coords", [](const HsdpWorld& w, int q) { return std::pair(w.replica_of(q), w.position_of(q)); },
+          "coords",
+          [](const HsdpWorld& w, int q) { return std::pair(w.replica_of(q), w.position_of(q)); },
           nb::arg("member"), "(replica, shard position) of a member.")
       .def("at", &HsdpWorld::at, nb::arg("replica"), nb::arg("position"),
            "The member at (replica, shard position).")
@@ -149,8 +150,7 @@ void bind_dedicated(nb::module_& m) {
             new (self) PyTransfers{PyMemory(std::move(memory)), nullptr};
             try {
               self->transfers = std::make_unique<DedicatedTransfers>(
-                  dedicated_matrices(names, numels, dtypes, owners), layout,
-                  hsdp,
+                  dedicated_matrices(names, numels, dtypes, owners), layout, hsdp,
                   world ? world->comm.get() : nullptr, control ? control->comm.get() : nullptr,
                   self->memory, stream_of(stream));
             } catch (...) {
@@ -162,9 +162,9 @@ void bind_dedicated(nb::module_& m) {
           nb::arg("owners"), nb::arg("hsdp"), nb::arg("world").none(), nb::arg("control").none(),
           nb::arg("memory"), nb::arg("stream"), nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(),
           "`hsdp`: the dedicated world (HsdpWorld); `world`: its communicator (None for one "
-          "member; split here in HSDP); `control`: a host communicator over it for the vote; `memory`: lends the "
-          "buffers (bucket, release_bucket, grads, drop_grad, has_grad); `stream`: orders the "
-          "split's collectives.")
+          "member; split here in HSDP); `control`: a host communicator over it for the vote; "
+          "`memory`: lends the buffers (bucket, release_bucket, grads, drop_grad, has_grad); "
+          "`stream`: orders the split's collectives.")
       .def("begin_forward", [](PyTransfers& t) { t.transfers->begin_forward(); })
       .def(
           "issue",

@@ -16,8 +16,7 @@ std::string dedicated_unit(const std::string& param_name) {
 }
 
 DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
-                                 const std::vector<std::string>& modules,
-                                 const HsdpWorld& world) {
+                                 const std::vector<std::string>& modules, const HsdpWorld& world) {
   world.check("dedicated layout");
   std::map<std::string, size_t> forward_position;
   for (size_t k = 0; k < modules.size(); ++k) forward_position.emplace(modules[k], k);

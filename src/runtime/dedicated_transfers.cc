@@ -202,8 +202,7 @@ void DedicatedTransfers::publish(void* stream) {
     const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
     if (world_.position_of(bucket.owner) != world_.my_position()) continue;
     DedicatedMemory::Region buf = memory_.bucket(static_cast<int>(b));
-    publication_[b] = {groups_.replica()->broadcast(buf.data, bucket.numel,
-                                                    comm_type(bucket.dtype),
+    publication_[b] = {groups_.replica()->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
                                                     world_.replica_of(bucket.owner)),
                        std::move(buf.keep)};
   }
