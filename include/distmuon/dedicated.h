@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "distmuon/hsdp.h"
 #include "distmuon/types.h"
 
 namespace distmuon {
@@ -21,15 +22,7 @@ struct DedicatedMatrix {
   std::string name;  // parameter name (the model's named_parameters())
   int64_t numel = 0;
   DType dtype = DType::kF32;
-  int owner = 0;  // member of the dedicated world that owns it
-};
-
-// The dedicated world: size = replicate x shard members; member r * shard + s is at replica r,
-// shard position s (the engine's HSDP order).
-struct DedicatedWorld {
-  int size = 1;
-  int replicate = 1;
-  int member = 0;  // this rank's
+  int owner = 0;  // member of the dedicated world (an HsdpWorld) that owns it
 };
 
 struct DedicatedLayout {
@@ -61,6 +54,6 @@ struct DedicatedLayout {
 // replicate x shard.
 DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
                                  const std::vector<std::string>& modules,
-                                 const DedicatedWorld& world);
+                                 const HsdpWorld& world);
 
 }  // namespace distmuon

@@ -33,6 +33,7 @@
 
 #include "distmuon/comm.h"
 #include "distmuon/dedicated.h"
+#include "distmuon/hsdp.h"
 
 namespace distmuon {
 
@@ -66,16 +67,17 @@ class DedicatedMemory {
 
 class DedicatedTransfers {
  public:
-  // `world`: a communicator over the dedicated world in member order (nullptr for one member);
-  // with replicate > 1 it is split here into the shard and replica communicators (collective).
-  // `control`: a host-memory communicator of its own over the same members for the vote and the
-  // forward's check (nullptr for one member): they run while the world's reductions may be
-  // pending, so not the world communicator itself. Both must outlive this object, as must `memory`. `stream` orders the split's
-  // collectives, as every stage's: a world communicator that follows a stream is bound to it
-  // first (it may still be bound to the stream of an earlier user, since gone).
-  DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout,
-                     DedicatedWorld world, Communicator* world_comm, Communicator* control,
-                     DedicatedMemory& memory, void* stream);
+  // `world_comm`: a communicator over the dedicated world in member order (nullptr for one
+  // member); with replicate > 1 it is split here into the shard and replica groups (HsdpComms:
+  // the engine's split, collective). `control`: a host-memory communicator of its own over the
+  // same members for the vote and the forward's check (nullptr for one member): they run while
+  // the world's reductions may be pending, so not the world communicator itself. Both must
+  // outlive this object, as must `memory`. `stream` orders the split's collectives, as every
+  // stage's: a world communicator that follows a stream is bound to it first (it may still be
+  // bound to the stream of an earlier user, since gone).
+  DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout, HsdpWorld world,
+                     Communicator* world_comm, Communicator* control, DedicatedMemory& memory,
+                     void* stream);
   // Waits for the collectives still in flight, ordered on the stream of the last stage: that
   // stream (or the world's rebinding to another) must outlive this object.
   ~DedicatedTransfers();
@@ -153,8 +155,6 @@ class DedicatedTransfers {
   void bind(void* stream);
   bool follows_stream() const;
   Role role(int j) const;
-  int shard_position(int member) const { return member % shard_size_; }
-  int replica_of(int member) const { return member / shard_size_; }
   Role role_of_bucket(int b) const { return role(layout_.buckets[b].matrices.front()); }
   bool done(InFlight& f);  // complete, or ordered on a stream (test() may finish it)
   // Completes `f` for work issued afterwards on the bound stream (host communicators: waits).
@@ -173,12 +173,10 @@ class DedicatedTransfers {
 
   std::vector<DedicatedMatrix> matrices_;
   DedicatedLayout layout_;
-  DedicatedWorld world_;
-  int shard_size_ = 1;
+  HsdpWorld world_;
   Communicator* world_comm_ = nullptr;
   Communicator* control_ = nullptr;
-  Communicator* shard_ = nullptr;  // the world itself when flat
-  std::unique_ptr<Communicator> shard_owned_, replica_;
+  HsdpComms groups_;  // the shard group (the world itself when flat) and the replica group
   DedicatedMemory& memory_;
   // Collectives nothing waits for any more (ordered on a stream, or a sender's), kept until
   // they complete for their memory and deadline; those of the last step are host-waited at the

@@ -2,6 +2,7 @@
 // memory stays the front's (a Python object lends bucket buffers and gradients as DLPack
 // capsules; the transfers hold them while a collective uses them).
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -13,6 +14,8 @@
 #include "comm_binding.h"
 #include "distmuon/dedicated.h"
 #include "distmuon/dedicated_transfers.h"
+#include "distmuon/error.h"
+#include "distmuon/hsdp.h"
 #include "dlpack.h"
 
 namespace distmuon::py {
@@ -72,6 +75,35 @@ void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
 }  // namespace
 
 void bind_dedicated(nb::module_& m) {
+  nb::class_<HsdpWorld>(m, "HsdpWorld",
+                        "The HSDP world (distmuon/hsdp.h): size = replicate x shard members, "
+                        "member r * shard + s at replica r, shard position s.")
+      .def(
+          "__init__",
+          [](HsdpWorld* self, int size, int replicate, int member) {
+            const HsdpWorld w{size, replicate, member};
+            try {
+              w.check("HsdpWorld");
+            } catch (const Error& e) {
+              value_error(e.what());
+            }
+            new (self) HsdpWorld(w);
+          },
+          nb::arg("size"), nb::arg("replicate"), nb::arg("member"))
+      .def_ro("size", &HsdpWorld::size)
+      .def_ro("replicate", &HsdpWorld::replicate)
+      .def_ro("member", &HsdpWorld::member)
+      .def_prop_ro("shard", &HsdpWorld::shard)
+      .def(
+          "coords",
+          [](const HsdpWorld& w, int q) { return std::pair(w.replica_of(q), w.position_of(q)); },
+          nb::arg("member"), "(replica, shard position) of a member.")
+      .def("at", &HsdpWorld::at, nb::arg("replica"), nb::arg("position"),
+           "The member at (replica, shard position).")
+      .def("shard_group", &HsdpWorld::shard_group, nb::arg("replica"),
+           "The members of a replica's shard group, in group order.")
+      .def("replica_group", &HsdpWorld::replica_group, nb::arg("position"),
+           "The members of a shard position's replica group, in group order.");
   m.def("dedicated_unit", &dedicated_unit, nb::arg("name"),
         "The unit (layer module) of a dedicated parameter: the planner's layer rule on its module "
         "path ('transformer.h.3.mlp.c_fc.weight' -> 'transformer.h.3'), else its module.");
@@ -96,12 +128,11 @@ void bind_dedicated(nb::module_& m) {
       "dedicated_layout",
       [](const std::vector<std::string>& names, const std::vector<int64_t>& numels,
          const std::vector<DType>& dtypes, const std::vector<int>& owners,
-         const std::vector<std::string>& modules, int world_size, int replicate, int member) {
-        return dedicated_layout(dedicated_matrices(names, numels, dtypes, owners), modules,
-                                DedicatedWorld{world_size, replicate, member});
+         const std::vector<std::string>& modules, const HsdpWorld& world) {
+        return dedicated_layout(dedicated_matrices(names, numels, dtypes, owners), modules, world);
       },
       nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"), nb::arg("owners"), nb::arg("modules"),
-      nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),
+      nb::arg("world"),
       "The dedicated runtime's units (layers, in the forward order of `modules`) and buckets "
       "(per unit, owner and dtype: one flat buffer, one broadcast) of these matrices, owners "
       "given as members of a world of replicate x shard.");
@@ -113,14 +144,13 @@ void bind_dedicated(nb::module_& m) {
           "__init__",
           [](PyTransfers* self, const DedicatedLayout& layout,
              const std::vector<std::string>& names, const std::vector<int64_t>& numels,
-             const std::vector<DType>& dtypes, const std::vector<int>& owners, int world_size,
-             int replicate, int member, PyComm* world, PyComm* control, nb::object memory,
+             const std::vector<DType>& dtypes, const std::vector<int>& owners,
+             const HsdpWorld& hsdp, PyComm* world, PyComm* control, nb::object memory,
              uintptr_t stream) {
             new (self) PyTransfers{PyMemory(std::move(memory)), nullptr};
             try {
               self->transfers = std::make_unique<DedicatedTransfers>(
-                  dedicated_matrices(names, numels, dtypes, owners), layout,
-                  DedicatedWorld{world_size, replicate, member},
+                  dedicated_matrices(names, numels, dtypes, owners), layout, hsdp,
                   world ? world->comm.get() : nullptr, control ? control->comm.get() : nullptr,
                   self->memory, stream_of(stream));
             } catch (...) {
@@ -129,14 +159,12 @@ void bind_dedicated(nb::module_& m) {
             }
           },
           nb::arg("layout"), nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"),
-          nb::arg("owners"), nb::arg("world_size"), nb::arg("replicate"), nb::arg("member"),
-          nb::arg("world").none(), nb::arg("control").none(), nb::arg("memory"),
-          nb::arg("stream"),
-          nb::keep_alive<1, 10>(), nb::keep_alive<1, 11>(),
-          "`world`: the communicator of the dedicated world (None for one member; split here "
-          "in HSDP); `control`: a host communicator over it for the vote; `memory`: lends the "
-          "buffers (bucket, release_bucket, grads, drop_grad, has_grad); `stream`: orders the "
-          "split's collectives.")
+          nb::arg("owners"), nb::arg("hsdp"), nb::arg("world").none(), nb::arg("control").none(),
+          nb::arg("memory"), nb::arg("stream"), nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(),
+          "`hsdp`: the dedicated world (HsdpWorld); `world`: its communicator (None for one "
+          "member; split here in HSDP); `control`: a host communicator over it for the vote; "
+          "`memory`: lends the buffers (bucket, release_bucket, grads, drop_grad, has_grad); "
+          "`stream`: orders the split's collectives.")
       .def("begin_forward", [](PyTransfers& t) { t.transfers->begin_forward(); })
       .def(
           "issue",

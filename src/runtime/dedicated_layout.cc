@@ -16,14 +16,8 @@ std::string dedicated_unit(const std::string& param_name) {
 }
 
 DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
-                                 const std::vector<std::string>& modules,
-                                 const DedicatedWorld& world) {
-  DM_CHECK(world.size >= 1 && world.replicate >= 1 && world.size % world.replicate == 0,
-           "dedicated layout: a world of ", world.size, " members is not ", world.replicate,
-           " replicas of equal shard groups");
-  DM_CHECK(world.member >= 0 && world.member < world.size, "dedicated layout: member ",
-           world.member, " is outside the world of ", world.size);
-  const int shard = world.size / world.replicate;
+                                 const std::vector<std::string>& modules, const HsdpWorld& world) {
+  world.check("dedicated layout");
   std::map<std::string, size_t> forward_position;
   for (size_t k = 0; k < modules.size(); ++k) forward_position.emplace(modules[k], k);
 
@@ -52,7 +46,6 @@ DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
   }
 
   // Buckets: per unit, one per (owner, dtype), ordered by owner then dtype name.
-  const int my_s = world.member % shard;
   for (size_t u = 0; u < out.units.size(); ++u) {
     DedicatedLayout::Unit& unit = out.units[u];
     std::map<std::tuple<int, std::string>, std::vector<int>> keys;
@@ -64,7 +57,8 @@ DedicatedLayout dedicated_layout(const std::vector<DedicatedMatrix>& matrices,
       b.owner = std::get<0>(key);
       b.dtype = matrices[js[0]].dtype;
       b.matrices = js;
-      b.kept = b.owner % shard == my_s;  // flat (shard == size): the owner alone
+      // flat (shard == size): the owner alone
+      b.kept = world.position_of(b.owner) == world.my_position();
       const int index = static_cast<int>(out.buckets.size());
       for (int j : js) {
         out.bucket_of[j] = index;

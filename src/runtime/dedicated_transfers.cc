@@ -9,16 +9,16 @@
 namespace distmuon {
 
 DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
-                                       DedicatedLayout layout, DedicatedWorld world,
+                                       DedicatedLayout layout, HsdpWorld world,
                                        Communicator* world_comm, Communicator* control,
                                        DedicatedMemory& memory, void* stream)
     : matrices_(std::move(matrices)),
       layout_(std::move(layout)),
       world_(world),
-      shard_size_(world.size / world.replicate),
       world_comm_(world_comm),
       control_(control),
       memory_(memory) {
+  world_.check("dedicated transfers");
   DM_CHECK(layout_.unit_of.size() == matrices_.size(), "dedicated transfers: a layout of ",
            layout_.unit_of.size(), " matrices for ", matrices_.size());
   if (world_.size > 1) {
@@ -35,15 +35,8 @@ DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
     DM_CHECK(control_ != world_comm_, "dedicated transfers: the control communicator must be one ",
              "of its own (its vote runs while the world's reductions may be pending)");
   }
-  const int my_r = replica_of(world_.member), my_s = shard_position(world_.member);
-  if (world_.replicate > 1) {  // the engine's HSDP split (dist_setup.cc)
-    bind(stream);
-    shard_owned_ = world_comm_->split(my_r, my_s);
-    replica_ = world_comm_->split(my_s, my_r);
-    shard_ = shard_owned_.get();
-  } else {
-    shard_ = world_comm_;
-  }
+  bind(stream);
+  groups_ = HsdpComms(world_comm_, world_);  // the engine's split (dist_setup.cc)
   const size_t buckets = layout_.buckets.size();
   broadcast_.resize(buckets);
   publication_.resize(buckets);
@@ -88,7 +81,7 @@ bool DedicatedTransfers::follows_stream() const {
 DedicatedTransfers::Role DedicatedTransfers::role(int j) const {
   const int owner = matrices_[j].owner;
   if (owner == world_.member) return Role::kOwner;
-  if (world_.replicate > 1 && shard_position(owner) == shard_position(world_.member))
+  if (world_.replicate > 1 && world_.position_of(owner) == world_.my_position())
     return Role::kRelay;
   return Role::kSender;
 }
@@ -169,9 +162,9 @@ void DedicatedTransfers::issue(int unit, void* stream) {
     pending_grads_[b] = static_cast<int>(bucket.matrices.size());
     wait_replica(b);
     DedicatedMemory::Region buf = memory_.bucket(b);
-    if (shard_size_ > 1) {
-      broadcast_[b] = {shard_->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
-                                         shard_position(bucket.owner)),
+    if (world_.shard() > 1) {
+      broadcast_[b] = {groups_.shard()->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
+                                                  world_.position_of(bucket.owner)),
                        std::move(buf.keep)};
     }
   }
@@ -205,13 +198,12 @@ void DedicatedTransfers::release_all(void* stream) {
 void DedicatedTransfers::publish(void* stream) {
   if (world_.replicate == 1) return;
   bind(stream);
-  const int my_s = shard_position(world_.member);
   for (size_t b = 0; b < layout_.buckets.size(); ++b) {
     const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
-    if (shard_position(bucket.owner) != my_s) continue;
+    if (world_.position_of(bucket.owner) != world_.my_position()) continue;
     DedicatedMemory::Region buf = memory_.bucket(static_cast<int>(b));
-    publication_[b] = {replica_->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
-                                           replica_of(bucket.owner)),
+    publication_[b] = {groups_.replica()->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
+                                                    world_.replica_of(bucket.owner)),
                        std::move(buf.keep)};
   }
 }
@@ -226,12 +218,12 @@ void DedicatedTransfers::wait_published(void* stream) {
 void DedicatedTransfers::broadcast_bucket(int b, void* buf, void* stream) {
   DM_CHECK(b >= 0 && b < static_cast<int>(layout_.buckets.size()),
            "dedicated transfers: no bucket ", b);
-  if (shard_size_ == 1) return;
+  if (world_.shard() == 1) return;
   bind(stream);
   const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
-  InFlight f{
-      shard_->broadcast(buf, bucket.numel, comm_type(bucket.dtype), shard_position(bucket.owner)),
-      nullptr};
+  InFlight f{groups_.shard()->broadcast(buf, bucket.numel, comm_type(bucket.dtype),
+                                        world_.position_of(bucket.owner)),
+             nullptr};
   order(f);
 }
 
@@ -268,11 +260,11 @@ void DedicatedTransfers::send(int b, const std::vector<int>& present) {
   for (int j : bucket.matrices) state_[j] = State::kSkipped;
   for (int j : present) state_[j] = State::kSent;
   sent_[b] = true;
-  if (shard_size_ > 1) {
-    const int root = shard_position(bucket.owner);
-    void* recv = root == shard_position(world_.member) ? grad_[b].data : nullptr;
-    reduction_[b] = {shard_->reduce(grad_[b].data, recv, bucket.numel, comm_type(bucket.dtype),
-                                    ReduceOp::kSum, root),
+  if (world_.shard() > 1) {
+    const int root = world_.position_of(bucket.owner);
+    void* recv = root == world_.my_position() ? grad_[b].data : nullptr;
+    reduction_[b] = {groups_.shard()->reduce(grad_[b].data, recv, bucket.numel,
+                                             comm_type(bucket.dtype), ReduceOp::kSum, root),
                      grad_[b].keep};
   }
   if (role_of_bucket(b) != Role::kOwner)  // only the collective still needs them
@@ -290,9 +282,9 @@ void DedicatedTransfers::advance(bool blocking, std::vector<std::vector<int>>* l
     const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
     if (world_.replicate > 1 && r != Role::kSender) {
       order(reduction_[b]);  // stage 0 complete (on a stream: for the bound stream)
-      reduction_[b] = {replica_->reduce(grad_[b].data, grad_[b].data, bucket.numel,
-                                        comm_type(bucket.dtype), ReduceOp::kSum,
-                                        replica_of(bucket.owner)),
+      reduction_[b] = {groups_.replica()->reduce(grad_[b].data, grad_[b].data, bucket.numel,
+                                                 comm_type(bucket.dtype), ReduceOp::kSum,
+                                                 world_.replica_of(bucket.owner)),
                        grad_[b].keep};
     } else if (r == Role::kSender) {
       // Nothing here reads the result: only the memory and the deadline are left to check.
@@ -446,10 +438,8 @@ void DedicatedTransfers::second_pass(const std::vector<int>& redo,
 }
 
 CommStats DedicatedTransfers::traffic() const {
-  CommStats s;
-  if (shard_ != nullptr) s += shard_->stats();
-  if (replica_) s += replica_->stats();
-  return s;
+  if (world_.replicate > 1) return groups_.split_stats();
+  return world_comm_ != nullptr ? world_comm_->stats() : CommStats{};
 }
 
 }  // namespace distmuon

@@ -30,8 +30,8 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
       m.owner = dist.plan.owner.at(j);
       DM_CHECK(m.owner >= 0 && m.owner < dist.world_size, "the plan gives matrix '", p.spec.name,
                "' to rank ", m.owner, " of a world of ", dist.world_size);
-      m.owner_r = m.owner / dist.shard_size;
-      m.owner_s = m.owner % dist.shard_size;
+      m.owner_r = dist.hsdp.replica_of(m.owner);
+      m.owner_s = dist.hsdp.position_of(m.owner);
       // A dim-0 shard is a contiguous range of the flattened parameter whose ends fall on row
       // boundaries of every matrix (dim-0 rows hold whole matrix rows: 2D and conv kernels, or
       // whole matrices: 3D), so its intersection with a matrix is a range of rows.
@@ -138,8 +138,7 @@ void Engine::Impl::allocate_state() {
 CommStats DistState::comm_stats() const {
   CommStats s;
   if (world) s += world->stats();
-  if (shard && shard != world) s += shard->stats();
-  if (replica) s += replica->stats();
+  s += groups.split_stats();
   return s;
 }
 

@@ -156,9 +156,11 @@ void Engine::Impl::dist_setup() {
     if (err.tellp() == 0) err << error_text(e);
   }
   std::string local_error = err.str();
-  dist.shard_size = local_error.empty() ? dist.world_size / R : dist.world_size;
-  dist.my_r = dist.rank / dist.shard_size;
-  dist.my_s = dist.rank % dist.shard_size;
+  // Flat while the set-up fails (R may not divide the world): the exchange below still runs.
+  dist.hsdp = {dist.world_size, local_error.empty() ? R : 1, dist.rank};
+  dist.shard_size = dist.hsdp.shard();
+  dist.my_r = dist.hsdp.my_replica();
+  dist.my_s = dist.hsdp.my_position();
 
   // 2. What must be identical on every rank.
   std::ostringstream common;
@@ -294,7 +296,7 @@ void Engine::Impl::dist_setup() {
       for (int r = 0; r < R; ++r) {
         std::vector<std::pair<int64_t, int>> parts;  // (begin, world rank) of non-empty shards
         for (int q = 0; q < dist.shard_size; ++q) {
-          const int wr = r * dist.shard_size + q;
+          const int wr = dist.hsdp.at(r, q);
           DM_CHECK(begin(wr, i) == begin(q, i) && count(wr, i) == count(q, i), "parameter '",
                    p.spec.name, "': rank ", wr, " holds rows [", begin(wr, i), ", ",
                    begin(wr, i) + count(wr, i), ") but rank ", q,
@@ -327,13 +329,12 @@ void Engine::Impl::dist_setup() {
              static_cast<uint64_t>(field(q, 2)), " on rank ", q,
              "; the planner must be a deterministic function of its inputs");
 
-  // 7. Sub-communicators for HSDP (collective over the world, same order everywhere).
-  if (R > 1) {
-    dist.shard_owned = dist.world->split(dist.my_r, dist.my_s);
-    dist.replica_owned = dist.world->split(dist.my_s, dist.my_r);
-  }
-  dist.shard = R > 1 ? dist.shard_owned.get() : dist.world;
-  dist.replica = R > 1 ? dist.replica_owned.get() : nullptr;
+  // 7. The HSDP groups (collective over the world, same order everywhere). None with
+  // caller_transfers: the caller moves the dedicated traffic over its own groups of the same
+  // split (DedicatedTransfers); the step then only votes on the world.
+  if (!caller_transfers()) dist.groups = HsdpComms(dist.world, dist.hsdp);
+  dist.shard = dist.groups.shard();
+  dist.replica = dist.groups.replica();
 
   tune_dist_shapes();
   allocate_state();

@@ -9,6 +9,7 @@
 
 #include "distmuon/comm.h"
 #include "distmuon/engine_types.h"
+#include "distmuon/hsdp.h"
 #include "distmuon/plan.h"
 
 namespace distmuon {
@@ -60,9 +61,13 @@ inline bool is_sharded_mode(DistMode m) {
 struct DistState {
   Communicator* world = nullptr;  // nullptr in a single process
   DistOptions options;
-  std::unique_ptr<Communicator> shard_owned, replica_owned;
+  // The world as replicate x shard (flat in replicated mode), and its groups (HsdpComms, split
+  // at set-up; none with caller_transfers, where the caller moves the dedicated traffic).
+  HsdpWorld hsdp;
+  HsdpComms groups;
   Communicator* shard = nullptr;    // my shard group (the world when replicate == 1)
   Communicator* replica = nullptr;  // my replicate group (nullptr when replicate == 1)
+  // hsdp's, for the runners: member, size, shard, my replica and shard position.
   int rank = 0, world_size = 1, shard_size = 1, my_r = 0, my_s = 0;
   Plan plan;
   std::vector<DistMatrix> mats;

@@ -88,5 +88,21 @@ TEST(DedicatedLayout, RejectsOwnersOutsideTheWorldAndUnitsThatAreNoModule) {
                Error);  // this member is not in the world
 }
 
+TEST(HsdpWorld, PlacesMemberRTimesShardPlusSAtReplicaRPositionS) {
+  const HsdpWorld w{6, 2, 4};  // 2 replicas x 3 positions
+  EXPECT_EQ(w.shard(), 3);
+  EXPECT_EQ(w.my_replica(), 1);
+  EXPECT_EQ(w.my_position(), 1);
+  EXPECT_EQ(w.at(1, 2), 5);
+  EXPECT_EQ(w.shard_group(1), (std::vector<int>{3, 4, 5}));
+  EXPECT_EQ(w.replica_group(2), (std::vector<int>{2, 5}));
+  const HsdpWorld flat{3, 1, 2};
+  EXPECT_EQ(flat.shard_group(0), (std::vector<int>{0, 1, 2}));
+  EXPECT_EQ(flat.my_position(), 2);
+  EXPECT_NO_THROW(w.check("test"));
+  EXPECT_THROW((HsdpWorld{3, 2, 0}.check("test")), Error);
+  EXPECT_THROW((HsdpWorld{2, 1, 2}.check("test")), Error);
+}
+
 }  // namespace
 }  // namespace distmuon

@@ -190,7 +190,7 @@ struct Rig {
   void* stream() const { return be->native_stream(); }
 
   std::unique_ptr<Backend> be = test::make_backend();
-  DedicatedWorld world;
+  HsdpWorld world;
   std::vector<DedicatedMatrix> mats;
   DedicatedLayout layout;
   std::optional<Memory> memory;

@@ -26,27 +26,35 @@ from distmuon.torch._options import engine_dtype
 
 @dataclass(frozen=True)
 class Grid:
-    """The dedicated world: ``size = replicate x shard`` members; member ``r * shard + s`` is at
-    replica r, shard position s (the engine's HSDP order)."""
+    """The dedicated world: the engine's description of it (``_C.HsdpWorld``, distmuon/hsdp.h:
+    replicate x shard members, each member's replica and shard position), and the global rank
+    of each member."""
 
     ranks: tuple[int, ...]  # global rank of each member
-    replicate: int
-    member: int
+    world: Any  # _C.HsdpWorld
+
+    @staticmethod
+    def of(table: list[list[int]]) -> Grid:
+        """The grid of a replicate x shard table of global ranks (``table[r][s]``), this rank in it."""
+        world = _C.HsdpWorld(len(table) * len(table[0]), len(table), 0)
+        ranks = [-1] * world.size
+        for r, row in enumerate(table):
+            for s, rank in enumerate(row):
+                ranks[world.at(r, s)] = int(rank)
+        member = ranks.index(dist.get_rank())
+        return Grid(tuple(ranks), _C.HsdpWorld(world.size, world.replicate, member))
 
     @property
     def size(self) -> int:
-        return len(self.ranks)
+        return self.world.size
 
     @property
-    def shard(self) -> int:
-        return self.size // self.replicate
+    def replicate(self) -> int:
+        return self.world.replicate
 
-    def coords(self, member: int) -> tuple[int, int]:
-        return divmod(member, self.shard)
-
-    def at(self, r: int, s: int) -> int:
-        """Global rank of the member at replica r, shard position s."""
-        return self.ranks[r * self.shard + s]
+    @property
+    def member(self) -> int:
+        return self.world.member
 
 
 @dataclass
@@ -190,13 +198,12 @@ def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
     replicate mesh."""
     if mesh is None:
         raise ValueError("dedicate() needs a DeviceMesh (torch.distributed initialised; a 1-rank mesh for one process)")
-    me = dist.get_rank()
     if replicate_mesh is not None:
         if mesh.ndim != 1 or replicate_mesh.ndim != 1:
             raise ValueError("with replicate_mesh, mesh must be the 1D shard mesh and replicate_mesh 1D")
         rs = (replicate_mesh.get_local_rank(), mesh.get_local_rank())
         everyone: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, (me, rs, mesh.size(), replicate_mesh.size()))
+        dist.all_gather_object(everyone, (dist.get_rank(), rs, mesh.size(), replicate_mesh.size()))
         R, S = replicate_mesh.size(), mesh.size()
         grid = [[-1] * S for _ in range(R)]
         for rank, (r, s), s_size, r_size in everyone:
@@ -204,14 +211,11 @@ def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:
                 grid[r][s] = rank
         if any(x < 0 for row in grid for x in row):
             raise ValueError(f"the shard and replicate meshes do not form a {R} x {S} grid: {grid}")
-        ranks = tuple(x for row in grid for x in row)
-        return Grid(ranks, R, ranks.index(me))
+        return Grid.of(grid)
     if mesh.ndim == 1:
-        ranks = tuple(int(r) for r in mesh.mesh.tolist())
-        return Grid(ranks, 1, ranks.index(me))
+        return Grid.of([mesh.mesh.tolist()])
     if mesh.ndim == 2:
-        ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-        return Grid(ranks, mesh.size(0), ranks.index(me))
+        return Grid.of(mesh.mesh.tolist())
     raise ValueError(f"dedicate() takes a 1D mesh or a 2D (replicate, shard) mesh, not {mesh.ndim}D")
 
 
@@ -220,14 +224,14 @@ def make_groups(grid: Grid) -> Groups:
     engine's world, made by that rank alone)."""
     if grid.size == 1:
         return Groups(world=dist.new_group(list(grid.ranks), use_local_synchronization=True))
-    R, S = grid.replicate, grid.shard
+    w = grid.world
     g = Groups(world=dist.new_group(list(grid.ranks)))
     g.control = dist.new_group(list(grid.ranks), backend="gloo")
-    if R == 1:
+    if w.replicate == 1:
         g.shard = g.world
         return g
-    shards = [[grid.at(r, s) for s in range(S)] for r in range(R)]
-    replicas = [[grid.at(r, s) for r in range(R)] for s in range(S)]
+    shards = [[grid.ranks[q] for q in w.shard_group(r)] for r in range(w.replicate)]
+    replicas = [[grid.ranks[q] for q in w.replica_group(s)] for s in range(w.shard)]
     g.shard, _ = dist.new_subgroups_by_enumeration(shards)
     g.replica, _ = dist.new_subgroups_by_enumeration(replicas)
     return g
@@ -267,7 +271,7 @@ def lay_out(model: nn.Module, matrices: list[Matrix], grid: Grid) -> tuple[list[
     layout = _C.dedicated_layout(
         [m.name for m in matrices], [m.param.numel() for m in matrices],
         [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
-        [name for name, _ in model.named_modules()], grid.size, grid.replicate, grid.member,
+        [name for name, _ in model.named_modules()], grid.world,
     )
     units = [Unit(u.module, model.get_submodule(u.module), list(u.matrices), list(u.buckets)) for u in layout.units]
     for j, m in enumerate(matrices):

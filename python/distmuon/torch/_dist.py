@@ -17,11 +17,14 @@ indices; in HSDP member ``r * shard + s`` is at replica ``r``, shard position ``
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from distmuon import _C
 
 MODES = ("auto", "local", "replicated", "sharded", "gather")
 
@@ -76,6 +79,13 @@ class Topology:
 
     def replica(self, member: int) -> int:
         return self.coords[member][0] if self.coords else 0
+
+
+def hsdp_coords(size: int, replicate: int, positions: Iterable[int]) -> tuple[tuple[int, int], ...]:
+    """(replica, shard position) of each of `positions` (indices in the replicate x shard order
+    of a world of `size`), as the engine places them (``_C.HsdpWorld``, distmuon/hsdp.h)."""
+    world = _C.HsdpWorld(size, replicate, 0)
+    return tuple(tuple(world.coords(q)) for q in positions)  # type: ignore[misc]
 
 
 def chunk_rows(dim0: int, parts: int, index: int) -> tuple[int, int]:
@@ -162,8 +172,7 @@ def detect(
         replicate = mesh.size(0) if mesh.ndim == 2 else 1
         groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
         flat = [int(r) for r in mesh.mesh.flatten().tolist()]
-        shard = mesh.size(mesh.ndim - 1)
-        coords = tuple(divmod(flat.index(r), shard) for r in ranks)
+        coords = hsdp_coords(len(flat), replicate, (flat.index(r) for r in ranks))
         kind = "gather" if mode == "gather" else "sharded"
         return Topology(kind, group, ranks, member, replicate, mesh, groups, coords)
     if mode in ("sharded", "gather"):

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from distmuon.torch._dist import Topology, chunk_rows, local_tensor
+from distmuon.torch._dist import Topology, chunk_rows, hsdp_coords, local_tensor
 
 Runs = tuple[tuple[int, int], ...]  # sorted, disjoint [start, stop) ranges of one dim's indices
 Holding = tuple[Runs, ...]  # what one rank holds of a tensor: the product of one Runs per dim
@@ -244,9 +244,8 @@ def layout_topology(params: list[Any], names: list[str], mode: str) -> Topology:
     dist.all_gather_object(everyone, mine, group=group)
     holdings = [tuple(everyone[q][i] for q in range(len(ranks))) for i in range(len(params))]
     replicate = _replicas(len(ranks), [world.root.size(k) for k in world.dims], holdings)
-    shard = len(ranks) // replicate
     groups = tuple(world.root.get_group(k) for k in world.dims)
-    coords = tuple(divmod(m, shard) for m in range(len(ranks)))
+    coords = hsdp_coords(len(ranks), replicate, range(len(ranks)))
     layouts = {id(p): h for p, h in zip(params, holdings)}
     return Topology("sharded", group, ranks, member, replicate, world.root, groups, coords, layouts)
 

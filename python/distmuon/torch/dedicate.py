@@ -48,7 +48,7 @@ from distmuon.torch._dedicated_layout import (
     plan,
 )
 from distmuon.torch._device import check_communicator, make_communicator, to_dlpack
-from distmuon.torch._dist import Topology
+from distmuon.torch._dist import Topology, hsdp_coords
 from distmuon.torch._options import engine_dtype
 from distmuon.torch._params import default_muon_filter, matrix_shape, module_param_infos
 from distmuon.torch._torch_comm import TorchCollectives
@@ -102,7 +102,7 @@ class Dedicated:
         self.transfers = _C.DedicatedTransfers(
             layout, [m.name for m in matrices], [m.numel for m in matrices],
             [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
-            grid.size, grid.replicate, grid.member, self.comm, control, Memory(matrices, buckets, grid.member),
+            grid.world, self.comm, control, Memory(matrices, buckets, grid.member),
             self._stream(),
         )
         self._sync = True
@@ -130,7 +130,7 @@ class Dedicated:
     def topology(self) -> Topology:
         """The engine's world for the dedicated part of an optimizer."""
         g = self.grid
-        coords = tuple(g.coords(q) for q in range(g.size))
+        coords = hsdp_coords(g.size, g.replicate, range(g.size))
         mesh_groups = tuple(x for x in (self.groups.shard, self.groups.replica) if x is not None)
         return Topology("dedicated", self.groups.world, g.ranks, g.member, g.replicate, None, mesh_groups, coords)
 
