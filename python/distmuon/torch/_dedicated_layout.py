@@ -12,6 +12,7 @@ every other rank the storage is freed (resized to 0) and only materialised aroun
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,8 +102,10 @@ class Bucket:
     matrices: list[int]
     flat: torch.Tensor
     kept: bool  # this rank holds it between steps (owner, or HSDP relay)
-    # The owner's gradient buffer of the last reduction: its matrices' .grad are views of it.
-    grad_flat: torch.Tensor | None = None
+    # The owner's gradient buffer of the last reduction (its matrices' .grad are views of it),
+    # weakly: the views keep it alive; once zero_grad sets them to None it is freed, as the
+    # gradients were before.
+    grad_flat: weakref.ref | None = None
 
     @property
     def nbytes(self) -> int:
@@ -154,7 +157,7 @@ class Memory:
         copied into, zeros where this rank has none (copies queued on the current stream: no
         host wait). The owner keeps the `present` matrices' gradients as views of it."""
         bucket = self.buckets[b]
-        held = bucket.grad_flat
+        held = bucket.grad_flat() if bucket.grad_flat is not None else None
         if held is not None and all(self._is_view(j, held) for j in bucket.matrices):
             return to_dlpack(held)
         first = self.matrices[bucket.matrices[0]].param
@@ -172,7 +175,7 @@ class Memory:
             for j in present:
                 m = self.matrices[j]
                 m.param.grad = flat[m.offset : m.offset + m.numel_of_param].view(m.param.shape)
-            bucket.grad_flat = flat
+            bucket.grad_flat = weakref.ref(flat)
         return to_dlpack(flat)
 
     def _is_view(self, j: int, flat: torch.Tensor) -> bool:
