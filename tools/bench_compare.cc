@@ -127,6 +127,7 @@ std::unique_ptr<Comparison::Run> Comparison::prepare(const std::string& mode,
   DistOptions opt;
   opt.mode = run->dist;
   opt.bucket_bytes = static_cast<int64_t>(o_.bucket_mb * (1 << 20));
+  opt.batches_across_buckets = !o_.batches_per_bucket;
   opt.planner = o_.planner;
   run->engine = std::make_unique<Engine>(be_, comm_, opt);
   Engine& engine = *run->engine;

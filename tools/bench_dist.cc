@@ -44,6 +44,7 @@ void check_same_options(Communicator& mpi, const BenchOptions& o) {
                      o.planner + "|" + std::to_string(o.steps) + "|" + std::to_string(o.warmup) +
                      "|" + std::to_string(o.layers) + "|" + std::to_string(o.seed) + "|" +
                      std::to_string(o.no_adamw) + "|" + std::to_string(o.bucket_mb) + "|" +
+                     std::to_string(o.batches_per_bucket) + "|" +
                      std::to_string(o.ranks_per_gpu) + "|" + std::to_string(o.algos_given);
   for (const auto& list : {o.algos, o.modes})
     for (const std::string& v : list) text += "|" + v;

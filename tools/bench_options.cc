@@ -38,7 +38,7 @@ void check_bench_options(const CLI::App& app, BenchOptions& o) {
     DM_CHECK(app.count(name) == 0 || (o.distributed() && o.backend == "cuda"), name,
              " applies to the distributed modes on CUDA (--mode ... --backend cuda)");
   // An option of a part of the tool that does not run is refused, not silently ignored.
-  for (const char* name : {"--bucket-mb", "--planner"})
+  for (const char* name : {"--bucket-mb", "--planner", "--batches-per-bucket"})
     DM_CHECK(o.distributed() || app.count(name) == 0, name,
              " applies to the distributed modes (--mode gather, replicated, sharded, dedicated)");
   std::vector<std::string> single_only = {"--drift"};
@@ -104,6 +104,11 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
       ->group(dist);
   app.add_option("--bucket-mb", o.bucket_mb, "MiB of full matrices per bucket")
       ->check(cli::above(0, 1 << 20))
+      ->group(dist);
+  app.add_flag("--batches-per-bucket", o.batches_per_bucket,
+               "owner modes: one orthogonalization batch per run of a bucket, right after it "
+               "lands (DistOptions::batches_across_buckets off; default: each plan batch once, "
+               "after its last bucket)")
       ->group(dist);
   app.add_option("--planner", o.planner, "owner planner")
       ->check(CLI::IsMember({"milp", "lpt", "round-robin"}))

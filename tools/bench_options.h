@@ -24,6 +24,7 @@ struct BenchOptions {
   // Distributed comparison (bench_dist.cc).
   std::vector<std::string> modes = {"single"};
   double bucket_mb = 32;
+  bool batches_per_bucket = false;  // DistOptions::batches_across_buckets off
   std::string planner = "milp";
   int ranks_per_gpu = 1;
   // With distributed CUDA ranks (bench_rank.h): a calibration first, a profiled step per mode.

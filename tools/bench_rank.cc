@@ -221,6 +221,7 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
   j["steps"] = o.steps;
   j["warmup"] = o.warmup;
   j["bucket_mb"] = o.bucket_mb;
+  j["batches_per_bucket"] = o.batches_per_bucket;
   j["planner"] = o.planner;
   j["ranks_per_gpu"] = o.ranks_per_gpu;
   j["step_definition"] =

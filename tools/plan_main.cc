@@ -159,6 +159,7 @@ int run(const PlanArgs& a) {
     cm.local_collective_s = a.local_collective_us * 1e-6;
     cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
     cm.comm_compute_share = a.comm_compute_share;
+    cm.batches_across_buckets = !a.batches_per_bucket;
     const std::string solver = a.sim_solver.empty() ? solvers.front() : a.sim_solver;
     std::vector<int> worlds;
     for (int d = 1; d <= a.sim_max_world; d *= 2) worlds.push_back(d);

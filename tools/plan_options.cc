@@ -21,7 +21,7 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
   for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
                         "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes",
                         "--intra-reduce-gbs", "--collective-latency-us", "--local-collective-us",
-                        "--bucket-mb", "--comm-compute-share"})
+                        "--bucket-mb", "--comm-compute-share", "--batches-per-bucket"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   // --measure keeps what it measured in the cost cache: a cache it cannot write would fail only
   // after the measurements.
@@ -173,6 +173,11 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                  "MiB of full matrices per bucket of the engine (DistOptions::bucket_bytes; "
                  "distmuon-bench --bucket-mb; 0: one bucket)")
       ->check(cli::at_least(0, 1 << 20))
+      ->group(sim);
+  app.add_flag("--batches-per-bucket", a.batches_per_bucket,
+               "owner modes: one batch per run of a bucket, right after it lands (the engine "
+               "with DistOptions::batches_across_buckets off; default: each plan batch once, "
+               "after its last bucket)")
       ->group(sim);
   app.add_option("--comm-compute-share", a.comm_compute_share,
                  "ranks sharing one GPU: share of a rank's compute a collective takes while it "

@@ -39,6 +39,7 @@ struct PlanArgs {
   double collective_latency_us = 143, local_collective_us = 10;
   double bucket_mb = 32;
   double comm_compute_share = 0;
+  bool batches_per_bucket = false;
   int64_t wire_bytes = 2;
   double elementwise_bytes = 44;
   std::string json;

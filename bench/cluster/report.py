@@ -73,6 +73,10 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
            "--collective-latency-us", f"{issue_us:.6g}",
            "--local-collective-us", f"{args.local_collective_us:.6g}",
            "--comm-compute-share", f"{args.comm_compute_share if shared else 0:.6g}"]
+    # Runs recorded before the owners' batches spanned buckets (no 'batches_per_bucket' in the
+    # record) cut them at the buckets' borders: simulate them so.
+    if rec.get("batches_per_bucket", True):
+        sim.append("--batches-per-bucket")
     if d > 1:
         sim += ["--intra-gbs", f"{issue_free_gbs(cal['nccl_allgather_busbw_gbs'], d - 1, issue_us):.6g}",
                 "--intra-reduce-gbs",

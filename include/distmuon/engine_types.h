@@ -100,6 +100,13 @@ struct DistOptions {
   // results travel while the next one computes. <= 0: one bucket (also the case in a world of
   // one rank and with caller_transfers, where nothing moves).
   int64_t bucket_bytes = 32ll << 20;
+  // Owner modes (sharded, dedicated, replicated): an owner orthogonalizes each plan batch (its
+  // matrices of one shape class, as the planner costed them) as one batch, in the compute stage
+  // of the last bucket holding a member, once every such bucket has landed (true); the buckets'
+  // transfers stay per bucket. false: one batch per bucket the plan batch spans, each right after
+  // its bucket lands (more batches, each paying a batch's fixed cost, but the compute of one
+  // bucket overlaps the transfers of the next ones). Gather mode batches per bucket either way.
+  bool batches_across_buckets = true;
   // Dedicated mode reduces local gradients: true divides the sum by the world size (the mean,
   // as DDP does); false keeps the sum.
   bool grad_mean = true;

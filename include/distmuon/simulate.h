@@ -44,6 +44,10 @@ struct CommModel {
   // --bucket-mb): buckets set how many collectives the gather and sharded modes issue, and cut
   // the owners' batches (each run of a bucket is one batched orthogonalization). <= 0: one bucket.
   int64_t bucket_bytes = int64_t{32} << 20;
+  // Owner modes: each owner orthogonalizes a plan batch (one owner, plan batch and shape) once,
+  // when the last bucket holding a member has landed (DistOptions::batches_across_buckets, the
+  // engine's default); false: one batch per run of a bucket, right after that bucket lands.
+  bool batches_across_buckets = true;
   // The elementwise passes around the orthogonalization (gradient and momentum, the Nesterov
   // input and its norm, the iterate in and out, the weight update), as bytes of memory traffic
   // per element a rank orthogonalizes, at the device's memory bandwidth. 44 bytes: measured on
@@ -121,8 +125,9 @@ struct SimPoint {
   // Host launches: the FSDP2 emulation's (a group per tensor's reduce-scatter, an all-gather per
   // tensor) and the dedicated mode's (a group per bucket and stage, the vote).
   int64_t fsdp_launches = 0, dedicated_launches = 0;
-  // Orthogonalizations the slowest owner runs (one per run of a bucket: owner, plan batch and
-  // shape), and every rank in gather mode.
+  // Orthogonalizations the busiest owner runs (one per plan batch and shape, across buckets; one
+  // per run of a bucket without CommModel::batches_across_buckets), and every rank in gather
+  // mode (one per run of a bucket: shape).
   int64_t owner_runs = 0, gather_runs = 0;
 
   double gather() const { return gather_engine; }

@@ -252,6 +252,7 @@ void bind_engine(nb::module_& m) {
       .def_rw("mode", &DistOptions::mode)
       .def_rw("replicate", &DistOptions::replicate)
       .def_rw("bucket_bytes", &DistOptions::bucket_bytes)
+      .def_rw("batches_across_buckets", &DistOptions::batches_across_buckets)
       .def_rw("grad_mean", &DistOptions::grad_mean)
       .def_rw("defer_publish", &DistOptions::defer_publish)
       .def_rw("check_grad_presence", &DistOptions::check_grad_presence)

@@ -134,6 +134,54 @@ std::vector<Run> runs_of(const std::vector<int>& bucket, const std::vector<SimMa
   return out;
 }
 
+// The owners' batches of the engine's step (build_owner_batches): the matrices of one owner, plan
+// batch and shape, across buckets (across = true), each orthogonalized in the compute stage of
+// its last bucket; or each run of a bucket alone (across = false, the engine's
+// DistOptions::batches_across_buckets off). ready[b]: the bucket whose compute completes the
+// updates of bucket b (the last bucket of any batch with a member in b).
+struct OwnerBatches {
+  struct Batch {
+    int owner = 0, last = 0;
+    int64_t m = 0, n = 0, count = 0;
+    double elems = 0;
+  };
+  std::vector<Batch> batches;
+  std::vector<int> ready;
+  std::vector<std::vector<int>> ready_here;  // per bucket: the buckets whose ready it is
+};
+
+OwnerBatches owner_batches(const std::vector<std::vector<int>>& buckets,
+                           const std::vector<SimMatrix>& mats, bool across) {
+  OwnerBatches out;
+  std::map<std::tuple<int, int, int64_t, int64_t, int>, size_t> index;
+  std::vector<std::vector<int>> in_bucket(buckets.size());  // the batches with a member in b
+  for (size_t b = 0; b < buckets.size(); ++b)
+    for (int j : buckets[b]) {
+      const SimMatrix& mt = mats[static_cast<size_t>(j)];
+      const auto key =
+          std::make_tuple(mt.owner, mt.batch, mt.m(), mt.n(), across ? 0 : static_cast<int>(b));
+      auto it = index.find(key);
+      if (it == index.end()) {
+        it = index.emplace(key, out.batches.size()).first;
+        out.batches.push_back({mt.owner, 0, mt.m(), mt.n(), 0, 0.0});
+      }
+      OwnerBatches::Batch& bt = out.batches[it->second];
+      bt.last = static_cast<int>(b);
+      bt.count += 1;
+      bt.elems += static_cast<double>(mt.elems);
+      if (in_bucket[b].empty() || in_bucket[b].back() != static_cast<int>(it->second))
+        in_bucket[b].push_back(static_cast<int>(it->second));
+    }
+  out.ready.resize(buckets.size());
+  out.ready_here.resize(buckets.size());
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    out.ready[b] = static_cast<int>(b);
+    for (int i : in_bucket[b]) out.ready[b] = std::max(out.ready[b], out.batches[i].last);
+    out.ready_here[static_cast<size_t>(out.ready[b])].push_back(static_cast<int>(b));
+  }
+  return out;
+}
+
 // The engine's buckets at a world size: consecutive matrices of about bucket_bytes (wire bytes of
 // full matrices); one bucket at one rank, where nothing moves (dist_layout.cc).
 std::vector<std::vector<int>> make_buckets(const std::vector<SimMatrix>& mats, int world,
@@ -229,13 +277,15 @@ class StepModel {
     vote(t);
     const size_t nb = buckets_.size();
     std::vector<double> there(nb), back(nb), statuses(nb);
-    std::vector<std::vector<double>> own(nb), mine(nb), ortho(nb);
+    std::vector<std::vector<double>> own(nb), mine(nb), ortho(nb), done(nb);
     std::vector<double> a2a(nb), a2a_back(nb);
     std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
+    const OwnerBatches ob = owner_batches(buckets_, mats_, cm_.batches_across_buckets);
     for (size_t b = 0; b < nb; ++b) {
       own[b].assign(static_cast<size_t>(d_), 0.0);   // elements of the matrices q owns
       mine[b].assign(static_cast<size_t>(d_), 0.0);  // elements of q's rows of every matrix
-      ortho[b].assign(static_cast<size_t>(d_), 0.0);
+      ortho[b].assign(static_cast<size_t>(d_), 0.0);  // q's batches completed at bucket b
+      done[b].assign(static_cast<size_t>(d_), 0.0);   // and their elements
       std::vector<double> send(static_cast<size_t>(d_), 0.0), recv(send), self(send);
       for (int j : buckets_[b]) {
         const SimMatrix& mt = mats_[static_cast<size_t>(j)];
@@ -252,10 +302,6 @@ class StepModel {
           }
         }
       }
-      for (const Run& r : runs_of(buckets_[b], mats_, true)) {
-        ortho[b][static_cast<size_t>(r.owner)] += costs_.batch_seconds(r.m, r.n, r.count);
-        runs[static_cast<size_t>(r.owner)] += 1;
-      }
       // The all-to-alls: each rank's own part is a copy on its communicator stream; the slowest
       // rank sets the pace.
       for (int q = 0; q < d_; ++q) {
@@ -267,11 +313,18 @@ class StepModel {
                                own_part + alltoall_seconds(recv[i], send[i], d_, cm_, per_node_));
       }
     }
+    for (const OwnerBatches::Batch& bt : ob.batches) {
+      const size_t q = static_cast<size_t>(bt.owner), last = static_cast<size_t>(bt.last);
+      ortho[last][q] += costs_.batch_seconds(bt.m, bt.n, bt.count);
+      done[last][q] += bt.elems;
+      runs[q] += 1;
+    }
     for (size_t b = 0; b < nb; ++b) {  // stage 0 of every bucket: pack, rows to their owners
       for (int q = 0; q < d_; ++q) t.kernel(q, copy(mine[b][static_cast<size_t>(q)] * wire_));
       there[b] = t.collective(a2a[b]);
     }
-    // Stages 1 (unpack, statuses, orthogonalize) and 2 (pack, updates back), pipelined.
+    // Stages 1 (unpack, statuses, orthogonalize the batches whose last bucket this is) and 2
+    // (pack, updates back: a bucket one slot after the compute that completes it), pipelined.
     for (size_t s = 0; s <= nb; ++s) {
       if (s < nb) {
         for (int q = 0; q < d_; ++q)
@@ -279,14 +332,15 @@ class StepModel {
         statuses[s] = t.collective(tiny());
         for (int q = 0; q < d_; ++q) {
           const size_t i = static_cast<size_t>(q);
-          t.kernel(q, ortho[s][i] + elementwise(own[s][i]));
+          t.kernel(q, ortho[s][i] + elementwise(done[s][i]));
         }
       }
-      if (s >= 1) {
-        const size_t b = s - 1;
-        for (int q = 0; q < d_; ++q) t.kernel(q, copy(own[b][static_cast<size_t>(q)] * wire_));
-        back[b] = t.collective(a2a_back[b]);
-      }
+      if (s >= 1)
+        for (const int c : ob.ready_here[s - 1]) {
+          const size_t b = static_cast<size_t>(c);
+          for (int q = 0; q < d_; ++q) t.kernel(q, copy(own[b][static_cast<size_t>(q)] * wire_));
+          back[b] = t.collective(a2a_back[b]);
+        }
     }
     for (size_t b = 0; b < nb; ++b)  // stage 3: apply, once the updates and statuses are in
       for (int q = 0; q < d_; ++q) t.kernel(q, 0, std::max(back[b], statuses[b]));
@@ -313,26 +367,35 @@ class StepModel {
       for (int q = 0; q < d_; ++q) t.kernel(q, 0, reduced[b]);
     }
     std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
-    for (size_t b = 0; b < nb; ++b) {  // stage 2: the owner's step, then a broadcast per matrix
-      std::vector<double> own(static_cast<size_t>(d_), 0.0), ortho(own);
+    const OwnerBatches ob = owner_batches(buckets_, mats_, cm_.batches_across_buckets);
+    std::vector<std::vector<double>> ortho(nb, std::vector<double>(static_cast<size_t>(d_), 0.0));
+    std::vector<std::vector<double>> done(ortho);
+    for (const OwnerBatches::Batch& bt : ob.batches) {
+      const size_t q = static_cast<size_t>(bt.owner), last = static_cast<size_t>(bt.last);
+      ortho[last][q] += costs_.batch_seconds(bt.m, bt.n, bt.count);
+      done[last][q] += bt.elems;
+      runs[q] += 1;
+    }
+    // Stage 2: the owner's step (the batches whose last bucket this is), then a broadcast per
+    // matrix of every bucket whose updates are then complete.
+    for (size_t b = 0; b < nb; ++b) {
+      std::vector<double> own(static_cast<size_t>(d_), 0.0);
       for (int j : buckets_[b])
         own[static_cast<size_t>(mats_[static_cast<size_t>(j)].owner)] +=
             static_cast<double>(mats_[static_cast<size_t>(j)].elems);
-      for (const Run& rn : runs_of(buckets_[b], mats_, true)) {
-        ortho[static_cast<size_t>(rn.owner)] += costs_.batch_seconds(rn.m, rn.n, rn.count);
-        runs[static_cast<size_t>(rn.owner)] += 1;
-      }
       for (int q = 0; q < d_; ++q) {
         const size_t i = static_cast<size_t>(q);
         // At D > 1 the owner first turns the summed gradient into the mean (in place).
-        t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[i] + elementwise(own[i]));
+        t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[b][i] + elementwise(done[b][i]));
       }
-      bool joins = false;
-      for (int j : buckets_[b]) {
-        const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-        t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_),  // in place
-                     joins);
-        joins = true;
+      for (const int c : ob.ready_here[b]) {
+        bool joins = false;
+        for (int j : buckets_[static_cast<size_t>(c)]) {
+          const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
+          t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_),  // in place
+                       joins);
+          joins = true;
+        }
       }
     }
     p.dedicated_engine = t.sync();

@@ -28,7 +28,7 @@ std::vector<SimTensor> sim_tensors(const Workload& w) {
 }
 
 std::string CommModel::describe() const {
-  char buf[2048];
+  char buf[4096];
   std::snprintf(
       buf, sizeof(buf),
       "  alpha-beta model: a message of b bytes costs alpha + b / beta\n"
@@ -47,8 +47,8 @@ std::string CommModel::describe() const {
       "  reduce + broadcast (dedicated mode, per matrix): chains, (D-1) alpha + bytes / beta\n"
       "  FSDP2 around gather, sharded and AdamW (distmuon-bench's emulation): a reduce per dim-0 "
       "shard and an all-gather per tensor\n"
-      "  compute: the cost table's batch times, one batch per run of a bucket (gather: every "
-      "matrix on every rank; owner modes: each owner's plan batches)\n"
+      "  compute: the cost table's batch times (gather: every matrix on every rank, one batch "
+      "per shape and bucket; owner modes: each owner's plan batches, %s)\n"
       "  elementwise passes: %.0f bytes per element a rank orthogonalizes, staging copies "
       "(pack / unpack) read + write, at %.2f TB/s\n"
       "  where ranks share a GPU: a collective moving data takes %.0f %% of each rank's compute\n"
@@ -57,8 +57,10 @@ std::string CommModel::describe() const {
       (intra_reduce_bytes_per_s > 0 ? intra_reduce_bytes_per_s : intra_bytes_per_s) / 1e9,
       inter_bytes_per_s / 1e9, inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes),
       collective_latency_s * 1e6, local_collective_s * 1e6,
-      static_cast<double>(bucket_bytes) / (1 << 20), elementwise_bytes, hbm_bytes_per_s / 1e12,
-      comm_compute_share * 100);
+      static_cast<double>(bucket_bytes) / (1 << 20),
+      batches_across_buckets ? "each batch once its last bucket has landed"
+                             : "cut at the buckets' borders",
+      elementwise_bytes, hbm_bytes_per_s / 1e12, comm_compute_share * 100);
   return buf;
 }
 

@@ -168,6 +168,7 @@ void Engine::Impl::dist_setup() {
   common << "mode " << mode << ", planner " << dist.options.planner << ", device "
          << (backend.device().kind == DeviceKind::kCUDA ? "cuda" : "cpu") << ", replicate "
          << dist.options.replicate << ", bucket_bytes " << dist.options.bucket_bytes
+         << ", batches_across_buckets " << dist.options.batches_across_buckets
          << ", grad_mean " << dist.options.grad_mean << ", check_grad_presence "
          << dist.options.check_grad_presence << ", caller_transfers "
          << dist.options.caller_transfers << ", fixed owners " << dist.options.owners.size()

@@ -51,6 +51,35 @@ struct Bucket {
     int tall_begin = 0;      // first tall matrix (end when there is none)
   };
   std::vector<Run> runs;
+  // Per step, owner modes: the owner batches (DistState::owner_batches) whose last bucket is this
+  // one -- the compute stage of this bucket orthogonalizes them -- and `ready`, the bucket whose
+  // compute stage completes every update of this bucket (the last bucket of any owner batch with a
+  // member here; this bucket itself in gather mode or where it has none): the stages after the
+  // compute stage of this bucket follow that one's.
+  std::vector<int> completes;
+  int ready = 0;
+  std::vector<int> ready_buckets;  // the buckets whose `ready` is this one, in order
+};
+
+// An owner's batch in one step (owner modes): the active matrices of one owner, plan batch, group
+// and wide shape m x n, across buckets -- the runs of that key in every bucket, which
+// prepare_buckets() gathers. The owner orthogonalizes it once, in the compute stage of its last
+// bucket (after each bucket holding a member has landed), so a shape class that spans buckets is
+// one batch as the planner costed it, not one per bucket. The transfers stay per bucket.
+struct OwnerBatch {
+  int owner = 0;
+  int last = 0;                     // the last bucket holding a member
+  std::vector<int> mats;            // wide members first (bucket by bucket), then tall ones
+  std::vector<int64_t> status;      // per member: its entry in StepRecord::step_status / step_norms
+  int64_t tall_begin = 0;           // first tall member (mats.size() when there is none)
+  int64_t scratch = 0;              // its first entry in the runner's gathered norms and statuses
+  // Whether `status` is one consecutive range (a batch inside one bucket): the batch then reads
+  // the step's statuses and norms in place, else copies of them gathered after pass 1.
+  bool contiguous() const {
+    for (size_t k = 1; k < status.size(); ++k)
+      if (status[k] != status[0] + static_cast<int64_t>(k)) return false;
+    return true;
+  }
 };
 
 // Modes where each rank holds dim-0 shards of the weights (and of the AdamW state).
@@ -72,6 +101,7 @@ struct DistState {
   Plan plan;
   std::vector<DistMatrix> mats;
   std::vector<Bucket> buckets;
+  std::vector<OwnerBatch> owner_batches;  // per step (owner modes): every owner's, all ranks alike
 
   // Collectives the step ordered on the device (CommHandle::wait_on_stream) instead of waiting
   // on the host mid-step, which would drain the GPU's queue and expose every later launch;

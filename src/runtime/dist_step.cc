@@ -3,6 +3,8 @@
 // compute), and AdamW parameters are updated beside them.
 #include <algorithm>
 #include <charconv>
+#include <map>
+#include <tuple>
 #include <sstream>
 
 #include "common/fnv.h"
@@ -190,8 +192,71 @@ void Engine::Impl::prepare_buckets(StepContext& ctx) {
       while (run.tall_begin < run.end && !dist.mats[b.act[run.tall_begin]].tall()) ++run.tall_begin;
     }
   }
+  build_owner_batches();
   upload_scalars();
   ctx.coef = record.scalars.coef();
+}
+
+// The owner batches of this step (owner modes): the runs of one owner, plan batch, group and wide
+// shape gathered across buckets (with batches_across_buckets; else every run is a batch of its
+// own), and for each bucket the batches its compute stage completes and the bucket whose compute
+// stage completes its updates (Bucket::ready). Every rank computes the same from the same runs,
+// so every rank issues the stages, and their collectives, in the same order.
+void Engine::Impl::build_owner_batches() {
+  dist.owner_batches.clear();
+  for (size_t b = 0; b < dist.buckets.size(); ++b) {
+    dist.buckets[b].completes.clear();
+    dist.buckets[b].ready_buckets.clear();
+    dist.buckets[b].ready = static_cast<int>(b);
+  }
+  auto finish = [&] {
+    for (size_t b = 0; b < dist.buckets.size(); ++b)
+      dist.buckets[dist.buckets[b].ready].ready_buckets.push_back(static_cast<int>(b));
+  };
+  if (dist.options.mode == DistMode::kGather) {  // every rank computes every bucket's runs
+    finish();
+    return;
+  }
+  // Pieces of each batch: (bucket, run), in bucket order.
+  std::vector<std::vector<std::pair<int, int>>> pieces;
+  std::map<std::tuple<int, int, int, int64_t, int64_t>, size_t> index;
+  for (size_t b = 0; b < dist.buckets.size(); ++b) {
+    const Bucket& bk = dist.buckets[b];
+    for (size_t r = 0; r < bk.runs.size(); ++r) {
+      const DistMatrix& m = dist.mats[bk.act[bk.runs[r].begin]];
+      const auto key = std::make_tuple(m.owner, m.batch, m.group, m.m(), m.n());
+      auto it = index.find(key);
+      if (it == index.end() || !dist.options.batches_across_buckets) {
+        pieces.emplace_back();
+        it = index.insert_or_assign(key, pieces.size() - 1).first;
+      }
+      pieces[it->second].emplace_back(static_cast<int>(b), static_cast<int>(r));
+    }
+  }
+  int64_t scratch = 0;
+  for (const auto& ps : pieces) {
+    OwnerBatch ob;
+    ob.last = ps.back().first;
+    // Wide members of every piece first, then the tall ones: each orientation one slice.
+    for (int part = 0; part < 2; ++part) {
+      for (auto [b, r] : ps) {
+        const Bucket& bk = dist.buckets[b];
+        const Bucket::Run& run = bk.runs[r];
+        for (int k = part ? run.tall_begin : run.begin; k < (part ? run.end : run.tall_begin); ++k) {
+          ob.mats.push_back(bk.act[k]);
+          ob.status.push_back(bk.status_offset + k);
+        }
+      }
+      if (part == 0) ob.tall_begin = static_cast<int64_t>(ob.mats.size());
+    }
+    ob.owner = dist.mats[ob.mats[0]].owner;
+    ob.scratch = scratch;
+    scratch += static_cast<int64_t>(ob.mats.size());
+    for (auto [b, r] : ps) dist.buckets[b].ready = std::max(dist.buckets[b].ready, ob.last);
+    dist.buckets[ob.last].completes.push_back(static_cast<int>(dist.owner_batches.size()));
+    dist.owner_batches.push_back(std::move(ob));
+  }
+  finish();
 }
 
 // Stages order each other's collectives on the device (wait_on_stream makes the communicator's
@@ -234,8 +299,9 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   // owners) for every bucket first: they depend on no rank's compute, so all inbound traffic is
   // queued back to back and an owner's compute never waits behind another bucket's outbound
   // transfer, which needs the slowest owner of that bucket. (2) The compute stage and the stages
-  // after it, software-pipelined: slot t computes bucket t and moves bucket t-1's results on, so
-  // outbound transfers overlap the next bucket's compute. (3) The last stage, when it only waits
+  // after it, software-pipelined: slot t computes bucket t (pass 1 of its runs, and the owner
+  // batches whose last bucket it is) and moves on the results of the buckets that the compute of
+  // bucket t-1 completed, so outbound transfers overlap the next bucket's compute. (3) The last stage, when it only waits
   // for the outbound transfers, for every bucket at the end: the host blocks on a bucket's
   // slowest owner only once everything is issued, so owners run their whole load back to back
   // (the planner balances the totals, not each bucket).
@@ -260,11 +326,18 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
     else
       pipeline.runner->run_stage(s, b, *ctx);
   };
+  // The stages after the compute stage follow, for bucket b, the compute stage of bucket
+  // b.ready -- the one that completes b's updates, b itself unless an owner batch with a member in
+  // b ends in a later bucket (build_owner_batches) -- by one slot per stage.
   const int span = tail - compute;
   for (int t = 0; t < n + span - 1; ++t)
     for (int s = compute; s < tail; ++s) {
-      const int b = t - (s - compute);
-      if (b >= 0 && b < n) run_or_defer(s, b, t > n - 1);
+      const int r = t - (s - compute);
+      if (r < 0 || r >= n) continue;
+      if (s == compute)
+        run_or_defer(s, r, false);
+      else
+        for (int b : dist.buckets[r].ready_buckets) run_or_defer(s, b, t > n - 1);
     }
   if (tail < stages)
     for (int b = 0; b < n; ++b) run_or_defer(tail, b, true);

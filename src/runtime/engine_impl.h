@@ -101,6 +101,7 @@ struct Engine::Impl {
   void finish_publish();
   void vote(StepContext& ctx);
   void prepare_buckets(StepContext& ctx);
+  void build_owner_batches();  // prepare_buckets(): DistState::owner_batches, Bucket::ready
   // Dedicated mode with caller transfers (dedicated_prepare.cc).
   void prepare(std::span<const int> params, std::span<const ParamData> data);
   void apply_prepared(const StepContext& ctx);

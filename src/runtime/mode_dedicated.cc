@@ -4,8 +4,11 @@
 // and the updated weights are broadcast (HSDP: across replicas first, then inside each shard
 // group). Only the owner keeps momentum.
 //
-// Stages of a bucket: 0 reduce in the shard group; 1 reduce across replicas; 2 owner step and
-// broadcast across replicas (flat: to everyone); 3 broadcast in the shard group; 4 wait.
+// Stages of a bucket: 0 reduce in the shard group; 1 reduce across replicas; 2 owner step (pass
+// 1 of the bucket's runs, then the owner batches whose last bucket this is) and the broadcast
+// across replicas (flat: to everyone) of the buckets whose updates are then complete; 3
+// broadcast in the shard group; 4 wait (stages 3-4 of a bucket follow the compute stage of the
+// bucket that completes its updates, Bucket::ready).
 //
 // With DistOptions::caller_transfers the caller has already reduced each gradient onto its owner
 // and publishes the weights itself: only stage 2's owner step runs, on the caller's buffers.
@@ -52,14 +55,14 @@ class DedicatedRunner final : public ModeRunner {
       dist_.wait_on_stream(bufs_[b].reduce_across_replicas);
       scale(bk);
     }
-    owned_norms(bk, owned_slots(bk, ctx));
+    owned_norms(bk, owned_slot(ctx));
   }
 
   void run_stage(int stage, int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
     BucketBuffers& s = bufs_[b];
     if (caller_) {
-      if (stage == 2) step_owned_runs(bk, ctx, owned_slots(bk, ctx));
+      if (stage == 2) step_owned(b, ctx, owned_slot(ctx));
       return;
     }
     switch (stage) {
@@ -97,22 +100,24 @@ class DedicatedRunner final : public ModeRunner {
       case 2: {
         dist_.wait_on_stream(s.reduce_across_replicas);
         if (!ctx.raise) scale(bk);
-        step_owned_runs(bk, ctx, owned_slots(bk, ctx));
+        step_owned(b, ctx, owned_slot(ctx));
         Communicator& first = dist_.replica ? *dist_.replica : *dist_.shard;
-        first.grouped([&] {
-          for (int j : bk.act) {
-            const DistMatrix& m = dist_.mats[j];
-            void* w = weight(j, ctx);
-            if (dist_.replica) {
-              if (m.owner_s == dist_.my_s)
-                s.broadcast_first.push_back(
-                    dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
-            } else {
-              s.broadcast_first.push_back(
-                  dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+        for (int c : bk.ready_buckets)  // the buckets whose weights are now all updated
+          first.grouped([&] {
+            BucketBuffers& sc = bufs_[c];
+            for (int j : dist_.buckets[c].act) {
+              const DistMatrix& m = dist_.mats[j];
+              void* w = weight(j, ctx);
+              if (dist_.replica) {
+                if (m.owner_s == dist_.my_s)
+                  sc.broadcast_first.push_back(
+                      dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+              } else {
+                sc.broadcast_first.push_back(
+                    dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+              }
             }
-          }
-        });
+          });
         break;
       }
       case 3:
@@ -177,43 +182,29 @@ class DedicatedRunner final : public ModeRunner {
       backend_.lincomb(1.0 / dist_.world_size, g, 0.0, nullptr, 0.0, g);
     }
   }
-  std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run, const StepContext& ctx) {
-    std::vector<MuonSlot> out;
-    for (int k = run.begin; k < run.end; ++k) {
-      const int j = bk.act[k];
-      const DistMatrix& m = dist_.mats[j];
-      out.push_back(
-          {MatRef::of(gstage(j), m.wire, m.rows, m.cols),
-           MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
-           MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
-           record_.skips_of(registry_.params[m.param], m.slice)});
-    }
-    return out;
+  MuonSlot slot(int j, const StepContext& ctx) {
+    const DistMatrix& m = dist_.mats[j];
+    return {MatRef::of(gstage(j), m.wire, m.rows, m.cols),
+            MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
+            MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
+            record_.skips_of(registry_.params[m.param], m.slice)};
   }
 
   // The caller's buffers: its (reduced) gradient and its weights, on the owner.
-  std::vector<MuonSlot> caller_slots(const Bucket& bk, const Bucket::Run& run,
-                                     const StepContext& ctx) {
-    std::vector<MuonSlot> out;
-    for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = dist_.mats[bk.act[k]];
-      const ParamData& d = ctx.data[m.param];
-      DM_CHECK(ctx.has_local[m.param], "matrix '", registry_.slice_name(m.param, m.slice),
-               "' has a gradient on some rank but none on its owner, rank ", dist_.rank,
-               ": with caller_transfers the caller reduces every gradient onto its owner");
-      out.push_back(
-          {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
-           MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
-           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
-           record_.skips_of(registry_.params[m.param], m.slice)});
-    }
-    return out;
+  MuonSlot caller_slot(int j, const StepContext& ctx) {
+    const DistMatrix& m = dist_.mats[j];
+    const ParamData& d = ctx.data[m.param];
+    DM_CHECK(ctx.has_local[m.param], "matrix '", registry_.slice_name(m.param, m.slice),
+             "' has a gradient on some rank but none on its owner, rank ", dist_.rank,
+             ": with caller_transfers the caller reduces every gradient onto its owner");
+    return {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
+            MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
+            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+            record_.skips_of(registry_.params[m.param], m.slice)};
   }
-  // The owner's slots: the staged reduced gradients, or the caller's buffers.
-  SlotsOf owned_slots(const Bucket& bk, const StepContext& ctx) {
-    return [this, &bk, &ctx](const Bucket::Run& run) {
-      return caller_ ? caller_slots(bk, run, ctx) : slots(bk, run, ctx);
-    };
+  // The owner's slot: the staged reduced gradient, or the caller's buffers.
+  SlotOf owned_slot(const StepContext& ctx) {
+    return [this, &ctx](int j) { return caller_ ? caller_slot(j, ctx) : slot(j, ctx); };
   }
 
   bool caller_ = false;

@@ -1,7 +1,11 @@
 // One runner per distributed mode. The driver (dist_step.cc) moves every bucket through the
-// runner's stages, software-pipelined: in time slot t it runs stage 0 of bucket t (so the next
-// bucket's gradients travel while the current one computes), then stage 1 of bucket t-1, and
-// so on. Each stage waits only for the handles the previous stage of the same bucket issued.
+// runner's stages: the stages before the compute stage for every bucket first (the gradients'
+// way in), then, software-pipelined, in time slot t the compute stage of bucket t and the later
+// stages of the buckets that bucket t's compute completes (Bucket::ready: an owner batch spanning
+// buckets is computed in the compute stage of its last bucket, so the updates of the earlier
+// ones are complete only then), one slot per stage. Each stage waits only for the handles the
+// previous stage of the same bucket issued, and the owner's compute of a batch for every bucket
+// holding a member.
 #pragma once
 
 #include <functional>
@@ -53,8 +57,6 @@ class ModeRunner {
   // plan batch, group and wide shape) is one MuonBatch, with its statuses and norms in the step's.
   MuonBatch run_batch(const Bucket& b, const Bucket::Run& run,
                       std::span<const MuonSlot> slots) const;
-  // Pass 1 (norms and statuses) of an owner's run, for the raise policy's pass1().
-  void owner_norms(const Bucket& b, const Bucket::Run& run, std::span<const MuonSlot> slots);
   // run_batches (muon_batch.h) over runs of bucket b, batches[k] made from *runs[k] by
   // run_batch, each run's scratch and CacheMuon binding from prepare_run; `seq` says the rest.
   void run_runs(const Bucket& b, std::span<const Bucket::Run* const> runs,
@@ -63,14 +65,26 @@ class ModeRunner {
   // iteration buffer).
   BatchOrtho prepare_run(const Bucket& b, const Bucket::Run& run, const OrthoConfig& resolved,
                          std::vector<int64_t>* entries, BatchRef* x);
-  // The slots of a run's matrices, as the mode holds them.
-  using SlotsOf = std::function<std::vector<MuonSlot>(const Bucket::Run& run)>;
-  // Pass 1 on every run of bucket b this rank owns (the raise policy's pass1()).
-  void owned_norms(const Bucket& b, const SlotsOf& slots_of);
-  // The owner's step on every run of bucket b it owns, one run after the other: pass 1 (unless
-  // the raise policy ran it already), pass 2, the orthogonalization and the update of the slots'
-  // weights (with the step's coefficients, ctx.coef).
-  void step_owned_runs(const Bucket& b, const StepContext& ctx, const SlotsOf& slots_of);
+  // The slot of Muon matrix j (an index into DistState::mats) as the mode holds it; pass 3's
+  // coefficients are set by the caller.
+  using SlotOf = std::function<MuonSlot(int j)>;
+  // Pass 1 (norms and statuses, into the step's entries of bucket b) on every run of bucket b
+  // this rank owns: in the bucket's compute stage, or before it in the raise policy's pass1().
+  void owned_norms(const Bucket& b, const SlotOf& slot_of);
+  // What the owner does with member j's update x (one matrix, wide orientation) instead of pass 3.
+  using MemberOutput = std::function<void(int j, const BatchRef& x)>;
+  // The owner batches this rank completes in the compute stage of bucket t (Bucket::completes,
+  // each after pass 1 of every run in it, per bucket): pass 2, the orthogonalization, the skips,
+  // then pass 3 on the slots' weights with the step's coefficients (ctx.coef), or `output` per
+  // member where it is set.
+  void run_owner_batches(int t, const StepContext& ctx, const SlotOf& slot_of,
+                         const MemberOutput& output = {});
+  // The owner's part of bucket t's compute stage where nothing travels in between: pass 1 of its
+  // runs (unless the raise policy ran it), then the owner batches it completes, updated in place.
+  void step_owned(int t, const StepContext& ctx, const SlotOf& slot_of) {
+    if (!ctx.raise) owned_norms(dist_.buckets[t], slot_of);
+    run_owner_batches(t, ctx, slot_of);
+  }
   int32_t* status_at(const Bucket& b, int pos) const {
     return record_.step_status.as<int32_t>() + b.status_offset + pos;
   }
@@ -97,6 +111,13 @@ class ModeRunner {
   DistState& dist_;
   StepRecord& record_;
   BatchResources& resources_;
+
+ private:
+  // An owner batch as a MuonBatch on `slots`; its norms and statuses are read in place when they
+  // are one range of the step's entries, else gathered into gathered_* (device copies, issued
+  // here, after pass 1 of every bucket it spans).
+  MuonBatch owner_batch(const OwnerBatch& ob, std::span<const MuonSlot> slots);
+  Buffer gathered_norms_, gathered_status_;  // one entry per Muon matrix, allocated on first use
 };
 
 // The distributed step's driver state (dist_step.cc): the mode's runner, and the publication a

@@ -5,8 +5,11 @@
 // collects, the owner broadcasts the update to the other replicas (same shard position), and
 // every replica distributes it inside its shard group.
 //
-// Stages of a bucket: 0 pack + all-to-all of gradient rows; 1 unpack, passes 1-2,
-// orthogonalization, cross-replica broadcast; 2 all-to-all of update rows; 3 apply.
+// Stages of a bucket: 0 pack + all-to-all of gradient rows; 1 unpack, pass 1 and the statuses'
+// agreement, then passes 2-3 and the orthogonalization of the owner batches whose last bucket
+// this is, and the cross-replica broadcast of the buckets whose updates are then complete; 2
+// all-to-all of update rows; 3 apply (stages 2-3 of a bucket follow the compute stage of the
+// bucket that completes its updates, Bucket::ready).
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
@@ -54,8 +57,7 @@ class ShardedRunner final : public ModeRunner {
 
   void pass1(int b, StepContext& ctx) override {
     unpack(b);
-    const Bucket& bk = dist_.buckets[b];
-    owned_norms(bk, [&](const Bucket::Run& run) { return slots(bk, run); });
+    owned_norms(dist_.buckets[b], slot_of());
     (void)ctx;
   }
 
@@ -146,68 +148,56 @@ class ShardedRunner final : public ModeRunner {
     }
   }
 
-  std::vector<MuonSlot> slots(const Bucket& bk, const Bucket::Run& run) {
-    std::vector<MuonSlot> out;
-    for (int k = run.begin; k < run.end; ++k) {
-      const DistMatrix& m = dist_.mats[bk.act[k]];
-      MatRef g =
-          MatRef::of(at(bufs_[m.bucket].gstage.data(), grad_stage_offset_[bk.act[k]], m.wire),
-                     m.wire, m.rows, m.cols);
+  // The owner's slot of matrix j: its gathered gradient in the bucket's staging buffer.
+  SlotOf slot_of() {
+    return [this](int j) {
+      const DistMatrix& m = dist_.mats[j];
+      MatRef g = MatRef::of(at(bufs_[m.bucket].gstage.data(), grad_stage_offset_[j], m.wire),
+                            m.wire, m.rows, m.cols);
       // The owner holds no weight: pass 3 runs on the shards, so the weight slot is unused.
       const Param& p = registry_.params[m.param];
-      out.push_back({g, MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols), g,
-                     record_.skips_of(p, m.slice)});
-    }
-    return out;
+      return MuonSlot{g, MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols), g,
+                      record_.skips_of(p, m.slice)};
+    };
   }
 
   void compute(int b, StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
     BucketBuffers& s = bufs_[b];
-    if (!ctx.raise) unpack(b);
-    // The runs this rank owns: pass 1 for all of them (unless the raise policy ran it), then
-    // each one's pass 2 and orthogonalization, the update written for the matrices' shards.
-    std::vector<const Bucket::Run*> owned;
-    std::vector<std::vector<MuonSlot>> run_slots;
-    for (const Bucket::Run& run : bk.runs) {
-      if (dist_.mats[bk.act[run.begin]].owner != dist_.rank) continue;
-      owned.push_back(&run);
-      run_slots.push_back(slots(bk, run));
-    }
-    std::vector<MuonBatch> batches;
-    for (size_t r = 0; r < owned.size(); ++r)
-      batches.push_back(run_batch(bk, *owned[r], run_slots[r]));
-    BatchSequence seq;
-    seq.norms = !ctx.raise;
-    // Shards apply the update, so they must learn whether the owner skipped the matrix.
-    seq.after_norms = [&] {
-      if (!ctx.raise && !bk.act.empty())
+    if (!ctx.raise) {
+      // Pass 1 of the runs this rank owns here (else the raise policy's pass1() ran it); the
+      // shards apply the update, so they must learn whether the owner skipped the matrix.
+      unpack(b);
+      owned_norms(bk, slot_of());
+      if (!bk.act.empty())
         s.status = dist_.world->all_reduce(status_at(bk, 0), status_at(bk, 0),
                                            static_cast<int64_t>(bk.act.size()), CommType::kI32,
                                            ReduceOp::kMax);
-    };
-    // The update in the weight's orientation and the wire dtype, for the matrix's shards.
-    seq.output = BatchSequence::Output::kCustom;
-    seq.custom_output = [&](size_t r, const BatchRef& x) {
-      for (int k = owned[r]->begin; k < owned[r]->end; ++k) {
-        const int j = bk.act[k];
-        const DistMatrix& m = dist_.mats[j];
-        backend_.scale_copy(x.slice(k - owned[r]->begin, 1), m.tall(), ScaleSpec{},
-                            BatchRef::packed(at(s.ostage.data(), update_stage_offset_[j], m.wire),
-                                             m.wire, 1, m.rows, m.cols));
-      }
-    };
-    run_runs(bk, owned, batches, seq);
-    if (!dist_.replica) return;
-    // The update reaches the other replicas while the next bucket runs (one launch per bucket).
-    dist_.replica->grouped([&] {
-      for (int j : bk.act) {
-        const DistMatrix& m = dist_.mats[j];
-        if (m.owner_s != dist_.my_s) continue;
-        s.bcast.push_back(dist_.replica->broadcast(at(s.ostage.data(), update_stage_offset_[j], m.wire),
-                                                   m.numel(), comm_type(m.wire), m.owner_r));
-      }
+    }
+    // The owner batches whose last bucket this is: pass 2 and the orthogonalization, the update
+    // written in the weight's orientation and the wire dtype for the matrix's shards.
+    run_owner_batches(b, ctx, slot_of(), [&](int j, const BatchRef& x) {
+      const DistMatrix& m = dist_.mats[j];
+      backend_.scale_copy(x, m.tall(), ScaleSpec{},
+                          BatchRef::packed(at(bufs_[m.bucket].ostage.data(),
+                                              update_stage_offset_[j], m.wire),
+                                           m.wire, 1, m.rows, m.cols));
     });
+    if (!dist_.replica) return;
+    // The buckets whose updates are now complete reach the other replicas while the next bucket
+    // runs (one launch per bucket).
+    for (int c : bk.ready_buckets) {
+      BucketBuffers& sc = bufs_[c];
+      dist_.replica->grouped([&] {
+        for (int j : dist_.buckets[c].act) {
+          const DistMatrix& m = dist_.mats[j];
+          if (m.owner_s != dist_.my_s) continue;
+          sc.bcast.push_back(
+              dist_.replica->broadcast(at(sc.ostage.data(), update_stage_offset_[j], m.wire),
+                                       m.numel(), comm_type(m.wire), m.owner_r));
+        }
+      });
+    }
   }
 
   void relay(int b) {

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <set>
 #include <tuple>
 
 #include "common/half.h"
@@ -92,6 +93,7 @@ struct Scenario {
   NonFinitePolicy policy = NonFinitePolicy::kSkip;
   int steps = 3;
   bool cache = false;  // CacheMuon in group 0 (add_groups)
+  bool per_bucket = false;  // DistOptions::batches_across_buckets off: owner batches per bucket
 };
 
 // Which parameters have a gradient: "a2" has none in step 1 (on every rank); in dedicated mode
@@ -260,6 +262,7 @@ DistRun make_dist(const Scenario& sc) {
   opt.replicate = sc.replicate;
   opt.bucket_bytes = sc.bucket_bytes;
   opt.defer_publish = sc.defer;
+  opt.batches_across_buckets = !sc.per_bucket;
   run.e = std::make_unique<Engine>(*run.be, c, opt, EngineOptions{sc.policy});
   add_groups(*run.e, sc.cache);
   for (size_t p = 0; p < model().size(); ++p) {
@@ -345,7 +348,8 @@ void expect_equal(DistRun& run, const Snapshot& ref, const Scenario& sc) {
 std::string describe(const Scenario& sc) {
   return std::string(dist_mode_name(sc.mode)) + " replicate " + std::to_string(sc.replicate) +
          " bucket " + std::to_string(sc.bucket_bytes) + (sc.defer ? " deferred" : "") +
-         (sc.nan_step >= 0 ? " nan" : "") + (sc.cache ? " cache" : "");
+         (sc.nan_step >= 0 ? " nan" : "") + (sc.cache ? " cache" : "") +
+         (sc.per_bucket ? " batches per bucket" : "");
 }
 
 void check_scenario(const Scenario& sc) {
@@ -395,6 +399,8 @@ std::vector<Scenario> scenarios(DistMode m, int replicate) {
     // CacheMuon: hits, staleness refreshes, a skipped entry, small buckets.
     out.push_back({m, 1, 32ll << 20, false, -1, NonFinitePolicy::kSkip, 5, true});
     out.push_back({m, 1, small, false, 1, NonFinitePolicy::kSkip, 5, true});
+    // Owner batches cut at the buckets' borders (the engine before batches spanned buckets).
+    out.push_back({m, 1, small, false, 1, NonFinitePolicy::kSkip, 3, false, true});
   } else if (world().size() % 2 == 0 && m != DistMode::kReplicated) {
     out.push_back({m, 2, small});
     out.push_back({m, 2, 2 * small, true});  // the publication left in flight
@@ -421,6 +427,65 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(dist_mode_name(std::get<0>(info.param))) +
              (std::get<1>(info.param) == 2 ? "_hsdp" : "");
     });
+
+// An owner orthogonalizes each plan batch of one group and shape once per step, however many
+// buckets its members lie in (buckets of one or two matrices here, as the engine cuts them:
+// consecutive matrices up to bucket_bytes), as with one bucket; with batches_across_buckets off,
+// once per bucket it spans. Counted by the orthogonalizer's calls (one per batch without
+// CacheMuon); the results equal one process either way (EveryMode's scenarios).
+TEST(MpiEngine, OwnerBatchesSpanBuckets) {
+  Communicator& c = world();
+  for (DistMode mode : {DistMode::kReplicated, DistMode::kSharded, DistMode::kDedicated}) {
+    int64_t spanning = 0;  // summed over the ranks: batches that span buckets
+    for (bool per_bucket : {false, true}) {
+      SCOPED_TRACE(std::string(dist_mode_name(mode)) + (per_bucket ? " per bucket" : ""));
+      Scenario sc;
+      sc.mode = mode;
+      sc.bucket_bytes = 600;
+      sc.per_bucket = per_bucket;
+      DistRun run = make_dist(sc);
+      dist_step(run, sc, 0);  // every parameter has a gradient in step 0
+      // The Muon matrices in registration order (the plan's indices), their shapes and buckets.
+      struct Mat {
+        int group;
+        int64_t m, n, bucket;
+      };
+      std::vector<Mat> mats;
+      int64_t bucket = 0, bytes = 0;
+      for (const PDef& d : model()) {
+        if (d.group == 2) continue;
+        const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1;
+        const int64_t rows = d.shape.size() == 3 ? d.shape[1] : d.shape[0];
+        const int64_t cols = d.numel() / count / rows;
+        for (int64_t s = 0; s < count; ++s) {
+          const int64_t mb = rows * cols * static_cast<int64_t>(sizeof(float));
+          if (!mats.empty() && bytes + mb > sc.bucket_bytes) {
+            bucket += 1;
+            bytes = 0;
+          }
+          bytes += mb;
+          mats.push_back({d.group, std::min(rows, cols), std::max(rows, cols), bucket});
+        }
+      }
+      const Plan* plan = run.e->plan();
+      ASSERT_NE(plan, nullptr);
+      std::set<std::tuple<size_t, int, int64_t, int64_t>> batches;
+      std::set<std::tuple<size_t, int, int64_t, int64_t, int64_t>> runs;
+      const auto& mine = plan->batches.at(static_cast<size_t>(c.rank()));
+      for (size_t k = 0; k < mine.size(); ++k)
+        for (int j : mine[k]) {
+          const Mat& m = mats.at(static_cast<size_t>(j));
+          batches.emplace(k, m.group, m.m, m.n);
+          runs.emplace(k, m.group, m.m, m.n, c.size() > 1 ? m.bucket : 0);
+        }
+      const int64_t calls = run.e->stats().ortho.calls;
+      EXPECT_EQ(calls, static_cast<int64_t>(per_bucket ? runs.size() : batches.size()));
+      if (!per_bucket) spanning = static_cast<int64_t>(runs.size() - batches.size());
+    }
+    // The layout does cut some plan batch at a bucket border (else this test proves nothing).
+    if (c.size() > 1) EXPECT_GT(test::sum_over_ranks({static_cast<double>(spanning)})[0], 0);
+  }
+}
 
 TEST(MpiEngine, HalfPrecisionParametersTravelInTheirDtype) {
   // bf16 parameters with fp32 gradients. What travels is in bf16: gradients (dedicated,

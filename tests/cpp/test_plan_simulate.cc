@@ -198,8 +198,10 @@ TEST(PlanSimulate, CollectivesPerModeFollowThePlanAndTheBuckets) {
   }
 }
 
-// Buckets cut the owners' batches: every run of a bucket (owner, plan batch, shape) is one
-// batched orthogonalization, and each pays the table's cost of its own batch size.
+// Buckets cut gather's batches (every run of a bucket, one shape, is one batched
+// orthogonalization, paying the table's cost of its own batch size), not the owners': an owner
+// runs each plan batch once, after its last bucket, unless batches_across_buckets is off (then
+// once per bucket it spans, as the engine did before).
 TEST(PlanSimulate, BucketsCutTheBatches) {
   const Workload w = load_workload("gpt2-large").first_layers(8);
   const auto mats = plan_matrices(w);
@@ -208,18 +210,24 @@ TEST(PlanSimulate, BucketsCutTheBatches) {
   whole.bucket_bytes = 0;
   small.bucket_bytes = 1;  // one matrix per bucket
   whole.collective_latency_s = small.collective_latency_s = 0;
+  CommModel cut = small;
+  cut.batches_across_buckets = false;
   const SimPoint a = simulate(mats, costs, {2}, 8, whole, "lpt", {}, sim_tensors(w)).at(0);
   const SimPoint b = simulate(mats, costs, {2}, 8, small, "lpt", {}, sim_tensors(w)).at(0);
+  const SimPoint c = simulate(mats, costs, {2}, 8, cut, "lpt", {}, sim_tensors(w)).at(0);
   EXPECT_EQ(a.buckets, 1);
   EXPECT_EQ(b.buckets, static_cast<int64_t>(mats.size()));
   // One bucket: gather batches each shape (3 wide shapes), an owner its plan's batches.
   EXPECT_EQ(a.gather_runs, 3);
   EXPECT_LE(a.owner_runs, 3);
   EXPECT_EQ(b.gather_runs, static_cast<int64_t>(mats.size()));
-  EXPECT_GE(b.owner_runs, static_cast<int64_t>(mats.size()) / 2);
+  EXPECT_EQ(b.owner_runs, a.owner_runs);
+  EXPECT_GE(c.owner_runs, static_cast<int64_t>(mats.size()) / 2);
   // Batches of one pay the per-batch launches once per matrix.
   EXPECT_GT(b.gather(), a.gather());
-  EXPECT_GT(b.dedicated(), a.dedicated());
+  EXPECT_GT(c.dedicated(), a.dedicated());
+  EXPECT_GT(c.dedicated(), b.dedicated());
+  EXPECT_GT(c.sharded(), b.sharded());
   double singles = 0;
   for (const PlanMatrix& m : mats) singles += costs.batch_seconds(m.rows, m.cols, 1);
   EXPECT_GE(b.gather(), singles);
