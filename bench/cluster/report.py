@@ -179,7 +179,8 @@ def predict_planned(args: argparse.Namespace) -> None:
         for spec in args.workloads.split():
             name, _, layers = spec.partition(":")
             r = {"ranks": d, "workload": name, "layers": int(layers or 0), "planner": args.planner,
-                 "calibration": cal, "mechanism": "mps"}
+                 "calibration": cal, "mechanism": "mps",
+                 "batches_per_bucket": args.batches_per_bucket}
             p = predict(args.plan, r, {"calibration": cals[1]}, costs, args)
             if p:
                 print(f"| {name} | {d} | {p['gather']:.1f} | {p['sharded']:.1f} | "
@@ -212,6 +213,8 @@ def main() -> None:
                     help="--predict: the cluster.json whose calibrations to use")
     ap.add_argument("--workloads", default="gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1",
                     help="--predict: name:layers, as run.sh's WORKLOADS")
+    ap.add_argument("--batches-per-bucket", action="store_true",
+                    help="--predict: the owners' batches cut at bucket borders (the old engine)")
     args = ap.parse_args()
     if args.predict:
         if not args.from_record:
