@@ -44,7 +44,9 @@ def test_a_stalled_peer_gives_an_error_within_the_timeout(kind: str, timeout_s: 
     res = survivor(launch(2, fs.stall_before_step, kind, report_from=[0], comm_timeout_s=timeout_s))
     print(f"[measure] {kind}, DISTMUON_COMM_TIMEOUT_S={timeout_s:g}: error after {res['elapsed']:.3f} s")
     assert res["raised"] == "TimeoutError", res
-    assert timeout_s <= res["elapsed"] < timeout_s + SLACK_S
+    # Not before the timeout, within 1 ms: the engine's clock and this test's are read in
+    # different places (seen 2.99996 s at 3 s once).
+    assert timeout_s - 1e-3 <= res["elapsed"] < timeout_s + SLACK_S
     msg = res["message"]
     assert "all_reduce on torch-gloo" in msg  # the collective and its communicator
     assert "rank 0 of 2, world ranks 0,1" in msg  # who waited, among which members
