@@ -93,8 +93,15 @@ class Teardowns {
       --in_flight_;
       cv_.notify_all();
     }).detach();
+    // A caller whose last wait ran out lets its peers' lateness be known: the next teardowns
+    // (an engine holds several communicators) do not wait again, so a rank dropping an engine
+    // alone pays kCallerWait once, not once per communicator.
+    thread_local std::chrono::steady_clock::time_point last_late{};
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_late < kLateMemory) return;
     std::unique_lock<std::mutex> lock(done->mu);
-    done->cv.wait_for(lock, kCallerWait, [&] { return done->yes; });
+    if (!done->cv.wait_for(lock, kCallerWait, [&] { return done->yes; }))
+      last_late = std::chrono::steady_clock::now();
   }
 
  private:
@@ -104,6 +111,7 @@ class Teardowns {
     bool yes = false;
   };
   static constexpr std::chrono::seconds kCallerWait{1};
+  static constexpr std::chrono::seconds kLateMemory{5};
   static constexpr std::chrono::seconds kExitGrace{5};
 
   void tear_down(ncclComm_t comm, int device, double timeout_s, const std::string& name) {
