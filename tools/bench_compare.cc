@@ -248,13 +248,18 @@ ModeResult Comparison::result(Run& run) {
   const double bytes = (e.bytes_sent + e.bytes_received + f.bytes_sent + f.bytes_received) / n;
   const double ebytes = (e.bytes_sent + e.bytes_received) / n;
   const double flops = (s1.ortho.flops - run.s0.ortho.flops) / n;
+  const double elaunches = static_cast<double>(e.launches) / n;
+  const double launches = static_cast<double>(e.launches + f.launches) / n;
   std::vector<double> mx = over_ranks(
-      host_, {bytes, ebytes, flops, static_cast<double>(s1.owned_matrices)}, ReduceOp::kMax);
+      host_, {bytes, ebytes, flops, static_cast<double>(s1.owned_matrices), elaunches, launches},
+      ReduceOp::kMax);
   std::vector<double> sum = over_ranks(host_, {bytes, flops}, ReduceOp::kSum);
   r.bytes_max = mx[0];
   r.engine_bytes_max = mx[1];
   r.flops_max = mx[2];
   r.owned_max = static_cast<int64_t>(mx[3]);
+  r.engine_launches_max = mx[4];
+  r.launches_max = mx[5];
   r.bytes_mean = sum[0] / p;
   r.flops_mean = sum[1] / p;
   return r;
@@ -327,6 +332,8 @@ nlohmann::json comparison_runs_json(const std::vector<ModeResult>& results) {
                     {"comm_bytes_per_rank", r.bytes_max},
                     {"comm_bytes_per_rank_mean", r.bytes_mean},
                     {"engine_comm_bytes_per_rank", r.engine_bytes_max},
+                    {"engine_launches_per_step", r.engine_launches_max},
+                    {"launches_per_step", r.launches_max},
                     {"ortho_flops_max_rank", r.flops_max},
                     {"ortho_flops_mean_rank", r.flops_mean},
                     {"owned_matrices_max_rank", r.owned_max},

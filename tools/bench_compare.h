@@ -31,6 +31,9 @@ struct ModeResult {
   std::string mode, algo;
   cli::Summary step_ms, engine_ms;  // per step the slowest rank's, summarised over steps
   double bytes_max = 0, bytes_mean = 0, engine_bytes_max = 0;
+  // Host launches of collectives per step, busiest rank: the engine's, and with the FSDP2/DDP
+  // emulation's (CommStats::launches; the simulator's per-launch host cost counts these).
+  double engine_launches_max = 0, launches_max = 0;
   double flops_max = 0, flops_mean = 0;
   int64_t owned_max = 0;
 };

@@ -144,6 +144,9 @@ struct CommStats {
   int64_t bytes_sent = 0;
   int64_t bytes_received = 0;
   int64_t ops = 0;
+  // Host launches: an operation, or a whole group where the implementation launches groups as
+  // one (NCCL; Communicator::grouped). What the simulator's per-launch host cost counts.
+  int64_t launches = 0;
   CommStats& operator+=(const CommStats& o);
   CommStats operator-(const CommStats& o) const;
 };
@@ -240,6 +243,8 @@ class Communicator {
   // The group hooks of grouped(), called for the outermost call only. Default: no grouping.
   virtual void do_group_begin() {}
   virtual void do_group_end() {}
+  // Whether do_group_begin/end launch the group's operations as one (counted as one launch).
+  virtual bool launches_groups() const { return false; }
   bool in_group() const { return group_depth_ > 0; }
 
   // "all_to_all_v on mpi:world (rank 2 of 4, world ranks 0,1,2,3)": for error messages.

@@ -190,6 +190,7 @@ class PyEngine {
     d["comm_bytes_sent"] = s.comm.bytes_sent;
     d["comm_bytes_received"] = s.comm.bytes_received;
     d["comm_ops"] = s.comm.ops;
+    d["comm_launches"] = s.comm.launches;
     const CacheStats& c = s.cache;
     nb::dict cache;
     cache["calls"] = c.calls;

@@ -170,11 +170,13 @@ CommStats& CommStats::operator+=(const CommStats& o) {
   bytes_sent += o.bytes_sent;
   bytes_received += o.bytes_received;
   ops += o.ops;
+  launches += o.launches;
   return *this;
 }
 
 CommStats CommStats::operator-(const CommStats& o) const {
-  return {bytes_sent - o.bytes_sent, bytes_received - o.bytes_received, ops - o.ops};
+  return {bytes_sent - o.bytes_sent, bytes_received - o.bytes_received, ops - o.ops,
+          launches - o.launches};
 }
 
 // ---- communicator -----------------------------------------------------------------------------
@@ -214,6 +216,7 @@ void Communicator::count(int64_t sent_elems, int64_t recv_elems, CommType type) 
   stats_.bytes_sent += sent_elems * es;
   stats_.bytes_received += recv_elems * es;
   stats_.ops += 1;
+  if (group_depth_ == 0 || !launches_groups()) stats_.launches += 1;
 }
 
 CommHandle Communicator::issue(std::unique_ptr<CommRequest> r) {
@@ -327,6 +330,7 @@ void Communicator::grouped(const std::function<void()>& issue) {
   }
   do_group_begin();
   group_depth_ = 1;
+  const int64_t ops_before = stats_.ops;
   try {
     issue();
   } catch (...) {
@@ -340,6 +344,7 @@ void Communicator::grouped(const std::function<void()>& issue) {
   }
   group_depth_ = 0;
   do_group_end();
+  if (launches_groups() && stats_.ops > ops_before) stats_.launches += 1;
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {

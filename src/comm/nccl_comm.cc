@@ -519,6 +519,7 @@ class NcclComm final : public Communicator {
     return std::make_unique<NcclRequest>(sh_, device_, user_, what, timeout_s(), std::move(ev));
   }
 
+  bool launches_groups() const override { return true; }
   void do_group_begin() override {
     DeviceGuard g(device_);
     const std::string what = describe("grouped");
