@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <map>
-#include <tuple>
 
 #include "distmuon/error.h"
 
@@ -277,15 +276,15 @@ class StepModel {
     vote(t);
     const size_t nb = buckets_.size();
     std::vector<double> there(nb), back(nb), statuses(nb);
-    std::vector<std::vector<double>> own(nb), mine(nb), ortho(nb), done(nb);
+    std::vector<std::vector<double>> own(nb), mine(nb);
     std::vector<double> a2a(nb), a2a_back(nb);
-    std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
-    const OwnerBatches ob = owner_batches(buckets_, mats_, cm_.batches_across_buckets);
+    const OwnerWork w = owner_work();
+    const OwnerBatches& ob = w.batches;
+    const auto &ortho = w.ortho, &done = w.done;
+    const auto& runs = w.runs;
     for (size_t b = 0; b < nb; ++b) {
       own[b].assign(static_cast<size_t>(d_), 0.0);   // elements of the matrices q owns
       mine[b].assign(static_cast<size_t>(d_), 0.0);  // elements of q's rows of every matrix
-      ortho[b].assign(static_cast<size_t>(d_), 0.0);  // q's batches completed at bucket b
-      done[b].assign(static_cast<size_t>(d_), 0.0);   // and their elements
       std::vector<double> send(static_cast<size_t>(d_), 0.0), recv(send), self(send);
       for (int j : buckets_[b]) {
         const SimMatrix& mt = mats_[static_cast<size_t>(j)];
@@ -312,12 +311,6 @@ class StepModel {
         a2a_back[b] = std::max(a2a_back[b],
                                own_part + alltoall_seconds(recv[i], send[i], d_, cm_, per_node_));
       }
-    }
-    for (const OwnerBatches::Batch& bt : ob.batches) {
-      const size_t q = static_cast<size_t>(bt.owner), last = static_cast<size_t>(bt.last);
-      ortho[last][q] += costs_.batch_seconds(bt.m, bt.n, bt.count);
-      done[last][q] += bt.elems;
-      runs[q] += 1;
     }
     for (size_t b = 0; b < nb; ++b) {  // stage 0 of every bucket: pack, rows to their owners
       for (int q = 0; q < d_; ++q) t.kernel(q, copy(mine[b][static_cast<size_t>(q)] * wire_));
@@ -366,16 +359,10 @@ class StepModel {
       }
       for (int q = 0; q < d_; ++q) t.kernel(q, 0, reduced[b]);
     }
-    std::vector<int64_t> runs(static_cast<size_t>(d_), 0);
-    const OwnerBatches ob = owner_batches(buckets_, mats_, cm_.batches_across_buckets);
-    std::vector<std::vector<double>> ortho(nb, std::vector<double>(static_cast<size_t>(d_), 0.0));
-    std::vector<std::vector<double>> done(ortho);
-    for (const OwnerBatches::Batch& bt : ob.batches) {
-      const size_t q = static_cast<size_t>(bt.owner), last = static_cast<size_t>(bt.last);
-      ortho[last][q] += costs_.batch_seconds(bt.m, bt.n, bt.count);
-      done[last][q] += bt.elems;
-      runs[q] += 1;
-    }
+    const OwnerWork w = owner_work();
+    const OwnerBatches& ob = w.batches;
+    const auto &ortho = w.ortho, &done = w.done;
+    const auto& runs = w.runs;
     // Stage 2: the owner's step (the batches whose last bucket this is), then a broadcast per
     // matrix of every bucket whose updates are then complete.
     for (size_t b = 0; b < nb; ++b) {
@@ -413,6 +400,27 @@ class StepModel {
   }
 
  private:
+  // The owners' batches (owner_batches) and what they cost: per bucket b and rank q, the seconds
+  // and elements of q's batches that complete at b (their last bucket), and q's batch count.
+  struct OwnerWork {
+    OwnerBatches batches;
+    std::vector<std::vector<double>> ortho, done;
+    std::vector<int64_t> runs;
+  };
+  OwnerWork owner_work() const {
+    OwnerWork w{owner_batches(buckets_, mats_, cm_.batches_across_buckets), {}, {}, {}};
+    const size_t nb = buckets_.size(), d = static_cast<size_t>(d_);
+    w.ortho.assign(nb, std::vector<double>(d, 0.0));
+    w.done.assign(nb, std::vector<double>(d, 0.0));
+    w.runs.assign(d, 0);
+    for (const OwnerBatches::Batch& bt : w.batches.batches) {
+      const size_t q = static_cast<size_t>(bt.owner), last = static_cast<size_t>(bt.last);
+      w.ortho[last][q] += costs_.batch_seconds(bt.m, bt.n, bt.count);
+      w.done[last][q] += bt.elems;
+      w.runs[q] += 1;
+    }
+    return w;
+  }
   // A step starts with the ranks' vote (an all-reduce of a few values the host waits for).
   void vote(Timeline& t) const {
     if (d_ > 1) t.host_wait(t.collective(tiny()));
