@@ -317,34 +317,29 @@ CommHandle Communicator::barrier() {
 }
 
 void Communicator::grouped(const std::function<void()>& issue) {
-  if (group_depth_ > 0) {  // joins the outer group
-    ++group_depth_;
-    try {
-      issue();
-    } catch (...) {
-      --group_depth_;
-      throw;
-    }
-    --group_depth_;
-    return;
-  }
-  do_group_begin();
-  group_depth_ = 1;
+  const bool outermost = group_depth_ == 0;  // nested calls join the outer group
+  if (outermost) do_group_begin();
   const int64_t ops_before = stats_.ops;
+  const auto end = [&] {  // launches what was issued, so that its handles complete
+    if (launches_groups() && stats_.ops > ops_before) stats_.launches += 1;
+    do_group_end();
+  };
+  ++group_depth_;
   try {
     issue();
   } catch (...) {
-    group_depth_ = 0;
-    try {
-      do_group_end();  // what was issued is launched, so its handles complete
-    } catch (const std::exception& e) {
-      DM_LOG(kError, describe("grouped"), ": ", e.what());
+    --group_depth_;
+    if (outermost) {
+      try {
+        end();
+      } catch (const std::exception& e) {
+        DM_LOG(kError, describe("grouped"), ": ", e.what());
+      }
     }
     throw;
   }
-  group_depth_ = 0;
-  do_group_end();
-  if (launches_groups() && stats_.ops > ops_before) stats_.launches += 1;
+  --group_depth_;
+  if (outermost) end();
 }
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {

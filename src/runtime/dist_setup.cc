@@ -94,15 +94,16 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
                                    std::string& local_error) {
   MeasuredCosts out;
   std::string text;
-  try {  // a bad setting is an error on every rank, not only where it would be used
-    (void)measure_at_start(be);
+  bool measure = false;
+  try {  // read on every rank: a bad setting is an error everywhere, not only on rank 0
+    measure = measure_at_start(be);
   } catch (const Error& e) {
     if (local_error.empty()) local_error = error_text(e);
   }
   if (world.rank() == 0 && !shapes.empty() && local_error.empty()) {
     try {
       const PlanCostSource source = plan_cost_source(setting);
-      if (source.kind == PlanCostSource::Kind::kAuto && measure_at_start(be))
+      if (source.kind == PlanCostSource::Kind::kAuto && measure)
         measure_missing_costs(be, source.path, shapes, ortho);
       out = read_measured_costs(source, [&] { return be.name(); }, ortho);
       if (out.table) text = cost_table_json({*out.table});

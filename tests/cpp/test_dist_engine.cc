@@ -483,7 +483,9 @@ TEST(MpiEngine, OwnerBatchesSpanBuckets) {
       if (!per_bucket) spanning = static_cast<int64_t>(runs.size() - batches.size());
     }
     // The layout does cut some plan batch at a bucket border (else this test proves nothing).
-    if (c.size() > 1) EXPECT_GT(test::sum_over_ranks({static_cast<double>(spanning)})[0], 0);
+    if (c.size() > 1) {
+      EXPECT_GT(test::sum_over_ranks({static_cast<double>(spanning)})[0], 0);
+    }
   }
 }
 
