@@ -16,6 +16,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -75,8 +77,6 @@ def time_events(step, warmup, steps):
 def time_dion(ps, dion_dir, gram, warmup, steps):
     """dion.Muon on `ps` inside dion.cuda_graph.CudaGraphOptimizer: (events ms, wall ms), or a
     string saying why it could not run."""
-    import sys
-
     if dion_dir not in sys.path:
         sys.path.insert(0, dion_dir)
     try:
@@ -105,8 +105,6 @@ def main():
     args = ap.parse_args()
     out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "workloads": []}
     if args.dion:
-        import subprocess
-
         stamp = os.path.join(args.dion, "REV")  # the staged package's commit (tests/gpu/stage.sh)
         rev = (open(stamp).read().strip() if os.path.exists(stamp) else
                subprocess.run(["git", "-C", args.dion, "rev-parse", "--short", "HEAD"],
