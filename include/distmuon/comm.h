@@ -288,4 +288,16 @@ NcclUniqueId nccl_unique_id();
 std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int rank, int size,
                                                      void* stream = nullptr);
 
+// NCCL communicators let go are torn down on threads of their own (a member must not wait for the
+// others to let go too); their device memory comes back when the teardown ends. What this process
+// has handed over so far: still in flight, ended by destroy (memory back), ended by abort (a member
+// did not let go within the timeout; the memory comes back late).
+struct NcclTeardowns {
+  int64_t in_flight = 0, destroyed = 0, aborted = 0;
+};
+NcclTeardowns nccl_teardowns();
+// Waits up to `timeout_s` for the teardowns in flight (a process that builds communicators again
+// and again, such as a test suite, bounds its device memory so); true when none is left.
+bool wait_for_nccl_teardowns(double timeout_s);
+
 }  // namespace distmuon

@@ -320,6 +320,15 @@ void bind_comm(nb::module_& m) {
 
   m.def("nccl_available", &nccl_available, "True when this build has the NCCL communicator.");
   m.def(
+      "wait_for_nccl_teardowns",
+      [](double timeout_s) {
+        nb::gil_scoped_release release;
+        return wait_for_nccl_teardowns(timeout_s);
+      },
+      nb::arg("timeout_s"),
+      "Waits up to timeout_s for the NCCL communicators let go to be torn down (their device "
+      "memory back); True when none is left in flight.");
+  m.def(
       "nccl_unique_id",
       []() {
         const NcclUniqueId id = nccl_unique_id();

@@ -360,6 +360,8 @@ std::unique_ptr<Communicator> make_mpi_world() {
 
 #ifndef DISTMUON_HAVE_NCCL
 bool nccl_available() { return false; }
+NcclTeardowns nccl_teardowns() { return {}; }
+bool wait_for_nccl_teardowns(double) { return true; }
 NcclUniqueId nccl_unique_id() {
   DM_FAIL("this build of distmuon has no NCCL communicator (configure with CUDA and NCCL)");
 }

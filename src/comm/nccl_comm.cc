@@ -103,6 +103,15 @@ class Teardowns {
     if (!done->cv.wait_for(lock, kCallerWait, [&] { return done->yes; }))
       last_late = std::chrono::steady_clock::now();
   }
+  NcclTeardowns counts() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return {in_flight_, destroyed_.load(), aborted_.load()};
+  }
+  bool wait(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                        [&] { return in_flight_ == 0; });
+  }
 
  private:
   struct Done {
@@ -127,6 +136,7 @@ class Teardowns {
     }
     if (r == ncclSuccess) {
       ncclCommDestroy(comm);  // local now: the members are done
+      ++destroyed_;
       return;
     }
     if (exiting_) return;  // the process is ending: the driver takes it all back
@@ -134,6 +144,7 @@ class Teardowns {
            r == ncclInProgress ? " was not let go by every member in time" : " failed to finalize",
            "; aborted instead (its device memory may come back late)");
     ncclCommAbort(comm);
+    ++aborted_;
   }
   void drain_at_exit() {
     if (getpid() != owner_pid_) return;  // a forked child: the threads (and the lock) are the parent's
@@ -144,7 +155,8 @@ class Teardowns {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  int in_flight_ = 0;
+  int64_t in_flight_ = 0;
+  std::atomic<int64_t> destroyed_{0}, aborted_{0};
   bool exit_hook_ = false;
   std::atomic<bool> exiting_{false};
   const pid_t owner_pid_ = getpid();
@@ -579,6 +591,9 @@ bool nccl_available() {
   int n = 0;
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
+
+NcclTeardowns nccl_teardowns() { return Teardowns::instance().counts(); }
+bool wait_for_nccl_teardowns(double timeout_s) { return Teardowns::instance().wait(timeout_s); }
 
 NcclUniqueId nccl_unique_id() {
   ncclUniqueId id;

@@ -31,15 +31,24 @@ class DiffTracker : public ::testing::EmptyTestEventListener {
   void OnTestStart(const ::testing::TestInfo&) override { g_test_diff = 0; }
 };
 
-// Device memory in use (every process on the GPU) at each test's end, on the NCCL rig's rank 0:
-// communicators and engines that are let go must give theirs back.
+// At each test's end on the NCCL rig, every rank waits for the teardowns of the communicators its
+// test let go (they run on threads of their own), so that the next test starts with their memory
+// back: the verification's lanes share one GPU. Rank 0 prints the device memory then in use (by
+// every process on the GPU, the other lanes included).
 class MemoryReporter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit MemoryReporter(int rank) : rank_(rank) {}
   void OnTestEnd(const ::testing::TestInfo& t) override {
+    if (!wait_for_nccl_teardowns(30.0))
+      std::printf("[rig] rank %d: NCCL teardowns still in flight 30 s after %s\n", rank_, t.name());
     const int64_t used = device_bytes_in_use();
-    if (used >= 0)
+    if (used >= 0 && rank_ == 0)
       std::printf("[rig] device memory in use after %s: %lld MiB\n", t.name(),
                   static_cast<long long>(used >> 20));
   }
+
+ private:
+  int rank_;
 };
 
 class FailurePrinter : public ::testing::EmptyTestEventListener {
@@ -214,7 +223,7 @@ int main(int argc, char** argv) {
 #endif
   auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
   listeners.Append(new test::DiffTracker);
-  if (rank == 0) listeners.Append(new test::MemoryReporter);
+  if (test::on_cuda()) listeners.Append(new test::MemoryReporter(rank));
   if (rank != 0) {
     delete listeners.Release(listeners.default_result_printer());
     listeners.Append(new test::FailurePrinter(rank));

@@ -8,6 +8,7 @@ bf16 autocast or FSDP2's MixedPrecisionPolicy (bf16 parameters, fp32 reduction).
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -25,11 +26,22 @@ CACHE_KW = {**sc.CACHE_KW, **FP32}
 
 
 def _each(rank: int, arms: dict[str, Callable[[], dict[str, Any]]]) -> dict[str, Any]:
-    """Runs the arms in order, each guarded, saying on stderr which one starts (a hang names it)."""
+    """Runs the arms in order, each guarded, saying on stderr which one starts (a hang names it).
+
+    Between arms each rank collects the arm's optimizers, waits for their NCCL communicators'
+    teardowns and empties torch's cache: the verification's lanes share one GPU, and the memory
+    an arm let go must not be held through the next ones.
+    """
+    from distmuon import _C
+
     out = {}
     for name, fn in arms.items():
         print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
         out[name] = sc.guarded(fn)
+        gc.collect()
+        if not _C.wait_for_nccl_teardowns(30.0):
+            print(f"[rank {rank}] NCCL teardowns still in flight 30 s after {name}", file=sys.stderr)
+        torch.cuda.empty_cache()
     return out
 
 
