@@ -110,8 +110,12 @@ def resimulate(args: argparse.Namespace) -> None:
     for r in rec_all["runs"]:
         key = (r["workload"], r["ranks"])
         if key not in preds:
+            # Records made before runs carried their planner and batching: --planner, and batches
+            # cut at bucket borders (the engine then).
             rec = {"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"],
-                   "planner": args.planner, "calibration": cal.get(str(r["ranks"])),
+                   "planner": r.get("planner", args.planner),
+                   "batches_per_bucket": r.get("batches_per_bucket", True),
+                   "calibration": cal.get(str(r["ranks"])),
                    "mechanism": "mps" if r["ranks"] > 1 else "whole-gpu"}
             preds[key] = predict(args.plan, rec, {"calibration": cal.get("1")}, args.costs, args)
         p, m = preds[key], r["mode"]
@@ -210,7 +214,8 @@ def main() -> None:
                     help="predict the steps of a run at these D before it runs (with --from-record, "
                          "--workloads; prints a table; --out is not written)")
     ap.add_argument("--from-record", default="", metavar="CLUSTER_JSON",
-                    help="--predict: the cluster.json whose calibrations to use")
+                    help="--predict: the cluster.json whose calibrations to use; when merging a "
+                         "run without D = 1: the record whose whole-GPU calibration to use")
     ap.add_argument("--workloads", default="gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1",
                     help="--predict: name:layers, as run.sh's WORKLOADS")
     ap.add_argument("--batches-per-bucket", action="store_true",
@@ -231,14 +236,18 @@ def main() -> None:
         sys.exit(f"no step-*.json in {args.out}")
     by_key = {(s["workload"], s["ranks"]): s for s in steps}
     costs = args.costs or os.path.join(args.out, "costs.json")
+    # The whole GPU's calibration scales the cost table to a part: this run's D = 1 steps, else
+    # the record --from-record names (a run that measured D > 1 only).
+    earlier = load(args.from_record).get("calibration", {}).get("1") if args.from_record else None
     runs, calibration = [], {}
     for s in sorted(steps, key=lambda s: (s["workload"], s["ranks"])):
-        full = by_key.get((s["workload"], 1), {})
+        full = by_key.get((s["workload"], 1)) or ({"calibration": earlier} if earlier else {})
         pred = predict(args.plan, s, full, costs, args)
         if "calibration" in s:
             calibration.setdefault(str(s["ranks"]), s["calibration"])
         for r in s["runs"]:
             row = {"workload": s["workload"], "layers": s["layers"], "ranks": s["ranks"],
+                   "planner": s.get("planner"), "batches_per_bucket": s.get("batches_per_bucket", True),
                    "mode": r["mode"], "step_ms": r["step_ms"]["median"],
                    "engine_ms": r["engine_ms"]["median"],
                    "predicted_ms": pred[r["mode"]] if pred else None,
