@@ -38,6 +38,11 @@
 # reported as failed with what it finished. ONLY_BUILD=1 stops after the builds (and leaves the
 # NCCL it built, compressed, in OUT_DIR): a second run on the same machine reuses them, for
 # machines lent by the call with a limit per call. Exit status: 0 when every suite passed.
+#
+# Memory: the lanes share the GPU. On a 141 GB H200 all of them fit at 4 ranks per lane; on an
+# 80 GB H100 the cpp lane's 4-rank engine suite and the python lane's 4-rank fixtures together
+# reached 74 GB and ran out of memory (2026-12-06): there, run LANES="cpp bench" and
+# LANES="python" as two calls (each lane alone fits), into two OUT_DIRs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)

@@ -39,8 +39,11 @@ def _each(rank: int, arms: dict[str, Callable[[], dict[str, Any]]]) -> dict[str,
         print(f"[rank {rank} {time.strftime('%H:%M:%S')}] {name}", file=sys.stderr, flush=True)
         out[name] = sc.guarded(fn)
         gc.collect()
-        if not _C.wait_for_nccl_teardowns(30.0):
-            print(f"[rank {rank}] NCCL teardowns still in flight 30 s after {name}", file=sys.stderr)
+        t0 = time.monotonic()
+        if not _C.wait_for_nccl_teardowns(5.0):  # bounded: a lane of its own must not slow down
+            print(f"[rank {rank}] NCCL teardowns still in flight 5 s after {name}", file=sys.stderr)
+        elif time.monotonic() - t0 > 1.0:
+            print(f"[rank {rank}] NCCL teardowns after {name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
         torch.cuda.empty_cache()
     return out
 
