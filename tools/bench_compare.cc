@@ -240,6 +240,7 @@ ModeResult Comparison::result(Run& run) {
   ModeResult r;
   r.mode = run.mode;
   r.algo = run.algo;
+  if (const Plan* plan = run.engine->plan()) r.plan_costs = plan->costs;
   // A step takes as long as its slowest rank.
   r.step_ms = cli::summarize(over_ranks(host_, run.step_ms, ReduceOp::kMax));
   r.engine_ms = cli::summarize(over_ranks(host_, run.engine_ms, ReduceOp::kMax));
@@ -337,6 +338,7 @@ nlohmann::json comparison_runs_json(const std::vector<ModeResult>& results) {
                     {"ortho_flops_max_rank", r.flops_max},
                     {"ortho_flops_mean_rank", r.flops_mean},
                     {"owned_matrices_max_rank", r.owned_max},
+                    {"plan_costs", r.plan_costs},
                     {"speedup_vs_gather",
                      g ? nlohmann::json(g->step_ms.median / r.step_ms.median) : nlohmann::json()}});
   }

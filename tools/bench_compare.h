@@ -36,6 +36,7 @@ struct ModeResult {
   double engine_launches_max = 0, launches_max = 0;
   double flops_max = 0, flops_mean = 0;
   int64_t owned_max = 0;
+  std::string plan_costs;  // what the owners were placed on (Plan::costs), "" without a plan
 };
 
 class Comparison {

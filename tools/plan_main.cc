@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli.h"
@@ -165,12 +166,19 @@ int run(const PlanArgs& a) {
     for (int d = 1; d <= a.sim_max_world; d *= 2) worlds.push_back(d);
     std::printf("\nsimulated optimizer step (%s plans, %d GPUs per node, costs: %s)\n%s\n\n",
                 solver.c_str(), topo.gpus_per_node, costs.source.c_str(), cm.describe().c_str());
-    const auto pts =
-        simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts, sim_tensors(w));
+    // An engine without a cost table plans on analytic costs at the default rates.
+    std::optional<CostTable> plan_costs;
+    if (a.sim_plan_analytic)
+      plan_costs = analytic_cost_table(shape_counts(mats), opts.ortho, AnalyticRates{});
+    const auto pts = simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts,
+                              sim_tensors(w), plan_costs ? &*plan_costs : nullptr);
     std::printf("%6s %12s %9s %12s %11s %12s %12s %14s %10s %10s\n", "D", "makespan ms", "imbal.",
                 "gather ms", "(comm ms)", "sharded ms", "(comm ms)", "dedicated ms", "x sharded",
                 "x dedic.");
-    j["simulate"] = {{"assumptions", cm.describe()}, {"solver", solver}, {"points", {}}};
+    j["simulate"] = {{"assumptions", cm.describe()},
+                     {"solver", solver},
+                     {"owners_placed_on", plan_costs ? "analytic costs" : "the costs above"},
+                     {"points", {}}};
     for (const SimPoint& p : pts) {
       // Orthogonalization FLOPs per rank: every matrix (gather), or the busiest owner's.
       std::vector<double> owner_flops(p.world, 0.0);

@@ -21,8 +21,12 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
   for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
                         "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes",
                         "--intra-reduce-gbs", "--collective-latency-us", "--local-collective-us",
-                        "--bucket-mb", "--comm-compute-share", "--batches-per-bucket"})
+                        "--bucket-mb", "--comm-compute-share", "--batches-per-bucket",
+                        "--sim-plan-analytic"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
+  DM_CHECK(!a.sim_plan_analytic || a.measure || !a.costs.empty(),
+           "--sim-plan-analytic places the owners on analytic costs and times the step with "
+           "--costs or --measure: give one of them");
   // --measure keeps what it measured in the cost cache: a cache it cannot write would fail only
   // after the measurements.
   if (a.measure) {
@@ -178,6 +182,11 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                "owner modes: one batch per run of a bucket, right after it lands (the engine "
                "with DistOptions::batches_across_buckets off; default: each plan batch once, "
                "after its last bucket)")
+      ->group(sim);
+  app.add_flag("--sim-plan-analytic", a.sim_plan_analytic,
+               "place the owners on the analytic costs an engine without a cost table plans with "
+               "on CUDA (DISTMUON_PLAN_COSTS=analytic: the default rates), time the step with "
+               "--costs or --measure: what such a run does")
       ->group(sim);
   app.add_option("--comm-compute-share", a.comm_compute_share,
                  "ranks sharing one GPU: share of a rank's compute a collective takes while it "

@@ -40,6 +40,7 @@ struct PlanArgs {
   double bucket_mb = 32;
   double comm_compute_share = 0;
   bool batches_per_bucket = false;
+  bool sim_plan_analytic = false;  // owners placed on the engine's analytic costs
   int64_t wire_bytes = 2;
   double elementwise_bytes = 44;
   std::string json;

@@ -61,6 +61,9 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
+        # The owners as the run placed them: on analytic costs where its engines had no table.
+        if rec.get("plan_analytic", True):
+            source.append("--sim-plan-analytic")
     else:
         source = ["--analytic", "--tflops", f"{cal['gemm_tflops_per_rank_min']:.6g}"]
     issue_us = cal.get("nccl_collective_us") or args.collective_latency_us
@@ -101,6 +104,14 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
                "collective_us": issue_us})
 
 
+def planned_on_analytic(runs: list[dict]) -> bool:
+    """Whether a run's engines placed their owners on analytic costs: its runs' plan_costs say
+    so; records made before they did planned so (no cost table in the engines' store under
+    MPS)."""
+    said = [r["plan_costs"] for r in runs if r.get("plan_costs")]
+    return not said or any(s.startswith("analytic") for s in said)
+
+
 def resimulate(args: argparse.Namespace) -> None:
     """Predicts the steps of a recorded cluster.json again, beside its measurements and the
     predictions it recorded."""
@@ -115,6 +126,7 @@ def resimulate(args: argparse.Namespace) -> None:
             rec = {"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"],
                    "planner": r.get("planner", args.planner),
                    "batches_per_bucket": r.get("batches_per_bucket", True),
+                   "plan_analytic": r.get("plan_analytic", True),
                    "calibration": cal.get(str(r["ranks"])),
                    "mechanism": "mps" if r["ranks"] > 1 else "whole-gpu"}
             preds[key] = predict(args.plan, rec, {"calibration": cal.get("1")}, args.costs, args)
@@ -242,12 +254,14 @@ def main() -> None:
     runs, calibration = [], {}
     for s in sorted(steps, key=lambda s: (s["workload"], s["ranks"])):
         full = by_key.get((s["workload"], 1)) or ({"calibration": earlier} if earlier else {})
+        s["plan_analytic"] = planned_on_analytic(s["runs"])
         pred = predict(args.plan, s, full, costs, args)
         if "calibration" in s:
             calibration.setdefault(str(s["ranks"]), s["calibration"])
         for r in s["runs"]:
             row = {"workload": s["workload"], "layers": s["layers"], "ranks": s["ranks"],
                    "planner": s.get("planner"), "batches_per_bucket": s.get("batches_per_bucket", True),
+                   "plan_analytic": s["plan_analytic"],
                    "mode": r["mode"], "step_ms": r["step_ms"]["median"],
                    "engine_ms": r["engine_ms"]["median"],
                    "predicted_ms": pred[r["mode"]] if pred else None,

@@ -163,10 +163,14 @@ struct SimPoint {
 // its bytes over beta (reductions over intra_reduce_bytes_per_s where given), or at one rank
 // the local copy NCCL makes. `tensors` (sim_tensors()) give the FSDP2 shards; empty: one
 // tensor per matrix. World sizes that are not a whole number of nodes are left out.
+// `plan_costs`, where given, is the table the owners are placed with when a run planned on other
+// costs than the ones its steps take (an engine planning on analytic costs, timed with a
+// measured table): the owners come from it, the batches and every time from `costs`.
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
                                const std::vector<int>& worlds, int gpus_per_node,
                                const CommModel& cm, const std::string& solver,
                                const PlanOptions& opts = {},
-                               const std::vector<SimTensor>& tensors = {});
+                               const std::vector<SimTensor>& tensors = {},
+                               const CostTable* plan_costs = nullptr);
 
 }  // namespace distmuon

@@ -93,7 +93,8 @@ double alltoall_seconds(double send_bytes, double recv_bytes, int world, const C
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
                                const std::vector<int>& worlds, int gpus_per_node,
                                const CommModel& cm, const std::string& solver,
-                               const PlanOptions& opts, const std::vector<SimTensor>& tensors) {
+                               const PlanOptions& opts, const std::vector<SimTensor>& tensors,
+                               const CostTable* plan_costs) {
   DM_CHECK(!worlds.empty(), "simulator: no world sizes given");
   DM_CHECK(cm.intra_bytes_per_s > 0 && cm.inter_bytes_per_s > 0 && cm.intra_latency_s >= 0 &&
                cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1 && cm.elementwise_bytes >= 0 &&
@@ -146,7 +147,8 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
     topo.world_size = d;
     topo.gpus_per_node = gpus_per_node;
     if (d > gpus_per_node && d % gpus_per_node != 0) continue;  // not a whole number of nodes
-    const Plan plan = make_plan(solver, matrices, topo, costs, opts);
+    Plan plan = make_plan(solver, matrices, topo, plan_costs ? *plan_costs : costs, opts);
+    if (plan_costs) plan = plan_fixed(matrices, topo, costs, plan.owner, opts);
     SimPoint sp;
     sp.world = d;
     sp.solver = solver;

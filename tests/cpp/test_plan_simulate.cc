@@ -233,6 +233,33 @@ TEST(PlanSimulate, BucketsCutTheBatches) {
   EXPECT_GE(b.gather(), singles);
 }
 
+// A run whose engines planned on other costs than its steps take: the owners come from the
+// planning table, the times (and the makespan) from the timing table.
+TEST(PlanSimulate, OwnersCanBePlacedOnTheCostsTheRunPlannedWith) {
+  const Workload w = load_workload("gpt2-large").first_layers(3);
+  const auto mats = plan_matrices(w);
+  const OrthoConfig cfg = parse_algorithm("auto");
+  const CostTable timing = analytic_cost_table(shape_counts(mats), cfg, {});
+  // The planning table believes the first shape nearly free.
+  CostTable planning = timing;
+  const auto& [key, first] = *timing.shapes().begin();
+  std::vector<CostPoint> cheap = first.points;
+  for (CostPoint& c : cheap) c.seconds *= 0.02;
+  planning.set(key.first, key.second, cheap);
+  Topology topo;
+  topo.world_size = 2;
+  topo.gpus_per_node = 8;
+  const std::vector<int> planned = make_plan("lpt", mats, topo, planning).owner;
+  ASSERT_NE(planned, make_plan("lpt", mats, topo, timing).owner) << "the tables must disagree";
+  CommModel cm;
+  const SimPoint own = simulate(mats, timing, {2}, 8, cm, "lpt", {}, sim_tensors(w)).at(0);
+  const SimPoint p = simulate(mats, timing, {2}, 8, cm, "lpt", {}, sim_tensors(w), &planning).at(0);
+  EXPECT_EQ(p.owner, planned);
+  EXPECT_DOUBLE_EQ(p.makespan, plan_fixed(mats, topo, timing, planned).makespan);
+  EXPECT_GE(p.makespan, own.makespan * 0.999);  // placed on the wrong costs: no better balanced
+  EXPECT_DOUBLE_EQ(p.gather(), own.gather());   // gather has no owners
+}
+
 // (c) Where ranks share one GPU, collectives moving data slow the compute beside them; at one
 // rank and with no share nothing changes.
 TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {

@@ -112,6 +112,8 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
   expect_refused("distmuon-plan", {"--profile-ks", "2"}, "--profile-ks applies to --measure");
   expect_refused("distmuon-plan", {"--intra-gbs", "5"}, "--intra-gbs applies to --simulate");
   expect_refused("distmuon-plan", {"--measure", "--tflops", "500"}, "--tflops applies to analytic");
+  expect_refused("distmuon-plan", {"--simulate", "--sim-plan-analytic"},
+                 "--sim-plan-analytic places the owners on analytic costs");
   // An unwritable --json path used to fail only after the whole benchmark had run.
   expect_refused("distmuon-bench", {"--json", "/no/such/folder/out.json"},
                  "folder '/no/such/folder' does not exist");
