@@ -165,8 +165,9 @@ def resimulate(args: argparse.Namespace) -> None:
     errs = [abs(r["error"]) for r in rows]
     old = [abs(r["recorded_error"]) for r in rows if r["recorded_error"] is not None]
     if errs:
-        lines += ["", f"mean |error|: recorded {sum(old) / max(len(old), 1):.1%} (largest "
-                  f"{max(old, default=0):.0%}), new {sum(errs) / len(errs):.1%} (largest "
+        was = (f"recorded {sum(old) / len(old):.1%} (largest {max(old):.0%}), " if old
+               else "none recorded, ")
+        lines += ["", f"mean |error|: {was}new {sum(errs) / len(errs):.1%} (largest "
                   f"{max(errs):.0%})"]
     with open(os.path.join(args.out, "resimulated.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
