@@ -39,8 +39,11 @@ double timed_together(Communicator& host, Backend& be, int reps, const std::func
   return cli::summarize(ms).median;
 }
 
-Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
+// `say` reports each stage's end (rank 0 prints it), so that a run that stops says where.
+Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
+                      const std::function<void(const std::string&)>& say) {
   Calibration c;
+  char line[160];
   {  // bf16 8192 x 8192 x 8192: about 1.1 TFLOP, long enough on the smallest part
     const int64_t n = 8192;
     const size_t bytes = static_cast<size_t>(n * n) * 2;
@@ -54,6 +57,8 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
     gemm();  // cuBLASLt picks and loads its kernel
     const double ms = timed_together(host, be, 5, gemm);
     c.gemm_tflops = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
+    std::snprintf(line, sizeof(line), "calibration: GEMM %.0f TFLOP/s on rank 0", c.gemm_tflops);
+    say(line);
   }
   {  // 1 GiB copied by a kernel on the rank's SMs (the engine's lincomb: what its elementwise
      // passes get), not by a copy engine, which no SM partition confines
@@ -67,6 +72,8 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
     copy();
     const double ms = timed_together(host, be, 5, copy);
     c.copy_gbs = 2.0 * static_cast<double>(bytes) / (ms * 1e-3) / 1e9;
+    std::snprintf(line, sizeof(line), "calibration: copy %.0f GB/s on rank 0", c.copy_gbs);
+    say(line);
   }
   const int p = comm.size();
   if (p > 1) {  // 256 MiB of bf16 per rank; bus bandwidth as nccl-tests counts it
@@ -83,6 +90,7 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
     };
     all_gather();
     all_reduce();
+    say("calibration: the first NCCL all-gather and all-reduce ended");
     auto host_ms = [&](const std::function<void()>& f) {  // the slowest rank's, per repetition
       std::vector<double> ms;
       for (int i = 0; i < 5; ++i) {
@@ -97,6 +105,9 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm) {
     };
     c.allgather_gbs = (p - 1.0) * bytes / (host_ms(all_gather) * 1e-3) / 1e9;
     c.allreduce_gbs = 2.0 * (p - 1.0) / p * bytes / (host_ms(all_reduce) * 1e-3) / 1e9;
+    std::snprintf(line, sizeof(line), "calibration: NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s",
+                  c.allgather_gbs, c.allreduce_gbs);
+    say(line);
     // 256 all-gathers of 1 KiB per rank issued back to back, then waited for: the issue path
     // (NCCL's non-blocking launch, the communicator's polling) sets the pace, not the bytes.
     constexpr int kSmall = 256;
@@ -256,7 +267,7 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
   Calibration cal;
   if (o.calibrate) {
     progress("calibrating (GEMM, copy, NCCL) on every rank at once");
-    cal = calibrate(host, r.be, r.comm);
+    cal = calibrate(host, r.be, r.comm, progress);
     cal_ranks = all_ranks(host, {cal.gemm_tflops, cal.copy_gbs});
   }
   progress("allocating the workload's tensors on every rank");

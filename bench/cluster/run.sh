@@ -24,6 +24,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_MULTI_RANK_GPU_ENABLE=1 DISTMUON_AUTOTUNE=${DISTMUON_AUTOTUNE:-off} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+# A collective that waits longer than this raises, naming itself and its ranks, before the
+# watchdog below (150 s a run) kills the ranks without a word.
+export DISTMUON_COMM_TIMEOUT_S=${DISTMUON_COMM_TIMEOUT_S:-100}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-$ROOT/out/cluster}
@@ -106,9 +109,13 @@ watched() {
   for _ in $(seq "$limit"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   if kill -0 $pid 2>/dev/null; then
     say "still running after $limit s: the threads' stacks"
+    # cuda-gdb cannot attach to MPS clients (2026-12-06): then gdb, for the host's stacks.
     for q in $(pgrep -f "$BIN/distmuon-bench"); do
-      timeout 60 /usr/local/cuda/bin/cuda-gdb -p "$q" -batch -ex "thread apply all bt 14" 2>&1 \
-        | grep -E "^#|^Thread" | head -n 150 >> "$LOG"
+      for dbg in /usr/local/cuda/bin/cuda-gdb gdb; do
+        command -v $dbg > /dev/null || continue
+        stacks=$(timeout 60 $dbg -p "$q" -batch -ex "thread apply all bt 14" 2>&1 | grep -E "^#|^Thread")
+        [ -n "$stacks" ] && { echo "--- rank process $q ($dbg)"; echo "$stacks" | head -n 150; } >> "$LOG" && break
+      done
     done
     kill -9 $pid $(pgrep -f "$BIN/distmuon-bench") 2>/dev/null; wait $pid 2>/dev/null; return 124
   fi
