@@ -123,8 +123,9 @@ struct SimPoint {
   int64_t fsdp_collectives = 0, gather_collectives = 0, sharded_collectives = 0,
           dedicated_collectives = 0, adamw_collectives = 0, buckets = 0;
   // Host launches: the FSDP2 emulation's (a group per tensor's reduce-scatter, an all-gather per
-  // tensor) and the dedicated mode's (a group per bucket and stage, the vote).
-  int64_t fsdp_launches = 0, dedicated_launches = 0;
+  // tensor), the sharded mode's (per bucket the rows out, then the statuses with the rows back;
+  // the vote) and the dedicated mode's (a group per bucket and stage, the vote).
+  int64_t fsdp_launches = 0, sharded_launches = 0, dedicated_launches = 0;
   // Orthogonalizations the busiest owner runs (one per plan batch and shape, across buckets; one
   // per run of a bucket without CommModel::batches_across_buckets), and every rank in gather
   // mode (one per run of a bucket: shape).
@@ -154,7 +155,7 @@ struct SimPoint {
 // - gather: per bucket a status all-reduce and an all-gather of the rows; every rank unpacks the
 //   bucket and orthogonalizes every matrix (one batch per shape of the bucket);
 // - sharded: per bucket the rows to their owners (pack, all-to-all, unpack), the owner's
-//   batches, a status all-reduce, the updates back (pack, all-to-all);
+//   batches, then a status all-reduce and the updates back (pack, all-to-all) in one launch;
 // - dedicated: a reduce to the owner per matrix, the owner's batches, a broadcast per matrix;
 // - adamw: fused AdamW on the rank's shard.
 // A kernel costs the cost table's batch time (each run of a bucket is one batch) plus its

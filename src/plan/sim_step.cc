@@ -316,13 +316,13 @@ class StepModel {
       for (int q = 0; q < d_; ++q) t.kernel(q, copy(mine[b][static_cast<size_t>(q)] * wire_));
       there[b] = t.collective(a2a[b]);
     }
-    // Stages 1 (unpack, statuses, orthogonalize the batches whose last bucket this is) and 2
-    // (pack, updates back: a bucket one slot after the compute that completes it), pipelined.
+    // Stages 1 (unpack, orthogonalize the batches whose last bucket this is) and 2 (pack, the
+    // statuses' all-reduce and the updates back in one launch: a bucket one slot after the
+    // compute that completes it), pipelined.
     for (size_t s = 0; s <= nb; ++s) {
       if (s < nb) {
         for (int q = 0; q < d_; ++q)
           t.kernel(q, copy(own[s][static_cast<size_t>(q)] * wire_), there[s]);
-        statuses[s] = t.collective(tiny());
         for (int q = 0; q < d_; ++q) {
           const size_t i = static_cast<size_t>(q);
           t.kernel(q, ortho[s][i] + elementwise(done[s][i]));
@@ -332,13 +332,15 @@ class StepModel {
         for (const int c : ob.ready_here[s - 1]) {
           const size_t b = static_cast<size_t>(c);
           for (int q = 0; q < d_; ++q) t.kernel(q, copy(own[b][static_cast<size_t>(q)] * wire_));
-          back[b] = t.collective(a2a_back[b]);
+          statuses[b] = t.collective(tiny());
+          back[b] = t.collective(a2a_back[b], /*joins_group=*/true);
         }
     }
     for (size_t b = 0; b < nb; ++b)  // stage 3: apply, once the updates and statuses are in
       for (int q = 0; q < d_; ++q) t.kernel(q, 0, std::max(back[b], statuses[b]));
     p.sharded_engine = t.sync();
     p.sharded_collectives = t.collectives();
+    p.sharded_launches = t.launches();
     p.owner_runs = std::max(p.owner_runs, *std::max_element(runs.begin(), runs.end()));
   }
 

@@ -489,6 +489,42 @@ TEST(MpiEngine, OwnerBatchesSpanBuckets) {
   }
 }
 
+// Sharded without replicas: a bucket's statuses are agreed by an all-reduce launched with its
+// update rows' all-to-all, one launch where the communicator launches groups (NCCL). A step
+// issues the vote, then three collectives per bucket: rows out, statuses, rows back.
+TEST(MpiEngine, ShardedStatusesTravelWithTheUpdateRows) {
+  Communicator& c = world();
+  if (c.size() < 2) GTEST_SKIP() << "needs two ranks";
+  // A step's collectives, with one bucket and with many.
+  auto step_comm = [](int64_t bucket_bytes) {
+    Scenario sc;
+    sc.bucket_bytes = bucket_bytes;
+    DistRun run = make_dist(sc);
+    dist_step(run, sc, 0);
+    const CommStats before = run.e->stats().comm;
+    dist_step(run, sc, 2);  // every matrix has a gradient in steps 0 and 2
+    return run.e->stats().comm - before;
+  };
+  int64_t buckets = 1, bytes = 0, mats = 0;  // as the engine cuts 600 bytes (OwnerBatchesSpanBuckets)
+  for (const PDef& p : model()) {
+    if (p.group == 2) continue;
+    const int64_t count = p.shape.size() == 3 ? p.shape[0] : 1;
+    const int64_t mb = p.numel() / count * static_cast<int64_t>(sizeof(float));
+    for (int64_t k = 0; k < count; ++k, ++mats) {
+      if (mats > 0 && bytes + mb > 600) {
+        buckets += 1;
+        bytes = 0;
+      }
+      bytes += mb;
+    }
+  }
+  ASSERT_GT(buckets, 2);
+  const CommStats one = step_comm(32ll << 20), many = step_comm(600);
+  EXPECT_EQ(many.ops - one.ops, 3 * (buckets - 1));  // rows out, statuses, rows back
+  EXPECT_EQ(one.launches, test::on_cuda() ? one.ops - 1 : one.ops);
+  EXPECT_EQ(many.launches, test::on_cuda() ? many.ops - buckets : many.ops);
+}
+
 TEST(MpiEngine, HalfPrecisionParametersTravelInTheirDtype) {
   // bf16 parameters with fp32 gradients. What travels is in bf16: gradients (dedicated,
   // sharded), U (gather) and the update (sharded); the reference keeps them in fp32. So the

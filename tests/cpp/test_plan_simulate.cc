@@ -333,7 +333,8 @@ TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
 
 // At the engine communicator's measured cost per collective the host issues more slowly than the
 // device works through small matrices: a mode's engine step is at least its collectives times
-// that cost (the dedicated mode's two per matrix: 65 for gpt2-large's 8 layers, 9.3 ms).
+// that cost (the dedicated mode's two per matrix: 65 for gpt2-large's 8 layers, 9.3 ms), counted
+// per launch where collectives go as one group.
 TEST(PlanSimulate, HostBoundStepsPayEveryCollective) {
   const Workload w = load_workload("gpt2-large").first_layers(8);
   const auto mats = plan_matrices(w);
@@ -349,7 +350,8 @@ TEST(PlanSimulate, HostBoundStepsPayEveryCollective) {
     EXPECT_GE(p.dedicated(), p.dedicated_launches * cm.collective_latency_s);
     EXPECT_LT(p.dedicated_launches, p.dedicated_collectives);  // a bucket holds several
     EXPECT_GE(p.gather(), p.gather_collectives * cm.collective_latency_s);
-    EXPECT_GE(p.sharded(), p.sharded_collectives * cm.collective_latency_s);
+    EXPECT_GE(p.sharded(), p.sharded_launches * cm.collective_latency_s);
+    EXPECT_LT(p.sharded_launches, p.sharded_collectives);  // statuses ride with the rows back
     EXPECT_GE(p.fsdp(), p.fsdp_launches * cm.collective_latency_s);
     EXPECT_GT(p.dedicated(), ref[i].dedicated());
   }
