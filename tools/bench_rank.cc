@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench_compare.h"
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 
 namespace distmuon::bench {
@@ -154,6 +155,7 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"nccl_allgather_busbw_gbs", c.allgather_gbs},
       {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
       {"nccl_collective_us", c.collective_us},
+      {"nccl_blocking", env::get("DISTMUON_NCCL_BLOCKING") == "1"},
       {"ranks", ranks}};
 }
 

@@ -2,7 +2,7 @@
 // after the caller's stream (event), completed by polling an event so that a deadline or an
 // asynchronous NCCL error aborts the communicator instead of hanging the process. The
 // communicator is non-blocking (ncclConfig_t.blocking = 0), so initialisation and split are
-// bounded by the timeout too.
+// bounded by the timeout too (DISTMUON_NCCL_BLOCKING=1 trades that for cheaper launches).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -22,6 +23,7 @@
 #include "common/cuda_handles.h"
 #include "common/log.h"
 #include "distmuon/comm.h"
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 
 namespace distmuon {
@@ -62,6 +64,18 @@ class DeviceGuard {
 // timeout, and the caller waits for it only briefly (start()). Nothing is joined, so a forked
 // child (data loader workers) inherits nothing to wait for; at exit the owning process gives the
 // teardowns in flight a short grace.
+// Non-blocking by default: every NCCL call returns at once and is polled, so that a deadline holds
+// everywhere. A non-blocking launch costs a thread NCCL starts per group (85-143 us of host time
+// per launch measured between MPS ranks on an H100, most of a distributed step's host time at
+// D = 8); DISTMUON_NCCL_BLOCKING=1 launches on the caller's thread instead, for measuring that.
+ncclConfig_t comm_config() {
+  const std::string v = env::get("DISTMUON_NCCL_BLOCKING");
+  DM_CHECK(v == "0" || v == "1", "DISTMUON_NCCL_BLOCKING is '", v, "': use 0 or 1");
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = v == "1" ? 1 : 0;
+  return config;
+}
+
 class Teardowns {
  public:
   static Teardowns& instance() {
@@ -478,8 +492,7 @@ class NcclComm final : public Communicator {
     DM_CHECK_CUDA(
         cudaMemcpy(all.data(), scratch(), all.size() * sizeof(int64_t), cudaMemcpyDeviceToHost),
         describe("split"));
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
+    ncclConfig_t config = comm_config();
     ncclComm_t sub = nullptr;
     DM_CHECK_NCCL(
         ncclCommSplit(sh_->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &sub, &config),
@@ -612,8 +625,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& uid, in
   DM_CHECK_CUDA(cudaGetDevice(&device), "nccl: no CUDA device");
   ncclUniqueId id;
   std::memcpy(id.internal, uid.bytes, sizeof(id.internal));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  ncclConfig_t config = comm_config();
   auto sh = std::make_shared<Shared>();
   sh->name = "nccl:world";
   sh->device = device;

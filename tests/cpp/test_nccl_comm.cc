@@ -87,6 +87,38 @@ TEST_F(NcclComm, CollectivesOnOneRank) {
   EXPECT_EQ(x.get<int32_t>()[0], 5);
 }
 
+// DISTMUON_NCCL_BLOCKING=1 makes blocking communicators (launches on the caller's thread): the
+// same collectives and split; any other value than 0 or 1 is refused before NCCL is called.
+TEST(NcclCommConfig, BlockingCommunicatorsWorkAndBadValuesAreRefused) {
+  if (!nccl_available()) GTEST_SKIP() << "no NCCL build or no CUDA device";
+  struct Restore {
+    ~Restore() { unsetenv("DISTMUON_NCCL_BLOCKING"); }
+  } restore;
+  setenv("DISTMUON_NCCL_BLOCKING", "yes", 1);
+  try {
+    make_nccl_communicator(nccl_unique_id(), 0, 1);
+    ADD_FAILURE() << "a bad DISTMUON_NCCL_BLOCKING was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("DISTMUON_NCCL_BLOCKING is 'yes'"), std::string::npos)
+        << e.what();
+  }
+  setenv("DISTMUON_NCCL_BLOCKING", "1", 1);
+  std::unique_ptr<Communicator> c = make_nccl_communicator(nccl_unique_id(), 0, 1);
+  DeviceVec a(std::vector<float>{1, 2, 3}), b(std::vector<float>{0, 0, 0});
+  c->all_reduce(a.as<float>(), b.as<float>(), 3, CommType::kF32, ReduceOp::kSum).wait();
+  EXPECT_EQ(b.get<float>(), (std::vector<float>{1, 2, 3}));
+  std::unique_ptr<Communicator> sub = c->split(0, 0);
+  ASSERT_NE(sub, nullptr);
+  CommHandle h1, h2;
+  c->grouped([&] {
+    h1 = c->all_reduce(a.as<float>(), a.as<float>(), 3, CommType::kF32, ReduceOp::kMax);
+    h2 = c->broadcast(b.as<float>(), 3, CommType::kF32, 0);
+  });
+  h1.wait();
+  h2.wait();
+  EXPECT_EQ(a.get<float>(), (std::vector<float>{1, 2, 3}));
+}
+
 void CUDART_CB sleep_host(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(1500)); }
 
 TEST_F(NcclComm, TimeoutAbortsAndNamesTheOperation) {
