@@ -7,6 +7,7 @@
 #   bench/cluster/run.sh                         every stage below
 #   STAGES="step costs" bench/cluster/run.sh     some stages
 #   RANKS=1,2,4,8 WORKLOADS="gpt2-large:0 pi0:8" bench/cluster/run.sh
+#   OUT=out/cl-b BENCH_ARGS=--batches-per-bucket DISTMUON_NCCL_BLOCKING=1 bench/cluster/run.sh
 #
 # Stages (output under $OUT, default out/cluster):
 #   step   mpirun -np D distmuon-bench --calibrate --profile: modes gather, sharded, dedicated and
@@ -123,7 +124,9 @@ watched() {
 }
 SMOKE=(--workload gpt2-large --layers 1 --dtype bf16 --no-adamw --mode gather,sharded,dedicated,adamw
        --steps 1 --warmup 1)
-EXTRA=(--calibrate --profile)
+# BENCH_ARGS: more distmuon-bench options for every step run (e.g. --batches-per-bucket, or
+# --no-profile... for an A/B into another OUT); DISTMUON_NCCL_BLOCKING=1 reaches the ranks too.
+EXTRA=(--calibrate --profile ${BENCH_ARGS:-})
 if [[ " $STAGES " == *" step "* ]]; then
   [ "$NGPU" -ge "${RANKS##*,}" ] || mps_start || { say "no CUDA MPS here: ranks sharing the GPU would be time-sliced, nothing to measure"; exit 1; }
   # A small run first: if the ranks cannot run here, say why (and where they hang) in seconds.
