@@ -124,8 +124,8 @@ watched() {
 }
 SMOKE=(--workload gpt2-large --layers 1 --dtype bf16 --no-adamw --mode gather,sharded,dedicated,adamw
        --steps 1 --warmup 1)
-# BENCH_ARGS: more distmuon-bench options for every step run (e.g. --batches-per-bucket, or
-# --no-profile... for an A/B into another OUT); DISTMUON_NCCL_BLOCKING=1 reaches the ranks too.
+# BENCH_ARGS: more distmuon-bench options for every step run (e.g. --batches-per-bucket, for an
+# A/B into another OUT); DISTMUON_NCCL_BLOCKING=1 reaches the ranks too.
 EXTRA=(--calibrate --profile ${BENCH_ARGS:-})
 if [[ " $STAGES " == *" step "* ]]; then
   [ "$NGPU" -ge "${RANKS##*,}" ] || mps_start || { say "no CUDA MPS here: ranks sharing the GPU would be time-sliced, nothing to measure"; exit 1; }
