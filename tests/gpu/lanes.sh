@@ -17,6 +17,11 @@ run_suite() {
   return 0
 }
 
+# One at a time: the suites that hold the most device memory (the 4-rank and larger engine suite,
+# the front's NCCL fixtures). Beside each other on an 80 GB H100 they reached 74 GB and ran out
+# of memory (2026-12-06); the other suites still run beside either.
+heavy() { ( flock 9; "$@" ) 9> "$WORK/heavy.lock"; }
+
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x PATH -x LD_LIBRARY_PATH
         -x NCCL_NVLS_ENABLE -x NCCL_MULTI_RANK_GPU_ENABLE -x DISTMUON_COMM_TIMEOUT_S
         -x DISTMUON_AUTOTUNE -x DISTMUON_TEST_JSON_DIR)
@@ -51,8 +56,10 @@ nccl_dist_suites() {
       mkdir -p "$WORK/nccl_dist_$t-$n"
       local filter=()
       [ "$t" = engine ] && [ "$n" -gt 4 ] && filter=(--gtest_filter="$ENGINE_FILTER_LARGE")
+      local turn=()
+      [ "$t" = engine ] && [ "$n" -ge 4 ] && turn=(heavy)
       DISTMUON_TEST_JSON_DIR="$WORK/nccl_dist_$t-$n" \
-        run_suite "nccl_dist_$t-$n" "$n" 300 "${MPIRUN[@]}" -np "$n" "$BIN/test_nccl_dist_$t" \
+        "${turn[@]}" run_suite "nccl_dist_$t-$n" "$n" 300 "${MPIRUN[@]}" -np "$n" "$BIN/test_nccl_dist_$t" \
         "${filter[@]}"
     done
   done
@@ -68,7 +75,7 @@ lane_python() {
     -q -rs -p no:cacheprovider \
     --junitxml="$WORK/pytest_gpu.xml"
   DISTMUON_TEST_RANKS="$RANKS" DISTMUON_TEST_REPORT="$WORK/front.json" \
-    run_suite pytest_gpu_distributed 0 $(( LANE_TIMEOUT_S - 80 )) "$PY" -m pytest \
+    heavy run_suite pytest_gpu_distributed 0 $(( LANE_TIMEOUT_S - 80 )) "$PY" -m pytest \
     tests/python/test_gpu_distributed.py tests/python/test_gpu_tp.py -q -rs -p no:cacheprovider \
     --junitxml="$WORK/pytest_gpu_distributed.xml"
 }

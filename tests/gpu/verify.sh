@@ -39,10 +39,10 @@
 # NCCL it built, compressed, in OUT_DIR): a second run on the same machine reuses them, for
 # machines lent by the call with a limit per call. Exit status: 0 when every suite passed.
 #
-# Memory: the lanes share the GPU. On a 141 GB H200 all of them fit at 4 ranks per lane; on an
-# 80 GB H100 the cpp lane's 4-rank engine suite and the python lane's 4-rank fixtures together
-# reached 74 GB and ran out of memory (2026-12-06): there, run LANES="cpp bench" and
-# LANES="python" as two calls (each lane alone fits), into two OUT_DIRs.
+# Memory: the lanes share the GPU. The cpp lane's engine suite at 4 ranks and more and the python
+# lane's NCCL fixtures take turns (lanes.sh, `heavy`): side by side on an 80 GB H100 they reached
+# 74 GB and ran out of memory (2026-12-06). Should a lane still run out, LANES="cpp bench" and
+# LANES="python" can run as two calls into two OUT_DIRs.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
