@@ -129,6 +129,8 @@ std::unique_ptr<Comparison::Run> Comparison::prepare(const std::string& mode,
   opt.bucket_bytes = static_cast<int64_t>(o_.bucket_mb * (1 << 20));
   opt.batches_across_buckets = !o_.batches_per_bucket;
   opt.planner = o_.planner;
+  // Only the modes that move gradients and updates take a narrower wire (the others refuse it).
+  if (!o_.wire_dtype.empty() && !adamw && sharded) opt.wire_dtype = parse_dtype(o_.wire_dtype);
   run->engine = std::make_unique<Engine>(be_, comm_, opt);
   Engine& engine = *run->engine;
   if (!adamw) {

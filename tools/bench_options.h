@@ -25,6 +25,7 @@ struct BenchOptions {
   std::vector<std::string> modes = {"single"};
   double bucket_mb = 32;
   bool batches_per_bucket = false;  // DistOptions::batches_across_buckets off
+  std::string wire_dtype;           // DistOptions::wire_dtype ("": the parameters')
   std::string planner = "milp";
   int ranks_per_gpu = 1;
   // With distributed CUDA ranks (bench_rank.h): a calibration first, a profiled step per mode.

@@ -155,7 +155,7 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"nccl_allgather_busbw_gbs", c.allgather_gbs},
       {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
       {"nccl_collective_us", c.collective_us},
-      {"nccl_blocking", env::get("DISTMUON_NCCL_BLOCKING") == "1"},
+      {"nccl_blocking", env::get_bool("DISTMUON_NCCL_BLOCKING")},
       {"ranks", ranks}};
 }
 
@@ -235,6 +235,7 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
   j["warmup"] = o.warmup;
   j["bucket_mb"] = o.bucket_mb;
   j["batches_per_bucket"] = o.batches_per_bucket;
+  j["wire_dtype"] = o.wire_dtype.empty() ? "parameters'" : o.wire_dtype;
   j["planner"] = o.planner;
   j["ranks_per_gpu"] = o.ranks_per_gpu;
   j["step_definition"] =

@@ -26,8 +26,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export NCCL_MULTI_RANK_GPU_ENABLE=1 DISTMUON_AUTOTUNE=${DISTMUON_AUTOTUNE:-off} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 # A collective that waits longer than this raises, naming itself and its ranks, before the
-# watchdog below (150 s a run) kills the ranks without a word.
-export DISTMUON_COMM_TIMEOUT_S=${DISTMUON_COMM_TIMEOUT_S:-100}
+# watchdogs below (90 s the smoke run, 150 s a run) kill the ranks without a word.
+export DISTMUON_COMM_TIMEOUT_S=${DISTMUON_COMM_TIMEOUT_S:-60}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-$ROOT/out/cluster}

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <span>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -141,6 +142,12 @@ struct DistOptions {
   // nothing, and other ranks' data for the matrix is ignored (null allowed). AdamW parameters
   // step with the caller's gradients as given. Enables prepare().
   bool caller_transfers = false;
+  // Sharded and gather modes: the precision of what travels (gradient rows to their owners and
+  // the updates back; gather's momentum rows) for parameters of a wider dtype, e.g. bf16 for f32
+  // parameters, half the bytes and staging copies: every gradient and update is rounded to it
+  // once (docs/distributed.md, "The wire's precision"). Parameters narrower than it keep their
+  // own. Empty: each parameter's dtype. The other modes move weights and refuse it.
+  std::optional<DType> wire_dtype;
 };
 
 // The part of dim 0 this rank holds of a parameter (a Shard(0) local tensor): rows

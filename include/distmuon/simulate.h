@@ -166,7 +166,8 @@ struct SimPoint {
 // tensor per matrix. World sizes that are not a whole number of nodes are left out.
 // `plan_costs`, where given, is the table the owners are placed with when a run planned on other
 // costs than the ones its steps take (an engine planning on analytic costs, timed with a
-// measured table): the owners come from it, the batches and every time from `costs`.
+// measured table): the owners come from it, the batches (cut again, as the planners cut them)
+// and every time from `costs`.
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,
                                const std::vector<int>& worlds, int gpus_per_node,
                                const CommModel& cm, const std::string& solver,

@@ -69,10 +69,8 @@ class DeviceGuard {
 // per launch measured between MPS ranks on an H100, most of a distributed step's host time at
 // D = 8); DISTMUON_NCCL_BLOCKING=1 launches on the caller's thread instead, for measuring that.
 ncclConfig_t comm_config() {
-  const std::string v = env::get("DISTMUON_NCCL_BLOCKING");
-  DM_CHECK(v == "0" || v == "1", "DISTMUON_NCCL_BLOCKING is '", v, "': use 0 or 1");
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = v == "1" ? 1 : 0;
+  config.blocking = env::get_bool("DISTMUON_NCCL_BLOCKING") ? 1 : 0;
   return config;
 }
 
@@ -97,14 +95,16 @@ class Teardowns {
       ++in_flight_;
     }
     std::thread([this, done, comm, device, timeout_s, name = std::move(name)] {
-      tear_down(comm, device, timeout_s, name);
+      const Ended ended = tear_down(comm, device, timeout_s, name);
       {
         std::lock_guard<std::mutex> lock(done->mu);
         done->yes = true;
       }
       done->cv.notify_all();
-      std::lock_guard<std::mutex> lock(mu_);
+      std::lock_guard<std::mutex> lock(mu_);  // one snapshot sees it in flight or ended, once
       --in_flight_;
+      if (ended == Ended::kDestroyed) ++destroyed_;
+      if (ended == Ended::kAborted) ++aborted_;
       cv_.notify_all();
     }).detach();
     // A caller whose last wait ran out lets its peers' lateness be known: the next teardowns
@@ -119,7 +119,7 @@ class Teardowns {
   }
   NcclTeardowns counts() {
     std::lock_guard<std::mutex> lock(mu_);
-    return {in_flight_, destroyed_.load(), aborted_.load()};
+    return {in_flight_, destroyed_, aborted_};
   }
   bool wait(double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
@@ -137,7 +137,8 @@ class Teardowns {
   static constexpr std::chrono::seconds kLateMemory{5};
   static constexpr std::chrono::seconds kExitGrace{5};
 
-  void tear_down(ncclComm_t comm, int device, double timeout_s, const std::string& name) {
+  enum class Ended { kDestroyed, kAborted, kLeft };
+  Ended tear_down(ncclComm_t comm, int device, double timeout_s, const std::string& name) {
     cudaSetDevice(device);
     ncclResult_t r = ncclCommFinalize(comm);  // non-blocking: NCCL's own thread waits
     const auto deadline = std::chrono::steady_clock::now() +
@@ -150,15 +151,14 @@ class Teardowns {
     }
     if (r == ncclSuccess) {
       ncclCommDestroy(comm);  // local now: the members are done
-      ++destroyed_;
-      return;
+      return Ended::kDestroyed;
     }
-    if (exiting_) return;  // the process is ending: the driver takes it all back
+    if (exiting_) return Ended::kLeft;  // the process is ending: the driver takes it all back
     DM_LOG(kWarn, "nccl: ", name,
            r == ncclInProgress ? " was not let go by every member in time" : " failed to finalize",
            "; aborted instead (its device memory may come back late)");
     ncclCommAbort(comm);
-    ++aborted_;
+    return Ended::kAborted;
   }
   void drain_at_exit() {
     if (getpid() != owner_pid_) return;  // a forked child: the threads (and the lock) are the parent's
@@ -169,8 +169,7 @@ class Teardowns {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  int64_t in_flight_ = 0;
-  std::atomic<int64_t> destroyed_{0}, aborted_{0};
+  int64_t in_flight_ = 0, destroyed_ = 0, aborted_ = 0;
   bool exit_hook_ = false;
   std::atomic<bool> exiting_{false};
   const pid_t owner_pid_ = getpid();

@@ -21,8 +21,8 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_NCCL_BLOCKING", "0",
        "1: blocking NCCL communicators, whose launches run on the caller's thread instead of a "
        "thread NCCL starts per launch (about 0.1 ms of host time each, measured), but whose "
-       "initialisation, split and teardown are no longer bounded by DISTMUON_COMM_TIMEOUT_S: a "
-       "member that never arrives hangs them (for measuring)"},
+       "initialisation, split, teardown and first use of each path are no longer bounded by "
+       "DISTMUON_COMM_TIMEOUT_S: a member that never arrives hangs them (for measuring)"},
       {"DISTMUON_MPI_PROGRESS_THREAD", "1",
        "drive non-blocking MPI operations from a background thread so they overlap compute"},
       {"DISTMUON_MPI_PROGRESS_US", "200", "microseconds between two sweeps of the MPI progress thread"},

@@ -102,7 +102,7 @@ void Engine::Impl::prepare(std::span<const int> ps, std::span<const ParamData> d
       slots.push_back(
           {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
            MatRef::of(m.momentum.data(), registry.params[m.param].state0_dtype, m.rows, m.cols),
-           MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+           MatRef::of(at(d.param, full_offset(m), m.dtype), m.dtype, m.rows, m.cols),
            record.skips_of(registry.params[m.param], m.slice)});
     }
     const size_t x_bytes = static_cast<size_t>(count * m0.m() * m0.n()) * dtype_size(pb.x_dtype);
@@ -150,7 +150,7 @@ void Engine::Impl::apply_prepared(const StepContext& ctx) {
       const DistMatrix& m = dist.mats[j];
       const void* w = ctx.data[m.param].param;
       DM_CHECK(w != nullptr, "step(): prepared matrix '", matrix_name(j), "' has no weights");
-      MatRef ref = MatRef::of(at(w, full_offset(m), m.wire), m.wire, m.rows, m.cols);
+      MatRef ref = MatRef::of(at(w, full_offset(m), m.dtype), m.dtype, m.rows, m.cols);
       slots.push_back({ref, ref, ref, nullptr, ctx.coef + j});  // the update reads only W
     }
     const MuonBatch batch{backend,

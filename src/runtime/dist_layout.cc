@@ -25,7 +25,10 @@ void Engine::Impl::build_matrices(const ShardLookup& shard_of) {
       m.rows = p.layout.rows;
       m.cols = p.layout.cols;
       m.group = p.spec.group;
-      m.wire = p.spec.dtype;
+      m.dtype = p.spec.dtype;
+      // A narrower wire where asked, never a wider one.
+      const std::optional<DType> w = dist.options.wire_dtype;
+      m.wire = w && dtype_size(*w) < dtype_size(m.dtype) ? *w : m.dtype;
       const int j = static_cast<int>(dist.mats.size());
       m.owner = dist.plan.owner.at(j);
       DM_CHECK(m.owner >= 0 && m.owner < dist.world_size, "the plan gives matrix '", p.spec.name,

@@ -141,6 +141,10 @@ void Engine::Impl::dist_setup() {
   if (err.tellp() == 0 && dist.options.planner != "milp" && dist.options.planner != "lpt" &&
       dist.options.planner != "round-robin")
     err << "unknown planner '" << dist.options.planner << "' (milp, lpt or round-robin)";
+  if (err.tellp() == 0 && dist.options.wire_dtype && !is_sharded_mode(dist.options.mode))
+    err << "wire_dtype " << dtype_name(*dist.options.wire_dtype) << " applies to the sharded and "
+        << "gather modes (they move gradients and updates); " << mode
+        << " mode moves weights, which every rank must hold alike";
   for (const Param& p : registry.params) {
     if (!err.str().empty()) break;
     if (is_sharded_mode(dist.options.mode) && !p.spec.shard.sharded())
@@ -170,6 +174,8 @@ void Engine::Impl::dist_setup() {
          << (backend.device().kind == DeviceKind::kCUDA ? "cuda" : "cpu") << ", replicate "
          << dist.options.replicate << ", bucket_bytes " << dist.options.bucket_bytes
          << ", batches_across_buckets " << dist.options.batches_across_buckets
+         << ", wire_dtype "
+         << (dist.options.wire_dtype ? dtype_name(*dist.options.wire_dtype) : "the parameters'")
          << ", grad_mean " << dist.options.grad_mean << ", check_grad_presence "
          << dist.options.check_grad_presence << ", caller_transfers "
          << dist.options.caller_transfers << ", fixed owners " << dist.options.owners.size()

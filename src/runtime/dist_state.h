@@ -20,7 +20,8 @@ struct DistMatrix {
   int64_t slice = 0;
   int64_t rows = 0, cols = 0;
   int group = 0;
-  DType wire = DType::kF32;      // dtype on the wire: the parameter's
+  DType dtype = DType::kF32;     // the parameter's
+  DType wire = DType::kF32;      // dtype on the wire: the parameter's, or DistOptions::wire_dtype
   int owner = 0;                 // world rank
   int owner_r = 0, owner_s = 0;  // HSDP coordinates of the owner (replica, shard position)
   int bucket = 0;

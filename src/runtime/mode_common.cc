@@ -150,8 +150,8 @@ class ReplicatedRunner final : public ModeRunner {
       dist_.world->grouped([&] {
         for (int j : dist_.buckets[c].act) {
           const DistMatrix& m = dist_.mats[j];
-          void* w = at(ctx.data[m.param].param, full_offset(m), m.wire);
-          handles_[c].push_back(dist_.world->broadcast(w, m.numel(), comm_type(m.wire), m.owner));
+          void* w = at(ctx.data[m.param].param, full_offset(m), m.dtype);
+          handles_[c].push_back(dist_.world->broadcast(w, m.numel(), comm_type(m.dtype), m.owner));
         }
       });
   }
@@ -165,7 +165,7 @@ class ReplicatedRunner final : public ModeRunner {
       return MuonSlot{
           MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
           MatRef::of(m.momentum.data(), p.state0_dtype, m.rows, m.cols),
-          MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+          MatRef::of(at(d.param, full_offset(m), m.dtype), m.dtype, m.rows, m.cols),
           record_.skips_of(p, m.slice)};
     };
   }

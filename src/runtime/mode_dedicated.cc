@@ -111,10 +111,10 @@ class DedicatedRunner final : public ModeRunner {
               if (dist_.replica) {
                 if (m.owner_s == dist_.my_s)
                   sc.broadcast_first.push_back(
-                      dist_.replica->broadcast(w, m.numel(), comm_type(m.wire), m.owner_r));
+                      dist_.replica->broadcast(w, m.numel(), comm_type(m.dtype), m.owner_r));
               } else {
                 sc.broadcast_first.push_back(
-                    dist_.shard->broadcast(w, m.numel(), comm_type(m.wire), m.owner_s));
+                    dist_.shard->broadcast(w, m.numel(), comm_type(m.dtype), m.owner_s));
               }
             }
           });
@@ -127,7 +127,7 @@ class DedicatedRunner final : public ModeRunner {
           for (int j : bk.act) {
             const DistMatrix& m = dist_.mats[j];
             s.broadcast_in_shard.push_back(
-                dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.wire), m.owner_s));
+                dist_.shard->broadcast(weight(j, ctx), m.numel(), comm_type(m.dtype), m.owner_s));
           }
         });
         break;
@@ -153,7 +153,7 @@ class DedicatedRunner final : public ModeRunner {
   }
   void* weight(int j, const StepContext& ctx) {
     const DistMatrix& m = dist_.mats[j];
-    return at(ctx.data[m.param].param, full_offset(m), m.wire);
+    return at(ctx.data[m.param].param, full_offset(m), m.dtype);
   }
   // This rank's contribution: the caller's gradient when it already has the wire dtype, else a
   // converted copy, or zeros when this rank computed no gradient for the matrix.
@@ -186,7 +186,7 @@ class DedicatedRunner final : public ModeRunner {
     const DistMatrix& m = dist_.mats[j];
     return {MatRef::of(gstage(j), m.wire, m.rows, m.cols),
             MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
-            MatRef::of(weight(j, ctx), m.wire, m.rows, m.cols),
+            MatRef::of(weight(j, ctx), m.dtype, m.rows, m.cols),
             record_.skips_of(registry_.params[m.param], m.slice)};
   }
 
@@ -199,7 +199,7 @@ class DedicatedRunner final : public ModeRunner {
              ": with caller_transfers the caller reduces every gradient onto its owner");
     return {MatRef::of(at(d.grad, full_offset(m), d.grad_dtype), d.grad_dtype, m.rows, m.cols),
             MatRef::of(m.momentum.data(), registry_.params[m.param].state0_dtype, m.rows, m.cols),
-            MatRef::of(at(d.param, full_offset(m), m.wire), m.wire, m.rows, m.cols),
+            MatRef::of(at(d.param, full_offset(m), m.dtype), m.dtype, m.rows, m.cols),
             record_.skips_of(registry_.params[m.param], m.slice)};
   }
   // The owner's slot: the staged reduced gradient, or the caller's buffers.

@@ -74,7 +74,7 @@ class GatherRunner final : public ModeRunner {
     const int64_t rows = m.hi[me] - m.lo[me], off = local_offset(m, m.lo[me]);
     return {MatRef::of(at(d.grad, off, d.grad_dtype), d.grad_dtype, rows, m.cols),
             MatRef::of(at(p.state0.data(), off, p.state0_dtype), p.state0_dtype, rows, m.cols),
-            MatRef::of(at(d.param, off, m.wire), m.wire, rows, m.cols),
+            MatRef::of(at(d.param, off, m.dtype), m.dtype, rows, m.cols),
             record_.skips_of(p, m.slice)};
   }
 

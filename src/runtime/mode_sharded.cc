@@ -5,8 +5,8 @@
 // collects, the owner broadcasts the update to the other replicas (same shard position), and
 // every replica distributes it inside its shard group.
 //
-// Stages of a bucket: 0 pack + all-to-all of gradient rows; 1 unpack, pass 1 and the statuses'
-// agreement, then passes 2-3 and the orthogonalization of the owner batches whose last bucket
+// Stages of a bucket: 0 pack + all-to-all of gradient rows; 1 unpack, pass 1 and (with replicas)
+// the statuses' agreement, then passes 2-3 and the orthogonalization of the owner batches whose last bucket
 // this is, and the cross-replica broadcast of the buckets whose updates are then complete; 2
 // all-to-all of update rows; 3 apply (stages 2-3 of a bucket follow the compute stage of the
 // bucket that completes its updates, Bucket::ready). Only the apply reads the agreed statuses
@@ -258,8 +258,8 @@ class ShardedRunner final : public ModeRunner {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (m.owner_s != q || piece(m, me) == 0) continue;
         const int64_t rows = m.hi[me] - m.lo[me];
-        MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.wire),
-                                 m.wire, rows, m.cols);
+        MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.dtype),
+                                 m.dtype, rows, m.cols);
         MuonSlot slot{wref, wref, wref, nullptr, ctx.coef + bk.act[k]};
         backend_.muon_update(
             {&slot, 1}, status_at(bk, static_cast<int>(k)),

@@ -99,7 +99,7 @@ struct BatchSequence {
   // status of every rank first), or gather mode's pass 1 on each rank's own rows.
   bool norms = true;
   // Between pass 1 and the rest, once for the list: the single process's AdamW check and raise
-  // policy; the sharded mode's agreement on the statuses (the shards apply the update).
+  // policy.
   std::function<void()> after_norms;
   // Batch k's iteration buffer and orthogonalization, asked right before its pass 2 (it may
   // grow the shared scratch and bind the batch's CacheMuon entries).

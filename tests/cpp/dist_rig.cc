@@ -197,6 +197,11 @@ std::vector<double> sum_over_ranks(std::vector<double> v) {
   return v;
 }
 
+double max_over_ranks(double v) {
+  host_world().all_reduce(&v, &v, 1, CommType::kF64, ReduceOp::kMax).wait();
+  return v;
+}
+
 }  // namespace distmuon::test
 
 int main(int argc, char** argv) {

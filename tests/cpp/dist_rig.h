@@ -84,5 +84,6 @@ void write(Backend& be, const TensorView& v, const void* host, size_t bytes);
 
 // Sum / max over the ranks of host values (host_world()).
 std::vector<double> sum_over_ranks(std::vector<double> v);
+double max_over_ranks(double v);
 
 }  // namespace distmuon::test

@@ -441,7 +441,8 @@ TEST(MpiComm, CommunicatorsLetGoGiveTheirMemoryBack) {
     c->barrier().wait();
     return c;
   };
-  ASSERT_TRUE(wait_for_nccl_teardowns(30.0)) << "an earlier test's teardown is still in flight";
+  // (EXPECT: a rank that returned here would leave the others waiting in the collectives below)
+  EXPECT_TRUE(wait_for_nccl_teardowns(30.0)) << "an earlier test's teardown is still in flight";
   const NcclTeardowns before = nccl_teardowns();
   const int64_t bytes_before = test::device_bytes_in_use();
   for (int i = 0; i < 11; ++i) used().reset();

@@ -94,6 +94,7 @@ struct Scenario {
   int steps = 3;
   bool cache = false;  // CacheMuon in group 0 (add_groups)
   bool per_bucket = false;  // DistOptions::batches_across_buckets off: owner batches per bucket
+  std::optional<DType> wire;  // DistOptions::wire_dtype
 };
 
 // Which parameters have a gradient: "a2" has none in step 1 (on every rank); in dedicated mode
@@ -263,6 +264,7 @@ DistRun make_dist(const Scenario& sc) {
   opt.bucket_bytes = sc.bucket_bytes;
   opt.defer_publish = sc.defer;
   opt.batches_across_buckets = !sc.per_bucket;
+  opt.wire_dtype = sc.wire;
   run.e = std::make_unique<Engine>(*run.be, c, opt, EngineOptions{sc.policy});
   add_groups(*run.e, sc.cache);
   for (size_t p = 0; p < model().size(); ++p) {
@@ -401,6 +403,9 @@ std::vector<Scenario> scenarios(DistMode m, int replicate) {
     out.push_back({m, 1, small, false, 1, NonFinitePolicy::kSkip, 5, true});
     // Owner batches cut at the buckets' borders (the engine before batches spanned buckets).
     out.push_back({m, 1, small, false, 1, NonFinitePolicy::kSkip, 3, false, true});
+    // The publication left in flight, with a NaN: the last buckets' statuses (sharded: agreed
+    // with the rows back) are waited for by wait_published().
+    out.push_back({m, 1, small, true, 1, NonFinitePolicy::kSkip, 3});
   } else if (world().size() % 2 == 0 && m != DistMode::kReplicated) {
     out.push_back({m, 2, small});
     out.push_back({m, 2, 2 * small, true});  // the publication left in flight
@@ -428,6 +433,33 @@ INSTANTIATE_TEST_SUITE_P(
              (std::get<1>(info.param) == 2 ? "_hsdp" : "");
     });
 
+// The Muon matrices in registration order (the plan's indices), their shapes and the bucket each
+// lies in, as the engine cuts buckets: consecutive matrices up to bucket_bytes (f32).
+struct MatInBucket {
+  int group;
+  int64_t m, n, bucket;
+};
+std::vector<MatInBucket> matrices_in_buckets(int64_t bucket_bytes) {
+  std::vector<MatInBucket> mats;
+  int64_t bucket = 0, bytes = 0;
+  for (const PDef& d : model()) {
+    if (d.group == 2) continue;
+    const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1;
+    const int64_t rows = d.shape.size() == 3 ? d.shape[1] : d.shape[0];
+    const int64_t cols = d.numel() / count / rows;
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t mb = rows * cols * static_cast<int64_t>(sizeof(float));
+      if (!mats.empty() && bytes + mb > bucket_bytes) {
+        bucket += 1;
+        bytes = 0;
+      }
+      bytes += mb;
+      mats.push_back({d.group, std::min(rows, cols), std::max(rows, cols), bucket});
+    }
+  }
+  return mats;
+}
+
 // An owner orthogonalizes each plan batch of one group and shape once per step, however many
 // buckets its members lie in (buckets of one or two matrices here, as the engine cuts them:
 // consecutive matrices up to bucket_bytes), as with one bucket; with batches_across_buckets off,
@@ -445,28 +477,7 @@ TEST(MpiEngine, OwnerBatchesSpanBuckets) {
       sc.per_bucket = per_bucket;
       DistRun run = make_dist(sc);
       dist_step(run, sc, 0);  // every parameter has a gradient in step 0
-      // The Muon matrices in registration order (the plan's indices), their shapes and buckets.
-      struct Mat {
-        int group;
-        int64_t m, n, bucket;
-      };
-      std::vector<Mat> mats;
-      int64_t bucket = 0, bytes = 0;
-      for (const PDef& d : model()) {
-        if (d.group == 2) continue;
-        const int64_t count = d.shape.size() == 3 ? d.shape[0] : 1;
-        const int64_t rows = d.shape.size() == 3 ? d.shape[1] : d.shape[0];
-        const int64_t cols = d.numel() / count / rows;
-        for (int64_t s = 0; s < count; ++s) {
-          const int64_t mb = rows * cols * static_cast<int64_t>(sizeof(float));
-          if (!mats.empty() && bytes + mb > sc.bucket_bytes) {
-            bucket += 1;
-            bytes = 0;
-          }
-          bytes += mb;
-          mats.push_back({d.group, std::min(rows, cols), std::max(rows, cols), bucket});
-        }
-      }
+      const std::vector<MatInBucket> mats = matrices_in_buckets(sc.bucket_bytes);
       const Plan* plan = run.e->plan();
       ASSERT_NE(plan, nullptr);
       std::set<std::tuple<size_t, int, int64_t, int64_t>> batches;
@@ -474,7 +485,7 @@ TEST(MpiEngine, OwnerBatchesSpanBuckets) {
       const auto& mine = plan->batches.at(static_cast<size_t>(c.rank()));
       for (size_t k = 0; k < mine.size(); ++k)
         for (int j : mine[k]) {
-          const Mat& m = mats.at(static_cast<size_t>(j));
+          const MatInBucket& m = mats.at(static_cast<size_t>(j));
           batches.emplace(k, m.group, m.m, m.n);
           runs.emplace(k, m.group, m.m, m.n, c.size() > 1 ? m.bucket : 0);
         }
@@ -505,24 +516,76 @@ TEST(MpiEngine, ShardedStatusesTravelWithTheUpdateRows) {
     dist_step(run, sc, 2);  // every matrix has a gradient in steps 0 and 2
     return run.e->stats().comm - before;
   };
-  int64_t buckets = 1, bytes = 0, mats = 0;  // as the engine cuts 600 bytes (OwnerBatchesSpanBuckets)
-  for (const PDef& p : model()) {
-    if (p.group == 2) continue;
-    const int64_t count = p.shape.size() == 3 ? p.shape[0] : 1;
-    const int64_t mb = p.numel() / count * static_cast<int64_t>(sizeof(float));
-    for (int64_t k = 0; k < count; ++k, ++mats) {
-      if (mats > 0 && bytes + mb > 600) {
-        buckets += 1;
-        bytes = 0;
-      }
-      bytes += mb;
-    }
-  }
+  const int64_t buckets = matrices_in_buckets(600).back().bucket + 1;
   ASSERT_GT(buckets, 2);
   const CommStats one = step_comm(32ll << 20), many = step_comm(600);
   EXPECT_EQ(many.ops - one.ops, 3 * (buckets - 1));  // rows out, statuses, rows back
   EXPECT_EQ(one.launches, test::on_cuda() ? one.ops - 1 : one.ops);
   EXPECT_EQ(many.launches, test::on_cuda() ? many.ops - buckets : many.ops);
+}
+
+// DistOptions::wire_dtype bf16 for f32 parameters: the sharded and gather modes move about half
+// the bytes, every rank's weights stay within bf16's rounding of the f32 wire's (the gradient
+// rows and the updates are rounded once), AdamW's parameters do not change at all; the modes
+// that move weights refuse it on every rank.
+TEST(MpiEngine, ANarrowWireHalvesTheBytesAndRoundsOnce) {
+  Communicator& c = world();
+  for (DistMode mode : {DistMode::kSharded, DistMode::kGather}) {
+    SCOPED_TRACE(dist_mode_name(mode));
+    Scenario f32, bf16;
+    f32.mode = bf16.mode = mode;
+    f32.bucket_bytes = bf16.bucket_bytes = 600;
+    bf16.wire = DType::kBF16;
+    DistRun a = make_dist(f32), b = make_dist(bf16);
+    for (int step = 0; step < f32.steps; ++step) {
+      dist_step(a, f32, step);
+      dist_step(b, bf16, step);
+    }
+    const CommStats ca = a.e->stats().comm, cb = b.e->stats().comm;
+    const double bytes_a = static_cast<double>(ca.bytes_sent + ca.bytes_received);
+    const double bytes_b = static_cast<double>(cb.bytes_sent + cb.bytes_received);
+    if (c.size() > 1) {
+      EXPECT_LT(bytes_b, 0.6 * bytes_a);  // the statuses and the vote keep their width
+      EXPECT_GT(bytes_b, 0.4 * bytes_a);
+    }
+    const std::vector<std::pair<int64_t, int64_t>> all = whole_rows();
+    std::vector<Mirror<float>> w0 = initial_weights(*a.be, a.rows);
+    double worst = 0;  // the largest difference, relative to the largest change of the weights
+    for (size_t p = 0; p < model().size(); ++p) {
+      const std::vector<float> wa = a.weight[p].get(), wb = b.weight[p].get(), init = w0[p].get();
+      if (model()[p].group == 2) {
+        EXPECT_EQ(wa, wb) << model()[p].name;  // AdamW's parameters never travel
+        continue;
+      }
+      double moved = 0, diff = 0;
+      for (size_t i = 0; i < wa.size(); ++i) {
+        moved = std::max(moved, static_cast<double>(std::abs(wa[i] - init[i])));
+        diff = std::max(diff, static_cast<double>(std::abs(wa[i] - wb[i])));
+      }
+      if (moved > 0) worst = std::max(worst, diff / moved);
+    }
+    worst = test::max_over_ranks(worst);
+    if (c.rank() == 0)
+      std::printf("[wire] %s, bf16 for f32 parameters, %d steps: %.3g of the f32 wire's bytes, "
+                  "weights within %.3g of their change\n",
+                  dist_mode_name(mode), f32.steps, bytes_a > 0 ? bytes_b / bytes_a : 1.0, worst);
+    EXPECT_GT(worst, 0);     // the rounding is there
+    EXPECT_LT(worst, 0.05);  // and small: bf16 keeps 8 bits
+  }
+  for (DistMode mode : {DistMode::kDedicated, DistMode::kReplicated}) {
+    Scenario sc;
+    sc.mode = mode;
+    sc.wire = DType::kBF16;
+    try {
+      DistRun r = make_dist(sc);
+      dist_step(r, sc, 0);
+      ADD_FAILURE() << dist_mode_name(mode) << " accepted a narrower wire";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("wire_dtype bf16 applies to the sharded and gather"),
+                std::string::npos)
+          << e.what();
+    }
+  }
 }
 
 TEST(MpiEngine, HalfPrecisionParametersTravelInTheirDtype) {
