@@ -113,7 +113,7 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
   app.add_option("--wire-dtype", o.wire_dtype,
                  "sharded and gather modes: what travels for wider parameters (DistOptions::"
                  "wire_dtype; default: the parameters' dtype); the other modes keep theirs")
-      ->check(CLI::IsMember({"bf16", "f16"}))
+      ->check(CLI::IsMember({"bf16", "f32"}))
       ->group(dist);
   app.add_option("--planner", o.planner, "owner planner")
       ->check(CLI::IsMember({"milp", "lpt", "round-robin"}))

@@ -146,7 +146,8 @@ struct DistOptions {
   // the updates back; gather's momentum rows) for parameters of a wider dtype, e.g. bf16 for f32
   // parameters, half the bytes and staging copies: every gradient and update is rounded to it
   // once (docs/distributed.md, "The wire's precision"). Parameters narrower than it keep their
-  // own. Empty: each parameter's dtype. The other modes move weights and refuse it.
+  // own. Empty: each parameter's dtype. f16 is refused (its range flushes small gradients), and
+  // so is any narrower wire in the other modes, which move weights.
   std::optional<DType> wire_dtype;
 };
 

@@ -141,6 +141,8 @@ void Engine::Impl::dist_setup() {
   if (err.tellp() == 0 && dist.options.planner != "milp" && dist.options.planner != "lpt" &&
       dist.options.planner != "round-robin")
     err << "unknown planner '" << dist.options.planner << "' (milp, lpt or round-robin)";
+  if (err.tellp() == 0 && dist.options.wire_dtype == DType::kF16)
+    err << "wire_dtype f16 is refused: its range would flush small gradients to zero (use bf16)";
   if (err.tellp() == 0 && dist.options.wire_dtype && !is_sharded_mode(dist.options.mode))
     err << "wire_dtype " << dtype_name(*dist.options.wire_dtype) << " applies to the sharded and "
         << "gather modes (they move gradients and updates); " << mode

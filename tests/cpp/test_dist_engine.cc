@@ -572,6 +572,19 @@ TEST(MpiEngine, ANarrowWireHalvesTheBytesAndRoundsOnce) {
     EXPECT_GT(worst, 0);     // the rounding is there
     EXPECT_LT(worst, 0.05);  // and small: bf16 keeps 8 bits
   }
+  {
+    Scenario sc;
+    sc.mode = DistMode::kSharded;
+    sc.wire = DType::kF16;
+    try {
+      DistRun r = make_dist(sc);
+      dist_step(r, sc, 0);
+      ADD_FAILURE() << "an f16 wire was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("wire_dtype f16 is refused"), std::string::npos)
+          << e.what();
+    }
+  }
   for (DistMode mode : {DistMode::kDedicated, DistMode::kReplicated}) {
     Scenario sc;
     sc.mode = mode;
