@@ -261,7 +261,20 @@ void bind_engine(nb::module_& m) {
       .def_rw("planner", &DistOptions::planner)
       .def_rw("plan_costs", &DistOptions::plan_costs)
       .def_rw("owners", &DistOptions::owners)
-      .def_rw("caller_transfers", &DistOptions::caller_transfers);
+      .def_rw("caller_transfers", &DistOptions::caller_transfers)
+      .def_prop_rw(
+          "wire_dtype",
+          [](const DistOptions& o) {
+            return o.wire_dtype ? std::string(dtype_name(*o.wire_dtype)) : std::string();
+          },
+          [](DistOptions& o, const std::string& name) {
+            if (name.empty())
+              o.wire_dtype.reset();
+            else
+              o.wire_dtype = parse_dtype(name);
+          },
+          "what the sharded and gather modes send for wider parameters ('bf16', 'f32'; '': the "
+          "parameters' own dtype)");
 
   m.def(
       "plan_owners",

@@ -378,6 +378,8 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "mismatch_shape": guarded(lambda: run_mismatch(rank, world, "shape")),
         "fqn_api": guarded(lambda: run_fqn_api(rank, world)),
         "collectives": guarded(lambda: run_collectives(rank, world)),
+        "fsdp_wire": guarded(lambda: run_train(rank, world, "fsdp", kw={**OPT_KW, "wire_dtype": torch.bfloat16})),
+        "ddp_wire": guarded(lambda: run_train(rank, world, "ddp", kw={**OPT_KW, "wire_dtype": torch.bfloat16})),
     }
 
 

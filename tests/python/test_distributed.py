@@ -136,6 +136,26 @@ def test_gather_baseline_equals_single_process(world2: list[dict[str, Any]], sin
     assert_matches_single(world2, "gather", single, "gather")
 
 
+def test_a_bf16_wire_rounds_fsdp2s_rows_once_and_ddp_refuses_it(world2: list[dict[str, Any]]) -> None:
+    """wire_dtype=torch.bfloat16: float32 gradient rows and updates travel in bfloat16, so the
+    weights move a little off the float32 wire's (each step's rounding, compounded by training)
+    and the loss follows; DDP's replicated mode moves weights and refuses it."""
+    for r in world2:
+        wire, exact = ok(r["fsdp_wire"]), ok(r["fsdp"])
+        assert wire["mode"] == "sharded"
+        init = sc.full_params(sc.make_model())
+        moved = max_diff(exact["params"], init)
+        off = max_diff(wire["params"], exact["params"])
+        gap = abs(wire["losses"][-1] - exact["losses"][-1]) / exact["losses"][-1]
+        print(f"[wire] bf16 rows, 2 gloo ranks, {len(exact['losses'])} steps: weights {off / moved:.3g} of "
+              f"their change off the f32 wire's, final loss {gap:.2g} off")
+        assert 0 < off < 0.1 * moved, (off, moved)  # training compounds each step's rounding
+        assert gap < 0.01
+        assert wire["losses"][-1] < wire["losses"][0]
+    for r in world2:
+        assert "wire_dtype applies to the sharded and gather modes" in r["ddp_wire"]["error"]
+
+
 # ---- checkpoints -----------------------------------------------------------------------------
 
 

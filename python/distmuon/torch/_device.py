@@ -125,9 +125,12 @@ def make_engine(
     dedicated_owners: list[int] | None = None,
     graphs: bool = True,
     autotune: str = "on",
+    wire_dtype: str = "",
 ) -> _C.Engine:
     """The engine for `topo`. The dedicated mode (distmuon.torch.dedicate) takes the owners the
-    handle planned and leaves the transfers to it (the engine only computes on the owners)."""
+    handle planned and leaves the transfers to it (the engine only computes on the owners).
+    `wire_dtype` ('bf16', 'f32', '': the parameters') narrows what the sharded and gather modes
+    send; the other modes never take it."""
     if nonfinite not in _POLICY:
         raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
     if device.type == "cpu":
@@ -144,6 +147,8 @@ def make_engine(
         opts.replicate = topo.replicate
         opts.bucket_bytes = int(bucket_mb * (1 << 20))
         opts.check_grad_presence = True
+        if topo.mode in ("sharded", "gather"):
+            opts.wire_dtype = wire_dtype
         if topo.mode == "dedicated":
             opts.owners = list(dedicated_owners or [])
             opts.caller_transfers = True

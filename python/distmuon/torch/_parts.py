@@ -49,6 +49,7 @@ def build_part(
     graphs: bool = True,
     autotune: str = "on",
     tune: bool = False,
+    wire_dtype: str = "",
 ) -> Part:
     """An engine with every group and these slots, set up (collective when distributed). `comm`
     reuses an existing communicator of the same topology; `tune` measures what the measurement
@@ -57,7 +58,15 @@ def build_part(
         comm = make_communicator(topo, device, communicator)
     owners = dedicated.owner_members([s.param for s in slots]) if dedicated is not None else None
     engine = make_engine(
-        device, nonfinite, topo, comm, bucket_mb, dedicated_owners=owners, graphs=graphs, autotune=autotune
+        device,
+        nonfinite,
+        topo,
+        comm,
+        bucket_mb,
+        dedicated_owners=owners,
+        graphs=graphs,
+        autotune=autotune,
+        wire_dtype=wire_dtype,
     )
     for o in options:
         engine.add_group(o)

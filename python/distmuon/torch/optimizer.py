@@ -108,6 +108,11 @@ class Muon(torch.optim.Optimizer):
         process_group: the group of the replicated mode (default: the whole world).
         bucket_mb: megabytes of full matrices moved per bucket in the distributed modes (the
             next bucket travels while the current one computes).
+        wire_dtype: None (default: each parameter's dtype) or torch.bfloat16: in the sharded and
+            gather modes (FSDP2, HSDP), float32 parameters' gradient rows and updates travel in
+            bfloat16, half the optimizer's traffic, each rounded once (docs/distributed.md,
+            "The wire's precision"). Refused where the replicated mode (DDP) moves weights;
+            nothing travels in one process.
         communicator: how the engine's collectives travel: 'auto' (NCCL for CUDA parameters
             when the build has it, else 'torch'), 'torch' (over the torch.distributed process
             group: gloo on the CPU), 'nccl', or 'mpi' (CPU, under mpirun, in a build with MPI).
@@ -179,6 +184,7 @@ class Muon(torch.optim.Optimizer):
         dist_mode: str = "auto",
         process_group: Any = None,
         bucket_mb: float = 32.0,
+        wire_dtype: torch.dtype | None = None,
         communicator: str = "auto",
         cuda_graphs: bool = True,
         autotune: str = "on",
@@ -229,6 +235,9 @@ class Muon(torch.optim.Optimizer):
             raise TypeError(f"bucket_mb must be a number of megabytes (got {bucket_mb!r})")
         if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2**40):
             raise ValueError(f"bucket_mb must be a finite number in (0, 2**40] (got {bucket_mb})")
+        if wire_dtype not in (None, torch.bfloat16):
+            raise ValueError(f"wire_dtype must be None or torch.bfloat16 (got {wire_dtype!r})")
+        self._wire_dtype = "bf16" if wire_dtype is torch.bfloat16 else ""
         self._momentum_dtype = momentum_dtype
         self._nonfinite = nonfinite
         self._cuda_graphs = cuda_graphs
@@ -467,6 +476,11 @@ class Muon(torch.optim.Optimizer):
             slots = self._make_slots(layout)
             device = common_device([s.local() for s in slots], [s.name for s in slots])
             options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
+            if self._wire_dtype and any(t.mode == "replicated" for t, _, _ in layout):
+                raise ValueError(
+                    "wire_dtype applies to the sharded and gather modes (FSDP2, HSDP); the replicated "
+                    "mode (DDP) moves weights, which every rank must hold alike"
+                )
             error = None
         except (ValueError, TypeError, RuntimeError) as e:
             if not any(t.distributed for t, _, _ in layout):
@@ -497,6 +511,7 @@ class Muon(torch.optim.Optimizer):
                     graphs=self._cuda_graphs,
                     autotune=self._autotune,
                     tune=tune,
+                    wire_dtype=self._wire_dtype,
                 )
             )
         carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
