@@ -258,6 +258,9 @@ def test_options_of_the_wrong_kind_are_refused_in_one_process() -> None:
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="bucket_mb must be a finite number"):
             Muon([w], bucket_mb=bad)
+    for bad in (torch.float16, torch.float32, "bf16"):
+        with pytest.raises(ValueError, match="wire_dtype must be None or torch.bfloat16"):
+            Muon([w], wire_dtype=bad)  # type: ignore[arg-type]
 
 
 def test_copying_the_optimizer_is_refused_clearly() -> None:
