@@ -22,6 +22,9 @@
 // completion and deadline later (polled at each stage, host-waited at the next finish()). With
 // host communicators (MPI, gloo through the PyTorch front) a stage is issued once the previous
 // one completed, checked without blocking each time backward delivers a gradient.
+//
+// Files: dedicated_transfers.cc (set-up, forward broadcasts, HSDP publication),
+// dedicated_reductions.cc (backward reductions, the vote and what is left at finish()).
 #pragma once
 
 #include <cstdint>
