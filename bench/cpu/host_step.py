@@ -6,6 +6,8 @@ torch thread, fixed batches.
     python3 bench/cpu/host_step.py                       # 2 ranks, 3 runs, every configuration
     python3 bench/cpu/host_step.py --runs 1 --steps 10   # a quick look
     python3 bench/cpu/host_step.py --configs dedicated --json out/host_step.json
+    python3 bench/cpu/host_step.py --pythons before=venv-a/bin/python,after=venv-b/bin/python
+                                                         # two builds, their runs alternating
 
 Configurations (each on fresh processes, every rank the same):
 
@@ -17,10 +19,12 @@ Configurations (each on fresh processes, every rank the same):
     ddp                DistributedDataParallel + Muon (replicated mode); timed: opt.step()
 
 Per configuration and rank, the median over --steps timed steps (after --warmup) of the phases
-in milliseconds (ranks start each phase together: a barrier before it), and per step the
-crossings counted by wrapping the front's classes: callbacks from C++ into Python (the
-torch-communicator's collectives `comm`, its completion polls and waits `poll`, the dedicated
-memory's requests `memory`) and the calls of the dedicated hooks into C++ (`hook->C++`). A
+in milliseconds (ranks start each phase together: a barrier before it), wall time and the CPU
+time of the rank's own thread (`cpu`: the host's work, without waiting for the other ranks or for
+the collectives' threads), and per step (forward, backward and step()) the crossings counted
+by wrapping the front's classes: callbacks from C++ into Python (the torch communicator's
+collectives `comm`, its completion polls and waits `poll`, the dedicated memory's requests
+`memory`: MEMORY_CALLBACKS) and the calls of the dedicated hooks into C++ (`hook->C++`). A
 figure is the slowest rank's; the summary line is the median over --runs runs.
 """
 
@@ -41,15 +45,21 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("dedicated", "dedicated-overlap", "fsdp", "ddp")
+# Wall milliseconds, and the CPU milliseconds of the rank's own thread (what the host spends on
+# it, without waiting for the other ranks or the collectives' threads).
+PHASES = ("forward", "backward", "step", "backward_cpu", "step_cpu")
+# The dedicated memory's methods that the C++ transfers call (DedicatedMemory; the front calls
+# the others itself).
+MEMORY_CALLBACKS = frozenset({"bucket", "release_bucket", "grads", "drop_grad", "has_grad"})
 
 
 # ---- counting the crossings ------------------------------------------------------------------
 
 
-def _counting(cls: type, kind: str, counts: Counter) -> None:
-    """Counts every call of cls's public methods (those C++ calls back) under `kind`."""
+def _counting(cls: type, kind: str, counts: Counter, names: frozenset[str] | None = None) -> None:
+    """Counts every call of cls's public methods (or of `names`: those C++ calls back) under `kind`."""
     for name, fn in list(vars(cls).items()):
-        if name.startswith("_") or not callable(fn):
+        if name.startswith("_") or not callable(fn) or (names is not None and name not in names):
             continue
 
         def wrapped(*a: Any, __fn: Any = fn, **k: Any) -> Any:
@@ -87,7 +97,7 @@ def instrument(counts: Counter) -> None:
         from distmuon.torch import _dedicated_layout
 
         if hasattr(_dedicated_layout, "Memory"):
-            _counting(_dedicated_layout.Memory, "memory", counts)
+            _counting(_dedicated_layout.Memory, "memory", counts, MEMORY_CALLBACKS)
     except ImportError:
         pass
 
@@ -145,28 +155,30 @@ def rank_main(rank: int, world: int, port: int, out: str, args: argparse.Namespa
     result: dict[str, Any] = {}
     for kind in args.configs:
         model, dm, opt = _build(kind, cfg, world, counts)
-        phases: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
+        phases: dict[str, list[float]] = {k: [] for k in PHASES}
         crossings: Counter = Counter()
         for i in range(args.warmup + args.steps):
             x, y = batches[i % len(batches)]
             opt.zero_grad()
             dist.barrier()
+            before = Counter(counts)
             t0 = time.perf_counter()
             loss = model(x, y)
             t1 = time.perf_counter()
             dist.barrier()
-            before = Counter(counts)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.thread_time()
             loss.backward()
-            t3 = time.perf_counter()
+            t3, c3 = time.perf_counter(), time.thread_time()
             dist.barrier()
-            t4 = time.perf_counter()
+            t4, c4 = time.perf_counter(), time.thread_time()
             opt.step()
-            t5 = time.perf_counter()
+            t5, c5 = time.perf_counter(), time.thread_time()
             if i >= args.warmup:
                 phases["forward"].append((t1 - t0) * 1e3)
                 phases["backward"].append((t3 - t2) * 1e3)
                 phases["step"].append((t5 - t4) * 1e3)
+                phases["backward_cpu"].append((c3 - c2) * 1e3)
+                phases["step_cpu"].append((c5 - c4) * 1e3)
                 crossings.update(Counter(counts) - before)
         row = {k: statistics.median(v) for k, v in phases.items()}
         row["crossings_per_step"] = {k: v / args.steps for k, v in sorted(crossings.items())}
@@ -198,11 +210,26 @@ def one_run(args: argparse.Namespace) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for kind in args.configs:
         rows = [r[kind] for r in ranks]
-        merged[kind] = {k: max(r[k] for r in rows) for k in ("forward", "backward", "step")}
+        merged[kind] = {k: max(r[k] for r in rows) for k in PHASES}
         merged[kind]["mode"] = rows[0]["mode"]
         names = sorted({n for r in rows for n in r["crossings_per_step"]})
         merged[kind]["crossings_per_step"] = {n: max(r["crossings_per_step"].get(n, 0) for r in rows) for n in names}
     return merged
+
+
+def summarize(label: str, runs: list[dict[str, Any]], configs: list[str]) -> dict[str, Any]:
+    """The median over runs of each figure, printed one line per configuration."""
+    summary: dict[str, Any] = {}
+    for kind in configs:
+        rows = [run[kind] for run in runs]
+        med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
+        summary[kind] = dict(med, mode=rows[0]["mode"], crossings_per_step=rows[-1]["crossings_per_step"])
+        cross = " ".join(f"{k} {v:g}" for k, v in rows[-1]["crossings_per_step"].items())
+        print(
+            f"  {label}{kind:>17} ({rows[0]['mode']}): backward {med['backward']:7.3f} (cpu {med['backward_cpu']:7.3f})  "
+            f"step {med['step']:7.3f} (cpu {med['step_cpu']:7.3f})   crossings/step: {cross or '-'}"
+        )
+    return summary
 
 
 def main() -> int:
@@ -210,7 +237,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--runs", type=int, default=3, help="fresh launches; the summary is their median")
     ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--layers", type=int, default=4)
@@ -218,36 +245,52 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4, help="per rank")
+    ap.add_argument(
+        "--pythons",
+        default="",
+        help="LABEL=PYTHON,...: interpreters (each with its own distmuon) whose runs alternate, run after run, "
+        "so that a drifting machine falls on each alike; default: this one alone",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.configs = [c for c in args.configs.split(",") if c]
     for c in args.configs:
         if c not in CONFIGS:
             ap.error(f"unknown configuration {c!r} (one of {', '.join(CONFIGS)})")
-    runs = []
+    pythons = [tuple(x.split("=", 1)) for x in args.pythons.split(",") if x] or [("", "")]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _ in pythons}
     for r in range(args.runs):
-        runs.append(one_run(args))
-        for kind, row in runs[-1].items():
-            cross = " ".join(f"{k} {v:g}" for k, v in row["crossings_per_step"].items())
-            print(
-                f"run {r + 1} {kind:>17}: forward {row['forward']:7.3f}  backward {row['backward']:7.3f}  "
-                f"step {row['step']:7.3f} ms   crossings/step: {cross or '-'}",
-                flush=True,
-            )
+        for label, python in pythons:
+            if python:
+                runs[label].append(_run_in(python, args))
+            else:
+                runs[label].append(one_run(args))
+            for kind, row in runs[label][-1].items():
+                print(
+                    f"run {r + 1} {label}{' ' if label else ''}{kind:>17}: backward {row['backward']:7.3f} "
+                    f"(cpu {row['backward_cpu']:7.3f})  step {row['step']:7.3f} (cpu {row['step_cpu']:7.3f}) ms",
+                    flush=True,
+                )
     print(f"median of {args.runs} runs ({args.ranks} gloo ranks, {args.threads} torch thread(s) each, ms; slowest rank):")
-    summary: dict[str, Any] = {}
-    for kind in args.configs:
-        rows = [run[kind] for run in runs]
-        med = {k: statistics.median(r[k] for r in rows) for k in ("forward", "backward", "step")}
-        summary[kind] = dict(med, mode=rows[0]["mode"], crossings_per_step=rows[-1]["crossings_per_step"])
-        print(
-            f"  {kind:>17} ({rows[0]['mode']}): backward {med['backward']:7.3f}  step {med['step']:7.3f}  "
-            f"backward+step {med['backward'] + med['step']:7.3f}"
-        )
+    medians = {label: summarize(f"{label} " if label else "", runs[label], args.configs) for label, _ in pythons}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "json"}, "runs": runs, "median": summary}, indent=2))
+        keep = {k: v for k, v in vars(args).items() if k != "json"}
+        args.json.write_text(json.dumps({"args": keep, "runs": runs, "median": medians}, indent=2))
     return 0
+
+
+def _run_in(python: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run of this script under another interpreter."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as out:
+        path = Path(out, "run.json")
+        cmd = [python, __file__, "--runs", "1", "--json", str(path), "--configs", ",".join(args.configs)]
+        for k in ("ranks", "steps", "warmup", "threads", "layers", "embd", "heads", "block", "batch"):
+            cmd += [f"--{k}", str(getattr(args, k))]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(path.read_text())["runs"][""][0]
 
 
 if __name__ == "__main__":
