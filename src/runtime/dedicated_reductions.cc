@@ -1,13 +1,12 @@
 // The dedicated runtime's reductions (distmuon/dedicated_transfers.h): each bucket's gradients to
-// its owner in backward, in one fixed order; at finish() the vote, what was held back and the
-// second pass. Set-up and the forward's broadcasts: dedicated_transfers.cc.
-#include "distmuon/dedicated_transfers.h"
-
+// its owner in backward, in one fixed order; at finish() the vote, what was held back, the second
+// pass and the owners' mean. Set-up and the forward's broadcasts: dedicated_transfers.cc.
 #include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "distmuon/dedicated_transfers.h"
 #include "distmuon/error.h"
 
 namespace distmuon {
@@ -42,6 +41,7 @@ std::vector<std::vector<int>> DedicatedTransfers::grad_ready(int j, void* stream
 void DedicatedTransfers::send(int b, const std::vector<int>& present) {
   const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
   grad_[b] = memory_.grads(b, present);
+  if (role_of_bucket(b) == Role::kOwner) owned_grad_[b] = grad_[b];
   for (int j : bucket.matrices) state_[j] = State::kSkipped;
   for (int j : present) state_[j] = State::kSent;
   sent_[b] = true;
@@ -110,11 +110,15 @@ void DedicatedTransfers::arrived(int b, std::vector<std::vector<int>>* landed) {
 
 void DedicatedTransfers::wait(std::span<const int> js, void* stream) {
   bind(stream);
+  std::vector<int> mine;
   for (int j : js) {
     DM_CHECK(j >= 0 && j < static_cast<int>(matrices_.size()), "dedicated transfers: no matrix ",
              j);
     complete(layout_.bucket_of[j]);
+    if (matrices_[j].owner == world_.member && state_[j] == State::kLanded && !averaged_[j])
+      mine.push_back(j);
   }
+  average(std::move(mine), stream);
 }
 
 void DedicatedTransfers::complete(int b) {
@@ -196,7 +200,9 @@ std::vector<int> DedicatedTransfers::finish(void* stream) {
 
   std::vector<int> to_average;
   for (int j = 0; j < n; ++j)
-    if (present(j) && matrices_[j].owner == world_.member && !prepared_[j]) to_average.push_back(j);
+    if (present(j) && matrices_[j].owner == world_.member && !prepared_[j] && !averaged_[j])
+      to_average.push_back(j);
+  average(to_average, stream);
   last_step_ = std::move(unchecked_);
   unchecked_.clear();
   reset();
@@ -220,6 +226,34 @@ void DedicatedTransfers::second_pass(const std::vector<int>& redo,
   }
   advance(/*blocking=*/true, nullptr);
   for (int b : redo) complete(b);
+}
+
+// A division of the sum by the world size, as one process's mean is (the product with the
+// reciprocal in double, rounded once: the quotient's rounding for float32 and the half types).
+void DedicatedTransfers::average(std::vector<int> js, void* stream) {
+  if (mean_ == nullptr || world_.size == 1 || js.empty()) return;
+  DM_CHECK(mean_->native_stream() == stream, "dedicated transfers: the mean's backend ",
+           mean_->name(), " does not issue on the stage's stream");
+  std::sort(js.begin(), js.end(), [&](int a, int b) {
+    return std::pair(layout_.bucket_of[a], layout_.offset[a]) <
+           std::pair(layout_.bucket_of[b], layout_.offset[b]);
+  });
+  const ScaleSpec scale{.alpha = 1.0 / world_.size};
+  for (size_t k = 0; k < js.size();) {
+    const int b = layout_.bucket_of[js[k]];
+    const DedicatedMemory::Region& region = owned_grad_[b];
+    DM_CHECK(region.data != nullptr, "dedicated transfers: matrix '", matrices_[js[k]].name,
+             "' has no reduced buffer on its owner");
+    const DType t = layout_.buckets[b].dtype;
+    const int64_t first = layout_.offset[js[k]];
+    int64_t end = first + matrices_[js[k]].numel;
+    for (++k; k < js.size() && layout_.bucket_of[js[k]] == b && layout_.offset[js[k]] == end; ++k)
+      end += matrices_[js[k]].numel;
+    void* data = static_cast<char*>(region.data) + first * static_cast<int64_t>(dtype_size(t));
+    const BatchRef run = BatchRef::packed(data, t, 1, 1, end - first);
+    mean_->scale_copy(run, false, scale, run);
+  }
+  for (int j : js) averaged_[j] = true;
 }
 
 }  // namespace distmuon

@@ -13,13 +13,14 @@ namespace distmuon {
 DedicatedTransfers::DedicatedTransfers(std::vector<DedicatedMatrix> matrices,
                                        DedicatedLayout layout, HsdpWorld world,
                                        Communicator* world_comm, Communicator* control,
-                                       DedicatedMemory& memory, void* stream)
+                                       DedicatedMemory& memory, void* stream, Backend* mean)
     : matrices_(std::move(matrices)),
       layout_(std::move(layout)),
       world_(world),
       world_comm_(world_comm),
       control_(control),
-      memory_(memory) {
+      memory_(memory),
+      mean_(mean) {
   world_.check("dedicated transfers");
   DM_CHECK(layout_.unit_of.size() == matrices_.size(), "dedicated transfers: a layout of ",
            layout_.unit_of.size(), " matrices for ", matrices_.size());
@@ -127,6 +128,8 @@ void DedicatedTransfers::reset() {
   dirty_.assign(n, false);
   prepared_.assign(n, false);
   late_.assign(n, false);
+  averaged_.assign(n, false);
+  owned_grad_.assign(buckets, {});
   landed_per_unit_.assign(layout_.units.size(), 0);
   collecting_ = false;
   forwards_since_finish_ = 0;
