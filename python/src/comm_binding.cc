@@ -8,12 +8,14 @@
 //   This file only turns raw buffers into DLPack arrays and Python errors into distmuon errors;
 //   the collectives themselves are the Python object's.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -127,6 +129,11 @@ int64_t extent(std::span<const int64_t> counts, std::span<const int64_t> displs)
 }
 
 std::vector<int64_t> vec(std::span<const int64_t> s) { return {s.begin(), s.end()}; }
+
+// Binds a communicator that follows a stream to `stream`, where one is given.
+void bind_to(PyComm& c, std::optional<uintptr_t> stream) {
+  if (stream) c.comm->bind_stream(reinterpret_cast<void*>(*stream));
+}
 
 CommType array_comm_type(const Array& a) {
   if (!is_contiguous(a)) throw nb::value_error("communicator buffers must be contiguous");
@@ -253,42 +260,58 @@ void bind_comm(nb::module_& m) {
           },
           "Bytes moved and operations issued by this member so far.");
 
-  // A few collectives on DLPack arrays, for tests and measurements of a communicator from
-  // Python (the engine calls the C++ methods directly). Each waits for completion.
+  // A few collectives on DLPack arrays, for the front (checkpoint state and tensor-parallel
+  // parameters move on the engine's communicator), tests and measurements (the engine calls the
+  // C++ methods directly). Each waits for completion. `stream` (a cudaStream_t as an integer):
+  // a communicator that follows a stream (NCCL) is bound to it first, so that the operation
+  // starts after the work issued there (the arrays' producers) and its results are visible to
+  // the work issued there afterwards.
   comm.def(
           "all_reduce",
-          [](PyComm& c, Array a, int op) {
+          [](PyComm& c, Array a, int op, std::optional<uintptr_t> stream) {
             const CommType t = array_comm_type(a);
             void* p = a.data();
             const int64_t n = static_cast<int64_t>(a.size());
             nb::gil_scoped_release release;
+            bind_to(c, stream);
             c.comm->all_reduce(p, p, n, t, static_cast<ReduceOp>(op)).wait();
           },
-          nb::arg("array"), nb::arg("op") = 0, "In place; op 0 sum, 1 max, 2 min.")
+          nb::arg("array"), nb::arg("op") = 0, nb::arg("stream").none() = nb::none(),
+          "In place; op 0 sum, 1 max, 2 min.")
       .def(
           "broadcast",
-          [](PyComm& c, Array a, int root) {
+          [](PyComm& c, Array a, int root, std::optional<uintptr_t> stream) {
             const CommType t = array_comm_type(a);
             void* p = a.data();
             const int64_t n = static_cast<int64_t>(a.size());
             nb::gil_scoped_release release;
+            bind_to(c, stream);
             c.comm->broadcast(p, n, t, root).wait();
           },
-          nb::arg("array"), nb::arg("root"))
+          nb::arg("array"), nb::arg("root"), nb::arg("stream").none() = nb::none())
       .def(
           "all_to_all_v",
           [](PyComm& c, Array send, const std::vector<int64_t>& send_counts,
              const std::vector<int64_t>& send_displs, Array recv,
-             const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_displs) {
+             const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_displs,
+             std::optional<uintptr_t> stream) {
             const CommType t = array_comm_type(send);
+            if (array_comm_type(recv) != t)
+              throw nb::value_error("all_to_all_v: send and recv have different dtypes");
+            if (send_counts.size() != send_displs.size() ||
+                recv_counts.size() != recv_displs.size() ||
+                extent(send_counts, send_displs) > static_cast<int64_t>(send.size()) ||
+                extent(recv_counts, recv_displs) > static_cast<int64_t>(recv.size()))
+              throw nb::value_error("all_to_all_v: counts and displacements outside the arrays");
             const void* sp = send.data();
             void* rp = recv.data();
             nb::gil_scoped_release release;
+            bind_to(c, stream);
             c.comm->all_to_all_v(sp, send_counts, send_displs, rp, recv_counts, recv_displs, t)
                 .wait();
           },
           nb::arg("send"), nb::arg("send_counts"), nb::arg("send_displs"), nb::arg("recv"),
-          nb::arg("recv_counts"), nb::arg("recv_displs"))
+          nb::arg("recv_counts"), nb::arg("recv_displs"), nb::arg("stream").none() = nb::none())
       .def("barrier", [](PyComm& c) {
         nb::gil_scoped_release release;
         c.comm->barrier().wait();
