@@ -56,15 +56,24 @@ MEMORY_CALLBACKS = frozenset({"bucket", "release_bucket", "grads", "drop_grad", 
 # ---- counting the crossings ------------------------------------------------------------------
 
 
+_DEPTH: Counter = Counter()  # per kind: calls of that kind in progress
+
+
 def _counting(cls: type, kind: str, counts: Counter, names: frozenset[str] | None = None) -> None:
-    """Counts every call of cls's public methods (or of `names`: those C++ calls back) under `kind`."""
+    """Counts every call of cls's public methods (or of `names`: those C++ calls back) under
+    `kind`, except those made inside another of the same kind (a batch's operations)."""
     for name, fn in list(vars(cls).items()):
         if name.startswith("_") or not callable(fn) or (names is not None and name not in names):
             continue
 
         def wrapped(*a: Any, __fn: Any = fn, **k: Any) -> Any:
-            counts[kind] += 1
-            return __fn(*a, **k)
+            if _DEPTH[kind] == 0:
+                counts[kind] += 1
+            _DEPTH[kind] += 1
+            try:
+                return __fn(*a, **k)
+            finally:
+                _DEPTH[kind] -= 1
 
         setattr(cls, name, functools.wraps(fn)(wrapped))
 
@@ -92,7 +101,9 @@ def instrument(counts: Counter) -> None:
     from distmuon.torch import _torch_comm
 
     _counting(_torch_comm.TorchCollectives, "comm", counts)
-    _counting(_torch_comm.Pending, "poll", counts)
+    for name in ("Pending", "Batch"):  # a batch's polls reach its operations' within one crossing
+        if hasattr(_torch_comm, name):
+            _counting(getattr(_torch_comm, name), "poll", counts)
     try:
         from distmuon.torch import _dedicated_layout
 

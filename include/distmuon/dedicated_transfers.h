@@ -107,7 +107,8 @@ class DedicatedTransfers {
   // broadcasts would then meet another member's reductions. Throws on every member if not
   // (nothing changed: step() still works).
   void begin_forward();
-  // Starts the broadcasts of a unit's buckets not started in this forward (none past the last).
+  // Starts the broadcasts of a unit's buckets not started in this forward (none past the last),
+  // as one group (Communicator::grouped: one launch).
   void issue(int unit, void* stream);
   // The unit's weights are in place (for work issued afterwards on `stream`).
   void wait_unit(int unit, void* stream);
@@ -143,7 +144,8 @@ class DedicatedTransfers {
   std::vector<int> finish(void* stream);
 
   // HSDP: each owner sends its updated buckets to the members at its shard position in the
-  // other replicas (waited before the bucket's next broadcast, or by wait_published()).
+  // other replicas, as one group (waited before the bucket's next broadcast, or by
+  // wait_published()).
   void publish(void* stream);
   void wait_published(void* stream);
   // Collective: bucket b as its owner holds it, into `buf` (of the bucket's size) on every

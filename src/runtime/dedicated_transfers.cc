@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "distmuon/error.h"
 
@@ -160,19 +161,27 @@ void DedicatedTransfers::begin_forward() {
 void DedicatedTransfers::issue(int unit, void* stream) {
   if (unit < 0 || unit >= static_cast<int>(layout_.units.size())) return;
   bind(stream);
+  // The memory first, then the broadcasts as one group (one launch on NCCL, one call into
+  // Python on the torch communicator): a member that cannot provide a bucket issues none.
+  std::vector<std::pair<int, DedicatedMemory::Region>> go;
   for (int b : layout_.units[unit].buckets) {
     if (issued_[b]) continue;
-    issued_[b] = true;
-    const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
-    pending_grads_[b] = static_cast<int>(bucket.matrices.size());
     wait_replica(b);
-    DedicatedMemory::Region buf = memory_.bucket(b);
-    if (world_.shard() > 1) {
+    go.emplace_back(b, memory_.bucket(b));
+  }
+  for (const auto& [b, buf] : go) {
+    issued_[b] = true;
+    pending_grads_[b] = static_cast<int>(layout_.buckets[b].matrices.size());
+  }
+  if (world_.shard() == 1 || go.empty()) return;
+  groups_.shard()->grouped([&] {
+    for (auto& [b, buf] : go) {
+      const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
       broadcast_[b] = {groups_.shard()->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
                                                   world_.position_of(bucket.owner)),
                        std::move(buf.keep)};
     }
-  }
+  });
 }
 
 void DedicatedTransfers::wait_unit(int unit, void* stream) {
@@ -203,14 +212,22 @@ void DedicatedTransfers::release_all(void* stream) {
 void DedicatedTransfers::publish(void* stream) {
   if (world_.replicate == 1) return;
   bind(stream);
+  // As issue(): the memory (and the last publication of each bucket) first, then one group.
+  std::vector<std::pair<int, DedicatedMemory::Region>> go;
   for (size_t b = 0; b < layout_.buckets.size(); ++b) {
-    const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
-    if (world_.position_of(bucket.owner) != world_.my_position()) continue;
-    DedicatedMemory::Region buf = memory_.bucket(static_cast<int>(b));
-    publication_[b] = {groups_.replica()->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
-                                                    world_.replica_of(bucket.owner)),
-                       std::move(buf.keep)};
+    if (world_.position_of(layout_.buckets[b].owner) != world_.my_position()) continue;
+    wait_replica(static_cast<int>(b));
+    go.emplace_back(static_cast<int>(b), memory_.bucket(static_cast<int>(b)));
   }
+  groups_.replica()->grouped([&] {
+    for (auto& [b, buf] : go) {
+      const DedicatedLayout::Bucket& bucket = layout_.buckets[b];
+      publication_[b] = {
+          groups_.replica()->broadcast(buf.data, bucket.numel, comm_type(bucket.dtype),
+                                       world_.replica_of(bucket.owner)),
+          std::move(buf.keep)};
+    }
+  });
 }
 
 void DedicatedTransfers::wait_replica(int b) { order(publication_[b]); }
