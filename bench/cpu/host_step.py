@@ -59,16 +59,20 @@ MEMORY_CALLBACKS = frozenset({"bucket", "release_bucket", "grads", "drop_grad", 
 _DEPTH: Counter = Counter()  # per kind: calls of that kind in progress
 
 
-def _counting(cls: type, kind: str, counts: Counter, names: frozenset[str] | None = None) -> None:
+def _counting(
+    cls: type, kind: str, counts: Counter, names: frozenset[str] | None = None, by_method: bool = False
+) -> None:
     """Counts every call of cls's public methods (or of `names`: those C++ calls back) under
-    `kind`, except those made inside another of the same kind (a batch's operations)."""
+    `kind` (`kind.method` with by_method), except those made inside another of the same kind (a
+    batch's operations)."""
     for name, fn in list(vars(cls).items()):
         if name.startswith("_") or not callable(fn) or (names is not None and name not in names):
             continue
+        key = f"{kind}.{name}" if by_method else kind
 
-        def wrapped(*a: Any, __fn: Any = fn, **k: Any) -> Any:
+        def wrapped(*a: Any, __fn: Any = fn, __key: str = key, **k: Any) -> Any:
             if _DEPTH[kind] == 0:
-                counts[kind] += 1
+                counts[__key] += 1
             _DEPTH[kind] += 1
             try:
                 return __fn(*a, **k)
@@ -96,19 +100,19 @@ class _CountingProxy:
         return call
 
 
-def instrument(counts: Counter) -> None:
+def instrument(counts: Counter, by_method: bool) -> None:
     """Wraps the front's callback classes (whichever of them this version has)."""
     from distmuon.torch import _torch_comm
 
-    _counting(_torch_comm.TorchCollectives, "comm", counts)
+    _counting(_torch_comm.TorchCollectives, "comm", counts, by_method=by_method)
     for name in ("Pending", "Batch"):  # a batch's polls reach its operations' within one crossing
         if hasattr(_torch_comm, name):
-            _counting(getattr(_torch_comm, name), "poll", counts)
+            _counting(getattr(_torch_comm, name), "poll", counts, by_method=by_method)
     try:
         from distmuon.torch import _dedicated_layout
 
         if hasattr(_dedicated_layout, "Memory"):
-            _counting(_dedicated_layout.Memory, "memory", counts, MEMORY_CALLBACKS)
+            _counting(_dedicated_layout.Memory, "memory", counts, MEMORY_CALLBACKS, by_method)
     except ImportError:
         pass
 
@@ -156,7 +160,7 @@ def rank_main(rank: int, world: int, port: int, out: str, args: argparse.Namespa
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     counts: Counter = Counter()
-    instrument(counts)
+    instrument(counts, args.by_method)
     cfg = GPTConfig(vocab=65, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
     gen = torch.Generator().manual_seed(rank)
     batches = []
@@ -262,6 +266,7 @@ def main() -> int:
         help="LABEL=PYTHON,...: interpreters (each with its own distmuon) whose runs alternate, run after run, "
         "so that a drifting machine falls on each alike; default: this one alone",
     )
+    ap.add_argument("--by-method", action="store_true", help="crossings per method rather than per kind")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     args.configs = [c for c in args.configs.split(",") if c]
@@ -298,6 +303,7 @@ def _run_in(python: str, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as out:
         path = Path(out, "run.json")
         cmd = [python, __file__, "--runs", "1", "--json", str(path), "--configs", ",".join(args.configs)]
+        cmd += ["--by-method"] if args.by_method else []
         for k in ("ranks", "steps", "warmup", "threads", "layers", "embd", "heads", "block", "batch"):
             cmd += [f"--{k}", str(getattr(args, k))]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
