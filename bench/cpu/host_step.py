@@ -21,7 +21,9 @@ Configurations (each on fresh processes, every rank the same):
 Per configuration and rank, the median over --steps timed steps (after --warmup) of the phases
 in milliseconds (ranks start each phase together: a barrier before it), wall time and the CPU
 time of the rank's own thread (`cpu`: the host's work, without waiting for the other ranks or for
-the collectives' threads), and per step (forward, backward and step()) the crossings counted
+the collectives' threads), the part of that CPU time spent in the dedicated runtime (its hooks
+and the optimizer's calls before and after its step: Python, the C++ stages, their callbacks),
+and per step (forward, backward and step()) the crossings counted
 by wrapping the front's classes: callbacks from C++ into Python (the torch communicator's
 collectives `comm`, its completion polls and waits `poll`, the dedicated memory's requests
 `memory`: MEMORY_CALLBACKS) and the calls of the dedicated hooks into C++ (`hook->C++`). A
@@ -47,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("dedicated", "dedicated-overlap", "fsdp", "ddp")
 # Wall milliseconds, and the CPU milliseconds of the rank's own thread (what the host spends on
 # it, without waiting for the other ranks or the collectives' threads).
-PHASES = ("forward", "backward", "step", "backward_cpu", "step_cpu")
+PHASES = ("forward", "backward", "step", "backward_cpu", "step_cpu", "runtime_cpu")
 # The dedicated memory's methods that the C++ transfers call (DedicatedMemory; the front calls
 # the others itself).
 MEMORY_CALLBACKS = frozenset({"bucket", "release_bucket", "grads", "drop_grad", "has_grad"})
@@ -98,6 +100,40 @@ class _CountingProxy:
             return attr(*a, **k)
 
         return call
+
+
+# The dedicated runtime's entry points from PyTorch (its hooks, and the optimizer's calls around
+# the step): methods, and factories of the hooks they install.
+RUNTIME_METHODS = ("_begin_forward", "before_step", "after_step")
+RUNTIME_FACTORIES = ("_before_unit", "_after_unit", "_grad_hook")
+
+
+def _timed(fn: Any, spent: list[float]) -> Any:
+    @functools.wraps(fn)
+    def wrapped(*a: Any, **k: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            spent[0] += time.thread_time() - t
+
+    return wrapped
+
+
+def time_runtime(spent: list[float]) -> None:
+    """Adds the CPU time of this thread inside the dedicated runtime's hooks and step entries
+    (Python and the C++ they call, with its callbacks) to spent[0]."""
+    from distmuon.torch.dedicate import Dedicated
+
+    for name in RUNTIME_METHODS:
+        setattr(Dedicated, name, _timed(getattr(Dedicated, name), spent))
+    for name in RUNTIME_FACTORIES:
+        factory = getattr(Dedicated, name)
+
+        def make(self: Any, *a: Any, __factory: Any = factory) -> Any:
+            return _timed(__factory(self, *a), spent)
+
+        setattr(Dedicated, name, functools.wraps(factory)(make))
 
 
 def instrument(counts: Counter, by_method: bool) -> None:
@@ -161,6 +197,8 @@ def rank_main(rank: int, world: int, port: int, out: str, args: argparse.Namespa
     dist.init_process_group("gloo", rank=rank, world_size=world)
     counts: Counter = Counter()
     instrument(counts, args.by_method)
+    spent = [0.0]
+    time_runtime(spent)
     cfg = GPTConfig(vocab=65, block_size=args.block, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
     gen = torch.Generator().manual_seed(rank)
     batches = []
@@ -176,7 +214,7 @@ def rank_main(rank: int, world: int, port: int, out: str, args: argparse.Namespa
             x, y = batches[i % len(batches)]
             opt.zero_grad()
             dist.barrier()
-            before = Counter(counts)
+            before, runtime = Counter(counts), spent[0]
             t0 = time.perf_counter()
             loss = model(x, y)
             t1 = time.perf_counter()
@@ -194,6 +232,7 @@ def rank_main(rank: int, world: int, port: int, out: str, args: argparse.Namespa
                 phases["step"].append((t5 - t4) * 1e3)
                 phases["backward_cpu"].append((c3 - c2) * 1e3)
                 phases["step_cpu"].append((c5 - c4) * 1e3)
+                phases["runtime_cpu"].append((spent[0] - runtime) * 1e3)
                 crossings.update(Counter(counts) - before)
         row = {k: statistics.median(v) for k, v in phases.items()}
         row["crossings_per_step"] = {k: v / args.steps for k, v in sorted(crossings.items())}
@@ -240,9 +279,10 @@ def summarize(label: str, runs: list[dict[str, Any]], configs: list[str]) -> dic
         med = {k: statistics.median(r[k] for r in rows) for k in PHASES}
         summary[kind] = dict(med, mode=rows[0]["mode"], crossings_per_step=rows[-1]["crossings_per_step"])
         cross = " ".join(f"{k} {v:g}" for k, v in rows[-1]["crossings_per_step"].items())
+        runtime = f"  dedicated runtime cpu {med['runtime_cpu']:6.3f}" if kind.startswith("dedicated") else ""
         print(
             f"  {label}{kind:>17} ({rows[0]['mode']}): backward {med['backward']:7.3f} (cpu {med['backward_cpu']:7.3f})  "
-            f"step {med['step']:7.3f} (cpu {med['step_cpu']:7.3f})   crossings/step: {cross or '-'}"
+            f"step {med['step']:7.3f} (cpu {med['step_cpu']:7.3f}){runtime}   crossings/step: {cross or '-'}"
         )
     return summary
 
@@ -284,7 +324,8 @@ def main() -> int:
             for kind, row in runs[label][-1].items():
                 print(
                     f"run {r + 1} {label}{' ' if label else ''}{kind:>17}: backward {row['backward']:7.3f} "
-                    f"(cpu {row['backward_cpu']:7.3f})  step {row['step']:7.3f} (cpu {row['step_cpu']:7.3f}) ms",
+                    f"(cpu {row['backward_cpu']:7.3f})  step {row['step']:7.3f} (cpu {row['step_cpu']:7.3f})  "
+                    f"dedicated runtime cpu {row['runtime_cpu']:6.3f} ms",
                     flush=True,
                 )
     print(f"median of {args.runs} runs ({args.ranks} gloo ranks, {args.threads} torch thread(s) each, ms; slowest rank):")
