@@ -168,12 +168,12 @@ class Memory:
         backward before the bucket went: autograd's accumulation), unless it is a view there
         already. Returns the buffer as a DLPack capsule when it is lent now, else None."""
         m = self.matrices[j]
-        flat, fresh = self.lent[m.bucket], None
+        b = m.bucket
+        flat, fresh = self.lent[b], None
         if flat is None:
-            flat = self._buffer(m.bucket)
-            self.lent[m.bucket] = flat
+            flat = self.lent[b] = self._buffer(b)
             fresh = to_dlpack(flat)
-        adopted = self.adopted[m.bucket]
+        adopted = self.adopted[b]
         if not self._is_view(j, flat):
             view = flat[m.offset : m.offset + m.numel_of_param]
             g = m.param.grad
@@ -182,8 +182,10 @@ class Memory:
                 view.add_(g.reshape(-1))
             else:
                 view.copy_(g.reshape(-1))
+            # The owner's gradient becomes the view; other ranks drop theirs (the transfers keep
+            # the buffer alive while it travels).
+            m.param.grad = view.view(m.param.shape) if self.buckets[b].owner == self.member else None
         adopted.add(j)
-        self._hand_over(m.bucket, [j], flat)
         return fresh
 
     def sent(self, buckets: list[int]) -> None:

@@ -221,7 +221,8 @@ class Dedicated:
                 # bucket's first one: the reduction they issue asks nothing of Python.
                 lent = self.memory.lend(j)
                 landed, sent = self.transfers.grad_ready(j, self._stream(), lent)
-                self.memory.sent(sent)
+                if sent:
+                    self.memory.sent(sent)
                 for js in landed:
                     self._landed(js)
             if self.grid.size > 1 and self.transfers.used(bucket):
