@@ -22,6 +22,14 @@
 // completion and deadline later (polled at each stage, host-waited at the next finish()). With
 // host communicators (MPI, gloo through the PyTorch front) a stage is issued once the previous
 // one completed, checked without blocking each time backward delivers a gradient.
+//
+// The mean. Given a backend (`mean`), the owner turns each reduced sum into the mean here: one
+// division per run of adjacent matrices of a bucket's buffer, on the stage's stream, once the
+// matrix's last reduction is ordered there (wait(), finish()); without one, finish() leaves the
+// division to the caller.
+//
+// Files: dedicated_transfers.cc (set-up, forward broadcasts, HSDP publication),
+// dedicated_reductions.cc (backward reductions, the vote, what is left and the mean at finish()).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "distmuon/backend.h"
 #include "distmuon/comm.h"
 #include "distmuon/dedicated.h"
 #include "distmuon/hsdp.h"
@@ -74,10 +83,12 @@ class DedicatedTransfers {
   // the world's reductions may be pending, so not the world communicator itself. Both must
   // outlive this object, as must `memory`. `stream` orders the split's collectives, as every
   // stage's: a world communicator that follows a stream is bound to it first (it may still be
-  // bound to the stream of an earlier user, since gone).
+  // bound to the stream of an earlier user, since gone). `mean` (may be null): the backend the
+  // owners' sums are divided on, which must issue on the stream of the stage that divides
+  // (wait(), finish()) and outlive this object.
   DedicatedTransfers(std::vector<DedicatedMatrix> matrices, DedicatedLayout layout, HsdpWorld world,
                      Communicator* world_comm, Communicator* control, DedicatedMemory& memory,
-                     void* stream);
+                     void* stream, Backend* mean = nullptr);
   // Waits for the collectives still in flight, ordered on the stream of the last stage: that
   // stream (or the world's rebinding to another) must outlive this object.
   ~DedicatedTransfers();
@@ -96,7 +107,8 @@ class DedicatedTransfers {
   // broadcasts would then meet another member's reductions. Throws on every member if not
   // (nothing changed: step() still works).
   void begin_forward();
-  // Starts the broadcasts of a unit's buckets not started in this forward (none past the last).
+  // Starts the broadcasts of a unit's buckets not started in this forward (none past the last),
+  // as one group (Communicator::grouped: one launch).
   void issue(int unit, void* stream);
   // The unit's weights are in place (for work issued afterwards on `stream`).
   void wait_unit(int unit, void* stream);
@@ -114,7 +126,8 @@ class DedicatedTransfers {
   // matrices owned here all landed now, those matrices (during backward only): the caller may
   // wait() on them and prepare their updates, then report it with prepared().
   std::vector<std::vector<int>> grad_ready(int j, void* stream);
-  // The matrices' reductions are complete for work issued afterwards on `stream`.
+  // The matrices' reductions are complete for work issued afterwards on `stream`; with `mean`,
+  // those owned here hold their means (divided once: finish() leaves them).
   void wait(std::span<const int> js, void* stream);
   // The owner prepared these matrices' updates from their landed gradients.
   void prepared(std::span<const int> js);
@@ -125,12 +138,14 @@ class DedicatedTransfers {
   // was sent (several synchronised backwards before one step) and orders everything on
   // `stream`. Throws, on every member, when a gradient arrived after its matrix's update was
   // prepared; the state is reset either way. Returns the matrices owned here that hold the sum
-  // of their gradients over the members and are not prepared: the caller divides them by the
-  // world size (a division, as one process's mean is, so that the numbers match bit for bit).
+  // of their gradients over the members and are not prepared (nor averaged by wait()): with
+  // `mean` they hold the mean on return, divided by the world size on `stream`; else the caller
+  // divides them.
   std::vector<int> finish(void* stream);
 
   // HSDP: each owner sends its updated buckets to the members at its shard position in the
-  // other replicas (waited before the bucket's next broadcast, or by wait_published()).
+  // other replicas, as one group (waited before the bucket's next broadcast, or by
+  // wait_published()).
   void publish(void* stream);
   void wait_published(void* stream);
   // Collective: bucket b as its owner holds it, into `buf` (of the bucket's size) on every
@@ -169,6 +184,9 @@ class DedicatedTransfers {
   void arrived(int b, std::vector<std::vector<int>>* landed);
   // Buckets `redo` reduced again, each with its present matrices.
   void second_pass(const std::vector<int>& redo, const std::vector<std::vector<int>>& present);
+  // With `mean`: the owned matrices js, whose last reductions are ordered on the bound stream,
+  // divided by the world size in their buckets' buffers, each run of adjacent ones at once.
+  void average(std::vector<int> js, void* stream);
   void wait_replica(int b);
 
   std::vector<DedicatedMatrix> matrices_;
@@ -178,6 +196,7 @@ class DedicatedTransfers {
   Communicator* control_ = nullptr;
   HsdpComms groups_;  // the shard group (the world itself when flat) and the replica group
   DedicatedMemory& memory_;
+  Backend* mean_ = nullptr;
   // Collectives nothing waits for any more (ordered on a stream, or a sender's), kept until
   // they complete for their memory and deadline; those of the last step are host-waited at the
   // next finish().
@@ -196,9 +215,12 @@ class DedicatedTransfers {
   std::vector<bool> sent_;                     // per bucket: stage 0 issued in this pass
   std::vector<InFlight> reduction_;            // per bucket: the stage in flight
   std::vector<DedicatedMemory::Region> grad_;  // per bucket: the gradients the stages reduce
-  size_t next_send_ = 0, next_move_ = 0;       // positions in order_
-  std::vector<int> arriving_;                  // owner: buckets whose final stage is issued
-  std::vector<bool> dirty_, prepared_, late_;
+  // Per bucket owned here: the buffer of its last reduction, which holds the owner's sums (its
+  // gradients are views of it), kept until reset() for the mean.
+  std::vector<DedicatedMemory::Region> owned_grad_;
+  size_t next_send_ = 0, next_move_ = 0;  // positions in order_
+  std::vector<int> arriving_;             // owner: buckets whose final stage is issued
+  std::vector<bool> dirty_, prepared_, late_, averaged_;
   std::vector<int> landed_per_unit_;
   bool collecting_ = false;
   int forwards_since_finish_ = 0;

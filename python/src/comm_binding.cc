@@ -6,14 +6,17 @@
 // - PythonCommunicator: a Communicator whose collectives are methods of a Python object
 //   (distmuon.torch runs them over a torch.distributed process group, e.g. gloo on the CPU).
 //   This file only turns raw buffers into DLPack arrays and Python errors into distmuon errors;
-//   the collectives themselves are the Python object's.
+//   the collectives themselves are the Python object's. The operations of one grouped() reach
+//   Python as one call (its batch()) and complete together: one test or wait in Python for all.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -72,40 +75,56 @@ auto call_python(const std::string& what, F&& f, double timeout_s = 0) {
   DM_FAIL(what, ": ", message);
 }
 
-// One operation of a PythonCommunicator: the Python object returned by the collective (None:
-// it completed during the call), with test() -> bool and wait(timeout_s) -> None.
+// What a PythonCommunicator launched: one operation, or every operation of one grouped() (one
+// Python call for all, completing together). `pending`: the Python object the launch returned
+// (None: complete), with test() -> bool and wait(timeout_s) -> None.
+struct PyLaunch {
+  nb::object pending;
+  bool launched = false, done = false;
+  std::string failed;  // why the launch failed (its operations raise it)
+  ~PyLaunch() {
+    nb::gil_scoped_acquire gil;  // releases the Python object (and the arrays it holds)
+    pending.reset();
+  }
+};
+
+// One operation of a PythonCommunicator; those of one group share their launch, so that one
+// test() or wait() reaching Python completes them all.
 class PyRequest final : public CommRequest {
  public:
-  PyRequest(nb::object pending, std::string what)
-      : pending_(std::move(pending)), what_(std::move(what)), done_(pending_.is_none()) {}
-  ~PyRequest() override {
-    nb::gil_scoped_acquire gil;  // releases the Python object (and the arrays it holds)
-    pending_.reset();
-  }
+  PyRequest(std::shared_ptr<PyLaunch> launch, std::string what)
+      : launch_(std::move(launch)), what_(std::move(what)) {}
   bool test() override {
-    if (done_) return true;
-    done_ = call_python(what_, [&] { return nb::cast<bool>(pending_.attr("test")()); });
-    return done_;
+    check_launched();
+    if (launch_->done) return true;
+    launch_->done =
+        call_python(what_, [&] { return nb::cast<bool>(launch_->pending.attr("test")()); });
+    return launch_->done;
   }
   void wait(double timeout_s) override {
-    if (done_) return;
+    check_launched();
+    if (launch_->done) return;
     // What is left of the deadline from the issue; at least 1 ms, because a zero duration means
     // "no limit" to torch's Work.wait.
     const double left = std::max(seconds_left(timeout_s), 1e-3);
     call_python(
         what_,
         [&] {
-          pending_.attr("wait")(left);
+          launch_->pending.attr("wait")(left);
           return 0;
         },
         timeout_s);
-    done_ = true;
+    launch_->done = true;
   }
+  bool launched() const override { return launch_->launched || !launch_->failed.empty(); }
 
  private:
-  nb::object pending_;
+  void check_launched() const {
+    if (!launch_->failed.empty()) DM_FAIL(what_, ": its group failed to launch: ", launch_->failed);
+    DM_CHECK(launch_->launched, what_, ": waited on inside grouped(), before the group was launched");
+  }
+  std::shared_ptr<PyLaunch> launch_;
   std::string what_;
-  bool done_ = false;
 };
 
 // A DLPack array over `count` elements of a communicator buffer, or None when there are none.
@@ -128,6 +147,11 @@ int64_t extent(std::span<const int64_t> counts, std::span<const int64_t> displs)
 
 std::vector<int64_t> vec(std::span<const int64_t> s) { return {s.begin(), s.end()}; }
 
+// Binds a communicator that follows a stream to `stream`, where one is given.
+void bind_to(PyComm& c, std::optional<uintptr_t> stream) {
+  if (stream) c.comm->bind_stream(reinterpret_cast<void*>(*stream));
+}
+
 CommType array_comm_type(const Array& a) {
   if (!is_contiguous(a)) throw nb::value_error("communicator buffers must be contiguous");
   const nb::dlpack::dtype t = a.dtype();
@@ -148,6 +172,7 @@ class PythonCommunicator final : public Communicator {
         device_(device) {}
   ~PythonCommunicator() override {
     nb::gil_scoped_acquire gil;
+    calls_.reset();
     impl_.reset();
   }
   Device device() const override { return device_; }
@@ -156,23 +181,22 @@ class PythonCommunicator final : public Communicator {
   std::unique_ptr<CommRequest> do_all_reduce(const void* send, void* recv, int64_t count,
                                              CommType type, ReduceOp op) override {
     return issue("all_reduce", [&] {
-      return impl_.attr("all_reduce")(buf(send, count, type), buf(recv, count, type),
-                                      static_cast<int>(type), static_cast<int>(op));
+      return nb::make_tuple(buf(send, count, type), buf(recv, count, type), static_cast<int>(type),
+                            static_cast<int>(op));
     });
   }
   std::unique_ptr<CommRequest> do_reduce(const void* send, void* recv, int64_t count, CommType type,
                                          ReduceOp op, int root) override {
     return issue("reduce", [&] {
-      return impl_.attr("reduce")(buf(send, count, type),
-                                  rank() == root ? buf(recv, count, type) : nb::none(),
-                                  static_cast<int>(type), static_cast<int>(op), root);
+      return nb::make_tuple(buf(send, count, type),
+                            rank() == root ? buf(recv, count, type) : nb::none(),
+                            static_cast<int>(type), static_cast<int>(op), root);
     });
   }
   std::unique_ptr<CommRequest> do_broadcast(void* buf_, int64_t count, CommType type,
                                             int root) override {
-    return issue("broadcast",
-                 [&] {
-      return impl_.attr("broadcast")(buf(buf_, count, type), static_cast<int>(type), root);
+    return issue("broadcast", [&] {
+      return nb::make_tuple(buf(buf_, count, type), static_cast<int>(type), root);
     });
   }
   std::unique_ptr<CommRequest> do_all_gather_v(const void* send, int64_t send_count, void* recv,
@@ -180,10 +204,9 @@ class PythonCommunicator final : public Communicator {
                                                std::span<const int64_t> recv_displs,
                                                CommType type) override {
     return issue("all_gather_v", [&] {
-      return impl_.attr("all_gather_v")(buf(send, send_count, type),
-                                        buf(recv, extent(recv_counts, recv_displs), type),
-                                        vec(recv_counts), vec(recv_displs),
-                                        static_cast<int>(type));
+      return nb::make_tuple(buf(send, send_count, type),
+                            buf(recv, extent(recv_counts, recv_displs), type), vec(recv_counts),
+                            vec(recv_displs), static_cast<int>(type));
     });
   }
   std::unique_ptr<CommRequest> do_all_to_all_v(const void* send,
@@ -193,15 +216,13 @@ class PythonCommunicator final : public Communicator {
                                                std::span<const int64_t> recv_displs,
                                                CommType type) override {
     return issue("all_to_all_v", [&] {
-      return impl_.attr("all_to_all_v")(buf(send, extent(send_counts, send_displs), type),
-                                        vec(send_counts), vec(send_displs),
-                                        buf(recv, extent(recv_counts, recv_displs), type),
-                                        vec(recv_counts), vec(recv_displs),
-                                        static_cast<int>(type));
+      return nb::make_tuple(buf(send, extent(send_counts, send_displs), type), vec(send_counts),
+                            vec(send_displs), buf(recv, extent(recv_counts, recv_displs), type),
+                            vec(recv_counts), vec(recv_displs), static_cast<int>(type));
     });
   }
   std::unique_ptr<CommRequest> do_barrier() override {
-    return issue("barrier", [&] { return impl_.attr("barrier")(); });
+    return issue("barrier", [&] { return nb::make_tuple(); });
   }
   std::unique_ptr<Communicator> do_split(int color, int key) override {
     // The Python side agrees on the groups and returns (impl, rank, size, name, world_ranks),
@@ -219,15 +240,55 @@ class PythonCommunicator final : public Communicator {
   nb::object buf(const void* p, int64_t count, CommType t) const {
     return buffer(p, count, t, device_);
   }
+  // Calls impl.<op>(*args()) now, or inside grouped() records (op, args) for the group's one
+  // call at its end.
   template <typename F>
-  std::unique_ptr<CommRequest> issue(const char* op, F&& f) {
+  std::unique_ptr<CommRequest> issue(const char* op, F&& args) {
     const std::string what = describe(op);
-    nb::object pending = call_python(what, [&] { return nb::object(f()); });
-    return std::make_unique<PyRequest>(std::move(pending), what);
+    if (group_) {
+      call_python(what, [&] {
+        nb::cast<nb::list>(calls_).append(nb::make_tuple(op, args()));
+        return 0;
+      });
+      return std::make_unique<PyRequest>(group_, what);
+    }
+    auto launch = std::make_shared<PyLaunch>();
+    launch->pending = call_python(what, [&] { return nb::object(impl_.attr(op)(*args())); });
+    launch->launched = true;
+    launch->done = launch->pending.is_none();
+    return std::make_unique<PyRequest>(std::move(launch), what);
   }
+
+  // grouped(): the operations go to Python as one call, impl.batch([(op, args), ...]), which
+  // issues them in order and returns one object for them all (TorchCollectives.batch).
+  void do_group_begin() override {
+    nb::gil_scoped_acquire gil;
+    group_ = std::make_shared<PyLaunch>();
+    calls_ = nb::list();
+  }
+  void do_group_end() override {
+    std::shared_ptr<PyLaunch> launch = std::exchange(group_, nullptr);
+    nb::gil_scoped_acquire gil;
+    nb::object calls = std::exchange(calls_, nb::object());
+    if (nb::len(calls) == 0) {
+      launch->launched = launch->done = true;
+      return;
+    }
+    try {
+      launch->pending = call_python(describe("batch"), [&] { return impl_.attr("batch")(calls); });
+    } catch (const std::exception& e) {
+      launch->failed = e.what();
+      throw;
+    }
+    launch->launched = true;
+    launch->done = launch->pending.is_none();
+  }
+  bool launches_groups() const override { return true; }
 
   nb::object impl_;
   Device device_;
+  std::shared_ptr<PyLaunch> group_;  // while grouped() issues: the group's launch
+  nb::object calls_;                 // and its (op, args) so far
 };
 
 }  // namespace
@@ -253,42 +314,58 @@ void bind_comm(nb::module_& m) {
           },
           "Bytes moved and operations issued by this member so far.");
 
-  // A few collectives on DLPack arrays, for tests and measurements of a communicator from
-  // Python (the engine calls the C++ methods directly). Each waits for completion.
+  // A few collectives on DLPack arrays, for the front (checkpoint state and tensor-parallel
+  // parameters move on the engine's communicator), tests and measurements (the engine calls the
+  // C++ methods directly). Each waits for completion. `stream` (a cudaStream_t as an integer):
+  // a communicator that follows a stream (NCCL) is bound to it first, so that the operation
+  // starts after the work issued there (the arrays' producers) and its results are visible to
+  // the work issued there afterwards.
   comm.def(
           "all_reduce",
-          [](PyComm& c, Array a, int op) {
+          [](PyComm& c, Array a, int op, std::optional<uintptr_t> stream) {
             const CommType t = array_comm_type(a);
             void* p = a.data();
             const int64_t n = static_cast<int64_t>(a.size());
             nb::gil_scoped_release release;
+            bind_to(c, stream);
             c.comm->all_reduce(p, p, n, t, static_cast<ReduceOp>(op)).wait();
           },
-          nb::arg("array"), nb::arg("op") = 0, "In place; op 0 sum, 1 max, 2 min.")
+          nb::arg("array"), nb::arg("op") = 0, nb::arg("stream").none() = nb::none(),
+          "In place; op 0 sum, 1 max, 2 min.")
       .def(
           "broadcast",
-          [](PyComm& c, Array a, int root) {
+          [](PyComm& c, Array a, int root, std::optional<uintptr_t> stream) {
             const CommType t = array_comm_type(a);
             void* p = a.data();
             const int64_t n = static_cast<int64_t>(a.size());
             nb::gil_scoped_release release;
+            bind_to(c, stream);
             c.comm->broadcast(p, n, t, root).wait();
           },
-          nb::arg("array"), nb::arg("root"))
+          nb::arg("array"), nb::arg("root"), nb::arg("stream").none() = nb::none())
       .def(
           "all_to_all_v",
           [](PyComm& c, Array send, const std::vector<int64_t>& send_counts,
              const std::vector<int64_t>& send_displs, Array recv,
-             const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_displs) {
+             const std::vector<int64_t>& recv_counts, const std::vector<int64_t>& recv_displs,
+             std::optional<uintptr_t> stream) {
             const CommType t = array_comm_type(send);
+            if (array_comm_type(recv) != t)
+              throw nb::value_error("all_to_all_v: send and recv have different dtypes");
+            if (send_counts.size() != send_displs.size() ||
+                recv_counts.size() != recv_displs.size() ||
+                extent(send_counts, send_displs) > static_cast<int64_t>(send.size()) ||
+                extent(recv_counts, recv_displs) > static_cast<int64_t>(recv.size()))
+              throw nb::value_error("all_to_all_v: counts and displacements outside the arrays");
             const void* sp = send.data();
             void* rp = recv.data();
             nb::gil_scoped_release release;
+            bind_to(c, stream);
             c.comm->all_to_all_v(sp, send_counts, send_displs, rp, recv_counts, recv_displs, t)
                 .wait();
           },
           nb::arg("send"), nb::arg("send_counts"), nb::arg("send_displs"), nb::arg("recv"),
-          nb::arg("recv_counts"), nb::arg("recv_displs"))
+          nb::arg("recv_counts"), nb::arg("recv_displs"), nb::arg("stream").none() = nb::none())
       .def("barrier", [](PyComm& c) {
         nb::gil_scoped_release release;
         c.comm->barrier().wait();

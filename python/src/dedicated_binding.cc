@@ -6,9 +6,11 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <memory>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm_binding.h"
@@ -17,6 +19,9 @@
 #include "distmuon/error.h"
 #include "distmuon/hsdp.h"
 #include "dlpack.h"
+#ifdef DISTMUON_HAVE_CUDA
+#include "distmuon/cuda_backend.h"
+#endif
 
 namespace distmuon::py {
 
@@ -37,19 +42,68 @@ std::vector<DedicatedMatrix> dedicated_matrices(const std::vector<std::string>& 
   return mats;
 }
 
-// DedicatedMemory over a Python object with bucket(b) and grads(b, present) (each a DLPack
-// capsule of a contiguous tensor), release_bucket(b), drop_grad(j) and has_grad(j) -> bool.
+// DedicatedMemory over the front's memory (distmuon.torch's _dedicated_layout.Memory), lent to
+// the transfers rather than asked for on backward's path:
+// - gradients: the front copies each gradient into its bucket's flat gradient buffer before it
+//   reports it ready, lending that buffer with the bucket's first one (grad_ready's `lend`), so
+//   the bucket's reduction takes the buffer as it is; non-owners drop their gradients as they
+//   lend them. Only what finish() sends otherwise (a matrix without a gradient here, a gradient
+//   accumulated without reporting it, several backwards) is asked of the front's
+//   grads(b, present), and has_grad(j) for the vote;
+// - weights: asked of the front's bucket(b) when a forward stage needs a bucket (it materialises
+//   it); the buckets the transfers release are collected and returned by the stage that released
+//   them, for the front to free.
 // Called with the GIL held (every stage is entered from Python).
 class PyMemory final : public DedicatedMemory {
  public:
-  explicit PyMemory(nb::object impl) : impl_(std::move(impl)) {}
+  PyMemory(nb::object impl, const DedicatedLayout& layout)
+      : impl_(std::move(impl)),
+        buckets_(layout.buckets.size()),
+        bucket_of_(layout.bucket_of),
+        lent_(layout.buckets.size()),
+        adopted_(layout.bucket_of.size(), 0) {
+    for (size_t b = 0; b < layout.buckets.size(); ++b) buckets_[b] = layout.buckets[b].matrices;
+  }
   Region bucket(int b) override { return region(impl_.attr("bucket")(b)); }
-  void release_bucket(int b) override { impl_.attr("release_bucket")(b); }
+  void release_bucket(int b) override { released_.push_back(b); }
   Region grads(int b, std::span<const int> present) override {
+    Region lent = std::exchange(lent_[b], {});
+    const bool whole = lent.data != nullptr && std::all_of(present.begin(), present.end(),
+                                                           [&](int j) { return adopted_[j] != 0; });
+    for (int j : buckets_[b]) adopted_[j] = 0;
+    if (whole) {
+      sent_.push_back(b);
+      return lent;
+    }
     return region(impl_.attr("grads")(b, std::vector<int>(present.begin(), present.end())));
   }
-  void drop_grad(int j) override { impl_.attr("drop_grad")(j); }
+  void drop_grad(int) override {}  // dropped by the front as it lent it
   bool has_grad(int j) override { return nb::cast<bool>(impl_.attr("has_grad")(j)); }
+
+  // The front copied matrix j's gradient into its bucket's lent buffer; `flat` (a DLPack capsule,
+  // or None) is a buffer lent now, the bucket's for its next reduction.
+  void lend(int j, nb::handle flat) {
+    if (j < 0 || j >= static_cast<int>(bucket_of_.size()))
+      value_error("dedicated: no matrix " + std::to_string(j));
+    const int b = bucket_of_[j];
+    if (!flat.is_none()) {
+      lent_[b] = region(nb::borrow<nb::object>(flat));
+      for (int k : buckets_[b]) adopted_[k] = 0;
+    }
+    if (lent_[b].data == nullptr)
+      value_error("dedicated: matrix " + std::to_string(j) + "'s gradient is reported without " +
+                  "a lent buffer of its bucket");
+    adopted_[j] = 1;
+  }
+  // What the last stage released (weights the front may free) and sent of what was lent.
+  std::vector<int> take_released() { return std::exchange(released_, {}); }
+  std::vector<int> take_sent() { return std::exchange(sent_, {}); }
+  // finish() reset the transfers: nothing stays lent.
+  void reset() {
+    std::fill(lent_.begin(), lent_.end(), Region{});
+    std::fill(adopted_.begin(), adopted_.end(), 0);
+    sent_.clear();
+  }
 
  private:
   static Region region(nb::object capsule) {
@@ -62,12 +116,45 @@ class PyMemory final : public DedicatedMemory {
     return {array->data(), array};
   }
   nb::object impl_;
+  std::vector<std::vector<int>> buckets_;  // the matrices of each bucket
+  std::vector<int> bucket_of_;
+  std::vector<Region> lent_;   // per bucket: the gradient buffer lent for its next reduction
+  std::vector<char> adopted_;  // per matrix: its gradient is in its bucket's lent buffer
+  std::vector<int> released_, sent_;
 };
 
-// The memory adapter outlives the transfers (declared first, destroyed last).
+// The backend the owners' sums are divided on (the mean; DedicatedTransfers' `mean`): a CPU
+// backend, or on CUDA one of the smallest workspace, since it only scales buffers; none for one
+// member. Its CUDA stream is each dividing stage's, set by on_stream().
+std::unique_ptr<Backend> mean_backend(const std::string& device, int index, int members) {
+  if (members == 1) return nullptr;
+  if (device == "cpu") return make_backend("cpu");
+#ifdef DISTMUON_HAVE_CUDA
+  if (device == "cuda") return std::make_unique<CudaBackend>(CudaBackendOptions{index, 1u << 20});
+#endif
+  (void)index;
+  value_error("dedicated: no backend for device '" + device + "' in this build");
+}
+
+void on_stream(Backend* b, uintptr_t stream) {
+#ifdef DISTMUON_HAVE_CUDA
+  if (auto* cuda = dynamic_cast<CudaBackend*>(b))
+    cuda->set_stream(reinterpret_cast<cudaStream_t>(stream));
+#else
+  (void)b;
+  (void)stream;
+#endif
+}
+
+// The backend and the memory adapter outlive the transfers (declared first, destroyed last).
 struct PyTransfers {
+  std::unique_ptr<Backend> mean;
   PyMemory memory;
   std::unique_ptr<DedicatedTransfers> transfers;
+  // Puts the mean's backend on `stream` for a stage that may divide.
+  void divide_on(uintptr_t stream) {
+    if (mean) on_stream(mean.get(), stream);
+  }
 };
 
 void* stream_of(uintptr_t s) { return reinterpret_cast<void*>(s); }
@@ -146,13 +233,14 @@ void bind_dedicated(nb::module_& m) {
              const std::vector<std::string>& names, const std::vector<int64_t>& numels,
              const std::vector<DType>& dtypes, const std::vector<int>& owners,
              const HsdpWorld& hsdp, PyComm* world, PyComm* control, nb::object memory,
-             uintptr_t stream) {
-            new (self) PyTransfers{PyMemory(std::move(memory)), nullptr};
+             uintptr_t stream, const std::string& device, int device_index) {
+            std::unique_ptr<Backend> mean = mean_backend(device, device_index, hsdp.size);
+            new (self) PyTransfers{std::move(mean), PyMemory(std::move(memory), layout), nullptr};
             try {
               self->transfers = std::make_unique<DedicatedTransfers>(
                   dedicated_matrices(names, numels, dtypes, owners), layout, hsdp,
                   world ? world->comm.get() : nullptr, control ? control->comm.get() : nullptr,
-                  self->memory, stream_of(stream));
+                  self->memory, stream_of(stream), self->mean.get());
             } catch (...) {
               self->~PyTransfers();  // nanobind destroys only a constructed instance
               throw;
@@ -160,11 +248,13 @@ void bind_dedicated(nb::module_& m) {
           },
           nb::arg("layout"), nb::arg("names"), nb::arg("numels"), nb::arg("dtypes"),
           nb::arg("owners"), nb::arg("hsdp"), nb::arg("world").none(), nb::arg("control").none(),
-          nb::arg("memory"), nb::arg("stream"), nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(),
+          nb::arg("memory"), nb::arg("stream"), nb::arg("device"), nb::arg("device_index"),
+          nb::keep_alive<1, 8>(), nb::keep_alive<1, 9>(),
           "`hsdp`: the dedicated world (HsdpWorld); `world`: its communicator (None for one "
           "member; split here in HSDP); `control`: a host communicator over it for the vote; "
-          "`memory`: lends the buffers (bucket, release_bucket, grads, drop_grad, has_grad); "
-          "`stream`: orders the split's collectives.")
+          "`memory`: the front's memory (bucket, grads, has_grad: what a stage asks for off "
+          "backward's path); `stream`: orders the split's collectives; `device`, "
+          "`device_index`: where the buffers live (the owners' means are computed there).")
       .def("begin_forward", [](PyTransfers& t) { t.transfers->begin_forward(); })
       .def(
           "issue",
@@ -175,34 +265,62 @@ void bind_dedicated(nb::module_& m) {
           [](PyTransfers& t, int unit, uintptr_t s) { t.transfers->wait_unit(unit, stream_of(s)); },
           nb::arg("unit"), nb::arg("stream"))
       .def(
-          "used", [](PyTransfers& t, int b) { t.transfers->used(b); }, nb::arg("bucket"))
+          "used",
+          [](PyTransfers& t, int b) {
+            t.transfers->used(b);
+            return !t.memory.take_released().empty();
+          },
+          nb::arg("bucket"), "True when the bucket's weights may go now (the front frees them).")
       .def(
-          "release_unit", [](PyTransfers& t, int u) { t.transfers->release_unit(u); },
-          nb::arg("unit"))
+          "release_unit",
+          [](PyTransfers& t, int u) {
+            t.transfers->release_unit(u);
+            return t.memory.take_released();
+          },
+          nb::arg("unit"), "The buckets whose weights may go now (the front frees them).")
       .def(
           "release_all",
-          [](PyTransfers& t, uintptr_t s) { t.transfers->release_all(stream_of(s)); },
-          nb::arg("stream"))
+          [](PyTransfers& t, uintptr_t s) {
+            t.transfers->release_all(stream_of(s));
+            return t.memory.take_released();
+          },
+          nb::arg("stream"), "The buckets whose weights may go now (the front frees them).")
       .def(
           "grad_ready",
-          [](PyTransfers& t, int j, uintptr_t s) {
-            return t.transfers->grad_ready(j, stream_of(s));
+          [](PyTransfers& t, int j, uintptr_t s, nb::handle lend) {
+            t.memory.lend(j, lend);
+            std::vector<std::vector<int>> landed = t.transfers->grad_ready(j, stream_of(s));
+            return std::pair(std::move(landed), t.memory.take_sent());
           },
-          nb::arg("matrix"), nb::arg("stream"),
-          "Returns, per unit whose matrices owned here all landed now, those matrices.")
+          nb::arg("matrix"), nb::arg("stream"), nb::arg("lend").none() = nb::none(),
+          "Matrix j's gradient is in its bucket's lent buffer (`lend`: the bucket's buffer, lent "
+          "with its first gradient). Returns (per unit whose matrices owned here all landed now, "
+          "those matrices; the buckets whose lent buffers went into a reduction).")
       .def(
           "wait",
           [](PyTransfers& t, const std::vector<int>& js, uintptr_t s) {
+            t.divide_on(s);
             t.transfers->wait(js, stream_of(s));
           },
-          nb::arg("matrices"), nb::arg("stream"))
+          nb::arg("matrices"), nb::arg("stream"),
+          "The matrices' reductions complete for work on `stream`; those owned here hold their "
+          "means.")
       .def(
           "prepared", [](PyTransfers& t, const std::vector<int>& js) { t.transfers->prepared(js); },
           nb::arg("matrices"))
       .def(
-          "finish", [](PyTransfers& t, uintptr_t s) { return t.transfers->finish(stream_of(s)); },
+          "finish",
+          [](PyTransfers& t, uintptr_t s) {
+            struct Reset {  // the transfers reset, raising or not: nothing stays lent
+              PyMemory& memory;
+              ~Reset() { memory.reset(); }
+            } reset{t.memory};
+            t.divide_on(s);
+            return t.transfers->finish(stream_of(s));
+          },
           nb::arg("stream"),
-          "Returns the matrices owned here whose gradients are sums to divide by the world size.")
+          "Completes the step's reductions; the owners' gradients hold their means. Returns the "
+          "matrices owned here it divided.")
       .def(
           "publish", [](PyTransfers& t, uintptr_t s) { t.transfers->publish(stream_of(s)); },
           nb::arg("stream"))

@@ -5,7 +5,8 @@
 // after its update was prepared fails on every rank (and the next step still works), forward
 // broadcasts bring every bucket from its owner and free it after its last gradient, and HSDP
 // owners publish their weights to the other replicas; one backward reduces each bucket once, as
-// one buffer (exact collective count and bytes). Each runs with owners spread over neighbouring
+// one buffer (exact collective count and bytes); given a backend, the transfers turn the owners'
+// sums into means. Each runs with owners spread over neighbouring
 // matrices and with each layer on one owner (buckets of several matrices).
 #include <gtest/gtest.h>
 
@@ -150,7 +151,8 @@ class Memory final : public DedicatedMemory {
 enum class Owners { kSpread, kByLayer };
 
 struct Rig {
-  explicit Rig(int replicate, Owners owners = Owners::kSpread) {
+  // `mean`: the transfers divide the owners' sums on the rig's backend.
+  explicit Rig(int replicate, Owners owners = Owners::kSpread, bool mean = false) {
     Communicator& w = test::world();
     world = {w.size(), replicate, w.rank()};
     for (size_t j = 0; j < kNames.size(); ++j) {
@@ -163,7 +165,7 @@ struct Rig {
     // The vote's communicator of its own (on the MPI rig the world is the host world).
     if (many) control = test::host_world().split(0, w.rank());
     transfers.emplace(mats, layout, world, many ? &w : nullptr, control.get(), *memory,
-                      be->native_stream());
+                      be->native_stream(), mean ? be.get() : nullptr);
   }
   // The world outlives this rig's backend: back to the default stream before that stream goes.
   ~Rig() {
@@ -183,6 +185,12 @@ struct Rig {
     for (int q = 0; q < world.size; ++q)
       for (int round : rounds)
         for (int k = 0; k < kNumel; ++k) s[k] += grad_value(q, j, k, round);
+    return s;
+  }
+  // The owner's mean: the sum divided by the world size.
+  std::vector<float> mean_of(int j, const std::vector<int>& rounds) const {
+    std::vector<float> s = sum_of(j, rounds);
+    for (float& x : s) x /= static_cast<float>(world.size);
     return s;
   }
   bool mine(int j) const { return mats[j].owner == world.member; }
@@ -333,6 +341,35 @@ TEST_P(DedicatedTransfersTest, ASecondBackwardBeforeTheStepIsReducedAgain) {
   for (int j = 0; j < n; ++j)
     if (rig.mine(j))
       test::expect_close(*rig.memory->grad_values(j), rig.sum_of(j, {0, 1}), kNames[j]);
+}
+
+// With a backend the owners' sums become means in the transfers: at finish(), or at wait() for
+// the matrices the owner takes early (overlap_step), once either way.
+TEST_P(DedicatedTransfersTest, WithABackendTheOwnersHoldTheMeanOnce) {
+  for (int replicate : replicate_degrees()) {
+    Rig rig(replicate, GetParam(), /*mean=*/true);
+    const int n = static_cast<int>(kNames.size());
+    for (int step = 0; step < 2; ++step) {
+      std::vector<int> waited;
+      for (int j = n - 1; j >= 0; --j) {
+        rig.memory->zero(j);  // the owner's views of the last step (none elsewhere)
+        rig.memory->accumulate(j, rig.grad_of(rig.world.member, j, step));
+        for (const std::vector<int>& js : rig.transfers->grad_ready(j, rig.stream())) {
+          if (step == 0) continue;  // the second step takes the landed layers early
+          rig.transfers->wait(js, rig.stream());
+          waited.insert(waited.end(), js.begin(), js.end());
+        }
+      }
+      const std::vector<int> divided = rig.transfers->finish(rig.stream());
+      std::vector<int> rest;
+      for (int j = 0; j < n; ++j) {
+        if (!rig.mine(j)) continue;
+        if (std::find(waited.begin(), waited.end(), j) == waited.end()) rest.push_back(j);
+        test::expect_close(*rig.memory->grad_values(j), rig.mean_of(j, {step}), kNames[j]);
+      }
+      EXPECT_EQ(divided, rig.world.size > 1 ? rest : std::vector<int>{}) << "step " << step;
+    }
+  }
 }
 
 TEST_P(DedicatedTransfersTest, AGradientAfterItsUpdateWasPreparedFailsOnEveryRank) {

@@ -332,6 +332,36 @@ def run_collectives(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_grouped(rank: int, world: int) -> dict[str, Any]:
+    """DDP training (replicated mode) on the torch communicator, counting how the engine's
+    collectives reach Python: the broadcasts of a bucket's updates, which it issues as one
+    group, come as one batch() call."""
+    from distmuon.torch._torch_comm import TorchCollectives
+
+    counts = {"batches": 0, "in_batch": 0, "alone": 0}
+    inside = [0]
+    batch, broadcast = TorchCollectives.batch, TorchCollectives.broadcast
+
+    def counted_batch(self: Any, calls: Any) -> Any:
+        counts["batches"] += 1
+        inside[0] += 1
+        try:
+            return batch(self, calls)
+        finally:
+            inside[0] -= 1
+
+    def counted_broadcast(self: Any, *args: Any) -> Any:
+        counts["in_batch" if inside[0] else "alone"] += 1
+        return broadcast(self, *args)
+
+    TorchCollectives.batch, TorchCollectives.broadcast = counted_batch, counted_broadcast  # type: ignore[method-assign]
+    try:
+        res = run_train(rank, world, "ddp")
+    finally:
+        TorchCollectives.batch, TorchCollectives.broadcast = batch, broadcast  # type: ignore[method-assign]
+    return {**counts, "params": res["params"]}
+
+
 def run_plan_costs(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     """Every rank's measurement store holds other times for the 16 x 64 class (rank 0's: a batch
     costs a second whatever its size; the others': microseconds): the engine plans on rank 0's
@@ -380,6 +410,7 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "collectives": guarded(lambda: run_collectives(rank, world)),
         "fsdp_wire": guarded(lambda: run_train(rank, world, "fsdp", kw={**OPT_KW, "wire_dtype": torch.bfloat16})),
         "ddp_wire": guarded(lambda: run_train(rank, world, "ddp", kw={**OPT_KW, "wire_dtype": torch.bfloat16})),
+        "grouped": guarded(lambda: run_grouped(rank, world)),
     }
 
 

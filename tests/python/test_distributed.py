@@ -292,6 +292,16 @@ def test_torch_communicator_collectives(world2: list[dict[str, Any]]) -> None:
         assert res["stats"]["ops"] == 4
 
 
+def test_a_group_of_collectives_reaches_python_as_one_call(world2: list[dict[str, Any]]) -> None:
+    """The torch communicator hands the engine's grouped() to Python as one batch() (DDP: each
+    bucket's broadcasts of the updated weights), which completes as the single calls did."""
+    for r in world2:
+        res = ok(r["grouped"])
+        assert res["alone"] == 0, res
+        assert res["batches"] >= sc.STEPS and res["in_batch"] > res["batches"], res
+        assert max_diff(res["params"], ok(r["ddp"])["params"]) == 0
+
+
 # ---- CacheMuon ---------------------------------------------------------------------------------
 
 

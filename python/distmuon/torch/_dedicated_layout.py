@@ -2,7 +2,7 @@
 matrices, their owners (the engine's planner), and from the engine's layout (distmuon/dedicated.h:
 the planner's layer rule) the layer ("unit") each belongs to and the flat buffers that make one
 broadcast per owner per layer; and the memory the engine's transfers move
-(distmuon/dedicated_transfers.h), which stays here.
+(distmuon/dedicated_transfers.h), which stays here and is lent to them.
 
 Every dedicated parameter becomes a view into the flat buffer of its (unit, owner) bucket. The
 ranks that keep a bucket between steps hold its storage: the owner and, in HSDP, the ranks at
@@ -134,36 +134,85 @@ class Unit:
 
 
 class Memory:
-    """What the engine's transfers ask for when a stage moves data (DedicatedMemory): a bucket's
-    flat buffer, materialised on demand, and a bucket's gradients as one flat buffer (one
-    reduction per bucket), dropped by non-owners once sent (the transfers hold the buffer until
-    the collective is done)."""
+    """The memory the engine's transfers move (DedicatedMemory), which stays here.
+
+    Gradients are lent rather than asked for on backward's path: each dedicated gradient's hook
+    copies it into its bucket's flat gradient buffer (``lend``), the bucket's first gradient
+    lending that buffer to the transfers, whose one reduction of the bucket then takes it as it
+    is. The owner keeps its gradients as views of the buffer, other ranks drop theirs as they
+    lend them (the transfers hold the buffer until the collective is done). The transfers ask for
+    a bucket's weights when a forward stage needs them (``bucket``: materialised on demand), and
+    at step() for what backward did not lend (``grads``) and who has a gradient (``has_grad``);
+    the buckets whose weights they release come back from the stage that released them."""
 
     def __init__(self, matrices: list[Matrix], buckets: list[Bucket], member: int) -> None:
         self.matrices, self.buckets, self.member = matrices, buckets, member
+        # Per bucket: the gradient buffer lent for its next reduction, and the matrices whose
+        # gradient is in it.
+        self.lent: list[torch.Tensor | None] = [None] * len(buckets)
+        self.adopted: list[set[int]] = [set() for _ in buckets]
 
     def bucket(self, b: int) -> Any:
         bucket = self.buckets[b]
         bucket.materialise()
         return to_dlpack(bucket.flat)
 
-    def release_bucket(self, b: int) -> None:
-        self.buckets[b].free()
+    def free(self, released: list[int]) -> None:
+        """The transfers released these buckets' weights."""
+        for b in released:
+            self.buckets[b].free()
+
+    def lend(self, j: int) -> Any:
+        """Matrix j's gradient into its bucket's lent buffer (before its hook reports it ready):
+        copied, or added where an earlier backward's is in it already (a second synchronised
+        backward before the bucket went: autograd's accumulation), unless it is a view there
+        already. Returns the buffer as a DLPack capsule when it is lent now, else None."""
+        m = self.matrices[j]
+        b = m.bucket
+        flat, fresh = self.lent[b], None
+        if flat is None:
+            flat = self.lent[b] = self._buffer(b)
+            fresh = to_dlpack(flat)
+        adopted = self.adopted[b]
+        if not self._is_view(j, flat):
+            view = flat[m.offset : m.offset + m.numel_of_param]
+            g = m.param.grad
+            assert g is not None, "a gradient hook without a gradient"
+            if j in adopted:
+                view.add_(g.reshape(-1))
+            else:
+                view.copy_(g.reshape(-1))
+            # The owner's gradient becomes the view; other ranks drop theirs (the transfers keep
+            # the buffer alive while it travels).
+            m.param.grad = view.view(m.param.shape) if self.buckets[b].owner == self.member else None
+        adopted.add(j)
+        return fresh
+
+    def sent(self, buckets: list[int]) -> None:
+        """These buckets' lent buffers went into a reduction: the next gradient lends anew."""
+        for b in buckets:
+            self.lent[b], self.adopted[b] = None, set()
+
+    def reset(self) -> None:
+        """The transfers' step is over (finish()): nothing stays lent."""
+        self.sent(list(range(len(self.buckets))))
 
     def grads(self, b: int, present: list[int]) -> Any:
-        """Bucket b's gradients as one flat buffer for its one reduction: lent as it is where
-        every gradient of the bucket already is its view at its offset (the owner's since its
-        last step, while they are zeroed rather than set to None), else a fresh buffer they are
-        copied into, zeros where this rank has none (copies queued on the current stream: no
-        host wait). The owner keeps the `present` matrices' gradients as views of it."""
+        """At step(): bucket b's gradients as one flat buffer for its reduction, where backward did
+        not lend them all: the lent buffer (or, as for a first lend, the owner's buffer when its
+        gradients are views of it, else a fresh one), completed with this rank's gradient of
+        every `present` matrix not in it yet and zeros for the rest (copies queued on the current
+        stream: no host wait). The owner keeps the `present` matrices' gradients as views of
+        it, other ranks drop them."""
         bucket = self.buckets[b]
-        held = bucket.grad_flat() if bucket.grad_flat is not None else None
-        if held is not None and all(self._is_view(j, held) for j in bucket.matrices):
-            return to_dlpack(held)
-        first = self.matrices[bucket.matrices[0]].param
-        flat = torch.empty(bucket.flat.numel(), dtype=first.dtype, device=first.device)
+        flat, adopted = self.lent[b], self.adopted[b]
+        self.sent([b])
+        if flat is None:
+            flat = self._buffer(b)
         keep = set(present)
         for j in bucket.matrices:
+            if j in adopted or self._is_view(j, flat):
+                continue
             m = self.matrices[j]
             view = flat[m.offset : m.offset + m.numel_of_param]
             g = m.param.grad if j in keep else None
@@ -171,12 +220,37 @@ class Memory:
                 view.zero_()
             else:
                 view.copy_(g.reshape(-1))
-        if bucket.owner == self.member:
-            for j in present:
-                m = self.matrices[j]
-                m.param.grad = flat[m.offset : m.offset + m.numel_of_param].view(m.param.shape)
-            bucket.grad_flat = weakref.ref(flat)
+        self._hand_over(b, present, flat)
         return to_dlpack(flat)
+
+    def has_grad(self, j: int) -> bool:
+        return self.matrices[j].param.grad is not None
+
+    def _buffer(self, b: int) -> torch.Tensor:
+        """A gradient buffer for bucket b: the owner's of its last reduction where every gradient
+        of the bucket still is its view (after zero_grad(set_to_none=False)), else a fresh one,
+        which the owner holds weakly (its gradients, views of it, keep it alive; zero_grad()
+        then frees it, as it freed the gradients before)."""
+        bucket = self.buckets[b]
+        held = bucket.grad_flat() if bucket.grad_flat is not None else None
+        if held is not None and all(self._is_view(j, held) for j in bucket.matrices):
+            return held
+        first = self.matrices[bucket.matrices[0]].param
+        flat = torch.empty(bucket.flat.numel(), dtype=first.dtype, device=first.device)
+        if bucket.owner == self.member:
+            bucket.grad_flat = weakref.ref(flat)
+        return flat
+
+    def _hand_over(self, b: int, js: list[int], flat: torch.Tensor) -> None:
+        """The owner's gradients of js become views of `flat` (the reduction writes the sums
+        there); other ranks drop theirs (the transfers keep `flat` alive while it travels)."""
+        owner = self.buckets[b].owner == self.member
+        for j in js:
+            m = self.matrices[j]
+            if not owner:
+                m.param.grad = None
+            elif not self._is_view(j, flat):
+                m.param.grad = flat[m.offset : m.offset + m.numel_of_param].view(m.param.shape)
 
     def _is_view(self, j: int, flat: torch.Tensor) -> bool:
         m = self.matrices[j]
@@ -188,12 +262,6 @@ class Memory:
             and g.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             and g.data_ptr() == flat.data_ptr() + m.offset * flat.element_size()
         )
-
-    def drop_grad(self, j: int) -> None:
-        self.matrices[j].param.grad = None
-
-    def has_grad(self, j: int) -> bool:
-        return self.matrices[j].param.grad is not None
 
 
 def make_grid(mesh: Any, replicate_mesh: Any) -> Grid:

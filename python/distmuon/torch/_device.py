@@ -72,6 +72,13 @@ def _stream(device: torch.device) -> int:
     return int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
 
 
+def comm_stream(device: torch.device) -> int:
+    """The stream a collective the front runs on an engine's communicator follows (the
+    communicator's ``stream`` argument): torch's current stream, whose work made its buffers
+    and reads its results (0 on the CPU, where communicators follow no stream)."""
+    return _stream(device)
+
+
 COMMUNICATORS = ("auto", "torch", "nccl", "mpi")
 
 

@@ -3,8 +3,8 @@ owner of each matrix) to where a checkpoint expects them (the parameter's shard,
 for replicated parameters), and back.
 
 Every member builds the same transfer list from the same description (who holds which rows of
-which tensor), so one ``all_to_all_single`` per chunk moves everything, with no metadata
-exchange. A row range held by several members (HSDP replicas, replicated parameters) is taken
+which tensor), so one all-to-all per chunk, on the engine's communicator, moves everything, with
+no metadata exchange. A row range held by several members (HSDP replicas, replicated parameters) is taken
 from the destination itself when it holds it, else from a member of its replica, else from the
 lowest-ranked holder.
 """
@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+from typing import Any
 
+import torch
+
+from distmuon.torch._device import comm_stream, to_dlpack
 from distmuon.torch._dist import Topology
 
 # Upper bound of the elements one member sends in one all_to_all (bounds the staging memory).
@@ -75,9 +77,30 @@ def _rows(block: Block, lo: int, hi: int) -> torch.Tensor:
     return block.tensor[lo - block.lo : hi - block.lo]
 
 
-def move_rows(topo: Topology, moves: list[Move], dtype: torch.dtype, device: torch.device) -> None:
-    """Carries out `moves` (collective over the topology's members; identical descriptions on
-    every member). Data crosses in `dtype`."""
+def all_to_all(comm: Any, inp: torch.Tensor, send_counts: list[int], out: torch.Tensor, recv_counts: list[int]) -> None:
+    """Member q gets inp's run of send_counts[q] elements, and out the runs of recv_counts[q] from
+    each member q, packed in member order, on the engine's communicator `comm` (collective over
+    the topology's members; complete on return, after the work queued on torch's current
+    stream)."""
+    if comm is None:
+        raise RuntimeError("internal: data crosses members but the engine has no communicator")
+
+    def displs(counts: list[int]) -> list[int]:
+        out, at = [], 0
+        for c in counts:
+            out.append(at)
+            at += c
+        return out
+
+    comm.all_to_all_v(
+        to_dlpack(inp), list(send_counts), displs(send_counts), to_dlpack(out), list(recv_counts),
+        displs(recv_counts), stream=comm_stream(out.device),
+    )
+
+
+def move_rows(topo: Topology, comm: Any, moves: list[Move], dtype: torch.dtype, device: torch.device) -> None:
+    """Carries out `moves` (collective over the topology's members, on the engine's communicator
+    `comm`; identical descriptions on every member). Data crosses in `dtype`."""
     me = topo.member
     plans = [_plan(topo, m) for m in moves]
     # Chunks of moves whose cross-member traffic fits CHUNK_ELEMENTS (decided identically
@@ -92,11 +115,16 @@ def move_rows(topo: Topology, moves: list[Move], dtype: torch.dtype, device: tor
         chunks[-1].append(i)
         load += cross
     for chunk in chunks:
-        _run_chunk(topo, me, [(moves[i], plans[i]) for i in chunk], dtype, device)
+        _run_chunk(topo, comm, me, [(moves[i], plans[i]) for i in chunk], dtype, device)
 
 
 def _run_chunk(
-    topo: Topology, me: int, items: list[tuple[Move, list[_Transfer]]], dtype: torch.dtype, device: torch.device
+    topo: Topology,
+    comm: Any,
+    me: int,
+    items: list[tuple[Move, list[_Transfer]]],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     sends: list[list[torch.Tensor]] = [[] for _ in range(topo.size)]
     recvs: list[list[tuple[Block, int, int, int]]] = [[] for _ in range(topo.size)]  # (dst, lo, hi, n)
@@ -118,7 +146,7 @@ def _run_chunk(
     flat = [x for s in sends for x in s]
     inp = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
-    dist.all_to_all_single(out, inp.to(device), recv_counts, send_counts, group=topo.group)
+    all_to_all(comm, inp.to(device), send_counts, out, recv_counts)
     offset = 0
     for r in recvs:
         for dst, lo, hi, n in r:

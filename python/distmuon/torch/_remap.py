@@ -3,8 +3,9 @@ the dim-0 rows the engine sees: its weights and gradient in before the step, its
 out after it; its momentum either way for checkpoints.
 
 Each direction is a fixed list of transfers per parameter, computed once from every member's
-box and rows, so that every member builds the same list and one ``all_to_all_single`` per
-chunk moves everything with no metadata exchange (as ``_redistribute`` does for rows). A box
+box and rows, so that every member builds the same list and one all-to-all per chunk, on the
+engine's communicator, moves everything with no metadata exchange (as ``_redistribute`` does
+for rows). A box
 held by several members (replicated over ``tp``, or over HSDP replicas) is taken from the
 destination itself when it holds it, else from a holder in its replica, the holders taking
 turns over destinations.
@@ -15,11 +16,14 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-import torch
-import torch.distributed as dist
+from typing import Any
 
+import torch
+
+from distmuon.torch._device import comm_stream, to_dlpack
 from distmuon.torch._dist import Topology
 from distmuon.torch._layout import Holding, boxes, numel
+from distmuon.torch._redistribute import all_to_all
 
 # Upper bound of the elements all members send in one all_to_all (bounds the staging memory).
 CHUNK_ELEMENTS = 64 << 20
@@ -142,10 +146,10 @@ def _box(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> t
 Item = tuple[Plan, torch.Tensor, torch.Tensor]  # (plan, this member's source, destination)
 
 
-def run(topo: Topology, items: list[Item], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
-    """Carries out the transfers of `items` (collective over the members; every member passes
-    items of the same plans in the same order). Data crosses in `dtype`. Returns the bytes this
-    member sent to and received from others."""
+def run(topo: Topology, comm: Any, items: list[Item], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """Carries out the transfers of `items` (collective over the members, on the engine's
+    communicator `comm`; every member passes items of the same plans in the same order). Data
+    crosses in `dtype`. Returns the bytes this member sent to and received from others."""
     chunks: list[list[Item]] = [[]]
     load = 0
     for item in items:
@@ -154,12 +158,14 @@ def run(topo: Topology, items: list[Item], dtype: torch.dtype, device: torch.dev
             load = 0
         chunks[-1].append(item)
         load += item[0].cross
-    done = [_run_chunk(topo, chunk, dtype, device) for chunk in chunks]
+    done = [_run_chunk(topo, comm, chunk, dtype, device) for chunk in chunks]
     size = torch.empty(0, dtype=dtype).element_size()
     return sum(a for a, _ in done) * size, sum(b for _, b in done) * size
 
 
-def _run_chunk(topo: Topology, items: list[Item], dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+def _run_chunk(
+    topo: Topology, comm: Any, items: list[Item], dtype: torch.dtype, device: torch.device
+) -> tuple[int, int]:
     sends: list[list[torch.Tensor]] = [[] for _ in range(topo.size)]
     recvs: list[list[tuple[torch.Tensor, Piece]]] = [[] for _ in range(topo.size)]
     for plan, src, dst in items:
@@ -176,7 +182,7 @@ def _run_chunk(topo: Topology, items: list[Item], dtype: torch.dtype, device: to
     flat = [x for s in sends for x in s]
     inp = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(recv_counts), dtype=dtype, device=device)
-    dist.all_to_all_single(out, inp, recv_counts, send_counts, group=topo.group)
+    all_to_all(comm, inp, send_counts, out, recv_counts)
     offset = 0
     for r in recvs:
         for dst, p in r:
@@ -242,29 +248,29 @@ def place(topo: Topology, p: Any, use_muon: bool, unit: int = 1) -> Placed:
     )
 
 
-def run_items(topo: Topology, items: list[Item], device: torch.device) -> tuple[int, int]:
+def run_items(topo: Topology, comm: Any, items: list[Item], device: torch.device) -> tuple[int, int]:
     """run() for items of any dtypes (each crosses in its destination's), one dtype at a time."""
     groups: dict[torch.dtype, list[Item]] = {}
     for item in items:
         groups.setdefault(item[2].dtype, []).append(item)
-    done = [run(topo, its, dtype, device) for dtype, its in sorted(groups.items(), key=lambda kv: str(kv[0]))]
+    done = [run(topo, comm, its, dtype, device) for dtype, its in sorted(groups.items(), key=lambda kv: str(kv[0]))]
     return sum(a for a, _ in done), sum(b for _, b in done)
 
 
 def inbound(
-    topo: Topology, entries: list[tuple[Any, torch.Tensor, torch.Tensor | None]], traffic: list[int]
+    topo: Topology, comm: Any, entries: list[tuple[Any, torch.Tensor, torch.Tensor | None]], traffic: list[int]
 ) -> list[bool]:
     """Before a step: per remapped slot (slot, this member's box of the weights, of the gradient
     or None), whether it steps, and its weights and gradient moved into the engine's rows.
-    Collective. A gradient present on some holders only is an error raised on every member
-    before anything moved (as the engine's own vote does). Adds the bytes sent and received to
-    `traffic`."""
+    Collective, on the engine's communicator `comm`. A gradient present on some holders only is
+    an error raised on every member before anything moved (as the engine's own vote does). Adds
+    the bytes sent and received to `traffic`."""
     if not entries:
         return []
     device = entries[0][1].device
     votes = [int(g is not None and numel(s.placed.box) > 0) for s, _, g in entries]
     tally = torch.tensor(votes, dtype=torch.int64, device=device)
-    dist.all_reduce(tally, group=topo.group)
+    comm.all_reduce(to_dlpack(tally), stream=comm_stream(device))
     counts = tally.tolist()
     present = []
     for (s, _, _), n in zip(entries, counts):
@@ -279,16 +285,17 @@ def inbound(
         if on:
             # A member with an empty box has no gradient to send (nor any transfer to send it in).
             items += [(s.placed.inbound, w, s.placed.staging), (s.placed.inbound, w if g is None else g, s.placed.grad)]
-    _count(traffic, run_items(topo, items, device))
+    _count(traffic, run_items(topo, comm, items, device))
     return present
 
 
-def outbound(topo: Topology, entries: list[tuple[Any, torch.Tensor]], traffic: list[int]) -> None:
-    """After a step: the new weights from the engine's rows into every holder's box (collective;
-    (slot, this member's box of the weights) of the slots that stepped)."""
+def outbound(topo: Topology, comm: Any, entries: list[tuple[Any, torch.Tensor]], traffic: list[int]) -> None:
+    """After a step: the new weights from the engine's rows into every holder's box (collective,
+    on the engine's communicator `comm`; (slot, this member's box of the weights) of the slots
+    that stepped)."""
     if entries:
         items: list[Item] = [(s.placed.outbound, s.placed.staging, w) for s, w in entries]
-        _count(traffic, run_items(topo, items, entries[0][1].device))
+        _count(traffic, run_items(topo, comm, items, entries[0][1].device))
 
 
 def _count(traffic: list[int], done: tuple[int, int]) -> None:

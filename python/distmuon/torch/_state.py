@@ -9,7 +9,7 @@ What ``state_dict()`` shows: every state tensor shaped like the parameter — a 
 parameter's placements for DTensor parameters, a full tensor otherwise — so that
 torch.distributed.checkpoint can save it once and load it at another world size. Owner-held
 momentum is moved to that placement on export and back to the owners on import
-(``_redistribute``). The AdamW state (and any state already in the parameter's placement) is
+(``_redistribute``, on the engine's communicator). The AdamW state (and any state already in the parameter's placement) is
 exported as views of the engine's memory, as torch's optimizers export their live state.
 
 Tensor / expert parallel layouts (``_layout``): a parameter whose boxes are not the engine's rows
@@ -203,11 +203,11 @@ def _in_placement(s: Slot, local: torch.Tensor) -> torch.Tensor:
 
 
 def export_state(
-    engine: _C.Engine, topo: Topology, slots: list[Slot], gather_momentum: bool = True
+    engine: _C.Engine, topo: Topology, slots: list[Slot], gather_momentum: bool = True, comm: Any = None
 ) -> list[dict[str, torch.Tensor]]:
     """Per slot: state name -> tensor in the parameter's placement. Collective when the engine
-    keeps momentum with owners (every member must call it); gather_momentum=False leaves that
-    momentum out (and communicates nothing)."""
+    keeps momentum with owners (every member must call it; moved on the engine's communicator
+    `comm`); gather_momentum=False leaves that momentum out (and communicates nothing)."""
     out: list[dict[str, torch.Tensor]] = [{} for _ in slots]
     moves: dict[torch.dtype, list[Move]] = {}
     remapped: list[tuple[int, torch.Tensor]] = []  # (slot, momentum in the engine's rows) to move to the boxes
@@ -238,12 +238,12 @@ def export_state(
                 assert v is not None
                 out[i][name] = _in_placement(s, v)
     for dtype, ms in sorted(moves.items(), key=lambda kv: str(kv[0])):
-        move_rows(topo, ms, dtype, device)
+        move_rows(topo, comm, ms, dtype, device)
     if remapped:
         boxes = [torch.empty(slots[i].held_shape, dtype=rows.dtype, device=rows.device) for i, rows in remapped]
         plans = [slots[i].placed.outbound for i, _ in remapped]  # type: ignore[union-attr]
         items = [(plan, rows, box) for plan, (_, rows), box in zip(plans, remapped, boxes)]
-        _remap.run_items(topo, items, boxes[0].device)
+        _remap.run_items(topo, comm, items, boxes[0].device)
         for (i, _), box in zip(remapped, boxes):
             out[i][MOMENTUM] = _in_placement(slots[i], box)
     return out
@@ -320,9 +320,12 @@ def local_part(s: Slot, topo: Topology, value: torch.Tensor) -> torch.Tensor:
     return held.reshape(-1) if s.placed is not None and s.placed.kind == "flat" else held
 
 
-def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: list[dict[str, Any] | None]) -> None:
+def import_state(
+    engine: _C.Engine, topo: Topology, slots: list[Slot], entries: list[dict[str, Any] | None], comm: Any = None
+) -> None:
     """Loads checked entries (None: fresh state) into the engine. Collective when the engine
-    keeps momentum with owners; every member must pass entries for the same slots."""
+    keeps momentum with owners (moved on the engine's communicator `comm`); every member must
+    pass entries for the same slots."""
     moves: dict[torch.dtype, list[Move]] = {}
     remapped: list[_remap.Item] = []  # momentum from the boxes to the engine's rows, before the moves
     device = None
@@ -366,6 +369,6 @@ def import_state(engine: _C.Engine, topo: Topology, slots: list[Slot], entries: 
             else:
                 v.copy_(local_part(s, topo, entry[name]).reshape(v.shape))
     if remapped:
-        _remap.run_items(topo, remapped, remapped[0][2].device)
+        _remap.run_items(topo, comm, remapped, remapped[0][2].device)
     for dtype, ms in sorted(moves.items(), key=lambda kv: str(kv[0])):
-        move_rows(topo, ms, dtype, device)
+        move_rows(topo, comm, ms, dtype, device)

@@ -3,7 +3,10 @@
 ``distmuon._C.make_python_communicator`` wraps an instance of ``TorchCollectives`` in a C++
 Communicator; the engine calls these methods (with the GIL taken for the call only) and gets
 back ``None`` (done) or a ``Pending`` it polls or waits on. Every operation is issued with
-``async_op=True``, so gloo moves the next bucket while the engine computes the current one.
+``async_op=True``, so gloo moves the next bucket while the engine computes the current one. The
+operations the engine issues as one group (``Communicator::grouped``: a bucket's broadcasts, a
+unit's) come as one ``batch()`` call and complete together (one ``Batch`` to poll or wait on),
+as NCCL launches a group: one crossing into Python per group rather than per operation.
 
 Buffers arrive as DLPack arrays over engine memory (``None`` when empty); they stay valid until
 the operation completes, and nothing here keeps them longer.
@@ -12,6 +15,7 @@ the operation completes, and nothing here keeps them longer.
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +60,29 @@ class Pending:
             self._finish()
             self._finish = None
         self._keep = None
+
+
+class Batch:
+    """The operations of one group, issued in order: complete once all of them are."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self, pending: list[Pending]) -> None:
+        self._pending = pending
+
+    def test(self) -> bool:
+        while self._pending:
+            if not self._pending[0].test():
+                return False
+            self._pending.pop(0)
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Waits for each in turn within one deadline, timeout_s from now (Pending.wait)."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending:
+            self._pending[0].wait(max(deadline - time.monotonic(), 1e-3))
+            self._pending.pop(0)
 
 
 def _tensor(a: object, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -172,6 +199,12 @@ class TorchCollectives:
 
     def barrier(self) -> Pending:
         return Pending(dist.barrier(group=self.group, async_op=True))
+
+    def batch(self, calls: list[tuple[str, tuple[Any, ...]]]) -> Batch | None:
+        """The operations (method name, arguments) of one group, issued in order; None when all
+        completed during their calls."""
+        pending = [p for p in (getattr(self, name)(*args) for name, args in calls) if p is not None]
+        return Batch(pending) if pending else None
 
     def split(self, color: int, key: int) -> tuple[Any, int, int, str, list[int]] | None:
         """The members with this color, ordered by (key, rank), as a new communicator: one of

@@ -99,12 +99,14 @@ class Dedicated:
                 TorchCollectives(groups.control, torch.device("cpu")), grid.member, grid.size,
                 "torch-gloo:dedicated-control", list(grid.ranks),
             )
-        self.transfers = _C.DedicatedTransfers(
-            layout, [m.name for m in matrices], [m.numel for m in matrices],
-            [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
-            grid.world, self.comm, control, Memory(matrices, buckets, grid.member),
-            self._stream(),
-        )
+        self.memory = Memory(matrices, buckets, grid.member)
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+            self.transfers = _C.DedicatedTransfers(
+                layout, [m.name for m in matrices], [m.numel for m in matrices],
+                [engine_dtype(m.param.dtype) for m in matrices], [m.owner for m in matrices],
+                grid.world, self.comm, control, self.memory, self._stream(),
+                self.device.type, self.device.index or 0,
+            )
         self._sync = True
         self._prepare: Callable[[list[nn.Parameter], Any], None] | None = None
         self._discard: Callable[[], None] | None = None
@@ -206,7 +208,7 @@ class Dedicated:
     def _after_unit(self, k: int) -> Callable[..., None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if not torch.is_grad_enabled():  # no backward will use them
-                self.transfers.release_unit(k)
+                self.memory.free(self.transfers.release_unit(k))
 
         return hook
 
@@ -215,10 +217,16 @@ class Dedicated:
 
         def hook(p: torch.Tensor) -> None:
             if self._sync:
-                for js in self.transfers.grad_ready(j, self._stream()):
+                # The gradient goes into its bucket's buffer here, lent to the transfers with the
+                # bucket's first one: the reduction they issue asks nothing of Python.
+                lent = self.memory.lend(j)
+                landed, sent = self.transfers.grad_ready(j, self._stream(), lent)
+                if sent:
+                    self.memory.sent(sent)
+                for js in landed:
                     self._landed(js)
-            if self.grid.size > 1:
-                self.transfers.used(bucket)
+            if self.grid.size > 1 and self.transfers.used(bucket):
+                self.buckets[bucket].free()
 
         return hook
 
@@ -230,12 +238,9 @@ class Dedicated:
         params = [self.matrices[j].param for j in js]
         if not all(p.grad is not None and p.grad.is_contiguous() for p in params):
             return  # unusual layouts: step() copies them
-        size = self.grid.size
+        # wait() completes the reductions and turns the owner's sums into means (in C++).
         if self.side is None:
             self.transfers.wait(js, 0)
-            for p in params:
-                if size > 1:
-                    p.grad.div_(size)  # type: ignore[union-attr]
             self._prepare(params, None)
         else:
             self.side.wait_stream(torch.cuda.current_stream(self.device))
@@ -243,8 +248,6 @@ class Dedicated:
                 self.transfers.wait(js, int(self.side.cuda_stream))
                 for p in params:
                     assert p.grad is not None
-                    if size > 1:
-                        p.grad.div_(size)
                     p.grad.record_stream(self.side)
                 self._prepare(params, self.side)
         self.transfers.prepared(js)
@@ -263,19 +266,19 @@ class Dedicated:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         stream = self._stream()
         try:
-            sums = self.transfers.finish(stream)
+            self.transfers.finish(stream)  # the owners' sums become means there (in C++)
         except RuntimeError:
             if self._discard is not None:
                 self._discard()
-            self.transfers.release_all(stream)
+            self.memory.free(self.transfers.release_all(stream))
             raise
-        for j in sums:  # a division, as one process's mean is: the same numbers bit for bit
-            self.matrices[j].param.grad.div_(self.grid.size)  # type: ignore[union-attr]
+        finally:
+            self.memory.reset()
 
     def after_step(self) -> None:
         """Non-owners' copies go; HSDP owners publish to their replicas."""
         stream = self._stream()
-        self.transfers.release_all(stream)
+        self.memory.free(self.transfers.release_all(stream))
         self.transfers.publish(stream)
 
     # ---- model state_dict -----------------------------------------------------------------------

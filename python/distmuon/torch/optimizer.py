@@ -517,7 +517,7 @@ class Muon(torch.optim.Optimizer):
         carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
         for old in old_parts:
             steps = old.engine.param_steps()
-            for s, entry in zip(old.slots, export_state(old.engine, old.topo, old.slots)):
+            for s, entry in zip(old.slots, export_state(old.engine, old.topo, old.slots, comm=old.comm)):
                 carried[id(s.param)] = (entry, steps[s.index], s.use_muon)  # type: ignore[assignment]
         self._parts, self._slots, self._device = parts, slots, device
         held = {id(s.param) for s in slots}
@@ -532,7 +532,7 @@ class Muon(torch.optim.Optimizer):
                     entries.append(c[0] if ok else None)  # type: ignore[index]
                     if ok:
                         part.engine.set_param_step(s.index, c[1])  # type: ignore[index]
-                import_state(part.engine, part.topo, part.slots, entries)
+                import_state(part.engine, part.topo, part.slots, entries, comm=part.comm)
             if part.dedicated is not None:
                 early = self._nonfinite == "skip" and part.dedicated.overlap_step
                 part.dedicated.bind(self._prepare_dedicated if early else None, part.engine.discard_prepared)
@@ -645,7 +645,7 @@ class Muon(torch.optim.Optimizer):
             grads.append(None if g is None else to_dlpack(g))
         stepped = []
         if remapped:
-            present = remap.inbound(part.topo, remapped, part.remap_traffic)
+            present = remap.inbound(part.topo, part.comm, remapped, part.remap_traffic)
             for (s, w, _), on in zip(remapped, present):
                 if on:
                     grads[s.index] = to_dlpack(s.placed.grad)  # type: ignore[union-attr]
@@ -699,7 +699,7 @@ class Muon(torch.optim.Optimizer):
             params, grads, remapped = self._step_inputs(part)
             part.order.before()
             part.engine.step(params, grads)
-            remap.outbound(part.topo, remapped, part.remap_traffic)  # new weights into their placements
+            remap.outbound(part.topo, part.comm, remapped, part.remap_traffic)  # new weights into their placements
             if part.dedicated is not None:
                 part.dedicated.after_step()
         return loss
@@ -833,7 +833,7 @@ class Muon(torch.optim.Optimizer):
             self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = pre_hooks, post_hooks
         for part in self._parts:
             steps = part.engine.param_steps()
-            for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots)):
+            for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots, comm=part.comm)):
                 entry["step"] = torch.tensor(float(steps[s.index]))
                 sd["state"][s.key] = entry
         for hook in post_hooks.values() if hooks else ():
@@ -873,7 +873,7 @@ class Muon(torch.optim.Optimizer):
         self.param_groups = merged
         entries = {s.key: e for s, e in plan}
         for part in self._parts:
-            import_state(part.engine, part.topo, part.slots, [entries[s.key] for s in part.slots])
+            import_state(part.engine, part.topo, part.slots, [entries[s.key] for s in part.slots], comm=part.comm)
             for s in part.slots:
                 entry = entries[s.key]
                 part.engine.set_param_step(s.index, ckpt.step_of(s.name, entry))
