@@ -165,7 +165,7 @@ if [[ " $STAGES " == *" e2e "* ]]; then
       say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS)"
       "${ranks_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) timeout -k 10 400 \
         $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
-        $E2E_ARGS --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather \
+        $E2E_ARGS --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire \
         --json "$OUT/e2e-$d.json" >> "$LOG" 2>&1 || say "FAILED: e2e on $d ranks (rc $?)"
       grep -E "^\[$d ranks" "$LOG" | tail -n 4
     done

@@ -3,7 +3,8 @@ one process per GPU (torchrun): fused AdamW versus distmuon in sharded mode (unm
 all-to-all to owners) and in dedicated mode (distmuon.torch.dedicate before fully_shard).
 
     torchrun --nproc-per-node 8 bench/multi_gpu/e2e_train.py --config qwen2.5-1.5b --seq 2048 \
-        --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather [--replicate 2] \
+        --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather[,distmuon-sharded-bf16wire] \
+        [--replicate 2] \
         --json out.json
 
 Validated on CPU ranks with gloo: --device cpu --config tiny --seq 64.
@@ -47,10 +48,12 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool):
     else:
         from distmuon.torch import Muon
 
-        # distmuon-gather: every rank all-gathers and orthogonalizes every matrix (the baseline).
+        # distmuon-gather: every rank all-gathers and orthogonalizes every matrix (the baseline);
+        # distmuon-sharded-bf16wire: the float32 shards' rows and updates travel in bfloat16.
         mode = {"distmuon-gather": "gather"}.get(kind, "auto")
+        wire = torch.bfloat16 if kind == "distmuon-sharded-bf16wire" else None
         opt = Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=3e-4, adamw_betas=(0.9, 0.95),
-                   dist_mode=mode)
+                   dist_mode=mode, wire_dtype=wire)
     return model, opt
 
 
