@@ -68,7 +68,8 @@ nccl_dist_suites() {
 # The GPU pytest modules: one process (with the import order of distmuon and torch, which only a
 # CUDA build can get wrong), then the front over NCCL ranks: FSDP2, HSDP, DDP, dedicate(), mixed
 # precision, then tensor x FSDP2 and expert parallelism at 4 ranks (test_gpu_tp.py, after
-# test_gpu_distributed.py: it writes the report of both when it ends).
+# test_gpu_distributed.py: it writes the report of both when it ends). Uncaptured (-s): the ranks
+# say which arm they start, and a lane killed at its limit keeps that in its log.
 lane_python() {
   run_suite pytest_gpu 1 300 "$PY" -m pytest tests/python/test_gpu.py tests/python/test_autotune.py \
     tests/python/test_import_order.py \
@@ -76,7 +77,7 @@ lane_python() {
     --junitxml="$WORK/pytest_gpu.xml"
   DISTMUON_TEST_RANKS="$RANKS" DISTMUON_TEST_REPORT="$WORK/front.json" \
     heavy run_suite pytest_gpu_distributed 0 $(( LANE_TIMEOUT_S - 80 )) "$PY" -m pytest \
-    tests/python/test_gpu_distributed.py tests/python/test_gpu_tp.py -q -rs -p no:cacheprovider \
+    tests/python/test_gpu_distributed.py tests/python/test_gpu_tp.py -q -rs -s -p no:cacheprovider \
     --junitxml="$WORK/pytest_gpu_distributed.xml"
 }
 
