@@ -16,6 +16,7 @@
 #include "distmuon/plan.h"
 #include "distmuon/simulate.h"
 #include "distmuon/workload.h"
+#include "plan/runtime_plan.h"
 #include "plan_options.h"
 
 namespace distmuon::plan_tool {
@@ -166,10 +167,13 @@ int run(const PlanArgs& a) {
     for (int d = 1; d <= a.sim_max_world; d *= 2) worlds.push_back(d);
     std::printf("\nsimulated optimizer step (%s plans, %d GPUs per node, costs: %s)\n%s\n\n",
                 solver.c_str(), topo.gpus_per_node, costs.source.c_str(), cm.describe().c_str());
-    // An engine without a cost table plans on analytic costs at the default rates.
+    // The costs an engine without a cost table plans with, on the costs' device kind.
     std::optional<CostTable> plan_costs;
-    if (a.sim_plan_analytic)
-      plan_costs = analytic_cost_table(shape_counts(mats), opts.ortho, AnalyticRates{});
+    if (a.sim_plan_analytic) {
+      const DeviceKind kind =
+          costs.device.rfind("cpu", 0) == 0 ? DeviceKind::kCPU : DeviceKind::kCUDA;
+      plan_costs = runtime_costs(shape_counts(mats), opts.ortho, runtime_rates(kind), nullptr).table;
+    }
     const auto pts = simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts,
                               sim_tensors(w), plan_costs ? &*plan_costs : nullptr);
     std::printf("%6s %12s %9s %12s %11s %12s %12s %14s %10s %10s\n", "D", "makespan ms", "imbal.",

@@ -185,7 +185,7 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->group(sim);
   app.add_flag("--sim-plan-analytic", a.sim_plan_analytic,
                "place the owners on the analytic costs an engine without a cost table plans with "
-               "on CUDA (DISTMUON_PLAN_COSTS=analytic: the default rates), time the step with "
+               "(DISTMUON_PLAN_COSTS=analytic, the costs' device kind), time the step with "
                "--costs or --measure: what such a run does")
       ->group(sim);
   app.add_option("--comm-compute-share", a.comm_compute_share,
