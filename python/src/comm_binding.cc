@@ -28,6 +28,14 @@
 
 namespace distmuon::py {
 
+nb::dict comm_stats_dict(const CommStats& s) {
+  nb::dict d;
+  d["ops"] = s.ops;
+  d["bytes_sent"] = s.bytes_sent;
+  d["bytes_received"] = s.bytes_received;
+  return d;
+}
+
 namespace {
 
 nb::dlpack::dtype comm_dlpack_dtype(CommType t) {
@@ -304,14 +312,7 @@ void bind_comm(nb::module_& m) {
       .def("set_timeout", [](PyComm& c, double s) { c.comm->set_timeout(s); }, nb::arg("seconds"))
       .def(
           "stats",
-          [](PyComm& c) {
-            const CommStats s = c.comm->stats();
-            nb::dict d;
-            d["bytes_sent"] = s.bytes_sent;
-            d["bytes_received"] = s.bytes_received;
-            d["ops"] = s.ops;
-            return d;
-          },
+          [](PyComm& c) { return comm_stats_dict(c.comm->stats()); },
           "Bytes moved and operations issued by this member so far.");
 
   // A few collectives on DLPack arrays, for the front (checkpoint state and tensor-parallel

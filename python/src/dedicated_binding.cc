@@ -341,14 +341,7 @@ void bind_dedicated(nb::module_& m) {
           nb::arg("bucket"), nb::arg("buffer"), nb::arg("stream"))
       .def(
           "traffic",
-          [](const PyTransfers& t) {
-            const CommStats s = t.transfers->traffic();
-            nb::dict d;
-            d["ops"] = s.ops;
-            d["bytes_sent"] = s.bytes_sent;
-            d["bytes_received"] = s.bytes_received;
-            return d;
-          },
+          [](const PyTransfers& t) { return comm_stats_dict(t.transfers->traffic()); },
           "What the dedicated traffic's communicators (shard group, replica group) moved so far: "
           "{'ops', 'bytes_sent', 'bytes_received'}.");
 }
