@@ -137,7 +137,7 @@ def make_engine(
     """The engine for `topo`. The dedicated mode (distmuon.torch.dedicate) takes the owners the
     handle planned and leaves the transfers to it (the engine only computes on the owners).
     `wire_dtype` ('bf16', 'f32', '': the parameters') narrows what the sharded and gather modes
-    send; the other modes never take it."""
+    send (the engine refuses it in the replicated mode; the dedicated runtime moves its own)."""
     if nonfinite not in _POLICY:
         raise ValueError(f"nonfinite must be 'skip' or 'raise' (got {nonfinite!r})")
     if device.type == "cpu":
@@ -154,7 +154,7 @@ def make_engine(
         opts.replicate = topo.replicate
         opts.bucket_bytes = int(bucket_mb * (1 << 20))
         opts.check_grad_presence = True
-        if topo.mode in ("sharded", "gather"):
+        if topo.mode != "dedicated":
             opts.wire_dtype = wire_dtype
         if topo.mode == "dedicated":
             opts.owners = list(dedicated_owners or [])

@@ -476,11 +476,6 @@ class Muon(torch.optim.Optimizer):
             slots = self._make_slots(layout)
             device = common_device([s.local() for s in slots], [s.name for s in slots])
             options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
-            if self._wire_dtype and any(t.mode == "replicated" for t, _, _ in layout):
-                raise ValueError(
-                    "wire_dtype applies to the sharded and gather modes (FSDP2, HSDP); the replicated "
-                    "mode (DDP) moves weights, which every rank must hold alike"
-                )
             error = None
         except (ValueError, TypeError, RuntimeError) as e:
             if not any(t.distributed for t, _, _ in layout):
