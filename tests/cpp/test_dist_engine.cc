@@ -548,7 +548,6 @@ TEST(MpiEngine, ANarrowWireHalvesTheBytesAndRoundsOnce) {
       EXPECT_LT(bytes_b, 0.6 * bytes_a);  // the statuses and the vote keep their width
       EXPECT_GT(bytes_b, 0.4 * bytes_a);
     }
-    const std::vector<std::pair<int64_t, int64_t>> all = whole_rows();
     std::vector<Mirror<float>> w0 = initial_weights(*a.be, a.rows);
     double worst = 0;  // the largest difference, relative to the largest change of the weights
     for (size_t p = 0; p < model().size(); ++p) {
