@@ -94,7 +94,7 @@ struct Scenario {
   int steps = 3;
   bool cache = false;  // CacheMuon in group 0 (add_groups)
   bool per_bucket = false;  // DistOptions::batches_across_buckets off: owner batches per bucket
-  std::optional<DType> wire;  // DistOptions::wire_dtype
+  std::optional<DType> wire = std::nullopt;  // DistOptions::wire_dtype
 };
 
 // Which parameters have a gradient: "a2" has none in step 1 (on every rank); in dedicated mode
