@@ -166,7 +166,6 @@ class ShardedRunner final : public ModeRunner {
 
   void compute(int b, StepContext& ctx) {
     const Bucket& bk = dist_.buckets[b];
-    BucketBuffers& s = bufs_[b];
     if (!ctx.raise) {
       // Pass 1 of the runs this rank owns here (else the raise policy's pass1() ran it); the
       // shards apply the update, so they must learn whether the owner skipped the matrix.
