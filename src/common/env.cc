@@ -23,6 +23,10 @@ const std::vector<Knob>& knobs() {
        "thread NCCL starts per launch (about 0.1 ms of host time each, measured), but whose "
        "initialisation, split, teardown and first use of each path are no longer bounded by "
        "DISTMUON_COMM_TIMEOUT_S: a member that never arrives hangs them (for measuring)"},
+      {"DISTMUON_DEDICATED_EARLY_BROADCAST", "0",
+       "1: the dedicated mode (flat) broadcasts a bucket's weights right after its owners' compute "
+       "instead of one slot later; the waiting NCCL kernels then sit on the peers' SMs beside their "
+       "own owner batches (for measuring one against the other)"},
       {"DISTMUON_MPI_PROGRESS_THREAD", "1",
        "drive non-blocking MPI operations from a background thread so they overlap compute"},
       {"DISTMUON_MPI_PROGRESS_US", "200", "microseconds between two sweeps of the MPI progress thread"},

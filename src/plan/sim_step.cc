@@ -359,33 +359,37 @@ class StepModel {
             t.collective(d_ == 1 ? local(bytes) : (d_ - 1) * r.alpha + bytes / r.beta, joins);
         joins = true;
       }
-      for (int q = 0; q < d_; ++q) t.kernel(q, 0, reduced[b]);
     }
     const OwnerWork w = owner_work();
     const OwnerBatches& ob = w.batches;
     const auto &ortho = w.ortho, &done = w.done;
     const auto& runs = w.runs;
-    // Stage 2: the owner's step (the batches whose last bucket this is), then a broadcast per
-    // matrix of every bucket whose updates are then complete.
-    for (size_t b = 0; b < nb; ++b) {
-      std::vector<double> own(static_cast<size_t>(d_), 0.0);
-      for (int j : buckets_[b])
-        own[static_cast<size_t>(mats_[static_cast<size_t>(j)].owner)] +=
-            static_cast<double>(mats_[static_cast<size_t>(j)].elems);
-      for (int q = 0; q < d_; ++q) {
-        const size_t i = static_cast<size_t>(q);
-        // At D > 1 the owner first turns the summed gradient into the mean (in place).
-        t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[b][i] + elementwise(done[b][i]));
-      }
-      for (const int c : ob.ready_here[b]) {
-        bool joins = false;
-        for (int j : buckets_[static_cast<size_t>(c)]) {
-          const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-          t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_),  // in place
-                       joins);
-          joins = true;
+    // Stage 2 (the owner's step: the batches whose last bucket this is, once the bucket's
+    // reduction landed) and, one slot after the compute that completes a bucket, stage 3: a
+    // broadcast per matrix, the bucket's as one group. Pipelined.
+    for (size_t s = 0; s <= nb; ++s) {
+      if (s < nb) {
+        std::vector<double> own(static_cast<size_t>(d_), 0.0);
+        for (int j : buckets_[s])
+          own[static_cast<size_t>(mats_[static_cast<size_t>(j)].owner)] +=
+              static_cast<double>(mats_[static_cast<size_t>(j)].elems);
+        for (int q = 0; q < d_; ++q) {
+          const size_t i = static_cast<size_t>(q);
+          // At D > 1 the owner first turns the summed gradient into the mean (in place).
+          t.kernel(q, (d_ > 1 ? copy(own[i] * wire_) : 0) + ortho[s][i] + elementwise(done[s][i]),
+                   reduced[s]);
         }
       }
+      if (s >= 1)
+        for (const int c : ob.ready_here[s - 1]) {
+          bool joins = false;
+          for (int j : buckets_[static_cast<size_t>(c)]) {
+            const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
+            t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_),  // in place
+                         joins);
+            joins = true;
+          }
+        }
     }
     p.dedicated_engine = t.sync();
     p.dedicated_collectives = t.collectives();

@@ -5,13 +5,20 @@
 // group). Only the owner keeps momentum.
 //
 // Stages of a bucket: 0 reduce in the shard group; 1 reduce across replicas; 2 owner step (pass
-// 1 of the bucket's runs, then the owner batches whose last bucket this is) and the broadcast
-// across replicas (flat: to everyone) of the buckets whose updates are then complete; 3
-// broadcast in the shard group; 4 wait (stages 3-4 of a bucket follow the compute stage of the
-// bucket that completes its updates, Bucket::ready).
+// 1 of the bucket's runs, then the owner batches whose last bucket this is) and, under HSDP, the
+// broadcast across replicas of the buckets whose updates are then complete; 3 broadcast in the
+// shard group (flat: to everyone); 4 wait (stages 3-4 of a bucket follow the compute stage of the
+// bucket that completes its updates, Bucket::ready, by one slot each).
+//
+// Flat, a bucket's broadcast is issued one slot after the compute that completes it, as the
+// sharded mode sends its updates: issued in the same slot, each peer's NCCL kernel would start
+// as soon as the peer's own earlier work is done and then wait, resident on its SMs, for the
+// owner, beside the peer's own next owner batch, whose persistent GEMMs lose those SMs to a
+// second wave (DISTMUON_DEDICATED_EARLY_BROADCAST=1 issues it in the same slot, to measure this).
 //
 // With DistOptions::caller_transfers the caller has already reduced each gradient onto its owner
 // and publishes the weights itself: only stage 2's owner step runs, on the caller's buffers.
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
@@ -24,6 +31,7 @@ class DedicatedRunner final : public ModeRunner {
 
   void setup() override {
     caller_ = dist_.options.caller_transfers;
+    early_broadcast_ = env::get_bool("DISTMUON_DEDICATED_EARLY_BROADCAST");
     grad_stage_offset_.assign(dist_.mats.size(), -1);
     convert_offset_.assign(dist_.mats.size(), -1);
     bufs_.resize(dist_.buckets.size());
@@ -52,6 +60,7 @@ class DedicatedRunner final : public ModeRunner {
   void pass1(int b, StepContext& ctx) override {
     const Bucket& bk = dist_.buckets[b];
     if (!caller_) {
+      dist_.wait_on_stream(bufs_[b].reduce_in_shard);
       dist_.wait_on_stream(bufs_[b].reduce_across_replicas);
       scale(bk);
     }
@@ -86,8 +95,11 @@ class DedicatedRunner final : public ModeRunner {
         break;
       }
       case 1:
-        dist_.wait_on_stream(s.reduce_in_shard);
+        // Flat, the compute stage waits for its own bucket's reduction, so that the first owner
+        // batches run while later buckets still reduce. Under HSDP the replicas' reduction reads
+        // what the shard group's wrote, ordered through the compute stream: it waits here.
         if (!dist_.replica) break;
+        dist_.wait_on_stream(s.reduce_in_shard);
         dist_.replica->grouped([&] {
           for (int j : bk.act) {
             const DistMatrix& m = dist_.mats[j];
@@ -97,31 +109,19 @@ class DedicatedRunner final : public ModeRunner {
           }
         });
         break;
-      case 2: {
+      case 2:
+        dist_.wait_on_stream(s.reduce_in_shard);
         dist_.wait_on_stream(s.reduce_across_replicas);
         if (!ctx.raise) scale(bk);
         step_owned(b, ctx, owned_slot(ctx));
-        Communicator& first = dist_.replica ? *dist_.replica : *dist_.shard;
-        for (int c : bk.ready_buckets)  // the buckets whose weights are now all updated
-          first.grouped([&] {
-            BucketBuffers& sc = bufs_[c];
-            for (int j : dist_.buckets[c].act) {
-              const DistMatrix& m = dist_.mats[j];
-              void* w = weight(j, ctx);
-              if (dist_.replica) {
-                if (m.owner_s == dist_.my_s)
-                  sc.broadcast_first.push_back(
-                      dist_.replica->broadcast(w, m.numel(), comm_type(m.dtype), m.owner_r));
-              } else {
-                sc.broadcast_first.push_back(
-                    dist_.shard->broadcast(w, m.numel(), comm_type(m.dtype), m.owner_s));
-              }
-            }
-          });
+        if (dist_.replica || early_broadcast_)
+          for (int c : bk.ready_buckets) broadcast_first(c, ctx);  // weights now all updated
         break;
-      }
       case 3:
-        if (!dist_.replica) break;
+        if (!dist_.replica) {
+          if (!early_broadcast_) broadcast_first(b, ctx);
+          break;
+        }
         dist_.wait_on_stream(s.broadcast_first);
         dist_.shard->grouped([&] {
           for (int j : bk.act) {
@@ -146,6 +146,22 @@ class DedicatedRunner final : public ModeRunner {
     std::vector<CommHandle> reduce_in_shard, reduce_across_replicas, broadcast_first,
         broadcast_in_shard;
   };
+
+  // The broadcast of bucket c's updated weights across replicas (flat: to everyone), one group.
+  void broadcast_first(int c, StepContext& ctx) {
+    BucketBuffers& sc = bufs_[c];
+    Communicator& first = dist_.replica ? *dist_.replica : *dist_.shard;
+    first.grouped([&] {
+      for (int j : dist_.buckets[c].act) {
+        const DistMatrix& m = dist_.mats[j];
+        void* w = weight(j, ctx);
+        if (!dist_.replica)
+          sc.broadcast_first.push_back(first.broadcast(w, m.numel(), comm_type(m.dtype), m.owner_s));
+        else if (m.owner_s == dist_.my_s)
+          sc.broadcast_first.push_back(first.broadcast(w, m.numel(), comm_type(m.dtype), m.owner_r));
+      }
+    });
+  }
 
   void* gstage(int j) {
     const DistMatrix& m = dist_.mats[j];
@@ -208,6 +224,7 @@ class DedicatedRunner final : public ModeRunner {
   }
 
   bool caller_ = false;
+  bool early_broadcast_ = false;  // DISTMUON_DEDICATED_EARLY_BROADCAST (header)
   std::vector<BucketBuffers> bufs_;
   std::vector<int64_t> grad_stage_offset_, convert_offset_, convert_elems_;
 };

@@ -223,9 +223,9 @@ TEST(PlanSimulate, BucketsCutTheBatches) {
   EXPECT_EQ(b.gather_runs, static_cast<int64_t>(mats.size()));
   EXPECT_EQ(b.owner_runs, a.owner_runs);
   EXPECT_GE(c.owner_runs, static_cast<int64_t>(mats.size()) / 2);
-  // Batches of one pay the per-batch launches once per matrix.
+  // Batches of one pay the per-batch launches once per matrix. (The owner modes are compared
+  // at equal buckets: one bucket would also leave no reduction to overlap with compute.)
   EXPECT_GT(b.gather(), a.gather());
-  EXPECT_GT(c.dedicated(), a.dedicated());
   EXPECT_GT(c.dedicated(), b.dedicated());
   EXPECT_GT(c.sharded(), b.sharded());
   double singles = 0;
