@@ -8,6 +8,7 @@
 #   STAGES="step costs" bench/cluster/run.sh     some stages
 #   RANKS=1,2,4,8 WORKLOADS="gpt2-large:0 pi0:8" bench/cluster/run.sh
 #   OUT=out/cl-b BENCH_ARGS=--batches-per-bucket DISTMUON_NCCL_BLOCKING=1 bench/cluster/run.sh
+#   OUT=out/cl-e MODES=dedicated DISTMUON_DEDICATED_EARLY_BROADCAST=1 bench/cluster/run.sh
 #
 # Stages (output under $OUT, default out/cluster):
 #   step   mpirun -np D distmuon-bench --calibrate --profile: modes gather, sharded, dedicated and
@@ -36,6 +37,7 @@ RANKS=${RANKS:-1,2,4,8}
 # one 80 GB GPU (bf16): 0.6-0.9 B Muon parameters each.
 WORKLOADS=${WORKLOADS:-"gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1"}
 STEPS=${STEPS:-3}
+MODES=${MODES:-gather,sharded,dedicated,adamw}  # of the step stage (an A/B may need one)
 STAGES=${STAGES:-step costs e2e}
 E2E_RANKS=${E2E_RANKS:-1,8}
 E2E_ARGS=${E2E_ARGS:---config qwen2.5-1.5b --seq 2048 --steps 5 --warmup 2}
@@ -138,7 +140,7 @@ if [[ " $STAGES " == *" step "* ]]; then
       if over_budget $((BUDGET_S - 90)); then say "SKIPPED (time): $name on $d ranks"; continue; fi
       say "step: $name (layers $layers) on $d ranks"
       watched 150 bench "$d" --workload "$name" --layers "$layers" --dtype bf16 --no-adamw \
-        --mode gather,sharded,dedicated,adamw --steps "$STEPS" --warmup 1 \
+        --mode "$MODES" --steps "$STEPS" --warmup 1 \
         "${EXTRA[@]}" --json "$OUT/step-$name-$d.json" || say "FAILED: $name on $d ranks (rc $?)"
       tail -n 16 "$LOG" | grep -E "^(gather|sharded|dedicated|adamw) |rank [0-9]+:|calibration" || true
     done
