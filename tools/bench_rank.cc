@@ -303,12 +303,14 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
                  std::to_string(s) + " s");
     }
     for (auto& run : runs) {
+      // The result first: its bytes and FLOPs per step are counted over the timed steps, which
+      // the profiled step below would join.
+      results.push_back(cmp.result(*run));
       if (r.trace) {
         const StepBreakdown b = profiled_step(r, cmp, *run, total, t_begin, t_end);
         breakdowns.push_back(
             all_ranks(host, {b.window_ms, b.compute_ms, b.comm_ms, b.overlap_ms, b.wait_ms}));
       }
-      results.push_back(cmp.result(*run));
     }
   }
   cmp.check_weights_agree();
