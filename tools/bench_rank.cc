@@ -24,6 +24,8 @@ struct Calibration {
   double copy_gbs = 0;       // this rank's kernel copy bandwidth (read + write) likewise
   double allgather_gbs = 0;  // NCCL all-gather bus bandwidth between the ranks
   double allreduce_gbs = 0;  // NCCL all-reduce bus bandwidth
+  double broadcast_gbs = 0;  // NCCL broadcast (root 0) bus bandwidth: the dedicated mode's
+  double reduce_gbs = 0;     // NCCL reduce (to root 0) bus bandwidth: the dedicated mode's
   // Host time per collective when many small ones are issued back to back, as the FSDP2
   // emulation and the engine issue them (the simulator's --collective-latency-us).
   double collective_us = 0;
@@ -89,9 +91,16 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     auto all_reduce = [&] {
       comm.all_reduce(send.data(), send.data(), count, CommType::kBF16, ReduceOp::kSum).wait();
     };
+    auto broadcast = [&] { comm.broadcast(send.data(), count, CommType::kBF16, 0).wait(); };
+    auto reduce = [&] {
+      comm.reduce(send.data(), comm.rank() == 0 ? recv.data() : nullptr, count, CommType::kBF16,
+                  ReduceOp::kSum, 0).wait();
+    };
     all_gather();
     all_reduce();
-    say("calibration: the first NCCL all-gather and all-reduce ended");
+    broadcast();
+    reduce();
+    say("calibration: the first NCCL all-gather, all-reduce, broadcast and reduce ended");
     auto host_ms = [&](const std::function<void()>& f) {  // the slowest rank's, per repetition
       std::vector<double> ms;
       for (int i = 0; i < 5; ++i) {
@@ -106,8 +115,12 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     };
     c.allgather_gbs = (p - 1.0) * bytes / (host_ms(all_gather) * 1e-3) / 1e9;
     c.allreduce_gbs = 2.0 * (p - 1.0) / p * bytes / (host_ms(all_reduce) * 1e-3) / 1e9;
-    std::snprintf(line, sizeof(line), "calibration: NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s",
-                  c.allgather_gbs, c.allreduce_gbs);
+    c.broadcast_gbs = bytes / (host_ms(broadcast) * 1e-3) / 1e9;
+    c.reduce_gbs = bytes / (host_ms(reduce) * 1e-3) / 1e9;
+    std::snprintf(line, sizeof(line),
+                  "calibration: NCCL all-gather %.0f GB/s, all-reduce %.0f, broadcast %.0f, "
+                  "reduce %.0f GB/s (bus)",
+                  c.allgather_gbs, c.allreduce_gbs, c.broadcast_gbs, c.reduce_gbs);
     say(line);
     // 256 all-gathers of 1 KiB per rank issued back to back, then waited for: the issue path
     // (NCCL's non-blocking launch, the communicator's polling) sets the pace, not the bytes.
@@ -146,7 +159,8 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"what",
        "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
        "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
-       "all-gather and all-reduce (each timed alone, its issue included); host time per "
+       "all-gather, all-reduce, broadcast and reduce (root 0; each timed alone, its issue "
+       "included); host time per "
        "collective of 256 back-to-back 1 KiB all-gathers"},
       {"gemm_tflops_per_rank_min", gemm_min},
       {"gemm_tflops_total", gemm_sum},
@@ -154,6 +168,8 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"copy_gbs_total", copy_sum},
       {"nccl_allgather_busbw_gbs", c.allgather_gbs},
       {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
+      {"nccl_broadcast_busbw_gbs", c.broadcast_gbs},
+      {"nccl_reduce_busbw_gbs", c.reduce_gbs},
       {"nccl_collective_us", c.collective_us},
       {"nccl_blocking", env::get_bool("DISTMUON_NCCL_BLOCKING")},
       {"ranks", ranks}};
@@ -181,11 +197,12 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
     const json& c = *calibration;
     std::printf(
         "calibration: GEMM %.0f TFLOP/s per rank (%.0f total), copy %.0f GB/s per rank "
-        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f GB/s (bus), %.0f us per "
-        "collective\n",
+        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f, broadcast %.0f, reduce %.0f "
+        "GB/s (bus), %.0f us per collective\n",
         c["gemm_tflops_per_rank_min"].get<double>(), c["gemm_tflops_total"].get<double>(),
         c["copy_gbs_per_rank_min"].get<double>(), c["copy_gbs_total"].get<double>(),
         c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>(),
+        c["nccl_broadcast_busbw_gbs"].get<double>(), c["nccl_reduce_busbw_gbs"].get<double>(),
         c["nccl_collective_us"].get<double>());
   }
   json runs = comparison_runs_json(results);

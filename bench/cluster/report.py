@@ -304,11 +304,15 @@ def main() -> None:
                      f"{fmt(r.get('error'), '{:+.0%}')} | {fmt(r['compute_ms'])} / "
                      f"{fmt(r['comm_ms'])} / {fmt(r['wait_ms'])} |")
     lines += ["", "| D | GEMM TFLOP/s per rank | total | copy GB/s per rank | total | "
-              "NCCL all-gather GB/s | all-reduce GB/s |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "NCCL all-gather GB/s | all-reduce | broadcast | reduce |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for d, c in sorted(calibration.items(), key=lambda kv: int(kv[0])):
+        rooted = " | ".join(fmt(c.get(k), "{:.0f}")  # recorded since 2026-12-06 (dedicated's)
+                            for k in ("nccl_broadcast_busbw_gbs", "nccl_reduce_busbw_gbs"))
         lines.append(f"| {d} | {c['gemm_tflops_per_rank_min']:.0f} | {c['gemm_tflops_total']:.0f} | "
                      f"{c['copy_gbs_per_rank_min']:.0f} | {c['copy_gbs_total']:.0f} | "
-                     f"{c['nccl_allgather_busbw_gbs']:.0f} | {c['nccl_allreduce_busbw_gbs']:.0f} |")
+                     f"{c['nccl_allgather_busbw_gbs']:.0f} | {c['nccl_allreduce_busbw_gbs']:.0f} | "
+                     f"{rooted} |")
     if e2e:
         lines += ["", "| D | optimizer | step ms | x AdamW | fwd+bwd ms | optimizer ms | loss |",
                   "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
