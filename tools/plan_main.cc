@@ -157,6 +157,8 @@ int run(const PlanArgs& a) {
     cm.elementwise_bytes = a.elementwise_bytes;
     cm.hbm_bytes_per_s = a.hbm_tbs * 1e12;
     cm.intra_reduce_bytes_per_s = a.intra_reduce_gbs * 1e9;
+    cm.intra_broadcast_bytes_per_s = a.intra_broadcast_gbs * 1e9;
+    cm.intra_root_reduce_bytes_per_s = a.intra_root_reduce_gbs * 1e9;
     cm.collective_latency_s = a.collective_latency_us * 1e-6;
     cm.local_collective_s = a.local_collective_us * 1e-6;
     cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));

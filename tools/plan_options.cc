@@ -163,6 +163,15 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                  "intra-node bandwidth of reductions (reduce, reduce-scatter), GB/s (0: --intra-gbs)")
       ->check(cli::at_least(0))
       ->group(sim);
+  app.add_option("--intra-broadcast-gbs", a.intra_broadcast_gbs,
+                 "intra-node bus bandwidth of the dedicated mode's broadcasts, GB/s (0: --intra-gbs)")
+      ->check(cli::at_least(0))
+      ->group(sim);
+  app.add_option("--intra-root-reduce-gbs", a.intra_root_reduce_gbs,
+                 "intra-node bus bandwidth of the dedicated mode's reduces to one rank, GB/s (0: "
+                 "--intra-reduce-gbs)")
+      ->check(cli::at_least(0))
+      ->group(sim);
   app.add_option("--collective-latency-us", a.collective_latency_us,
                  "host time per collective at D > 1, paid in program order (143: the engine's "
                  "non-blocking NCCL communicator, H100 with two MPS ranks; distmuon-bench "

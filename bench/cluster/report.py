@@ -84,6 +84,12 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
         sim += ["--intra-gbs", f"{issue_free_gbs(cal['nccl_allgather_busbw_gbs'], d - 1, issue_us):.6g}",
                 "--intra-reduce-gbs",
                 f"{issue_free_gbs(cal['nccl_allreduce_busbw_gbs'], 2 * (d - 1) / d, issue_us):.6g}"]
+        # The dedicated mode's rooted collectives, where the calibration timed them (since
+        # 2026-12-06; bus bandwidth = bytes / time for both).
+        for key, flag in (("nccl_broadcast_busbw_gbs", "--intra-broadcast-gbs"),
+                          ("nccl_reduce_busbw_gbs", "--intra-root-reduce-gbs")):
+            if cal.get(key):
+                sim += [flag, f"{issue_free_gbs(cal[key], 1, issue_us):.6g}"]
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         r = subprocess.run(sim + ["--json", tmp.name], capture_output=True, text=True)
         if r.returncode != 0:

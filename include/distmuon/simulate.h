@@ -24,6 +24,12 @@ struct CommModel {
   // Reductions (reduce, FSDP's reduce-scatter) inside a node, where they run at another rate
   // than gathers and broadcasts (an all-reduce's bus bandwidth); 0: intra_bytes_per_s.
   double intra_reduce_bytes_per_s = 0;
+  // The dedicated mode's rooted collectives inside a node, where measured apart (a broadcast from
+  // and a reduce to one rank run at their own bus bandwidth, 2.6x an all-gather's between two
+  // MPS ranks): 0 keeps the rates above (broadcasts at intra_bytes_per_s, reduces at the
+  // reductions').
+  double intra_broadcast_bytes_per_s = 0;
+  double intra_root_reduce_bytes_per_s = 0;
   int64_t wire_elem_bytes = 2;  // bf16 gradients and updates on the wire
   // What one collective costs the host that issues it, D > 1: the engine's NCCL communicator is
   // non-blocking, so NCCL launches each call from a thread of its own and the communicator polls

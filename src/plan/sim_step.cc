@@ -347,7 +347,8 @@ class StepModel {
   void dedicated(SimPoint& p) const {
     Timeline t(d_, issue_, share_);
     vote(t);
-    const Link r = reduce_link(d_, cm_, per_node_);
+    const Link r = root_reduce_link(d_, cm_, per_node_);
+    const Link bc = broadcast_link(d_, cm_, per_node_);
     const size_t nb = buckets_.size();
     std::vector<double> reduced(nb, 0.0);
     // Each bucket's reduces, and then its broadcasts, are launched as one group.
@@ -385,7 +386,7 @@ class StepModel {
           bool joins = false;
           for (int j : buckets_[static_cast<size_t>(c)]) {
             const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-            t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, cm_, per_node_),  // in place
+            t.collective(d_ == 1 ? local(0) : (d_ - 1) * bc.alpha + bytes / bc.beta,  // in place
                          joins);
             joins = true;
           }

@@ -32,6 +32,19 @@ inline Link reduce_link(int world, const CommModel& cm, int per_node) {
   return l;
 }
 
+// The dedicated mode's broadcasts and reduces, at their own rates inside a node where given.
+inline Link broadcast_link(int world, const CommModel& cm, int per_node) {
+  Link l = link(world, cm, per_node);
+  if (world <= per_node && cm.intra_broadcast_bytes_per_s > 0) l.beta = cm.intra_broadcast_bytes_per_s;
+  return l;
+}
+inline Link root_reduce_link(int world, const CommModel& cm, int per_node) {
+  Link l = reduce_link(world, cm, per_node);
+  if (world <= per_node && cm.intra_root_reduce_bytes_per_s > 0)
+    l.beta = cm.intra_root_reduce_bytes_per_s;
+  return l;
+}
+
 // One Muon matrix of the layout at a world size.
 struct SimMatrix {
   int64_t rows = 0, cols = 0, elems = 0;

@@ -33,7 +33,7 @@ std::string CommModel::describe() const {
       buf, sizeof(buf),
       "  alpha-beta model: a message of b bytes costs alpha + b / beta\n"
       "  intra-node: beta %.0f GB/s per GPU per direction (NVLink 4 class), alpha %.1f us; "
-      "reductions %.0f GB/s\n"
+      "reductions %.0f GB/s; the dedicated mode's broadcasts %.0f GB/s, reduces %.0f GB/s\n"
       "  inter-node: beta %.0f GB/s per GPU (InfiniBand NDR 400 Gb/s, one NIC per GPU), "
       "alpha %.1f us\n"
       "  on the wire: %lld bytes per element (gradients and updates)\n"
@@ -55,6 +55,11 @@ std::string CommModel::describe() const {
       "  not modelled: the host's kernel launches, ranks starting a step at different times",
       intra_bytes_per_s / 1e9, intra_latency_s * 1e6,
       (intra_reduce_bytes_per_s > 0 ? intra_reduce_bytes_per_s : intra_bytes_per_s) / 1e9,
+      (intra_broadcast_bytes_per_s > 0 ? intra_broadcast_bytes_per_s : intra_bytes_per_s) / 1e9,
+      (intra_root_reduce_bytes_per_s > 0
+           ? intra_root_reduce_bytes_per_s
+           : (intra_reduce_bytes_per_s > 0 ? intra_reduce_bytes_per_s : intra_bytes_per_s)) /
+          1e9,
       inter_bytes_per_s / 1e9, inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes),
       collective_latency_s * 1e6, local_collective_s * 1e6,
       static_cast<double>(bucket_bytes) / (1 << 20),
@@ -99,6 +104,7 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
   DM_CHECK(cm.intra_bytes_per_s > 0 && cm.inter_bytes_per_s > 0 && cm.intra_latency_s >= 0 &&
                cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1 && cm.elementwise_bytes >= 0 &&
                cm.hbm_bytes_per_s > 0 && cm.intra_reduce_bytes_per_s >= 0 &&
+               cm.intra_broadcast_bytes_per_s >= 0 && cm.intra_root_reduce_bytes_per_s >= 0 &&
                cm.collective_latency_s >= 0 && cm.local_collective_s >= 0,
            "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0");
   DM_CHECK(cm.comm_compute_share >= 0 && cm.comm_compute_share < 1,

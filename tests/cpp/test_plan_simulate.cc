@@ -290,6 +290,30 @@ TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {
   EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
 }
 
+// The dedicated mode's broadcasts and reduces run at their own rates where given; the other modes
+// and the dedicated mode beyond a node do not see them.
+TEST(PlanSimulate, RootedCollectivesHaveRatesOfTheirOwn) {
+  const Workload w = load_workload("gpt2-large").first_layers(4);
+  const auto mats = plan_matrices(w);
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  CommModel base;
+  base.intra_bytes_per_s = 100e9;  // slow enough that the transfers show in the step
+  base.collective_latency_s = 0;
+  CommModel fast_bc = base, fast_red = base, bad = base;
+  fast_bc.intra_broadcast_bytes_per_s = 400e9;
+  fast_red.intra_root_reduce_bytes_per_s = 400e9;
+  const auto ref = simulate(mats, costs, {2, 16}, 8, base, "lpt", {}, sim_tensors(w));
+  for (const CommModel& cm : {fast_bc, fast_red}) {
+    const auto pts = simulate(mats, costs, {2, 16}, 8, cm, "lpt", {}, sim_tensors(w));
+    EXPECT_LT(pts[0].dedicated(), ref[0].dedicated());
+    EXPECT_DOUBLE_EQ(pts[0].sharded(), ref[0].sharded());
+    EXPECT_DOUBLE_EQ(pts[0].gather(), ref[0].gather());
+    EXPECT_DOUBLE_EQ(pts[1].dedicated(), ref[1].dedicated());  // 16 ranks: two nodes, the NICs
+  }
+  bad.intra_broadcast_bytes_per_s = -1;
+  EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
+}
+
 // Owner modes divide the work: their compute shrinks as the world grows, and inside a node
 // (collectives at a few microseconds of host time, a blocking launch) their steps beat gather's.
 TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
