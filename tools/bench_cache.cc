@@ -13,6 +13,7 @@ CacheOptions cache_options(const BenchOptions& o, double gamma) {
   c.probes = o.cache_probes;
   c.max_staleness = o.cache_staleness;
   c.check_backoff = o.cache_backoff;
+  c.gate = parse_cache_gate(o.cache_gate);
   if (o.cache_dtype != "work") c.dtype = parse_dtype(o.cache_dtype);
   c.layout = parse_cache_layout(o.cache_layout);
   c.shadow = o.cache_shadow;
@@ -39,11 +40,11 @@ void print_cache_table(const std::vector<RunResult>& results) {
                   c.probe_ratio_mean, c.probe_ratio_max);
     for (const CacheMatrixStats& m : c.per_matrix)
       std::printf(
-          "    %-28s hits %4lld refresh %4lld (forced %lld, untested %lld) age %3.0f res mean %.3f "
-          "max %.3f "
-          "last %.3f upd err max %.2e\n",
+          "    %-28s hits %4lld refresh %4lld (forced %lld, untested %lld, batch %lld) age %3.0f "
+          "res mean %.3f max %.3f last %.3f upd err max %.2e\n",
           m.name.c_str(), static_cast<long long>(m.hits), static_cast<long long>(m.refreshes),
-          static_cast<long long>(m.forced), static_cast<long long>(m.unchecked), m.age,
+          static_cast<long long>(m.forced), static_cast<long long>(m.unchecked),
+          static_cast<long long>(m.batch), m.age,
           m.mean_residual, m.max_residual, m.last_residual, m.max_update_error);
   }
 }
@@ -64,6 +65,7 @@ nlohmann::json cache_json(const RunResult& r, const BenchOptions& o) {
                       {"refreshes", c.refreshes},
                       {"forced_refreshes", c.forced_refreshes},
                       {"unchecked_refreshes", c.unchecked_refreshes},
+                      {"batch_refreshes", c.batch_refreshes},
                       {"skips", c.skips},
                       {"flops", c.flops},
                       {"fresh_flops", c.fresh_flops},
@@ -72,6 +74,7 @@ nlohmann::json cache_json(const RunResult& r, const BenchOptions& o) {
                       {"probes", o.cache_probes},
                       {"max_staleness", o.cache_staleness},
                       {"check_backoff", o.cache_backoff},
+                      {"gate", o.cache_gate},
                       {"dtype", o.cache_dtype},
                       {"layout", o.cache_layout},
                       {"drift", o.drift}};

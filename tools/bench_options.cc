@@ -155,6 +155,11 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
                  "every call)")
       ->check(cli::at_least(0))
       ->group(cache);
+  app.add_option("--cache-gate", o.cache_gate,
+                 "matrix: each matrix hits alone; batch: a call hits only when all its matrices "
+                 "pass, else all refresh")
+      ->check(CLI::IsMember({"matrix", "batch"}))
+      ->group(cache);
   app.add_option("--cache-dtype", o.cache_dtype,
                  "precision of the cached transforms (work: the iteration's dtype)")
       ->check(CLI::IsMember({"work", "f32", "f16", "bf16"}))

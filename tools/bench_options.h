@@ -34,7 +34,7 @@ struct BenchOptions {
   std::vector<double> cache;
   std::string cache_residual = "probe";  // CacheOptions' default
   int cache_probes = 8, cache_staleness = 0, cache_backoff = 0;
-  std::string cache_dtype = "work", cache_layout = "product";
+  std::string cache_dtype = "work", cache_layout = "product", cache_gate = "matrix";
   bool cache_shadow = false, cache_per_matrix = false;
 
   bool distributed() const { return modes != std::vector<std::string>{"single"}; }

@@ -182,6 +182,8 @@ enum CacheStatField : int {
   kCacheStatForced,     // refreshes without a usable entry: empty, stale, wrong key, non-finite
   kCacheStatSkips,
   kCacheStatUnchecked,  // refreshes of a usable entry whose test the back-off left out
+  kCacheStatBatch,      // refreshes of a matrix that passed its own test, sent by the per-batch
+                        // gate because another matrix of its call did not
   kCacheStatTested,     // residuals computed for a test (what the test's FLOPs are charged on)
   kCacheStatChecks,     // finite residuals of tested entries (the right key, due; stale
                         // ones included): the sums, extremes and histogram below
@@ -206,6 +208,10 @@ enum CacheStatField : int {
 //   failed or left-out test), else 0. stats (if given) count the decision; when the entry was
 //   tested and r is finite (stale entries included), r enters the residual stats. A non-finite
 //   Q needs no test of its own: every residual is a product with Q, so it is non-finite too.
+// With `batch` (the per-batch gate, CacheGate::kBatch) the call is all or nothing: it hits only
+// if every matrix that is not skipped would hit by the rule above; otherwise each of them
+// refreshes, and one that would have hit alone is counted in stats[Batch] and its misses move as
+// for a failed test (cache_ref::gate_one says why). Skipped matrices never block the others.
 // With `plan`, only decision[i] is written, before any residual exists: kCacheCheck where the
 // matrix will be tested, kCacheSkip or kCacheRefresh elsewhere (so that the caller can leave
 // the residual's work out when no matrix needs it).
@@ -224,6 +230,7 @@ struct CacheGateArgs {
   float* misses = nullptr;           // optional in/out: refreshes since the entry's last hit
   int32_t backoff = 0;               // longest interval between tests after misses (<= 1: none)
   bool plan = false;                 // write only the decisions kCacheCheck / Skip / Refresh
+  bool batch = false;                // one decision for the whole call (ignored by `plan`)
 };
 
 class Backend {
@@ -385,7 +392,9 @@ class Backend {
   // Only such operations may be issued inside a conditional block (begin_if_selected).
   // Default: false (the defaults above synchronise).
   virtual bool masked_capturable(DType t) const;
-  // The CacheMuon accept/refresh decision, one thread per matrix (see CacheGateArgs).
+  // The CacheMuon accept/refresh decision (see CacheGateArgs), as cache_ref::gate_call takes
+  // it; a device backend takes it on the device (with `batch`, reducing over the call's
+  // matrices) without a host synchronisation. Default: on the host, synchronising.
   virtual void cache_gate(const CacheGateArgs& args);
   // Fills dst with standard normal values: element (b, r, c) gets normal_sample(seed,
   // counter + (b * rows + r) * cols + c) (src/backend/cache_ref.h defines it exactly, so

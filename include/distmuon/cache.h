@@ -33,6 +33,17 @@ enum class CacheLayout : int {
   kFactors = 1,  // every segment's Q (one per restart + 1); each use applies them in turn
 };
 
+// What one cache_gate call decides on (Backend::cache_gate: a call is one batch of matrices).
+enum class CacheGate : int {
+  kMatrix = 0,  // each matrix alone: it hits when its own residual passes
+  // The call as a whole: it hits only if every matrix taking part (not skipped) passes, else every
+  // one of them refreshes. A call of mixed decisions runs the masked solve, which on small,
+  // launch-bound shapes costs more than a fresh solve (1.09-1.11x at 12 x 384 x 1536), so there
+  // only calls that hit whole save time. Decisions then depend on how matrices are batched (in
+  // the distributed modes, on the mode and the plan: docs/cachemuon.md).
+  kBatch = 1,
+};
+
 struct CacheOptions {
   bool enabled = false;  // off: every step runs the fresh solve and no cache memory is held
   double gamma = 2.0;    // accept while the residual is <= gamma (0 accepts nothing in practice)
@@ -48,6 +59,7 @@ struct CacheOptions {
   // 65536); in between it refreshes without a test. Inside a graph the backend captures, a call none of whose matrices is due
   // skips the test's kernels on the device. 0 or 1: every entry is tested on every call.
   int check_backoff = 0;
+  CacheGate gate = CacheGate::kMatrix;
   // Storage precision of Q (f32, f16, bf16; f64 for references). Unset: the iteration's work
   // dtype, so that no call converts Q and a refresh writes it straight from the solve.
   std::optional<DType> dtype;
@@ -62,11 +74,13 @@ struct CacheOptions {
   uint64_t seed = 0x5eed;
 };
 
-// Parses "exact" | "probe", "product" | "factors"; throws on other names.
+// Parses "exact" | "probe", "product" | "factors", "matrix" | "batch"; throws on other names.
 CacheResidual parse_cache_residual(const std::string& s);
 CacheLayout parse_cache_layout(const std::string& s);
+CacheGate parse_cache_gate(const std::string& s);
 const char* cache_residual_name(CacheResidual r);
 const char* cache_layout_name(CacheLayout l);
+const char* cache_gate_name(CacheGate g);
 // The storage dtype of Q for a solve configured by `resolved` (its work dtype unless set).
 DType cache_storage_dtype(const CacheOptions& o, const OrthoConfig& resolved);
 // Throws, naming `what`, when an option is out of range.
@@ -82,6 +96,7 @@ struct CacheResidualSummary {
 struct CacheMatrixStats {
   std::string name;  // set by the engine ("param" or "param[slice]"), else "#index"
   int64_t hits = 0, refreshes = 0, forced = 0, skips = 0, unchecked = 0;
+  int64_t batch = 0;  // refreshes the per-batch gate sent although its own test passed
   double age = 0;  // hits since the last refresh
   double mean_residual = 0, max_residual = 0, last_residual = 0;
   double max_update_error = 0;  // shadow mode only
@@ -93,6 +108,9 @@ struct CacheStats {
   int64_t matrices = 0;  // matrix orthogonalizations that went through the cache
   int64_t hits = 0, refreshes = 0, forced_refreshes = 0, skips = 0;
   int64_t unchecked_refreshes = 0;  // refreshes the check back-off sent without a test
+  // Refreshes of matrices that passed their own test, sent by the per-batch gate because another
+  // matrix of their call did not (0 under CacheGate::kMatrix).
+  int64_t batch_refreshes = 0;
   double flops = 0;        // counted FLOPs of an ideal device: the test's on the matrices it
                            // tested, R for every matrix with the exact residual; hit: D = Q X;
                            // refresh: the fresh solve reusing R (probes: with R) + building Q
@@ -138,8 +156,8 @@ class TransformCache {
   // steps, restarts, eps) gives a new key: entries filled under the old key are never reused.
   // Storage is reallocated (and state views invalidated) only when its size or dtype changes.
   void prepare(const OrthoConfig& resolved, int64_t count, int64_t m, int64_t n);
-  // gamma, probes, staleness, back-off, stats and shadow take effect at the next call; dtype and
-  // layout at the next prepare().
+  // gamma, probes, staleness, back-off, gate, stats and shadow take effect at the next call;
+  // dtype and layout at the next prepare().
   void set_options(const CacheOptions& options);
   const CacheOptions& options() const;
 

@@ -199,6 +199,7 @@ class PyEngine {
     cache["refreshes"] = c.refreshes;
     cache["forced_refreshes"] = c.forced_refreshes;
     cache["unchecked_refreshes"] = c.unchecked_refreshes;
+    cache["batch_refreshes"] = c.batch_refreshes;
     cache["skips"] = c.skips;
     cache["flops"] = c.flops;
     cache["fresh_flops"] = c.fresh_flops;

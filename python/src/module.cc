@@ -51,6 +51,9 @@ void bind_enums(nb::module_& m) {
   nb::enum_<CacheLayout>(m, "CacheLayout")
       .value("product", CacheLayout::kProduct)
       .value("factors", CacheLayout::kFactors);
+  nb::enum_<CacheGate>(m, "CacheGate")
+      .value("matrix", CacheGate::kMatrix)
+      .value("batch", CacheGate::kBatch);
   nb::enum_<NonFinitePolicy>(m, "NonFinitePolicy")
       .value("skip", NonFinitePolicy::kSkip)
       .value("raise_", NonFinitePolicy::kRaise);
@@ -89,6 +92,7 @@ void bind_options(nb::module_& m) {
       .def_rw("probes", &CacheOptions::probes)
       .def_rw("max_staleness", &CacheOptions::max_staleness)
       .def_rw("check_backoff", &CacheOptions::check_backoff)
+      .def_rw("gate", &CacheOptions::gate)
       .def_rw("dtype", &CacheOptions::dtype)
       .def_rw("layout", &CacheOptions::layout)
       .def_rw("per_matrix_stats", &CacheOptions::per_matrix_stats)

@@ -66,7 +66,7 @@ void Backend::cache_gate(const CacheGateArgs& args) {
   h.misses = args.misses ? misses.data() : nullptr;
   h.decision = decision.data();
   h.stats = args.stats ? stats.data() : nullptr;
-  for (int64_t i = 0; i < args.count; ++i) cache_ref::gate_one(h, i);
+  cache_ref::gate_call(h);
   copy_from_host(args.decision, decision.data(), n * sizeof(int32_t));
   if (!args.plan) {
     copy_from_host(args.age, age.data(), n * sizeof(float));

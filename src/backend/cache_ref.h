@@ -1,12 +1,12 @@
-// The scalar definitions behind the CacheMuon backend operations: the per-matrix gate, the
-// residual histogram bins and the counter-based normal generator. Every backend calls these
-// (the CPU directly, the host fallback after copying, a CUDA kernel per thread), so decisions
-// and probes are identical across backends. Plain arithmetic only: compiled for the host and,
-// under nvcc, for the device as well. The device's double log/cos/pow are within 1-2 ulp of the
-// host's, so a probe agrees bit for bit once rounded to fp32 or a half type (the probes'
-// dtypes) and to an ulp or two in fp64. The gate decides with exact comparisons on both; only
-// its diagnostics may differ (a residual within an ulp of a histogram edge, the last bit of
-// the sum of squares where nvcc fuses a multiply-add).
+// The scalar definitions behind the CacheMuon backend operations: the gate (per matrix, and the
+// per-batch gate's votes), the residual histogram bins and the counter-based normal generator.
+// Every backend calls these (the CPU directly, the host fallback after copying, a CUDA kernel per
+// thread), so decisions and probes are identical across backends. Plain arithmetic only:
+// compiled for the host and, under nvcc, for the device as well. The device's double
+// log/cos/pow are within 1-2 ulp of the host's, so a probe agrees bit for bit once rounded to
+// fp32 or a half type (the probes' dtypes) and to an ulp or two in fp64. The gate decides with
+// exact comparisons on both; only its diagnostics may differ (a residual within an ulp of a
+// histogram edge, the last bit of the sum of squares where nvcc fuses a multiply-add).
 #pragma once
 
 #include <cmath>
@@ -108,28 +108,56 @@ DM_CACHE_HD inline float one_more_miss(float misses) {
   return f >= 1048576.0f ? f - 524288.0f : f;
 }
 
-// Backend::cache_gate for matrix i (contract in backend.h).
-DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i) {
+// The per-matrix rule for matrix i, not skipped, before anything is written (contract in
+// backend.h): whether its entry is tested and usable, its residual r, and whether it would hit.
+struct Verdict {
+  bool tested, usable, finite, hit;
+  double r;
+};
+DM_CACHE_HD inline Verdict verdict(const CacheGateArgs& g, int64_t i) {
+  Verdict v;
+  const bool entry_ok = g.entry_key[i] == g.key;
+  v.tested = entry_ok && (!g.misses || due_for_check(g.misses[i], g.backoff));
+  const bool fresh_enough = g.max_age <= 0 || g.age[i] < static_cast<float>(g.max_age);
+  v.usable = entry_ok && fresh_enough;
+  v.r = v.tested ? static_cast<double>(g.residual[i]) * g.residual_scale : 0.0;
+  v.finite = v.tested && std::isfinite(v.r);
+  v.hit = v.usable && v.finite && v.r <= g.gamma;
+  return v;
+}
+
+DM_CACHE_HD inline bool skipped(const CacheGateArgs& g, int64_t i) {
+  return g.status && g.status[i] != kStatusOk;
+}
+
+// The per-batch gate's vote of matrix i: true where it would hit alone, and where it is skipped
+// (it takes no part in the call, so it must not hold the others back). The call hits when every
+// vote is true: an AND over the batch, which a device reduces in any order.
+DM_CACHE_HD inline bool batch_vote(const CacheGateArgs& g, int64_t i) {
+  return skipped(g, i) || verdict(g, i).hit;
+}
+
+// Backend::cache_gate for matrix i (contract in backend.h). `batch_hits`: the per-batch gate's
+// verdict on the call (the AND of batch_vote over it; always true for the per-matrix gate), read
+// before any matrix of the call is written.
+DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i, bool batch_hits = true) {
   double* st = g.stats && !g.plan ? g.stats + i * kCacheStatFields : nullptr;
-  if (g.status && g.status[i] != kStatusOk) {
+  if (skipped(g, i)) {
     g.decision[i] = kCacheSkip;
     if (st) st[kCacheStatSkips] += 1;
     return;
   }
-  const bool entry_ok = g.entry_key[i] == g.key;
-  const bool tested = entry_ok && (!g.misses || due_for_check(g.misses[i], g.backoff));
+  const Verdict v = verdict(g, i);
   if (g.plan) {
-    g.decision[i] = tested ? kCacheCheck : kCacheRefresh;
+    g.decision[i] = v.tested ? kCacheCheck : kCacheRefresh;
     return;
   }
-  const bool fresh_enough = g.max_age <= 0 || g.age[i] < static_cast<float>(g.max_age);
-  const bool usable = entry_ok && fresh_enough;
-  const double r = tested ? static_cast<double>(g.residual[i]) * g.residual_scale : 0.0;
-  const bool finite = tested && std::isfinite(r);
-  const bool hit = usable && finite && r <= g.gamma;
-  if (st && tested) st[kCacheStatTested] += 1;
-  if (st && finite) {
-    // Stale entries still report their residual: it shows how far staleness had drifted.
+  const double r = v.r;
+  const bool hit = v.hit && batch_hits;
+  if (st && v.tested) st[kCacheStatTested] += 1;
+  if (st && v.finite) {
+    // Stale entries still report their residual: it shows how far staleness had drifted. So
+    // does a matrix the per-batch gate refreshes: its residual was measured all the same.
     st[kCacheStatChecks] += 1;
     st[kCacheStatResSum] += r;
     st[kCacheStatResSqSum] += r * r;
@@ -147,13 +175,30 @@ DM_CACHE_HD inline void gate_one(const CacheGateArgs& g, int64_t i) {
     g.decision[i] = kCacheRefresh;
     g.age[i] = 0.0f;
     g.entry_key[i] = g.key;
-    if (g.misses) g.misses[i] = usable ? one_more_miss(g.misses[i]) : 0.0f;
+    // A matrix the per-batch gate refreshes although it passed its own test counts a miss, as a
+    // failed test does: under that gate the call is the unit that hits or misses, so its usable
+    // entries count their misses in step, and the check back-off then leaves the test out for
+    // all of them on the same calls (which is what lets a captured call skip the test's
+    // kernels; reset to 0, this entry would be due on every call and keep the test running for
+    // the whole batch). Once the batch fits again a due test finds it within `backoff` calls,
+    // as for a single entry.
+    if (g.misses) g.misses[i] = v.usable ? one_more_miss(g.misses[i]) : 0.0f;
     if (st) {
       st[kCacheStatRefreshes] += 1;
-      if (!usable || (tested && !finite)) st[kCacheStatForced] += 1;
-      if (usable && !tested) st[kCacheStatUnchecked] += 1;
+      if (!v.usable || (v.tested && !v.finite)) st[kCacheStatForced] += 1;
+      if (v.usable && !v.tested) st[kCacheStatUnchecked] += 1;
+      if (v.hit) st[kCacheStatBatch] += 1;
     }
   }
+}
+
+// Backend::cache_gate on the host (the CPU backend, and the fallback on host copies): the
+// per-batch gate's votes are all read before the first matrix is written.
+inline void gate_call(const CacheGateArgs& g) {
+  bool batch_hits = true;
+  if (g.batch && !g.plan)
+    for (int64_t i = 0; i < g.count && batch_hits; ++i) batch_hits = batch_vote(g, i);
+  for (int64_t i = 0; i < g.count; ++i) gate_one(g, i, batch_hits);
 }
 
 }  // namespace distmuon::cache_ref

@@ -6,7 +6,8 @@
 //      also what refuses a non-finite Q (every residual is a product with Q), so Q's own norm
 //      is never taken; an empty or foreign entry is told by its key, an old one by its age;
 //   3. Backend::cache_gate decides hit / refresh / skip per matrix on the device (with the
-//      check back-off, a plan pass before pass 2 marks the matrices due for a test);
+//      check back-off, a plan pass before pass 2 marks the matrices due for a test; with
+//      CacheGate::kBatch the call hits whole or refreshes whole);
 //   4. refresh (masked): the Gram-NS solve, reusing R, writes the entry's new transform into
 //      the storage itself (copied only where the storage dtype differs, a segment has a
 //      single step, or in shadow mode);
@@ -391,6 +392,7 @@ void Orthogonalizer::run_cached(const OrthoConfig& cfg, TransformCache& cache, i
   g.gamma = o.gamma;
   g.misses = ci.misses_at(first);
   g.backoff = o.check_backoff;
+  g.batch = o.gate == CacheGate::kBatch;
   g.decision = b.decision;
   g.stats = ci.stats_at(first);
 

@@ -83,12 +83,18 @@ CacheLayout parse_cache_layout(const std::string& s) {
   if (s == "factors") return CacheLayout::kFactors;
   DM_FAIL("unknown cache layout '", s, "' (expected product or factors)");
 }
+CacheGate parse_cache_gate(const std::string& s) {
+  if (s == "matrix") return CacheGate::kMatrix;
+  if (s == "batch") return CacheGate::kBatch;
+  DM_FAIL("unknown cache gate '", s, "' (expected matrix or batch)");
+}
 const char* cache_residual_name(CacheResidual r) {
   return r == CacheResidual::kExact ? "exact" : "probe";
 }
 const char* cache_layout_name(CacheLayout l) {
   return l == CacheLayout::kProduct ? "product" : "factors";
 }
+const char* cache_gate_name(CacheGate g) { return g == CacheGate::kBatch ? "batch" : "matrix"; }
 
 DType cache_storage_dtype(const CacheOptions& o, const OrthoConfig& resolved) {
   return o.dtype.value_or(iteration_dtype(resolved));
@@ -102,6 +108,8 @@ void validate(const CacheOptions& o, const std::string& what) {
   DM_CHECK(o.max_staleness >= 0, what, ": max staleness must be >= 0 (got ", o.max_staleness, ")");
   DM_CHECK(o.check_backoff >= 0 && o.check_backoff <= 65536, what,
            ": check back-off must be in [0, 65536] (got ", o.check_backoff, ")");
+  DM_CHECK(o.gate == CacheGate::kMatrix || o.gate == CacheGate::kBatch, what, ": unknown gate ",
+           static_cast<int>(o.gate), " (expected matrix or batch)");
 }
 
 double CacheStats::hit_rate() const {
@@ -121,6 +129,7 @@ void CacheStats::merge(const CacheStats& o) {
   refreshes += o.refreshes;
   forced_refreshes += o.forced_refreshes;
   unchecked_refreshes += o.unchecked_refreshes;
+  batch_refreshes += o.batch_refreshes;
   skips += o.skips;
   flops += o.flops;
   fresh_flops += o.fresh_flops;
@@ -427,6 +436,7 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
     pm.forced = static_cast<int64_t>(f[kCacheStatForced]);
     pm.skips = static_cast<int64_t>(f[kCacheStatSkips]);
     pm.unchecked = static_cast<int64_t>(f[kCacheStatUnchecked]);
+    pm.batch = static_cast<int64_t>(f[kCacheStatBatch]);
     pm.age = ages[i];
     const double checks = f[kCacheStatChecks];
     pm.mean_residual = checks > 0 ? f[kCacheStatResSum] / checks : 0;
@@ -440,6 +450,7 @@ CacheStats TransformCache::stats(const std::vector<std::string>& names) {
   st.forced_refreshes = static_cast<int64_t>(total[kCacheStatForced]);
   st.skips = static_cast<int64_t>(total[kCacheStatSkips]);
   st.unchecked_refreshes = static_cast<int64_t>(total[kCacheStatUnchecked]);
+  st.batch_refreshes = static_cast<int64_t>(total[kCacheStatBatch]);
   fill_summary(st.residual, total.data());
   st.compared = sh_n;
   st.update_error_mean = sh_n ? sh_sum / sh_n : 0;

@@ -61,7 +61,8 @@ std::string step_options_text(const std::vector<GroupOptions>& groups) {
       os << " cache gamma " << exact(k.gamma) << " " << cache_residual_name(k.residual)
          << " probes " << k.probes << " staleness " << k.max_staleness << " backoff "
          << k.check_backoff << " dtype " << (k.dtype ? dtype_name(*k.dtype) : "work") << " "
-         << cache_layout_name(k.layout) << " seed " << k.seed;
+         << cache_layout_name(k.layout) << " seed " << k.seed << " gate "
+         << cache_gate_name(k.gate);
     os << "\n";
   }
   return os.str();

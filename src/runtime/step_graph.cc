@@ -40,7 +40,8 @@ void add_cache_options(std::vector<uint64_t>& key, const CacheOptions& o) {
                          static_cast<uint64_t>(o.probes), static_cast<uint64_t>(o.max_staleness),
                          static_cast<uint64_t>(o.check_backoff),
                          o.dtype ? static_cast<uint64_t>(*o.dtype) + 1 : 0,
-                         static_cast<uint64_t>(o.layout), o.seed});
+                         static_cast<uint64_t>(o.layout), o.seed,
+                         static_cast<uint64_t>(o.gate)});
 }
 
 }  // namespace

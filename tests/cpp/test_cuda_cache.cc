@@ -96,6 +96,76 @@ TEST(CudaCache, GateEqualsCpuOnEveryCase) {
   }
 }
 
+// The per-batch gate (one block per call, votes ANDed by a barrier) against the CPU's
+// cache_ref::gate_call, call by call: calls of 1 to 300 matrices (more than the block's 256
+// threads, so that a thread votes for several), one whose matrices all pass but for skips (it
+// hits), one where a single matrix past the 256th fails (all refresh), and random ones.
+TEST(CudaCache, BatchGateEqualsCpuCallByCall) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  const double key = 777;
+  const int n = 700;
+  std::vector<double> res(n), keys(n), stats(n * kCacheStatFields, 0.0);
+  std::vector<float> age(n), misses(n);
+  std::vector<int32_t> st(n);
+  std::mt19937_64& g = test::rng();
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int i = 0; i < n; ++i) {
+    const bool passing = i >= 6 && i < 646;  // r = res / 2 <= 1.9 < gamma, usable, due
+    res[i] = passing ? 3.8 * u(g) : (i % 17 == 0 ? NAN : (i % 23 == 0 ? INFINITY : 6 * u(g)));
+    age[i] = static_cast<float>(i % 4);
+    misses[i] = passing ? 0.0f : static_cast<float>(i % 6);
+    st[i] = i % 37 == 0 ? kStatusNonFinite : kStatusOk;
+    keys[i] = !passing && i % 13 == 0 ? 0.0 : (!passing && i % 11 == 0 ? 5.0 : key);
+    stats[i * kCacheStatFields + kCacheStatResMin] = INFINITY;
+  }
+  res[336] = 5.0;  // r = 2.5: fails, 290th of its call
+  Buffer dres = upload(be, res), dage = upload(be, age), dst = upload(be, st);
+  Buffer dkeys = upload(be, keys), dstats = upload(be, stats), dmisses = upload(be, misses);
+  Buffer ddec = be.alloc(n * sizeof(int32_t));
+  std::vector<int32_t> dec(n, -1);
+  const std::pair<int, int> calls[] = {{0, 1}, {1, 5}, {6, 40}, {46, 300}, {346, 300}, {646, 54}};
+  // Gates matrices [first, first + count) of buffers res, st, ... (host or device) as one call.
+  auto gate = [&](Backend& b, const double* r, const int32_t* s, double* k, float* a, int32_t* d,
+                  double* t, float* m, int first, int count) {
+    CacheGateArgs c;
+    c.count = count;
+    c.residual = r + first;
+    c.residual_scale = 0.5;
+    c.status = s + first;
+    c.key = key;
+    c.entry_key = k + first;
+    c.age = a + first;
+    c.max_age = 4;
+    c.gamma = 2.0;
+    c.decision = d + first;
+    c.stats = t + static_cast<int64_t>(first) * kCacheStatFields;
+    c.misses = m + first;
+    c.backoff = 4;
+    c.batch = true;
+    b.cache_gate(c);
+  };
+  for (auto [first, count] : calls) {
+    gate(cpu, res.data(), st.data(), keys.data(), age.data(), dec.data(), stats.data(),
+         misses.data(), first, count);
+    gate(be, dres.as<double>(), dst.as<int32_t>(), dkeys.as<double>(), dage.as<float>(),
+         ddec.as<int32_t>(), dstats.as<double>(), dmisses.as<float>(), first, count);
+  }
+  for (int i = 346; i < 646; ++i) EXPECT_NE(dec[i], kCacheRefresh) << i;  // hit whole
+  for (int i = 46; i < 346; ++i) EXPECT_NE(dec[i], kCacheHit) << i;       // refreshed whole
+  EXPECT_EQ(download<int32_t>(be, ddec, n), dec);
+  EXPECT_EQ(download<float>(be, dage, n), age);
+  EXPECT_EQ(download<float>(be, dmisses, n), misses);
+  EXPECT_EQ(download<double>(be, dkeys, n), keys);
+  const std::vector<double> gs = download<double>(be, dstats, stats.size());
+  for (size_t k = 0; k < stats.size(); ++k) {  // as GateEqualsCpuOnEveryCase
+    if (gs[k] != stats[k]) {
+      EXPECT_NEAR(gs[k], stats[k], 1e-12 * std::abs(stats[k])) << "stat " << k % kCacheStatFields;
+    }
+  }
+}
+
 TEST(CudaCache, NormalFillDrawsTheCpuSamples) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();
@@ -447,7 +517,8 @@ struct DecisionCall {
 // fitted to one leaves a residual of 3 (A's on B) to 18 (B's on A) on the other, and the same
 // input again 0.3-0.4 (float64 model of the iteration).
 void expect_replays_decide_as_eager_calls(int check_backoff,
-                                          const std::vector<DecisionCall>& calls) {
+                                          const std::vector<DecisionCall>& calls,
+                                          CacheGate gate = CacheGate::kMatrix) {
   setenv("DISTMUON_GRAPH_CONDITIONALS", "1", 1);  // the default, unless the environment says 0
   CudaBackend& be = test::cuda_backend();
   const int64_t c = 4, m = 128, n = 384;
@@ -471,6 +542,7 @@ void expect_replays_decide_as_eager_calls(int check_backoff,
     opt.gamma = 1.0;
     opt.residual = res;
     opt.check_backoff = check_backoff;
+    opt.gate = gate;
     HostBatch in(t, c, m, n), out(t, c, m, n), got(t, c, m, n), plain(t, c, m, n);
     DeviceBatch dsrc(be, in), dx(be, in), dout(be, out), dplain(be, plain);
     const size_t wb = Orthogonalizer::cached_workspace_bytes(r, opt, c, m, n);
@@ -558,6 +630,21 @@ TEST(CudaCache, CapturedCallSkipsTheTestWhenNoMatrixIsDue) {
                                            {{0, 0, 1, 1}, 2, 2, 0},    // 9
                                            {{0, 0, 1, 1}, 2, 2, 2},    // 10: 0, 1 not due
                                            {{0, 0, 1, 1}, 0, 4, 0}});  // 11
+}
+
+// The per-batch gate inside a captured call: a call whose inputs switch for two matrices (mixed
+// under the per-matrix gate) refreshes whole, so the replay runs the refresh's second body (the
+// plain solve), and the refilled entries then hit whole; equal to the eager calls' decisions.
+TEST(CudaCache, CapturedBatchGateCallsHitOrRefreshWhole) {
+  DM_SKIP_WITHOUT_CUDA();
+  if (!test::cuda_backend().has_sm90_kernels()) GTEST_SKIP() << "no sm90 kernels";
+  expect_replays_decide_as_eager_calls(0,
+                                       {{{0, 0, 0, 0}, 4, 0, 0},   // empty entries
+                                        {{0, 0, 0, 0}, 0, 4, 0},   // the same input
+                                        {{1, 1, 0, 0}, 4, 0, 0},   // two fail: all refresh
+                                        {{1, 1, 0, 0}, 0, 4, 0},   // the same input
+                                        {{0, 0, 1, 1}, 4, 0, 0}},  // every input switched
+                                       CacheGate::kBatch);
 }
 
 }  // namespace

@@ -221,6 +221,7 @@ TEST(StepGraph, OptionsTakenByValueCaptureAgain) {
       [](GroupOptions& g) { g.muon.cache.residual = CacheResidual::kExact; },
       [](GroupOptions& g) { g.muon.cache.max_staleness = 2; },
       [](GroupOptions& g) { g.muon.cache.seed = 7; },
+      [](GroupOptions& g) { g.muon.cache.gate = CacheGate::kBatch; },
   };
   int step = 0;
   for (const auto& change : changes) {

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distmuon.torch import Muon
-from helpers import TinyGPT, clone, max_param_diff, train
+from helpers import TinyGPT, clone, gpt_loss, max_param_diff, train
 
 KW = {"lr": 0.02, "weight_decay": 0.1, "adamw_lr": 3e-3}
 # TinyGPT's Muon matrices: qkv 48x16, proj 16x48, fc 64x16, out_proj 16x64. All elongated, so
@@ -31,6 +31,8 @@ def make(model: torch.nn.Module, **kw: object) -> Muon:
         ({"cache_gamma": 2.0, "cache_max_staleness": -2}, "cache_max_staleness must be an integer"),
         ({"cache_gamma": 2.0, "cache_check_backoff": -1}, "cache_check_backoff must be an integer"),
         ({"cache_gamma": 2.0, "cache_check_backoff": 2.5}, "cache_check_backoff must be an integer"),
+        ({"cache_gamma": 2.0, "cache_gate": "all"}, "cache_gate must be 'matrix' or 'batch'"),
+        ({"cache_gate": None}, "cache_gate must be 'matrix' or 'batch'"),
     ],
 )
 def test_bad_cache_options_are_refused_naming_the_group(bad: dict[str, object], match: str) -> None:
@@ -153,3 +155,58 @@ def test_cache_gamma_with_standard_ns_says_it_never_hits() -> None:
     w = torch.nn.Parameter(torch.randn(16, 32))
     with pytest.warns(UserWarning, match="never hit the cache"):
         Muon([{"params": [w], "use_muon": True}], algorithm="ns", cache_gamma=5.0)
+
+
+def _cache_ages(opt: Muon, params: list[torch.nn.Parameter]) -> list[float]:
+    """The entries' ages (0: refreshed at the latest step, else hits since) of `params`."""
+    order = [id(p) for g in opt.param_groups for p in g["params"]]
+    state = opt.state_dict()["state"]
+    return [state[order.index(id(p))]["cache_age"].item() for p in params]
+
+
+def test_batch_gate_hits_or_refreshes_whole_batches() -> None:
+    """cache_gate='batch' on TinyGPT, whose Muon matrices form two batches (qkv with proj: 16 x 48;
+    fc with out_proj: 16 x 64), beside the per-matrix gate and fresh Muon stepped from the same
+    parameters with the same gradients (so that all three see the same momentum): each batch
+    hits or refreshes whole, a step where it refreshes updates its matrices as fresh Muon does
+    (bit for bit, as test_tiny_gamma_never_reuses_and_equals_plain_muon), and it hits no more
+    often than the per-matrix gate. The option survives a state_dict round trip."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    others = {"matrix": clone(model), "fresh": clone(model)}
+    gamma = 5.0  # here about a third of the matrices pass alone, often without their partner
+    opt = make(model, cache_gamma=gamma, cache_gate="batch")
+    other_opts = {"matrix": make(others["matrix"], cache_gamma=gamma), "fresh": make(others["fresh"])}
+    batches = [("qkv", "proj"), ("fc", "out_proj")]
+    refreshed = hit = 0
+    for step in range(12):
+        for m in others.values():
+            m.load_state_dict(model.state_dict())
+        for o in [opt, *other_opts.values()]:
+            o.zero_grad()
+        gpt_loss(model, step).backward()
+        for m in others.values():
+            for p, q in zip(model.parameters(), m.parameters()):
+                q.grad = p.grad.clone()
+        for o in [opt, *other_opts.values()]:
+            o.step()
+        for names in batches:
+            ages = _cache_ages(opt, [getattr(model, n).weight for n in names])
+            assert (ages[0] == 0) == (ages[1] == 0), f"step {step}: {names} decided apart ({ages})"
+            if ages[0] > 0:
+                hit += 1
+                continue
+            refreshed += 1
+            for n in names:
+                assert torch.equal(getattr(model, n).weight, getattr(others["fresh"], n).weight), (step, n)
+    st, alone = opt.stats(), other_opts["matrix"].stats()
+    assert hit > 0 and refreshed > 1  # both outcomes occurred after the first step
+    assert st["cache_hits"] == 2 * hit and st["cache_hits"] + st["cache_refreshes"] == 12 * CACHED
+    assert st["cache_batch_refreshes"] > 0 and alone["cache_batch_refreshes"] == 0
+    assert st["cache_hit_rate"] < alone["cache_hit_rate"]
+
+    sd = opt.state_dict()
+    assert [g["cache_gate"] for g in sd["param_groups"] if g["use_muon"]] == ["batch"]
+    resumed = make(clone(model), cache_gamma=gamma)
+    resumed.load_state_dict(sd)
+    assert [g["cache_gate"] for g in resumed.param_groups if g["use_muon"]] == ["batch"]

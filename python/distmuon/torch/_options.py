@@ -51,6 +51,7 @@ MUON_KEYS = (
     "cache_probes",
     "cache_max_staleness",
     "cache_check_backoff",
+    "cache_gate",
     "cache_dtype",
     "cache_shadow",
 )
@@ -205,6 +206,7 @@ def muon_options(group: dict[str, Any], device_type: str, momentum_dtype: Any, w
 
 
 _CACHE_DTYPES = ("float32", "float16", "bfloat16", "float64")
+_CACHE_GATES = ("matrix", "batch")
 
 
 def cache_options(group: dict[str, Any], where: str) -> Any:
@@ -215,6 +217,7 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     ``cache_probes`` k (default 8) estimates the residual with k Gaussian probes, None measures it
     exactly in Gram space; ``cache_max_staleness`` 0 (or None) lets an entry serve any number of steps;
     ``cache_check_backoff`` 0 (or None) tests every entry at every step;
+    ``cache_gate`` 'matrix' decides per matrix, 'batch' per call of a batch (all hit or all refresh);
     ``cache_dtype`` stores the transforms (None: in the work dtype); ``cache_shadow`` also runs
     the fresh solve for accepted matrices to measure how far their updates are (diagnostics;
     synchronises)."""
@@ -232,6 +235,9 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
     backoff = 0 if backoff is None else backoff
     if isinstance(backoff, bool) or not isinstance(backoff, int) or backoff < 0:
         raise ValueError(f"{where}: cache_check_backoff must be an integer >= 0 or None (got {backoff!r})")
+    gate = group["cache_gate"]
+    if not isinstance(gate, str) or gate not in _CACHE_GATES:
+        raise ValueError(f"{where}: cache_gate must be 'matrix' or 'batch' (got {gate!r})")
     dtype = None if group["cache_dtype"] is None else torch_dtype_name(group["cache_dtype"])
     if dtype is not None and dtype not in _CACHE_DTYPES:
         raise ValueError(f"{where}: cache_dtype must be one of {_CACHE_DTYPES} (got {dtype})")
@@ -246,6 +252,7 @@ def cache_options(group: dict[str, Any], where: str) -> Any:
         c.probes = probes
     c.max_staleness = staleness
     c.check_backoff = backoff
+    c.gate = _C.CacheGate.batch if gate == "batch" else _C.CacheGate.matrix
     c.dtype = None if dtype is None else _DTYPES[dtype]
     c.shadow = group["cache_shadow"]
     return c

@@ -84,6 +84,11 @@ class Muon(torch.optim.Optimizer):
         cache_check_backoff: an entry that keeps failing its test is tested again after 1, 2,
             4, ... refreshes, at most this many (0 or None, default: tested every step). Inside
             the CUDA step graph a step none of whose matrices is due skips the test's kernels.
+        cache_gate: 'matrix' (default): each matrix hits or refreshes on its own residual;
+            'batch': a batch of same-shape matrices (one call) hits only when every matrix in it
+            passes, else all of them refresh. It pays on small, launch-bound shapes, where a
+            batch of mixed decisions costs more than a fresh solve (docs/cachemuon.md); its
+            decisions depend on how the matrices are batched (the distributed mode and plan).
         cache_dtype: storage dtype of the cached transforms (float32, float16 or bfloat16);
             None (default): the Gram-NS work dtype, so that no step converts them.
         cache_shadow: diagnostics: also run the fresh solve for accepted matrices and report the
@@ -171,6 +176,7 @@ class Muon(torch.optim.Optimizer):
         cache_probes: int | None = 8,
         cache_max_staleness: int | None = 0,
         cache_check_backoff: int | None = 0,
+        cache_gate: str = "matrix",
         cache_dtype: torch.dtype | str | None = None,
         cache_shadow: bool = False,
         adamw_lr: float = 1e-3,
@@ -216,6 +222,7 @@ class Muon(torch.optim.Optimizer):
             "cache_probes": cache_probes,
             "cache_max_staleness": cache_max_staleness,
             "cache_check_backoff": cache_check_backoff,
+            "cache_gate": cache_gate,
             "cache_dtype": None if cache_dtype is None else opt.torch_dtype_name(cache_dtype),
             "cache_shadow": cache_shadow,
         }
@@ -764,7 +771,8 @@ class Muon(torch.optim.Optimizer):
         - ``graph_captures`` and ``graph_replays``: steps captured into a CUDA graph and steps
           that replayed it (``cuda_graphs``);
         - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative; of
-          which ``cache_unchecked_refreshes`` the check back-off sent without a test),
+          which ``cache_unchecked_refreshes`` the check back-off sent without a test, and
+          ``cache_batch_refreshes`` the ``cache_gate='batch'`` sent although the matrix passed),
           ``cache_hit_rate`` (cumulative), ``cache_flops_saved`` (fraction of the fresh solves'
           FLOPs saved), ``last_hit_rate`` and ``last_mean_residual`` (the latest step: the share
           of matrices that reused their transform and the mean residual of the test), and with
@@ -784,6 +792,7 @@ class Muon(torch.optim.Optimizer):
             "cache_hits": c["hits"],
             "cache_refreshes": c["refreshes"],
             "cache_unchecked_refreshes": c["unchecked_refreshes"],
+            "cache_batch_refreshes": c["batch_refreshes"],
             "cache_hit_rate": c["hit_rate"],
             "cache_flops_saved": c["flops_saved_fraction"],
             "last_hit_rate": c["latest_hit_rate"],

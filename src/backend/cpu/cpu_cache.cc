@@ -36,7 +36,7 @@ void CpuBackend::cache_gate(const CacheGateArgs& args) {
                ((args.plan || args.residual) && args.entry_key && args.age && args.decision),
            "cache_gate: missing buffers");
   DM_CHECK(args.key != 0, "cache_gate: key 0 is reserved for empty entries");
-  for (int64_t i = 0; i < args.count; ++i) cache_ref::gate_one(args, i);
+  cache_ref::gate_call(args);
 }
 
 void CpuBackend::fill_normal(const BatchRef& dst, uint64_t seed, uint64_t counter) {

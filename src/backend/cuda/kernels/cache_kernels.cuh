@@ -1,7 +1,7 @@
 // Device side of the CacheMuon operations: the accept/refresh gate (one thread per matrix, the
-// same cache_ref::gate_one the CPU runs), the flag-checked copy that selects between cached and
-// fresh results on the device, the counter-based normal fills, and the per-matrix fingerprint
-// that keys the probes.
+// same cache_ref::gate_one the CPU runs; the per-batch gate in one block that ANDs the votes),
+// the flag-checked copy that selects between cached and fresh results on the device, the
+// counter-based normal fills, and the per-matrix fingerprint that keys the probes.
 #pragma once
 
 #include <cstdint>
@@ -11,10 +11,27 @@
 
 namespace distmuon::cuda::dev {
 
-// grid ceil(count / 128), block 128. The arguments travel by value: a graph replays them.
-__global__ void __launch_bounds__(128) cache_gate_kernel(CacheGateArgs g) {
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < g.count) cache_ref::gate_one(g, i);
+// The gate, one kernel for both gates (a second kernel would make ptxas outline the fp64
+// division's slow path of hist_bin, which then spills). The arguments travel by value: a graph
+// replays them.
+//  - per matrix: grid ceil(count / 128), block 128, a thread per matrix;
+//  - per batch (g.batch, not a plan pass): one block of kCacheGateBatchThreads for the whole
+//    call, so that the call's verdict is a block reduction rather than a second kernel. Each
+//    thread votes for matrices threadIdx.x, threadIdx.x + blockDim.x, ..., the barrier ANDs the
+//    votes (every vote is read before any matrix is written), then each thread decides the same
+//    matrices with the call's verdict, as cache_ref::gate_call does on the host. A call holds a
+//    batch of matrices (tens to thousands): a few passes of the loop.
+constexpr int kCacheGateThreads = 128, kCacheGateBatchThreads = 256;
+__global__ void __launch_bounds__(kCacheGateBatchThreads) cache_gate_kernel(CacheGateArgs g) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  bool batch_hits = true;
+  if (g.batch && !g.plan) {  // the same branch for every thread: the barrier is reached by all
+    bool votes = true;
+    for (int64_t i = first; i < g.count; i += stride) votes = votes && cache_ref::batch_vote(g, i);
+    batch_hits = __syncthreads_and(votes ? 1 : 0) != 0;
+  }
+  for (int64_t i = first; i < g.count; i += stride) cache_ref::gate_one(g, i, batch_hits);
 }
 
 // dst_i = src_i rounded to dst's dtype for the matrices with flags[i] == value; the blocks of

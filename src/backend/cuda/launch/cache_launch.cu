@@ -38,9 +38,15 @@ void for_each_grid_part(const BatchRef& b, int sm_count, F&& launch) {
 
 void launch_cache_gate(const CacheGateArgs& args, cudaStream_t stream) {
   if (args.count <= 0) return;
-  const int64_t blocks = (args.count + 127) / 128;
+  if (args.batch && !args.plan) {  // one block reduces the call (a plan pass is per matrix)
+    dev::cache_gate_kernel<<<1, dev::kCacheGateBatchThreads, 0, stream>>>(args);
+    DM_CHECK_LAUNCH();
+    return;
+  }
+  const int64_t blocks = (args.count + dev::kCacheGateThreads - 1) / dev::kCacheGateThreads;
   DM_CHECK(blocks < (1LL << 31), "cache_gate: ", args.count, " matrices");
-  dev::cache_gate_kernel<<<static_cast<unsigned>(blocks), 128, 0, stream>>>(args);
+  dev::cache_gate_kernel<<<static_cast<unsigned>(blocks), dev::kCacheGateThreads, 0, stream>>>(
+      args);
   DM_CHECK_LAUNCH();
 }
 

@@ -55,7 +55,8 @@ void launch_mirror(const BatchRef& c, cudaStream_t stream, const int32_t* flags 
                    int32_t value = 1, int64_t diagonal_block = 0);
 
 // ---- CacheMuon (kernels/cache_kernels.cuh) ----
-// Backend::cache_gate: one thread per matrix runs cache_ref::gate_one.
+// Backend::cache_gate: one thread per matrix runs cache_ref::gate_one (the per-batch gate: one
+// block over the call, which ANDs the matrices' votes first).
 void launch_cache_gate(const CacheGateArgs& args, cudaStream_t stream);
 // dst_i = src_i rounded to dst's dtype where flags[i] == value; other matrices untouched.
 void launch_copy_masked(const BatchRef& src, const BatchRef& dst, const int32_t* flags,
