@@ -13,7 +13,8 @@
 # Stages (output under $OUT, default out/cluster):
 #   step   mpirun -np D distmuon-bench --calibrate --profile: modes gather, sharded, dedicated and
 #          the AdamW baseline (fused AdamW on FSDP2 shards of the same matrices), bf16 parameters,
-#          per workload and D: step-<workload>-<D>.json (calibration, per-rank breakdown)
+#          per workload and D: step-<workload>-<D>.json (calibration, per-rank breakdown); from
+#          D = 4 on one process per mode (memory; SPLIT_MODES): step-<workload>-<D>-<mode>.json
 #   costs  distmuon-plan --measure on the whole GPU: the cost table the simulator scales to a part
 #   e2e    FSDP2 training (bench/multi_gpu/e2e_train.py) with one process per rank under CUDA MPS
 #          (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / D); where MPS cannot start it says so and
@@ -38,6 +39,7 @@ RANKS=${RANKS:-1,2,4,8}
 WORKLOADS=${WORKLOADS:-"gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1"}
 STEPS=${STEPS:-3}
 MODES=${MODES:-gather,sharded,dedicated,adamw}  # of the step stage (an A/B may need one)
+SPLIT_MODES=${SPLIT_MODES:-auto}  # 1: each mode in a process of its own; auto: from D = 4 on
 STAGES=${STAGES:-step costs e2e}
 E2E_RANKS=${E2E_RANKS:-1,8}
 E2E_ARGS=${E2E_ARGS:---config qwen2.5-1.5b --seq 2048 --steps 5 --warmup 2}
@@ -138,11 +140,21 @@ if [[ " $STAGES " == *" step "* ]]; then
     for wl in $WORKLOADS; do
       name=${wl%%:*} layers=${wl##*:}
       if over_budget $((BUDGET_S - 90)); then say "SKIPPED (time): $name on $d ranks"; continue; fi
-      say "step: $name (layers $layers) on $d ranks"
-      watched 150 bench "$d" --workload "$name" --layers "$layers" --dtype bf16 --no-adamw \
-        --mode "$MODES" --steps "$STEPS" --warmup 1 \
-        "${EXTRA[@]}" --json "$OUT/step-$name-$d.json" || say "FAILED: $name on $d ranks (rc $?)"
-      tail -n 16 "$LOG" | grep -E "^(gather|sharded|dedicated|adamw) |rank [0-9]+:|calibration" || true
+      # From D = 4 on, each mode in a process of its own: four modes' engines per rank outgrow
+      # an 80 GB GPU there (2026-12-06: qwen2.5-7b, gpt2-large, deepseek-v2-lite at D = 4).
+      if [ "$SPLIT_MODES" = 1 ] || { [ "$SPLIT_MODES" = auto ] && [ "$d" -ge 4 ]; }; then
+        groups=${MODES//,/ } sfx=1
+      else
+        groups=$MODES sfx=""
+      fi
+      for m in $groups; do
+        if [ -n "$sfx" ] && over_budget $((BUDGET_S - 60)); then say "SKIPPED (time): $name $m on $d ranks"; continue; fi
+        say "step: $name (layers $layers) on $d ranks, $m"
+        watched 150 bench "$d" --workload "$name" --layers "$layers" --dtype bf16 --no-adamw \
+          --mode "$m" --steps "$STEPS" --warmup 1 "${EXTRA[@]}" \
+          --json "$OUT/step-$name-$d${sfx:+-$m}.json" || say "FAILED: $name $m on $d ranks (rc $?)"
+        tail -n 16 "$LOG" | grep -E "^(gather|sharded|dedicated|adamw) |rank [0-9]+:|calibration" || true
+      done
     done
   done
   mps_stop
