@@ -283,6 +283,13 @@ def main() -> None:
                 row["costs"] = pred["costs"]
                 row["error"] = row["predicted_ms"] / row["step_ms"] - 1
             runs.append(row)
+    # Modes run in processes of their own (run.sh from D = 4 on): their step over gather's, as
+    # one process reports it.
+    gather = {(r["workload"], r["ranks"]): r["step_ms"] for r in runs if r["mode"] == "gather"}
+    for r in runs:
+        g = gather.get((r["workload"], r["ranks"]))
+        if r["speedup_vs_gather"] is None and g:
+            r["speedup_vs_gather"] = g / r["step_ms"]
     e2e = []
     for p in sorted(glob.glob(os.path.join(args.out, "e2e-*.json"))):
         rec = load(p)
