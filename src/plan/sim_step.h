@@ -35,7 +35,8 @@ inline Link reduce_link(int world, const CommModel& cm, int per_node) {
 // The dedicated mode's broadcasts and reduces, at their own rates inside a node where given.
 inline Link broadcast_link(int world, const CommModel& cm, int per_node) {
   Link l = link(world, cm, per_node);
-  if (world <= per_node && cm.intra_broadcast_bytes_per_s > 0) l.beta = cm.intra_broadcast_bytes_per_s;
+  if (world <= per_node && cm.intra_broadcast_bytes_per_s > 0)
+    l.beta = cm.intra_broadcast_bytes_per_s;
   return l;
 }
 inline Link root_reduce_link(int world, const CommModel& cm, int per_node) {

@@ -192,11 +192,15 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
         a2a = std::max(a2a, alltoall_seconds((total - bytes[o]) / d, bytes[o] * (d - 1.0) / d, d,
                                              cm, gpus_per_node));
       sp.sharded_comm = 2 * a2a;
-      const double chains = chain_seconds(total - b_min, d, cm, gpus_per_node);
+      // The dedicated mode's way in (reduces) and out (broadcasts), at their own rates.
+      const Link in = sim_detail::root_reduce_link(d, cm, gpus_per_node);
+      const Link back = sim_detail::broadcast_link(d, cm, gpus_per_node);
+      const double chains =
+          2 * (d - 1) * in.alpha + (total - b_min) * (1 / in.beta + 1 / back.beta);
       const double rings = ring_allgather_seconds(total, d, cm, gpus_per_node);
-      sp.dedicated_comm = 2 * std::max(0.0, chains - rings);
+      sp.dedicated_comm = std::max(0.0, chains - 2 * rings);
       sp.fsdp_comm = 2 * rings;
-      sp.dedicated_exchange = 2 * chains;
+      sp.dedicated_exchange = chains;
     }
     sp.adamw_update = kAdamWBytesPerElement * total / static_cast<double>(cm.wire_elem_bytes) / d /
                       cm.hbm_bytes_per_s;

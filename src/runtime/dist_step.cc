@@ -322,7 +322,7 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   }
   const int tail = stages - 1 > compute ? stages - 1 : stages;  // phase 3's stage, if any
   auto run_or_defer = [&](int s, int b, bool after_last_compute) {
-    if (dist.options.defer_publish && after_last_compute)
+    if (dist.options.defer_publish && after_last_compute && pipeline.runner->deferrable(s))
       pipeline.deferred.emplace_back(s, b);
     else
       pipeline.runner->run_stage(s, b, *ctx);

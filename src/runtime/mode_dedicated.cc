@@ -7,8 +7,8 @@
 // Stages of a bucket: 0 reduce in the shard group; 1 reduce across replicas; 2 owner step (pass
 // 1 of the bucket's runs, then the owner batches whose last bucket this is) and, under HSDP, the
 // broadcast across replicas of the buckets whose updates are then complete; 3 broadcast in the
-// shard group (flat: to everyone); 4 wait (stages 3-4 of a bucket follow the compute stage of the
-// bucket that completes its updates, Bucket::ready, by one slot each).
+// shard group (flat: to everyone), one slot after the compute stage of the bucket that completes
+// its updates (Bucket::ready); 4 wait, for every bucket once the step is issued.
 //
 // Flat, a bucket's broadcast is issued one slot after the compute that completes it, as the
 // sharded mode sends its updates: issued in the same slot, each peer's NCCL kernel would start
@@ -55,6 +55,9 @@ class DedicatedRunner final : public ModeRunner {
     }
   }
   int num_stages() const override { return 5; }
+  // Flat, stage 3 issues the last buckets' broadcasts, which nothing on this rank waits for
+  // until stage 4: issued in the step, they overlap what the caller does before publishing.
+  bool deferrable(int stage) const override { return dist_.replica != nullptr || stage != 3; }
   int compute_stage() const override { return 2; }
 
   void pass1(int b, StepContext& ctx) override {
@@ -141,8 +144,8 @@ class DedicatedRunner final : public ModeRunner {
  private:
   struct BucketBuffers {
     Buffer gstage, conv;
-    // Per stage: 0 reduce in the shard group, 1 reduce across replicas, 2 broadcast across
-    // replicas (flat: to everyone), 3 broadcast in the shard group.
+    // Per stage: 0 reduce in the shard group, 1 reduce across replicas; broadcast_first: across
+    // replicas (stage 2; flat: to everyone, stage 3), broadcast_in_shard: in the shard group (3).
     std::vector<CommHandle> reduce_in_shard, reduce_across_replicas, broadcast_first,
         broadcast_in_shard;
   };
@@ -155,10 +158,11 @@ class DedicatedRunner final : public ModeRunner {
       for (int j : dist_.buckets[c].act) {
         const DistMatrix& m = dist_.mats[j];
         void* w = weight(j, ctx);
+        const CommType t = comm_type(m.dtype);
         if (!dist_.replica)
-          sc.broadcast_first.push_back(first.broadcast(w, m.numel(), comm_type(m.dtype), m.owner_s));
+          sc.broadcast_first.push_back(first.broadcast(w, m.numel(), t, m.owner_s));
         else if (m.owner_s == dist_.my_s)
-          sc.broadcast_first.push_back(first.broadcast(w, m.numel(), comm_type(m.dtype), m.owner_r));
+          sc.broadcast_first.push_back(first.broadcast(w, m.numel(), t, m.owner_r));
       }
     });
   }

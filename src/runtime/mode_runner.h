@@ -51,6 +51,10 @@ class ModeRunner {
   virtual void run_stage(int stage, int b, StepContext& ctx) = 0;
   // Writes the non-finite statuses of bucket b into Impl::step_status (raise policy).
   virtual void pass1(int b, StepContext& ctx) = 0;
+  // Whether DistOptions::defer_publish may leave this stage, after the last compute, to
+  // finish_publish(): the stages that publish the weights; one that only issues a transfer the
+  // caller's stream does not wait for gains nothing there and runs in the step.
+  virtual bool deferrable(int /*stage*/) const { return true; }
 
  protected:
   // Every run of bucket b (matrices act[run.begin, run.end) of one owner -- gather: every rank --

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <set>
@@ -432,6 +433,16 @@ INSTANTIATE_TEST_SUITE_P(
       return std::string(dist_mode_name(std::get<0>(info.param))) +
              (std::get<1>(info.param) == 2 ? "_hsdp" : "");
     });
+
+// The dedicated mode's broadcasts in the slot of the compute that completes their bucket (the
+// order before 2026-12-06, kept for measuring) still equal one process, every flat scenario.
+TEST(MpiEngine, DedicatedEarlyBroadcastsEqualTheSingleProcessEngine) {
+  struct Env {  // unset however the test ends: the later tests of this process see the default
+    Env() { setenv("DISTMUON_DEDICATED_EARLY_BROADCAST", "1", 1); }
+    ~Env() { unsetenv("DISTMUON_DEDICATED_EARLY_BROADCAST"); }
+  } env;
+  for (const Scenario& sc : scenarios(DistMode::kDedicated, 1)) check_scenario(sc);
+}
 
 // The Muon matrices in registration order (the plan's indices), their shapes and the bucket each
 // lies in, as the engine cuts buckets: consecutive matrices up to bucket_bytes (f32).
