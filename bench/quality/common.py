@@ -5,7 +5,8 @@ An arm is a string such as "adamw:lr=6e-4", "torch-muon", "distmuon:algo=ns5",
 residual estimated with 8 Gaussian probes) or "...:gamma=1e6:staleness=3" (a staleness
 schedule: the residual never refuses, every entry is refreshed after 3 reuses) or
 "...:gamma=2:backoff=8" (the check back-off: an entry that keeps failing its test is tested
-after 1, 2, 4, 8 misses, then every 8th step). Every arm of a
+after 1, 2, 4, 8 misses, then every 8th step) or "...:gamma=2:gate=batch" (a call hits only if
+every matrix of its batch passes, else all refresh). Every arm of a
 study starts from the same initial weights and sees the same batches in the same order, so the
 curves differ only by the optimizer.
 """
@@ -35,6 +36,7 @@ class Arm:
     probes: int | None = None  # CacheMuon residual from k Gaussian probes (None: exact)
     staleness: int = 0  # CacheMuon: refresh an entry after this many reuses (0: no limit)
     backoff: int = 0  # CacheMuon: longest interval between tests of a failing entry (0: none)
+    gate: str = "matrix"  # CacheMuon: "matrix" (each decides alone) or "batch" (all or nothing)
     shadow: bool = False  # CacheMuon also runs the fresh solve, to measure the cached updates' alignment
 
     @property
@@ -50,6 +52,7 @@ class Arm:
             s += f" probes={self.probes}" if self.probes else ""
             s += f" staleness={self.staleness}" if self.staleness else ""
             s += f" backoff={self.backoff}" if self.backoff else ""
+            s += " gate=batch" if self.gate == "batch" else ""
         return s + (" (shadow)" if self.shadow else "")
 
 
@@ -77,14 +80,20 @@ def parse_arm(spec: str) -> Arm:
             arm.staleness = int(value)
         elif key == "backoff":
             arm.backoff = int(value)
+        elif key == "gate":
+            arm.gate = value
         elif key == "shadow":
             arm.shadow = value not in ("0", "false", "no")
         else:
             raise ValueError(f"unknown key '{key}' in arm '{spec}'")
     if arm.probes is not None and arm.probes < 1 or arm.staleness < 0 or arm.backoff < 0:
         raise ValueError(f"arm '{spec}': probes must be >= 1, staleness and backoff >= 0")
-    if (arm.probes or arm.staleness or arm.backoff or arm.shadow) and arm.gamma is None:
-        raise ValueError(f"arm '{spec}': probes, staleness, backoff and shadow are CacheMuon options (give gamma)")
+    if arm.gate not in ("matrix", "batch"):
+        raise ValueError(f"arm '{spec}': gate must be 'matrix' or 'batch'")
+    if (arm.probes or arm.staleness or arm.backoff or arm.shadow or arm.gate != "matrix") \
+            and arm.gamma is None:
+        raise ValueError(f"arm '{spec}': probes, staleness, backoff, gate and shadow are CacheMuon "
+                         "options (give gamma)")
     return arm
 
 
@@ -117,7 +126,7 @@ def make_optimizer(arm: Arm, model: torch.nn.Module, muon_lr: float, adamw_lr: f
     return Muon(named, lr=muon_lr, momentum=0.95, nesterov=True, weight_decay=weight_decay,
                 adjust_lr_fn="original", algorithm=arm.algo, cache_gamma=arm.gamma, cache_probes=arm.probes,
                 cache_max_staleness=arm.staleness, cache_check_backoff=arm.backoff,
-                cache_shadow=arm.shadow,
+                cache_shadow=arm.shadow, cache_gate=arm.gate,
                 adamw_lr=adamw_lr, adamw_betas=(0.9, 0.95), adamw_weight_decay=weight_decay,
                 muon_filter=lambda n, p: is_muon_param(n, p))
 

@@ -60,6 +60,13 @@ def test_arm_options_are_parsed_and_checked():
     assert backoff.backoff == 8 and "backoff=8" in backoff.label
     with pytest.raises(ValueError, match="give gamma"):
         common.parse_arm("distmuon:algo=gram-ns:backoff=8")
+    gate = common.parse_arm("distmuon:algo=gram-ns:gamma=2:gate=batch")
+    assert gate.gate == "batch" and "gate=batch" in gate.label
+    assert common.parse_arm("distmuon:algo=gram-ns:gamma=2").gate == "matrix"
+    with pytest.raises(ValueError, match="gate must be"):
+        common.parse_arm("distmuon:algo=gram-ns:gamma=2:gate=layer")
+    with pytest.raises(ValueError, match="give gamma"):
+        common.parse_arm("distmuon:algo=gram-ns:gate=batch")
 
 
 def test_a_misspelt_arm_fails_before_any_arm_trains(tmp_path):
