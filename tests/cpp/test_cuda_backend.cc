@@ -317,7 +317,9 @@ TEST(CudaGraphs, ConditionalBlockRunsOnlyWhenAFlagSelectsIt) {
     for (int64_t i = 0; i < c; ++i) {
       EXPECT_EQ(dst.get(i).array().isNaN().all(), !k.outer) << i;
       EXPECT_EQ(inner.get(i).array().isNaN().all(), !k.inner) << i;
-      if (k.outer) EXPECT_EQ(dst.get(i), src.get(i)) << i;
+      if (k.outer) {
+        EXPECT_EQ(dst.get(i), src.get(i)) << i;
+      }
     }
   }
 
@@ -405,8 +407,12 @@ TEST(CudaGraphs, TwoBodiesRunForSomeOrAllSelected) {
     dall.download(be, all);
     EXPECT_EQ(some.get(0).array().isNaN().all(), !k.some);
     EXPECT_EQ(all.get(0).array().isNaN().all(), !k.all);
-    if (k.some) EXPECT_EQ(some.get(0), src.get(0));
-    if (k.all) EXPECT_EQ(all.get(0), src.get(0));
+    if (k.some) {
+      EXPECT_EQ(some.get(0), src.get(0));
+    }
+    if (k.all) {
+      EXPECT_EQ(all.get(0), src.get(0));
+    }
   }
 
   auto failed = be.capture([&] {
