@@ -1,5 +1,7 @@
 #include "plan_options.h"
 
+#include <tuple>
+
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
@@ -159,19 +161,18 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.add_option("--inter-us", a.inter_us, "inter-node latency, microseconds")
       ->check(cli::at_least(0))
       ->group(sim);
-  app.add_option("--intra-reduce-gbs", a.intra_reduce_gbs,
-                 "intra-node bandwidth of reductions (reduce, reduce-scatter), GB/s (0: --intra-gbs)")
-      ->check(cli::at_least(0))
-      ->group(sim);
-  app.add_option("--intra-broadcast-gbs", a.intra_broadcast_gbs,
-                 "intra-node bus bandwidth of the dedicated mode's broadcasts, GB/s (0: --intra-gbs)")
-      ->check(cli::at_least(0))
-      ->group(sim);
-  app.add_option("--intra-root-reduce-gbs", a.intra_root_reduce_gbs,
-                 "intra-node bus bandwidth of the dedicated mode's reduces to one rank, GB/s (0: "
-                 "--intra-reduce-gbs)")
-      ->check(cli::at_least(0))
-      ->group(sim);
+  // Intra-node rates of particular collectives (0: the fallback their help names).
+  for (auto [name, var, help] : {
+           std::tuple{"--intra-reduce-gbs", &a.intra_reduce_gbs,
+                      "intra-node bandwidth of reductions (reduce, reduce-scatter), GB/s (0: "
+                      "--intra-gbs)"},
+           std::tuple{"--intra-broadcast-gbs", &a.intra_broadcast_gbs,
+                      "intra-node bus bandwidth of the dedicated mode's broadcasts, GB/s (0: "
+                      "--intra-gbs)"},
+           std::tuple{"--intra-root-reduce-gbs", &a.intra_root_reduce_gbs,
+                      "intra-node bus bandwidth of the dedicated mode's reduces to one rank, GB/s "
+                      "(0: --intra-reduce-gbs)"}})
+    app.add_option(name, *var, help)->check(cli::at_least(0))->group(sim);
   app.add_option("--collective-latency-us", a.collective_latency_us,
                  "host time per collective at D > 1, paid in program order (143: the engine's "
                  "non-blocking NCCL communicator, H100 with two MPS ranks; distmuon-bench "

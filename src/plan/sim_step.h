@@ -25,25 +25,23 @@ inline Link link(int world, const CommModel& cm, int per_node) {
   return {cm.inter_latency_s, cm.inter_bytes_per_s};
 }
 
-// Reductions inside a node may run at their own rate (intra_reduce_bytes_per_s).
-inline Link reduce_link(int world, const CommModel& cm, int per_node) {
-  Link l = link(world, cm, per_node);
-  if (world <= per_node && cm.intra_reduce_bytes_per_s > 0) l.beta = cm.intra_reduce_bytes_per_s;
+// `l` with an intra-node rate of its own where one is given (> 0) and the collective stays inside
+// a node.
+inline Link at_intra_rate(Link l, int world, int per_node, double intra_bytes_per_s) {
+  if (world <= per_node && intra_bytes_per_s > 0) l.beta = intra_bytes_per_s;
   return l;
 }
-
-// The dedicated mode's broadcasts and reduces, at their own rates inside a node where given.
+// Reductions (intra_reduce_bytes_per_s); the dedicated mode's broadcasts and its reduces to one
+// rank, which fall back to the gathers' and the reductions' rates.
+inline Link reduce_link(int world, const CommModel& cm, int per_node) {
+  return at_intra_rate(link(world, cm, per_node), world, per_node, cm.intra_reduce_bytes_per_s);
+}
 inline Link broadcast_link(int world, const CommModel& cm, int per_node) {
-  Link l = link(world, cm, per_node);
-  if (world <= per_node && cm.intra_broadcast_bytes_per_s > 0)
-    l.beta = cm.intra_broadcast_bytes_per_s;
-  return l;
+  return at_intra_rate(link(world, cm, per_node), world, per_node, cm.intra_broadcast_bytes_per_s);
 }
 inline Link root_reduce_link(int world, const CommModel& cm, int per_node) {
-  Link l = reduce_link(world, cm, per_node);
-  if (world <= per_node && cm.intra_root_reduce_bytes_per_s > 0)
-    l.beta = cm.intra_root_reduce_bytes_per_s;
-  return l;
+  return at_intra_rate(reduce_link(world, cm, per_node), world, per_node,
+                       cm.intra_root_reduce_bytes_per_s);
 }
 
 // One Muon matrix of the layout at a world size.

@@ -54,12 +54,10 @@ std::string CommModel::describe() const {
       "  where ranks share a GPU: a collective moving data takes %.0f %% of each rank's compute\n"
       "  not modelled: the host's kernel launches, ranks starting a step at different times",
       intra_bytes_per_s / 1e9, intra_latency_s * 1e6,
-      (intra_reduce_bytes_per_s > 0 ? intra_reduce_bytes_per_s : intra_bytes_per_s) / 1e9,
-      (intra_broadcast_bytes_per_s > 0 ? intra_broadcast_bytes_per_s : intra_bytes_per_s) / 1e9,
-      (intra_root_reduce_bytes_per_s > 0
-           ? intra_root_reduce_bytes_per_s
-           : (intra_reduce_bytes_per_s > 0 ? intra_reduce_bytes_per_s : intra_bytes_per_s)) /
-          1e9,
+      // Inside a node (one rank of a one-GPU node), with each rate's fallback.
+      sim_detail::reduce_link(1, *this, 1).beta / 1e9,
+      sim_detail::broadcast_link(1, *this, 1).beta / 1e9,
+      sim_detail::root_reduce_link(1, *this, 1).beta / 1e9,
       inter_bytes_per_s / 1e9, inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes),
       collective_latency_s * 1e6, local_collective_s * 1e6,
       static_cast<double>(bucket_bytes) / (1 << 20),
