@@ -407,6 +407,14 @@ void bind_comm(nb::module_& m) {
       "Waits up to timeout_s for the NCCL communicators let go to be torn down (their device "
       "memory back); True when none is left in flight.");
   m.def(
+      "nccl_teardowns",
+      []() {
+        const NcclTeardowns t = nccl_teardowns();
+        return nb::make_tuple(t.in_flight, t.destroyed, t.aborted);
+      },
+      "The NCCL communicators this process has let go: (still being torn down, destroyed, "
+      "aborted).");
+  m.def(
       "nccl_unique_id",
       []() {
         const NcclUniqueId id = nccl_unique_id();

@@ -250,6 +250,30 @@ def run_traffic(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def run_collected(rank: int, world: int, kind: str) -> dict[str, Any]:
+    """After two steps and `del`, Python's collector frees the model, what dedicate() returned
+    and the optimizer ("plain": the optimizer over an FSDP2 model, no dedicate()): nothing holds
+    them, or their communicators, until the process ends."""
+    import gc
+    import weakref
+
+    def arm() -> list[weakref.ref[Any]]:
+        if kind == "plain":
+            from torch.distributed.fsdp import fully_shard
+
+            model = make_model()
+            fully_shard(model, mesh=mesh_of("fsdp", world))
+            dm, opt = None, Muon(model, **OPT_KW)
+        else:
+            model, dm, opt = build(kind, world, overlap=True)
+        train(model, opt, range(2), rank, world, 1, dm, False, False)
+        return [weakref.ref(x) for x in (model, opt) + ((dm,) if dm is not None else ())]
+
+    refs = arm()
+    gc.collect()
+    return {"alive": [r() is not None for r in refs]}
+
+
 def run_corrupt_store(rank: int, world: int, store_dir: str) -> dict[str, Any]:
     """Rank 0's measurement store is corrupt (the other ranks have none): dedicate() raises on
     every rank instead of leaving them waiting for rank 0's plan."""
@@ -319,6 +343,8 @@ def world2(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "accum_sync": guarded(lambda: run_dedicated(rank, world, "fsdp", 2, False, sync_all=True)),
         "late_gradient": guarded(lambda: run_late_gradient(rank, world)),
         "traffic": guarded(lambda: run_traffic(rank, world)),
+        "collected": guarded(lambda: run_collected(rank, world, "fsdp")),
+        "collected_plain": guarded(lambda: run_collected(rank, world, "plain")),
         "corrupt_store": guarded(lambda: run_corrupt_store(rank, world, str(Path(ckpt).parent))),
     }
 
@@ -331,4 +357,5 @@ def world4(rank: int, world: int, ckpt: str) -> dict[str, Any]:
         "hsdp_accum": guarded(lambda: run_dedicated(rank, world, "hsdp", 2, True)),
         "resume4": guarded(lambda: run_resume(rank, world, "fsdp", ckpt)),
         "traffic": guarded(lambda: run_traffic(rank, world)),
+        "collected_hsdp": guarded(lambda: run_collected(rank, world, "hsdp")),
     }

@@ -45,6 +45,12 @@ def _each(rank: int, arms: dict[str, Callable[[], dict[str, Any]]]) -> dict[str,
         elif time.monotonic() - t0 > 1.0:
             print(f"[rank {rank}] NCCL teardowns after {name}: {time.monotonic() - t0:.1f} s", file=sys.stderr)
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        in_flight, destroyed, aborted = _C.nccl_teardowns()
+        print(f"[rank {rank}] after {name}: device {(total - free) / 2**30:.1f} GiB in use "
+              f"(all processes), torch reserves {torch.cuda.memory_reserved() / 2**30:.2f}; "
+              f"NCCL communicators let go: {destroyed} destroyed, {aborted} aborted, "
+              f"{in_flight} in flight", file=sys.stderr, flush=True)
     return out
 
 

@@ -255,3 +255,11 @@ def test_one_backward_reduces_each_layer_and_owner_once(world2: list[dict[str, A
         params = [ok(r["traffic"])["params"] for r in ranks]
         for p in params[1:]:
             assert max_diff(p, params[0]) == 0.0  # every rank holds the same model
+
+
+def test_a_dropped_model_and_optimizer_are_collected(world2: list[dict[str, Any]], world4: list[dict[str, Any]]) -> None:
+    # A hook that held dedicate()'s object kept the model, the optimizer and their communicators
+    # alive until the process ended (2-4 NCCL ranks of one GPU then ran out of memory).
+    for results, key in ((world2, "collected"), (world2, "collected_plain"), (world4, "collected_hsdp")):
+        for r in results:
+            assert ok(r[key])["alive"] == [False] * len(r[key]["alive"]), (key, r[key])

@@ -76,6 +76,15 @@ def handle_of(p: torch.Tensor) -> Dedicated | None:
     return handle
 
 
+def _weak_grad_hook(dedicated: weakref.ref[Dedicated], j: int) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        d = dedicated()
+        if d is not None:
+            d._grad_ready(j)
+
+    return hook
+
+
 class Dedicated:
     """What ``dedicate()`` returns: the dedicated matrices, their owners and the runtime's hooks."""
 
@@ -186,8 +195,13 @@ class Dedicated:
             self._handles.append(model.register_load_state_dict_pre_hook(lambda *a: self._before_load(*a)))
             self._handles.append(model.register_load_state_dict_post_hook(lambda *a: self._after_load(*a)))
         if self.grid.size > 1 or self.overlap_step:
+            # A tensor's hooks are not always visited by Python's cycle collector (torch skips a
+            # tensor that C++ also holds), so a hook that held `self` would keep the model, this
+            # object, the optimizer and their NCCL communicators alive for the whole process:
+            # the parameters' hooks reach `self` through a weak reference.
+            me = weakref.ref(self)
             for m in self.matrices:
-                self._handles.append(m.param.register_post_accumulate_grad_hook(self._grad_hook(m.index)))
+                self._handles.append(m.param.register_post_accumulate_grad_hook(_weak_grad_hook(me, m.index)))
 
     def _stream(self) -> int:
         """torch's current stream, which the transfers' stages order their results on."""
@@ -212,23 +226,20 @@ class Dedicated:
 
         return hook
 
-    def _grad_hook(self, j: int) -> Callable[[torch.Tensor], None]:
+    def _grad_ready(self, j: int) -> None:
+        """Matrix j's gradient is complete (its parameter's post-accumulate-grad hook)."""
+        if self._sync:
+            # The gradient goes into its bucket's buffer here, lent to the transfers with the
+            # bucket's first one: the reduction they issue asks nothing of Python.
+            lent = self.memory.lend(j)
+            landed, sent = self.transfers.grad_ready(j, self._stream(), lent)
+            if sent:
+                self.memory.sent(sent)
+            for js in landed:
+                self._landed(js)
         bucket = self.matrices[j].bucket
-
-        def hook(p: torch.Tensor) -> None:
-            if self._sync:
-                # The gradient goes into its bucket's buffer here, lent to the transfers with the
-                # bucket's first one: the reduction they issue asks nothing of Python.
-                lent = self.memory.lend(j)
-                landed, sent = self.transfers.grad_ready(j, self._stream(), lent)
-                if sent:
-                    self.memory.sent(sent)
-                for js in landed:
-                    self._landed(js)
-            if self.grid.size > 1 and self.transfers.used(bucket):
-                self.buckets[bucket].free()
-
-        return hook
+        if self.grid.size > 1 and self.transfers.used(bucket):
+            self.buckets[bucket].free()
 
     def _landed(self, js: list[int]) -> None:
         """Owner: the reduced gradients of its matrices of one layer are in (or on their way, on
