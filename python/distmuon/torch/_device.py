@@ -87,11 +87,32 @@ def check_communicator(kind: str) -> None:
         raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
 
 
-def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") -> _C.Communicator:
+def share_from_first(obj: Any, ranks: tuple[int, ...], group: Any = None) -> Any:
+    """Member 0's `obj` on every member of `ranks` (collective over them), sent on the host.
+
+    Over `group` when it is a gloo group; otherwise over a gloo group made for the call: an
+    object collective on an NCCL group would have torch build that group's NCCL communicator
+    (its device memory held for the group's lifetime) to move a few bytes.
+    """
+    own = group is not None and dist.get_backend(group) == "gloo"
+    host = group if own else dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    try:
+        box = [obj]
+        dist.broadcast_object_list(box, src=ranks[0], group=host)
+        return box[0]
+    finally:
+        if not own:
+            dist.destroy_process_group(host)
+
+
+def make_communicator(
+    topo: Topology, device: torch.device, kind: str = "auto", host_group: Any = None
+) -> _C.Communicator:
     """The engine's communicator for `topo`.
 
     - 'nccl' ('auto' on CUDA when the build has NCCL): the engine's NCCL communicator on torch's
-      current stream, its id made by member 0 and shared over the topology's process group.
+      current stream, its id made by member 0 and shared on the host (over `host_group`, a gloo
+      group of the same ranks, when given).
     - 'torch' ('auto' otherwise): the collectives run over that torch.distributed group (gloo on
       the CPU) through TorchCollectives.
     - 'mpi': the engine's MPI communicator over MPI_COMM_WORLD (CPU; launched by mpirun, with the
@@ -103,10 +124,9 @@ def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") 
     if kind == "nccl":
         if device.type != "cuda" or not _C.nccl_available():
             raise ValueError("communicator='nccl' needs CUDA parameters and a build with NCCL")
+        uid = share_from_first(_C.nccl_unique_id() if topo.member == 0 else None, topo.ranks, host_group)
         with torch.cuda.device(device):
-            uid = [_C.nccl_unique_id() if topo.member == 0 else None]
-            dist.broadcast_object_list(uid, src=topo.ranks[0], group=topo.group)
-            return _C.make_nccl_communicator(uid[0], topo.member, topo.size, _stream(device))
+            return _C.make_nccl_communicator(uid, topo.member, topo.size, _stream(device))
     if kind == "mpi":
         if device.type != "cpu" or not _C.mpi_available():
             raise ValueError("communicator='mpi' needs CPU parameters and a build with MPI (DISTMUON_WITH_MPI=ON)")
