@@ -231,7 +231,7 @@ class StepModel {
         const int64_t rows = chunk(t.dim0, d_, q).second;
         if (rows == 0) continue;
         const double b = static_cast<double>(rows) * inner * wire_;
-        rs.collective(d_ == 1 ? local(b) : (d_ - 1) * r.alpha + b / r.beta, joins);
+        rs.collective(d_ == 1 ? local(b) : chain_seconds(b, d_, r), joins);
         joins = true;
       }
       const double b = static_cast<double>(t.numel) * wire_;
@@ -357,7 +357,7 @@ class StepModel {
       for (int j : buckets_[b]) {
         const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
         reduced[b] =
-            t.collective(d_ == 1 ? local(bytes) : (d_ - 1) * r.alpha + bytes / r.beta, joins);
+            t.collective(d_ == 1 ? local(bytes) : chain_seconds(bytes, d_, r), joins);
         joins = true;
       }
     }
@@ -386,7 +386,7 @@ class StepModel {
           bool joins = false;
           for (int j : buckets_[static_cast<size_t>(c)]) {
             const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
-            t.collective(d_ == 1 ? local(0) : (d_ - 1) * bc.alpha + bytes / bc.beta,  // in place
+            t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, bc),  // in place
                          joins);
             joins = true;
           }

@@ -44,6 +44,12 @@ inline Link root_reduce_link(int world, const CommModel& cm, int per_node) {
                        cm.intra_root_reduce_bytes_per_s);
 }
 
+// A pipelined chain (a broadcast from or a reduce to one rank) over `world` ranks on `l`, the
+// busiest rank forwarding `bytes`: (D-1) alpha + bytes / beta.
+inline double chain_seconds(double bytes, int world, Link l) {
+  return (world - 1) * l.alpha + bytes / l.beta;
+}
+
 // One Muon matrix of the layout at a world size.
 struct SimMatrix {
   int64_t rows = 0, cols = 0, elems = 0;

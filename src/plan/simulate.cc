@@ -77,8 +77,7 @@ double ring_allgather_seconds(double total_bytes, int world, const CommModel& cm
 double chain_seconds(double bytes, int world, const CommModel& cm, int per_node) {
   DM_CHECK(world >= 1, "simulator: world size must be >= 1 (got ", world, ")");
   if (world == 1) return 0;
-  const Link l = link(world, cm, per_node);
-  return (world - 1) * l.alpha + bytes / l.beta;
+  return sim_detail::chain_seconds(bytes, world, link(world, cm, per_node));
 }
 
 double alltoall_seconds(double send_bytes, double recv_bytes, int world, const CommModel& cm,
@@ -193,8 +192,8 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
       // The dedicated mode's way in (reduces) and out (broadcasts), at their own rates.
       const Link in = sim_detail::root_reduce_link(d, cm, gpus_per_node);
       const Link back = sim_detail::broadcast_link(d, cm, gpus_per_node);
-      const double chains =
-          2 * (d - 1) * in.alpha + (total - b_min) * (1 / in.beta + 1 / back.beta);
+      const double chains = sim_detail::chain_seconds(total - b_min, d, in) +
+                            sim_detail::chain_seconds(total - b_min, d, back);
       const double rings = ring_allgather_seconds(total, d, cm, gpus_per_node);
       sp.dedicated_comm = std::max(0.0, chains - 2 * rings);
       sp.fsdp_comm = 2 * rings;
