@@ -17,6 +17,7 @@ namespace {
 
 using test::HostBatch;
 using test::Mat;
+using test::drifted;
 using test::random_matrix;
 using test::rel_err;
 
@@ -77,14 +78,6 @@ struct Rig {
     return h.get(0);
   }
 };
-
-std::vector<Mat> drifted(const std::vector<Mat>& base, double eps) {
-  std::vector<Mat> r;
-  for (const Mat& b : base)
-    r.push_back(b +
-                eps * b.norm() / std::sqrt(double(b.size())) * random_matrix(b.rows(), b.cols()));
-  return r;
-}
 
 double exact_residual(const Mat& q, const Mat& x) {
   Mat d = q * x;

@@ -22,6 +22,7 @@ namespace {
 
 using test::HostBatch;
 using test::Mat;
+using test::drifted;
 using test::random_matrix;
 
 constexpr double kKey = 4321;
@@ -245,13 +246,6 @@ CacheOptions options(CacheGate gate, double gamma = 0.5) {
 
 std::vector<Mat> inputs() {
   return {random_matrix(12, 40), random_matrix(12, 40), random_matrix(12, 40)};
-}
-
-std::vector<Mat> drifted(const std::vector<Mat>& base, double eps) {
-  std::vector<Mat> r;
-  for (const Mat& b : base)
-    r.push_back(b + eps * b.norm() / std::sqrt(double(b.size())) * random_matrix(12, 40));
-  return r;
 }
 
 bool same_bytes(const HostBatch& a, const HostBatch& b) { return a.bytes == b.bytes; }

@@ -31,6 +31,14 @@ Mat random_matrix(int64_t rows, int64_t cols, double scale) {
   return m;
 }
 
+std::vector<Mat> drifted(const std::vector<Mat>& base, double eps) {
+  std::vector<Mat> r;
+  for (const Mat& b : base)
+    r.push_back(b +
+                eps * b.norm() / std::sqrt(double(b.size())) * random_matrix(b.rows(), b.cols()));
+  return r;
+}
+
 HostBatch::HostBatch(DType dtype, int64_t count, int64_t rows, int64_t cols)
     : bytes(static_cast<size_t>(count * rows * cols) * dtype_size(dtype) + 1) {
   ref = BatchRef::packed(bytes.data(), dtype, count, rows, cols);

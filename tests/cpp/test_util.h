@@ -17,6 +17,9 @@ using Mat = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajo
 // A fresh generator per test, seeded from the test name and a counter, so failures reproduce.
 std::mt19937_64& rng();
 Mat random_matrix(int64_t rows, int64_t cols, double scale = 1.0);
+// Each matrix of `base` plus eps times its RMS entry times fresh Gaussian noise (the next step's
+// slightly moved momentum, for CacheMuon).
+std::vector<Mat> drifted(const std::vector<Mat>& base, double eps);
 
 // Host-side storage of `count` rows x cols matrices in `dtype`, as the CPU backend reads them.
 struct HostBatch {
