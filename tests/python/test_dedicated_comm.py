@@ -52,11 +52,11 @@ def shared_ids(rank: int, world: int) -> dict[str, Any]:
         ranks = tuple(range(world))
         host = dist.new_group(list(ranks), backend="gloo")
         groups_before = len(dist.distributed_c10d._world.pg_map)
-        over_host = share_from_first(b"id-%d" % rank, ranks, host)
-        made_for_call = share_from_first({"rank": rank}, ranks)  # no group: one made and let go
+        over_host = share_from_first(b"id-%d" % rank, ranks, None, host)
+        over_group = share_from_first({"rank": rank}, ranks, host, None)  # no host group
         return {
             "over_host": over_host,
-            "made_for_call": made_for_call,
+            "over_group": over_group,
             "groups_left": len(dist.distributed_c10d._world.pg_map) - groups_before,
         }
 
@@ -65,8 +65,8 @@ def shared_ids(rank: int, world: int) -> dict[str, Any]:
 
 def test_the_nccl_id_is_shared_on_the_host() -> None:
     # What make_communicator() does with member 0's NCCL id, on gloo ranks: over the given gloo
-    # group, or over one made for the call and destroyed after it (no torch NCCL communicator).
+    # host group, else over the topology's group; no group is made for the call.
     for r in launch(2, shared_ids):
         res = ok(r)
-        assert res["over_host"] == b"id-0" and res["made_for_call"] == {"rank": 0}
+        assert res["over_host"] == b"id-0" and res["over_group"] == {"rank": 0}
         assert res["groups_left"] == 0

@@ -87,22 +87,19 @@ def check_communicator(kind: str) -> None:
         raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
 
 
-def share_from_first(obj: Any, ranks: tuple[int, ...], group: Any = None) -> Any:
-    """Member 0's `obj` on every member of `ranks` (collective over them), sent on the host.
+def share_from_first(obj: Any, ranks: tuple[int, ...], group: Any, host_group: Any = None) -> Any:
+    """Member 0's `obj` on every member of `ranks` (collective over them).
 
-    Over `group` when it is a gloo group; otherwise over a gloo group made for the call: an
-    object collective on an NCCL group would have torch build that group's NCCL communicator
-    (its device memory held for the group's lifetime) to move a few bytes.
+    Over `host_group` (a gloo group of the same ranks, such as dedicate()'s control group) when
+    given: on the host, and without torch building an NCCL communicator for `group` to move a few
+    bytes. Else over `group` itself. Never over a gloo group made for the call and destroyed after
+    it: a member that let its group go while a peer was still connecting to it refused the
+    connection (gloo's connectFullMesh, 4 NCCL ranks on one GPU, 2026-12-06).
     """
-    own = group is not None and dist.get_backend(group) == "gloo"
-    host = group if own else dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
-    try:
-        box = [obj]
-        dist.broadcast_object_list(box, src=ranks[0], group=host)
-        return box[0]
-    finally:
-        if not own:
-            dist.destroy_process_group(host)
+    host = host_group if host_group is not None and dist.get_backend(host_group) == "gloo" else group
+    box = [obj]
+    dist.broadcast_object_list(box, src=ranks[0], group=host)
+    return box[0]
 
 
 def make_communicator(
@@ -111,8 +108,8 @@ def make_communicator(
     """The engine's communicator for `topo`.
 
     - 'nccl' ('auto' on CUDA when the build has NCCL): the engine's NCCL communicator on torch's
-      current stream, its id made by member 0 and shared on the host (over `host_group`, a gloo
-      group of the same ranks, when given).
+      current stream, its id made by member 0 and shared over `host_group` (a gloo group of the
+      same ranks) when given, else over the topology's group.
     - 'torch' ('auto' otherwise): the collectives run over that torch.distributed group (gloo on
       the CPU) through TorchCollectives.
     - 'mpi': the engine's MPI communicator over MPI_COMM_WORLD (CPU; launched by mpirun, with the
@@ -124,7 +121,7 @@ def make_communicator(
     if kind == "nccl":
         if device.type != "cuda" or not _C.nccl_available():
             raise ValueError("communicator='nccl' needs CUDA parameters and a build with NCCL")
-        uid = share_from_first(_C.nccl_unique_id() if topo.member == 0 else None, topo.ranks, host_group)
+        uid = share_from_first(_C.nccl_unique_id() if topo.member == 0 else None, topo.ranks, topo.group, host_group)
         with torch.cuda.device(device):
             return _C.make_nccl_communicator(uid, topo.member, topo.size, _stream(device))
     if kind == "mpi":
