@@ -94,12 +94,24 @@ mps_start() { [ -n "$MPS_ON" ] && return 0; mkdir -p $CUDA_MPS_PIPE_DIRECTORY $C
   [ -n "$MPS_CTL" ] && $MPS_CTL -d && MPS_ON=1 && say "MPS daemon started"; }
 mps_stop() { [ -n "$MPS_ON" ] && echo quit | $MPS_CTL && MPS_ON="" && sleep 1 && say "MPS daemon stopped"; }
 trap mps_stop EXIT
+# D ranks sharing GPU 0 under MPS: each gets 100/D % of the SMs, and NCCL at most half of those
+# as CTAs. NCCL's several-ranks-per-GPU mode gives each rank its own channels and hangs when the
+# device cannot hold them all (its documentation says so, and advises capping NCCL_MAX_CTAS): at
+# D = 8 on an H100 (14 SMs a rank) the calibration's first all-gather never completed with NCCL's
+# own channel count (2026-12-06; D = 2 and 4 ran). NCCL_MAX_CTAS given by the caller wins.
+SMS=${SMS:-$($PY -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null || echo 0)}
+partition_env() {
+  local d=$1 ctas
+  echo "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d))"
+  ctas=$(( SMS / d / 2 ))
+  [ "$SMS" -gt 0 ] && [ -z "${NCCL_MAX_CTAS:-}" ] && echo "NCCL_MAX_CTAS=$(( ctas > 1 ? ctas : 1 ))"
+}
 # distmuon-bench on D ranks: one per GPU where there are D GPUs, else D MPS clients of GPU 0 with
 # 100/D % of its SMs each; the rest of the arguments follow.
 bench() {
   local d=$1; shift
   if [ "$d" -gt 1 ] && [ "$d" -gt "$NGPU" ]; then
-    "${ranks_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) mpirun --allow-run-as-root \
+    "${ranks_env[@]}" $(partition_env "$d") mpirun --allow-run-as-root \
       --oversubscribe --bind-to none -np "$d" $BIN/distmuon-bench --backend cuda --ranks-per-gpu "$d" "$@"
   else
     "${ranks_env[@]}" mpirun --allow-run-as-root --oversubscribe --bind-to none -np "$d" \
@@ -177,7 +189,7 @@ if [[ " $STAGES " == *" e2e "* ]]; then
   if mps_start; then
     for d in ${E2E_RANKS//,/ }; do
       say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS)"
-      "${ranks_env[@]}" CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) timeout -k 10 400 \
+      "${ranks_env[@]}" $(partition_env "$d") timeout -k 10 400 \
         $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
         $E2E_ARGS --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire \
         --json "$OUT/e2e-$d.json" >> "$LOG" 2>&1 || say "FAILED: e2e on $d ranks (rc $?)"
