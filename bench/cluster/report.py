@@ -203,7 +203,7 @@ def predict_planned(args: argparse.Namespace) -> None:
             name, _, layers = spec.partition(":")
             r = {"ranks": d, "workload": name, "layers": int(layers or 0), "planner": args.planner,
                  "calibration": cal, "mechanism": "mps",
-                 "batches_per_bucket": args.batches_per_bucket}
+                 "batches_per_bucket": args.batches_per_bucket, "bucket_mb": args.bucket_mb}
             p = predict(args.plan, r, {"calibration": cals[1]}, costs, args)
             if p:
                 print(f"| {name} | {d} | {p['gather']:.1f} | {p['sharded']:.1f} | "
@@ -239,6 +239,8 @@ def main() -> None:
                     help="--predict: name:layers, as run.sh's WORKLOADS")
     ap.add_argument("--batches-per-bucket", action="store_true",
                     help="--predict: the owners' batches cut at bucket borders (the old engine)")
+    ap.add_argument("--bucket-mb", type=float, default=32,
+                    help="--predict: MiB of full matrices per bucket (distmuon-bench --bucket-mb; 0: one)")
     args = ap.parse_args()
     if args.predict:
         if not args.from_record:
