@@ -104,7 +104,7 @@ partition_env() {
   local d=$1 ctas
   echo "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d))"
   ctas=$(( SMS / d / 2 ))
-  [ "$SMS" -gt 0 ] && [ -z "${NCCL_MAX_CTAS:-}" ] && echo "NCCL_MAX_CTAS=$(( ctas > 1 ? ctas : 1 ))"
+  [ "$d" -gt 1 ] && [ "$SMS" -gt 0 ] && [ -z "${NCCL_MAX_CTAS:-}" ] && echo "NCCL_MAX_CTAS=$(( ctas > 1 ? ctas : 1 ))"
 }
 # distmuon-bench on D ranks: one per GPU where there are D GPUs, else D MPS clients of GPU 0 with
 # 100/D % of its SMs each; the rest of the arguments follow.
