@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "distmuon/plan.h"
+#include "distmuon/types.h"
 #include "distmuon/workload.h"
 
 namespace distmuon {
@@ -49,7 +50,7 @@ struct CommModel {
   // Full-matrix bytes per bucket of the engine (DistOptions::bucket_bytes, distmuon-bench
   // --bucket-mb): buckets set how many collectives the gather and sharded modes issue, and cut
   // the owners' batches (each run of a bucket is one batched orthogonalization). <= 0: one bucket.
-  int64_t bucket_bytes = int64_t{32} << 20;
+  int64_t bucket_bytes = kDefaultBucketBytes;
   // Owner modes: each owner orthogonalizes a plan batch (one owner, plan batch and shape) once,
   // when the last bucket holding a member has landed (DistOptions::batches_across_buckets, the
   // engine's default); false: one batch per run of a bucket, right after that bucket lands.

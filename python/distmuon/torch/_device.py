@@ -145,7 +145,7 @@ def make_engine(
     nonfinite: str,
     topo: Topology,
     comm: _C.Communicator | None,
-    bucket_mb: float,
+    bucket_mb: float | None,
     dedicated_owners: list[int] | None = None,
     graphs: bool = True,
     autotune: str = "on",
@@ -169,7 +169,8 @@ def make_engine(
         opts = _C.DistOptions()
         opts.mode = _MODES[topo.mode]
         opts.replicate = topo.replicate
-        opts.bucket_bytes = int(bucket_mb * (1 << 20))
+        if bucket_mb is not None:  # else the engine's default
+            opts.bucket_bytes = int(bucket_mb * (1 << 20))
         opts.check_grad_presence = True
         if topo.mode != "dedicated":
             opts.wire_dtype = wire_dtype
