@@ -80,6 +80,9 @@ void add_bench_options(CLI::App& app, BenchOptions& o) {
       ->check(cli::at_least(1, cli::kMaxRepeats));
   app.add_option("--warmup", o.warmup, "untimed steps first")
       ->check(cli::at_least(0, cli::kMaxRepeats));
+  app.add_option("--progress-s", o.progress_s,
+                 "distributed modes: say every S seconds that a step is still running (0: never)")
+      ->check(CLI::Range(0.0, 86400.0));
   app.add_option("--layers", o.layers, "keep only the first K of each repeated tensor (0: all)")
       ->check(cli::at_least(0, cli::kMaxRepeats));
   app.add_option("--seed", o.seed, "random seed")->check(cli::at_least(0, 1.8446744073709552e19));

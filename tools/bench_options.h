@@ -29,6 +29,7 @@ struct BenchOptions {
   std::string wire_dtype;           // DistOptions::wire_dtype ("": the parameters')
   std::string planner = "milp";
   int ranks_per_gpu = 1;
+  double progress_s = 30;  // a step still running says so this often (rank 0; 0: never)
   // With distributed CUDA ranks (bench_rank.h): a calibration first, a profiled step per mode.
   bool calibrate = false, profile = false;
   // CacheMuon (bench_cache.cc).

@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <fstream>
 #include <functional>
+#include <mutex>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "bench_compare.h"
@@ -13,6 +16,42 @@
 
 namespace distmuon::bench {
 namespace {
+
+// While alive, says every `every_s` seconds how long `what` has been running, where `on` (rank
+// 0): a first step on a small part of a GPU (planning, allocation, graph capture, the whole
+// model on 14 SMs) can take minutes and would otherwise look like a hang. It only waits on a
+// condition variable, so it costs the timed steps nothing.
+class Heartbeat {
+ public:
+  Heartbeat(bool on, std::string what, double every_s) {
+    if (!on) return;
+    thread_ = std::thread([this, what = std::move(what), every_s] {
+      const auto t0 = std::chrono::steady_clock::now();
+      std::unique_lock<std::mutex> lk(mu_);
+      while (!cv_.wait_for(lk, std::chrono::duration<double>(every_s), [this] { return done_; })) {
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::fprintf(stderr, "distmuon-bench: %s: still running after %.3g s\n", what.c_str(), s);
+      }
+    });
+  }
+  ~Heartbeat() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    if (thread_.joinable()) thread_.join();
+  }
+  Heartbeat(const Heartbeat&) = delete;
+  Heartbeat& operator=(const Heartbeat&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -311,13 +350,14 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
       }
     adamw_done = true;
     for (int64_t i = 0; i < total; ++i) {
+      const std::string step = "step " + std::to_string(i + 1) + " of " + std::to_string(total);
+      const Heartbeat beat(rank == 0 && o.progress_s > 0, step + " (every mode)", o.progress_s);
       const auto t0 = std::chrono::steady_clock::now();
       for (auto& run : runs) cmp.step(*run, i);
       // A slow first step (planning, allocation, a stall) says where the time went.
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (i == 0 || s > 1.0)
-        progress("step " + std::to_string(i + 1) + " of " + std::to_string(total) + " (every mode) took " +
-                 std::to_string(s) + " s");
+        progress(step + " (every mode) took " + std::to_string(s) + " s");
     }
     for (auto& run : runs) {
       // The result first: its bytes and FLOPs per step are counted over the timed steps, which

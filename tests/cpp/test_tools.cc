@@ -301,10 +301,14 @@ TEST(Tools, DistributedComparisonRunsEveryMode) {
        "--no-adamw",
        "--mode",
        "gather,sharded,dedicated,replicated,adamw",
+       "--progress-s",
+       "0.001",
        "--json",
        json},
       {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1", "DISTMUON_COMM_TIMEOUT_S=60"}, 300);
   ASSERT_EQ(e.code, 0) << e.err;
+  // A step running longer than --progress-s says so (rank 0).
+  EXPECT_NE(e.err.find("step 1 of 1 (every mode): still running after"), std::string::npos) << e.err;
   std::ifstream f(json);
   ASSERT_TRUE(f.good());
   const nlohmann::json j = nlohmann::json::parse(f);
