@@ -350,14 +350,15 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
       }
     adamw_done = true;
     for (int64_t i = 0; i < total; ++i) {
-      const std::string step = "step " + std::to_string(i + 1) + " of " + std::to_string(total);
-      const Heartbeat beat(rank == 0 && o.progress_s > 0, step + " (every mode)", o.progress_s);
+      const std::string step =
+          "step " + std::to_string(i + 1) + " of " + std::to_string(total) + " (every mode)";
+      const Heartbeat beat(rank == 0 && o.progress_s > 0, step, o.progress_s);
       const auto t0 = std::chrono::steady_clock::now();
       for (auto& run : runs) cmp.step(*run, i);
       // A slow first step (planning, allocation, a stall) says where the time went.
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (i == 0 || s > 1.0)
-        progress(step + " (every mode) took " + std::to_string(s) + " s");
+        progress(step + " took " + std::to_string(s) + " s");
     }
     for (auto& run : runs) {
       // The result first: its bytes and FLOPs per step are counted over the timed steps, which

@@ -125,7 +125,8 @@ def resimulate(args: argparse.Namespace) -> None:
     cal = rec_all["calibration"]
     preds, rows = {}, []
     for r in rec_all["runs"]:
-        key = (r["workload"], r["ranks"])
+        # One prediction per simulated set-up (it covers every mode of that run).
+        key = (r["workload"], r["layers"], r["ranks"], r.get("planner"), r.get("batches_per_bucket"))
         if key not in preds:
             # Records made before runs carried their planner and batching: --planner, and batches
             # cut at bucket borders (the engine then).
@@ -140,7 +141,7 @@ def resimulate(args: argparse.Namespace) -> None:
         if not p:
             continue
         fsdp_measured = r["step_ms"] - r["engine_ms"]
-        rows.append({"workload": r["workload"], "ranks": r["ranks"], "mode": m,
+        rows.append({"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"], "mode": m,
                      "step_ms": r["step_ms"], "engine_ms": r["engine_ms"],
                      "fsdp_ms": fsdp_measured if m != "dedicated" else None,
                      "recorded_predicted_ms": r.get("predicted_ms"),
@@ -163,7 +164,8 @@ def resimulate(args: argparse.Namespace) -> None:
              "| engine ms: measured / predicted | FSDP2 ms: measured / predicted | collectives |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['workload']} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
+        name = r["workload"] + (f" ({r['layers']} layers)" if r["layers"] else "")
+        lines.append(f"| {name} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
                      f"{fmt(r['recorded_predicted_ms'])} | {fmt(r['recorded_error'], '{:+.0%}')} | "
                      f"{r['predicted_ms']:.1f} | {r['error']:+.0%} | {r['engine_ms']:.1f} / "
                      f"{r['predicted_engine_ms']:.1f} | {fmt(r['fsdp_ms'])} / "
