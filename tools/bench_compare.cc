@@ -75,29 +75,36 @@ Comparison::Comparison(const BenchOptions& o, Communicator& host, Communicator& 
   GaussianFiller weights(be, dtype_, o.seed, int64_t{1} << 21);
   GaussianFiller grads(be, dtype_, o.seed + 1 + comm.rank(), int64_t{1} << 21);
   const int p = comm.size();
-  auto add = [&](const WorkloadEntry& e, bool muon) {
-    for (int64_t l = 0; l < e.count; ++l) {
-      Tensor t;
-      t.name = e.name + "." + std::to_string(l);
-      t.shape = e.shape;
-      t.muon = muon;
-      t.numel = e.numel();
-      t.dim0 = e.shape[0];
-      t.inner = t.numel / t.dim0;
-      const size_t bytes = static_cast<size_t>(t.numel) * dtype_size(dtype_);
-      t.w = be.alloc(bytes);
-      t.g = be.alloc(bytes);
-      weights.fill(t.w.data(), t.numel, 0.02f);
-      grads.fill(t.g.data(), t.numel, 1e-3f);
-      const int64_t rows = chunk(t.dim0, p, comm.rank()).second;
-      t.w_shard = be.alloc(std::max<size_t>(1, rows * t.inner * dtype_size(dtype_)));
-      t.g_shard = be.alloc(std::max<size_t>(1, rows * t.inner * dtype_size(dtype_)));
-      tensors_.push_back(std::move(t));
-    }
+  auto add = [&](const WorkloadEntry& e, int64_t index, bool muon) {
+    Tensor t;
+    t.name = e.name + "." + std::to_string(index);
+    t.shape = e.shape;
+    t.muon = muon;
+    t.numel = e.numel();
+    t.dim0 = e.shape[0];
+    t.inner = t.numel / t.dim0;
+    const size_t bytes = static_cast<size_t>(t.numel) * dtype_size(dtype_);
+    t.w = be.alloc(bytes);
+    t.g = be.alloc(bytes);
+    weights.fill(t.w.data(), t.numel, 0.02f);
+    grads.fill(t.g.data(), t.numel, 1e-3f);
+    const int64_t rows = chunk(t.dim0, p, comm.rank()).second;
+    t.w_shard = be.alloc(std::max<size_t>(1, rows * t.inner * dtype_size(dtype_)));
+    t.g_shard = be.alloc(std::max<size_t>(1, rows * t.inner * dtype_size(dtype_)));
+    tensors_.push_back(std::move(t));
   };
-  for (const auto& e : w.muon) add(e, true);
-  if (!o.no_adamw)
-    for (const auto& e : w.adamw) add(e, false);
+  // Muon tensors in model order (layer by layer), as a model registers them and the planner and
+  // the simulator take them; the AdamW ones after them, in the root's FSDP2 unit.
+  for (const Workload::TensorRef& t : w.muon_tensors())
+    add(w.muon[static_cast<size_t>(t.entry)], t.index, true);
+  units_ = w.fsdp_units();
+  if (!o.no_adamw) {
+    const int first = static_cast<int>(tensors_.size());
+    for (const auto& e : w.adamw)
+      for (int64_t k = 0; k < e.count; ++k) add(e, k, false);
+    units_.emplace_back();
+    for (int i = first; i < static_cast<int>(tensors_.size()); ++i) units_.back().push_back(i);
+  }
   for (const Tensor& t : tensors_) {
     (t.muon ? muon_params_ : adamw_params_) += t.numel;
     if (t.muon) matrices_ += t.shape.size() == 3 ? t.shape[0] : 1;
@@ -182,21 +189,24 @@ void Comparison::step(Run& run, int64_t i) {
   if (hook_) hook_(run, i, true);
   const auto t0 = Clock::now();
   std::vector<CommHandle> hs;
-  for (Tensor& t : tensors_) {
-    if (run.dist == DistMode::kReplicated) {  // DDP: gradients all-reduced before the step
+  if (run.dist == DistMode::kReplicated) {  // DDP: gradients all-reduced before the step
+    for (Tensor& t : tensors_)
       hs.push_back(fsdp.all_reduce(t.g.data(), t.g.data(), t.numel, ct, ReduceOp::kSum));
-    } else if (sharded) {  // FSDP2: reduce-scatter of the gradient into dim-0 shards
-      // One launch per tensor, as FSDP2's reduce-scatter is one collective (per module).
+  } else if (sharded) {  // FSDP2: reduce-scatter of the gradients into dim-0 shards
+    // One launch per unit, as FSDP2 reduce-scatters a unit's gradients in one collective.
+    for (const std::vector<int>& unit : units_)
       fsdp.grouped([&] {
-        for (int q = 0; q < p; ++q) {
-          auto [b, n] = chunk(t.dim0, p, q);
-          if (n == 0) continue;
-          hs.push_back(fsdp.reduce(t.g.as<char>() + b * t.inner * dtype_size(dtype_),
-                                   q == me ? t.g_shard.data() : nullptr, n * t.inner, ct,
-                                   ReduceOp::kSum, q));
+        for (int i : unit) {
+          Tensor& t = tensors_[static_cast<size_t>(i)];
+          for (int q = 0; q < p; ++q) {
+            auto [b, n] = chunk(t.dim0, p, q);
+            if (n == 0) continue;
+            hs.push_back(fsdp.reduce(t.g.as<char>() + b * t.inner * dtype_size(dtype_),
+                                     q == me ? t.g_shard.data() : nullptr, n * t.inner, ct,
+                                     ReduceOp::kSum, q));
+          }
         }
       });
-    }
   }
   wait_all(hs);
   be_.synchronize();
@@ -205,16 +215,20 @@ void Comparison::step(Run& run, int64_t i) {
   run.engine->wait_published();
   be_.synchronize();
   const auto t2 = Clock::now();
-  if (sharded) {  // the next forward all-gathers the updated shards
-    for (Tensor& t : tensors_) {
-      std::vector<int64_t> cnt(p), dsp(p);
-      for (int q = 0; q < p; ++q) {
-        auto [b, n] = chunk(t.dim0, p, q);
-        cnt[q] = n * t.inner;
-        dsp[q] = b * t.inner;
-      }
-      hs.push_back(fsdp.all_gather_v(t.w_shard.data(), cnt[me], t.w.data(), cnt, dsp, ct));
-    }
+  if (sharded) {  // the next forward all-gathers the updated shards, a unit per launch
+    for (const std::vector<int>& unit : units_)
+      fsdp.grouped([&] {
+        for (int i : unit) {
+          Tensor& t = tensors_[static_cast<size_t>(i)];
+          std::vector<int64_t> cnt(p), dsp(p);
+          for (int q = 0; q < p; ++q) {
+            auto [b, n] = chunk(t.dim0, p, q);
+            cnt[q] = n * t.inner;
+            dsp[q] = b * t.inner;
+          }
+          hs.push_back(fsdp.all_gather_v(t.w_shard.data(), cnt[me], t.w.data(), cnt, dsp, ct));
+        }
+      });
     wait_all(hs);
   }
   be_.synchronize();

@@ -94,6 +94,9 @@ class Comparison {
   std::string workload_;
   DType dtype_ = DType::kF32;
   std::vector<Tensor> tensors_;
+  // FSDP2's units (fully_shard per layer, the rest in the root's): the tensors each of its
+  // reduce-scatters and all-gathers moves at once (Workload::fsdp_units).
+  std::vector<std::vector<int>> units_;
   int64_t matrices_ = 0, muon_params_ = 0, adamw_params_ = 0;
   StepHook hook_;
 };

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "distmuon/types.h"
 
 namespace distmuon::bench {
 
@@ -23,7 +24,7 @@ struct BenchOptions {
   double drift = 0;
   // Distributed comparison (bench_dist.cc).
   std::vector<std::string> modes = {"single"};
-  double bucket_mb = 32;
+  double bucket_mb = static_cast<double>(kDefaultBucketBytes) / (1 << 20);
   bool batches_per_bucket = false;  // DistOptions::batches_across_buckets off
   std::string wire_dtype;           // DistOptions::wire_dtype ("": the parameters')
   std::string planner = "milp";

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "distmuon/types.h"
 
 namespace distmuon::plan_tool {
 
@@ -39,7 +40,7 @@ struct PlanArgs {
   double intra_broadcast_gbs = 0;    // 0: --intra-gbs
   double intra_root_reduce_gbs = 0;  // 0: --intra-reduce-gbs
   double collective_latency_us = 143, local_collective_us = 10;
-  double bucket_mb = 32;
+  double bucket_mb = static_cast<double>(kDefaultBucketBytes) / (1 << 20);
   double comm_compute_share = 0;
   bool batches_per_bucket = false;
   bool sim_plan_analytic = false;  // owners placed on the engine's analytic costs

@@ -100,7 +100,7 @@ struct DistOptions {
   // Full-matrix bytes per bucket: every bucket's gradients are sent first, then each bucket's
   // results travel while the next one computes. <= 0: one bucket (also the case in a world of
   // one rank and with caller_transfers, where nothing moves).
-  int64_t bucket_bytes = 32ll << 20;
+  int64_t bucket_bytes = kDefaultBucketBytes;
   // Owner modes (sharded, dedicated, replicated): an owner orthogonalizes each plan batch (its
   // matrices of one shape class, as the planner costed them) as one batch, in the compute stage
   // of the last bucket holding a member, once every such bucket has landed (true); the buckets'

@@ -65,10 +65,8 @@ uint64_t plan_hash(const Plan& plan);
 // valid plan (and the planner's baseline). Loads in FLOPs of the default algorithm.
 Plan plan_round_robin(const std::vector<PlanMatrix>& matrices, const Topology& topo);
 
-// The matrices of a workload in registration order, named "<entry>.<index>". Layer ids: the k-th
-// tensor of every entry with the same count belongs to layer k of that count group (Qwen: all
-// entries have one tensor per decoder layer; Pi0: the language model and the action expert share
-// their 18 layers, the vision tower has its own 27). 3-D entries are stacks of matrices.
+// The matrices of a workload in model order (Workload::muon_tensors: layer by layer), named
+// "<entry>.<index>", each with its tensor's layer. 3-D entries are stacks of matrices.
 std::vector<PlanMatrix> plan_matrices(const Workload& workload, int64_t elem_bytes = 4);
 // Distinct shapes (as given) with their counts, in first-seen order.
 std::vector<ShapeCount> shape_counts(const std::vector<PlanMatrix>& matrices);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "distmuon/plan.h"
+#include "distmuon/types.h"
 #include "distmuon/workload.h"
 
 namespace distmuon {
@@ -49,7 +50,7 @@ struct CommModel {
   // Full-matrix bytes per bucket of the engine (DistOptions::bucket_bytes, distmuon-bench
   // --bucket-mb): buckets set how many collectives the gather and sharded modes issue, and cut
   // the owners' batches (each run of a bucket is one batched orthogonalization). <= 0: one bucket.
-  int64_t bucket_bytes = int64_t{32} << 20;
+  int64_t bucket_bytes = kDefaultBucketBytes;
   // Owner modes: each owner orthogonalizes a plan batch (one owner, plan batch and shape) once,
   // when the last bucket holding a member has landed (DistOptions::batches_across_buckets, the
   // engine's default); false: one batch per run of a bucket, right after that bucket lands.
@@ -66,11 +67,13 @@ struct CommModel {
 };
 
 // A parameter tensor as the step around the optimizer moves it: FSDP2 shards its dim 0 (the
-// bench's emulation reduces each shard to its holder, one reduce per shard, and all-gathers each
-// tensor); it holds `matrices` consecutive Muon matrices of rows x cols (3-D stacks several).
+// bench's emulation reduces each shard to its holder and all-gathers each tensor, a layer's
+// tensors as one group each way: Workload::fsdp_units); it holds `matrices` consecutive Muon
+// matrices of rows x cols (3-D stacks several).
 struct SimTensor {
   int64_t dim0 = 0, numel = 0;
   int64_t matrices = 1, rows = 0, cols = 0;
+  int64_t unit = -1;  // its FSDP2 unit (the layer); units go in increasing order; -1: its own
 };
 // The Muon tensors of a workload in registration order (the order of plan_matrices()).
 std::vector<SimTensor> sim_tensors(const Workload& workload);
@@ -128,8 +131,8 @@ struct SimPoint {
   // starts a step at D > 1 included); the engine's buckets.
   int64_t fsdp_collectives = 0, gather_collectives = 0, sharded_collectives = 0,
           dedicated_collectives = 0, adamw_collectives = 0, buckets = 0;
-  // Host launches: the FSDP2 emulation's (a group per tensor's reduce-scatter, an all-gather per
-  // tensor), the sharded mode's (per bucket the rows out, then the statuses with the rows back;
+  // Host launches: the FSDP2 emulation's (per layer a group of its reduces, one of its
+  // all-gathers), the sharded mode's (per bucket the rows out, then the statuses with the rows back;
   // the vote) and the dedicated mode's (a group per bucket and stage, the vote).
   int64_t fsdp_launches = 0, sharded_launches = 0, dedicated_launches = 0;
   // Orthogonalizations the busiest owner runs (one per plan batch and shape, across buckets; one
@@ -168,8 +171,8 @@ struct SimPoint {
 // elementwise passes (CommModel::elementwise_bytes per element orthogonalized) and staging
 // copies (read + write of the wire bytes at hbm_bytes_per_s); a collective (D - 1) alpha plus
 // its bytes over beta (reductions over intra_reduce_bytes_per_s where given), or at one rank
-// the local copy NCCL makes. `tensors` (sim_tensors()) give the FSDP2 shards; empty: one
-// tensor per matrix. World sizes that are not a whole number of nodes are left out.
+// the local copy NCCL makes. `tensors` (sim_tensors()) give the FSDP2 shards and units; empty:
+// one tensor per matrix, each its own unit. World sizes that are not a whole number of nodes are left out.
 // `plan_costs`, where given, is the table the owners are placed with when a run planned on other
 // costs than the ones its steps take (an engine planning on analytic costs, timed with a
 // measured table): the owners come from it, the batches (cut again, as the planners cut them)

@@ -86,4 +86,8 @@ struct BatchRef {
   size_t bytes() const { return static_cast<size_t>(count * stride) * dtype_size(dtype); }
 };
 
+// Full-matrix bytes per bucket of the distributed engine where none is set
+// (DistOptions::bucket_bytes), and so the simulator's and the tools' default: one place.
+inline constexpr int64_t kDefaultBucketBytes = int64_t{32} << 20;
+
 }  // namespace distmuon

@@ -22,36 +22,25 @@ void Topology::validate() const {
 
 std::vector<PlanMatrix> plan_matrices(const Workload& w, int64_t elem_bytes) {
   DM_CHECK(elem_bytes >= 1, "planner: element size must be >= 1 byte (got ", elem_bytes, ")");
-  // Layer groups: entries with the same tensor count share their layers (see plan.h).
-  std::map<int64_t, int64_t> group_base;
-  int64_t next_layer = 0;
-  for (const auto& e : w.muon) {
-    if (!group_base.count(e.count)) {
-      group_base[e.count] = next_layer;
-      next_layer += e.count;
-    }
-  }
   // One entry per matrix: a bound keeps a mistyped count from exhausting memory.
   constexpr int64_t kMaxMatrices = int64_t{1} << 20;
   DM_CHECK(w.muon_matrices() <= kMaxMatrices, "workload ", w.name, " has ", w.muon_matrices(),
            " Muon matrices; the planner handles at most ", kMaxMatrices);
   std::vector<PlanMatrix> out;
-  for (const auto& e : w.muon) {
+  for (const Workload::TensorRef& t : w.muon_tensors()) {
+    const WorkloadEntry& e = w.muon[static_cast<size_t>(t.entry)];
     // As the engine sees the parameter: 3-D stacks are several matrices, 4-D convolution kernels
     // one (o, i*kh*kw) matrix.
     const MatrixLayout layout = matrix_layout(e.name, e.shape);
     const bool stacked = e.shape.size() == 3;
-    const int64_t per = layout.count, rows = layout.rows, cols = layout.cols;
-    for (int64_t k = 0; k < e.count; ++k) {
-      for (int64_t j = 0; j < per; ++j) {
-        PlanMatrix m;
-        m.name = e.name + "." + std::to_string(k) + (stacked ? "." + std::to_string(j) : "");
-        m.rows = rows;
-        m.cols = cols;
-        m.layer = group_base[e.count] + k;
-        m.elem_bytes = elem_bytes;
-        out.push_back(std::move(m));
-      }
+    for (int64_t j = 0; j < layout.count; ++j) {
+      PlanMatrix m;
+      m.name = e.name + "." + std::to_string(t.index) + (stacked ? "." + std::to_string(j) : "");
+      m.rows = layout.rows;
+      m.cols = layout.cols;
+      m.layer = t.layer;
+      m.elem_bytes = elem_bytes;
+      out.push_back(std::move(m));
     }
   }
   return out;

@@ -218,24 +218,44 @@ class StepModel {
 
   int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
-  // The FSDP2 emulation of distmuon-bench: before the step one reduce per non-empty dim-0 shard
-  // of every tensor (to its holder; a tensor's reduces launched as one group), after it one
-  // all-gather per tensor. Every rank issues the same, so one clock stands for all.
+  // The tensors of each FSDP2 unit, units in increasing order, a tensor without one alone.
+  std::vector<std::vector<size_t>> units() const {
+    std::map<std::pair<int64_t, size_t>, std::vector<size_t>> by;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      const int64_t u = tensors_[i].unit;
+      by[u >= 0 ? std::make_pair(u, size_t{0}) : std::make_pair(int64_t{-1}, i)].push_back(i);
+    }
+    std::vector<std::vector<size_t>> out;
+    for (auto& [key, ts] : by) out.push_back(std::move(ts));
+    return out;
+  }
+
+  // The FSDP2 emulation of distmuon-bench, a unit per layer (Workload::fsdp_units): before the
+  // step one reduce per non-empty dim-0 shard of every tensor (to its holder), after it one
+  // all-gather per tensor, each unit's launched as one group each way. Every rank issues the
+  // same, so one clock stands for all.
   void fsdp(SimPoint& p) const {
     const Link r = reduce_link(d_, cm_, per_node_);
     Timeline rs(1, issue_), ag(1, issue_);
-    for (const SimTensor& t : tensors_) {
-      const double inner = static_cast<double>(t.numel / t.dim0);
+    for (const std::vector<size_t>& unit : units()) {
       bool joins = false;
-      for (int q = 0; q < d_; ++q) {
-        const int64_t rows = chunk(t.dim0, d_, q).second;
-        if (rows == 0) continue;
-        const double b = static_cast<double>(rows) * inner * wire_;
-        rs.collective(d_ == 1 ? local(b) : chain_seconds(b, d_, r), joins);
+      for (size_t i : unit) {
+        const SimTensor& t = tensors_[i];
+        const double inner = static_cast<double>(t.numel / t.dim0);
+        for (int q = 0; q < d_; ++q) {
+          const int64_t rows = chunk(t.dim0, d_, q).second;
+          if (rows == 0) continue;
+          const double b = static_cast<double>(rows) * inner * wire_;
+          rs.collective(d_ == 1 ? local(b) : chain_seconds(b, d_, r), joins);
+          joins = true;
+        }
+      }
+      joins = false;
+      for (size_t i : unit) {
+        const double b = static_cast<double>(tensors_[i].numel) * wire_;
+        ag.collective(d_ == 1 ? local(b) : ring_allgather_seconds(b, d_, cm_, per_node_), joins);
         joins = true;
       }
-      const double b = static_cast<double>(t.numel) * wire_;
-      ag.collective(d_ == 1 ? local(b) : ring_allgather_seconds(b, d_, cm_, per_node_));
     }
     p.fsdp_reduce_scatter = rs.sync();
     p.fsdp_all_gather = ag.sync();

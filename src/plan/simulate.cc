@@ -19,10 +19,10 @@ using sim_detail::SimMatrix;
 
 std::vector<SimTensor> sim_tensors(const Workload& w) {
   std::vector<SimTensor> out;
-  for (const WorkloadEntry& e : w.muon) {
+  for (const Workload::TensorRef& t : w.muon_tensors()) {
+    const WorkloadEntry& e = w.muon[static_cast<size_t>(t.entry)];
     const MatrixLayout l = matrix_layout(e.name, e.shape);
-    for (int64_t k = 0; k < e.count; ++k)
-      out.push_back({e.shape.at(0), e.numel(), l.count, l.rows, l.cols});
+    out.push_back({e.shape.at(0), e.numel(), l.count, l.rows, l.cols, t.layer});
   }
   return out;
 }

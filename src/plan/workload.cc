@@ -48,6 +48,33 @@ int64_t Workload::muon_matrices() const {
       "Muon matrices");
 }
 
+std::vector<Workload::TensorRef> Workload::muon_tensors() const {
+  std::vector<int64_t> counts;  // the count groups, in the order of their first entry
+  for (const auto& e : muon)
+    if (std::find(counts.begin(), counts.end(), e.count) == counts.end()) counts.push_back(e.count);
+  std::vector<TensorRef> out;
+  int64_t base = 0;  // the group's first layer
+  for (const int64_t count : counts) {
+    for (int64_t k = 0; k < count; ++k)
+      for (size_t i = 0; i < muon.size(); ++i)
+        if (muon[i].count == count) out.push_back({static_cast<int>(i), k, base + k});
+    base += count;
+  }
+  return out;
+}
+
+std::vector<std::vector<int>> Workload::fsdp_units() const {
+  std::vector<std::vector<int>> out;
+  int64_t layer = -1;
+  const std::vector<TensorRef> tensors = muon_tensors();
+  for (size_t t = 0; t < tensors.size(); ++t) {
+    if (out.empty() || tensors[t].layer != layer) out.emplace_back();
+    layer = tensors[t].layer;
+    out.back().push_back(static_cast<int>(t));
+  }
+  return out;
+}
+
 Workload Workload::first_layers(int64_t k) const {
   DM_CHECK(k >= 1, "--layers must be >= 1 (got ", k, ")");
   Workload w = *this;

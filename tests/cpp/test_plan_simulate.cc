@@ -94,6 +94,24 @@ CommModel latency_only(double latency_s) {
   return cm;
 }
 
+// The FSDP2 emulation launches a layer's reduces as one group and its all-gathers as another
+// (FSDP2 with fully_shard per block), however many tensors the layer holds.
+TEST(PlanSimulate, FsdpLaunchesOneGroupPerLayerEachWay) {
+  const double alpha = 100e-6;
+  Workload w;
+  w.name = "blocks";
+  w.muon = {{"q", {64, 32}, 6}, {"k", {64, 32}, 6}, {"v", {32, 64}, 6}};
+  const auto mats = plan_matrices(w);
+  const SimPoint p =
+      simulate(mats, free_costs(mats), {4}, 8, latency_only(alpha), "lpt", {}, sim_tensors(w)).at(0);
+  EXPECT_EQ(p.fsdp_collectives, 18 * (4 + 1));  // a reduce per shard and an all-gather, per tensor
+  EXPECT_EQ(p.fsdp_launches, 2 * 6);
+  EXPECT_NEAR(p.fsdp(), 2 * 6 * alpha, 1e-12);
+  // Without the tensors (one per matrix, each its own unit): a launch per tensor each way.
+  const SimPoint q = simulate(mats, free_costs(mats), {4}, 8, latency_only(alpha), "lpt").at(0);
+  EXPECT_EQ(q.fsdp_launches, 2 * 18);
+}
+
 // (a) Every launch costs its issuing host collective_latency_s, one after the other: twice the
 // collectives add exactly N alpha (the dedicated mode launches a bucket's reduces, and its
 // broadcasts, as one group each).
@@ -106,7 +124,8 @@ TEST(PlanSimulate, CollectiveLatencyIsPaidPerCollective) {
     const auto mats = plan_matrices(w);
     const auto pts = simulate(mats, free_costs(mats), {2}, 8, cm, "lpt", {}, sim_tensors(w));
     const SimPoint& p = pts.at(0);
-    // FSDP2 emulation: a reduce per rank's shard (one launch) and an all-gather, per tensor.
+    // FSDP2 emulation: a reduce per rank's shard and an all-gather per tensor, a launch per
+    // layer each way (here one tensor per layer).
     EXPECT_EQ(p.fsdp_collectives, 3 * n);
     EXPECT_EQ(p.fsdp_launches, 2 * n);
     EXPECT_NEAR(p.fsdp(), 2 * n * alpha, 1e-12);
@@ -210,6 +229,10 @@ TEST(PlanSimulate, BucketsCutTheBatches) {
   whole.bucket_bytes = 0;
   small.bucket_bytes = 1;  // one matrix per bucket
   whole.collective_latency_s = small.collective_latency_s = 0;
+  // Transfers free: only the batches' compute is compared (with transfers, cutting the batches
+  // may pay: each runs as soon as its bucket lands, and a model's classes span its layers).
+  small.intra_bytes_per_s = small.inter_bytes_per_s = 1e30;
+  small.intra_latency_s = small.inter_latency_s = 0;
   CommModel cut = small;
   cut.batches_across_buckets = false;
   const SimPoint a = simulate(mats, costs, {2}, 8, whole, "lpt", {}, sim_tensors(w)).at(0);
@@ -268,6 +291,9 @@ TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {
   const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
   CommModel base;
   base.bucket_bytes = 8 << 20;
+  // Each bucket's batches right after it lands, beside the next buckets' transfers (a plan batch
+  // spanning the buckets would start after the last one, beside nothing).
+  base.batches_across_buckets = false;
   double last = 0;
   for (const double share : {0.0, 0.25, 0.5}) {
     CommModel cm = base;

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <string>
+#include <vector>
 
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
@@ -28,6 +30,37 @@ TEST(Workload, BuiltinsLoadWithTheirPublishedSizes) {
   Workload rn = load_workload("resnet18");
   EXPECT_EQ(rn.muon_params() + rn.adamw_params(), 11689512);
   EXPECT_EQ(rn.muon_matrices(), 20);
+}
+
+// Model order: layer by layer, the entries with one tensor count sharing their layers; another
+// count is a group of its own (pi0: the vision tower's 27 layers apart from the 18 the language
+// model and the action expert share). An FSDP2 unit is a layer's tensors.
+TEST(Workload, TensorsComeLayerByLayerInModelOrder) {
+  Workload w;
+  w.name = "two-towers";
+  w.muon = {{"q", {8, 8}, 3}, {"vision", {4, 4}, 2}, {"k", {8, 8}, 3}, {"experts", {4, 8, 8}, 2}};
+  std::vector<std::string> names;
+  std::vector<int64_t> layers;
+  for (const Workload::TensorRef& t : w.muon_tensors()) {
+    names.push_back(w.muon[static_cast<size_t>(t.entry)].name + "." + std::to_string(t.index));
+    layers.push_back(t.layer);
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{"q.0", "k.0", "q.1", "k.1", "q.2", "k.2", "vision.0",
+                                             "experts.0", "vision.1", "experts.1"}));
+  EXPECT_EQ(layers, (std::vector<int64_t>{0, 0, 1, 1, 2, 2, 3, 3, 4, 4}));
+  EXPECT_EQ(w.fsdp_units(), (std::vector<std::vector<int>>{{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}}));
+  // The planner's matrices in the same order (a stack's matrices all in its tensor's layer).
+  const std::vector<PlanMatrix> mats = plan_matrices(w);
+  ASSERT_EQ(mats.size(), 6u + 2 + 2 * 4);
+  EXPECT_EQ(mats[5].name, "k.2");
+  EXPECT_EQ(mats[6].name, "vision.0");
+  EXPECT_EQ(mats[7].name, "experts.0.0");
+  EXPECT_EQ(mats[7].layer, 3);
+  EXPECT_EQ(mats[15].name, "experts.1.3");
+  EXPECT_EQ(mats[15].layer, 4);
+  // pi0: 18 shared layers, the vision tower's 27, and its six single projections as one more
+  // layer (count 1).
+  EXPECT_EQ(load_workload("pi0").fsdp_units().size(), 18u + 27u + 1u);
 }
 
 TEST(Workload, ClearErrors) {

@@ -87,11 +87,29 @@ def check_communicator(kind: str) -> None:
         raise ValueError(f"communicator must be one of {', '.join(COMMUNICATORS)} (got {kind!r})")
 
 
-def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") -> _C.Communicator:
+def share_from_first(obj: Any, ranks: tuple[int, ...], group: Any, host_group: Any = None) -> Any:
+    """Member 0's `obj` on every member of `ranks` (collective over them).
+
+    Over `host_group` (a gloo group of the same ranks, such as dedicate()'s control group) when
+    given: on the host, and without torch building an NCCL communicator for `group` to move a few
+    bytes. Else over `group` itself. Never over a gloo group made for the call and destroyed after
+    it: a member that let its group go while a peer was still connecting to it refused the
+    connection (gloo's connectFullMesh, 4 NCCL ranks on one GPU, 2026-12-06).
+    """
+    host = host_group if host_group is not None and dist.get_backend(host_group) == "gloo" else group
+    box = [obj]
+    dist.broadcast_object_list(box, src=ranks[0], group=host)
+    return box[0]
+
+
+def make_communicator(
+    topo: Topology, device: torch.device, kind: str = "auto", host_group: Any = None
+) -> _C.Communicator:
     """The engine's communicator for `topo`.
 
     - 'nccl' ('auto' on CUDA when the build has NCCL): the engine's NCCL communicator on torch's
-      current stream, its id made by member 0 and shared over the topology's process group.
+      current stream, its id made by member 0 and shared over `host_group` (a gloo group of the
+      same ranks) when given, else over the topology's group.
     - 'torch' ('auto' otherwise): the collectives run over that torch.distributed group (gloo on
       the CPU) through TorchCollectives.
     - 'mpi': the engine's MPI communicator over MPI_COMM_WORLD (CPU; launched by mpirun, with the
@@ -103,10 +121,9 @@ def make_communicator(topo: Topology, device: torch.device, kind: str = "auto") 
     if kind == "nccl":
         if device.type != "cuda" or not _C.nccl_available():
             raise ValueError("communicator='nccl' needs CUDA parameters and a build with NCCL")
+        uid = share_from_first(_C.nccl_unique_id() if topo.member == 0 else None, topo.ranks, topo.group, host_group)
         with torch.cuda.device(device):
-            uid = [_C.nccl_unique_id() if topo.member == 0 else None]
-            dist.broadcast_object_list(uid, src=topo.ranks[0], group=topo.group)
-            return _C.make_nccl_communicator(uid[0], topo.member, topo.size, _stream(device))
+            return _C.make_nccl_communicator(uid, topo.member, topo.size, _stream(device))
     if kind == "mpi":
         if device.type != "cpu" or not _C.mpi_available():
             raise ValueError("communicator='mpi' needs CPU parameters and a build with MPI (DISTMUON_WITH_MPI=ON)")
@@ -128,7 +145,7 @@ def make_engine(
     nonfinite: str,
     topo: Topology,
     comm: _C.Communicator | None,
-    bucket_mb: float,
+    bucket_mb: float | None,
     dedicated_owners: list[int] | None = None,
     graphs: bool = True,
     autotune: str = "on",
@@ -152,7 +169,8 @@ def make_engine(
         opts = _C.DistOptions()
         opts.mode = _MODES[topo.mode]
         opts.replicate = topo.replicate
-        opts.bucket_bytes = int(bucket_mb * (1 << 20))
+        if bucket_mb is not None:  # else the engine's default
+            opts.bucket_bytes = int(bucket_mb * (1 << 20))
         opts.check_grad_presence = True
         if topo.mode != "dedicated":
             opts.wire_dtype = wire_dtype

@@ -42,7 +42,7 @@ def build_part(
     options: list[Any],
     device: torch.device,
     nonfinite: str,
-    bucket_mb: float,
+    bucket_mb: float | None,
     communicator: str,
     comm: Any = None,
     dedicated: Any = None,

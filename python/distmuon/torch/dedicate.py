@@ -103,7 +103,7 @@ class Dedicated:
         self.comm: Any = None
         control = None
         if grid.size > 1:
-            self.comm = make_communicator(self.topology(), self.device, communicator)
+            self.comm = make_communicator(self.topology(), self.device, communicator, groups.control)
             control = _C.make_python_communicator(
                 TorchCollectives(groups.control, torch.device("cpu")), grid.member, grid.size,
                 "torch-gloo:dedicated-control", list(grid.ranks),

@@ -112,7 +112,8 @@ class Muon(torch.optim.Optimizer):
             else 'local'. 'gather' is the naive baseline for FSDP2's DTensor parameters.
         process_group: the group of the replicated mode (default: the whole world).
         bucket_mb: megabytes of full matrices moved per bucket in the distributed modes (the
-            next bucket travels while the current one computes).
+            next bucket travels while the current one computes); None (default): the engine's
+            (``DistOptions().bucket_bytes``, 32 MiB).
         wire_dtype: None (default: each parameter's dtype) or torch.bfloat16: in the sharded and
             gather modes (FSDP2, HSDP), float32 parameters' gradient rows and updates travel in
             bfloat16, half the optimizer's traffic, each rounded once (docs/distributed.md,
@@ -189,7 +190,7 @@ class Muon(torch.optim.Optimizer):
         nonfinite: str = "skip",
         dist_mode: str = "auto",
         process_group: Any = None,
-        bucket_mb: float = 32.0,
+        bucket_mb: float | None = None,
         wire_dtype: torch.dtype | None = None,
         communicator: str = "auto",
         cuda_graphs: bool = True,
@@ -238,10 +239,11 @@ class Muon(torch.optim.Optimizer):
         }
         self._muon_filter = muon_filter
         self._row_blocks = check_row_blocks(row_blocks)
-        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
-            raise TypeError(f"bucket_mb must be a number of megabytes (got {bucket_mb!r})")
-        if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2**40):
-            raise ValueError(f"bucket_mb must be a finite number in (0, 2**40] (got {bucket_mb})")
+        if bucket_mb is not None:
+            if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)):
+                raise TypeError(f"bucket_mb must be a number of megabytes or None (got {bucket_mb!r})")
+            if not (math.isfinite(bucket_mb) and 0 < bucket_mb <= 2**40):
+                raise ValueError(f"bucket_mb must be a finite number in (0, 2**40] (got {bucket_mb})")
         if wire_dtype not in (None, torch.bfloat16):
             raise ValueError(f"wire_dtype must be None or torch.bfloat16 (got {wire_dtype!r})")
         self._wire_dtype = "bf16" if wire_dtype is torch.bfloat16 else ""
