@@ -163,6 +163,7 @@ int run(const PlanArgs& a) {
     cm.local_collective_s = a.local_collective_us * 1e-6;
     cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
     cm.comm_compute_share = a.comm_compute_share;
+    cm.comm_wait_share = a.comm_wait_share;
     cm.batches_across_buckets = !a.batches_per_bucket;
     const std::string solver = a.sim_solver.empty() ? solvers.front() : a.sim_solver;
     std::vector<int> worlds;

@@ -23,7 +23,7 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
   for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
                         "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes",
                         "--intra-reduce-gbs", "--collective-latency-us", "--local-collective-us",
-                        "--bucket-mb", "--comm-compute-share", "--batches-per-bucket",
+                        "--bucket-mb", "--comm-compute-share", "--comm-wait-share", "--batches-per-bucket",
                         "--sim-plan-analytic"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   DM_CHECK(!a.sim_plan_analytic || a.measure || !a.costs.empty(),
@@ -201,6 +201,11 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
   app.add_option("--comm-compute-share", a.comm_compute_share,
                  "ranks sharing one GPU: share of a rank's compute a collective takes while it "
                  "moves data (0: GPUs of their own)")
+      ->check(CLI::Range(0.0, 0.95))
+      ->group(sim);
+  app.add_option("--comm-wait-share", a.comm_wait_share,
+                 "ranks sharing one GPU: share of a rank's compute its NCCL kernel takes while it "
+                 "waits for its peers (0: nothing)")
       ->check(CLI::Range(0.0, 0.95))
       ->group(sim);
   app.add_option("--wire-bytes", a.wire_bytes, "bytes per element on the wire")

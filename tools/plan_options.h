@@ -42,6 +42,7 @@ struct PlanArgs {
   double collective_latency_us = 143, local_collective_us = 10;
   double bucket_mb = static_cast<double>(kDefaultBucketBytes) / (1 << 20);
   double comm_compute_share = 0;
+  double comm_wait_share = 0;
   bool batches_per_bucket = false;
   bool sim_plan_analytic = false;  // owners placed on the engine's analytic costs
   int64_t wire_bytes = 2;

@@ -47,6 +47,9 @@ struct CommModel {
   // it moves data (SMs and memory bandwidth of the same chip; an NCCL kernel that only waits for
   // a peer takes nothing measurable). 0: none (ranks on GPUs of their own).
   double comm_compute_share = 0;
+  // Likewise while a rank's NCCL kernel has started and waits for its peers: its CTAs spin on
+  // the SMs they hold. 0: a waiting kernel takes nothing.
+  double comm_wait_share = 0;
   // Full-matrix bytes per bucket of the engine (DistOptions::bucket_bytes, distmuon-bench
   // --bucket-mb): buckets set how many collectives the gather and sharded modes issue, and cut
   // the owners' batches (each run of a bucket is one batched orthogonalization). <= 0: one bucket.

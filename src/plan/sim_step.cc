@@ -15,9 +15,13 @@ struct Clock {
   double host = 0;     // the host has issued everything up to here
   double compute = 0;  // the compute stream has finished everything issued to it
   double comm = 0;     // the communicator's stream likewise
-  // When this rank's collectives moved data (from when every rank had joined to the end), in
-  // order: kernels beside them run at (1 - share) of their speed.
-  std::vector<std::pair<double, double>> moving;
+  double joined = 0;  // when this rank's NCCL kernel of the current collective started
+  // When this rank's NCCL kernels held SMs, in order: [begin, end) and the share of the compute
+  // they took (waiting for peers, then moving data); kernels beside them run at 1 - share.
+  struct Busy {
+    double begin, end, share;
+  };
+  std::vector<Busy> moving;
   size_t first_live = 0;  // moving[i] for i < first_live ended before `compute`
 };
 
@@ -27,28 +31,28 @@ struct Clock {
 // rank issued it and the kernels each issued before it finished (the communicator's stream
 // waits for the caller's), after the collective before it; it ends at the same time everywhere.
 // Where ranks share one GPU, a collective takes `share` of each rank's compute while it moves
-// data (from when every rank joined to its end; NCCL kernels waiting for a peer take nothing).
+// data (from when every rank joined to its end) and `wait_share` from when the rank's own NCCL
+// kernel started until then (its CTAs spin on their SMs while they wait for the peers).
 class Timeline {
  public:
-  Timeline(int ranks, double issue_s, double share = 0)
-      : c_(static_cast<size_t>(ranks)), issue_(issue_s), share_(share) {}
+  Timeline(int ranks, double issue_s, double share = 0, double wait_share = 0)
+      : c_(static_cast<size_t>(ranks)), issue_(issue_s), share_(share), wait_share_(wait_share) {}
   void kernel(int q, double seconds, double after = 0) {
     Clock& c = c_[static_cast<size_t>(q)];
     double t = std::max({c.compute, c.host, after});
-    if (share_ > 0) {  // walk the transfers from t on
-      while (c.first_live < c.moving.size() && c.moving[c.first_live].second <= t) ++c.first_live;
-      for (size_t i = c.first_live; i < c.moving.size() && seconds > 0; ++i) {
-        const auto [b, e] = c.moving[i];
-        if (t < b) {  // full speed until the interval
-          const double free = std::min(seconds, b - t);
-          t += free;
-          seconds -= free;
-          if (seconds <= 0) break;
-        }
-        const double slow = std::min(seconds / (1 - share_), e - std::max(t, b));
-        t = std::max(t, b) + slow;
-        seconds -= slow * (1 - share_);
+    // Walk the intervals NCCL kernels hold SMs in from t on.
+    while (c.first_live < c.moving.size() && c.moving[c.first_live].end <= t) ++c.first_live;
+    for (size_t i = c.first_live; i < c.moving.size() && seconds > 0; ++i) {
+      const auto [b, e, s] = c.moving[i];
+      if (t < b) {  // full speed until the interval
+        const double free = std::min(seconds, b - t);
+        t += free;
+        seconds -= free;
+        if (seconds <= 0) break;
       }
+      const double slow = std::min(seconds / (1 - s), e - std::max(t, b));
+      t = std::max(t, b) + slow;
+      seconds -= slow * (1 - s);
     }
     c.compute = t + std::max(0.0, seconds);
   }
@@ -58,11 +62,13 @@ class Timeline {
     double start = 0;
     for (Clock& c : c_) {
       if (!joins_group) c.host += issue_;
-      start = std::max({start, c.host, c.compute, c.comm});
+      c.joined = std::max({c.host, c.compute, c.comm});
+      start = std::max(start, c.joined);
     }
     const double end = start + seconds;
     for (Clock& c : c_) {
-      if (share_ > 0 && seconds > 0) c.moving.emplace_back(start, end);
+      if (wait_share_ > 0 && c.joined < start) c.moving.push_back({c.joined, start, wait_share_});
+      if (share_ > 0 && seconds > 0) c.moving.push_back({start, end, share_});
       c.comm = end;
     }
     ++collectives_;
@@ -87,7 +93,7 @@ class Timeline {
 
  private:
   std::vector<Clock> c_;
-  double issue_, share_;
+  double issue_, share_, wait_share_;
   int64_t collectives_ = 0, launches_ = 0;
 };
 
@@ -214,6 +220,7 @@ class StepModel {
         wire_(static_cast<double>(cm.wire_elem_bytes)),
         issue_(world > 1 ? cm.collective_latency_s : cm.local_collective_s),
         share_(world > 1 ? cm.comm_compute_share : 0),
+        wait_share_(world > 1 ? cm.comm_wait_share : 0),
         buckets_(make_buckets(mats_, world, cm)) {}
 
   int64_t buckets() const { return static_cast<int64_t>(buckets_.size()); }
@@ -264,7 +271,7 @@ class StepModel {
   }
 
   void gather(SimPoint& p) const {
-    Timeline t(d_, issue_, share_);
+    Timeline t(d_, issue_, share_, wait_share_);
     vote(t);
     const size_t nb = buckets_.size();
     std::vector<double> gathered(nb);
@@ -292,7 +299,7 @@ class StepModel {
   }
 
   void sharded(SimPoint& p) const {
-    Timeline t(d_, issue_, share_);
+    Timeline t(d_, issue_, share_, wait_share_);
     vote(t);
     const size_t nb = buckets_.size();
     std::vector<double> there(nb), back(nb), statuses(nb);
@@ -365,7 +372,7 @@ class StepModel {
   }
 
   void dedicated(SimPoint& p) const {
-    Timeline t(d_, issue_, share_);
+    Timeline t(d_, issue_, share_, wait_share_);
     vote(t);
     const Link r = root_reduce_link(d_, cm_, per_node_);
     const Link bc = broadcast_link(d_, cm_, per_node_);
@@ -419,7 +426,7 @@ class StepModel {
   }
 
   void adamw(SimPoint& p) const {
-    Timeline t(d_, issue_, share_);
+    Timeline t(d_, issue_, share_, wait_share_);
     vote(t);
     for (int q = 0; q < d_; ++q) t.kernel(q, p.adamw_update);
     p.adamw_engine = t.sync();
@@ -472,7 +479,7 @@ class StepModel {
   int d_, per_node_;
   const CommModel& cm_;
   const CostTable& costs_;
-  double wire_, issue_, share_;
+  double wire_, issue_, share_, wait_share_;
   std::vector<std::vector<int>> buckets_;
 };
 

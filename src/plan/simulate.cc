@@ -51,7 +51,8 @@ std::string CommModel::describe() const {
       "per shape and bucket; owner modes: each owner's plan batches, %s)\n"
       "  elementwise passes: %.0f bytes per element a rank orthogonalizes, staging copies "
       "(pack / unpack) read + write, at %.2f TB/s\n"
-      "  where ranks share a GPU: a collective moving data takes %.0f %% of each rank's compute\n"
+      "  where ranks share a GPU: a collective moving data takes %.0f %% of each rank's compute, "
+      "one waiting for its peers %.0f %%\n"
       "  not modelled: the host's kernel launches, ranks starting a step at different times",
       intra_bytes_per_s / 1e9, intra_latency_s * 1e6,
       // Inside a node (one rank of a one-GPU node), with each rate's fallback.
@@ -63,7 +64,7 @@ std::string CommModel::describe() const {
       static_cast<double>(bucket_bytes) / (1 << 20),
       batches_across_buckets ? "each batch once its last bucket has landed"
                              : "cut at the buckets' borders",
-      elementwise_bytes, hbm_bytes_per_s / 1e12, comm_compute_share * 100);
+      elementwise_bytes, hbm_bytes_per_s / 1e12, comm_compute_share * 100, comm_wait_share * 100);
   return buf;
 }
 
@@ -104,9 +105,10 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
                cm.intra_broadcast_bytes_per_s >= 0 && cm.intra_root_reduce_bytes_per_s >= 0 &&
                cm.collective_latency_s >= 0 && cm.local_collective_s >= 0,
            "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0");
-  DM_CHECK(cm.comm_compute_share >= 0 && cm.comm_compute_share < 1,
-           "simulator: the communication's share of the compute must be in [0, 1) (got ",
-           cm.comm_compute_share, ")");
+  DM_CHECK(cm.comm_compute_share >= 0 && cm.comm_compute_share < 1 && cm.comm_wait_share >= 0 &&
+               cm.comm_wait_share < 1,
+           "simulator: the communication's shares of the compute must be in [0, 1) (got ",
+           cm.comm_compute_share, " moving, ", cm.comm_wait_share, " waiting)");
   // The tensors the matrices come from (one each when not given).
   std::vector<SimTensor> ts = tensors;
   if (ts.empty())

@@ -316,6 +316,33 @@ TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {
   EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
 }
 
+// An NCCL kernel waiting for its peers spins on its SMs: with a waiting share, the dedicated
+// owners (whose peers join each broadcast only after their own compute) slow down; one rank
+// never waits; a share of 1 is refused.
+TEST(PlanSimulate, WaitingCollectivesTakeTheirShareToo) {
+  const Workload w = load_workload("gpt2-large").first_layers(4);
+  const auto mats = plan_matrices(w);
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  CommModel base;
+  base.bucket_bytes = 8 << 20;
+  base.comm_compute_share = 0.5;
+  const auto ref = simulate(mats, costs, {1, 4}, 8, base, "lpt", {}, sim_tensors(w));
+  double last = ref[1].dedicated();
+  for (const double wait : {0.25, 0.5}) {
+    CommModel cm = base;
+    cm.comm_wait_share = wait;
+    const auto pts = simulate(mats, costs, {1, 4}, 8, cm, "lpt", {}, sim_tensors(w));
+    SCOPED_TRACE(wait);
+    EXPECT_DOUBLE_EQ(pts[0].dedicated(), ref[0].dedicated());
+    EXPECT_GT(pts[1].dedicated(), last);
+    EXPECT_LE(pts[1].dedicated(), ref[1].dedicated() / (1 - wait) + 1e-12);
+    last = pts[1].dedicated();
+  }
+  CommModel bad = base;
+  bad.comm_wait_share = 1;
+  EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
+}
+
 // The dedicated mode's broadcasts and reduces run at their own rates where given; the other modes
 // and the dedicated mode beyond a node do not see them.
 TEST(PlanSimulate, RootedCollectivesHaveRatesOfTheirOwn) {
