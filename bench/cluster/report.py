@@ -75,7 +75,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
            "--bucket-mb", f"{rec.get('bucket_mb', 32):.6g}",
            "--collective-latency-us", f"{issue_us:.6g}",
            "--local-collective-us", f"{args.local_collective_us:.6g}",
-           "--comm-compute-share", f"{args.comm_compute_share if shared else 0:.6g}"]
+           "--comm-compute-share", f"{args.comm_compute_share if shared else 0:.6g}",
+           "--comm-wait-share", f"{args.comm_wait_share if shared else 0:.6g}"]
     # Runs recorded before the owners' batches spanned buckets (no 'batches_per_bucket' in the
     # record) cut them at the buckets' borders: simulate them so.
     if rec.get("batches_per_bucket", True):
@@ -123,10 +124,14 @@ def resimulate(args: argparse.Namespace) -> None:
     predictions it recorded."""
     rec_all = load(args.resimulate)
     cal = rec_all["calibration"]
+    # The whole GPU's calibration scales the cost table to a part: the record's D = 1, else the
+    # one --from-record names (a record that measured D > 1 only).
+    whole = load(args.from_record).get("calibration", {}).get("1") if args.from_record else None
     preds, rows = {}, []
     for r in rec_all["runs"]:
         # One prediction per simulated set-up (it covers every mode of that run).
-        key = (r["workload"], r["layers"], r["ranks"], r.get("planner"), r.get("batches_per_bucket"))
+        key = (r["workload"], r["layers"], r["ranks"], r.get("planner"), r.get("batches_per_bucket"),
+               r.get("bucket_mb", 32))
         if key not in preds:
             # Records made before runs carried their planner and batching: --planner, and batches
             # cut at bucket borders (the engine then).
@@ -134,9 +139,10 @@ def resimulate(args: argparse.Namespace) -> None:
                    "planner": r.get("planner", args.planner),
                    "batches_per_bucket": r.get("batches_per_bucket", True),
                    "plan_analytic": r.get("plan_analytic", True),
+                   "bucket_mb": r.get("bucket_mb", 32),
                    "calibration": cal.get(str(r["ranks"])),
                    "mechanism": "mps" if r["ranks"] > 1 else "whole-gpu"}
-            preds[key] = predict(args.plan, rec, {"calibration": cal.get("1")}, args.costs, args)
+            preds[key] = predict(args.plan, rec, {"calibration": cal.get("1") or whole}, args.costs, args)
         p, m = preds[key], r["mode"]
         if not p:
             continue
@@ -156,6 +162,7 @@ def resimulate(args: argparse.Namespace) -> None:
     with open(os.path.join(args.out, "resimulated.json"), "w") as f:
         json.dump({"source": args.resimulate, "costs": args.costs, "planner": args.planner,
                    "comm_compute_share": args.comm_compute_share,
+                   "comm_wait_share": args.comm_wait_share,
                    "local_collective_us": args.local_collective_us,
                    "prediction": __doc__.split("\n\n")[2].replace("\n", " "), "runs": rows},
                   f, indent=1)
@@ -231,6 +238,9 @@ def main() -> None:
     ap.add_argument("--comm-compute-share", type=float, default=0.75,
                     help="MPS ranks: share of a rank's compute a transfer takes (0.75: a bf16 "
                          "GEMM beside a 1 GiB NCCL broadcast, H100, two MPS ranks, 2026-12-06)")
+    ap.add_argument("--comm-wait-share", type=float, default=0,
+                    help="MPS ranks: share of a rank's compute its NCCL kernel takes while it waits "
+                         "for its peers")
     ap.add_argument("--predict", default="", metavar="D,...",
                     help="predict the steps of a run at these D before it runs (with --from-record, "
                          "--workloads; prints a table; --out is not written)")
@@ -272,7 +282,7 @@ def main() -> None:
         for r in s["runs"]:
             row = {"workload": s["workload"], "layers": s["layers"], "ranks": s["ranks"],
                    "planner": s.get("planner"), "batches_per_bucket": s.get("batches_per_bucket", True),
-                   "plan_analytic": s["plan_analytic"],
+                   "plan_analytic": s["plan_analytic"], "bucket_mb": s.get("bucket_mb", 32),
                    "mode": r["mode"], "step_ms": r["step_ms"]["median"],
                    "engine_ms": r["engine_ms"]["median"],
                    "predicted_ms": pred[r["mode"]] if pred else None,
@@ -301,7 +311,11 @@ def main() -> None:
             e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
                         "step_ms": r["step_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"],
                         "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
-                        "step_over_adamw": r.get("step_over_adamw"), "config": rec.get("config")})
+                        "config": rec.get("config")})
+    # Over AdamW's step at the same D (each optimizer may come from a run of its own).
+    adamw = {r["ranks"]: r["step_ms"] for r in e2e if r["optimizer"] == "adamw"}
+    for r in e2e:
+        r["step_over_adamw"] = r["step_ms"] / adamw[r["ranks"]] if r["ranks"] in adamw else None
     first = steps[0]
     out = {"mechanism": sorted({s["mechanism"] for s in steps}), "gpu": first["device"],
            "device_sms": first["device_sms"], "calibration": calibration, "runs": runs, "e2e": e2e,
