@@ -4,6 +4,7 @@ cluster.png, with the simulator's prediction of every measured step.
     python3 bench/cluster/report.py --out OUT [--plan build/bin/distmuon-plan] [--costs FILE]
     python3 bench/cluster/report.py --resimulate cluster.json --costs FILE --out DIR
     python3 bench/cluster/report.py --predict 2,4,8 --from-record cluster.json [--planner milp]
+    (each takes --whole-gpu CLUSTER_JSON: whose D = 1 calibration to use where the record has none)
 
 The prediction is `distmuon-plan --simulate` on the emulated machine: the cost table measured on
 the whole GPU (OUT/costs.json or --costs) with each batch's work scaled by how much slower a
@@ -124,9 +125,7 @@ def resimulate(args: argparse.Namespace) -> None:
     predictions it recorded."""
     rec_all = load(args.resimulate)
     cal = rec_all["calibration"]
-    # The whole GPU's calibration scales the cost table to a part: the record's D = 1, else the
-    # one --from-record names (a record that measured D > 1 only).
-    whole = load(args.from_record).get("calibration", {}).get("1") if args.from_record else None
+    whole = whole_gpu_calibration(cal, args)
     preds, rows = {}, []
     for r in rec_all["runs"]:
         # One prediction per simulated set-up (it covers every mode of that run).
@@ -142,7 +141,7 @@ def resimulate(args: argparse.Namespace) -> None:
                    "bucket_mb": r.get("bucket_mb", 32),
                    "calibration": cal.get(str(r["ranks"])),
                    "mechanism": "mps" if r["ranks"] > 1 else "whole-gpu"}
-            preds[key] = predict(args.plan, rec, {"calibration": cal.get("1") or whole}, args.costs, args)
+            preds[key] = predict(args.plan, rec, {"calibration": whole}, args.costs, args)
         p, m = preds[key], r["mode"]
         if not p:
             continue
@@ -189,6 +188,19 @@ def resimulate(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def whole_gpu_calibration(cals: dict, args: argparse.Namespace) -> dict:
+    """The whole GPU's calibration, which scales the cost table to a part: the record's own D = 1,
+    else that of --whole-gpu's record (for records that measured D > 1 only)."""
+    if "1" in cals:
+        return cals["1"]
+    src = args.whole_gpu or args.from_record
+    whole = load(src).get("calibration", {}).get("1") if src else None
+    if not whole:
+        sys.exit("this record has no whole-GPU (D = 1) calibration: name a record that has one "
+                 "with --whole-gpu CLUSTER_JSON")
+    return whole
+
+
 def predict_planned(args: argparse.Namespace) -> None:
     """Predicts, before a run, the steps run.sh will measure: every workload of --workloads at
     every D of --predict, from a recorded cluster.json's calibrations (a D it lacks takes the
@@ -196,6 +208,7 @@ def predict_planned(args: argparse.Namespace) -> None:
     one; the on-chip NCCL bandwidth kept) and the cost table. Prints a markdown table."""
     rec = load(args.from_record)
     cals = {int(k): v for k, v in rec["calibration"].items()}
+    whole = whole_gpu_calibration(rec["calibration"], args)
     costs = args.costs or os.path.join(os.path.dirname(args.from_record), "sim-calibration", "costs.json")
     print("| workload | D | gather | sharded | dedicated | adamw | calibration |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
@@ -213,7 +226,7 @@ def predict_planned(args: argparse.Namespace) -> None:
             r = {"ranks": d, "workload": name, "layers": int(layers or 0), "planner": args.planner,
                  "calibration": cal, "mechanism": "mps",
                  "batches_per_bucket": args.batches_per_bucket, "bucket_mb": args.bucket_mb}
-            p = predict(args.plan, r, {"calibration": cals[1]}, costs, args)
+            p = predict(args.plan, r, {"calibration": whole}, costs, args)
             if p:
                 print(f"| {name} | {d} | {p['gather']:.1f} | {p['sharded']:.1f} | "
                       f"{p['dedicated']:.1f} | {p['adamw']:.1f} | {how} |")
@@ -245,8 +258,10 @@ def main() -> None:
                     help="predict the steps of a run at these D before it runs (with --from-record, "
                          "--workloads; prints a table; --out is not written)")
     ap.add_argument("--from-record", default="", metavar="CLUSTER_JSON",
-                    help="--predict: the cluster.json whose calibrations to use; when merging a "
-                         "run without D = 1: the record whose whole-GPU calibration to use")
+                    help="--predict: the cluster.json whose calibrations to use")
+    ap.add_argument("--whole-gpu", default="", metavar="CLUSTER_JSON",
+                    help="the record whose whole-GPU (D = 1) calibration to use where the one at "
+                         "hand has none (a run that measured D > 1 only)")
     ap.add_argument("--workloads", default="gpt2-large:0 pi0:6 qwen2.5-7b:4 deepseek-v2-lite:1",
                     help="--predict: name:layers, as run.sh's WORKLOADS")
     ap.add_argument("--batches-per-bucket", action="store_true",
@@ -270,8 +285,9 @@ def main() -> None:
     by_key = {(s["workload"], s["ranks"]): s for s in steps}
     costs = args.costs or os.path.join(args.out, "costs.json")
     # The whole GPU's calibration scales the cost table to a part: this run's D = 1 steps, else
-    # the record --from-record names (a run that measured D > 1 only).
-    earlier = load(args.from_record).get("calibration", {}).get("1") if args.from_record else None
+    # the record --whole-gpu (or --from-record) names (a run that measured D > 1 only).
+    src = args.whole_gpu or args.from_record
+    earlier = load(src).get("calibration", {}).get("1") if src else None
     runs, calibration = [], {}
     for s in sorted(steps, key=lambda s: (s["workload"], s["ranks"])):
         full = by_key.get((s["workload"], 1)) or ({"calibration": earlier} if earlier else {})
