@@ -147,6 +147,7 @@ def resimulate(args: argparse.Namespace) -> None:
             continue
         fsdp_measured = r["step_ms"] - r["engine_ms"]
         rows.append({"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"], "mode": m,
+                     "planner": key[3] or args.planner, "bucket_mb": key[5],
                      "step_ms": r["step_ms"], "engine_ms": r["engine_ms"],
                      "fsdp_ms": fsdp_measured if m != "dedicated" else None,
                      "recorded_predicted_ms": r.get("predicted_ms"),

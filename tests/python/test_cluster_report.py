@@ -1,0 +1,54 @@
+"""bench/cluster/report.py on a recorded cluster run (the H200's bucket A/B at D = 8) with the
+simulator as built: each run is predicted with its own bucket size and planner, and a record
+without a whole-GPU calibration needs --whole-gpu, said in one line."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+REPORT = REPO / "bench" / "cluster" / "report.py"
+RESULTS = REPO / "bench" / "results"
+AB = RESULTS / "2026-12-06-h200-cluster-ab" / "cluster.json"
+H100 = RESULTS / "2026-12-06-h100-cluster"
+PLAN = REPO / os.environ.get("BUILD_DIR", "build") / "bin" / "distmuon-plan"
+
+pytestmark = pytest.mark.skipif(not PLAN.exists(), reason=f"{PLAN} is not built")
+
+
+def report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPORT), "--plan", str(PLAN),
+                           "--costs", str(H100 / "sim-calibration" / "costs.json"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_resimulation_predicts_each_run_with_its_buckets_and_planner(tmp_path: Path) -> None:
+    r = report("--resimulate", str(AB), "--whole-gpu", str(H100 / "cluster.json"), "--out", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    runs = json.loads(AB.read_text())["runs"]
+    rows = json.loads((tmp_path / "resimulated.json").read_text())["runs"]
+    assert len(rows) == len(runs)
+    for run, row in zip(runs, rows):
+        assert (row["workload"], row["mode"], row["step_ms"]) == (run["workload"], run["mode"], run["step_ms"])
+        assert row["bucket_mb"] == run["bucket_mb"] and row["planner"] == run["planner"]
+        assert row["predicted_ms"] > 0 and math.isclose(row["error"], row["predicted_ms"] / row["step_ms"] - 1)
+    # One set-up per bucket size: 32 MiB issues more collectives than 1 GiB for the same run.
+    by = {(x["workload"], x["mode"], x["planner"], x["bucket_mb"]): x for x in rows}
+    for (w, m, planner, mb), x in by.items():
+        if mb == 32 and m == "sharded" and (w, m, planner, 1024.0) in by:
+            assert x["collectives"] > by[(w, m, planner, 1024.0)]["collectives"]
+    assert (tmp_path / "resimulated.md").read_text().count("\n| ") == len(rows) + 1
+
+
+def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> None:
+    r = report("--resimulate", str(AB), "--out", str(tmp_path))
+    assert r.returncode != 0
+    assert "no whole-GPU (D = 1) calibration" in r.stderr and "--whole-gpu" in r.stderr
+    assert not (tmp_path / "resimulated.json").exists()
