@@ -147,7 +147,7 @@ def resimulate(args: argparse.Namespace) -> None:
             continue
         fsdp_measured = r["step_ms"] - r["engine_ms"]
         rows.append({"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"], "mode": m,
-                     "planner": key[3] or args.planner, "bucket_mb": key[5],
+                     "planner": r.get("planner") or args.planner, "bucket_mb": r.get("bucket_mb", 32),
                      "step_ms": r["step_ms"], "engine_ms": r["engine_ms"],
                      "fsdp_ms": fsdp_measured if m != "dedicated" else None,
                      "recorded_predicted_ms": r.get("predicted_ms"),
@@ -189,13 +189,17 @@ def resimulate(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+def borrowed_whole_gpu(args: argparse.Namespace) -> dict | None:
+    """The D = 1 calibration of the record --whole-gpu (else --from-record) names, if any: for
+    records that measured D > 1 only."""
+    src = args.whole_gpu or args.from_record
+    return load(src).get("calibration", {}).get("1") if src else None
+
+
 def whole_gpu_calibration(cals: dict, args: argparse.Namespace) -> dict:
     """The whole GPU's calibration, which scales the cost table to a part: the record's own D = 1,
-    else that of --whole-gpu's record (for records that measured D > 1 only)."""
-    if "1" in cals:
-        return cals["1"]
-    src = args.whole_gpu or args.from_record
-    whole = load(src).get("calibration", {}).get("1") if src else None
+    else the borrowed one; without either, a one-line error."""
+    whole = cals.get("1") or borrowed_whole_gpu(args)
     if not whole:
         sys.exit("this record has no whole-GPU (D = 1) calibration: name a record that has one "
                  "with --whole-gpu CLUSTER_JSON")
@@ -286,9 +290,8 @@ def main() -> None:
     by_key = {(s["workload"], s["ranks"]): s for s in steps}
     costs = args.costs or os.path.join(args.out, "costs.json")
     # The whole GPU's calibration scales the cost table to a part: this run's D = 1 steps, else
-    # the record --whole-gpu (or --from-record) names (a run that measured D > 1 only).
-    src = args.whole_gpu or args.from_record
-    earlier = load(src).get("calibration", {}).get("1") if src else None
+    # the borrowed one.
+    earlier = borrowed_whole_gpu(args)
     runs, calibration = [], {}
     for s in sorted(steps, key=lambda s: (s["workload"], s["ranks"])):
         full = by_key.get((s["workload"], 1)) or ({"calibration": earlier} if earlier else {})
@@ -314,10 +317,9 @@ def main() -> None:
                 row["costs"] = pred["costs"]
                 row["error"] = row["predicted_ms"] / row["step_ms"] - 1
             runs.append(row)
-    # Modes run in processes of their own (run.sh from D = 4 on): their step over gather's, as
-    # one process reports it.
-    # The engine's part alone too: FSDP2's own collectives, in the step of gather, sharded and
-    # AdamW, overlap the backward pass in training.
+    # Over gather's step (modes run in processes of their own, run.sh from D = 4 on, get it as
+    # one process reports it), and the engine's part over gather's engine: FSDP2's own
+    # collectives, in the step of gather, sharded and AdamW, overlap the backward pass in training.
     gather = {(r["workload"], r["ranks"]): r for r in runs if r["mode"] == "gather"}
     for r in runs:
         g = gather.get((r["workload"], r["ranks"]))

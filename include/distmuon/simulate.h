@@ -44,8 +44,8 @@ struct CommModel {
   // likewise at one rank (512 collectives, 5.0 ms).
   double local_collective_s = 10e-6;
   // Where the ranks share one GPU (MPS): the share of a rank's compute a collective takes while
-  // it moves data (SMs and memory bandwidth of the same chip; an NCCL kernel that only waits for
-  // a peer takes nothing measurable). 0: none (ranks on GPUs of their own).
+  // it moves data (SMs and memory bandwidth of the same chip). 0: none (ranks on GPUs of their
+  // own).
   double comm_compute_share = 0;
   // Likewise while a rank's NCCL kernel has started and waits for its peers: its CTAs spin on
   // the SMs they hold. 0: a waiting kernel takes nothing.

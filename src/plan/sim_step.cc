@@ -21,8 +21,8 @@ struct Clock {
   struct Busy {
     double begin, end, share;
   };
-  std::vector<Busy> moving;
-  size_t first_live = 0;  // moving[i] for i < first_live ended before `compute`
+  std::vector<Busy> busy;
+  size_t first_live = 0;  // busy[i] for i < first_live ended before `compute`
 };
 
 // The ranks of one step. Each host issues in program order: a kernel costs it nothing, a
@@ -41,9 +41,9 @@ class Timeline {
     Clock& c = c_[static_cast<size_t>(q)];
     double t = std::max({c.compute, c.host, after});
     // Walk the intervals NCCL kernels hold SMs in from t on.
-    while (c.first_live < c.moving.size() && c.moving[c.first_live].end <= t) ++c.first_live;
-    for (size_t i = c.first_live; i < c.moving.size() && seconds > 0; ++i) {
-      const auto [b, e, s] = c.moving[i];
+    while (c.first_live < c.busy.size() && c.busy[c.first_live].end <= t) ++c.first_live;
+    for (size_t i = c.first_live; i < c.busy.size() && seconds > 0; ++i) {
+      const auto [b, e, s] = c.busy[i];
       if (t < b) {  // full speed until the interval
         const double free = std::min(seconds, b - t);
         t += free;
@@ -67,8 +67,8 @@ class Timeline {
     }
     const double end = start + seconds;
     for (Clock& c : c_) {
-      if (wait_share_ > 0 && c.joined < start) c.moving.push_back({c.joined, start, wait_share_});
-      if (share_ > 0 && seconds > 0) c.moving.push_back({start, end, share_});
+      if (wait_share_ > 0 && c.joined < start) c.busy.push_back({c.joined, start, wait_share_});
+      if (share_ > 0 && seconds > 0) c.busy.push_back({start, end, share_});
       c.comm = end;
     }
     ++collectives_;

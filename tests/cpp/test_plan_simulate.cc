@@ -283,64 +283,52 @@ TEST(PlanSimulate, OwnersCanBePlacedOnTheCostsTheRunPlannedWith) {
   EXPECT_DOUBLE_EQ(p.gather(), own.gather());   // gather has no owners
 }
 
-// (c) Where ranks share one GPU, collectives moving data slow the compute beside them; at one
-// rank and with no share nothing changes.
-TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {
+// A share of the compute (`field`) at each of `values` against `base`, on gpt2-large's first
+// four layers: at one rank nothing changes; at `world` ranks the dedicated step grows with it,
+// by at most every kernel at (1 - share) of its speed; a share of 1 is refused.
+void expect_shares_slow_the_owners(double CommModel::*field, const CommModel& base, int world,
+                                   std::initializer_list<double> values) {
   const Workload w = load_workload("gpt2-large").first_layers(4);
   const auto mats = plan_matrices(w);
   const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  const auto ref = simulate(mats, costs, {1, world}, 8, base, "lpt", {}, sim_tensors(w));
+  double last = ref[1].dedicated();
+  for (const double share : values) {
+    CommModel cm = base;
+    cm.*field = share;
+    const auto pts = simulate(mats, costs, {1, world}, 8, cm, "lpt", {}, sim_tensors(w));
+    SCOPED_TRACE(share);
+    EXPECT_DOUBLE_EQ(pts[0].dedicated(), ref[0].dedicated());
+    EXPECT_DOUBLE_EQ(pts[0].gather(), ref[0].gather());
+    if (share > 0) {
+      EXPECT_GT(pts[1].dedicated(), last);
+    }
+    EXPECT_LE(pts[1].dedicated(), ref[1].dedicated() / (1 - share) + 1e-12);
+    last = pts[1].dedicated();
+  }
+  CommModel bad = base;
+  bad.*field = 1;
+  EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
+}
+
+// (c) Where ranks share one GPU, collectives moving data slow the compute beside them: the
+// owners' compute runs beside the reduces and broadcasts of other buckets.
+TEST(PlanSimulate, CommunicationSharesTheComputeWhereRanksShareAGpu) {
   CommModel base;
   base.bucket_bytes = 8 << 20;
   // Each bucket's batches right after it lands, beside the next buckets' transfers (a plan batch
   // spanning the buckets would start after the last one, beside nothing).
   base.batches_across_buckets = false;
-  double last = 0;
-  for (const double share : {0.0, 0.25, 0.5}) {
-    CommModel cm = base;
-    cm.comm_compute_share = share;
-    const auto pts = simulate(mats, costs, {1, 2}, 8, cm, "lpt", {}, sim_tensors(w));
-    const auto ref = simulate(mats, costs, {1, 2}, 8, base, "lpt", {}, sim_tensors(w));
-    SCOPED_TRACE(share);
-    EXPECT_DOUBLE_EQ(pts[0].dedicated(), ref[0].dedicated());
-    EXPECT_DOUBLE_EQ(pts[0].gather(), ref[0].gather());
-    // The owners' compute runs beside the reduces and broadcasts of other buckets: slower.
-    if (share > 0) {
-      EXPECT_GT(pts[1].dedicated(), last);
-    }
-    // At most every kernel at (1 - share) of its speed.
-    EXPECT_LE(pts[1].dedicated(), ref[1].dedicated() / (1 - share) + 1e-12);
-    last = pts[1].dedicated();
-  }
-  CommModel bad = base;
-  bad.comm_compute_share = 1;
-  EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
+  expect_shares_slow_the_owners(&CommModel::comm_compute_share, base, 2, {0.0, 0.25, 0.5});
 }
 
 // An NCCL kernel waiting for its peers spins on its SMs: with a waiting share, the dedicated
-// owners (whose peers join each broadcast only after their own compute) slow down; one rank
-// never waits; a share of 1 is refused.
+// owners (whose peers join each broadcast only after their own compute) slow down further.
 TEST(PlanSimulate, WaitingCollectivesTakeTheirShareToo) {
-  const Workload w = load_workload("gpt2-large").first_layers(4);
-  const auto mats = plan_matrices(w);
-  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
   CommModel base;
   base.bucket_bytes = 8 << 20;
   base.comm_compute_share = 0.5;
-  const auto ref = simulate(mats, costs, {1, 4}, 8, base, "lpt", {}, sim_tensors(w));
-  double last = ref[1].dedicated();
-  for (const double wait : {0.25, 0.5}) {
-    CommModel cm = base;
-    cm.comm_wait_share = wait;
-    const auto pts = simulate(mats, costs, {1, 4}, 8, cm, "lpt", {}, sim_tensors(w));
-    SCOPED_TRACE(wait);
-    EXPECT_DOUBLE_EQ(pts[0].dedicated(), ref[0].dedicated());
-    EXPECT_GT(pts[1].dedicated(), last);
-    EXPECT_LE(pts[1].dedicated(), ref[1].dedicated() / (1 - wait) + 1e-12);
-    last = pts[1].dedicated();
-  }
-  CommModel bad = base;
-  bad.comm_wait_share = 1;
-  EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
+  expect_shares_slow_the_owners(&CommModel::comm_wait_share, base, 4, {0.25, 0.5});
 }
 
 // The dedicated mode's broadcasts and reduces run at their own rates where given; the other modes
