@@ -212,6 +212,7 @@ void Comparison::step(Run& run, int64_t i) {
   be_.synchronize();
   const auto t1 = Clock::now();
   run.engine->step(run.data);
+  const auto t_issued = Clock::now();
   run.engine->wait_published();
   be_.synchronize();
   const auto t2 = Clock::now();
@@ -238,6 +239,7 @@ void Comparison::step(Run& run, int64_t i) {
   if (i >= warmup && i < warmup + steps) {
     run.step_ms.push_back(ms(t0, t3));
     run.engine_ms.push_back(ms(t1, t2));
+    run.host_ms.push_back(ms(t1, t_issued));
   }
   if (me == 0)
     std::fprintf(stderr, "  %-10s %-8s %s %lld/%lld  %.1f ms (rank 0)\n", run.mode.c_str(),
@@ -260,6 +262,7 @@ ModeResult Comparison::result(Run& run) {
   // A step takes as long as its slowest rank.
   r.step_ms = cli::summarize(over_ranks(host_, run.step_ms, ReduceOp::kMax));
   r.engine_ms = cli::summarize(over_ranks(host_, run.engine_ms, ReduceOp::kMax));
+  r.host_ms = cli::summarize(over_ranks(host_, run.host_ms, ReduceOp::kMax));
   const double n = static_cast<double>(o_.steps);
   const CommStats e = s1.comm - run.s0.comm, f = f1 - run.f0;
   const double bytes = (e.bytes_sent + e.bytes_received + f.bytes_sent + f.bytes_received) / n;
@@ -346,6 +349,7 @@ nlohmann::json comparison_runs_json(const std::vector<ModeResult>& results) {
                     {"algo", r.algo},
                     {"step_ms", summary(r.step_ms)},
                     {"engine_ms", summary(r.engine_ms)},
+                    {"host_ms", summary(r.host_ms)},
                     {"comm_bytes_per_rank", r.bytes_max},
                     {"comm_bytes_per_rank_mean", r.bytes_mean},
                     {"engine_comm_bytes_per_rank", r.engine_bytes_max},

@@ -30,6 +30,9 @@ namespace distmuon::bench {
 struct ModeResult {
   std::string mode, algo;
   cli::Summary step_ms, engine_ms;  // per step the slowest rank's, summarised over steps
+  // How long Engine::step held the host (issuing kernels and collectives), slowest rank: the
+  // share of engine_ms a captured graph could give back.
+  cli::Summary host_ms;
   double bytes_max = 0, bytes_mean = 0, engine_bytes_max = 0;
   // Host launches of collectives per step, busiest rank: the engine's, and with the FSDP2/DDP
   // emulation's (CommStats::launches; the simulator's per-launch host cost counts these).
@@ -57,7 +60,7 @@ class Comparison {
     std::unique_ptr<Engine> engine;
     std::unique_ptr<Communicator> fsdp;  // the FSDP2 / DDP traffic around the optimizer
     std::vector<ParamData> data;
-    std::vector<double> step_ms, engine_ms;
+    std::vector<double> step_ms, engine_ms, host_ms;
     EngineStats s0;
     CommStats f0;
   };

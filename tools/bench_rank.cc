@@ -68,6 +68,9 @@ struct Calibration {
   // Host time per collective when many small ones are issued back to back, as the FSDP2
   // emulation and the engine issue them (the simulator's --collective-latency-us).
   double collective_us = 0;
+  // Share of a rank's compute an NCCL kernel takes while it waits for a peer (its CTAs spin on
+  // the SMs they hold): the simulator's --comm-wait-share where ranks share a GPU.
+  double wait_share = 0;
 };
 
 // Median device ms of `reps` runs of `run` on every rank at once (a barrier before each).
@@ -86,22 +89,21 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
                       const std::function<void(const std::string&)>& say) {
   Calibration c;
   char line[160];
-  {  // bf16 8192 x 8192 x 8192: about 1.1 TFLOP, long enough on the smallest part
-    const int64_t n = 8192;
-    const size_t bytes = static_cast<size_t>(n * n) * 2;
-    Buffer a = be.alloc(bytes), b = be.alloc(bytes), d = be.alloc(bytes);
-    const BatchRef ra = BatchRef::packed(a.data(), DType::kBF16, 1, n, n);
-    const BatchRef rb = BatchRef::packed(b.data(), DType::kBF16, 1, n, n);
-    const BatchRef rd = BatchRef::packed(d.data(), DType::kBF16, 1, n, n);
-    be.fill_normal(ra, 1, 0);
-    be.fill_normal(rb, 2, 0);
-    auto gemm = [&] { be.gemm(Op::kN, ra, Op::kN, rb, 1.0, 0.0, nullptr, rd); };
-    gemm();  // cuBLASLt picks and loads its kernel
-    const double ms = timed_together(host, be, 5, gemm);
-    c.gemm_tflops = 2.0 * n * n * n / (ms * 1e-3) / 1e12;
-    std::snprintf(line, sizeof(line), "calibration: GEMM %.0f TFLOP/s on rank 0", c.gemm_tflops);
-    say(line);
-  }
+  // bf16 8192 x 8192 x 8192: about 1.1 TFLOP, long enough on the smallest part
+  const int64_t n = 8192;
+  const size_t gemm_bytes = static_cast<size_t>(n * n) * 2;
+  Buffer a = be.alloc(gemm_bytes), b = be.alloc(gemm_bytes), d = be.alloc(gemm_bytes);
+  const BatchRef ra = BatchRef::packed(a.data(), DType::kBF16, 1, n, n);
+  const BatchRef rb = BatchRef::packed(b.data(), DType::kBF16, 1, n, n);
+  const BatchRef rd = BatchRef::packed(d.data(), DType::kBF16, 1, n, n);
+  be.fill_normal(ra, 1, 0);
+  be.fill_normal(rb, 2, 0);
+  auto gemm = [&] { be.gemm(Op::kN, ra, Op::kN, rb, 1.0, 0.0, nullptr, rd); };
+  gemm();  // cuBLASLt picks and loads its kernel
+  const double gemm_ms = timed_together(host, be, 5, gemm);
+  c.gemm_tflops = 2.0 * n * n * n / (gemm_ms * 1e-3) / 1e12;
+  std::snprintf(line, sizeof(line), "calibration: GEMM %.0f TFLOP/s on rank 0", c.gemm_tflops);
+  say(line);
   {  // 1 GiB copied by a kernel on the rank's SMs (the engine's lincomb: what its elementwise
      // passes get), not by a copy engine, which no SM partition confines
     const int64_t rows = 16384, cols = 32768;  // bf16: 1 GiB
@@ -172,6 +174,30 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     };
     small();
     c.collective_us = host_ms(small) * 1e3 / kSmall;
+    // Every rank but the last issues a 1 KiB broadcast rooted at the last one and runs the GEMM
+    // beside its NCCL kernel, which waits; the root joins once every rank's GEMM has ended. The
+    // GEMM's slow-down there is the waiting kernel's share (a dedicated step's peers wait so on
+    // each broadcast until its owner has computed).
+    const int root = p - 1;
+    std::vector<double> beside;
+    for (int i = 0; i < 3; ++i) {
+      be.synchronize();
+      host.barrier().wait();
+      CommHandle h;
+      if (comm.rank() != root) h = comm.broadcast(send.data(), 512, CommType::kBF16, root);
+      const double ms = be.time_ms(1, {}, gemm);
+      host.barrier().wait();  // every GEMM has ended
+      if (comm.rank() == root) h = comm.broadcast(send.data(), 512, CommType::kBF16, root);
+      h.wait();
+      if (comm.rank() != root) beside.push_back(ms);
+    }
+    const double mine = beside.empty() ? 0.0 : 1.0 - gemm_ms / cli::summarize(beside).median;
+    // Rank 0's (never the root): what each non-root rank sees alike.
+    c.wait_share = std::clamp(mine, 0.0, 0.95);
+    std::snprintf(line, sizeof(line),
+                  "calibration: a GEMM beside a waiting NCCL kernel runs at %.0f %% of its rate",
+                  100 * (1 - c.wait_share));
+    say(line);
   }
   return c;
 }
@@ -200,7 +226,8 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
        "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
        "all-gather, all-reduce, broadcast and reduce (root 0; each timed alone, its issue "
        "included); host time per "
-       "collective of 256 back-to-back 1 KiB all-gathers"},
+       "collective of 256 back-to-back 1 KiB all-gathers; the share of the GEMM's rate a 1 KiB "
+       "broadcast takes while its kernel waits for the root (rank 0 beside it)"},
       {"gemm_tflops_per_rank_min", gemm_min},
       {"gemm_tflops_total", gemm_sum},
       {"copy_gbs_per_rank_min", copy_min},
@@ -210,6 +237,7 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"nccl_broadcast_busbw_gbs", c.broadcast_gbs},
       {"nccl_reduce_busbw_gbs", c.reduce_gbs},
       {"nccl_collective_us", c.collective_us},
+      {"nccl_wait_compute_share", c.wait_share},
       {"nccl_blocking", env::get_bool("DISTMUON_NCCL_BLOCKING")},
       {"ranks", ranks}};
 }

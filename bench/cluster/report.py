@@ -47,6 +47,14 @@ def issue_free_gbs(busbw_gbs: float, algo_factor: float, issue_us: float) -> flo
     return algo_factor * CALIBRATION_BYTES / max(t - issue_us * 1e-6, 0.5 * t) / 1e9
 
 
+def wait_share(cal: dict, args: argparse.Namespace) -> float:
+    """A waiting NCCL kernel's share of a rank's compute: --comm-wait-share when given, else the
+    calibration's (runs since 2026-12-06), else 0."""
+    if args.comm_wait_share is not None:
+        return args.comm_wait_share
+    return cal.get("nccl_wait_compute_share") or 0.0
+
+
 def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespace) -> dict | None:
     """Predicted step, engine and FSDP2 ms per mode for one record (None when the simulator cannot
     run). With a cost table measured on the whole GPU: its work scaled by the part's GEMM
@@ -77,7 +85,7 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
            "--collective-latency-us", f"{issue_us:.6g}",
            "--local-collective-us", f"{args.local_collective_us:.6g}",
            "--comm-compute-share", f"{args.comm_compute_share if shared else 0:.6g}",
-           "--comm-wait-share", f"{args.comm_wait_share if shared else 0:.6g}"]
+           "--comm-wait-share", f"{wait_share(cal, args) if shared else 0:.6g}"]
     # Runs recorded before the owners' batches spanned buckets (no 'batches_per_bucket' in the
     # record) cut them at the buckets' borders: simulate them so.
     if rec.get("batches_per_bucket", True):
@@ -112,6 +120,23 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
                "collective_us": issue_us})
 
 
+def e2e_runs(out: str) -> list[dict]:
+    """The end-to-end training runs of OUT/e2e-*.json (bench/multi_gpu/e2e_train.py), each with
+    its step over AdamW's at the same D (the optimizers may come from runs of their own)."""
+    e2e = []
+    for p in sorted(glob.glob(os.path.join(out, "e2e-*.json"))):
+        rec = load(p)
+        for r in rec.get("results", []):
+            e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
+                        "step_ms": r["step_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"],
+                        "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
+                        "config": rec.get("config")})
+    adamw = {r["ranks"]: r["step_ms"] for r in e2e if r["optimizer"] == "adamw"}
+    for r in e2e:
+        r["step_over_adamw"] = r["step_ms"] / adamw[r["ranks"]] if r["ranks"] in adamw else None
+    return e2e
+
+
 def planned_on_analytic(runs: list[dict]) -> bool:
     """Whether a run's engines placed their owners on analytic costs: its runs' plan_costs say
     so; records made before they did planned so (no cost table in the engines' store under
@@ -126,6 +151,7 @@ def resimulate(args: argparse.Namespace) -> None:
     rec_all = load(args.resimulate)
     cal = rec_all["calibration"]
     whole = whole_gpu_calibration(cal, args)
+    planner = args.planner or "lpt"  # records made before runs carried theirs planned with LPT
     preds, rows = {}, []
     for r in rec_all["runs"]:
         # One prediction per simulated set-up (it covers every mode of that run).
@@ -135,7 +161,7 @@ def resimulate(args: argparse.Namespace) -> None:
             # Records made before runs carried their planner and batching: --planner, and batches
             # cut at bucket borders (the engine then).
             rec = {"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"],
-                   "planner": r.get("planner", args.planner),
+                   "planner": r.get("planner", planner),
                    "batches_per_bucket": r.get("batches_per_bucket", True),
                    "plan_analytic": r.get("plan_analytic", True),
                    "bucket_mb": r.get("bucket_mb", 32),
@@ -147,7 +173,7 @@ def resimulate(args: argparse.Namespace) -> None:
             continue
         fsdp_measured = r["step_ms"] - r["engine_ms"]
         rows.append({"workload": r["workload"], "layers": r["layers"], "ranks": r["ranks"], "mode": m,
-                     "planner": r.get("planner") or args.planner, "bucket_mb": r.get("bucket_mb", 32),
+                     "planner": r.get("planner") or planner, "bucket_mb": r.get("bucket_mb", 32),
                      "step_ms": r["step_ms"], "engine_ms": r["engine_ms"],
                      "fsdp_ms": fsdp_measured if m != "dedicated" else None,
                      "recorded_predicted_ms": r.get("predicted_ms"),
@@ -160,7 +186,7 @@ def resimulate(args: argparse.Namespace) -> None:
                      "collective_us": p["collective_us"]})
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "resimulated.json"), "w") as f:
-        json.dump({"source": args.resimulate, "costs": args.costs, "planner": args.planner,
+        json.dump({"source": args.resimulate, "costs": args.costs, "planner": planner,
                    "comm_compute_share": args.comm_compute_share,
                    "comm_wait_share": args.comm_wait_share,
                    "local_collective_us": args.local_collective_us,
@@ -228,7 +254,8 @@ def predict_planned(args: argparse.Namespace) -> None:
         cal = {k: v for k, v in cal.items() if k != "nccl_collective_us"}  # --collective-latency-us
         for spec in args.workloads.split():
             name, _, layers = spec.partition(":")
-            r = {"ranks": d, "workload": name, "layers": int(layers or 0), "planner": args.planner,
+            r = {"ranks": d, "workload": name, "layers": int(layers or 0),
+                 "planner": args.planner or "milp",
                  "calibration": cal, "mechanism": "mps",
                  "batches_per_bucket": args.batches_per_bucket, "bucket_mb": args.bucket_mb}
             p = predict(args.plan, r, {"calibration": whole}, costs, args)
@@ -247,7 +274,9 @@ def main() -> None:
                     help="cost table measured on the whole GPU (default: OUT/costs.json if there)")
     ap.add_argument("--resimulate", default="", metavar="CLUSTER_JSON",
                     help="predict the runs of this cluster.json again (no step records needed)")
-    ap.add_argument("--planner", default="lpt", help="--resimulate: the planner the runs used")
+    ap.add_argument("--planner", default=None,
+                    help="--predict: the planner to place the owners with (default milp, the engine's); "
+                         "--resimulate: the one runs recorded without theirs used (default lpt)")
     ap.add_argument("--collective-latency-us", type=float, default=143,
                     help="host time per collective where the calibration lacks "
                          "nccl_collective_us (143: H100, two MPS ranks, 2026-12-06)")
@@ -256,9 +285,9 @@ def main() -> None:
     ap.add_argument("--comm-compute-share", type=float, default=0.75,
                     help="MPS ranks: share of a rank's compute a transfer takes (0.75: a bf16 "
                          "GEMM beside a 1 GiB NCCL broadcast, H100, two MPS ranks, 2026-12-06)")
-    ap.add_argument("--comm-wait-share", type=float, default=0,
+    ap.add_argument("--comm-wait-share", type=float, default=None,
                     help="MPS ranks: share of a rank's compute its NCCL kernel takes while it waits "
-                         "for its peers")
+                         "for its peers (default: the calibration's nccl_wait_compute_share, else 0)")
     ap.add_argument("--predict", default="", metavar="D,...",
                     help="predict the steps of a run at these D before it runs (with --from-record, "
                          "--workloads; prints a table; --out is not written)")
@@ -271,7 +300,7 @@ def main() -> None:
                     help="--predict: name:layers, as run.sh's WORKLOADS")
     ap.add_argument("--batches-per-bucket", action="store_true",
                     help="--predict: the owners' batches cut at bucket borders (the old engine)")
-    ap.add_argument("--bucket-mb", type=float, default=32,
+    ap.add_argument("--bucket-mb", type=float, default=1024,
                     help="--predict: MiB of full matrices per bucket (distmuon-bench --bucket-mb; 0: one)")
     args = ap.parse_args()
     if args.predict:
@@ -305,6 +334,8 @@ def main() -> None:
                    "plan_analytic": s["plan_analytic"], "bucket_mb": s.get("bucket_mb", 32),
                    "mode": r["mode"], "step_ms": r["step_ms"]["median"],
                    "engine_ms": r["engine_ms"]["median"],
+                   # how long step() held the host (recorded since 2026-12-06)
+                   "host_ms": r["host_ms"]["median"] if "host_ms" in r else None,
                    "predicted_ms": pred[r["mode"]] if pred else None,
                    "predicted_engine_ms": pred[f"{r['mode']}_engine"] if pred else None,
                    "compute_ms": r.get("compute_ms"), "comm_ms": r.get("comm_ms"),
@@ -326,18 +357,7 @@ def main() -> None:
         if r["speedup_vs_gather"] is None and g:
             r["speedup_vs_gather"] = g["step_ms"] / r["step_ms"]
         r["engine_speedup_vs_gather"] = g["engine_ms"] / r["engine_ms"] if g else None
-    e2e = []
-    for p in sorted(glob.glob(os.path.join(args.out, "e2e-*.json"))):
-        rec = load(p)
-        for r in rec.get("results", []):
-            e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
-                        "step_ms": r["step_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"],
-                        "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
-                        "config": rec.get("config")})
-    # Over AdamW's step at the same D (each optimizer may come from a run of its own).
-    adamw = {r["ranks"]: r["step_ms"] for r in e2e if r["optimizer"] == "adamw"}
-    for r in e2e:
-        r["step_over_adamw"] = r["step_ms"] / adamw[r["ranks"]] if r["ranks"] in adamw else None
+    e2e = e2e_runs(args.out)
     first = steps[0]
     out = {"mechanism": sorted({s["mechanism"] for s in steps}), "gpu": first["device"],
            "device_sms": first["device_sms"], "calibration": calibration, "runs": runs, "e2e": e2e,
@@ -348,22 +368,25 @@ def main() -> None:
         json.dump(out, f, indent=1)
 
     lines = [f"# The one-GPU cluster: {first['device']}", "",
-             "| workload | D | mode | step ms | x gather | engine ms | x gather's | predicted ms | "
-             "error | busiest rank: compute / comm / wait ms |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "| workload | D | mode | step ms | x gather | engine ms | x gather's | host ms | "
+             "predicted ms | error | busiest rank: compute / comm / wait ms |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in runs:
         lines.append(f"| {r['workload']} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
                      f"{fmt(r['speedup_vs_gather'], '{:.2f}')} | {r['engine_ms']:.1f} | "
-                     f"{fmt(r['engine_speedup_vs_gather'], '{:.2f}')} | {fmt(r['predicted_ms'])} | "
+                     f"{fmt(r['engine_speedup_vs_gather'], '{:.2f}')} | {fmt(r['host_ms'])} | "
+                     f"{fmt(r['predicted_ms'])} | "
                      f"{fmt(r.get('error'), '{:+.0%}')} | {fmt(r['compute_ms'])} / "
                      f"{fmt(r['comm_ms'])} / {fmt(r['wait_ms'])} |")
     lines += ["", "| D | GEMM TFLOP/s per rank | total | copy GB/s per rank | total | "
-              "NCCL all-gather GB/s | all-reduce | broadcast | reduce |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "NCCL all-gather GB/s | all-reduce | broadcast | reduce | waiting kernel's share |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for d, c in sorted(calibration.items(), key=lambda kv: int(kv[0])):
-        rooted = " | ".join(fmt(c.get(k), "{:.0f}")  # recorded since 2026-12-06 (dedicated's)
-                            for k in ("nccl_broadcast_busbw_gbs", "nccl_reduce_busbw_gbs"))
+        rooted = " | ".join(fmt(c.get(k), f)  # recorded since 2026-12-06
+                            for k, f in (("nccl_broadcast_busbw_gbs", "{:.0f}"),
+                                         ("nccl_reduce_busbw_gbs", "{:.0f}"),
+                                         ("nccl_wait_compute_share", "{:.2f}")))
         lines.append(f"| {d} | {c['gemm_tflops_per_rank_min']:.0f} | {c['gemm_tflops_total']:.0f} | "
                      f"{c['copy_gbs_per_rank_min']:.0f} | {c['copy_gbs_total']:.0f} | "
                      f"{c['nccl_allgather_busbw_gbs']:.0f} | {c['nccl_allreduce_busbw_gbs']:.0f} | "

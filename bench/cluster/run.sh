@@ -17,8 +17,9 @@
 #          D = 4 on one process per mode (memory; SPLIT_MODES): step-<workload>-<D>-<mode>.json
 #   costs  distmuon-plan --measure on the whole GPU: the cost table the simulator scales to a part
 #   e2e    FSDP2 training (bench/multi_gpu/e2e_train.py) with one process per rank under CUDA MPS
-#          (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / D); where MPS cannot start it says so and
-#          runs nothing (time-sliced processes would not measure speed): e2e-<D>.json
+#          (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = 100 / D), each of E2E_OPTIMIZERS in a torchrun of
+#          its own; where MPS cannot start it says so and runs nothing (time-sliced processes
+#          would not measure speed): e2e-<D>-<optimizer>.json
 # then bench/cluster/report.py merges everything into cluster.json, cluster.md and cluster.png
 # (it also runs on the CPU machine over a fetched $OUT).
 #
@@ -43,6 +44,8 @@ SPLIT_MODES=${SPLIT_MODES:-auto}  # 1: each mode in a process of its own; auto: 
 STAGES=${STAGES:-step costs e2e}
 E2E_RANKS=${E2E_RANKS:-1,8}
 E2E_ARGS=${E2E_ARGS:---config qwen2.5-1.5b --seq 2048 --steps 5 --warmup 2}
+E2E_OPTIMIZERS=${E2E_OPTIMIZERS:-adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire}
+E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}  # per optimizer and D
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 LOG=$OUT/run.log
@@ -188,12 +191,17 @@ if [[ " $STAGES " == *" e2e "* ]]; then
   source bench/gpu_python_setup.sh > /dev/null || say "the Python extension did not build"
   if mps_start; then
     for d in ${E2E_RANKS//,/ }; do
-      say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS)"
-      "${ranks_env[@]}" $(partition_env "$d") timeout -k 10 400 \
-        $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
-        $E2E_ARGS --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire \
-        --json "$OUT/e2e-$d.json" >> "$LOG" 2>&1 || say "FAILED: e2e on $d ranks (rc $?)"
-      grep -E "^\[$d ranks" "$LOG" | tail -n 4
+      # One process group per optimizer: a model torch's FSDP2 has run forward stays alive after
+      # its last reference goes (hooks held from C++), so configurations run one after another
+      # in one process pile up (the fifth ran out of an H200's memory at D = 1).
+      for opt in ${E2E_OPTIMIZERS//,/ }; do
+        say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS): $opt"
+        "${ranks_env[@]}" $(partition_env "$d") timeout -k 10 "$E2E_TIMEOUT_S" \
+          $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
+          $E2E_ARGS --optimizers "$opt" --progress --json "$OUT/e2e-$d-$opt.json" >> "$LOG" 2>&1 ||
+          say "FAILED: e2e $opt on $d ranks (rc $?)"
+        grep -E "^\[$d ranks" "$LOG" | tail -n 1
+      done
     done
     mps_stop
   else

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import json
 import os
 import statistics
@@ -75,6 +76,12 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
             schedule=torch.profiler.schedule(wait=args.warmup, warmup=1, active=2, repeat=1))
         prof.start()
     for step in range(args.warmup + args.steps):
+        # A step that has not ended after --stall-s prints every thread's stack on every rank
+        # (and again each --stall-s): a hang names its place instead of waiting for a watchdog.
+        if args.stall_s > 0:
+            faulthandler.dump_traceback_later(args.stall_s, repeat=True)
+        if dist.get_rank() == 0 and args.progress:
+            print(f"  {kind}: step {step + 1} of {args.warmup + args.steps}", flush=True)
         idx = torch.randint(0, cfg.vocab, (args.micro_batch, args.seq + 1), generator=gen).to(device)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -100,6 +107,7 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
             fb.append((t1 - t0) * 1e3)
             op.append((t2 - t1) * 1e3)
             tot.append((t2 - t0) * 1e3)
+    faulthandler.cancel_dump_traceback_later()
     if prof:
         prof.stop()
         if dist.get_rank() == 0:
@@ -111,6 +119,9 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     out = {"optimizer": kind, "fwd_bwd_ms": med[0].item(), "optimizer_ms": med[1].item(),
            "step_ms": med[2].item(), "peak_mem_gib": mem, "final_loss": loss.item()}
+    # Torch's FSDP2 keeps a model that ran forward alive past this (hooks held from C++), so
+    # configurations run one after another here pile up their memory: bench/cluster/run.sh runs
+    # one optimizer per process.
     del model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -130,6 +141,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="", help="folder for a chrome trace per optimizer (rank 0)")
     ap.add_argument("--json", default="")
+    ap.add_argument("--stall-s", type=float, default=120,
+                    help="print every rank's stacks when a step runs longer than this (0: never)")
+    ap.add_argument("--progress", action="store_true", help="rank 0 says which step starts")
     args = ap.parse_args()
 
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -170,6 +184,12 @@ def main() -> None:
                 json.dump({"world_size": world, "replicate": args.replicate, "config": args.config,
                            "seq": args.seq, "micro_batch": args.micro_batch, "results": results}, f, indent=1)
     dist.destroy_process_group()
+    # The interpreter's own teardown is skipped: torch's gloo worker threads abort a rank now
+    # and then there ("terminate called without an active exception", pytorch/pytorch#179291),
+    # after everything above is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

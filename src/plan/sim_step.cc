@@ -303,6 +303,9 @@ class StepModel {
     vote(t);
     const size_t nb = buckets_.size();
     std::vector<double> there(nb), back(nb), statuses(nb);
+    // own: elements of the matrices q owns, less q's own rows of them (which go straight to and
+    // from the stages, never through the all-to-alls); mine: elements of q's rows of every
+    // matrix (the pack of stage 0 copies each once, to the all-to-all or the stage).
     std::vector<std::vector<double>> own(nb), mine(nb);
     std::vector<double> a2a(nb), a2a_back(nb);
     const OwnerWork w = owner_work();
@@ -310,9 +313,9 @@ class StepModel {
     const auto &ortho = w.ortho, &done = w.done;
     const auto& runs = w.runs;
     for (size_t b = 0; b < nb; ++b) {
-      own[b].assign(static_cast<size_t>(d_), 0.0);   // elements of the matrices q owns
-      mine[b].assign(static_cast<size_t>(d_), 0.0);  // elements of q's rows of every matrix
-      std::vector<double> send(static_cast<size_t>(d_), 0.0), recv(send), self(send);
+      own[b].assign(static_cast<size_t>(d_), 0.0);
+      mine[b].assign(static_cast<size_t>(d_), 0.0);
+      std::vector<double> send(static_cast<size_t>(d_), 0.0), recv(send);
       for (int j : buckets_[b]) {
         const SimMatrix& mt = mats_[static_cast<size_t>(j)];
         own[b][static_cast<size_t>(mt.owner)] += static_cast<double>(mt.elems);
@@ -321,22 +324,18 @@ class StepModel {
               static_cast<double>(piece(tensors_[static_cast<size_t>(mt.tensor)], mt.slice, d_, q));
           mine[b][static_cast<size_t>(q)] += e;
           if (q == mt.owner) {
-            self[static_cast<size_t>(q)] += e * wire_;
+            own[b][static_cast<size_t>(q)] -= e;
             recv[static_cast<size_t>(q)] += (static_cast<double>(mt.elems) - e) * wire_;
           } else {
             send[static_cast<size_t>(q)] += e * wire_;
           }
         }
       }
-      // The all-to-alls: each rank's own part is a copy on its communicator stream; the slowest
-      // rank sets the pace.
+      // The all-to-alls: the slowest rank sets the pace.
       for (int q = 0; q < d_; ++q) {
         const size_t i = static_cast<size_t>(q);
-        const double own_part = d_ == 1 ? local(self[i]) : copy(self[i]);
-        a2a[b] =
-            std::max(a2a[b], own_part + alltoall_seconds(send[i], recv[i], d_, cm_, per_node_));
-        a2a_back[b] = std::max(a2a_back[b],
-                               own_part + alltoall_seconds(recv[i], send[i], d_, cm_, per_node_));
+        a2a[b] = std::max(a2a[b], alltoall_seconds(send[i], recv[i], d_, cm_, per_node_));
+        a2a_back[b] = std::max(a2a_back[b], alltoall_seconds(recv[i], send[i], d_, cm_, per_node_));
       }
     }
     for (size_t b = 0; b < nb; ++b) {  // stage 0 of every bucket: pack, rows to their owners

@@ -13,6 +13,10 @@
 // (the owner's batches read its own): without replicas their all-reduce is launched with the
 // update rows' all-to-all, one launch instead of two (a launch costs the host about 0.1 ms on
 // NCCL, and a step launches a few per bucket).
+//
+// A rank's own rows of the matrices it owns never enter the all-to-alls: they are copied from
+// the gradient straight into the owner's stage, and applied straight from the update's stage
+// (one copy each way instead of three; at one rank that is every row).
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
@@ -31,28 +35,33 @@ class ShardedRunner final : public ModeRunner {
     for (size_t b = 0; b < dist_.buckets.size(); ++b) {
       const Bucket& bk = dist_.buckets[b];
       BucketBuffers& s = bufs_[b];
-      int64_t g = 0, o = 0, send = 0, recv = 0;
+      // Stages hold whole matrices; the all-to-alls' buffers leave out this rank's own rows,
+      // which go straight to and from the stages.
+      int64_t g = 0, o = 0, send_g = 0, recv_g = 0, send_o = 0, recv_o = 0;
       for (int j : bk.mats) {
         const DistMatrix& m = dist_.mats[j];
         const int64_t mine = (m.hi[dist_.my_s] - m.lo[dist_.my_s]) * m.cols;
-        if (m.owner == dist_.rank) {
+        if (m.owner == dist_.rank) {  // its gradient rows come here
           grad_stage_offset_[j] = g;
           g += m.numel();
+          recv_g += m.numel() - mine;
         }
-        if (m.owner_s == dist_.my_s) {
+        if (m.owner_s == dist_.my_s) {  // its update is held at my position (every replica)
           update_stage_offset_[j] = o;
           o += m.numel();
+          send_o += m.numel() - mine;
+        } else {
+          recv_o += mine;
+          if (m.owner_r == dist_.my_r) send_g += mine;
         }
-        if (m.owner_r == dist_.my_r) send += mine;
-        recv += mine;
       }
       const DType w = dist_.mats[bk.mats[0]].wire;
       s.gstage = alloc(g, w);
-      s.recv_g = alloc(g, w);
+      s.recv_g = alloc(recv_g, w);
       s.ostage = alloc(o, w);
-      s.send_o = alloc(o, w);
-      s.send_g = alloc(send, w);
-      s.recv_o = alloc(recv, w);
+      s.send_o = alloc(send_o, w);
+      s.send_g = alloc(send_g, w);
+      s.recv_o = alloc(recv_o, w);
     }
   }
   int num_stages() const override { return 4; }
@@ -116,17 +125,20 @@ class ShardedRunner final : public ModeRunner {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_r != dist_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
         const ParamData& d = ctx.data[m.param];
-        copy_block(at(d.grad, local_offset(m, m.lo[me]), d.grad_dtype), d.grad_dtype,
-                   at(s.send_g.data(), cur, w), w, m.hi[me] - m.lo[me], m.cols);
-        cur += piece(m, me);
+        // Mine: straight to the stage the owner batch reads.
+        void* dst = q == me ? at(s.gstage.data(), grad_stage_offset_[j] + m.lo[me] * m.cols, w)
+                            : at(s.send_g.data(), cur, w);
+        copy_block(at(d.grad, local_offset(m, m.lo[me]), d.grad_dtype), d.grad_dtype, dst, w,
+                   m.hi[me] - m.lo[me], m.cols);
+        if (q != me) cur += piece(m, me);
       }
       s.grad.send_counts[q] = cur - s.grad.send_displs[q];
     }
     cur = 0;
-    for (int q = 0; q < S; ++q) {  // every position's rows of the matrices I own
+    for (int q = 0; q < S; ++q) {  // every other position's rows of the matrices I own
       s.grad.recv_displs[q] = cur;
       for (int j : bk.act)
-        if (dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
+        if (q != me && dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
       s.grad.recv_counts[q] = cur - s.grad.recv_displs[q];
     }
     s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.grad.send_counts, s.grad.send_displs,
@@ -139,6 +151,7 @@ class ShardedRunner final : public ModeRunner {
     BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.collect);
     for (int q = 0; q < dist_.shard_size; ++q) {
+      if (q == dist_.my_s) continue;  // collect() staged my own rows
       int64_t cur = s.grad.recv_displs[q];
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
@@ -222,7 +235,8 @@ class ShardedRunner final : public ModeRunner {
       s.update.send_displs[q] = cur;
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
-        if (m.owner_s != me || piece(m, q) == 0) continue;
+        // Mine stay: apply() reads them from the stage.
+        if (q == me || m.owner_s != me || piece(m, q) == 0) continue;
         copy_block(at(s.ostage.data(), update_stage_offset_[j] + m.lo[q] * m.cols, w), w,
                    at(s.send_o.data(), cur, w), w, m.hi[q] - m.lo[q], m.cols);
         cur += piece(m, q);
@@ -230,10 +244,10 @@ class ShardedRunner final : public ModeRunner {
       s.update.send_counts[q] = cur - s.update.send_displs[q];
     }
     cur = 0;
-    for (int q = 0; q < S; ++q) {  // my rows of the updates held at position q
+    for (int q = 0; q < S; ++q) {  // my rows of the updates held at every other position q
       s.update.recv_displs[q] = cur;
       for (int j : bk.act)
-        if (dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
+        if (q != me && dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
       s.update.recv_counts[q] = cur - s.update.recv_displs[q];
     }
     dist_.shard->grouped([&] {
@@ -254,16 +268,19 @@ class ShardedRunner final : public ModeRunner {
     for (int q = 0; q < dist_.shard_size; ++q) {
       int64_t cur = s.update.recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
-        const DistMatrix& m = dist_.mats[bk.act[k]];
+        const int j = bk.act[k];
+        const DistMatrix& m = dist_.mats[j];
         if (m.owner_s != q || piece(m, me) == 0) continue;
         const int64_t rows = m.hi[me] - m.lo[me];
         MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.dtype),
                                  m.dtype, rows, m.cols);
-        MuonSlot slot{wref, wref, wref, nullptr, ctx.coef + bk.act[k]};
-        backend_.muon_update(
-            {&slot, 1}, status_at(bk, static_cast<int>(k)),
-            BatchRef::packed(at(s.recv_o.data(), cur, m.wire), m.wire, 1, rows, m.cols), false);
-        cur += piece(m, me);
+        MuonSlot slot{wref, wref, wref, nullptr, ctx.coef + j};
+        // Mine from the update's stage, the others' as the all-to-all delivered them.
+        void* u = q == me ? at(s.ostage.data(), update_stage_offset_[j] + m.lo[me] * m.cols, m.wire)
+                          : at(s.recv_o.data(), cur, m.wire);
+        backend_.muon_update({&slot, 1}, status_at(bk, static_cast<int>(k)),
+                             BatchRef::packed(u, m.wire, 1, rows, m.cols), false);
+        if (q != me) cur += piece(m, me);
       }
     }
   }

@@ -317,6 +317,10 @@ TEST(Tools, DistributedComparisonRunsEveryMode) {
     modes.push_back(r["mode"]);
     EXPECT_GT(r["step_ms"]["median"].get<double>(), 0);
     EXPECT_GT(r["speedup_vs_gather"].get<double>(), 0);
+    // The host's share of the engine's time: on the CPU backend step() computes on the host, so
+    // it is the engine's time itself (but never more).
+    EXPECT_GT(r["host_ms"]["median"].get<double>(), 0);
+    EXPECT_LE(r["host_ms"]["median"].get<double>(), r["engine_ms"]["median"].get<double>());
   }
   EXPECT_EQ(modes,
             (std::vector<std::string>{"gather", "sharded", "dedicated", "replicated", "adamw"}));

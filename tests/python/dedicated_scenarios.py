@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon, dedicate
-from helpers import make_batch, scenario_device
+from helpers import full, full_state, load_checkpoint, make_batch, save_checkpoint, scenario_device
 
 GLOBAL_BATCH = 8
 DIM = 64  # large enough that the planner balances arithmetic, not launches (so bytes too)
@@ -114,19 +114,9 @@ def train(
     return out
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU (collective for DTensors)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
-
-
 def full_model(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every weight whole (collective: the dedicated ones come through the state_dict hook)."""
     return {k: full(v) for k, v in model.state_dict().items()}
-
-
-def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
-    sd = opt.state_dict()
-    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
 
 
 def mesh_of(kind: str, world: int) -> Any:
@@ -171,15 +161,10 @@ def run_dedicated(
     amp: bool = False,
     kw: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
     model, dm, opt = build(kind, world, overlap, kw)
     memory = dm.memory_stats()
     losses = train(model, opt, range(CKPT_AT), rank, world, accum, dm, sync_all, amp)
-    saved = None
-    if ckpt is not None:
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
-        saved = full_state(opt)
+    saved = None if ckpt is None else save_checkpoint(model, opt, ckpt)
     losses += train(model, opt, range(CKPT_AT, STEPS), rank, world, accum, dm, sync_all, amp)
     after = dm.memory_stats()
     st = opt.stats()
@@ -202,14 +187,8 @@ def run_dedicated(
 
 
 def run_resume(rank: int, world: int, kind: str, ckpt: str, kw: dict[str, Any] | None = None) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
     model, dm, opt = build(kind, world, overlap=True, kw=kw)
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
-    loaded = full_state(opt)
+    loaded = load_checkpoint(model, opt, ckpt)
     memory = dm.memory_stats()
     losses = train(model, opt, range(CKPT_AT, STEPS), rank, world, 1, dm)
     return {"loaded_state": loaded, "losses": losses, "params": full_model(model), "memory_after_load": memory}

@@ -18,7 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon
-from helpers import TinyGPT, make_batch, scenario_device, write_cost_store
+from helpers import TinyGPT, full_params, full_state, load_checkpoint, make_batch, save_checkpoint, scenario_device
+from helpers import train as train_loop
+from helpers import write_cost_store
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -62,39 +64,11 @@ def local_loss(model: nn.Module, step: int, rank: int, world: int, amp: bool = F
     return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
 def train(fwd: nn.Module, opt: Muon, steps: range, rank: int, world: int, amp: bool = False) -> list[float]:
     """Global mean loss of each step."""
-    out = []
-    for step in steps:
-        opt.zero_grad()
-        loss = local_loss(fwd, step, rank, world, amp)
-        loss.backward()
-        opt.step()
-        value = loss.detach().clone()
-        if distributed():
-            dist.all_reduce(value)
-            value /= world
-        out.append(value.item())
-    return out
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU (collective for DTensors)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
-
-
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p) for n, p in model.named_parameters()}
-
-
-def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
-    """Every state tensor as a full tensor (collective)."""
-    sd = opt.state_dict()
-    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    return train_loop(
+        fwd, [opt], len(steps), lambda m, step: local_loss(m, step, rank, world, amp), first_step=steps.start
+    )
 
 
 def wrap(model: nn.Module, kind: str, world: int) -> nn.Module:
@@ -139,16 +113,11 @@ def run_train(
     amp: bool = False,
 ) -> dict[str, Any]:
     """STEPS steps; with `ckpt`, a DCP checkpoint after CKPT_AT steps; `amp`: bf16 autocast."""
-    import torch.distributed.checkpoint as dcp
-
     model = make_model()
     fwd = wrap(model, kind, world)
     opt = Muon(model, dist_mode=dist_mode, **(kw or OPT_KW))
     losses = train(fwd, opt, range(CKPT_AT), rank, world, amp)
-    saved = None
-    if ckpt is not None:
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
-        saved = full_state(opt)
+    saved = None if ckpt is None else save_checkpoint(model, opt, ckpt)
     losses += train(fwd, opt, range(CKPT_AT, STEPS), rank, world, amp)
     return {
         "mode": opt.dist_mode,
@@ -176,16 +145,10 @@ def run_tune(rank: int, world: int) -> dict[str, Any]:
 
 def run_resume(rank: int, world: int, kind: str, ckpt: str, kw: dict[str, Any] | None = None) -> dict[str, Any]:
     """Loads the checkpoint into a fresh model and optimizer and trains the remaining steps."""
-    import torch.distributed.checkpoint as dcp
-
     model = make_model()
     fwd = wrap(model, kind, world)
     opt = Muon(model, **(kw or OPT_KW))
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
-    loaded = full_state(opt)
+    loaded = load_checkpoint(model, opt, ckpt)
     losses = train(fwd, opt, range(CKPT_AT, STEPS), rank, world)
     return {"loaded_state": loaded, "losses": losses, "params": full_params(model), "stats": opt.stats()}
 

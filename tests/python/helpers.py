@@ -1,5 +1,7 @@
-"""Test helpers: small models, a training loop that drives any set of optimizers, and
-torch.optim.Muon's Newton-Schulz in float32 (torch always iterates in bfloat16)."""
+"""Test helpers: small models, a training loop that drives any set of optimizers (in one process
+or on the ranks of a distributed scenario), what the distributed scenarios return (whole tensors,
+DCP checkpoints), and torch.optim.Muon's Newton-Schulz in float32 (torch always iterates in
+bfloat16)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import os
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 
@@ -97,18 +100,26 @@ def train(
     loss_fn: Callable[[nn.Module, int], torch.Tensor] = gpt_loss,
     schedulers: Sequence[object] = (),
     first_step: int = 0,
+    after_backward: Callable[[], None] = lambda: None,
 ) -> list[float]:
+    """Each step's loss, averaged over the ranks when torch.distributed is initialised: the global
+    batch's mean loss when each rank's `loss_fn` takes its share of the batch."""
     losses = []
     for step in range(first_step, first_step + steps):
         for o in optimizers:
             o.zero_grad()
         loss = loss_fn(model, step)
         loss.backward()
+        after_backward()
         for o in optimizers:
             o.step()
         for s in schedulers:
             s.step()  # type: ignore[attr-defined]
-        losses.append(loss.item())
+        value = loss.detach().clone()
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(value.item())
     return losses
 
 
@@ -125,3 +136,41 @@ def max_param_diff(a: nn.Module, b: nn.Module) -> float:
 
 def clone(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+# ---- what the distributed scenarios return -------------------------------------------------------
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor on the CPU (a DTensor gathered: collective)."""
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: full(p) for n, p in model.named_parameters()}
+
+
+def full_state(opt: torch.optim.Optimizer) -> dict[int, dict[str, torch.Tensor]]:
+    """Every state tensor of `opt.state_dict()` whole (collective)."""
+    sd = opt.state_dict()
+    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
+
+
+def save_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, ckpt: str) -> dict[int, dict[str, torch.Tensor]]:
+    """A DCP checkpoint of `model` and `opt` in `ckpt` (collective); returns the saved state whole."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
+    return full_state(opt)
+
+
+def load_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, ckpt: str) -> dict[int, dict[str, torch.Tensor]]:
+    """Loads the DCP checkpoint in `ckpt` into `model` and `opt` (collective); returns the loaded
+    state whole."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt)
+    model.load_state_dict(sd["model"])
+    opt.load_state_dict(sd["optim"])
+    return full_state(opt)

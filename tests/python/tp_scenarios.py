@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from distmuon.torch import Muon
-from helpers import make_batch, scenario_device
+from helpers import full_params, full_state, load_checkpoint, make_batch, save_checkpoint, scenario_device
+from helpers import train as train_loop
 
 GLOBAL_BATCH = 4
 STEPS = 5
@@ -128,33 +129,14 @@ def local_loss(model: nn.Module, step: int, dp_rank: int, dp: int) -> torch.Tens
 def train(model: nn.Module, opt: Muon, steps: range, dp_rank: int = 0, dp: int = 1) -> list[float]:
     """The global batch's mean loss of each step (every rank's loss averaged over the world:
     tensor / expert parallel peers hold the same)."""
-    out = []
-    for step in steps:
-        opt.zero_grad()
-        loss = local_loss(model, step, dp_rank, dp)
-        loss.backward()
-        average_ignored(model)  # type: ignore[arg-type]
-        opt.step()
-        value = loss.detach().clone()
-        if dist.is_initialized():
-            dist.all_reduce(value)
-            value /= dist.get_world_size()
-        out.append(value.item())
-    return out
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A copy of the whole tensor on the CPU (a DTensor gathered: collective)."""
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t.detach()).clone().cpu()  # type: ignore[operator]
-
-
-def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: full(p) for n, p in model.named_parameters()}
-
-
-def full_state(opt: Muon) -> dict[int, dict[str, torch.Tensor]]:
-    sd = opt.state_dict()
-    return {i: {k: full(v) for k, v in st.items()} for i, st in sd["state"].items()}
+    return train_loop(
+        model,
+        [opt],
+        len(steps),
+        lambda m, step: local_loss(m, step, dp_rank, dp),
+        first_step=steps.start,
+        after_backward=lambda: average_ignored(model),  # type: ignore[arg-type]
+    )
 
 
 # ---- layouts ---------------------------------------------------------------------------------
@@ -216,16 +198,11 @@ def run_layout(
     rank: int, world: int, layout: str, ckpt: str | None = None, kw: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """STEPS steps of `layout`; with `ckpt`, a DCP checkpoint after CKPT_AT steps."""
-    import torch.distributed.checkpoint as dcp
-
     model = make_model()
     dp_rank, dp = parallelize(model, layout)
     opt = Muon(model, **(kw or OPT_KW))
     losses = train(model, opt, range(CKPT_AT), dp_rank, dp)
-    saved = None
-    if ckpt is not None:
-        dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=ckpt)
-        saved = full_state(opt)
+    saved = None if ckpt is None else save_checkpoint(model, opt, ckpt)
     losses += train(model, opt, range(CKPT_AT, STEPS), dp_rank, dp)
     topo = opt._parts[0].topo
     return {
@@ -245,16 +222,10 @@ def run_resume(
 ) -> dict[str, Any]:
     """A fresh model and optimizer in `layout` (any world size) load the checkpoint written after
     CKPT_AT steps and train the remaining steps."""
-    import torch.distributed.checkpoint as dcp
-
     model = make_model()
     dp_rank, dp = parallelize(model, layout) if dist.is_initialized() else (0, 1)
     opt = Muon(model, **(kw or OPT_KW))
-    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
-    dcp.load(sd, checkpoint_id=ckpt)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(sd["optim"])
-    loaded = full_state(opt)
+    loaded = load_checkpoint(model, opt, ckpt)
     losses = train(model, opt, range(CKPT_AT, STEPS), dp_rank, dp)
     return {"loaded_state": loaded, "losses": losses, "params": full_params(model)}
 

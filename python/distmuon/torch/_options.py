@@ -86,6 +86,11 @@ def engine_dtype(dtype: torch.dtype | str) -> Any:
     return _DTYPES[torch_dtype_name(dtype)]
 
 
+def as_float(value: Any) -> float:
+    """A group value as a float: a number, or a one-element tensor (torch takes tensor hyperparameters)."""
+    return float(value.item() if isinstance(value, torch.Tensor) else value)
+
+
 def _scalar(group: dict[str, Any], key: str, where: str) -> float:
     value = group[key]
     if isinstance(value, torch.Tensor):

@@ -8,56 +8,29 @@ views of the engine's own state buffers.
 
 from __future__ import annotations
 
-import fnmatch
 import math
-import warnings
-from itertools import chain
 from typing import Any
 
 import torch
 from torch import nn
 
-from distmuon import _C
-from distmuon.torch import _checkpoint as ckpt
 from distmuon.torch import _options as opt
 from distmuon.torch import _remap as remap
-from distmuon.torch._device import check_communicator, common_device, to_dlpack
-from distmuon.torch._dist import Topology, agree, detect, is_dtensor, local_rows, local_tensor
-from distmuon.torch._params import (
-    MuonFilter,
-    ParamInfo,
-    blocked_shape,
-    check_row_blocks,
-    check_tensor_param,
-    default_muon_filter,
-    matrix_shape,
-    module_param_infos,
-    row_blocks_of,
-    split_named,
-)
-from distmuon.torch._parts import Part, build_part, merge_stats
-from distmuon.torch._state_view import StateView
-from distmuon.torch._state_view import edits as state_edits
-from distmuon.torch.dedicate import handle_of
-from distmuon.torch._state import (
-    MATRIX_STATE,
-    Slot,
-    expected_numel,
-    export_state,
-    held_momentum,
-    import_state,
-    owner_held,
-)
-
-# State a loaded state dict may lack (it then starts fresh): CacheMuon's entries.
-OPTIONAL_STATE = frozenset(MATRIX_STATE)
+from distmuon.torch._device import check_communicator, to_dlpack
+from distmuon.torch._engines import Engines
+from distmuon.torch._param_groups import ParamGroups
+from distmuon.torch._params import MuonFilter, ParamInfo, check_row_blocks, module_param_infos
+from distmuon.torch._parts import Part, merge_stats
+from distmuon.torch._state import Slot
+from distmuon.torch._state_dicts import StateDicts
+from distmuon.torch._step_inputs import step_inputs
 
 
-def _float(v: Any) -> float:
-    return float(v.item() if isinstance(v, torch.Tensor) else v)
-
-
-class Muon(torch.optim.Optimizer):
+# Muon's methods are split by responsibility over its bases: the parameter groups
+# (_param_groups.py), the engines (_engines.py) and the checkpoints (_state_dicts.py); here are the
+# constructor, the step and what the engines report. The constructor sets every attribute the
+# bases use; each base is a torch.optim.Optimizer, so that their super() calls reach torch's.
+class Muon(ParamGroups, Engines, StateDicts):
     """Muon (orthogonalized momentum) for matrices, AdamW for the other parameters.
 
     Args:
@@ -113,7 +86,7 @@ class Muon(torch.optim.Optimizer):
         process_group: the group of the replicated mode (default: the whole world).
         bucket_mb: megabytes of full matrices moved per bucket in the distributed modes (the
             next bucket travels while the current one computes); None (default): the engine's
-            (``DistOptions().bucket_bytes``, 32 MiB).
+            (``DistOptions().bucket_bytes``, 1 GiB).
         wire_dtype: None (default: each parameter's dtype) or torch.bfloat16: in the sharded and
             gather modes (FSDP2, HSDP), float32 parameters' gradient rows and updates travel in
             bfloat16, half the optimizer's traffic, each rounded once (docs/distributed.md,
@@ -275,413 +248,6 @@ class Muon(torch.optim.Optimizer):
             "distributed, communicators): save opt.state_dict() and load it into a new Muon"
         )
 
-    # ---- parameter groups -----------------------------------------------------------------
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Adds a group; without ``use_muon`` it is split into a Muon and an AdamW group."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {type(param_group).__name__}")
-        group = dict(param_group)
-        where = f"parameter group {len(self.param_groups)}"
-        raw = group.pop("params")
-        if isinstance(raw, torch.Tensor):
-            raw = [raw]
-        elif isinstance(raw, set):
-            raise TypeError("parameters must be given in an ordered collection (a list), not a set")
-        params, names = split_named(raw)
-        given_names = group.pop("param_names", None)
-        if names is None and given_names is not None:
-            names = list(given_names)
-        seen: dict[int, int] = {}
-        for i, p in enumerate(params):
-            if id(p) in seen:  # torch only warns; each listing would get its own update and state
-                label = f"'{names[seen[id(p)]]}' and '{names[i]}'" if names else f"positions {seen[id(p)]} and {i}"
-                raise ValueError(f"{where} lists one parameter twice ({label}): each parameter may appear once")
-            seen[id(p)] = i
-        use_muon = group.pop("use_muon", None)
-        opt.check_group_keys(group, use_muon, where)
-
-        first = sum(len(g["params"]) for g in self.param_groups)
-        infos = [self._param_info(p, names[i] if names else None, first + i) for i, p in enumerate(params)]
-        for p, info in zip(params, infos):
-            check_tensor_param(p, info.name)
-        if use_muon is None:
-            muon_mask = [self._wants_muon(p, info) for p, info in zip(params, infos)]
-        else:
-            if not isinstance(use_muon, bool):
-                raise TypeError(f"{where}: use_muon must be a bool (got {use_muon!r})")
-            muon_mask = [use_muon] * len(params)
-        for p, info, m in zip(params, infos, muon_mask):
-            if m and p.ndim < 2:
-                raise ValueError(
-                    f"{where}: parameter '{info.name}' has shape {tuple(p.shape)}; Muon needs a "
-                    "matrix (2D), a batch of matrices (3D) or a convolution kernel; give it AdamW"
-                )
-        if use_muon is None and names is None and any(muon_mask) and self._muon_filter is None:
-            self._warn_unnamed()
-
-        groups_before = len(self.param_groups)
-        parts = []
-        if any(muon_mask):
-            parts.append((True, opt.muon_group(group, use_muon, self._muon_defaults)))
-        if not all(muon_mask):
-            parts.append((False, opt.adamw_group(group, use_muon, self._adamw_defaults)))
-        for kind, g in parts:
-            chosen = [(info.name, p) for p, info, m in zip(params, infos, muon_mask) if m == kind]
-            g["params"] = chosen if names else [p for _, p in chosen]
-            super().add_param_group(g)
-            added = self.param_groups[-1]
-            keep = set(opt.MUON_KEYS if kind else opt.ADAMW_KEYS) | {"params", "param_names", "use_muon", "initial_lr"}
-            for k in [k for k in added if k not in keep]:
-                del added[k]  # defaults of the other kind that torch's add_param_group filled in
-        if self._parts:
-            try:
-                self._build_engine()
-            except Exception:
-                del self.param_groups[groups_before:]  # refused: the optimizer stays as it was
-                raise
-
-    def _param_info(self, p: torch.Tensor, name: str | None, index: int) -> ParamInfo:
-        info = self._infos.get(id(p))
-        if name is None:
-            return info if info is not None else ParamInfo(f"param{index}", named=False)
-        base = info or ParamInfo(name, True)
-        return ParamInfo(name, True, base.embedding, base.conv)
-
-    def _wants_muon(self, p: torch.Tensor, info: ParamInfo) -> bool:
-        if self._muon_filter is not None:
-            return bool(self._muon_filter(info.name, p))
-        if not info.named:
-            return p.ndim >= 2 and min(matrix_shape(p, False)[-2:]) > 1
-        return default_muon_filter(info.name, p, info)
-
-    def _warn_unnamed(self) -> None:
-        if self._unnamed_warned:
-            return
-        self._unnamed_warned = True
-        warnings.warn(
-            "distmuon.torch.Muon got parameters without names, so embeddings and the output head "
-            "cannot be recognised and every matrix gets Muon; pass the model, "
-            "model.named_parameters(), or muon_filter",
-            UserWarning,
-            stacklevel=5,  # the caller of Muon(...)
-        )
-
-    # ---- the engine -------------------------------------------------------------------------
-
-    def _named_params(self) -> list[tuple[int, str, torch.Tensor, ParamInfo]]:
-        """(group index, name, parameter, info) of every parameter, in state_dict order."""
-        out = []
-        for gi, g in enumerate(self.param_groups):
-            names = g.get("param_names")
-            for j, p in enumerate(g["params"]):
-                index = len(out)
-                name = names[j] if names else self._param_info(p, None, index).name
-                out.append((gi, name, p, self._param_info(p, name if names else None, index)))
-        return out
-
-    def _make_slots(self, layout: list[tuple[Topology, list[int], Any]]) -> list[Slot]:
-        """Every parameter's Slot (key: its state_dict index) for the engines of `layout`.
-        Slot.index is set per engine by _build_engine."""
-        dedicated = {k for _, keys, h in layout if h is not None for k in keys}
-        topo_of = {k: topo for topo, keys, _ in layout for k in keys}
-        slots, unmatched = [], set(self._row_blocks)
-        for key, (gi, name, p, info) in enumerate(self._named_params()):
-            use_muon = self.param_groups[gi]["use_muon"]
-            shape = matrix_shape(p, info.conv) if use_muon else list(p.shape)
-            blocks = self._row_blocks_of(gi, name)
-            if use_muon:
-                unmatched -= {pattern for pattern in unmatched if fnmatch.fnmatchcase(name, pattern)}
-            if blocks > 1:
-                shape = blocked_shape(name, list(p.shape), blocks)
-            topo, placed = topo_of[key], None
-            if topo.layouts is not None:  # tensor / expert parallel layouts, sub-meshes
-                placed = remap.place(topo, p, use_muon, int(p.shape[0]) // shape[0] if blocks > 1 else 1)
-                rows = placed.member_rows[topo.member]
-                if placed.kind == "flat":  # the flat boxes of a replica, end to end
-                    shape = [sum(n for _, n in placed.member_rows[: topo.shard_size])]
-            else:
-                rows = local_rows(name, p) if is_dtensor(p) else None
-            if key in dedicated and (not use_muon or len(shape) != 2):
-                raise ValueError(
-                    f"parameter '{name}' is dedicated (distmuon.torch.dedicate) but "
-                    f"{'is in an AdamW group' if not use_muon else 'is not one matrix'}; dedicated "
-                    "parameters must be Muon matrices here"
-                )
-            slots.append(Slot(key, gi, name, p, use_muon, shape, p.shape, p.dtype, rows, key, placed))
-        if unmatched:
-            raise ValueError(f"row_blocks patterns {sorted(unmatched)} match no Muon matrix of this optimizer")
-        return slots
-
-    def _group_options(self, gi: int, device_type: str) -> Any:
-        g = self.param_groups[gi]
-        where = f"parameter group {gi} ({'Muon' if g['use_muon'] else 'AdamW'})"
-        if g["use_muon"]:
-            return opt.muon_options(g, device_type, opt.engine_dtype(self._momentum_dtype), where)
-        return opt.adamw_options(g, where)
-
-    def _layout(self) -> list[tuple[Topology, list[int], Any]]:
-        """(topology, state_dict keys, Dedicated handle or None) of each engine to build."""
-        named = self._named_params()
-        if not named:
-            raise ValueError("optimizer got an empty parameter list")
-        handles = {id(h): h for _, _, p, _ in named if (h := handle_of(p)) is not None}
-        if len(handles) > 1:
-            raise ValueError("the parameters come from several dedicate() calls; one per optimizer")
-        handle = next(iter(handles.values()), None)
-        ded = [k for k, (_, _, p, _) in enumerate(named) if handle is not None and handle_of(p) is handle]
-        if handle is not None and len(ded) != len(handle.matrices):
-            raise ValueError(
-                f"the optimizer holds {len(ded)} of the {len(handle.matrices)} dedicated parameters; give "
-                "it all of them (their gradients are reduced to their owners for its step)"
-            )
-        rest = [k for k in range(len(named)) if k not in set(ded)]
-        out: list[tuple[Topology, list[int], Any]] = []
-        if handle is not None:
-            if self._dist_mode not in ("auto", "dedicated"):
-                raise ValueError(f"dist_mode={self._dist_mode!r} but the model has dedicated parameters")
-            out.append((handle.topology(), ded, handle))
-        if rest:
-            mode = "auto" if self._dist_mode == "dedicated" else self._dist_mode
-            params = [named[k][2] for k in rest]
-            # FSDP2's row shards cut through row blocks: blocked matrices take the layout path
-            blocked = any(self._row_blocks_of(gi, name) > 1 for gi, name, _, _ in (named[k] for k in rest))
-            topo = detect(params, [named[k][1] for k in rest], mode, self._process_group, layout=blocked)
-            out.append((topo, rest, None))
-        return out
-
-    def _row_blocks_of(self, gi: int, name: str) -> int:
-        """The equal row blocks ``row_blocks`` cuts a Muon matrix into (1: none)."""
-        return row_blocks_of(name, self._row_blocks) if self.param_groups[gi]["use_muon"] else 1
-
-    def _held_params_changed(self) -> bool:
-        """True when the groups no longer hold exactly the registered parameters, in order: a
-        group was added, or parameters were put into ``param_groups`` (as accelerate does after
-        ``fully_shard``, swapping in the DTensor parameters)."""
-        if not self._parts:
-            return True
-        held = [p for g in self.param_groups for p in g["params"]]
-        return len(held) != len(self._slots) or any(p is not s.param for p, s in zip(held, self._slots))
-
-    def _adopt_swapped_params(self) -> None:
-        """Parameters put into a group in place of others: each is checked like a parameter
-        given to the constructor and takes over what the model told about the one it replaced
-        (an embedding, a convolution kernel). Their optimizer state starts fresh."""
-        old = {(s.group, s.name): self._infos.get(id(s.param)) for s in self._slots}
-        for gi, name, p, _ in self._named_params():
-            check_tensor_param(p, name)
-            info = old.get((gi, name))
-            if id(p) not in self._infos and info is not None:
-                self._infos[id(p)] = info
-
-    def _build_engine(self, tune: bool = False) -> None:
-        """(Re)creates the engines for the current groups, carrying over the state of the
-        parameters that stayed (new ones start fresh). The distributed mode follows the
-        parameters: plain ones swapped for FSDP2's DTensors move the optimizer from the
-        replicated to the sharded mode. Collective in distributed modes."""
-        layout = self._layout()
-        try:
-            self._adopt_swapped_params()
-            slots = self._make_slots(layout)
-            device = common_device([s.local() for s in slots], [s.name for s in slots])
-            options = [self._group_options(gi, device.type) for gi in range(len(self.param_groups))]
-            error = None
-        except (ValueError, TypeError, RuntimeError) as e:
-            if not any(t.distributed for t, _, _ in layout):
-                raise
-            error = str(e)
-        for topo, _, _ in layout:
-            agree(topo, error, "building distmuon.torch.Muon")
-        old_parts = self._parts
-        parts = []
-        for topo, keys, handle in layout:
-            mine = [slots[k] for k in keys]
-            for i, s in enumerate(mine):
-                s.index = i
-            comm = next((p.comm for p in old_parts if p.topo.mode == topo.mode), None)
-            if handle is not None:  # the dedicated engine shares the handle's transfers' communicator
-                comm = handle.comm
-            parts.append(
-                build_part(
-                    topo,
-                    mine,
-                    options,
-                    device,
-                    self._nonfinite,
-                    self._bucket_mb,
-                    self._communicator,
-                    comm,
-                    handle,
-                    graphs=self._cuda_graphs,
-                    autotune=self._autotune,
-                    tune=tune,
-                    wire_dtype=self._wire_dtype,
-                )
-            )
-        carried: dict[int, tuple[dict[str, Any], int]] = {}  # id(param) -> (state, step)
-        for old in old_parts:
-            steps = old.engine.param_steps()
-            for s, entry in zip(old.slots, export_state(old.engine, old.topo, old.slots, comm=old.comm)):
-                carried[id(s.param)] = (entry, steps[s.index], s.use_muon)  # type: ignore[assignment]
-        self._parts, self._slots, self._device = parts, slots, device
-        held = {id(s.param) for s in slots}
-        for p in [p for p in self.state if id(p) not in held]:
-            del self.state[p]  # parameters no longer held: their state would keep them alive
-        for part in parts:
-            if old_parts:
-                entries = []
-                for s in part.slots:
-                    c = carried.get(id(s.param))
-                    ok = c is not None and c[2] == s.use_muon  # type: ignore[misc]
-                    entries.append(c[0] if ok else None)  # type: ignore[index]
-                    if ok:
-                        part.engine.set_param_step(s.index, c[1])  # type: ignore[index]
-                import_state(part.engine, part.topo, part.slots, entries, comm=part.comm)
-            if part.dedicated is not None:
-                early = self._nonfinite == "skip" and part.dedicated.overlap_step
-                part.dedicated.bind(self._prepare_dedicated if early else None, part.engine.discard_prepared)
-        # Groups that existed keep their last pushed signature and buffer momentum, so that an
-        # option changed since the last step is still noticed (and the buffers rescaled) by it.
-        sigs, mus = self._signatures, self._buffer_momentum
-        self._signatures = [
-            sigs[i] if i < len(sigs) else opt.group_signature(g) for i, g in enumerate(self.param_groups)
-        ]
-        self._buffer_momentum = [
-            mus[i] if i < len(mus) else _float(g.get("momentum", 0.0)) for i, g in enumerate(self.param_groups)
-        ]
-        self._refresh_state()
-
-    def _part(self, s: Slot) -> Part:
-        return next(part for part in self._parts if any(x is s for x in part.slots))
-
-    def _refresh_state(self) -> None:
-        """``self.state[p]``: the step and the state this process holds in the parameter's
-        placement (views of the engine's memory). Momentum kept with owners is not in it (it is
-        not in the parameter's placement); ``state_dict()`` gathers it."""
-        entries: dict[Any, dict[str, Any]] = {}
-        for part in self._parts:
-            exported = export_state(part.engine, part.topo, part.slots, gather_momentum=False)
-            steps = part.engine.param_steps()
-            for s, entry in zip(part.slots, exported):
-                st = {k: v for k, v in entry.items() if not owner_held(part.topo, s, k)}
-                st["step"] = torch.tensor(float(steps[s.index]))
-                entries[s.param] = st
-        self.state = StateView.of(entries)
-        self._state_original = {id(p): dict(st) for p, st in entries.items()}
-
-    def _apply_state_edits(self) -> None:
-        """Entries of ``self.state`` deleted, emptied or given new values since it was made take
-        effect now, as torch's next step would see them: a parameter without its entry starts
-        fresh, a new tensor or step is loaded (and checked) like a state dict's. Collective when
-        distributed (every rank edits alike, as the same training code does)."""
-        changes = state_edits(self.state, self._state_original, [s.param for s in self._slots])
-        sd = self._state_dict(hooks=False)
-        for i, change in changes.items():
-            key = self._slots[i].key
-            if change is None:
-                sd["state"].pop(key, None)
-            else:
-                sd["state"][key] = {**sd["state"][key], **change}
-        self._load_state_dict(sd, hooks=False)
-
-    def _push_options(self) -> None:
-        """Sends changed group options (LR schedulers, user edits) to the engines."""
-        for gi, g in enumerate(self.param_groups):
-            sig = opt.group_signature(g)
-            if sig == self._signatures[gi]:
-                continue
-            options = self._group_options(gi, self._device.type)  # validates before any change
-            if g["use_muon"]:
-                self._rescale_momentum(gi, _float(g["momentum"]))
-            for part in self._parts:
-                live = part.engine.group(gi)
-                if g["use_muon"]:
-                    live.muon = options.muon
-                else:
-                    live.adamw = options.adamw
-            self._signatures[gi] = sig
-
-    def _rescale_momentum(self, gi: int, mu: float) -> None:
-        """Keeps the sum-form buffer B equal to E / (1 - mu) when mu changes (momentum warm-up,
-        OneCycleLR), E being torch.optim.Muon's EMA buffer, so that the updates stay those of
-        torch.optim.Muon for any momentum schedule. With a constant mu this never runs."""
-        old = self._buffer_momentum[gi]
-        if mu == old:
-            return
-        factor = (1.0 - old) / (1.0 - mu)
-        for part in self._parts:
-            for s in part.slots:
-                if s.group == gi:
-                    for v in held_momentum(part.engine, part.topo, s):
-                        v.mul_(factor)
-        self._buffer_momentum[gi] = mu
-
-    def _step_inputs(self, part: Part) -> tuple[list[Any], list[Any], list[tuple[Slot, torch.Tensor]]]:
-        """DLPack capsules of every parameter and gradient (their local parts under FSDP2),
-        checked before the engine touches anything, and the remapped parameters that step
-        (their weights and gradients are moved into the engine's rows here: collective). The
-        binding checks device, dtype and layout against the registration (naming the
-        parameter); the checks here are the ones it cannot make."""
-        params: list[Any] = []
-        grads: list[Any] = []
-        remapped: list[tuple[Slot, torch.Tensor, torch.Tensor | None]] = []
-        for s in part.slots:
-            p = s.param
-            if p.shape != s.full_shape:
-                raise RuntimeError(
-                    f"parameter '{s.name}' now has shape {tuple(p.shape)}, but the optimizer was "
-                    f"built for {tuple(s.full_shape)}; create the optimizer after changing the model"
-                )
-            g = p.grad
-            if g is not None and s.rows is not None:
-                g = self._local_grad(s, g)
-            if g is not None and (g.layout != torch.strided or g.shape != s.held_shape or not g.is_contiguous()):
-                g = self._check_grad(s, g)
-            params.append(to_dlpack(s.local()))
-            if s.placed is not None and s.placed.kind == "remap":
-                if g is not None and g.dtype != p.dtype:
-                    raise ValueError(f"gradient of parameter '{s.name}' has dtype {g.dtype}, the parameter {p.dtype}")
-                remapped.append((s, local_tensor(p), g))
-                grads.append(None)  # below, once the ranks agree that it steps
-                continue
-            if g is not None and s.placed is not None and s.placed.kind == "flat":
-                g = g.view(-1)
-            grads.append(None if g is None else to_dlpack(g))
-        stepped = []
-        if remapped:
-            present = remap.inbound(part.topo, part.comm, remapped, part.remap_traffic)
-            for (s, w, _), on in zip(remapped, present):
-                if on:
-                    grads[s.index] = to_dlpack(s.placed.grad)  # type: ignore[union-attr]
-                    stepped.append((s, w))
-        return params, grads, stepped
-
-    @staticmethod
-    def _local_grad(s: Slot, g: torch.Tensor) -> torch.Tensor:
-        if not is_dtensor(g):
-            raise ValueError(f"parameter '{s.name}' is a DTensor but its gradient is a plain tensor")
-        p: Any = s.param
-        if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
-            raise ValueError(
-                f"gradient of parameter '{s.name}' has placements {tuple(g.placements)}, the "  # type: ignore[attr-defined]
-                f"parameter {tuple(p.placements)}"
-            )
-        return local_tensor(g)
-
-    @staticmethod
-    def _check_grad(s: Slot, g: torch.Tensor) -> torch.Tensor:
-        if g.layout != torch.strided:
-            raise RuntimeError(
-                f"parameter '{s.name}' has a sparse gradient ({g.layout}); distmuon needs dense gradients"
-            )
-        if g.shape != s.held_shape:
-            what = "local shard shape" if s.rows is not None else "shape"
-            raise ValueError(
-                f"gradient of parameter '{s.name}' has {what} {tuple(g.shape)}, the parameter "
-                f"{tuple(s.held_shape)}"
-            )
-        return g.contiguous()  # the engine reads dense row-major memory
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """One optimizer step over every parameter that has a gradient (collective when
@@ -700,7 +266,7 @@ class Muon(torch.optim.Optimizer):
         for part in self._parts:
             if part.dedicated is not None:
                 part.dedicated.before_step()  # reductions complete, owners hold mean gradients
-            params, grads, remapped = self._step_inputs(part)
+            params, grads, remapped = step_inputs(part)
             part.order.before()
             part.engine.step(params, grads)
             remap.outbound(part.topo, part.comm, remapped, part.remap_traffic)  # new weights into their placements
@@ -765,6 +331,7 @@ class Muon(torch.optim.Optimizer):
         out["remap_bytes_sent"] = sum(p.remap_traffic[0] for p in self._parts)
         out["remap_bytes_received"] = sum(p.remap_traffic[1] for p in self._parts)
         return out
+
     def stats(self) -> dict[str, Any]:
         """A summary of this rank's work (synchronises the device; not collective):
 
@@ -804,118 +371,3 @@ class Muon(torch.optim.Optimizer):
             out["last_update_rel_err"] = c["latest_update_error"]
             out["last_alignment"] = c["latest_alignment"]
         return out
-
-    # ---- checkpoints --------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's format: per parameter index 'step' and 'momentum_buffer' (Muon) or
-        'exp_avg'/'exp_avg_sq' (AdamW), each shaped like its parameter: a DTensor with the
-        parameter's placements under FSDP2, a full tensor otherwise, so that
-        torch.distributed.checkpoint can load it at another world size. Tensors alias the
-        engine's live state where it is kept in that placement (as torch's do); momentum kept
-        with each matrix's owner is gathered into new tensors (collective)."""
-        return self._state_dict(hooks=True)
-
-    def _state_dict(self, hooks: bool) -> dict[str, Any]:
-        """state_dict(), with the user's hooks (hooks=True) or for the optimizer's own use."""
-        if self._held_params_changed():
-            self._build_engine()
-        # The saved buffers must assume the momentum the saved groups hold (a scheduler may have
-        # changed it since the last step): bring them up to date, as the next step would.
-        for gi, g in enumerate(self.param_groups):
-            mu = _float(g.get("momentum", 0.0))
-            if g["use_muon"] and 0.0 <= mu < 1.0:
-                self._rescale_momentum(gi, mu)
-        self._refresh_state()
-        # torch's state_dict() runs the pre- and post-hooks around what it builds; the post-hooks
-        # must see (and may replace) the complete dict, so they run here, after the engine's state.
-        pre_hooks, post_hooks = self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks
-        if not hooks:
-            self._optimizer_state_dict_pre_hooks = type(pre_hooks)()
-        self._optimizer_state_dict_post_hooks = type(post_hooks)()
-        try:
-            sd = super().state_dict()
-        finally:
-            self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = pre_hooks, post_hooks
-        for part in self._parts:
-            steps = part.engine.param_steps()
-            for s, entry in zip(part.slots, export_state(part.engine, part.topo, part.slots, comm=part.comm)):
-                entry["step"] = torch.tensor(float(steps[s.index]))
-                sd["state"][s.key] = entry
-        for hook in post_hooks.values() if hooks else ():
-            result = hook(self, sd)
-            if result is not None:
-                sd = result
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads a state_dict() of an optimizer with the same groups, saved at any world size
-        (DTensor entries in any placement of this mesh, or full tensors); nothing changes unless
-        every entry checks out on every rank. Collective when distributed."""
-        self._load_state_dict(state_dict, hooks=True)
-
-    def _load_state_dict(self, state_dict: dict[str, Any], hooks: bool) -> None:
-        if self._held_params_changed():
-            self._build_engine()
-        topos = [p.topo for p in self._parts]
-        try:
-            if not isinstance(state_dict, dict):
-                raise TypeError(f"a state dict must be a dict (got {type(state_dict).__name__})")
-            state_dict = state_dict.copy()  # as torch: the pre-hooks may change it in place
-            for hook in self._optimizer_load_state_dict_pre_hooks.values() if hooks else ():
-                result = hook(self, state_dict)
-                if result is not None:
-                    state_dict = result
-            ckpt.check_layout(state_dict)  # what the hooks made of it
-            merged, plan = self._checked_load(state_dict)
-            error = None
-        except (ValueError, TypeError, KeyError) as e:
-            if not any(t.distributed for t in topos):
-                raise
-            merged, plan, error = [], [], f"{type(e).__name__}: {e}"
-        presence = "".join("0" if e is None else "1" for _, e in plan)
-        for topo in topos:
-            agree(topo, error, "load_state_dict", fingerprint=f"entries {presence}" if error is None else "")
-        self.param_groups = merged
-        entries = {s.key: e for s, e in plan}
-        for part in self._parts:
-            import_state(part.engine, part.topo, part.slots, [entries[s.key] for s in part.slots], comm=part.comm)
-            for s in part.slots:
-                entry = entries[s.key]
-                part.engine.set_param_step(s.index, ckpt.step_of(s.name, entry))
-        self._buffer_momentum = [_float(g.get("momentum", 0.0)) for g in self.param_groups]
-        self._refresh_state()
-        for hook in self._optimizer_load_state_dict_post_hooks.values() if hooks else ():
-            hook(self)
-
-    def _state_numel(self, s: Slot) -> dict[str, int]:
-        engine = self._part(s).engine
-        return {name: expected_numel(s, name) for name in engine.state_names(s.index)}
-
-    def _checked_load(self, state_dict: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[Slot, Any]]]:
-        """The merged groups and per slot the checked saved entry (None: fresh state)."""
-        saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-        ckpt.check_saved_groups(self.param_groups, saved_groups)
-        saved_ids = chain.from_iterable(sg["params"] for sg in saved_groups)
-        saved_group_of = [sg for sg in saved_groups for _ in sg["params"]]
-        plan = [
-            (
-                s,
-                ckpt.from_torch_muon(
-                    s.name,
-                    sg,
-                    ckpt.checked_entry(
-                        s.name, s.use_muon, s.full_shape, self._state_numel(s), saved_state.get(i), OPTIONAL_STATE
-                    ),
-                ),
-            )
-            for s, i, sg in zip(self._slots, saved_ids, saved_group_of)
-        ]
-        old_groups = self.param_groups
-        self.param_groups = ckpt.merged_groups(old_groups, saved_groups)
-        try:
-            for gi in range(len(self.param_groups)):
-                self._group_options(gi, self._device.type)  # validates the loaded options
-            return self.param_groups, plan
-        finally:
-            self.param_groups = old_groups

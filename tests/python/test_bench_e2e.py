@@ -1,0 +1,59 @@
+"""The cluster's end-to-end benchmark as bench/cluster/run.sh runs it, on 2 gloo ranks: one
+torchrun per optimizer (bench/multi_gpu/e2e_train.py), then report.py's merge, whose ratio over
+AdamW spans the files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN = REPO / "bench" / "multi_gpu" / "e2e_train.py"
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("cluster_report", REPO / "bench" / "cluster" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def train(optimizer: str, out: Path, port: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(TRAIN), "--device", "cpu", "--config", "tiny", "--seq", "16", "--steps", "2", "--warmup", "1",
+         "--optimizers", optimizer, "--progress", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert f"{optimizer}: step 3 of 3" in r.stdout  # --progress
+    return json.loads(out.read_text())
+
+
+def test_one_run_per_optimizer_merges_with_the_ratio_over_adamw(tmp_path: Path) -> None:
+    runs = {opt: train(opt, tmp_path / f"e2e-2-{opt}.json", 29610 + i)
+            for i, opt in enumerate(["adamw", "distmuon-sharded", "distmuon-dedicated"])}
+    for opt, rec in runs.items():
+        assert rec["world_size"] == 2
+        (r,) = rec["results"]
+        assert r["optimizer"] == opt and r["step_ms"] > 0 and math.isfinite(r["final_loss"])
+    merged = load_report().e2e_runs(str(tmp_path))
+    assert sorted(r["optimizer"] for r in merged) == ["adamw", "distmuon-dedicated", "distmuon-sharded"]
+    adamw = runs["adamw"]["results"][0]["step_ms"]
+    for r in merged:
+        mine = runs[r["optimizer"]]["results"][0]["step_ms"]
+        assert r["ranks"] == 2 and math.isclose(r["step_over_adamw"], mine / adamw)
+
+
+def test_without_adamw_there_is_no_ratio(tmp_path: Path) -> None:
+    (tmp_path / "e2e-2-distmuon-sharded.json").write_text(json.dumps(
+        {"world_size": 2, "config": "tiny", "results": [
+            {"optimizer": "distmuon-sharded", "step_ms": 3.0, "fwd_bwd_ms": 2.0, "optimizer_ms": 1.0,
+             "final_loss": 5.0}]}))
+    (r,) = load_report().e2e_runs(str(tmp_path))
+    assert r["step_over_adamw"] is None and r["loss"] == 5.0
