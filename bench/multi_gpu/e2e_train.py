@@ -66,7 +66,14 @@ def timed(device: torch.device):
 
 
 def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
+    if args.stall_s > 0:  # building (first NCCL use included) may hang too: say where
+        faulthandler.dump_traceback_later(args.stall_s, repeat=True)
     model, opt = build(cfg, kind, mesh, device, bf16=device.type == "cuda")
+    if dist.get_rank() == 0 and args.progress:
+        # The GPU's free memory counts every rank's (ranks may share it): a run that will not fit
+        # shows it here, before its first step.
+        free = f", {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the GPU free" if device.type == "cuda" else ""
+        print(f"  {kind}: model built and sharded{free}", flush=True)
     gen = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
     fb, op, tot = [], [], []
     prof = None
