@@ -199,7 +199,10 @@ if [[ " $STAGES " == *" e2e "* ]]; then
         "${ranks_env[@]}" $(partition_env "$d") timeout -k 10 "$E2E_TIMEOUT_S" \
           $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
           $E2E_ARGS --optimizers "$opt" --progress --json "$OUT/e2e-$d-$opt.json" >> "$LOG" 2>&1 ||
-          say "FAILED: e2e $opt on $d ranks (rc $?)"
+          { say "FAILED: e2e $opt on $d ranks (rc $?)"
+            # A client that dies mid-kernel leaves the MPS server refusing new clients ("MPS server
+            # is not ready", every later run failed at its first CUDA call): start a fresh one.
+            mps_stop; mps_start; }
         grep -E "^\[$d ranks" "$LOG" | tail -n 1
       done
     done

@@ -42,6 +42,11 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool):
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+    if device.type == "cuda":
+        # The whole model was built on every rank before sharding: hand its cached blocks back, or
+        # ranks that share one GPU keep D copies of them (eight ranks of qwen2.5-0.5b ran out of an
+        # 80 GB GPU in their first backward).
+        torch.cuda.empty_cache()
     named = list(model.named_parameters())
     if kind == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
