@@ -68,6 +68,10 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     if not cal or not full_cal:
         return None
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
+    # A table measured on one part of 1/D of the SMs (run.sh COSTS_PART) is taken as it is.
+    part = os.path.join(os.path.dirname(costs), f"costs-part{d}.json") if costs else ""
+    if d > 1 and part and os.path.exists(part):
+        scale, costs = 1.0, part
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
         # The owners as the run placed them: on analytic costs where its engines had no table.
@@ -116,7 +120,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
             | {f"{m}_collectives": p["collectives"][m] for m in MODES}
             | {"fsdp": fsdp, "fsdp_collectives": p["collectives"]["fsdp"],
                "costs_scale": scale,
-               "costs": "measured" if costs and os.path.exists(costs) else "analytic",
+               "costs": ("measured on a part" if costs == part else "measured")
+               if costs and os.path.exists(costs) else "analytic",
                "collective_us": issue_us})
 
 
