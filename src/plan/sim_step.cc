@@ -57,8 +57,11 @@ class Timeline {
     c.compute = t + std::max(0.0, seconds);
   }
   // Returns when the collective ends. One that joins the group of the one before it
-  // (Communicator::grouped) costs the host nothing more: the group is launched once.
-  double collective(double seconds, bool joins_group = false) {
+  // (Communicator::grouped) costs the host nothing more: the group is launched once; and its
+  // device time is `seconds` less `saved` (StepModel::group_saving), the part of its latency
+  // that overlaps the group's other operations.
+  double collective(double seconds, bool joins_group = false, double saved = 0) {
+    if (joins_group) seconds = std::max(0.0, seconds - saved);
     double start = 0;
     for (Clock& c : c_) {
       if (!joins_group) c.host += issue_;
@@ -253,14 +256,15 @@ class StepModel {
           const int64_t rows = chunk(t.dim0, d_, q).second;
           if (rows == 0) continue;
           const double b = static_cast<double>(rows) * inner * wire_;
-          rs.collective(d_ == 1 ? local(b) : chain_seconds(b, d_, r), joins);
+          rs.collective(d_ == 1 ? local(b) : chain_seconds(b, d_, r), joins, group_saving(r));
           joins = true;
         }
       }
       joins = false;
       for (size_t i : unit) {
         const double b = static_cast<double>(tensors_[i].numel) * wire_;
-        ag.collective(d_ == 1 ? local(b) : ring_allgather_seconds(b, d_, cm_, per_node_), joins);
+        ag.collective(d_ == 1 ? local(b) : ring_allgather_seconds(b, d_, cm_, per_node_), joins,
+                      group_saving(link(d_, cm_, per_node_)));
         joins = true;
       }
     }
@@ -383,7 +387,7 @@ class StepModel {
       for (int j : buckets_[b]) {
         const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
         reduced[b] =
-            t.collective(d_ == 1 ? local(bytes) : chain_seconds(bytes, d_, r), joins);
+            t.collective(d_ == 1 ? local(bytes) : chain_seconds(bytes, d_, r), joins, group_saving(r));
         joins = true;
       }
     }
@@ -413,7 +417,7 @@ class StepModel {
           for (int j : buckets_[static_cast<size_t>(c)]) {
             const double bytes = static_cast<double>(mats_[static_cast<size_t>(j)].elems) * wire_;
             t.collective(d_ == 1 ? local(0) : chain_seconds(bytes, d_, bc),  // in place
-                         joins);
+                         joins, group_saving(bc));
             joins = true;
           }
         }
@@ -464,6 +468,11 @@ class StepModel {
   double copy(double bytes) const { return 2 * bytes / cm_.hbm_bytes_per_s; }
   // A collective at one rank: NCCL's local copy of `bytes` (0: in place).
   double local(double bytes) const { return copy(bytes); }
+  // What a collective on `l` saves after the first of its group: the share of its D-1 hops'
+  // latency that NCCL overlaps with the group's other operations (CommModel::grouped_hop_share).
+  double group_saving(const Link& l) const {
+    return d_ == 1 ? 0 : (1 - cm_.grouped_hop_share) * (d_ - 1) * l.alpha;
+  }
   double elementwise(double elems) const {
     return elems * cm_.elementwise_bytes / cm_.hbm_bytes_per_s;
   }

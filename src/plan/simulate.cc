@@ -45,6 +45,7 @@ std::string CommModel::describe() const {
       "  all-to-all (sharded mode, twice per bucket): pairwise, (D-1) alpha + max(intra share / "
       "intra beta, inter share / inter beta) for the busiest owner\n"
       "  reduce + broadcast (dedicated mode, per matrix): chains, (D-1) alpha + bytes / beta\n"
+      "  a collective after the first of its group pays %.0f %% of its (D-1) alpha\n"
       "  FSDP2 around gather, sharded and AdamW (distmuon-bench's emulation): a reduce per dim-0 "
       "shard and an all-gather per tensor\n"
       "  compute: the cost table's batch times (gather: every matrix on every rank, one batch "
@@ -61,7 +62,7 @@ std::string CommModel::describe() const {
       sim_detail::root_reduce_link(1, *this, 1).beta / 1e9,
       inter_bytes_per_s / 1e9, inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes),
       collective_latency_s * 1e6, local_collective_s * 1e6,
-      static_cast<double>(bucket_bytes) / (1 << 20),
+      static_cast<double>(bucket_bytes) / (1 << 20), grouped_hop_share * 100,
       batches_across_buckets ? "each batch once its last bucket has landed"
                              : "cut at the buckets' borders",
       elementwise_bytes, hbm_bytes_per_s / 1e12, comm_compute_share * 100, comm_wait_share * 100);
@@ -103,8 +104,10 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
                cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1 && cm.elementwise_bytes >= 0 &&
                cm.hbm_bytes_per_s > 0 && cm.intra_reduce_bytes_per_s >= 0 &&
                cm.intra_broadcast_bytes_per_s >= 0 && cm.intra_root_reduce_bytes_per_s >= 0 &&
-               cm.collective_latency_s >= 0 && cm.local_collective_s >= 0,
-           "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0");
+               cm.collective_latency_s >= 0 && cm.local_collective_s >= 0 &&
+               cm.grouped_hop_share >= 0 && cm.grouped_hop_share <= 1,
+           "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0, the grouped "
+           "hop share in [0, 1]");
   DM_CHECK(cm.comm_compute_share >= 0 && cm.comm_compute_share < 1 && cm.comm_wait_share >= 0 &&
                cm.comm_wait_share < 1,
            "simulator: the communication's shares of the compute must be in [0, 1) (got ",

@@ -422,6 +422,31 @@ TEST(PlanSimulate, HostBoundStepsPayEveryCollective) {
   }
 }
 
+// A collective that follows another in its group pays grouped_hop_share of its hops' latency:
+// with free bytes and a free host, FSDP2's groups take their first collective's (D-1) alpha in
+// full and each later one's at that share.
+TEST(PlanSimulate, GroupedCollectivesShareTheirLatency) {
+  const Workload w = load_workload("gpt2-large").first_layers(2);
+  const auto mats = plan_matrices(w);
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  for (double share : {0.0, 0.5, 1.0}) {
+    SCOPED_TRACE(share);
+    CommModel cm;
+    cm.intra_bytes_per_s = 1e18;
+    cm.collective_latency_s = 0;
+    cm.intra_latency_s = 10e-6;
+    cm.grouped_hop_share = share;
+    const SimPoint p = simulate(mats, costs, {8}, 8, cm, "lpt", {}, sim_tensors(w))[0];
+    ASSERT_LT(p.fsdp_launches, p.fsdp_collectives);  // groups of several
+    const double hops = 7 * cm.intra_latency_s;
+    EXPECT_NEAR(p.fsdp(), hops * (p.fsdp_launches + share * (p.fsdp_collectives - p.fsdp_launches)),
+                1e-9);
+  }
+  CommModel bad;
+  bad.grouped_hop_share = 1.5;
+  EXPECT_THROW(simulate(mats, costs, {8}, 8, bad, "lpt"), Error);
+}
+
 TEST(PlanSimulate, ElementwisePassesScaleWithTheElementsEachRankOrthogonalizes) {
   const auto mats = plan_matrices(load_workload("gpt2-large").first_layers(4));
   const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
