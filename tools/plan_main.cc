@@ -164,6 +164,7 @@ int run(const PlanArgs& a) {
     cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
     cm.comm_compute_share = a.comm_compute_share;
     cm.comm_wait_share = a.comm_wait_share;
+    cm.grouped_hop_share = a.grouped_hop_share;
     cm.batches_across_buckets = !a.batches_per_bucket;
     const std::string solver = a.sim_solver.empty() ? solvers.front() : a.sim_solver;
     std::vector<int> worlds;

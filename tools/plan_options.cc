@@ -203,6 +203,11 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                  "moves data (0: GPUs of their own)")
       ->check(CLI::Range(0.0, 0.95))
       ->group(sim);
+  app.add_option("--grouped-hop-share", a.grouped_hop_share,
+                 "share of its (D-1) hops' latency a collective pays after the first of its NCCL "
+                 "group (the group's operations run side by side)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->group(sim);
   app.add_option("--comm-wait-share", a.comm_wait_share,
                  "ranks sharing one GPU: share of a rank's compute its NCCL kernel takes while it "
                  "waits for its peers (0: nothing)")

@@ -94,6 +94,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     # record) cut them at the buckets' borders: simulate them so.
     if rec.get("batches_per_bucket", True):
         sim.append("--batches-per-bucket")
+    if getattr(args, "grouped_hop_share", None) is not None:
+        sim += ["--grouped-hop-share", f"{args.grouped_hop_share:.6g}"]
     if d > 1:
         sim += ["--intra-gbs", f"{issue_free_gbs(cal['nccl_allgather_busbw_gbs'], d - 1, issue_us):.6g}",
                 "--intra-reduce-gbs",
@@ -293,6 +295,9 @@ def main() -> None:
     ap.add_argument("--comm-wait-share", type=float, default=None,
                     help="MPS ranks: share of a rank's compute its NCCL kernel takes while it waits "
                          "for its peers (default: the calibration's nccl_wait_compute_share, else 0)")
+    ap.add_argument("--grouped-hop-share", type=float, default=None,
+                    help="share of its hops' latency a collective pays after the first of its "
+                         "group (default: the simulator's)")
     ap.add_argument("--predict", default="", metavar="D,...",
                     help="predict the steps of a run at these D before it runs (with --from-record, "
                          "--workloads; prints a table; --out is not written)")
