@@ -137,7 +137,8 @@ def e2e_runs(out: str) -> list[dict]:
             e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
                         "step_ms": r["step_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"],
                         "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
-                        "config": rec.get("config")})
+                        "peak_mem_gib": r.get("peak_mem_gib"), "config": rec.get("config"),
+                        "seq": rec.get("seq"), "gpu": rec.get("gpu")})
     adamw = {r["ranks"]: r["step_ms"] for r in e2e if r["optimizer"] == "adamw"}
     for r in e2e:
         r["step_over_adamw"] = r["step_ms"] / adamw[r["ranks"]] if r["ranks"] in adamw else None
@@ -325,7 +326,11 @@ def main() -> None:
         return
     steps = [load(p) for p in sorted(glob.glob(os.path.join(args.out, "step-*.json")))]
     if not steps:
-        sys.exit(f"no step-*.json in {args.out}")
+        e2e = e2e_runs(args.out)
+        if not e2e:
+            sys.exit(f"no step-*.json or e2e-*.json in {args.out}")
+        write_e2e_only(args.out, e2e)
+        return
     by_key = {(s["workload"], s["ranks"]): s for s in steps}
     costs = args.costs or os.path.join(args.out, "costs.json")
     # The whole GPU's calibration scales the cost table to a part: this run's D = 1 steps, else
@@ -401,17 +406,36 @@ def main() -> None:
                      f"{c['copy_gbs_per_rank_min']:.0f} | {c['copy_gbs_total']:.0f} | "
                      f"{c['nccl_allgather_busbw_gbs']:.0f} | {c['nccl_allreduce_busbw_gbs']:.0f} | "
                      f"{rooted} |")
-    if e2e:
-        lines += ["", "| D | optimizer | step ms | x AdamW | fwd+bwd ms | optimizer ms | loss |",
-                  "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-        for r in e2e:
-            lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['step_ms']:.1f} | "
-                         f"{fmt(r['step_over_adamw'], '{:.3f}')} | {r['fwd_bwd_ms']:.1f} | "
-                         f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} |")
+    lines += e2e_table(e2e)
     with open(os.path.join(args.out, "cluster.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(runs, os.path.join(args.out, "cluster.png"))
+
+
+def e2e_table(e2e: list[dict]) -> list[str]:
+    if not e2e:
+        return []
+    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
+    lines = ["", "| D | optimizer | step ms | x AdamW | fwd+bwd ms | optimizer ms | loss | peak GiB |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in e2e:
+        lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['step_ms']:.1f} | "
+                     f"{fmt(r['step_over_adamw'], '{:.3f}')} | {r['fwd_bwd_ms']:.1f} | "
+                     f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} | {fmt(r.get('peak_mem_gib'))} |")
+    return lines
+
+
+def write_e2e_only(out: str, e2e: list[dict]) -> None:
+    """cluster.json and cluster.md of a run of the e2e stage alone (no optimizer-step records)."""
+    gpu = next((r["gpu"] for r in e2e if r.get("gpu")), None)
+    with open(os.path.join(out, "cluster.json"), "w") as f:
+        json.dump({"mechanism": ["mps"] if any(r["ranks"] > 1 for r in e2e) else ["whole-gpu"],
+                   "gpu": gpu, "runs": [], "e2e": e2e}, f, indent=1)
+    lines = [f"# The one-GPU cluster, FSDP2 training: {gpu}"] + e2e_table(e2e)
+    with open(os.path.join(out, "cluster.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def plot(runs: list[dict], path: str) -> None:

@@ -193,8 +193,10 @@ def main() -> None:
             r["step_over_adamw"] = r["step_ms"] / base["step_ms"] if base else None
         if args.json:
             with open(args.json, "w") as f:
+                gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
                 json.dump({"world_size": world, "replicate": args.replicate, "config": args.config,
-                           "seq": args.seq, "micro_batch": args.micro_batch, "results": results}, f, indent=1)
+                           "seq": args.seq, "micro_batch": args.micro_batch, "steps": args.steps,
+                           "warmup": args.warmup, "gpu": gpu, "results": results}, f, indent=1)
     dist.destroy_process_group()
     # The interpreter's own teardown is skipped: torch's gloo worker threads abort a rank now
     # and then there ("terminate called without an active exception", pytorch/pytorch#179291),
