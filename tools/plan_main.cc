@@ -86,7 +86,7 @@ int run(const PlanArgs& a) {
   const std::vector<std::string>& solvers = a.solvers;
 
   PlanOptions opts;
-  const CostTable costs = scale_costs(load_costs(a, mats, opts.ortho), a.costs_scale);
+  const CostTable costs = scale_costs(load_costs(a, mats, opts.ortho), a.costs_scale, a.costs_parts);
   opts.time_limit_s = a.time_limit;
   opts.max_nodes = a.max_nodes;
   opts.relative_gap = a.gap;

@@ -98,6 +98,12 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                  "its first two points) kept")
       ->check(cli::above(0, 1e6))
       ->group(costs);
+  app.add_option("--costs-parts", a.costs_parts,
+                 "with --costs-scale: the device is one of this many partitions of the measured "
+                 "GPU's SMs (MPS ranks); a batch that filled only part of the whole GPU's SMs "
+                 "(its rate below the table's best) loses less on a part (docs/distributed.md)")
+      ->check(CLI::Range(0, 1024))
+      ->group(costs);
   app.add_flag("--measure", a.measure, "measure costs on --backend, cached in --cache")
       ->group(costs);
   app.add_option("--backend", a.backend, "backend measured by --measure")

@@ -32,6 +32,7 @@ struct PlanArgs {
   std::string algo = "auto", work_dtype = "auto";
   double tflops = 759, hbm_tbs = 4.17, launch_us = 4;
   double costs_scale = 1;  // every cost times this (a device this many times slower)
+  int costs_parts = 0;     // the device is a part of 1/costs_parts of the measured one's SMs
   bool owners = false, simulate = false;
   int sim_max_world = 1024;
   std::string sim_solver;

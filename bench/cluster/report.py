@@ -74,6 +74,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
         scale, costs = 1.0, part
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
+        if costs != part and d > 1 and rec.get("mechanism", "mps") == "mps":
+            source += ["--costs-parts", str(d)]  # MPS: 1/D of the SMs each
         # The owners as the run placed them: on analytic costs where its engines had no table.
         if rec.get("plan_analytic", True):
             source.append("--sim-plan-analytic")

@@ -79,7 +79,13 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
 // the host's launches set whatever the device (the intercept at k = 0 of the line through the
 // shape's first two points, between 0 and the first point), and the rest, scaled by f; a shape
 // with one point is scaled whole.
-CostTable scale_costs(const CostTable& t, double f);
+// parts > 1: the device is one of `parts` partitions of the measured GPU's SMs (MPS ranks). A
+// batch that ran at a share u of the table's best rate on the whole GPU is taken to have filled
+// only that share of its SMs (wave quantization, small grids), which a part with fewer SMs does
+// not lose: its work scales by max(f / parts, u f) instead of f. Measured on an H100 at D = 8,
+// pi0's orthogonalizations (whole-GPU rate 0.75 of qwen2.5-7b's) slowed 7.0x where qwen's
+// slowed 8.7x and a large GEMM 9.4x.
+CostTable scale_costs(const CostTable& t, double f, int parts = 0);
 // The measurement store's path (src/measure/store.h: a cost file that also holds the tuner's
 // choices): DISTMUON_COST_CACHE, else $XDG_CACHE_HOME/distmuon/costs.json, else
 // ~/.cache/distmuon/costs.json.

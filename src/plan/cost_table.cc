@@ -11,6 +11,7 @@
 #include "common/atomic_write.h"
 #include "distmuon/env.h"
 #include "distmuon/error.h"
+#include "distmuon/ortho.h"
 #include "plan/cost_json.h"
 
 namespace distmuon {
@@ -212,23 +213,53 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
           "versions)");
 }
 
-CostTable scale_costs(const CostTable& t, double f) {
+namespace {
+
+// The fixed part of a shape's batch times: the intercept at k = 0 of the line through its first
+// two points, between 0 and the first point (0 for a shape with one point).
+double fixed_seconds(const std::vector<CostPoint>& pts) {
+  if (pts.size() < 2) return 0;
+  const double slope = (pts[1].seconds - pts[0].seconds) / static_cast<double>(pts[1].k - pts[0].k);
+  return std::clamp(pts[0].seconds - slope * static_cast<double>(pts[0].k), 0.0, pts[0].seconds);
+}
+
+}  // namespace
+
+CostTable scale_costs(const CostTable& t, double f, int parts) {
   DM_CHECK(f > 0, "cost scale must be > 0 (got ", f, ")");
-  if (f == 1) return t;
+  DM_CHECK(parts >= 0, "the number of parts must be >= 0 (got ", parts, ")");
+  if (f == 1 && parts <= 1) return t;
+  // With parts: each point's rate (counted FLOPs per second of its work) against the table's
+  // best, over points with at least a millisecond of work (the rate the kernels reach where they
+  // fill the GPU).
+  const OrthoConfig cfg = parse_algorithm(t.algorithm.empty() ? "auto" : t.algorithm);
+  auto rate = [&](const ShapeCost& shape, const CostPoint& p, double fixed) {
+    const double work = p.seconds - fixed;
+    return work > 0 ? static_cast<double>(p.k) * ortho_flops(cfg, shape.m, shape.n) / work : 0.0;
+  };
+  double best = 0;
+  if (parts > 1)
+    for (const auto& [key, shape] : t.shapes()) {
+      const double fixed = fixed_seconds(shape.points);
+      for (const CostPoint& p : shape.points)
+        if (p.seconds - fixed >= 1e-3) best = std::max(best, rate(shape, p, fixed));
+    }
   CostTable out = t;
   for (const auto& [key, shape] : t.shapes()) {
     std::vector<CostPoint> pts = shape.points;
-    double fixed = 0;
-    if (pts.size() >= 2) {
-      const double slope = (pts[1].seconds - pts[0].seconds) / static_cast<double>(pts[1].k - pts[0].k);
-      fixed = std::clamp(pts[0].seconds - slope * static_cast<double>(pts[0].k), 0.0,
-                         pts[0].seconds);
+    const double fixed = fixed_seconds(pts);
+    for (CostPoint& p : pts) {
+      double g = f;
+      if (best > 0) g = std::max(f / parts, f * std::min(1.0, rate(shape, p, fixed) / best));
+      p.seconds = fixed + g * (p.seconds - fixed);
     }
-    for (CostPoint& p : pts) p.seconds = fixed + f * (p.seconds - fixed);
     out.set(shape.m, shape.n, std::move(pts));
   }
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", f);
+  char buf[64];
+  if (parts > 1)
+    std::snprintf(buf, sizeof(buf), "%g, a part of 1/%d of its SMs", f, parts);
+  else
+    std::snprintf(buf, sizeof(buf), "%g", f);
   out.device = t.device + " x " + buf + " (launches kept)";
   return out;
 }

@@ -67,6 +67,30 @@ TEST(CostTable, ScalingKeepsTheFixedCostOfABatch) {
   EXPECT_THROW(scale_costs(t, 0), Error);
 }
 
+// On a part of 1/8 of the SMs, a batch that ran at the table's best rate slows by f, one at half
+// that rate (half the whole GPU's SMs filled) by f / 2, and none by less than f / 8.
+TEST(CostTable, APartOfTheGpuLosesLessOnBatchesThatLeftSmsIdle) {
+  const OrthoConfig cfg = parse_algorithm("auto");
+  const double big = ortho_flops(cfg, 1024, 4096), mid = ortho_flops(cfg, 512, 2048),
+               tiny = ortho_flops(cfg, 64, 256);
+  CostTable t = CostTable::empty("measured", "dev", cfg);
+  t.algorithm = "auto";
+  // One point each (all of it work): rates 100, 50 and 1 TFLOP/s, each batch >= 1 ms of work.
+  t.set(1024, 4096, {{4, 4 * big / 100e12}});
+  t.set(512, 2048, {{4, 4 * mid / 50e12}});
+  t.set(64, 256, {{4, 4 * tiny / 1e12}});
+  const double f = 9.6;
+  const CostTable s = scale_costs(t, f, 8);
+  EXPECT_NEAR(s.batch_seconds(1024, 4096, 4), f * t.batch_seconds(1024, 4096, 4), 1e-12);
+  EXPECT_NEAR(s.batch_seconds(512, 2048, 4), f / 2 * t.batch_seconds(512, 2048, 4), 1e-12);
+  EXPECT_NEAR(s.batch_seconds(64, 256, 4), f / 8 * t.batch_seconds(64, 256, 4), 1e-12);
+  EXPECT_NE(s.device.find("1/8"), std::string::npos) << s.device;
+  // Without parts every batch slows by f alike.
+  EXPECT_NEAR(scale_costs(t, f).batch_seconds(512, 2048, 4), f * t.batch_seconds(512, 2048, 4),
+              1e-12);
+  EXPECT_THROW(scale_costs(t, f, -1), Error);
+}
+
 TEST(CostTable, RejectsBadPoints) {
   CostTable t;
   EXPECT_THROW(t.set(4, 4, {}), Error);
