@@ -44,7 +44,9 @@ SPLIT_MODES=${SPLIT_MODES:-auto}  # 1: each mode in a process of its own; auto: 
 STAGES=${STAGES:-step costs e2e}
 COSTS_PART=${COSTS_PART:-}  # D values: the costs stage also measures on 100/D % of the SMs
 E2E_RANKS=${E2E_RANKS:-1,8}
-E2E_ARGS=${E2E_ARGS:---config qwen2.5-1.5b --seq 2048 --steps 5 --warmup 2}
+# Sized for eight ranks on one 80 GB GPU: each rank holds a whole data-parallel micro-batch's
+# activations, and its loss a chunk of logits at a time (a 1.5B model or the whole logits ran out).
+E2E_ARGS=${E2E_ARGS:---config qwen2.5-0.5b --seq 2048 --loss-chunk 512 --steps 5 --warmup 2}
 E2E_OPTIMIZERS=${E2E_OPTIMIZERS:-adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}  # per optimizer and D
 PY=${PYTHON:-python3}

@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -102,8 +101,7 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         # (ignored_params) stay f32, and autocast casts them at each matmul. Every configuration
         # runs under it, so that all compute alike.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(idx[:, :-1])
-        loss = F.cross_entropy(logits.float().reshape(-1, cfg.vocab), idx[:, 1:].reshape(-1))
+            loss = model(idx[:, :-1], idx[:, 1:], loss_chunk=args.loss_chunk)
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -146,6 +144,8 @@ def main() -> None:
     ap.add_argument("--config", default="qwen2.5-1.5b")
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--loss-chunk", type=int, default=0,
+                    help="tokens per chunk of the loss, its logits recomputed in backward (0: whole)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--optimizers", default="adamw,distmuon-sharded,distmuon-dedicated")
@@ -195,7 +195,8 @@ def main() -> None:
             with open(args.json, "w") as f:
                 gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
                 json.dump({"world_size": world, "replicate": args.replicate, "config": args.config,
-                           "seq": args.seq, "micro_batch": args.micro_batch, "steps": args.steps,
+                           "seq": args.seq, "micro_batch": args.micro_batch,
+                           "loss_chunk": args.loss_chunk, "steps": args.steps,
                            "warmup": args.warmup, "gpu": gpu, "results": results}, f, indent=1)
     dist.destroy_process_group()
     # The interpreter's own teardown is skipped: torch's gloo worker threads abort a rank now

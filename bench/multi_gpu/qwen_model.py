@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -78,8 +79,26 @@ class Qwen(nn.Module):
             if p.ndim >= 2:
                 nn.init.normal_(p, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                loss_chunk: int = 0) -> torch.Tensor:
+        """The logits; with targets, the mean cross-entropy instead. loss_chunk > 0 computes it
+        that many tokens at a time, each chunk's logits recomputed in backward: the (tokens x
+        vocab) float32 logits never exist whole (1.2 GiB and as much again for their softmax at
+        2048 tokens and Qwen's vocabulary, what ran eight ranks sharing one GPU out of memory).
+        Inside forward, so that FSDP2 holds the head's weight gathered for every chunk."""
         x = self.embed_tokens(idx)
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.norm(x))
+        h = self.norm(x)
+        if targets is None:
+            return self.lm_head(h)
+        h, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        if loss_chunk <= 0:
+            return F.cross_entropy(self.lm_head(h).float(), t)
+
+        def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(self.lm_head(hc).float(), tc, reduction="sum")
+
+        total = sum(checkpoint(part, h[i:i + loss_chunk], t[i:i + loss_chunk], use_reentrant=False)
+                    for i in range(0, h.shape[0], loss_chunk))
+        return total / h.shape[0]
