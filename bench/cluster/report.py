@@ -69,12 +69,13 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
         return None
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
     # A table measured on one part of 1/D of the SMs (run.sh COSTS_PART) is taken as it is.
-    part = os.path.join(os.path.dirname(costs), f"costs-part{d}.json") if costs else ""
+    mps = rec.get("mechanism", "mps") == "mps"
+    part = os.path.join(os.path.dirname(costs), f"costs-part{d}.json") if costs and mps else ""
     if d > 1 and part and os.path.exists(part):
         scale, costs = 1.0, part
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
-        if costs != part and d > 1 and rec.get("mechanism", "mps") == "mps":
+        if costs != part and d > 1 and mps:
             source += ["--costs-parts", str(d)]  # MPS: 1/D of the SMs each
         # The owners as the run placed them: on analytic costs where its engines had no table.
         if rec.get("plan_analytic", True):

@@ -198,8 +198,8 @@ if [[ " $STAGES " == *" costs "* ]]; then
         --workload "$name" --layers "$layers" --measure --backend cuda \
         --cache "$OUT/costs-part$d.json" --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of $name on 1/$d"
     done
+    mps_stop  # the next workload's whole-GPU table without MPS
   done
-  mps_stop
 fi
 
 # ---- end to end: FSDP2 training, one process per rank under MPS ---------------------------------
@@ -218,7 +218,7 @@ if [[ " $STAGES " == *" e2e "* ]]; then
           { say "FAILED: e2e $opt on $d ranks (rc $?)"
             # A client that dies mid-kernel leaves the MPS server refusing new clients ("MPS server
             # is not ready", every later run failed at its first CUDA call): start a fresh one.
-            mps_stop; mps_start; }
+            mps_stop; mps_start || { say "MPS did not restart: the remaining e2e runs skipped"; break 2; }; }
         grep -E "^\[$d ranks" "$LOG" | tail -n 1
       done
     done

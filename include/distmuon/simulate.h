@@ -26,7 +26,7 @@ struct CommModel {
   // (Communicator::grouped: NCCL runs the group in one kernel, operations side by side). Fitted
   // on the one-GPU cluster at D = 8 (H100): pi0's FSDP2 emulation, 1135 collectives in 56 groups,
   // took 46 ms where every collective paying all its hops predicted 58 and none 34; 0.5 predicts
-  // 46, and qwen's (253 in 16) 39.5 against 39.1-40.7 measured.
+  // 46.0, and qwen's (253 in 16) 39.4 against 39.1-40.7 measured.
   double grouped_hop_share = 0.5;
   // Reductions (reduce, FSDP's reduce-scatter) inside a node, where they run at another rate
   // than gathers and broadcasts (an all-reduce's bus bandwidth); 0: intra_bytes_per_s.

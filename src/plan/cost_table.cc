@@ -232,7 +232,8 @@ CostTable scale_costs(const CostTable& t, double f, int parts) {
   // With parts: each point's rate (counted FLOPs per second of its work) against the table's
   // best, over points with at least a millisecond of work (the rate the kernels reach where they
   // fill the GPU).
-  const OrthoConfig cfg = parse_algorithm(t.algorithm.empty() ? "auto" : t.algorithm);
+  const OrthoConfig cfg =
+      parts > 1 ? parse_algorithm(t.algorithm.empty() ? "auto" : t.algorithm) : OrthoConfig{};
   auto rate = [&](const ShapeCost& shape, const CostPoint& p, double fixed) {
     const double work = p.seconds - fixed;
     return work > 0 ? static_cast<double>(p.k) * ortho_flops(cfg, shape.m, shape.n) / work : 0.0;
@@ -250,7 +251,9 @@ CostTable scale_costs(const CostTable& t, double f, int parts) {
     const double fixed = fixed_seconds(pts);
     for (CostPoint& p : pts) {
       double g = f;
-      if (best > 0) g = std::max(f / parts, f * std::min(1.0, rate(shape, p, fixed) / best));
+      // Never faster than on the whole GPU (f below the parts: a caller's inconsistent pair).
+      if (best > 0)
+        g = std::max({1.0, f / parts, f * std::min(1.0, rate(shape, p, fixed) / best)});
       p.seconds = fixed + g * (p.seconds - fixed);
     }
     out.set(shape.m, shape.n, std::move(pts));

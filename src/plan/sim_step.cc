@@ -363,7 +363,8 @@ class StepModel {
           const size_t b = static_cast<size_t>(c);
           for (int q = 0; q < d_; ++q) t.kernel(q, copy(own[b][static_cast<size_t>(q)] * wire_));
           statuses[b] = t.collective(tiny());
-          back[b] = t.collective(a2a_back[b], /*joins_group=*/true);
+          back[b] = t.collective(a2a_back[b], /*joins_group=*/true,
+                                 group_saving(link(d_, cm_, per_node_)));
         }
     }
     for (size_t b = 0; b < nb; ++b)  // stage 3: apply, once the updates and statuses are in

@@ -68,26 +68,33 @@ TEST(CostTable, ScalingKeepsTheFixedCostOfABatch) {
 }
 
 // On a part of 1/8 of the SMs, a batch that ran at the table's best rate slows by f, one at half
-// that rate (half the whole GPU's SMs filled) by f / 2, and none by less than f / 8.
+// that rate (half the whole GPU's SMs filled) by f / 2, and none by less than f / 8 or 1. The
+// best rate is taken over points with at least 1 ms of work: a faster short one does not set it.
 TEST(CostTable, APartOfTheGpuLosesLessOnBatchesThatLeftSmsIdle) {
   const OrthoConfig cfg = parse_algorithm("auto");
   const double big = ortho_flops(cfg, 1024, 4096), mid = ortho_flops(cfg, 512, 2048),
-               tiny = ortho_flops(cfg, 64, 256);
+               tiny = ortho_flops(cfg, 64, 256), short_ = ortho_flops(cfg, 128, 512);
   CostTable t = CostTable::empty("measured", "dev", cfg);
   t.algorithm = "auto";
-  // One point each (all of it work): rates 100, 50 and 1 TFLOP/s, each batch >= 1 ms of work.
+  // One point each (all of it work): 100 TFLOP/s over >= 1 ms, 50 and 1 TFLOP/s, and 400 TFLOP/s
+  // over less than 1 ms.
   t.set(1024, 4096, {{4, 4 * big / 100e12}});
   t.set(512, 2048, {{4, 4 * mid / 50e12}});
   t.set(64, 256, {{4, 4 * tiny / 1e12}});
+  t.set(128, 512, {{1, short_ / 400e12}});
+  ASSERT_GE(t.batch_seconds(1024, 4096, 4), 1e-3);
+  ASSERT_LT(t.batch_seconds(128, 512, 1), 1e-3);
   const double f = 9.6;
   const CostTable s = scale_costs(t, f, 8);
   EXPECT_NEAR(s.batch_seconds(1024, 4096, 4), f * t.batch_seconds(1024, 4096, 4), 1e-12);
   EXPECT_NEAR(s.batch_seconds(512, 2048, 4), f / 2 * t.batch_seconds(512, 2048, 4), 1e-12);
   EXPECT_NEAR(s.batch_seconds(64, 256, 4), f / 8 * t.batch_seconds(64, 256, 4), 1e-12);
+  EXPECT_NEAR(s.batch_seconds(128, 512, 1), f * t.batch_seconds(128, 512, 1), 1e-15);
   EXPECT_NE(s.device.find("1/8"), std::string::npos) << s.device;
-  // Without parts every batch slows by f alike.
+  // Without parts every batch slows by f alike; with f below the parts none speeds up.
   EXPECT_NEAR(scale_costs(t, f).batch_seconds(512, 2048, 4), f * t.batch_seconds(512, 2048, 4),
               1e-12);
+  EXPECT_NEAR(scale_costs(t, 1, 8).batch_seconds(64, 256, 4), t.batch_seconds(64, 256, 4), 1e-15);
   EXPECT_THROW(scale_costs(t, f, -1), Error);
 }
 

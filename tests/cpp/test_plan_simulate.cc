@@ -429,6 +429,7 @@ TEST(PlanSimulate, GroupedCollectivesShareTheirLatency) {
   const Workload w = load_workload("gpt2-large").first_layers(2);
   const auto mats = plan_matrices(w);
   const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  std::vector<SimPoint> by_share;
   for (double share : {0.0, 0.5, 1.0}) {
     SCOPED_TRACE(share);
     CommModel cm;
@@ -441,7 +442,13 @@ TEST(PlanSimulate, GroupedCollectivesShareTheirLatency) {
     const double hops = 7 * cm.intra_latency_s;
     EXPECT_NEAR(p.fsdp(), hops * (p.fsdp_launches + share * (p.fsdp_collectives - p.fsdp_launches)),
                 1e-9);
+    by_share.push_back(p);
   }
+  // The engine's own groups too: the dedicated mode's reduces and broadcasts per bucket, the
+  // sharded mode's rows back with their statuses.
+  EXPECT_LT(by_share[0].dedicated_engine, by_share[1].dedicated_engine);
+  EXPECT_LT(by_share[1].dedicated_engine, by_share[2].dedicated_engine);
+  EXPECT_LT(by_share[0].sharded_engine, by_share[2].sharded_engine);
   CommModel bad;
   bad.grouped_hop_share = 1.5;
   EXPECT_THROW(simulate(mats, costs, {8}, 8, bad, "lpt"), Error);
