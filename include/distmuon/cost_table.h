@@ -82,9 +82,9 @@ CostTable select_cost_table(const std::vector<CostTable>& tables, const std::str
 // parts > 1: the device is one of `parts` partitions of the measured GPU's SMs (MPS ranks). A
 // batch that ran at a share u of the table's best rate on the whole GPU is taken to have filled
 // only that share of its SMs (wave quantization, small grids), which a part with fewer SMs does
-// not lose: its work scales by max(f / parts, u f) instead of f. Measured on an H100 at D = 8,
-// pi0's orthogonalizations (whole-GPU rate 0.75 of qwen2.5-7b's) slowed 7.0x where qwen's
-// slowed 8.7x and a large GEMM 9.4x.
+// not lose: its work scales by max(1, f / parts, u f) instead of f. Measured on an H100 at
+// D = 8 (profiled compute over D = 1's): pi0's orthogonalizations, further below the best rate
+// than qwen2.5-7b's on the whole GPU, slowed 7.0x, qwen's 8.6x, a large GEMM 9.4x.
 CostTable scale_costs(const CostTable& t, double f, int parts = 0);
 // The measurement store's path (src/measure/store.h: a cost file that also holds the tuner's
 // choices): DISTMUON_COST_CACHE, else $XDG_CACHE_HOME/distmuon/costs.json, else
