@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "distmuon/simulate.h"
 #include "distmuon/types.h"
 
 namespace distmuon::plan_tool {
@@ -44,7 +45,7 @@ struct PlanArgs {
   double bucket_mb = static_cast<double>(kDefaultBucketBytes) / (1 << 20);
   double comm_compute_share = 0;
   double comm_wait_share = 0;
-  double grouped_hop_share = 0.5;  // CommModel::grouped_hop_share
+  double grouped_hop_share = CommModel{}.grouped_hop_share;
   bool batches_per_bucket = false;
   bool sim_plan_analytic = false;  // owners placed on the engine's analytic costs
   int64_t wire_bytes = 2;

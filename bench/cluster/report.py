@@ -31,6 +31,11 @@ import tempfile
 MODES = ("gather", "sharded", "dedicated", "adamw")
 
 
+def fmt(v, f: str = "{:.1f}") -> str:
+    """A table cell: '-' for a missing value."""
+    return "-" if v is None else f.format(v)
+
+
 def load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -69,14 +74,15 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
         return None
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
     # A table measured on one part of 1/D of the SMs (run.sh COSTS_PART) is taken as it is.
-    mps = rec.get("mechanism", "mps") == "mps"
-    part = os.path.join(os.path.dirname(costs), f"costs-part{d}.json") if costs and mps else ""
-    if d > 1 and part and os.path.exists(part):
+    parts = d > 1 and rec.get("mechanism", "mps") == "mps"  # MPS: 1/D of the SMs each
+    part = os.path.join(os.path.dirname(costs), f"costs-part{d}.json") if costs else ""
+    on_part = parts and os.path.exists(part)
+    if on_part:
         scale, costs = 1.0, part
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
-        if costs != part and d > 1 and mps:
-            source += ["--costs-parts", str(d)]  # MPS: 1/D of the SMs each
+        if parts and not on_part:
+            source += ["--costs-parts", str(d)]
         # The owners as the run placed them: on analytic costs where its engines had no table.
         if rec.get("plan_analytic", True):
             source.append("--sim-plan-analytic")
@@ -125,7 +131,7 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
             | {f"{m}_collectives": p["collectives"][m] for m in MODES}
             | {"fsdp": fsdp, "fsdp_collectives": p["collectives"]["fsdp"],
                "costs_scale": scale,
-               "costs": ("measured on a part" if costs == part else "measured")
+               "costs": ("measured on a part" if on_part else "measured")
                if costs and os.path.exists(costs) else "analytic",
                "collective_us": issue_us})
 
@@ -203,7 +209,6 @@ def resimulate(args: argparse.Namespace) -> None:
                    "local_collective_us": args.local_collective_us,
                    "prediction": __doc__.split("\n\n")[2].replace("\n", " "), "runs": rows},
                   f, indent=1)
-    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     lines = ["| workload | D | mode | step ms | recorded prediction | error | new prediction | error "
              "| engine ms: measured / predicted | FSDP2 ms: measured / predicted | collectives |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -389,7 +394,6 @@ def main() -> None:
              "| workload | D | mode | step ms | x gather | engine ms | x gather's | host ms | "
              "predicted ms | error | busiest rank: compute / comm / wait ms |",
              "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
-    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in runs:
         lines.append(f"| {r['workload']} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
                      f"{fmt(r['speedup_vs_gather'], '{:.2f}')} | {r['engine_ms']:.1f} | "
@@ -419,7 +423,6 @@ def main() -> None:
 def e2e_table(e2e: list[dict]) -> list[str]:
     if not e2e:
         return []
-    fmt = lambda v, f="{:.1f}": "-" if v is None else f.format(v)  # noqa: E731
     lines = ["", "| D | optimizer | step ms | x AdamW | fwd+bwd ms | optimizer ms | loss | peak GiB |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in e2e:

@@ -93,12 +93,12 @@ class Qwen(nn.Module):
         if targets is None:
             return self.lm_head(h)
         h, t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
-        if loss_chunk <= 0:
-            return F.cross_entropy(self.lm_head(h).float(), t)
 
         def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(self.lm_head(hc).float(), tc, reduction="sum")
 
+        if loss_chunk <= 0:
+            return part(h, t) / h.shape[0]
         total = sum(checkpoint(part, h[i:i + loss_chunk], t[i:i + loss_chunk], use_reentrant=False)
                     for i in range(0, h.shape[0], loss_chunk))
         return total / h.shape[0]
