@@ -2,6 +2,7 @@
 // stages software-pipelined (the next bucket's communication overlaps the current bucket's
 // compute), and AdamW parameters are updated beside them.
 #include <algorithm>
+#include <chrono>
 #include <charconv>
 #include <map>
 #include <tuple>
@@ -282,6 +283,7 @@ void DistState::wait_unchecked() {
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
   DM_LOG(kDebug, "step ", stats.steps, " begins");
+  const auto t0 = std::chrono::steady_clock::now();
   dist.bind_streams(backend.native_stream());
   if (pipeline.publish_pending) finish_publish();
   dist.wait_unchecked();  // left by a step that raised
@@ -346,6 +348,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   adam.update();
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
+  stats.issue_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   DM_LOG(kDebug, "step issued; waiting for ", dist.unchecked.size(), " collectives");
   dist.wait_unchecked();
   for (size_t i = 0; i < registry.params.size(); ++i)
