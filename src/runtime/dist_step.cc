@@ -283,7 +283,6 @@ void DistState::wait_unchecked() {
 
 void Engine::Impl::dist_step(std::span<const ParamData> data) {
   DM_LOG(kDebug, "step ", stats.steps, " begins");
-  const auto t0 = std::chrono::steady_clock::now();
   dist.bind_streams(backend.native_stream());
   if (pipeline.publish_pending) finish_publish();
   dist.wait_unchecked();  // left by a step that raised
@@ -291,7 +290,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   auto ctx = std::make_unique<StepContext>();
   ctx->data.assign(data.begin(), data.end());
   ctx->raise = options.nonfinite == NonFinitePolicy::kRaise;
-  vote(*ctx);
+  vote(*ctx);  // waits for the slowest rank: not issue time
+  const auto t0 = std::chrono::steady_clock::now();
   prepare_buckets(*ctx);
   backend.fill_zero(record.step_status.data(),
                     static_cast<size_t>(record.n_status) * sizeof(int32_t));
