@@ -193,6 +193,11 @@ struct EngineStats {
   CommStats comm;               // bytes moved by this rank during step(), all communicators
   int64_t graph_captures = 0;   // steps captured into a graph (EngineOptions::graphs)
   int64_t graph_replays = 0;    // steps that replayed it (the captured step not counted)
+  // Host milliseconds the last step() spent issuing its work: the whole call in one process; in
+  // the distributed step, from after the ranks' vote (which waits for the slowest rank) to the
+  // end-of-step wait for the collectives' completion (which follows the device, not the host's
+  // own cost); under NonFinitePolicy::kRaise it includes the mid-step wait for the statuses.
+  double issue_ms = 0;
 };
 
 }  // namespace distmuon

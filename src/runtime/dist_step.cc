@@ -2,6 +2,7 @@
 // stages software-pipelined (the next bucket's communication overlaps the current bucket's
 // compute), and AdamW parameters are updated beside them.
 #include <algorithm>
+#include <chrono>
 #include <charconv>
 #include <map>
 #include <tuple>
@@ -289,7 +290,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   auto ctx = std::make_unique<StepContext>();
   ctx->data.assign(data.begin(), data.end());
   ctx->raise = options.nonfinite == NonFinitePolicy::kRaise;
-  vote(*ctx);
+  vote(*ctx);  // waits for the slowest rank: not issue time
+  const auto t0 = std::chrono::steady_clock::now();
   prepare_buckets(*ctx);
   backend.fill_zero(record.step_status.data(),
                     static_cast<size_t>(record.n_status) * sizeof(int32_t));
@@ -346,6 +348,8 @@ void Engine::Impl::dist_step(std::span<const ParamData> data) {
   adam.update();
   // Everything is issued: now the host checks that the collectives ordered on the device
   // complete (with their deadlines).
+  stats.issue_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   DM_LOG(kDebug, "step issued; waiting for ", dist.unchecked.size(), " collectives");
   dist.wait_unchecked();
   for (size_t i = 0; i < registry.params.size(); ++i)

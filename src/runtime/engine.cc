@@ -3,6 +3,7 @@
 #include "distmuon/engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <sstream>
 
 #include "distmuon/error.h"
@@ -232,8 +233,11 @@ void Engine::step(std::span<const ParamData> data) {
     s.dist_step(data);  // checks the inputs and shares any error with every rank
     return;
   }
+  const auto t0 = std::chrono::steady_clock::now();
   s.check_inputs(data);
   s.local_step(data);
+  s.stats.issue_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void Engine::wait_published() {

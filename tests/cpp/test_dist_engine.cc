@@ -11,6 +11,8 @@
 // dyadic numbers whose sums are exact in any reduction order.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -360,8 +362,18 @@ void check_scenario(const Scenario& sc) {
   Communicator& c = world();
   const Snapshot ref = run_reference(sc, c.size(), {});
   DistRun run = make_dist(sc);
-  for (int step = 0; step < sc.steps; ++step) dist_step(run, sc, step);
+  double longest_ms = 0;  // of the steps' calls: the last step's issue time is within it
+  for (int step = 0; step < sc.steps; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    dist_step(run, sc, step);
+    longest_ms = std::max(longest_ms, std::chrono::duration<double, std::milli>(
+                                          std::chrono::steady_clock::now() - t0).count());
+  }
   expect_equal(run, ref, sc);
+  if (sc.steps > 0) {
+    EXPECT_GT(run.e->stats().issue_ms, 0.0);
+    EXPECT_LE(run.e->stats().issue_ms, longest_ms);
+  }
   // Each matrix is orthogonalized exactly once per step in the owner modes, everywhere in
   // gather mode; skips are counted where the matrix is computed.
   EngineStats st = run.e->stats();

@@ -378,6 +378,25 @@ TEST(Engine, ZeroGradientGivesZeroUpdate) {
   for (float v : w) EXPECT_EQ(v, 0.25f);
 }
 
+// issue_ms is the host time of the last step's call in one process (it does not wait at its end).
+TEST(Engine, IssueTimeIsTheLastStepsHostTime) {
+  CpuBackend be;
+  Engine eng(be);
+  eng.add_group(muon_group(0.02f));
+  eng.add_param({"w", 0, {64, 96}, DType::kF32});
+  std::vector<float> w(64 * 96, 0.25f), g(64 * 96, 0.01f);
+  ParamData d{w.data(), g.data(), DType::kF32, {}};
+  EXPECT_EQ(eng.stats().issue_ms, 0.0);
+  for (int i = 0; i < 2; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    eng.step({&d, 1});
+    const double wall =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_GT(eng.stats().issue_ms, 0.0);
+    EXPECT_LE(eng.stats().issue_ms, wall);
+  }
+}
+
 TEST(Engine, ClearErrorsForBadParameters) {
   CpuBackend be;
   Engine eng(be);
