@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from qwen_model import Qwen, QwenConfig  # noqa: E402
 
 
-def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool):
+def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool, bucket_mb: float | None):
     torch.manual_seed(0)
     model = Qwen(cfg).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
@@ -58,7 +58,7 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool):
         mode = {"distmuon-gather": "gather"}.get(kind, "auto")
         wire = torch.bfloat16 if kind == "distmuon-sharded-bf16wire" else None
         opt = Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=3e-4, adamw_betas=(0.9, 0.95),
-                   dist_mode=mode, wire_dtype=wire)
+                   dist_mode=mode, wire_dtype=wire, bucket_mb=bucket_mb)
     return model, opt
 
 
@@ -72,7 +72,7 @@ def timed(device: torch.device):
 def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     if args.stall_s > 0:  # building (first NCCL use included) may hang too: say where
         faulthandler.dump_traceback_later(args.stall_s, repeat=True)
-    model, opt = build(cfg, kind, mesh, device, bf16=device.type == "cuda")
+    model, opt = build(cfg, kind, mesh, device, bf16=device.type == "cuda", bucket_mb=args.bucket_mb)
     if dist.get_rank() == 0 and args.progress:
         # The GPU's free memory counts every rank's (ranks may share it): a run that will not fit
         # shows it here, before its first step.
@@ -149,6 +149,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--optimizers", default="adamw,distmuon-sharded,distmuon-dedicated")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="distmuon's bucket of full matrices in MiB (default: the engine's, 1 GiB); "
+                         "eight gather ranks on one 80 GB GPU need 64")
     ap.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (2D mesh)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="", help="folder for a chrome trace per optimizer (rank 0)")
@@ -196,7 +199,8 @@ def main() -> None:
                 gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
                 json.dump({"world_size": world, "replicate": args.replicate, "config": args.config,
                            "seq": args.seq, "micro_batch": args.micro_batch,
-                           "loss_chunk": args.loss_chunk, "steps": args.steps,
+                           "loss_chunk": args.loss_chunk, "bucket_mb": args.bucket_mb,
+                           "steps": args.steps,
                            "warmup": args.warmup, "gpu": gpu, "results": results}, f, indent=1)
     dist.destroy_process_group()
     # The interpreter's own teardown is skipped: torch's gloo worker threads abort a rank now

@@ -82,21 +82,23 @@ def test_the_chunked_loss_equals_the_whole_one() -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_the_trainer_runs_with_a_chunked_loss(tmp_path: Path) -> None:
-    """Under FSDP2 the chunked loss trains as the whole one: the same loss after two steps (the
-    second step's loss depends on the first step's gradients)."""
+def test_the_trainer_runs_with_a_chunked_loss_and_small_buckets(tmp_path: Path) -> None:
+    """Under FSDP2 the chunked loss trains as the whole one, and distmuon's small buckets as its
+    default one: the same loss after two steps (the second step's loss depends on the first
+    step's gradients)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     losses = []
-    for i, chunk in enumerate((0, 6)):
+    for i, (chunk, bucket_mb) in enumerate(((0, None), (6, None), (0, 0.01))):
         out = tmp_path / f"e2e-{chunk}.json"
         r = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
              str(29615 + i), str(TRAIN), "--device", "cpu", "--config", "tiny", "--seq", "16",
              "--steps", "1", "--warmup", "1", "--loss-chunk", str(chunk), "--optimizers",
-             "distmuon-sharded", "--json", str(out)],
+             "distmuon-sharded", "--json", str(out)] + (["--bucket-mb", str(bucket_mb)] if bucket_mb else []),
             capture_output=True, text=True, timeout=300, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         rec = json.loads(out.read_text())
-        assert rec["loss_chunk"] == chunk
+        assert rec["loss_chunk"] == chunk and rec["bucket_mb"] == bucket_mb
         losses.append(rec["results"][0]["final_loss"])
-    assert math.isfinite(losses[0]) and math.isclose(losses[0], losses[1], rel_tol=1e-5)
+    assert math.isfinite(losses[0])
+    assert all(math.isclose(losses[0], x, rel_tol=1e-5) for x in losses[1:]), losses
