@@ -73,15 +73,10 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     if not cal or not full_cal:
         return None
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
-    # A table measured on one part of 1/D of the SMs (run.sh COSTS_PART) is taken as it is.
     parts = d > 1 and rec.get("mechanism", "mps") == "mps"  # MPS: 1/D of the SMs each
-    part = os.path.join(os.path.dirname(costs), f"costs-part{d}.json") if costs else ""
-    on_part = parts and os.path.exists(part)
-    if on_part:
-        scale, costs = 1.0, part
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
-        if parts and not on_part:
+        if parts:
             source += ["--costs-parts", str(d)]
         # The owners as the run placed them: on analytic costs where its engines had no table.
         if rec.get("plan_analytic", True):
@@ -89,7 +84,6 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     else:
         source = ["--analytic", "--tflops", f"{cal['gemm_tflops_per_rank_min']:.6g}"]
     issue_us = cal.get("nccl_collective_us") or args.collective_latency_us
-    shared = d > 1 and rec.get("mechanism", "mps") == "mps"
     sim = [plan, "--workload", rec["workload"], "--layers", str(rec["layers"]), *source,
            "--simulate", "--world-size", str(d),
            "--gpus-per-node", str(d), "--sim-max-world", str(d), "--solver", rec["planner"],
@@ -97,8 +91,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
            "--bucket-mb", f"{rec.get('bucket_mb', 32):.6g}",
            "--collective-latency-us", f"{issue_us:.6g}",
            "--local-collective-us", f"{args.local_collective_us:.6g}",
-           "--comm-compute-share", f"{args.comm_compute_share if shared else 0:.6g}",
-           "--comm-wait-share", f"{wait_share(cal, args) if shared else 0:.6g}"]
+           "--comm-compute-share", f"{args.comm_compute_share if parts else 0:.6g}",
+           "--comm-wait-share", f"{wait_share(cal, args) if parts else 0:.6g}"]
     # Runs recorded before the owners' batches spanned buckets (no 'batches_per_bucket' in the
     # record) cut them at the buckets' borders: simulate them so.
     if rec.get("batches_per_bucket", True):
@@ -131,8 +125,7 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
             | {f"{m}_collectives": p["collectives"][m] for m in MODES}
             | {"fsdp": fsdp, "fsdp_collectives": p["collectives"]["fsdp"],
                "costs_scale": scale,
-               "costs": ("measured on a part" if on_part else "measured")
-               if costs and os.path.exists(costs) else "analytic",
+               "costs": "measured" if costs and os.path.exists(costs) else "analytic",
                "collective_us": issue_us})
 
 
@@ -144,7 +137,7 @@ def e2e_runs(out: str) -> list[dict]:
         rec = load(p)
         for r in rec.get("results", []):
             e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
-                        "step_ms": r["step_ms"], "fwd_bwd_ms": r["fwd_bwd_ms"],
+                        "step_ms": r["step_ms"], "fwd_ms": r.get("fwd_ms"), "fwd_bwd_ms": r["fwd_bwd_ms"],
                         "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
                         "peak_mem_gib": r.get("peak_mem_gib"), "config": rec.get("config"),
                         "seq": rec.get("seq"), "gpu": rec.get("gpu")})
@@ -423,11 +416,11 @@ def main() -> None:
 def e2e_table(e2e: list[dict]) -> list[str]:
     if not e2e:
         return []
-    lines = ["", "| D | optimizer | step ms | x AdamW | fwd+bwd ms | optimizer ms | loss | peak GiB |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["", "| D | optimizer | step ms | x AdamW | forward ms | fwd+bwd ms | optimizer ms | loss | peak GiB |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in e2e:
         lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['step_ms']:.1f} | "
-                     f"{fmt(r['step_over_adamw'], '{:.3f}')} | {r['fwd_bwd_ms']:.1f} | "
+                     f"{fmt(r['step_over_adamw'], '{:.3f}')} | {fmt(r.get('fwd_ms'))} | {r['fwd_bwd_ms']:.1f} | "
                      f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} | {fmt(r.get('peak_mem_gib'))} |")
     return lines
 

@@ -42,7 +42,6 @@ STEPS=${STEPS:-3}
 MODES=${MODES:-gather,sharded,dedicated,adamw}  # of the step stage (an A/B may need one)
 SPLIT_MODES=${SPLIT_MODES:-auto}  # 1: each mode in a process of its own; auto: from D = 4 on
 STAGES=${STAGES:-step costs e2e}
-COSTS_PART=${COSTS_PART:-}  # D values: the costs stage also measures on 100/D % of the SMs
 E2E_RANKS=${E2E_RANKS:-1,8}
 # Sized for eight ranks on one 80 GB GPU: each rank holds a whole data-parallel micro-batch's
 # activations, and its loss a chunk of logits at a time (a 1.5B model or the whole logits ran out).
@@ -186,19 +185,6 @@ if [[ " $STAGES " == *" costs "* ]]; then
     say "costs: $name (whole GPU)"
     timeout -k 10 120 $BIN/distmuon-plan --workload "$name" --layers "$layers" --measure --backend cuda \
       --cache "$OUT/costs.json" --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of $name"
-    # COSTS_PART=D: the same table measured by one MPS client on 100/D % of the SMs, which the
-    # simulator then takes as it is for D ranks (report.py), instead of the whole GPU's table
-    # scaled by the calibrated GEMM slow-down (shapes that leave SMs idle on the whole GPU do not
-    # on a part).
-    for d in ${COSTS_PART//,/ }; do
-      if over_budget $((BUDGET_S - 60)); then say "SKIPPED (time): costs of $name on 1/$d"; continue; fi
-      mps_start || { say "no CUDA MPS: no costs on a part"; break; }
-      say "costs: $name on $((100 / d)) % of the SMs (MPS)"
-      env CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d)) timeout -k 10 240 $BIN/distmuon-plan \
-        --workload "$name" --layers "$layers" --measure --backend cuda \
-        --cache "$OUT/costs-part$d.json" --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of $name on 1/$d"
-    done
-    mps_stop  # the next workload's whole-GPU table without MPS
   done
 fi
 

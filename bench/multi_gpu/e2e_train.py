@@ -62,11 +62,28 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool, bu
     return model, opt
 
 
-def timed(device: torch.device):
-    if device.type == "cuda":
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        return ev
-    return None
+class ForwardTimer:
+    """The forward's time without a synchronization between forward and backward (which would
+    change what overlaps there): CUDA events on the GPU, read after the step's end."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        if self.cuda:
+            self.ev = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
+            self.ev[0].record()
+        else:
+            self.t = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.ev[1].record()
+        else:
+            self.t = (time.perf_counter() - self.t) * 1e3
+
+    def ms(self) -> float:  # after the device has finished the forward
+        return self.ev[0].elapsed_time(self.ev[1]) if self.cuda else self.t
 
 
 def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
@@ -79,7 +96,8 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         free = f", {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the GPU free" if device.type == "cuda" else ""
         print(f"  {kind}: model built and sharded{free}", flush=True)
     gen = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
-    fb, op, tot = [], [], []
+    fw, fb, op, tot = [], [], [], []
+    fwd = ForwardTimer(device)
     prof = None
     if args.profile and device.type == "cuda":
         prof = torch.profiler.profile(
@@ -97,11 +115,13 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        fwd.start()
         # FSDP2's MixedPrecisionPolicy casts only the parameters it manages: dedicated matrices
         # (ignored_params) stay f32, and autocast casts them at each matmul. Every configuration
         # runs under it, so that all compute alike.
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss = model(idx[:, :-1], idx[:, 1:], loss_chunk=args.loss_chunk)
+        fwd.stop()
         loss.backward()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -114,6 +134,7 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if prof:
             prof.step()
         if step >= args.warmup:
+            fw.append(fwd.ms())
             fb.append((t1 - t0) * 1e3)
             op.append((t2 - t1) * 1e3)
             tot.append((t2 - t0) * 1e3)
@@ -123,12 +144,12 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if dist.get_rank() == 0:
             prof.export_chrome_trace(os.path.join(args.profile, f"trace-{kind}.json"))
     # The step is as slow as the slowest rank.
-    med = torch.tensor([statistics.median(fb), statistics.median(op), statistics.median(tot)], dtype=torch.float64,
+    med = torch.tensor([statistics.median(x) for x in (fb, op, tot, fw)], dtype=torch.float64,
                        device=device)  # NCCL has no CPU tensors
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     out = {"optimizer": kind, "fwd_bwd_ms": med[0].item(), "optimizer_ms": med[1].item(),
-           "step_ms": med[2].item(), "peak_mem_gib": mem, "final_loss": loss.item()}
+           "step_ms": med[2].item(), "fwd_ms": med[3].item(), "peak_mem_gib": mem, "final_loss": loss.item()}
     # Torch's FSDP2 keeps a model that ran forward alive past this (hooks held from C++), so
     # configurations run one after another here pile up their memory: bench/cluster/run.sh runs
     # one optimizer per process.
@@ -188,7 +209,7 @@ def main() -> None:
         results.append(r)
         if rank == 0:
             print(f"[{world} ranks{' HSDP %dx%d' % (args.replicate, world // args.replicate) if args.replicate > 1 else ''}] "
-                  f"{kind:20s} fwd+bwd {r['fwd_bwd_ms']:8.1f} ms  optimizer {r['optimizer_ms']:7.1f} ms  "
+                  f"{kind:20s} fwd {r['fwd_ms']:7.1f} ms  fwd+bwd {r['fwd_bwd_ms']:8.1f} ms  optimizer {r['optimizer_ms']:7.1f} ms  "
                   f"step {r['step_ms']:8.1f} ms  peak {r['peak_mem_gib']:.1f} GiB", flush=True)
     if rank == 0:
         base = next((r for r in results if r["optimizer"] == "adamw"), None)

@@ -42,6 +42,7 @@ def test_one_run_per_optimizer_merges_with_the_ratio_over_adamw(tmp_path: Path) 
         assert rec["world_size"] == 2
         (r,) = rec["results"]
         assert r["optimizer"] == opt and r["step_ms"] > 0 and math.isfinite(r["final_loss"])
+        assert 0 < r["fwd_ms"] < r["fwd_bwd_ms"] < r["step_ms"]
     merged = load_report().e2e_runs(str(tmp_path))
     assert sorted(r["optimizer"] for r in merged) == ["adamw", "distmuon-dedicated", "distmuon-sharded"]
     adamw = runs["adamw"]["results"][0]["step_ms"]

@@ -54,27 +54,6 @@ def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> N
     assert not (tmp_path / "resimulated.json").exists()
 
 
-def test_a_cost_table_measured_on_a_part_is_taken_as_it_is(tmp_path: Path) -> None:
-    """run.sh COSTS_PART=8 leaves costs-part8.json beside costs.json: the D = 8 runs are predicted
-    from it unscaled, and their predictions move with the table."""
-    d8 = H100 / "d8" / "cluster.json"
-    whole = (H100 / "sim-calibration" / "costs.json").read_text()
-    (tmp_path / "costs.json").write_text(whole)
-    args = ["--resimulate", str(d8), "--whole-gpu", str(H100 / "cluster.json"),
-            "--costs", str(tmp_path / "costs.json")]
-    scaled = report(*args, "--out", str(tmp_path / "scaled"))
-    assert scaled.returncode == 0, scaled.stderr
-    (tmp_path / "costs-part8.json").write_text(whole)  # the whole GPU's times, unscaled
-    part = report(*args, "--out", str(tmp_path / "part"))
-    assert part.returncode == 0, part.stderr
-    a = json.loads((tmp_path / "scaled" / "resimulated.json").read_text())["runs"]
-    b = json.loads((tmp_path / "part" / "resimulated.json").read_text())["runs"]
-    assert {r["costs"] for r in a} == {"measured"} and all(r["costs_scale"] > 5 for r in a)
-    assert {r["costs"] for r in b} == {"measured on a part"} and {r["costs_scale"] for r in b} == {1.0}
-    gather = [(x, y) for x, y in zip(a, b) if x["mode"] == "gather"]
-    assert gather and all(y["predicted_engine_ms"] < x["predicted_engine_ms"] / 2 for x, y in gather)
-
-
 def test_a_run_of_the_e2e_stage_alone_is_recorded(tmp_path: Path) -> None:
     for opt, step in (("adamw", 100.0), ("distmuon-sharded", 110.0)):
         (tmp_path / f"e2e-8-{opt}.json").write_text(json.dumps({
