@@ -222,6 +222,7 @@ def resimulate(args: argparse.Namespace) -> None:
     with open(os.path.join(args.out, "resimulated.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    plot(rows, os.path.join(args.out, "resimulated.png"))
 
 
 def borrowed_whole_gpu(args: argparse.Namespace) -> dict | None:

@@ -4,6 +4,7 @@ without a whole-GPU calibration needs --whole-gpu, said in one line."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -45,6 +46,8 @@ def test_resimulation_predicts_each_run_with_its_buckets_and_planner(tmp_path: P
         if mb == 32 and m == "sharded" and (w, m, planner, 1024.0) in by:
             assert x["collectives"] > by[(w, m, planner, 1024.0)]["collectives"]
     assert (tmp_path / "resimulated.md").read_text().count("\n| ") == len(rows) + 1
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "resimulated.png").stat().st_size > 0
 
 
 def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> None:
