@@ -455,15 +455,17 @@ def plot(runs: list[dict], path: str) -> None:
                          if r["workload"] == w and r["mode"] == m)
             if not pts:
                 continue
-            line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+            color = f"C{MODES.index(m)}"  # one color per mode in every panel
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=m)
             if all(p[2] is not None for p in pts):
-                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x:", color=line.get_color())
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x:", color=color)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks D (1/D of the GPU each)")
         ax.set_title(w)
     axes[0][0].set_ylabel("step ms (o measured, x predicted)")
-    axes[0][0].legend(fontsize=8)
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
+    axes[0][0].legend([handles[m] for m in MODES if m in handles], [m for m in MODES if m in handles], fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
