@@ -105,7 +105,7 @@ sanitize: deps
 # The demo needs only the Python package (whose build compiles the core once, CPU-only without a
 # GPU); `make test` is what compiles every CUDA source.
 demo: deps python
-	$(PYTHON) examples/train_gpt.py --optimizer distmuon,torch-muon,adamw
+	$(PYTHON) examples/train_gpt.py --optimizer distmuon,torch-muon,adamw --baseline-budget-s 90
 
 format:
 	clang-format -i $$(git ls-files '*.cc' '*.h' '*.cu' '*.cuh')

@@ -218,6 +218,7 @@ class RunResult:
     opt_ms: list[float] = field(default_factory=list)
     wall_s: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)  # distmuon: Muon.stats() at the end
+    stopped_at: int | None = None  # a baseline stopped by --baseline-budget-s: its last step
 
 
 @torch.no_grad()
@@ -244,6 +245,7 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(0)  # the same training batches for every optimizer
         self.res = RunResult(kind, args.steps)
         self.data, self.args = data, args
+        self.last = args.steps  # the last step this trainer runs (--baseline-budget-s may lower it)
 
     def step(self, step: int) -> None:
         args, res = self.args, self.res
@@ -268,7 +270,7 @@ class Trainer:
         res.fwd_bwd_ms.append((t1 - t0) * 1e3)
         res.opt_ms.append((t2 - t1) * 1e3)
         res.wall_s += time.perf_counter() - t0
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        if (step + 1) % args.eval_every == 0 or step + 1 == self.last:
             res.val_points.append((step + 1, evaluate(self.model, self.data, args)))
 
     def finish(self) -> RunResult:
@@ -278,14 +280,38 @@ class Trainer:
         return self.res
 
 
+# Steps timed before a baseline's whole run is projected against --baseline-budget-s.
+BUDGET_PROBE_STEPS = 5
+
+
+def budget_stop(res: RunResult, args: argparse.Namespace) -> int | None:
+    """The step at which a baseline stops so that its training stays within the budget (a
+    multiple of --eval-every, so that distmuon has a validation loss at the same step), or None
+    when its whole run fits. Its steps so far (warm-up included) give the projection."""
+    per_step = res.wall_s / len(res.train_losses)
+    if per_step * args.steps <= args.baseline_budget_s:
+        return None
+    fits = int(args.baseline_budget_s / per_step) // args.eval_every * args.eval_every
+    return min(args.steps, max(args.eval_every, fits))
+
+
 def train(kinds: list[str], init: dict[str, torch.Tensor], cfg: GPTConfig, data: CharData, args: argparse.Namespace) -> list[RunResult]:
     """Trains every optimizer in lockstep (step i of each, in turn), so that the load of a shared
-    machine falls on them alike and their step times compare."""
+    machine falls on them alike and their step times compare. With --baseline-budget-s, a
+    baseline (not distmuon) whose run would take longer stops early, at an evaluation step."""
     trainers = [Trainer(kind, init, cfg, data, args) for kind in kinds]
     it, postfix = progress(args.steps, "train")
     for step in it:
         for t in trainers:
-            t.step(step)
+            if step < t.last:
+                t.step(step)
+        if args.baseline_budget_s and step + 1 == min(BUDGET_PROBE_STEPS, args.steps):
+            for t in trainers:
+                stop = budget_stop(t.res, args) if t.res.optimizer != "distmuon" else None
+                if stop is not None and stop > step:
+                    t.last = t.res.stopped_at = stop
+                    print(f"\n{t.res.optimizer}: {t.res.wall_s / (step + 1) * 1e3:.0f} ms a step here, so it stops at "
+                          f"step {stop} of {args.steps} (--baseline-budget-s {args.baseline_budget_s:g})", flush=True)
         if step % 10 == 0 or step + 1 == args.steps:
             postfix(" ".join(f"{t.res.optimizer} {t.res.train_losses[-1]:.3f} ({t.res.opt_ms[-1]:.0f} ms)" for t in trainers))
     return [t.finish() for t in trainers]
@@ -400,6 +426,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--cache-gamma", type=float, help="CacheMuon residual threshold (distmuon only)")
     ap.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bf16 autocast in forward (default: on CUDA)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--baseline-budget-s", type=float, default=0,
+                    help="seconds of training a baseline (torch-muon, adamw) may take: one that would take "
+                         "longer stops at the last evaluation step that fits (0: no limit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", type=Path, default=REPO / "data" / "tinyshakespeare.txt")
     ap.add_argument("--out", type=Path, default=REPO / "out" / "train_gpt.png", help="loss-curve PNG (a .json summary is written beside it)")
@@ -417,9 +446,11 @@ def parse_args() -> argparse.Namespace:
             ap.error(f"--{k.replace('_', '-')} must be at least 1 (got {getattr(args, k)})")
     if args.n_embd % args.n_head:
         ap.error(f"--n-embd ({args.n_embd}) must be a multiple of --n-head ({args.n_head})")
-    for k in ("warmup", "eval_every", "threads"):  # optional; 0 means the default for the last two
+    for k in ("warmup", "eval_every", "threads", "baseline_budget_s"):  # optional; 0: the default (no limit)
         if getattr(args, k) is not None and getattr(args, k) < 0:
             ap.error(f"--{k.replace('_', '-')} must be >= 0 (got {getattr(args, k)})")
+    if not math.isfinite(args.baseline_budget_s):
+        ap.error(f"--baseline-budget-s must be a finite number of seconds (got {args.baseline_budget_s})")
     for k in ("adamw_lr", "cache_gamma"):
         v = getattr(args, k)
         if v is not None and not (math.isfinite(v) and v > 0):
@@ -468,7 +499,14 @@ def main() -> int:
     print("-" * 72)
     for r in results:
         fb, op = median_after_warmup(r.fwd_bwd_ms), median_after_warmup(r.opt_ms)
-        print(f"{r.optimizer:>10} | {r.final_val_loss:8.4f} | {fb:10.2f} | {op:12.2f} | {op / (fb + op):8.1%} | {r.wall_s:7.1f}")
+        print(f"{r.optimizer:>10} | {r.final_val_loss:8.4f} | {fb:10.2f} | {op:12.2f} | {op / (fb + op):8.1%} | {r.wall_s:7.1f}"
+              + (f"  (stopped at step {r.stopped_at})" if r.stopped_at else ""))
+    ours = next((r for r in results if r.optimizer == "distmuon"), None)
+    for r in results:
+        if r.stopped_at and ours:
+            at = dict(ours.val_points).get(r.stopped_at)
+            print(f"{r.optimizer} stopped at step {r.stopped_at} (--baseline-budget-s): its validation loss there "
+                  f"{r.final_val_loss:.4f}, distmuon's " + (f"{at:.4f}" if at is not None else "not evaluated there"))
     print(
         "(step times: medians after warm-up, the device synchronised around each part; train s: the\n"
         " steps without evaluations)"
@@ -511,6 +549,7 @@ def main() -> int:
                 "fwd_bwd_ms_median": median_after_warmup(r.fwd_bwd_ms),
                 "optimizer_ms_median": median_after_warmup(r.opt_ms),
                 "wall_s": r.wall_s,
+                "stopped_at": r.stopped_at,
                 "stats": r.stats,
             }
             for r in results

@@ -33,6 +33,8 @@ def run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
         (["--data", "/no/such/file.txt"], "--data /no/such/file.txt: no such file"),
         (["--device", "cpux"], "--device cpux:"),
         (["--optimizer", "adamw", "--adamw-lr", "-1"], "--adamw-lr must be a finite number > 0"),
+        (["--baseline-budget-s", "-1"], "--baseline-budget-s must be >= 0"),
+        (["--baseline-budget-s", "inf"], "--baseline-budget-s must be a finite number of seconds"),
     ],
 )
 def test_bad_arguments_are_refused_before_training(args: list[str], message: str, tmp_path: Path) -> None:
@@ -57,3 +59,20 @@ def test_a_tiny_run_trains_every_optimizer(tmp_path: Path) -> None:
     assert threads["torch_threads"] == 1 and threads["distmuon_threads"] == 1, threads
     assert threads["distmuon_backend"].startswith("cpu (") and "CPU threads: torch 1" in r.stdout
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_a_baseline_over_its_budget_stops_at_an_evaluation_step(tmp_path: Path) -> None:
+    """--baseline-budget-s: a baseline projected past the budget after its first steps stops at
+    the last evaluation step that fits (here the first: a budget of a microsecond), distmuon runs
+    every step, and the summary compares both at that step; without a budget nothing stops."""
+    args = ["--optimizer", "distmuon,torch-muon", "--steps", "12", "--eval-every", "6"]
+    r = run([*args, "--baseline-budget-s", "1e-6"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    ours, torch_muon = json.loads((tmp_path / "c.json").read_text())["results"]
+    assert ours["stopped_at"] is None and [s for s, _ in ours["val_points"]] == [6, 12]
+    assert torch_muon["stopped_at"] == 6 and [s for s, _ in torch_muon["val_points"]] == [6]
+    assert "torch-muon: " in r.stdout and "stops at step 6 of 12" in r.stdout
+    assert f"its validation loss there {torch_muon['final_val_loss']:.4f}, distmuon's {ours['val_points'][0][1]:.4f}" in r.stdout
+    r = run(args, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert all(x["stopped_at"] is None for x in json.loads((tmp_path / "c.json").read_text())["results"])
