@@ -198,9 +198,12 @@ if [[ " $STAGES " == *" e2e "* ]]; then
       # in one process pile up (the fifth ran out of an H200's memory at D = 1).
       for opt in ${E2E_OPTIMIZERS//,/ }; do
         say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS): $opt"
+        # A step longer than a quarter of the limit prints every rank's stacks (E2E_ARGS may set
+        # --stall-s again): a slow run says where it waits before the limit stops it.
         "${ranks_env[@]}" $(partition_env "$d") timeout -k 10 "$E2E_TIMEOUT_S" \
           $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
-          $E2E_ARGS --optimizers "$opt" --progress --json "$OUT/e2e-$d-$opt.json" >> "$LOG" 2>&1 ||
+          --stall-s $((E2E_TIMEOUT_S / 4)) $E2E_ARGS --optimizers "$opt" --progress \
+          --json "$OUT/e2e-$d-$opt.json" >> "$LOG" 2>&1 ||
           { say "FAILED: e2e $opt on $d ranks (rc $?)"
             # A client that dies mid-kernel leaves the MPS server refusing new clients ("MPS server
             # is not ready", every later run failed at its first CUDA call): start a fresh one.
