@@ -3,7 +3,7 @@ one process per GPU (torchrun): fused AdamW versus distmuon in sharded mode (unm
 all-to-all to owners) and in dedicated mode (distmuon.torch.dedicate before fully_shard).
 
     torchrun --nproc-per-node 8 bench/multi_gpu/e2e_train.py --config qwen2.5-1.5b --seq 2048 \
-        --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather[,distmuon-sharded-bf16wire] \
+        --optimizers adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather[,distmuon-sharded-bf16wire,distmuon-dedicated-serial] \
         [--replicate 2] \
         --json out.json
 
@@ -29,15 +29,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 from qwen_model import Qwen, QwenConfig  # noqa: E402
 
 
+OPTIMIZERS = ("adamw", "distmuon-sharded", "distmuon-dedicated", "distmuon-gather", "distmuon-sharded-bf16wire",
+              "distmuon-dedicated-serial")
+
+
 def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool, bucket_mb: float | None):
     torch.manual_seed(0)
     model = Qwen(cfg).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     ignored = set()
-    if kind == "distmuon-dedicated":
+    if kind.startswith("distmuon-dedicated"):
         from distmuon.torch import dedicate
 
-        ignored = set(dedicate(model, mesh).ignored_params)  # whole matrices, one owner each
+        # Whole matrices, one owner each. On CUDA the owners orthogonalize each layer during
+        # backward (overlap_step); distmuon-dedicated-serial leaves it all to step(), which
+        # separates that work from the transfers' cost in the timings.
+        overlap = False if kind == "distmuon-dedicated-serial" else None
+        ignored = set(dedicate(model, mesh, overlap_step=overlap).ignored_params)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
@@ -181,6 +189,9 @@ def main() -> None:
                     help="print every rank's stacks when a step runs longer than this (0: never)")
     ap.add_argument("--progress", action="store_true", help="rank 0 says which step starts")
     args = ap.parse_args()
+    unknown = [k for k in args.optimizers.split(",") if k not in OPTIMIZERS]
+    if unknown:
+        ap.error(f"unknown --optimizers {unknown}; choose from {', '.join(OPTIMIZERS)}")
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     dist.init_process_group(backend)

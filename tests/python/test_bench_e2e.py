@@ -37,14 +37,15 @@ def train(optimizer: str, out: Path, port: int) -> dict:
 
 def test_one_run_per_optimizer_merges_with_the_ratio_over_adamw(tmp_path: Path) -> None:
     runs = {opt: train(opt, tmp_path / f"e2e-2-{opt}.json", 29610 + i)
-            for i, opt in enumerate(["adamw", "distmuon-sharded", "distmuon-dedicated"])}
+            for i, opt in enumerate(["adamw", "distmuon-sharded", "distmuon-dedicated", "distmuon-dedicated-serial"])}
     for opt, rec in runs.items():
         assert rec["world_size"] == 2
         (r,) = rec["results"]
         assert r["optimizer"] == opt and r["step_ms"] > 0 and math.isfinite(r["final_loss"])
         assert 0 < r["fwd_ms"] < r["fwd_bwd_ms"] < r["step_ms"]
     merged = load_report().e2e_runs(str(tmp_path))
-    assert sorted(r["optimizer"] for r in merged) == ["adamw", "distmuon-dedicated", "distmuon-sharded"]
+    assert sorted(r["optimizer"] for r in merged) == ["adamw", "distmuon-dedicated", "distmuon-dedicated-serial",
+                                                      "distmuon-sharded"]
     adamw = runs["adamw"]["results"][0]["step_ms"]
     for r in merged:
         mine = runs[r["optimizer"]]["results"][0]["step_ms"]
@@ -103,3 +104,9 @@ def test_the_trainer_runs_with_a_chunked_loss_and_small_buckets(tmp_path: Path) 
         losses.append(rec["results"][0]["final_loss"])
     assert math.isfinite(losses[0])
     assert all(math.isclose(losses[0], x, rel_tol=1e-5) for x in losses[1:]), losses
+
+
+def test_an_unknown_optimizer_is_refused_before_training() -> None:
+    r = subprocess.run([sys.executable, str(TRAIN), "--device", "cpu", "--optimizers", "adamw,distmuon-foo"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unknown --optimizers ['distmuon-foo']" in r.stderr, r.stderr[-2000:]
