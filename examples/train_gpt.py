@@ -245,7 +245,11 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(0)  # the same training batches for every optimizer
         self.res = RunResult(kind, args.steps)
         self.data, self.args = data, args
-        self.last = args.steps  # the last step this trainer runs (--baseline-budget-s may lower it)
+
+    @property
+    def last(self) -> int:
+        """The last step this trainer runs: where --baseline-budget-s stopped it, else the end."""
+        return self.res.stopped_at or self.args.steps
 
     def step(self, step: int) -> None:
         args, res = self.args, self.res
@@ -309,7 +313,7 @@ def train(kinds: list[str], init: dict[str, torch.Tensor], cfg: GPTConfig, data:
             for t in trainers:
                 stop = budget_stop(t.res, args) if t.res.optimizer != "distmuon" else None
                 if stop is not None and stop > step:
-                    t.last = t.res.stopped_at = stop
+                    t.res.stopped_at = stop
                     print(f"\n{t.res.optimizer}: {t.res.wall_s / (step + 1) * 1e3:.0f} ms a step here, so it stops at "
                           f"step {stop} of {args.steps} (--baseline-budget-s {args.baseline_budget_s:g})", flush=True)
         if step % 10 == 0 or step + 1 == args.steps:

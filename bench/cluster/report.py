@@ -73,10 +73,10 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     if not cal or not full_cal:
         return None
     scale = full_cal["gemm_tflops_per_rank_min"] / cal["gemm_tflops_per_rank_min"]
-    parts = d > 1 and rec.get("mechanism", "mps") == "mps"  # MPS: 1/D of the SMs each
+    on_parts = d > 1 and rec.get("mechanism", "mps") == "mps"  # MPS: 1/D of the SMs each
     if costs and os.path.exists(costs):
         source = ["--costs", costs, "--costs-scale", f"{scale:.6g}"]
-        if parts:
+        if on_parts:
             source += ["--costs-parts", str(d)]
         # The owners as the run placed them: on analytic costs where its engines had no table.
         if rec.get("plan_analytic", True):
@@ -91,8 +91,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
            "--bucket-mb", f"{rec.get('bucket_mb', 32):.6g}",
            "--collective-latency-us", f"{issue_us:.6g}",
            "--local-collective-us", f"{args.local_collective_us:.6g}",
-           "--comm-compute-share", f"{args.comm_compute_share if parts else 0:.6g}",
-           "--comm-wait-share", f"{wait_share(cal, args) if parts else 0:.6g}"]
+           "--comm-compute-share", f"{args.comm_compute_share if on_parts else 0:.6g}",
+           "--comm-wait-share", f"{wait_share(cal, args) if on_parts else 0:.6g}"]
     # Runs recorded before the owners' batches spanned buckets (no 'batches_per_bucket' in the
     # record) cut them at the buckets' borders: simulate them so.
     if rec.get("batches_per_bucket", True):

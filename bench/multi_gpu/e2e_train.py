@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -29,23 +30,40 @@ sys.path.insert(0, os.path.dirname(__file__))
 from qwen_model import Qwen, QwenConfig  # noqa: E402
 
 
-OPTIMIZERS = ("adamw", "distmuon-sharded", "distmuon-dedicated", "distmuon-gather", "distmuon-sharded-bf16wire",
-              "distmuon-dedicated-serial")
+@dataclass(frozen=True)
+class Kind:
+    """What an --optimizers name sets up."""
+    distmuon: bool = True
+    dedicated: bool = False  # distmuon.torch.dedicate before fully_shard: whole matrices, one owner each
+    overlap_step: bool | None = None  # dedicated: None is dedicate()'s default (on CUDA: on)
+    dist_mode: str = "auto"
+    wire_dtype: torch.dtype | None = None
 
 
-def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool, bucket_mb: float | None):
+OPTIMIZERS = {
+    "adamw": Kind(distmuon=False),
+    "distmuon-sharded": Kind(),
+    "distmuon-dedicated": Kind(dedicated=True),
+    # The owners' orthogonalization all in step(), not during backward: separates that work from
+    # the transfers' cost in the timings.
+    "distmuon-dedicated-serial": Kind(dedicated=True, overlap_step=False),
+    # Every rank all-gathers and orthogonalizes every matrix (the baseline).
+    "distmuon-gather": Kind(dist_mode="gather"),
+    # The float32 shards' rows and updates travel in bfloat16.
+    "distmuon-sharded-bf16wire": Kind(wire_dtype=torch.bfloat16),
+}
+
+
+def build(cfg: QwenConfig, name: str, mesh, device: torch.device, bf16: bool, bucket_mb: float | None):
+    kind = OPTIMIZERS[name]
     torch.manual_seed(0)
     model = Qwen(cfg).to(device)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
     ignored = set()
-    if kind.startswith("distmuon-dedicated"):
+    if kind.dedicated:
         from distmuon.torch import dedicate
 
-        # Whole matrices, one owner each. On CUDA the owners orthogonalize each layer during
-        # backward (overlap_step); distmuon-dedicated-serial leaves it all to step(), which
-        # separates that work from the transfers' cost in the timings.
-        overlap = False if kind == "distmuon-dedicated-serial" else None
-        ignored = set(dedicate(model, mesh, overlap_step=overlap).ignored_params)
+        ignored = set(dedicate(model, mesh, overlap_step=kind.overlap_step).ignored_params)
     for block in model.layers:
         fully_shard(block, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
@@ -55,18 +73,14 @@ def build(cfg: QwenConfig, kind: str, mesh, device: torch.device, bf16: bool, bu
         # 80 GB GPU in their first backward).
         torch.cuda.empty_cache()
     named = list(model.named_parameters())
-    if kind == "adamw":
+    if not kind.distmuon:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                 fused=device.type == "cuda")
     else:
         from distmuon.torch import Muon
 
-        # distmuon-gather: every rank all-gathers and orthogonalizes every matrix (the baseline);
-        # distmuon-sharded-bf16wire: the float32 shards' rows and updates travel in bfloat16.
-        mode = {"distmuon-gather": "gather"}.get(kind, "auto")
-        wire = torch.bfloat16 if kind == "distmuon-sharded-bf16wire" else None
         opt = Muon(named, lr=0.02, weight_decay=0.1, adamw_lr=3e-4, adamw_betas=(0.9, 0.95),
-                   dist_mode=mode, wire_dtype=wire, bucket_mb=bucket_mb)
+                   dist_mode=kind.dist_mode, wire_dtype=kind.wire_dtype, bucket_mb=bucket_mb)
     return model, opt
 
 
@@ -82,16 +96,16 @@ class ForwardTimer:
             self.ev = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
             self.ev[0].record()
         else:
-            self.t = time.perf_counter()
+            self.t0 = time.perf_counter()
 
     def stop(self) -> None:
         if self.cuda:
             self.ev[1].record()
         else:
-            self.t = (time.perf_counter() - self.t) * 1e3
+            self.elapsed_ms = (time.perf_counter() - self.t0) * 1e3
 
     def ms(self) -> float:  # after the device has finished the forward
-        return self.ev[0].elapsed_time(self.ev[1]) if self.cuda else self.t
+        return self.ev[0].elapsed_time(self.ev[1]) if self.cuda else self.elapsed_ms
 
 
 def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
