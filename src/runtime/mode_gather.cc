@@ -17,6 +17,8 @@ class GatherRunner final : public ModeRunner {
 
   void setup() override {
     bufs_.resize(dist_.buckets.size());
+    int64_t largest = 0;  // the largest bucket's full matrices, in elements of its wire type
+    DType largest_wire = DType::kF32;
     for (size_t b = 0; b < dist_.buckets.size(); ++b) {
       const Bucket& bk = dist_.buckets[b];
       int64_t all = 0, mine = 0;
@@ -30,8 +32,13 @@ class GatherRunner final : public ModeRunner {
       };
       bufs_[b].send = alloc(mine);
       bufs_[b].recv = alloc(all);
-      bufs_[b].ustage = alloc(all);
+      if (all * dtype_size(w) > largest * dtype_size(largest_wire)) largest = all, largest_wire = w;
     }
+    // One stage for every bucket's full matrices: only the compute stage uses it, and the
+    // buckets' compute stages run one after another on the compute stream. (One per bucket held
+    // the whole model twice on every rank: eight gather ranks of a 0.5 B model sharing an 80 GB
+    // GPU ran out of it.)
+    ustage_ = backend_.alloc(static_cast<size_t>(std::max<int64_t>(largest, 1)) * dtype_size(largest_wire));
   }
   int num_stages() const override { return 2; }
   int compute_stage() const override { return 1; }
@@ -60,7 +67,7 @@ class GatherRunner final : public ModeRunner {
 
  private:
   struct BucketBuffers {
-    Buffer send, recv, ustage;
+    Buffer send, recv;
     std::vector<int64_t> recv_counts, recv_displs;  // all-gather, per shard position
     CommHandle h;
   };
@@ -159,7 +166,7 @@ class GatherRunner final : public ModeRunner {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (piece(m, q) == 0) continue;
         copy_block(at(s.recv.data(), c, w), w,
-                   at(s.ustage.data(), matrix_offset[k] + m.lo[q] * m.cols, w), w,
+                   at(ustage_.data(), matrix_offset[k] + m.lo[q] * m.cols, w), w,
                    m.hi[q] - m.lo[q], m.cols);
         c += piece(m, q);
       }
@@ -181,7 +188,7 @@ class GatherRunner final : public ModeRunner {
       const DistMatrix& m0 = dist_.mats[bk.act[runs[r]->begin]];
       batch.for_each_orientation([&](int64_t k0, int64_t len, bool tall) {
         const int64_t rows = tall ? m0.n() : m0.m(), cols = tall ? m0.m() : m0.n();
-        BatchRef v = BatchRef::packed(at(s.ustage.data(), matrix_offset[runs[r]->begin + k0], w), w,
+        BatchRef v = BatchRef::packed(at(ustage_.data(), matrix_offset[runs[r]->begin + k0], w), w,
                                       len, rows, cols);
         backend_.frob_norm(v, batch.norms + k0);
         backend_.scale_copy(v, tall, muon_input_scale(batch.norms + k0, batch.resolved),
@@ -223,6 +230,7 @@ class GatherRunner final : public ModeRunner {
   }
 
   std::vector<BucketBuffers> bufs_;
+  Buffer ustage_;  // the full matrices of the bucket being computed (compute())
 };
 
 }  // namespace
