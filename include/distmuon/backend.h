@@ -233,6 +233,16 @@ struct CacheGateArgs {
   bool batch = false;                // one decision for the whole call (ignored by `plan`)
 };
 
+// One contiguous copy of `numel` elements, converting src_dtype to dst_dtype where they differ
+// (Backend::copy_blocks).
+struct BlockCopy {
+  const void* src = nullptr;
+  DType src_dtype = DType::kF32;
+  void* dst = nullptr;
+  DType dst_dtype = DType::kF32;
+  int64_t numel = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -251,6 +261,10 @@ class Backend {
   // the copy is recorded with the bytes of this call (CUDA: they travel as kernel parameters).
   // This is how a step's hyperparameters reach the device. Default: copy_from_host.
   virtual void upload_small(void* dst, const void* host_src, size_t bytes);
+  // Many copies (disjoint destinations) in stream order: the distributed modes move each bucket's
+  // rows between the parameters, the stages and the communication buffers, a block per matrix
+  // and rank. Default: one copy (or scale_copy, to convert) each; CUDA: one launch per 128.
+  virtual void copy_blocks(std::span<const BlockCopy> copies);
   // Waits until every operation issued so far has completed.
   virtual void synchronize() = 0;
   // The device stream operations are issued on (CUDA: the cudaStream_t, nullptr being the

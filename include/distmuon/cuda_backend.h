@@ -88,6 +88,7 @@ class CudaBackend final : public Backend {
   std::string name() const override;
   Buffer alloc(size_t bytes) override;
   void copy(void* dst, const void* src, size_t bytes) override;
+  void copy_blocks(std::span<const BlockCopy> copies) override;
   void copy_to_host(void* host_dst, const void* src, size_t bytes) override;
   void copy_from_host(void* dst, const void* host_src, size_t bytes) override;
   void fill_zero(void* dst, size_t bytes) override;

@@ -99,6 +99,18 @@ void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {
   copy_from_host(dst, host_src, bytes);
 }
 
+void Backend::copy_blocks(std::span<const BlockCopy> copies) {
+  for (const BlockCopy& c : copies) {
+    DM_CHECK(c.numel >= 0, "copy_blocks: a copy of ", c.numel, " elements");
+    if (c.numel == 0) continue;
+    if (c.src_dtype == c.dst_dtype)
+      copy(c.dst, c.src, static_cast<size_t>(c.numel) * dtype_size(c.src_dtype));
+    else
+      scale_copy(BatchRef::packed(const_cast<void*>(c.src), c.src_dtype, 1, 1, c.numel), false, {},
+                 BatchRef::packed(c.dst, c.dst_dtype, 1, 1, c.numel));
+  }
+}
+
 std::unique_ptr<BackendGraph> Backend::capture(const std::function<void()>&) { return nullptr; }
 bool Backend::begin_if_selected(const BatchMask&, int64_t) { return false; }
 bool Backend::begin_if_some_selected(const BatchMask&, int64_t) { return false; }

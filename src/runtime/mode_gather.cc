@@ -160,17 +160,18 @@ class GatherRunner final : public ModeRunner {
       matrix_offset[k] = cur;
       cur += dist_.mats[bk.act[k]].numel();
     }
+    std::vector<BlockCopy> copies;
     for (int q = 0; q < dist_.shard_size; ++q) {
       int64_t c = s.recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (piece(m, q) == 0) continue;
-        copy_block(at(s.recv.data(), c, w), w,
-                   at(ustage_.data(), matrix_offset[k] + m.lo[q] * m.cols, w), w,
-                   m.hi[q] - m.lo[q], m.cols);
+        copies.push_back({at(s.recv.data(), c, w), w,
+                          at(ustage_.data(), matrix_offset[k] + m.lo[q] * m.cols, w), w, piece(m, q)});
         c += piece(m, q);
       }
     }
+    backend_.copy_blocks(copies);
     // V was staged by pass 2 on every holder: each run's batch only orthogonalizes (no slots).
     // CacheMuon: every rank holds every entry and sees the same input, so every rank takes the
     // same decisions without exchanging them.

@@ -119,6 +119,7 @@ class ShardedRunner final : public ModeRunner {
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
+    std::vector<BlockCopy> copies;
     for (int q = 0; q < S; ++q) {  // my rows of the matrices owned at position q of my replica
       s.grad.send_displs[q] = cur;
       for (int j : bk.act) {
@@ -128,12 +129,13 @@ class ShardedRunner final : public ModeRunner {
         // Mine: straight to the stage the owner batch reads.
         void* dst = q == me ? at(s.gstage.data(), grad_stage_offset_[j] + m.lo[me] * m.cols, w)
                             : at(s.send_g.data(), cur, w);
-        copy_block(at(d.grad, local_offset(m, m.lo[me]), d.grad_dtype), d.grad_dtype, dst, w,
-                   m.hi[me] - m.lo[me], m.cols);
+        copies.push_back({at(d.grad, local_offset(m, m.lo[me]), d.grad_dtype), d.grad_dtype, dst, w,
+                          piece(m, me)});
         if (q != me) cur += piece(m, me);
       }
       s.grad.send_counts[q] = cur - s.grad.send_displs[q];
     }
+    backend_.copy_blocks(copies);
     cur = 0;
     for (int q = 0; q < S; ++q) {  // every other position's rows of the matrices I own
       s.grad.recv_displs[q] = cur;
@@ -150,18 +152,20 @@ class ShardedRunner final : public ModeRunner {
     const Bucket& bk = dist_.buckets[b];
     BucketBuffers& s = bufs_[b];
     dist_.wait_on_stream(s.collect);
+    std::vector<BlockCopy> copies;
     for (int q = 0; q < dist_.shard_size; ++q) {
       if (q == dist_.my_s) continue;  // collect() staged my own rows
       int64_t cur = s.grad.recv_displs[q];
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner != dist_.rank || piece(m, q) == 0) continue;
-        copy_block(at(s.recv_g.data(), cur, m.wire), m.wire,
-                   at(s.gstage.data(), grad_stage_offset_[j] + m.lo[q] * m.cols, m.wire), m.wire,
-                   m.hi[q] - m.lo[q], m.cols);
+        copies.push_back({at(s.recv_g.data(), cur, m.wire), m.wire,
+                          at(s.gstage.data(), grad_stage_offset_[j] + m.lo[q] * m.cols, m.wire),
+                          m.wire, piece(m, q)});
         cur += piece(m, q);
       }
     }
+    backend_.copy_blocks(copies);
   }
 
   // The owner's slot of matrix j: its gathered gradient in the bucket's staging buffer.
@@ -231,18 +235,20 @@ class ShardedRunner final : public ModeRunner {
     if (bk.act.empty()) return;
     const DType w = dist_.mats[bk.mats[0]].wire;
     int64_t cur = 0;
+    std::vector<BlockCopy> copies;
     for (int q = 0; q < S; ++q) {  // rows of position q of the updates held at my position
       s.update.send_displs[q] = cur;
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         // Mine stay: apply() reads them from the stage.
         if (q == me || m.owner_s != me || piece(m, q) == 0) continue;
-        copy_block(at(s.ostage.data(), update_stage_offset_[j] + m.lo[q] * m.cols, w), w,
-                   at(s.send_o.data(), cur, w), w, m.hi[q] - m.lo[q], m.cols);
+        copies.push_back({at(s.ostage.data(), update_stage_offset_[j] + m.lo[q] * m.cols, w), w,
+                          at(s.send_o.data(), cur, w), w, piece(m, q)});
         cur += piece(m, q);
       }
       s.update.send_counts[q] = cur - s.update.send_displs[q];
     }
+    backend_.copy_blocks(copies);
     cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the updates held at every other position q
       s.update.recv_displs[q] = cur;

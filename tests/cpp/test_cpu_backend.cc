@@ -414,6 +414,29 @@ TEST(CpuBackend, LincombNormAndScaleCopy) {
   EXPECT_LT(rel_err(t.get(1), want), 5e-3);
 }
 
+// The default copy_blocks: each block copied (same type, at any offset) or converted (as
+// scale_copy rounds), empty blocks skipped, a negative length refused.
+TEST(CpuBackend, CopyBlocksCopiesOrConvertsEachBlock) {
+  CpuBackend be;
+  HostBatch src(DType::kF32, 1, 1, 300), same(DType::kF32, 1, 1, 100), conv(DType::kBF16, 1, 1, 200);
+  src.set(0, random_matrix(1, 300));
+  same.poison();
+  conv.poison();
+  const float* s = static_cast<const float*>(src.ref.data);
+  const BlockCopy copies[] = {
+      {s + 3, DType::kF32, same.ref.data, DType::kF32, 100},
+      {s + 100, DType::kF32, conv.ref.data, DType::kBF16, 200},
+      {s, DType::kF32, nullptr, DType::kF32, 0},
+  };
+  be.copy_blocks(copies);
+  EXPECT_EQ(same.get(0), src.get(0).block(0, 3, 1, 100));
+  HostBatch want(DType::kBF16, 1, 1, 200);
+  be.scale_copy(BatchRef::packed(const_cast<float*>(s) + 100, DType::kF32, 1, 1, 200), false, {}, want.ref);
+  EXPECT_EQ(conv.get(0), want.get(0));
+  const BlockCopy bad{s, DType::kF32, same.ref.data, DType::kF32, -1};
+  EXPECT_THROW(be.copy_blocks({&bad, 1}), Error);
+}
+
 // The default lincomb_grouped: each problem as its own lincomb(), and a bad problem anywhere
 // refuses the call before any output is written.
 TEST(CpuBackend, LincombGroupedIsLincombPerProblemAndChecksFirst) {

@@ -205,6 +205,59 @@ TEST(CudaBackend, BatchedHelpersMatchCpu) {
   }
 }
 
+// One call of many copies, the destinations' types interleaved (each copy converts on its own),
+// lengths 0 to ~2000 at any element offset (the 16-byte path and the byte path), more than one
+// launch's table: each destination equals the CPU backend's copy of the same list.
+TEST(CudaBackend, CopyBlocksMatchCpu) {
+  DM_SKIP_WITHOUT_CUDA();
+  CudaBackend& be = test::cuda_backend();
+  CpuBackend cpu;
+  const std::vector<DType> types = {DType::kF32, DType::kBF16, DType::kF16, DType::kF64};
+  for (DType st : {DType::kF32, DType::kBF16, DType::kF64}) {
+    const int64_t n_src = 4096;
+    HostBatch src(st, 1, 1, n_src);
+    src.set(0, random_matrix(1, n_src));
+    DeviceBatch dsrc(be, src);
+    std::srand(7);
+    std::vector<int64_t> len(300), off(300);
+    std::vector<int64_t> dst_size(types.size(), 0);
+    for (size_t k = 0; k < len.size(); ++k) {
+      len[k] = k % 17 == 0 ? 0 : std::rand() % 2000;
+      off[k] = std::rand() % (n_src - len[k] + 1);
+      dst_size[k % types.size()] += len[k];
+    }
+    std::vector<HostBatch> out, want;
+    std::vector<DeviceBatch> dout;
+    for (size_t t = 0; t < types.size(); ++t) {
+      out.emplace_back(types[t], 1, 1, dst_size[t]);
+      want.emplace_back(types[t], 1, 1, dst_size[t]);
+      out.back().poison();
+      want.back().poison();
+      dout.emplace_back(be, out.back());
+    }
+    std::vector<BlockCopy> on_gpu, on_cpu;
+    std::vector<int64_t> filled(types.size(), 0);
+    const int64_t es = static_cast<int64_t>(dtype_size(st));
+    for (size_t k = 0; k < len.size(); ++k) {
+      const size_t t = k % types.size();
+      const int64_t ed = static_cast<int64_t>(dtype_size(types[t]));
+      on_gpu.push_back({static_cast<const char*>(dsrc.buf.data()) + off[k] * es, st,
+                        static_cast<char*>(dout[t].buf.data()) + filled[t] * ed, types[t], len[k]});
+      on_cpu.push_back({src.bytes.data() + off[k] * es, st, want[t].bytes.data() + filled[t] * ed,
+                        types[t], len[k]});
+      filled[t] += len[k];
+    }
+    be.copy_blocks(on_gpu);
+    cpu.copy_blocks(on_cpu);
+    for (size_t t = 0; t < types.size(); ++t) {
+      dout[t].download(be, out[t]);
+      EXPECT_EQ(out[t].get(0), want[t].get(0)) << dtype_name(st) << " -> " << dtype_name(types[t]);
+    }
+  }
+  const BlockCopy bad{nullptr, DType::kF32, nullptr, DType::kF32, -1};
+  EXPECT_THROW(be.copy_blocks({&bad, 1}), Error);
+}
+
 TEST(CudaBackend, AdamWMatchesCpuAndCountsSkips) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();

@@ -32,6 +32,18 @@ struct LincombTable {
 };
 static_assert(sizeof(LincombTable) <= 4096, "a lincomb table exceeds 4 KB of parameters");
 
+// Backend::copy_blocks: up to kMaxBlockCopies contiguous copies per launch.
+constexpr int kMaxBlockCopies = 128;
+
+struct BlockCopyTable {
+  const void* src[kMaxBlockCopies];
+  void* dst[kMaxBlockCopies];
+  int64_t numel[kMaxBlockCopies];
+  int8_t src_dt[kMaxBlockCopies], dst_dt[kMaxBlockCopies];
+  int n;
+};
+static_assert(sizeof(BlockCopyTable) <= 4096, "a copy table exceeds 4 KB of parameters");
+
 namespace dev {
 
 // grid (blocks per matrix, count). VEC: every operand packed (ld == cols) and 16-byte aligned.
@@ -192,6 +204,30 @@ __global__ void __launch_bounds__(256) scale_copy_t_kernel(int64_t rows, int64_t
     if (c < cols && r < rows)
       store1d(pd, dst.dt, c * dst.ld + r, static_cast<double>(tile[threadIdx.x][threadIdx.y + 8 * k]));
   }
+}
+
+// Copy c = blockIdx.y of the table, grid-stride over its elements along x. The same type moves
+// 16 bytes at a time where both ends are 16-byte aligned; a conversion goes through double
+// (exact for every pair of the types) and rounds once.
+__global__ void __launch_bounds__(256) copy_blocks_kernel(BlockCopyTable t) {
+  const int c = blockIdx.y;
+  const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int sdt = t.src_dt[c], ddt = t.dst_dt[c];
+  if (sdt != ddt) {
+    for (int64_t i = start; i < t.numel[c]; i += step) store1d(t.dst[c], ddt, i, load1d(t.src[c], sdt, i));
+    return;
+  }
+  const int64_t bytes = t.numel[c] * (sdt == kF64 ? 8 : sdt == kF32 ? 4 : 2);
+  const char* src = static_cast<const char*>(t.src[c]);
+  char* dst = static_cast<char*>(t.dst[c]);
+  int64_t done = 0;
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15u) == 0) {
+    done = bytes / 16 * 16;
+    for (int64_t i = start; i < bytes / 16; i += step)
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+  }
+  for (int64_t i = done + start; i < bytes; i += step) dst[i] = src[i];
 }
 
 }  // namespace dev

@@ -223,6 +223,9 @@ void CudaBackend::lincomb_grouped(std::span<const LincombProblem> problems) {
 void CudaBackend::frob_norm(const BatchRef& a, double* norms) {
   cuda::launch_frob_norm(a, norms, impl_->scratch(), impl_->sm_count, impl_->stream);
 }
+void CudaBackend::copy_blocks(std::span<const BlockCopy> copies) {
+  cuda::launch_copy_blocks(copies, impl_->sm_count, impl_->stream);
+}
 void CudaBackend::scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                              const BatchRef& dst) {
   cuda::launch_scale_copy(src, transpose, scale, dst, impl_->sm_count, impl_->stream);

@@ -173,6 +173,34 @@ void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& sca
   });
 }
 
+void launch_copy_blocks(std::span<const BlockCopy> copies, int sm_count, cudaStream_t stream) {
+  std::vector<BlockCopy> todo;  // the empty copies dropped: each block of the grid has work
+  todo.reserve(copies.size());
+  for (const BlockCopy& c : copies) {
+    DM_CHECK(c.numel >= 0, "copy_blocks: a copy of ", c.numel, " elements");
+    if (c.numel > 0) todo.push_back(c);
+  }
+  for (size_t first = 0; first < todo.size(); first += kMaxBlockCopies) {
+    const int n = static_cast<int>(std::min<size_t>(kMaxBlockCopies, todo.size() - first));
+    BlockCopyTable t{};
+    t.n = n;
+    int64_t most = 0;
+    for (int i = 0; i < n; ++i) {
+      const BlockCopy& c = todo[first + i];
+      t.src[i] = c.src;
+      t.dst[i] = c.dst;
+      t.numel[i] = c.numel;
+      t.src_dt[i] = static_cast<int8_t>(c.src_dtype);
+      t.dst_dt[i] = static_cast<int8_t>(c.dst_dtype);
+      most = std::max(most, c.numel);
+    }
+    // Elements per block as for the elementwise passes; same-type copies move 16 bytes a thread.
+    dim3 grid(blocks_per_matrix(most, n, sm_count), static_cast<unsigned>(n));
+    dev::copy_blocks_kernel<<<grid, 256, 0, stream>>>(t);
+    DM_CHECK_LAUNCH();
+  }
+}
+
 namespace {
 int64_t max_numel(std::span<const AdamSlot> slots, size_t first, int n) {
   int64_t m = 0;

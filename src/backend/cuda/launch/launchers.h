@@ -38,6 +38,7 @@ void launch_frob_norm(const BatchRef& a, double* norms, const Scratch& scratch, 
                       cudaStream_t stream);
 void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& scale,
                        const BatchRef& dst, int sm_count, cudaStream_t stream);
+void launch_copy_blocks(std::span<const BlockCopy> copies, int sm_count, cudaStream_t stream);
 
 void launch_adamw_check(std::span<const AdamSlot> slots, int32_t* status, int sm_count,
                         cudaStream_t stream);
