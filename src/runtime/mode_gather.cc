@@ -201,6 +201,10 @@ class GatherRunner final : public ModeRunner {
     seq.skips_after_output = true;
     seq.custom_output = [&](size_t r, const BatchRef& x) {
       const Bucket::Run& run = *runs[r];
+      // The run's updates in one grouped call, not a launch per matrix.
+      std::vector<MuonSlot> slots;
+      slots.reserve(static_cast<size_t>(run.end - run.begin));  // no regrowth: the spans point in
+      std::vector<MuonPassBatch> updates;
       for (int k = run.begin; k < run.end; ++k) {
         const DistMatrix& m = dist_.mats[bk.act[k]];
         if (piece(m, dist_.my_s) == 0) continue;
@@ -221,11 +225,17 @@ class GatherRunner final : public ModeRunner {
                                          m.cols,
                                          xk.ld,
                                          rows * xk.ld};
-        MuonSlot slot = local_slot(m, ctx);
+        MuonSlot& slot = slots.emplace_back(local_slot(m, ctx));
         slot.grad = slot.momentum = slot.weight;
         slot.coef = ctx.coef + bk.act[k];
-        backend_.muon_update({&slot, 1}, status_at(bk, k), o, m.tall());
+        MuonPassBatch update;
+        update.slots = {&slot, 1};
+        update.status = status_at(bk, k);
+        update.transpose = m.tall();
+        update.x = o;
+        updates.push_back(update);
       }
+      backend_.muon_pass_grouped(MuonPass::kUpdate, updates);
     };
     run_runs(bk, runs, batches, seq);
   }

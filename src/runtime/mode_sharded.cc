@@ -271,6 +271,11 @@ class ShardedRunner final : public ModeRunner {
     dist_.wait_on_stream(s.ret);
     dist_.wait_on_stream(s.status);
     const int me = dist_.my_s;
+    // One update per matrix of which I hold rows, all in one grouped call (a launch per matrix
+    // cost the host about as much as the rest of the step's issue on many small matrices).
+    std::vector<MuonSlot> slots;
+    slots.reserve(bk.act.size());  // each matrix has one owner: at most one slot each, no regrowth
+    std::vector<MuonPassBatch> updates;
     for (int q = 0; q < dist_.shard_size; ++q) {
       int64_t cur = s.update.recv_displs[q];
       for (size_t k = 0; k < bk.act.size(); ++k) {
@@ -280,15 +285,19 @@ class ShardedRunner final : public ModeRunner {
         const int64_t rows = m.hi[me] - m.lo[me];
         MatRef wref = MatRef::of(at(ctx.data[m.param].param, local_offset(m, m.lo[me]), m.dtype),
                                  m.dtype, rows, m.cols);
-        MuonSlot slot{wref, wref, wref, nullptr, ctx.coef + j};
+        slots.push_back({wref, wref, wref, nullptr, ctx.coef + j});
         // Mine from the update's stage, the others' as the all-to-all delivered them.
         void* u = q == me ? at(s.ostage.data(), update_stage_offset_[j] + m.lo[me] * m.cols, m.wire)
                           : at(s.recv_o.data(), cur, m.wire);
-        backend_.muon_update({&slot, 1}, status_at(bk, static_cast<int>(k)),
-                             BatchRef::packed(u, m.wire, 1, rows, m.cols), false);
+        MuonPassBatch update;
+        update.slots = {&slots.back(), 1};
+        update.status = status_at(bk, static_cast<int>(k));
+        update.x = BatchRef::packed(u, m.wire, 1, rows, m.cols);
+        updates.push_back(update);
         if (q != me) cur += piece(m, me);
       }
     }
+    backend_.muon_pass_grouped(MuonPass::kUpdate, updates);
   }
 
   std::vector<BucketBuffers> bufs_;
