@@ -261,9 +261,11 @@ class Backend {
   // the copy is recorded with the bytes of this call (CUDA: they travel as kernel parameters).
   // This is how a step's hyperparameters reach the device. Default: copy_from_host.
   virtual void upload_small(void* dst, const void* host_src, size_t bytes);
-  // Many copies (disjoint destinations) in stream order: the distributed modes move each bucket's
-  // rows between the parameters, the stages and the communication buffers, a block per matrix
-  // and rank. Default: one copy (or scale_copy, to convert) each; CUDA: one launch per 128.
+  // Many copies in one call: the distributed modes move each bucket's rows between the
+  // parameters, the stages and the communication buffers, a block per matrix and rank. No copy
+  // may read or write what another copy of the call writes: they may run concurrently. Every
+  // copy is checked before any is issued. Default: one copy (or scale_copy, to convert) each;
+  // CUDA: one launch per 128.
   virtual void copy_blocks(std::span<const BlockCopy> copies);
   // Waits until every operation issued so far has completed.
   virtual void synchronize() = 0;

@@ -100,8 +100,9 @@ void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {
 }
 
 void Backend::copy_blocks(std::span<const BlockCopy> copies) {
-  for (const BlockCopy& c : copies) {
+  for (const BlockCopy& c : copies)  // every copy checked before any is issued
     DM_CHECK(c.numel >= 0, "copy_blocks: a copy of ", c.numel, " elements");
+  for (const BlockCopy& c : copies) {
     if (c.numel == 0) continue;
     if (c.src_dtype == c.dst_dtype)
       copy(c.dst, c.src, static_cast<size_t>(c.numel) * dtype_size(c.src_dtype));

@@ -15,6 +15,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/muon_ref.h"
+#include "common/half.h"
 #include "distmuon/error.h"
 #include "test_util.h"
 
@@ -415,7 +416,8 @@ TEST(CpuBackend, LincombNormAndScaleCopy) {
 }
 
 // The default copy_blocks: each block copied (same type, at any offset) or converted (as
-// scale_copy rounds), empty blocks skipped, a negative length refused.
+// scale_copy rounds, checked against bfloat16 rounding too), empty blocks skipped, a negative
+// length refused before anything is written.
 TEST(CpuBackend, CopyBlocksCopiesOrConvertsEachBlock) {
   CpuBackend be;
   HostBatch src(DType::kF32, 1, 1, 300), same(DType::kF32, 1, 1, 100), conv(DType::kBF16, 1, 1, 200);
@@ -433,8 +435,15 @@ TEST(CpuBackend, CopyBlocksCopiesOrConvertsEachBlock) {
   HostBatch want(DType::kBF16, 1, 1, 200);
   be.scale_copy(BatchRef::packed(const_cast<float*>(s) + 100, DType::kF32, 1, 1, 200), false, {}, want.ref);
   EXPECT_EQ(conv.get(0), want.get(0));
-  const BlockCopy bad{s, DType::kF32, same.ref.data, DType::kF32, -1};
-  EXPECT_THROW(be.copy_blocks({&bad, 1}), Error);
+  for (int64_t i = 0; i < 200; ++i)  // round to nearest even on bfloat16's 8 significant bits
+    EXPECT_EQ(conv.get(0)(0, i), static_cast<double>(bf16_to_float(float_to_bf16(s[100 + i]))));
+  // A bad copy after a good one: refused before the good one is written.
+  HostBatch untouched(DType::kF32, 1, 1, 4);
+  untouched.poison();
+  const BlockCopy some_bad[] = {{s, DType::kF32, untouched.ref.data, DType::kF32, 4},
+                                {s, DType::kF32, same.ref.data, DType::kF32, -1}};
+  EXPECT_THROW(be.copy_blocks(some_bad), Error);
+  EXPECT_TRUE(untouched.get(0).array().isNaN().all());
 }
 
 // The default lincomb_grouped: each problem as its own lincomb(), and a bad problem anywhere

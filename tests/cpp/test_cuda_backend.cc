@@ -206,25 +206,30 @@ TEST(CudaBackend, BatchedHelpersMatchCpu) {
 }
 
 // One call of many copies, the destinations' types interleaved (each copy converts on its own),
-// lengths 0 to ~2000 at any element offset (the 16-byte path and the byte path), more than one
-// launch's table: each destination equals the CPU backend's copy of the same list.
+// lengths 0 to ~2000: the first 24 at 16-byte aligned ends with a tail (8k + 3 elements), the
+// rest at random source offsets (the 8-, 4- and 2-byte paths), more than one launch's table.
+// Each block equals the CPU backend's copy of the same list, and the NaN-poisoned gaps between
+// and after the blocks stay untouched.
 TEST(CudaBackend, CopyBlocksMatchCpu) {
   DM_SKIP_WITHOUT_CUDA();
   CudaBackend& be = test::cuda_backend();
   CpuBackend cpu;
   const std::vector<DType> types = {DType::kF32, DType::kBF16, DType::kF16, DType::kF64};
-  for (DType st : {DType::kF32, DType::kBF16, DType::kF64}) {
+  for (DType st : {DType::kF32, DType::kBF16, DType::kF16, DType::kF64}) {
     const int64_t n_src = 4096;
     HostBatch src(st, 1, 1, n_src);
     src.set(0, random_matrix(1, n_src));
     DeviceBatch dsrc(be, src);
     std::srand(7);
-    std::vector<int64_t> len(300), off(300);
+    const size_t n = 300;
+    std::vector<int64_t> len(n), off(n), at(n);
     std::vector<int64_t> dst_size(types.size(), 0);
-    for (size_t k = 0; k < len.size(); ++k) {
-      len[k] = k % 17 == 0 ? 0 : std::rand() % 2000;
-      off[k] = std::rand() % (n_src - len[k] + 1);
-      dst_size[k % types.size()] += len[k];
+    for (size_t k = 0; k < n; ++k) {
+      len[k] = k < 24 ? 8 * static_cast<int64_t>(k) + 3 : k % 17 == 0 ? 0 : std::rand() % 2000;
+      off[k] = k < 24 ? 8 * static_cast<int64_t>(k) : std::rand() % (n_src - len[k] + 1);
+      int64_t& end = dst_size[k % types.size()];
+      at[k] = end;  // every block starts 16 elements aligned, a poisoned gap of >= 8 after it
+      end = (end + len[k] + 8 + 15) / 16 * 16;
     }
     std::vector<HostBatch> out, want;
     std::vector<DeviceBatch> dout;
@@ -236,22 +241,31 @@ TEST(CudaBackend, CopyBlocksMatchCpu) {
       dout.emplace_back(be, out.back());
     }
     std::vector<BlockCopy> on_gpu, on_cpu;
-    std::vector<int64_t> filled(types.size(), 0);
     const int64_t es = static_cast<int64_t>(dtype_size(st));
-    for (size_t k = 0; k < len.size(); ++k) {
+    for (size_t k = 0; k < n; ++k) {
       const size_t t = k % types.size();
       const int64_t ed = static_cast<int64_t>(dtype_size(types[t]));
       on_gpu.push_back({static_cast<const char*>(dsrc.buf.data()) + off[k] * es, st,
-                        static_cast<char*>(dout[t].buf.data()) + filled[t] * ed, types[t], len[k]});
-      on_cpu.push_back({src.bytes.data() + off[k] * es, st, want[t].bytes.data() + filled[t] * ed,
+                        static_cast<char*>(dout[t].buf.data()) + at[k] * ed, types[t], len[k]});
+      on_cpu.push_back({src.bytes.data() + off[k] * es, st, want[t].bytes.data() + at[k] * ed,
                         types[t], len[k]});
-      filled[t] += len[k];
     }
     be.copy_blocks(on_gpu);
     cpu.copy_blocks(on_cpu);
+    for (size_t t = 0; t < types.size(); ++t) dout[t].download(be, out[t]);
+    std::vector<Mat> got, ref;
     for (size_t t = 0; t < types.size(); ++t) {
-      dout[t].download(be, out[t]);
-      EXPECT_EQ(out[t].get(0), want[t].get(0)) << dtype_name(st) << " -> " << dtype_name(types[t]);
+      got.push_back(out[t].get(0));
+      ref.push_back(want[t].get(0));
+    }
+    for (size_t k = 0; k < n; ++k) {
+      const size_t t = k % types.size();
+      for (int64_t i = 0; i < len[k]; ++i)
+        ASSERT_EQ(got[t](0, at[k] + i), ref[t](0, at[k] + i))
+            << dtype_name(st) << " -> " << dtype_name(types[t]) << ", copy " << k << ", element " << i;
+      const int64_t gap_end = k + types.size() < n ? at[k + types.size()] : dst_size[t];
+      for (int64_t i = at[k] + len[k]; i < gap_end; ++i)
+        ASSERT_TRUE(std::isnan(got[t](0, i))) << "copy " << k << " wrote past its end at " << i;
     }
   }
   const BlockCopy bad{nullptr, DType::kF32, nullptr, DType::kF32, -1};

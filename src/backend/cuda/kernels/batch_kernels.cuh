@@ -206,9 +206,21 @@ __global__ void __launch_bounds__(256) scale_copy_t_kernel(int64_t rows, int64_t
   }
 }
 
-// Copy c = blockIdx.y of the table, grid-stride over its elements along x. The same type moves
-// 16 bytes at a time where both ends are 16-byte aligned; a conversion goes through double
-// (exact for every pair of the types) and rounds once.
+// Elements of type U (1 to 16 bytes) from src to dst, grid-stride from `start`; returns the
+// bytes it covered (the whole units).
+template <typename U>
+__device__ __forceinline__ int64_t copy_units(const char* src, char* dst, int64_t bytes,
+                                              int64_t start, int64_t step) {
+  const int64_t units = bytes / static_cast<int64_t>(sizeof(U));
+  for (int64_t i = start; i < units; i += step)
+    reinterpret_cast<U*>(dst)[i] = reinterpret_cast<const U*>(src)[i];
+  return units * static_cast<int64_t>(sizeof(U));
+}
+
+// Copy c = blockIdx.y of the table, grid-stride over its elements along x. The same type moves in
+// the widest units both ends' alignment allows (16 bytes down to 2), then the tail bytes; a
+// conversion goes through double and rounds as the CPU backend does (f64 to a half type through
+// float, as scale_copy).
 __global__ void __launch_bounds__(256) copy_blocks_kernel(BlockCopyTable t) {
   const int c = blockIdx.y;
   const int64_t start = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -221,12 +233,12 @@ __global__ void __launch_bounds__(256) copy_blocks_kernel(BlockCopyTable t) {
   const int64_t bytes = t.numel[c] * (sdt == kF64 ? 8 : sdt == kF32 ? 4 : 2);
   const char* src = static_cast<const char*>(t.src[c]);
   char* dst = static_cast<char*>(t.dst[c]);
-  int64_t done = 0;
-  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15u) == 0) {
-    done = bytes / 16 * 16;
-    for (int64_t i = start; i < bytes / 16; i += step)
-      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
-  }
+  const uintptr_t align = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
+  int64_t done;
+  if ((align & 15u) == 0) done = copy_units<uint4>(src, dst, bytes, start, step);
+  else if ((align & 7u) == 0) done = copy_units<uint2>(src, dst, bytes, start, step);
+  else if ((align & 3u) == 0) done = copy_units<uint32_t>(src, dst, bytes, start, step);
+  else done = copy_units<uint16_t>(src, dst, bytes, start, step);  // every element is 2-byte aligned
   for (int64_t i = done + start; i < bytes; i += step) dst[i] = src[i];
 }
 
