@@ -65,6 +65,7 @@ struct Calibration {
   double allreduce_gbs = 0;  // NCCL all-reduce bus bandwidth
   double broadcast_gbs = 0;  // NCCL broadcast (root 0) bus bandwidth: the dedicated mode's
   double reduce_gbs = 0;     // NCCL reduce (to root 0) bus bandwidth: the dedicated mode's
+  double alltoall_gbs = 0;   // NCCL all-to-all bus bandwidth: the sharded mode's
   // Host time per collective when many small ones are issued back to back, as the FSDP2
   // emulation and the engine issue them (the simulator's --collective-latency-us).
   double collective_us = 0;
@@ -137,11 +138,24 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
       comm.reduce(send.data(), comm.rank() == 0 ? recv.data() : nullptr, count, CommType::kBF16,
                   ReduceOp::kSum, 0).wait();
     };
+    // The send buffer cut in p equal slots, one per member, each sent to its member; nothing to
+    // itself, as the sharded mode sends (a rank's own rows go straight to its stage), so the
+    // bytes on the wire are nccl-tests' alltoall's of the same 256 MiB.
+    const int64_t slot = count / p;
+    std::vector<int64_t> counts(static_cast<size_t>(p), slot), displs(static_cast<size_t>(p));
+    for (int q = 0; q < p; ++q) displs[static_cast<size_t>(q)] = q * slot;
+    counts[static_cast<size_t>(comm.rank())] = 0;
+    auto all_to_all = [&] {
+      comm.all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs, CommType::kBF16)
+          .wait();
+    };
     all_gather();
     all_reduce();
     broadcast();
     reduce();
-    say("calibration: the first NCCL all-gather, all-reduce, broadcast and reduce ended");
+    all_to_all();
+    say("calibration: the first NCCL all-gather, all-reduce, broadcast, reduce and all-to-all "
+        "ended");
     auto host_ms = [&](const std::function<void()>& f) {  // the slowest rank's, per repetition
       std::vector<double> ms;
       for (int i = 0; i < 5; ++i) {
@@ -158,10 +172,12 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     c.allreduce_gbs = 2.0 * (p - 1.0) / p * bytes / (host_ms(all_reduce) * 1e-3) / 1e9;
     c.broadcast_gbs = bytes / (host_ms(broadcast) * 1e-3) / 1e9;
     c.reduce_gbs = bytes / (host_ms(reduce) * 1e-3) / 1e9;
+    // (p-1)/p * bytes / time, as nccl-tests counts an alltoall: what a rank sends to its peers.
+    c.alltoall_gbs = (p - 1.0) * static_cast<double>(slot) * 2 / (host_ms(all_to_all) * 1e-3) / 1e9;
     std::snprintf(line, sizeof(line),
                   "calibration: NCCL all-gather %.0f GB/s, all-reduce %.0f, broadcast %.0f, "
-                  "reduce %.0f GB/s (bus)",
-                  c.allgather_gbs, c.allreduce_gbs, c.broadcast_gbs, c.reduce_gbs);
+                  "reduce %.0f, all-to-all %.0f GB/s (bus)",
+                  c.allgather_gbs, c.allreduce_gbs, c.broadcast_gbs, c.reduce_gbs, c.alltoall_gbs);
     say(line);
     // 256 all-gathers of 1 KiB per rank issued back to back, then waited for: the issue path
     // (NCCL's non-blocking launch, the communicator's polling) sets the pace, not the bytes.
@@ -224,10 +240,11 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"what",
        "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
        "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
-       "all-gather, all-reduce, broadcast and reduce (root 0; each timed alone, its issue "
-       "included); host time per "
-       "collective of 256 back-to-back 1 KiB all-gathers; the share of the GEMM's rate a 1 KiB "
-       "broadcast takes while its kernel waits for the root (rank 0 beside it)"},
+       "all-gather, all-reduce, broadcast and reduce (root 0), and all-to-all (256 MiB / p to each "
+       "other rank, none to itself, as the sharded mode sends; bus bandwidth (p-1)/p * 256 MiB / "
+       "time); each timed alone, its issue included; host time per collective of 256 "
+       "back-to-back 1 KiB all-gathers; the share of the GEMM's rate a 1 KiB broadcast takes "
+       "while its kernel waits for the root (rank 0 beside it)"},
       {"gemm_tflops_per_rank_min", gemm_min},
       {"gemm_tflops_total", gemm_sum},
       {"copy_gbs_per_rank_min", copy_min},
@@ -236,6 +253,7 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
       {"nccl_broadcast_busbw_gbs", c.broadcast_gbs},
       {"nccl_reduce_busbw_gbs", c.reduce_gbs},
+      {"nccl_alltoall_busbw_gbs", c.alltoall_gbs},
       {"nccl_collective_us", c.collective_us},
       {"nccl_wait_compute_share", c.wait_share},
       {"nccl_blocking", env::get_bool("DISTMUON_NCCL_BLOCKING")},
@@ -264,13 +282,13 @@ void print_and_write(const BenchOptions& o, RankSetup& r, const Comparison& cmp,
     const json& c = *calibration;
     std::printf(
         "calibration: GEMM %.0f TFLOP/s per rank (%.0f total), copy %.0f GB/s per rank "
-        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f, broadcast %.0f, reduce %.0f "
-        "GB/s (bus), %.0f us per collective\n",
+        "(%.0f total), NCCL all-gather %.0f GB/s, all-reduce %.0f, broadcast %.0f, reduce %.0f, "
+        "all-to-all %.0f GB/s (bus), %.0f us per collective\n",
         c["gemm_tflops_per_rank_min"].get<double>(), c["gemm_tflops_total"].get<double>(),
         c["copy_gbs_per_rank_min"].get<double>(), c["copy_gbs_total"].get<double>(),
         c["nccl_allgather_busbw_gbs"].get<double>(), c["nccl_allreduce_busbw_gbs"].get<double>(),
         c["nccl_broadcast_busbw_gbs"].get<double>(), c["nccl_reduce_busbw_gbs"].get<double>(),
-        c["nccl_collective_us"].get<double>());
+        c["nccl_alltoall_busbw_gbs"].get<double>(), c["nccl_collective_us"].get<double>());
   }
   json runs = comparison_runs_json(results);
   if (!breakdowns.empty()) {

@@ -159,6 +159,7 @@ int run(const PlanArgs& a) {
     cm.intra_reduce_bytes_per_s = a.intra_reduce_gbs * 1e9;
     cm.intra_broadcast_bytes_per_s = a.intra_broadcast_gbs * 1e9;
     cm.intra_root_reduce_bytes_per_s = a.intra_root_reduce_gbs * 1e9;
+    cm.intra_alltoall_bytes_per_s = a.intra_alltoall_gbs * 1e9;
     cm.collective_latency_s = a.collective_latency_us * 1e-6;
     cm.local_collective_s = a.local_collective_us * 1e-6;
     cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));

@@ -20,11 +20,12 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
   for (const char* o : {"--tflops", "--launch-us"})
     DM_CHECK(!app.count(o) || (!a.measure && a.costs.empty()), o,
              " applies to analytic costs (not with --costs or --measure)");
-  for (const char* o : {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs",
-                        "--intra-us", "--inter-us", "--wire-bytes", "--elementwise-bytes",
-                        "--intra-reduce-gbs", "--collective-latency-us", "--local-collective-us",
-                        "--bucket-mb", "--comm-compute-share", "--comm-wait-share", "--batches-per-bucket",
-                        "--sim-plan-analytic"})
+  for (const char* o :
+       {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs", "--intra-us", "--inter-us",
+        "--wire-bytes", "--elementwise-bytes", "--intra-reduce-gbs", "--intra-broadcast-gbs",
+        "--intra-root-reduce-gbs", "--intra-alltoall-gbs", "--collective-latency-us",
+        "--local-collective-us", "--bucket-mb", "--comm-compute-share", "--comm-wait-share",
+        "--batches-per-bucket", "--sim-plan-analytic"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   DM_CHECK(!a.sim_plan_analytic || a.measure || !a.costs.empty(),
            "--sim-plan-analytic places the owners on analytic costs and times the step with "
@@ -177,7 +178,10 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                       "--intra-gbs)"},
            std::tuple{"--intra-root-reduce-gbs", &a.intra_root_reduce_gbs,
                       "intra-node bus bandwidth of the dedicated mode's reduces to one rank, GB/s "
-                      "(0: --intra-reduce-gbs)"}})
+                      "(0: --intra-reduce-gbs)"},
+           std::tuple{"--intra-alltoall-gbs", &a.intra_alltoall_gbs,
+                      "intra-node bus bandwidth of the sharded mode's all-to-alls (bytes a rank "
+                      "sends to its peers over the time), GB/s (0: --intra-gbs)"}})
     app.add_option(name, *var, help)->check(cli::at_least(0))->group(sim);
   app.add_option("--collective-latency-us", a.collective_latency_us,
                  "host time per collective at D > 1, paid in program order (143: the engine's "

@@ -41,6 +41,7 @@ struct PlanArgs {
   double intra_reduce_gbs = 0;  // 0: --intra-gbs
   double intra_broadcast_gbs = 0;    // 0: --intra-gbs
   double intra_root_reduce_gbs = 0;  // 0: --intra-reduce-gbs
+  double intra_alltoall_gbs = 0;     // 0: --intra-gbs
   double collective_latency_us = 143, local_collective_us = 10;
   double bucket_mb = static_cast<double>(kDefaultBucketBytes) / (1 << 20);
   double comm_compute_share = 0;

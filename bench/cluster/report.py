@@ -10,13 +10,14 @@ The prediction is `distmuon-plan --simulate` on the emulated machine: the cost t
 the whole GPU (OUT/costs.json or --costs) with each batch's work scaled by how much slower a
 rank's part multiplies (whole-GPU GEMM rate over the part's, both measured with every part busy;
 the batch's fixed launch cost kept), the parts' copy bandwidth as memory bandwidth, their NCCL
-all-gather and all-reduce bus bandwidths as the link and its reductions (less the one
-collective's issue time the calibration's timing includes), the calibrated host time per
-collective (nccl_collective_us; --collective-latency-us where the calibration lacks it), the
-bench's buckets, and where ranks share a GPU under MPS the share of a rank's compute a transfer
-takes (--comm-compute-share). Nothing is fitted to the steps. --resimulate predicts again the
-steps of an existing cluster.json (its calibration, its recorded predictions beside) into
-DIR/resimulated.{json,md}. --predict prints, before a run, what it should measure.
+all-gather and all-reduce bus bandwidths as the link and its reductions, and where recorded the
+broadcast's and reduce's as the dedicated mode's and the all-to-all's as the sharded mode's
+(each less the one collective's issue time the calibration's timing includes), the calibrated
+host time per collective (nccl_collective_us; --collective-latency-us where the calibration
+lacks it), the bench's buckets, and where ranks share a GPU under MPS the share of a rank's
+compute a transfer takes (--comm-compute-share). Nothing is fitted to the steps. --resimulate
+predicts again the steps of an existing cluster.json (its calibration, its recorded predictions
+beside) into DIR/resimulated.{json,md}. --predict prints, before a run, what it should measure.
 """
 from __future__ import annotations
 
@@ -109,6 +110,11 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
                           ("nccl_reduce_busbw_gbs", "--intra-root-reduce-gbs")):
             if cal.get(key):
                 sim += [flag, f"{issue_free_gbs(cal[key], 1, issue_us):.6g}"]
+        # The sharded mode's all-to-alls, where timed (bus bandwidth = (D-1)/D * bytes / time,
+        # the bytes a rank sends to its peers, which is what the simulator charges them for).
+        if cal.get("nccl_alltoall_busbw_gbs"):
+            sim += ["--intra-alltoall-gbs",
+                    f"{issue_free_gbs(cal['nccl_alltoall_busbw_gbs'], (d - 1) / d, issue_us):.6g}"]
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         r = subprocess.run(sim + ["--json", tmp.name], capture_output=True, text=True)
         if r.returncode != 0:
@@ -396,12 +402,14 @@ def main() -> None:
                      f"{fmt(r.get('error'), '{:+.0%}')} | {fmt(r['compute_ms'])} / "
                      f"{fmt(r['comm_ms'])} / {fmt(r['wait_ms'])} |")
     lines += ["", "| D | GEMM TFLOP/s per rank | total | copy GB/s per rank | total | "
-              "NCCL all-gather GB/s | all-reduce | broadcast | reduce | waiting kernel's share |",
-              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+              "NCCL all-gather GB/s | all-reduce | broadcast | reduce | all-to-all | "
+              "waiting kernel's share |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for d, c in sorted(calibration.items(), key=lambda kv: int(kv[0])):
-        rooted = " | ".join(fmt(c.get(k), f)  # recorded since 2026-12-06
+        rooted = " | ".join(fmt(c.get(k), f)  # recorded since 2026-12-06; all-to-all later
                             for k, f in (("nccl_broadcast_busbw_gbs", "{:.0f}"),
                                          ("nccl_reduce_busbw_gbs", "{:.0f}"),
+                                         ("nccl_alltoall_busbw_gbs", "{:.0f}"),
                                          ("nccl_wait_compute_share", "{:.2f}")))
         lines.append(f"| {d} | {c['gemm_tflops_per_rank_min']:.0f} | {c['gemm_tflops_total']:.0f} | "
                      f"{c['copy_gbs_per_rank_min']:.0f} | {c['copy_gbs_total']:.0f} | "

@@ -37,6 +37,11 @@ struct CommModel {
   // reductions').
   double intra_broadcast_bytes_per_s = 0;
   double intra_root_reduce_bytes_per_s = 0;
+  // The sharded mode's all-to-alls inside a node, where measured apart (bus bandwidth as
+  // nccl-tests counts it: the bytes a rank sends to its peers over the time; charged at the
+  // all-gathers' rate, the one-GPU cluster's sharded steps at D = 2..8 came out 10-40 % short):
+  // 0 keeps intra_bytes_per_s.
+  double intra_alltoall_bytes_per_s = 0;
   int64_t wire_elem_bytes = 2;  // bf16 gradients and updates on the wire
   // What one collective costs the host that issues it, D > 1: the engine's NCCL communicator is
   // non-blocking, so NCCL launches each call from a thread of its own and the communicator polls
@@ -96,7 +101,8 @@ double ring_allgather_seconds(double total_bytes, int world, const CommModel& cm
 double chain_seconds(double bytes, int world, const CommModel& cm, int per_node);
 // Pairwise all-to-all where one rank sends `send` and receives `recv` bytes spread evenly over
 // its peers: (D-1) alpha + max(intra part / intra beta, inter part / inter beta), the intra part
-// being the (n-1)/(D-1) share that stays on the node.
+// being the (n-1)/(D-1) share that stays on the node; inside a node, intra beta is
+// intra_alltoall_bytes_per_s where given.
 double alltoall_seconds(double send_bytes, double recv_bytes, int world, const CommModel& cm,
                         int per_node);
 

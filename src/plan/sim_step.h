@@ -43,6 +43,10 @@ inline Link root_reduce_link(int world, const CommModel& cm, int per_node) {
   return at_intra_rate(reduce_link(world, cm, per_node), world, per_node,
                        cm.intra_root_reduce_bytes_per_s);
 }
+// The sharded mode's all-to-alls, which fall back to the gathers' rate.
+inline Link alltoall_link(int world, const CommModel& cm, int per_node) {
+  return at_intra_rate(link(world, cm, per_node), world, per_node, cm.intra_alltoall_bytes_per_s);
+}
 
 // A pipelined chain (a broadcast from or a reduce to one rank) over `world` ranks on `l`, the
 // busiest rank forwarding `bytes`: (D-1) alpha + bytes / beta.

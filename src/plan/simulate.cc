@@ -33,7 +33,8 @@ std::string CommModel::describe() const {
       buf, sizeof(buf),
       "  alpha-beta model: a message of b bytes costs alpha + b / beta\n"
       "  intra-node: beta %.0f GB/s per GPU per direction (NVLink 4 class), alpha %.1f us; "
-      "reductions %.0f GB/s; the dedicated mode's broadcasts %.0f GB/s, reduces %.0f GB/s\n"
+      "reductions %.0f GB/s; the dedicated mode's broadcasts %.0f GB/s, reduces %.0f GB/s; the "
+      "sharded mode's all-to-alls %.0f GB/s\n"
       "  inter-node: beta %.0f GB/s per GPU (InfiniBand NDR 400 Gb/s, one NIC per GPU), "
       "alpha %.1f us\n"
       "  on the wire: %lld bytes per element (gradients and updates)\n"
@@ -60,9 +61,10 @@ std::string CommModel::describe() const {
       sim_detail::reduce_link(1, *this, 1).beta / 1e9,
       sim_detail::broadcast_link(1, *this, 1).beta / 1e9,
       sim_detail::root_reduce_link(1, *this, 1).beta / 1e9,
-      inter_bytes_per_s / 1e9, inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes),
-      collective_latency_s * 1e6, local_collective_s * 1e6,
-      static_cast<double>(bucket_bytes) / (1 << 20), grouped_hop_share * 100,
+      sim_detail::alltoall_link(1, *this, 1).beta / 1e9, inter_bytes_per_s / 1e9,
+      inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes), collective_latency_s * 1e6,
+      local_collective_s * 1e6, static_cast<double>(bucket_bytes) / (1 << 20),
+      grouped_hop_share * 100,
       batches_across_buckets ? "each batch once its last bucket has landed"
                              : "cut at the buckets' borders",
       elementwise_bytes, hbm_bytes_per_s / 1e12, comm_compute_share * 100, comm_wait_share * 100);
@@ -87,7 +89,10 @@ double alltoall_seconds(double send_bytes, double recv_bytes, int world, const C
   DM_CHECK(world >= 1, "simulator: world size must be >= 1 (got ", world, ")");
   if (world == 1) return 0;
   const double bytes = std::max(send_bytes, recv_bytes);
-  if (world <= per_node) return (world - 1) * cm.intra_latency_s + bytes / cm.intra_bytes_per_s;
+  if (world <= per_node) {
+    const Link l = sim_detail::alltoall_link(world, cm, per_node);
+    return (world - 1) * l.alpha + bytes / l.beta;
+  }
   const double intra_share = (per_node - 1.0) / (world - 1.0);
   return (world - 1) * cm.inter_latency_s +
          std::max(bytes * intra_share / cm.intra_bytes_per_s,
@@ -104,8 +109,8 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
                cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1 && cm.elementwise_bytes >= 0 &&
                cm.hbm_bytes_per_s > 0 && cm.intra_reduce_bytes_per_s >= 0 &&
                cm.intra_broadcast_bytes_per_s >= 0 && cm.intra_root_reduce_bytes_per_s >= 0 &&
-               cm.collective_latency_s >= 0 && cm.local_collective_s >= 0 &&
-               cm.grouped_hop_share >= 0 && cm.grouped_hop_share <= 1,
+               cm.intra_alltoall_bytes_per_s >= 0 && cm.collective_latency_s >= 0 &&
+               cm.local_collective_s >= 0 && cm.grouped_hop_share >= 0 && cm.grouped_hop_share <= 1,
            "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0, the grouped "
            "hop share in [0, 1]");
   DM_CHECK(cm.comm_compute_share >= 0 && cm.comm_compute_share < 1 && cm.comm_wait_share >= 0 &&

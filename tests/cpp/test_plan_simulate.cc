@@ -355,6 +355,36 @@ TEST(PlanSimulate, RootedCollectivesHaveRatesOfTheirOwn) {
   EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
 }
 
+// Likewise the sharded mode's all-to-alls: their own rate inside a node shortens the sharded step
+// alone; 16 ranks on 8-GPU nodes stay on the NICs' rate.
+TEST(PlanSimulate, AllToAllsHaveARateOfTheirOwn) {
+  const double G = 1e9;
+  CommModel cm;
+  cm.intra_alltoall_bytes_per_s = 2 * cm.intra_bytes_per_s;
+  EXPECT_DOUBLE_EQ(alltoall_seconds(G, 0.5 * G, 8, cm, 8),
+                   7 * cm.intra_latency_s + G / cm.intra_alltoall_bytes_per_s);
+  EXPECT_DOUBLE_EQ(alltoall_seconds(G, G, 64, cm, 8),
+                   63 * cm.inter_latency_s + G * 56.0 / 63 / cm.inter_bytes_per_s);
+
+  const Workload w = load_workload("gpt2-large").first_layers(4);
+  const auto mats = plan_matrices(w);
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  CommModel base;
+  base.intra_bytes_per_s = 100e9;  // slow enough that the transfers show in the step
+  base.collective_latency_s = 0;
+  CommModel fast = base, bad = base;
+  fast.intra_alltoall_bytes_per_s = 400e9;
+  const auto ref = simulate(mats, costs, {2, 16}, 8, base, "lpt", {}, sim_tensors(w));
+  const auto pts = simulate(mats, costs, {2, 16}, 8, fast, "lpt", {}, sim_tensors(w));
+  EXPECT_LT(pts[0].sharded(), ref[0].sharded());
+  EXPECT_LT(pts[0].sharded_comm, ref[0].sharded_comm);
+  EXPECT_DOUBLE_EQ(pts[0].dedicated(), ref[0].dedicated());
+  EXPECT_DOUBLE_EQ(pts[0].gather(), ref[0].gather());
+  EXPECT_DOUBLE_EQ(pts[1].sharded(), ref[1].sharded());  // 16 ranks: two nodes, the NICs
+  bad.intra_alltoall_bytes_per_s = -1;
+  EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
+}
+
 // Owner modes divide the work: their compute shrinks as the world grows, and inside a node
 // (collectives at a few microseconds of host time, a blocking launch) their steps beat gather's.
 TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {

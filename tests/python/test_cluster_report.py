@@ -1,9 +1,11 @@
 """bench/cluster/report.py on a recorded cluster run (the H200's bucket A/B at D = 8) with the
-simulator as built: each run is predicted with its own bucket size and planner, and a record
-without a whole-GPU calibration needs --whole-gpu, said in one line."""
+simulator as built: each run is predicted with its own bucket size and planner, a calibrated
+all-to-all rate reaches the sharded mode's prediction alone, and a record without a whole-GPU
+calibration needs --whole-gpu, said in one line."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -48,6 +50,43 @@ def test_resimulation_predicts_each_run_with_its_buckets_and_planner(tmp_path: P
     assert (tmp_path / "resimulated.md").read_text().count("\n| ") == len(rows) + 1
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "resimulated.png").stat().st_size > 0
+
+
+def load_report():
+    spec = importlib.util.spec_from_file_location("cluster_report", REPORT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_calibrated_all_to_all_rate_reaches_the_sharded_step_alone(monkeypatch) -> None:
+    rep = load_report()
+    cals = json.loads((H100 / "cluster.json").read_text())["calibration"]
+    cmds = []
+    run = subprocess.run
+    monkeypatch.setattr(rep.subprocess, "run", lambda cmd, **kw: cmds.append(cmd) or run(cmd, **kw))
+    args = argparse.Namespace(collective_latency_us=143, local_collective_us=10,
+                              comm_compute_share=0.75, comm_wait_share=None, grouped_hop_share=None)
+
+    def predict(cal: dict) -> dict:
+        rec = {"workload": "gpt2-large", "layers": 4, "ranks": 2, "planner": "lpt",
+               "batches_per_bucket": False, "bucket_mb": 1024, "calibration": cal,
+               "mechanism": "mps"}
+        p = rep.predict(str(PLAN), rec, {"calibration": cals["1"]},
+                        str(H100 / "sim-calibration" / "costs.json"), args)
+        assert p is not None
+        return p
+
+    old = predict(cals["2"])  # recorded before the all-to-all was calibrated: no rate of its own
+    assert "--intra-alltoall-gbs" not in cmds[-1]
+    fast = dict(cals["2"], nccl_alltoall_busbw_gbs=4 * cals["2"]["nccl_allgather_busbw_gbs"])
+    new = predict(fast)
+    flag = cmds[-1][cmds[-1].index("--intra-alltoall-gbs") + 1]
+    # (D-1)/D * bytes over the bus bandwidth, less the issue time the calibration timed with it
+    want = rep.issue_free_gbs(fast["nccl_alltoall_busbw_gbs"], 0.5, args.collective_latency_us)
+    assert math.isclose(float(flag), want, rel_tol=1e-5)
+    assert new["sharded"] < old["sharded"]
+    assert new["gather"] == old["gather"] and new["dedicated"] == old["dedicated"]
 
 
 def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> None:
