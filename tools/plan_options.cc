@@ -25,7 +25,7 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
         "--wire-bytes", "--elementwise-bytes", "--intra-reduce-gbs", "--intra-broadcast-gbs",
         "--intra-root-reduce-gbs", "--intra-alltoall-gbs", "--collective-latency-us",
         "--local-collective-us", "--bucket-mb", "--comm-compute-share", "--comm-wait-share",
-        "--batches-per-bucket", "--sim-plan-analytic"})
+        "--batches-per-bucket", "--grouped-hop-share", "--sim-plan-analytic"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   DM_CHECK(!a.sim_plan_analytic || a.measure || !a.costs.empty(),
            "--sim-plan-analytic places the owners on analytic costs and times the step with "

@@ -111,6 +111,10 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
   // An option of a mode not chosen would do nothing: refused.
   expect_refused("distmuon-plan", {"--profile-ks", "2"}, "--profile-ks applies to --measure");
   expect_refused("distmuon-plan", {"--intra-gbs", "5"}, "--intra-gbs applies to --simulate");
+  expect_refused("distmuon-plan", {"--intra-alltoall-gbs", "5"},
+                 "--intra-alltoall-gbs applies to --simulate");
+  expect_refused("distmuon-plan", {"--grouped-hop-share", "0.5"},
+                 "--grouped-hop-share applies to --simulate");
   expect_refused("distmuon-plan", {"--measure", "--tflops", "500"}, "--tflops applies to analytic");
   expect_refused("distmuon-plan", {"--simulate", "--sim-plan-analytic"},
                  "--sim-plan-analytic places the owners on analytic costs");
