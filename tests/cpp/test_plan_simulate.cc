@@ -331,15 +331,28 @@ TEST(PlanSimulate, WaitingCollectivesTakeTheirShareToo) {
   expect_shares_slow_the_owners(&CommModel::comm_wait_share, base, 4, {0.25, 0.5});
 }
 
+// gpt2-large's first 4 layers on analytic costs, over links slow enough that the transfers show
+// in the step: for the tests that give one kind of collective a rate of its own.
+struct SlowLinks {
+  Workload w = load_workload("gpt2-large").first_layers(4);
+  std::vector<PlanMatrix> mats = plan_matrices(w);
+  CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  CommModel base = [] {
+    CommModel cm;
+    cm.intra_bytes_per_s = 100e9;
+    cm.collective_latency_s = 0;
+    return cm;
+  }();
+};
+
 // The dedicated mode's broadcasts and reduces run at their own rates where given; the other modes
 // and the dedicated mode beyond a node do not see them.
 TEST(PlanSimulate, RootedCollectivesHaveRatesOfTheirOwn) {
-  const Workload w = load_workload("gpt2-large").first_layers(4);
-  const auto mats = plan_matrices(w);
-  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
-  CommModel base;
-  base.intra_bytes_per_s = 100e9;  // slow enough that the transfers show in the step
-  base.collective_latency_s = 0;
+  const SlowLinks s;
+  const Workload& w = s.w;
+  const auto& mats = s.mats;
+  const CostTable& costs = s.costs;
+  const CommModel& base = s.base;
   CommModel fast_bc = base, fast_red = base, bad = base;
   fast_bc.intra_broadcast_bytes_per_s = 400e9;
   fast_red.intra_root_reduce_bytes_per_s = 400e9;
@@ -366,12 +379,11 @@ TEST(PlanSimulate, AllToAllsHaveARateOfTheirOwn) {
   EXPECT_DOUBLE_EQ(alltoall_seconds(G, G, 64, cm, 8),
                    63 * cm.inter_latency_s + G * 56.0 / 63 / cm.inter_bytes_per_s);
 
-  const Workload w = load_workload("gpt2-large").first_layers(4);
-  const auto mats = plan_matrices(w);
-  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
-  CommModel base;
-  base.intra_bytes_per_s = 100e9;  // slow enough that the transfers show in the step
-  base.collective_latency_s = 0;
+  const SlowLinks s;
+  const Workload& w = s.w;
+  const auto& mats = s.mats;
+  const CostTable& costs = s.costs;
+  const CommModel& base = s.base;
   CommModel fast = base, bad = base;
   fast.intra_alltoall_bytes_per_s = 400e9;
   const auto ref = simulate(mats, costs, {2, 16}, 8, base, "lpt", {}, sim_tensors(w));
