@@ -9,6 +9,11 @@
 #   RANKS=1,2,4,8 WORKLOADS="gpt2-large:0 pi0:8" bench/cluster/run.sh
 #   OUT=out/cl-b BENCH_ARGS=--batches-per-bucket DISTMUON_NCCL_BLOCKING=1 bench/cluster/run.sh
 #   OUT=out/cl-e MODES=dedicated DISTMUON_DEDICATED_EARLY_BROADCAST=1 bench/cluster/run.sh
+#   OUT=out/cl-m DISTMUON_PLAN_COSTS=bench/results/2026-12-07-h100-cluster/costs.json STAGES=step \
+#     bench/cluster/run.sh    owners placed on the whole GPU's measured costs, as a machine with D
+#                             GPUs plans after its start-up measurement (MPS ranks sharing one GPU
+#                             do not measure: they plan on analytic costs); BENCH_ARGS="--planner
+#                             lpt" places them by LPT instead of the MILP
 #
 # Stages (output under $OUT, default out/cluster):
 #   step   mpirun -np D distmuon-bench --calibrate --profile: modes gather, sharded, dedicated and
