@@ -108,6 +108,18 @@ class ForwardTimer:
         return self.ev[0].elapsed_time(self.ev[1]) if self.cuda else self.elapsed_ms
 
 
+def write_profile_summary(prof, path: str, device: torch.device, rows: int = 30) -> None:
+    """The profiled steps' operators by host time and, on CUDA, by device time: what a trace holds,
+    small enough to bring back from a device call. `optimizer.step` is the optimizer's own range."""
+    table = prof.key_averages()
+    with open(path, "w") as f:
+        f.write(f"# rank 0, {prof.step_num} profiler steps (2 active), by host time\n")
+        f.write(table.table(sort_by="cpu_time_total", row_limit=rows) + "\n")
+        if device.type == "cuda":
+            f.write("# by device time\n")
+            f.write(table.table(sort_by="cuda_time_total", row_limit=rows) + "\n")
+
+
 def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     if args.stall_s > 0:  # building (first NCCL use included) may hang too: say where
         faulthandler.dump_traceback_later(args.stall_s, repeat=True)
@@ -121,10 +133,14 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     fw, fb, op, tot = [], [], [], []
     fwd = ForwardTimer(device)
     prof = None
-    if args.profile and device.type == "cuda":
+    if args.profile:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        # Two steps after the warm-up ones (at least one timed step follows the profiler's own).
         prof = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
-            schedule=torch.profiler.schedule(wait=args.warmup, warmup=1, active=2, repeat=1))
+            activities=activities,
+            schedule=torch.profiler.schedule(wait=max(args.warmup - 1, 0), warmup=1, active=2, repeat=1))
         prof.start()
     for step in range(args.warmup + args.steps):
         # A step that has not ended after --stall-s prints every thread's stack on every rank
@@ -148,8 +164,9 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with torch.profiler.record_function("optimizer.step"):  # a range in the trace (free without one)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
@@ -164,7 +181,9 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     if prof:
         prof.stop()
         if dist.get_rank() == 0:
+            os.makedirs(args.profile, exist_ok=True)
             prof.export_chrome_trace(os.path.join(args.profile, f"trace-{kind}.json"))
+            write_profile_summary(prof, os.path.join(args.profile, f"summary-{kind}.txt"), device)
     # The step is as slow as the slowest rank.
     med = torch.tensor([statistics.median(x) for x in (fb, op, tot, fw)], dtype=torch.float64,
                        device=device)  # NCCL has no CPU tensors
@@ -197,7 +216,8 @@ def main() -> None:
                          "eight gather ranks on one 80 GB GPU need 64")
     ap.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (2D mesh)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--profile", default="", help="folder for a chrome trace per optimizer (rank 0)")
+    ap.add_argument("--profile", default="",
+                    help="folder for a chrome trace and an operator summary per optimizer (rank 0; two steps)")
     ap.add_argument("--json", default="")
     ap.add_argument("--stall-s", type=float, default=120,
                     help="print every rank's stacks when a step runs longer than this (0: never)")

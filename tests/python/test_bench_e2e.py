@@ -110,3 +110,17 @@ def test_an_unknown_optimizer_is_refused_before_training() -> None:
     r = subprocess.run([sys.executable, str(TRAIN), "--device", "cpu", "--optimizers", "adamw,distmuon-foo"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unknown --optimizers ['distmuon-foo']" in r.stderr, r.stderr[-2000:]
+
+
+def test_profile_writes_a_trace_and_a_summary_with_the_optimizer_range(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prof = tmp_path / "prof"
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29620",
+         str(TRAIN), "--device", "cpu", "--config", "tiny", "--seq", "16", "--steps", "2", "--warmup", "1",
+         "--optimizers", "distmuon-sharded", "--profile", str(prof), "--json", str(tmp_path / "e.json")],
+        capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert json.loads((prof / "trace-distmuon-sharded.json").read_text())["traceEvents"]
+    summary = (prof / "summary-distmuon-sharded.txt").read_text()
+    assert "by host time" in summary and "optimizer.step" in summary
