@@ -217,7 +217,8 @@ def main() -> None:
     ap.add_argument("--replicate", type=int, default=1, help="HSDP replicate degree (2D mesh)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", default="",
-                    help="folder for a chrome trace and an operator summary per optimizer (rank 0; two steps)")
+                    help="folder for a chrome trace and an operator summary per optimizer (rank 0; two steps, "
+                         "whose times then include the profiler's: time in a run of its own)")
     ap.add_argument("--json", default="")
     ap.add_argument("--stall-s", type=float, default=120,
                     help="print every rank's stacks when a step runs longer than this (0: never)")
