@@ -26,6 +26,8 @@ void check_coefs(const char* what, std::span<const Slot> slots) {
     DM_CHECK(slots[i].coef != nullptr, what, ": slot ", i, " has no coefficients");
 }
 void check_same_shape(const char* what, const BatchRef& a, const BatchRef& b);
+// Every copy of a copy_blocks call, before any is issued.
+void check_block_copies(std::span<const BlockCopy> copies);
 // Validates lincomb's operands (b may be null; an identity term needs square matrices).
 void check_lincomb(const char* what, const BatchRef& a, const BatchRef* b, double diag,
                    const BatchRef& out);

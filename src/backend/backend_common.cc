@@ -100,8 +100,7 @@ void Backend::upload_small(void* dst, const void* host_src, size_t bytes) {
 }
 
 void Backend::copy_blocks(std::span<const BlockCopy> copies) {
-  for (const BlockCopy& c : copies)  // every copy checked before any is issued
-    DM_CHECK(c.numel >= 0, "copy_blocks: a copy of ", c.numel, " elements");
+  check_block_copies(copies);
   for (const BlockCopy& c : copies) {
     if (c.numel == 0) continue;
     if (c.src_dtype == c.dst_dtype)
@@ -158,6 +157,11 @@ GemmDims check_gemm(const char* what, Op op_a, const BatchRef& a, Op op_b, const
              ": Cin shape differs from C");
   }
   return {m, n, k};
+}
+
+void check_block_copies(std::span<const BlockCopy> copies) {
+  for (const BlockCopy& c : copies)
+    DM_CHECK(c.numel >= 0, "copy_blocks: a copy of ", c.numel, " elements");
 }
 
 void check_same_shape(const char* what, const BatchRef& a, const BatchRef& b) {

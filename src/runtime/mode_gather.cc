@@ -5,6 +5,8 @@
 //
 // Stages of a bucket: 0 local pass 1, status agreement, local pass 2 into the send buffer and
 // all-gather; 1 unpack, normalise, orthogonalize, apply.
+#include <algorithm>
+
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
@@ -17,8 +19,7 @@ class GatherRunner final : public ModeRunner {
 
   void setup() override {
     bufs_.resize(dist_.buckets.size());
-    int64_t largest = 0;  // the largest bucket's full matrices, in elements of its wire type
-    DType largest_wire = DType::kF32;
+    size_t largest = 1;  // bytes of the largest bucket's full matrices
     for (size_t b = 0; b < dist_.buckets.size(); ++b) {
       const Bucket& bk = dist_.buckets[b];
       int64_t all = 0, mine = 0;
@@ -32,13 +33,13 @@ class GatherRunner final : public ModeRunner {
       };
       bufs_[b].send = alloc(mine);
       bufs_[b].recv = alloc(all);
-      if (all * dtype_size(w) > largest * dtype_size(largest_wire)) largest = all, largest_wire = w;
+      largest = std::max(largest, static_cast<size_t>(all) * dtype_size(w));
     }
     // One stage for every bucket's full matrices: only the compute stage uses it, and the
     // buckets' compute stages run one after another on the compute stream. (One per bucket held
     // the whole model twice on every rank: eight gather ranks of a 0.5 B model sharing an 80 GB
     // GPU ran out of it.)
-    ustage_ = backend_.alloc(static_cast<size_t>(std::max<int64_t>(largest, 1)) * dtype_size(largest_wire));
+    ustage_ = backend_.alloc(largest);
   }
   int num_stages() const override { return 2; }
   int compute_stage() const override { return 1; }
