@@ -7,12 +7,13 @@
 #include <fstream>
 #include <functional>
 #include <mutex>
-#include <thread>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "bench_compare.h"
 #include "distmuon/env.h"
 #include "distmuon/error.h"
+#include "plan/sim_step.h"
 
 namespace distmuon::bench {
 namespace {
@@ -59,8 +60,11 @@ using Clock = std::chrono::steady_clock;
 // ---- calibration ------------------------------------------------------------------------------
 
 struct Calibration {
-  double gemm_tflops = 0;    // this rank's bf16 GEMM rate while every rank runs one
-  double copy_gbs = 0;       // this rank's kernel copy bandwidth (read + write) likewise
+  double gemm_tflops = 0;  // this rank's bf16 GEMM rate while every rank runs one
+  double copy_gbs = 0;     // this rank's kernel copy bandwidth (read + write) likewise
+  // This rank's AdamW pass (the engine's check and update) likewise, counted at the bytes the
+  // simulator charges an element (sim_detail::kAdamWBytesPerElement): its --adamw-tbs.
+  double adamw_gbs = 0;
   double allgather_gbs = 0;  // NCCL all-gather bus bandwidth between the ranks
   double allreduce_gbs = 0;  // NCCL all-reduce bus bandwidth
   double broadcast_gbs = 0;  // NCCL broadcast (root 0) bus bandwidth: the dedicated mode's
@@ -120,6 +124,32 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     std::snprintf(line, sizeof(line), "calibration: copy %.0f GB/s on rank 0", c.copy_gbs);
     say(line);
   }
+  {  // 64 Mi bf16 parameters with fp32 moments as one AdamW tensor: the AdamW baseline's pass
+    const int64_t numel = int64_t{64} << 20;
+    Buffer prm = be.alloc(static_cast<size_t>(numel) * 2),
+           grd = be.alloc(static_cast<size_t>(numel) * 2);
+    Buffer m = be.alloc(static_cast<size_t>(numel) * 4),
+           v = be.alloc(static_cast<size_t>(numel) * 4);
+    Buffer coef = be.alloc(sizeof(AdamCoef)), status = be.alloc(sizeof(int32_t));
+    be.fill_normal(BatchRef::packed(prm.data(), DType::kBF16, 1, 1, numel), 4, 0);
+    be.fill_normal(BatchRef::packed(grd.data(), DType::kBF16, 1, 1, numel), 5, 0);
+    be.fill_zero(m.data(), static_cast<size_t>(numel) * 4);
+    be.fill_zero(v.data(), static_cast<size_t>(numel) * 4);
+    const AdamCoef host_coef{};
+    be.copy_from_host(coef.data(), &host_coef, sizeof(AdamCoef));
+    const AdamSlot slot{prm.data(),   grd.data(), m.data(), v.data(),           DType::kBF16,
+                        DType::kBF16, numel,      nullptr,  coef.as<AdamCoef>()};
+    auto pass = [&] {
+      be.adamw_check({&slot, 1}, status.as<int32_t>());
+      be.adamw_update({&slot, 1}, status.as<int32_t>());
+    };
+    pass();
+    const double ms = timed_together(host, be, 5, pass);
+    c.adamw_gbs =
+        sim_detail::kAdamWBytesPerElement * static_cast<double>(numel) / (ms * 1e-3) / 1e9;
+    std::snprintf(line, sizeof(line), "calibration: AdamW pass %.0f GB/s on rank 0", c.adamw_gbs);
+    say(line);
+  }
   const int p = comm.size();
   if (p > 1) {  // 256 MiB of bf16 per rank; bus bandwidth as nccl-tests counts it
     const int64_t count = int64_t{128} << 20;
@@ -136,7 +166,8 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     auto broadcast = [&] { comm.broadcast(send.data(), count, CommType::kBF16, 0).wait(); };
     auto reduce = [&] {
       comm.reduce(send.data(), comm.rank() == 0 ? recv.data() : nullptr, count, CommType::kBF16,
-                  ReduceOp::kSum, 0).wait();
+                  ReduceOp::kSum, 0)
+          .wait();
     };
     // The send buffer cut in p equal slots, one per member, each sent to its member; nothing to
     // itself, as the sharded mode sends (a rank's own rows go straight to its stage), so the
@@ -226,20 +257,26 @@ std::vector<double> all_ranks(Communicator& host, const std::vector<double>& min
   return over_ranks(host, v, ReduceOp::kSum);
 }
 
+// `per_rank`: every rank's GEMM, copy and AdamW rates in rank order (all_ranks).
 json calibration_json(const std::vector<double>& per_rank, const Calibration& c) {
   json ranks = json::array();
-  double gemm_sum = 0, copy_sum = 0, gemm_min = 1e300, copy_min = 1e300;
-  for (size_t q = 0; q + 1 < per_rank.size(); q += 2) {
-    ranks.push_back({{"gemm_tflops", per_rank[q]}, {"copy_gbs", per_rank[q + 1]}});
+  double gemm_sum = 0, copy_sum = 0, gemm_min = 1e300, copy_min = 1e300, adamw_min = 1e300;
+  for (size_t q = 0; q + 2 < per_rank.size(); q += 3) {
+    ranks.push_back({{"gemm_tflops", per_rank[q]},
+                     {"copy_gbs", per_rank[q + 1]},
+                     {"adamw_gbs", per_rank[q + 2]}});
     gemm_sum += per_rank[q];
     copy_sum += per_rank[q + 1];
     gemm_min = std::min(gemm_min, per_rank[q]);
     copy_min = std::min(copy_min, per_rank[q + 1]);
+    adamw_min = std::min(adamw_min, per_rank[q + 2]);
   }
   return {
       {"what",
        "bf16 8192^3 GEMM (cuBLASLt) and a 1 GiB bf16 copy by the engine's lincomb kernel (read + "
-       "write bytes) on every rank at once; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
+       "write bytes) on every rank at once; the engine's AdamW pass (check and update) on 64 Mi "
+       "bf16 parameters with fp32 moments, counted at the bytes the simulator charges an element, "
+       "likewise; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
        "all-gather, all-reduce, broadcast and reduce (root 0), and all-to-all (256 MiB / p to each "
        "other rank, none to itself, as the sharded mode sends; bus bandwidth (p-1)/p * 256 MiB / "
        "time); each timed alone, its issue included; host time per collective of 256 "
@@ -249,6 +286,7 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"gemm_tflops_total", gemm_sum},
       {"copy_gbs_per_rank_min", copy_min},
       {"copy_gbs_total", copy_sum},
+      {"adamw_gbs_per_rank_min", adamw_min},
       {"nccl_allgather_busbw_gbs", c.allgather_gbs},
       {"nccl_allreduce_busbw_gbs", c.allreduce_gbs},
       {"nccl_broadcast_busbw_gbs", c.broadcast_gbs},
@@ -371,9 +409,9 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
   std::vector<double> cal_ranks;
   Calibration cal;
   if (o.calibrate) {
-    progress("calibrating (GEMM, copy, NCCL) on every rank at once");
+    progress("calibrating (GEMM, copy, AdamW, NCCL) on every rank at once");
     cal = calibrate(host, r.be, r.comm, progress);
-    cal_ranks = all_ranks(host, {cal.gemm_tflops, cal.copy_gbs});
+    cal_ranks = all_ranks(host, {cal.gemm_tflops, cal.copy_gbs, cal.adamw_gbs});
   }
   progress("allocating the workload's tensors on every rank");
   Comparison cmp(o, host, r.comm, r.be);
@@ -403,8 +441,7 @@ int run_rank(const BenchOptions& o, RankSetup& r) {
       for (auto& run : runs) cmp.step(*run, i);
       // A slow first step (planning, allocation, a stall) says where the time went.
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (i == 0 || s > 1.0)
-        progress(step + " took " + std::to_string(s) + " s");
+      if (i == 0 || s > 1.0) progress(step + " took " + std::to_string(s) + " s");
     }
     for (auto& run : runs) {
       // The result first: its bytes and FLOPs per step are counted over the timed steps, which

@@ -5,8 +5,8 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cli.h"
 #include "distmuon/backend.h"
@@ -86,7 +86,8 @@ int run(const PlanArgs& a) {
   const std::vector<std::string>& solvers = a.solvers;
 
   PlanOptions opts;
-  const CostTable costs = scale_costs(load_costs(a, mats, opts.ortho), a.costs_scale, a.costs_parts);
+  const CostTable costs =
+      scale_costs(load_costs(a, mats, opts.ortho), a.costs_scale, a.costs_parts);
   opts.time_limit_s = a.time_limit;
   opts.max_nodes = a.max_nodes;
   opts.relative_gap = a.gap;
@@ -160,6 +161,7 @@ int run(const PlanArgs& a) {
     cm.intra_broadcast_bytes_per_s = a.intra_broadcast_gbs * 1e9;
     cm.intra_root_reduce_bytes_per_s = a.intra_root_reduce_gbs * 1e9;
     cm.intra_alltoall_bytes_per_s = a.intra_alltoall_gbs * 1e9;
+    cm.adamw_bytes_per_s = a.adamw_tbs * 1e12;
     cm.collective_latency_s = a.collective_latency_us * 1e-6;
     cm.local_collective_s = a.local_collective_us * 1e-6;
     cm.bucket_bytes = static_cast<int64_t>(a.bucket_mb * (1 << 20));
@@ -177,7 +179,8 @@ int run(const PlanArgs& a) {
     if (a.sim_plan_analytic) {
       const DeviceKind kind =
           costs.device.rfind("cpu", 0) == 0 ? DeviceKind::kCPU : DeviceKind::kCUDA;
-      plan_costs = runtime_costs(shape_counts(mats), opts.ortho, runtime_rates(kind), nullptr).table;
+      plan_costs =
+          runtime_costs(shape_counts(mats), opts.ortho, runtime_rates(kind), nullptr).table;
     }
     const auto pts = simulate(mats, costs, worlds, topo.gpus_per_node, cm, solver, opts,
                               sim_tensors(w), plan_costs ? &*plan_costs : nullptr);

@@ -23,7 +23,7 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
   for (const char* o :
        {"--sim-max-world", "--sim-solver", "--intra-gbs", "--inter-gbs", "--intra-us", "--inter-us",
         "--wire-bytes", "--elementwise-bytes", "--intra-reduce-gbs", "--intra-broadcast-gbs",
-        "--intra-root-reduce-gbs", "--intra-alltoall-gbs", "--collective-latency-us",
+        "--intra-root-reduce-gbs", "--intra-alltoall-gbs", "--adamw-tbs", "--collective-latency-us",
         "--local-collective-us", "--bucket-mb", "--comm-compute-share", "--comm-wait-share",
         "--batches-per-bucket", "--grouped-hop-share", "--sim-plan-analytic"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
@@ -169,20 +169,25 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
       ->check(cli::at_least(0))
       ->group(sim);
   // Intra-node rates of particular collectives (0: the fallback their help names).
-  for (auto [name, var, help] : {
-           std::tuple{"--intra-reduce-gbs", &a.intra_reduce_gbs,
-                      "intra-node bandwidth of reductions (reduce, reduce-scatter), GB/s (0: "
-                      "--intra-gbs)"},
-           std::tuple{"--intra-broadcast-gbs", &a.intra_broadcast_gbs,
-                      "intra-node bus bandwidth of the dedicated mode's broadcasts, GB/s (0: "
-                      "--intra-gbs)"},
-           std::tuple{"--intra-root-reduce-gbs", &a.intra_root_reduce_gbs,
-                      "intra-node bus bandwidth of the dedicated mode's reduces to one rank, GB/s "
-                      "(0: --intra-reduce-gbs)"},
-           std::tuple{"--intra-alltoall-gbs", &a.intra_alltoall_gbs,
-                      "intra-node bus bandwidth of the sharded mode's all-to-alls (bytes a rank "
-                      "sends to its peers over the time), GB/s (0: --intra-gbs)"}})
+  for (auto [name, var, help] :
+       {std::tuple{"--intra-reduce-gbs", &a.intra_reduce_gbs,
+                   "intra-node bandwidth of reductions (reduce, reduce-scatter), GB/s (0: "
+                   "--intra-gbs)"},
+        std::tuple{"--intra-broadcast-gbs", &a.intra_broadcast_gbs,
+                   "intra-node bus bandwidth of the dedicated mode's broadcasts, GB/s (0: "
+                   "--intra-gbs)"},
+        std::tuple{"--intra-root-reduce-gbs", &a.intra_root_reduce_gbs,
+                   "intra-node bus bandwidth of the dedicated mode's reduces to one rank, GB/s "
+                   "(0: --intra-reduce-gbs)"},
+        std::tuple{"--intra-alltoall-gbs", &a.intra_alltoall_gbs,
+                   "intra-node bus bandwidth of the sharded mode's all-to-alls (bytes a rank "
+                   "sends to its peers over the time), GB/s (0: --intra-gbs)"}})
     app.add_option(name, *var, help)->check(cli::at_least(0))->group(sim);
+  app.add_option("--adamw-tbs", a.adamw_tbs,
+                 "rate of the AdamW baseline's fused pass, TB/s of the bytes the simulator counts "
+                 "(distmuon-bench --calibrate's adamw_gbs; 0: --hbm-tbs)")
+      ->check(cli::at_least(0))
+      ->group(sim);
   app.add_option("--collective-latency-us", a.collective_latency_us,
                  "host time per collective at D > 1, paid in program order (143: the engine's "
                  "non-blocking NCCL communicator, H100 with two MPS ranks; distmuon-bench "

@@ -38,10 +38,11 @@ struct PlanArgs {
   int sim_max_world = 1024;
   std::string sim_solver;
   double intra_gbs = 450, inter_gbs = 50, intra_us = 3, inter_us = 6;
-  double intra_reduce_gbs = 0;  // 0: --intra-gbs
+  double intra_reduce_gbs = 0;       // 0: --intra-gbs
   double intra_broadcast_gbs = 0;    // 0: --intra-gbs
   double intra_root_reduce_gbs = 0;  // 0: --intra-reduce-gbs
   double intra_alltoall_gbs = 0;     // 0: --intra-gbs
+  double adamw_tbs = 0;              // 0: --hbm-tbs
   double collective_latency_us = 143, local_collective_us = 10;
   double bucket_mb = static_cast<double>(kDefaultBucketBytes) / (1 << 20);
   double comm_compute_share = 0;

@@ -100,6 +100,9 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
         sim.append("--batches-per-bucket")
     if getattr(args, "grouped_hop_share", None) is not None:
         sim += ["--grouped-hop-share", f"{args.grouped_hop_share:.6g}"]
+    # The AdamW baseline's pass at its own rate, where the calibration timed it (since 2026-12-07).
+    if cal.get("adamw_gbs_per_rank_min"):
+        sim += ["--adamw-tbs", f"{cal['adamw_gbs_per_rank_min'] / 1e3:.6g}"]
     if d > 1:
         sim += ["--intra-gbs", f"{issue_free_gbs(cal['nccl_allgather_busbw_gbs'], d - 1, issue_us):.6g}",
                 "--intra-reduce-gbs",
@@ -266,6 +269,8 @@ def predict_planned(args: argparse.Namespace) -> None:
             top = max(k for k in cals if k > 1)
             cal = dict(cals[top], gemm_tflops_per_rank_min=cals[top]["gemm_tflops_per_rank_min"] * top / d,
                        copy_gbs_per_rank_min=cals[top]["copy_gbs_per_rank_min"] * top / d)
+            if cals[top].get("adamw_gbs_per_rank_min"):
+                cal["adamw_gbs_per_rank_min"] = cals[top]["adamw_gbs_per_rank_min"] * top / d
             how = f"D = {top}'s scaled"
         cal = {k: v for k, v in cal.items() if k != "nccl_collective_us"}  # --collective-latency-us
         for spec in args.workloads.split():

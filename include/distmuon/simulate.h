@@ -77,6 +77,14 @@ struct CommModel {
   // predicts the step at 28.1 ms against 28.1 measured, pi0 within 4 %). 0 leaves them out.
   double elementwise_bytes = 44;
   double hbm_bytes_per_s = 4.17e12;
+  // The AdamW baseline's fused pass, where measured apart (distmuon-bench --calibrate's
+  // adamw_gbs: the pass ran 15-20 % under the copy rate between MPS parts of an H100, so charged
+  // at hbm_bytes_per_s its steps came out short); bytes as sim_step.h counts them. 0: the
+  // memory bandwidth.
+  double adamw_bytes_per_s = 0;
+  double adamw_pass_bytes_per_s() const {
+    return adamw_bytes_per_s > 0 ? adamw_bytes_per_s : hbm_bytes_per_s;
+  }
   std::string describe() const;  // the assumptions, several lines
 };
 
@@ -147,8 +155,8 @@ struct SimPoint {
   int64_t fsdp_collectives = 0, gather_collectives = 0, sharded_collectives = 0,
           dedicated_collectives = 0, adamw_collectives = 0, buckets = 0;
   // Host launches: the FSDP2 emulation's (per layer a group of its reduces, one of its
-  // all-gathers), the sharded mode's (per bucket the rows out, then the statuses with the rows back;
-  // the vote) and the dedicated mode's (a group per bucket and stage, the vote).
+  // all-gathers), the sharded mode's (per bucket the rows out, then the statuses with the rows
+  // back; the vote) and the dedicated mode's (a group per bucket and stage, the vote).
   int64_t fsdp_launches = 0, sharded_launches = 0, dedicated_launches = 0;
   // Orthogonalizations the busiest owner runs (one per plan batch and shape, across buckets; one
   // per run of a bucket without CommModel::batches_across_buckets), and every rank in gather
@@ -187,9 +195,9 @@ struct SimPoint {
 // copies (read + write of the wire bytes at hbm_bytes_per_s); a collective (D - 1) alpha plus
 // its bytes over beta (reductions over intra_reduce_bytes_per_s where given), or at one rank
 // the local copy NCCL makes. `tensors` (sim_tensors()) give the FSDP2 shards and units; empty:
-// one tensor per matrix, each its own unit. World sizes that are not a whole number of nodes are left out.
-// `plan_costs`, where given, is the table the owners are placed with when a run planned on other
-// costs than the ones its steps take (an engine planning on analytic costs, timed with a
+// one tensor per matrix, each its own unit. World sizes that are not a whole number of nodes are
+// left out. `plan_costs`, where given, is the table the owners are placed with when a run planned
+// on other costs than the ones its steps take (an engine planning on analytic costs, timed with a
 // measured table): the owners come from it, the batches (cut again, as the planners cut them)
 // and every time from `costs`.
 std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const CostTable& costs,

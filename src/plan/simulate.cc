@@ -52,7 +52,8 @@ std::string CommModel::describe() const {
       "  compute: the cost table's batch times (gather: every matrix on every rank, one batch "
       "per shape and bucket; owner modes: each owner's plan batches, %s)\n"
       "  elementwise passes: %.0f bytes per element a rank orthogonalizes, staging copies "
-      "(pack / unpack) read + write, at %.2f TB/s\n"
+      "(pack / unpack) read + write, at %.2f TB/s; the AdamW baseline's fused pass %.0f bytes "
+      "per element at %.2f TB/s\n"
       "  where ranks share a GPU: a collective moving data takes %.0f %% of each rank's compute, "
       "one waiting for its peers %.0f %%\n"
       "  not modelled: the host's kernel launches, ranks starting a step at different times",
@@ -67,7 +68,8 @@ std::string CommModel::describe() const {
       grouped_hop_share * 100,
       batches_across_buckets ? "each batch once its last bucket has landed"
                              : "cut at the buckets' borders",
-      elementwise_bytes, hbm_bytes_per_s / 1e12, comm_compute_share * 100, comm_wait_share * 100);
+      elementwise_bytes, hbm_bytes_per_s / 1e12, sim_detail::kAdamWBytesPerElement,
+      adamw_pass_bytes_per_s() / 1e12, comm_compute_share * 100, comm_wait_share * 100);
   return buf;
 }
 
@@ -109,8 +111,9 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
                cm.inter_latency_s >= 0 && cm.wire_elem_bytes >= 1 && cm.elementwise_bytes >= 0 &&
                cm.hbm_bytes_per_s > 0 && cm.intra_reduce_bytes_per_s >= 0 &&
                cm.intra_broadcast_bytes_per_s >= 0 && cm.intra_root_reduce_bytes_per_s >= 0 &&
-               cm.intra_alltoall_bytes_per_s >= 0 && cm.collective_latency_s >= 0 &&
-               cm.local_collective_s >= 0 && cm.grouped_hop_share >= 0 && cm.grouped_hop_share <= 1,
+               cm.intra_alltoall_bytes_per_s >= 0 && cm.adamw_bytes_per_s >= 0 &&
+               cm.collective_latency_s >= 0 && cm.local_collective_s >= 0 &&
+               cm.grouped_hop_share >= 0 && cm.grouped_hop_share <= 1,
            "simulator: bandwidths must be > 0, latencies and elementwise bytes >= 0, the grouped "
            "hop share in [0, 1]");
   DM_CHECK(cm.comm_compute_share >= 0 && cm.comm_compute_share < 1 && cm.comm_wait_share >= 0 &&
@@ -210,7 +213,7 @@ std::vector<SimPoint> simulate(const std::vector<PlanMatrix>& matrices, const Co
       sp.dedicated_exchange = chains;
     }
     sp.adamw_update = kAdamWBytesPerElement * total / static_cast<double>(cm.wire_elem_bytes) / d /
-                      cm.hbm_bytes_per_s;
+                      cm.adamw_pass_bytes_per_s();
 
     // The timelines, on this plan's owners and batches.
     std::vector<SimMatrix> mats = layout;

@@ -103,7 +103,8 @@ TEST(PlanSimulate, FsdpLaunchesOneGroupPerLayerEachWay) {
   w.muon = {{"q", {64, 32}, 6}, {"k", {64, 32}, 6}, {"v", {32, 64}, 6}};
   const auto mats = plan_matrices(w);
   const SimPoint p =
-      simulate(mats, free_costs(mats), {4}, 8, latency_only(alpha), "lpt", {}, sim_tensors(w)).at(0);
+      simulate(mats, free_costs(mats), {4}, 8, latency_only(alpha), "lpt", {}, sim_tensors(w))
+          .at(0);
   EXPECT_EQ(p.fsdp_collectives, 18 * (4 + 1));  // a reduce per shard and an all-gather, per tensor
   EXPECT_EQ(p.fsdp_launches, 2 * 6);
   EXPECT_NEAR(p.fsdp(), 2 * 6 * alpha, 1e-12);
@@ -149,8 +150,8 @@ TEST(PlanSimulate, CollectiveLatencyIsPaidPerCollective) {
   // No latency: nothing is left.
   const Workload w = uniform(16, {64, 32});
   const auto mats = plan_matrices(w);
-  const SimPoint z = simulate(mats, free_costs(mats), {2}, 8, latency_only(0), "lpt", {},
-                              sim_tensors(w)).at(0);
+  const SimPoint z =
+      simulate(mats, free_costs(mats), {2}, 8, latency_only(0), "lpt", {}, sim_tensors(w)).at(0);
   EXPECT_NEAR(z.fsdp() + z.dedicated(), 0, 1e-9);
 }
 
@@ -397,6 +398,26 @@ TEST(PlanSimulate, AllToAllsHaveARateOfTheirOwn) {
   EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
 }
 
+// The AdamW baseline's pass at its own measured rate: its update alone changes, by the ratio of
+// the rates; the Muon modes stay.
+TEST(PlanSimulate, AdamWPassHasARateOfItsOwn) {
+  const SlowLinks s;
+  CommModel slow = s.base, bad = s.base;
+  slow.adamw_bytes_per_s = s.base.hbm_bytes_per_s / 2;
+  const auto ref = simulate(s.mats, s.costs, {1, 4}, 8, s.base, "lpt", {}, sim_tensors(s.w));
+  const auto pts = simulate(s.mats, s.costs, {1, 4}, 8, slow, "lpt", {}, sim_tensors(s.w));
+  for (size_t i = 0; i < pts.size(); ++i) {
+    SCOPED_TRACE(pts[i].world);
+    EXPECT_DOUBLE_EQ(pts[i].adamw_update, 2 * ref[i].adamw_update);
+    EXPECT_GT(pts[i].adamw_step(), ref[i].adamw_step());
+    EXPECT_DOUBLE_EQ(pts[i].sharded_step(), ref[i].sharded_step());
+    EXPECT_DOUBLE_EQ(pts[i].dedicated_step(), ref[i].dedicated_step());
+    EXPECT_DOUBLE_EQ(pts[i].gather_step(), ref[i].gather_step());
+  }
+  bad.adamw_bytes_per_s = -1;
+  EXPECT_THROW(simulate(s.mats, s.costs, {2}, 8, bad, "lpt"), Error);
+}
+
 // Owner modes divide the work: their compute shrinks as the world grows, and inside a node
 // (collectives at a few microseconds of host time, a blocking launch) their steps beat gather's.
 TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
@@ -433,8 +454,7 @@ TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {
       }
     }
     // The owners' share of the compute keeps falling from 2 to 64 ranks.
-    EXPECT_GT(pts[6].gather_compute / pts[6].owner_step,
-              pts[1].gather_compute / pts[1].owner_step);
+    EXPECT_GT(pts[6].gather_compute / pts[6].owner_step, pts[1].gather_compute / pts[1].owner_step);
   }
 }
 

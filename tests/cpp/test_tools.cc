@@ -113,6 +113,7 @@ TEST(Tools, ChoicesAndNamesAreCheckedBeforeTheRun) {
   expect_refused("distmuon-plan", {"--intra-gbs", "5"}, "--intra-gbs applies to --simulate");
   expect_refused("distmuon-plan", {"--intra-alltoall-gbs", "5"},
                  "--intra-alltoall-gbs applies to --simulate");
+  expect_refused("distmuon-plan", {"--adamw-tbs", "1"}, "--adamw-tbs applies to --simulate");
   expect_refused("distmuon-plan", {"--grouped-hop-share", "0.5"},
                  "--grouped-hop-share applies to --simulate");
   expect_refused("distmuon-plan", {"--measure", "--tflops", "500"}, "--tflops applies to analytic");
@@ -312,7 +313,8 @@ TEST(Tools, DistributedComparisonRunsEveryMode) {
       {"OMP_NUM_THREADS=1", "DISTMUON_NUM_THREADS=1", "DISTMUON_COMM_TIMEOUT_S=60"}, 300);
   ASSERT_EQ(e.code, 0) << e.err;
   // A step running longer than --progress-s says so (rank 0).
-  EXPECT_NE(e.err.find("step 1 of 1 (every mode): still running after"), std::string::npos) << e.err;
+  EXPECT_NE(e.err.find("step 1 of 1 (every mode): still running after"), std::string::npos)
+      << e.err;
   std::ifstream f(json);
   ASSERT_TRUE(f.good());
   const nlohmann::json j = nlohmann::json::parse(f);

@@ -1,7 +1,7 @@
 """bench/cluster/report.py on a recorded cluster run (the H200's bucket A/B at D = 8) with the
 simulator as built: each run is predicted with its own bucket size and planner, a calibrated
-all-to-all rate reaches the sharded mode's prediction alone, and a record without a whole-GPU
-calibration needs --whole-gpu, said in one line."""
+all-to-all rate reaches the sharded mode's prediction alone and a calibrated AdamW rate the AdamW
+baseline's, and a record without a whole-GPU calibration needs --whole-gpu, said in one line."""
 
 from __future__ import annotations
 
@@ -59,34 +59,58 @@ def load_report():
     return mod
 
 
-def test_a_calibrated_all_to_all_rate_reaches_the_sharded_step_alone(monkeypatch) -> None:
-    rep = load_report()
-    cals = json.loads((H100 / "cluster.json").read_text())["calibration"]
-    cmds = []
-    run = subprocess.run
-    monkeypatch.setattr(rep.subprocess, "run", lambda cmd, **kw: cmds.append(cmd) or run(cmd, **kw))
-    args = argparse.Namespace(collective_latency_us=143, local_collective_us=10,
-                              comm_compute_share=0.75, comm_wait_share=None, grouped_hop_share=None)
+ARGS = argparse.Namespace(collective_latency_us=143, local_collective_us=10,
+                          comm_compute_share=0.75, comm_wait_share=None, grouped_hop_share=None)
 
-    def predict(cal: dict) -> dict:
+
+class Predictor:
+    """report.predict() on gpt2-large (4 layers, D = 2) with a calibration of the H100 record;
+    `cmds[-1]` is the simulator command it ran."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.rep = load_report()
+        self.cals = json.loads((H100 / "cluster.json").read_text())["calibration"]
+        self.cmds: list[list[str]] = []
+        run = subprocess.run
+        monkeypatch.setattr(self.rep.subprocess, "run",
+                            lambda cmd, **kw: self.cmds.append(cmd) or run(cmd, **kw))
+
+    def __call__(self, cal: dict) -> dict:
         rec = {"workload": "gpt2-large", "layers": 4, "ranks": 2, "planner": "lpt",
-               "batches_per_bucket": False, "bucket_mb": 1024, "calibration": cal,
-               "mechanism": "mps"}
-        p = rep.predict(str(PLAN), rec, {"calibration": cals["1"]},
-                        str(H100 / "sim-calibration" / "costs.json"), args)
+               "batches_per_bucket": False, "bucket_mb": 1024, "calibration": cal, "mechanism": "mps"}
+        p = self.rep.predict(str(PLAN), rec, {"calibration": self.cals["1"]},
+                             str(H100 / "sim-calibration" / "costs.json"), ARGS)
         assert p is not None
         return p
 
-    old = predict(cals["2"])  # recorded before the all-to-all was calibrated: no rate of its own
-    assert "--intra-alltoall-gbs" not in cmds[-1]
-    fast = dict(cals["2"], nccl_alltoall_busbw_gbs=4 * cals["2"]["nccl_allgather_busbw_gbs"])
+    def flag(self, name: str) -> float:
+        return float(self.cmds[-1][self.cmds[-1].index(name) + 1])
+
+
+def test_a_calibrated_all_to_all_rate_reaches_the_sharded_step_alone(monkeypatch) -> None:
+    predict = Predictor(monkeypatch)
+    cal = predict.cals["2"]
+    old = predict(cal)  # recorded before the all-to-all was calibrated: no rate of its own
+    assert "--intra-alltoall-gbs" not in predict.cmds[-1]
+    fast = dict(cal, nccl_alltoall_busbw_gbs=4 * cal["nccl_allgather_busbw_gbs"])
     new = predict(fast)
-    flag = cmds[-1][cmds[-1].index("--intra-alltoall-gbs") + 1]
     # (D-1)/D * bytes over the bus bandwidth, less the issue time the calibration timed with it
-    want = rep.issue_free_gbs(fast["nccl_alltoall_busbw_gbs"], 0.5, args.collective_latency_us)
-    assert math.isclose(float(flag), want, rel_tol=1e-5)
+    want = predict.rep.issue_free_gbs(fast["nccl_alltoall_busbw_gbs"], 0.5, ARGS.collective_latency_us)
+    assert math.isclose(predict.flag("--intra-alltoall-gbs"), want, rel_tol=1e-5)
     assert new["sharded"] < old["sharded"]
     assert new["gather"] == old["gather"] and new["dedicated"] == old["dedicated"]
+
+
+def test_a_calibrated_adamw_rate_reaches_the_adamw_baseline_alone(monkeypatch) -> None:
+    predict = Predictor(monkeypatch)
+    cal = predict.cals["2"]
+    old = predict(cal)  # recorded before the AdamW pass was calibrated: the copy rate
+    assert "--adamw-tbs" not in predict.cmds[-1]
+    slow = dict(cal, adamw_gbs_per_rank_min=cal["copy_gbs_per_rank_min"] / 2)
+    new = predict(slow)
+    assert math.isclose(predict.flag("--adamw-tbs"), slow["adamw_gbs_per_rank_min"] / 1e3, rel_tol=1e-5)
+    assert new["adamw"] > old["adamw"]
+    assert all(new[m] == old[m] for m in ("gather", "sharded", "dedicated"))
 
 
 def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> None:
