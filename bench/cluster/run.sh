@@ -9,11 +9,15 @@
 #   RANKS=1,2,4,8 WORKLOADS="gpt2-large:0 pi0:8" bench/cluster/run.sh
 #   OUT=out/cl-b BENCH_ARGS=--batches-per-bucket DISTMUON_NCCL_BLOCKING=1 bench/cluster/run.sh
 #   OUT=out/cl-e MODES=dedicated DISTMUON_DEDICATED_EARLY_BROADCAST=1 bench/cluster/run.sh
-#   OUT=out/cl-m DISTMUON_PLAN_COSTS=bench/results/2026-12-07-h100-cluster/costs.json STAGES=step \
-#     bench/cluster/run.sh    owners placed on the whole GPU's measured costs, as a machine with D
-#                             GPUs plans after its start-up measurement (MPS ranks sharing one GPU
-#                             do not measure: they plan on analytic costs); BENCH_ARGS="--planner
-#                             lpt" places them by LPT instead of the MILP
+#   OUT=out/cl-m PLAN_COSTS=parts STAGES=step bench/cluster/run.sh
+#                             owners placed on measured costs, as a machine with D GPUs places
+#                             them after its start-up measurement: each D's part of the GPU first
+#                             measures its own table (distmuon-plan --measure under MPS, alone;
+#                             costs-part-<D>.json), which the ranks plan on. Without it MPS ranks
+#                             plan on analytic costs, and a table of the whole GPU does not serve
+#                             them (its device key names all the SMs, a part sees its own share:
+#                             the engine refuses it). BENCH_ARGS="--planner lpt" places them by
+#                             LPT instead of the MILP
 #
 # Stages (output under $OUT, default out/cluster):
 #   step   mpirun -np D distmuon-bench --calibrate --profile: modes gather, sharded, dedicated and
@@ -159,6 +163,15 @@ if [[ " $STAGES " == *" step "* ]]; then
   say "smoke: 2 ranks"
   watched 90 bench 2 "${SMOKE[@]}" "${EXTRA[@]}" || { say "the smoke run failed:"; tail -n 80 "$LOG"; exit 1; }
   for d in ${RANKS//,/ }; do
+    if [ "${PLAN_COSTS:-}" = parts ]; then  # this part's own cost table (usage above)
+      for wl in $WORKLOADS; do
+        say "costs: ${wl%%:*} on one part of $d"
+        env $(partition_env "$d") timeout -k 10 120 $BIN/distmuon-plan --workload "${wl%%:*}" \
+          --layers "${wl##*:}" --measure --backend cuda --cache "$OUT/costs-part-$d.json" \
+          --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of ${wl%%:*} on one part of $d"
+      done
+      export DISTMUON_PLAN_COSTS=$OUT/costs-part-$d.json
+    fi
     for wl in $WORKLOADS; do
       name=${wl%%:*} layers=${wl##*:}
       if over_budget $((BUDGET_S - 90)); then say "SKIPPED (time): $name on $d ranks"; continue; fi
