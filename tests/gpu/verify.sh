@@ -35,9 +35,12 @@
 # Python build needs (see that script).
 #
 # Time limits: each lane runs under LANE_TIMEOUT_S (default 480); a lane that times out is
-# reported as failed with what it finished. ONLY_BUILD=1 stops after the builds (and leaves the
-# NCCL it built, compressed, in OUT_DIR): a second run on the same machine reuses them, for
-# machines lent by the call with a limit per call. Exit status: 0 when every suite passed.
+# reported as failed with what it finished. TOTAL_S, where the caller has a limit for the whole
+# run (a device call's), shortens the lanes' limit to what is left after the build, less 20 s,
+# so that the summary is still written (a fresh machine's build took 191 s of a 480 s call,
+# 2026-12-07, and the lanes were cut without one). ONLY_BUILD=1 stops after the builds (and
+# leaves the NCCL it built, compressed, in OUT_DIR): a second run on the same machine reuses them,
+# for machines lent by the call with a limit per call. Exit status: 0 when every suite passed.
 #
 # Memory: the lanes share the GPU. The cpp lane's engine suite at 4 ranks and more and the python
 # lane's NCCL fixtures take turns (lanes.sh, `heavy`): side by side on an 80 GB H100 they reached
@@ -129,6 +132,10 @@ NCCL_USED=$([ -n "$NCCL_PRELOAD" ] && nccl_version "$NCCL_PRELOAD" || echo "$TOR
 # Every process after the build may run several ranks on one GPU.
 if [ -n "$NCCL_PRELOAD" ]; then export LD_PRELOAD=$NCCL_PRELOAD; fi
 export NCCL_MULTI_RANK_GPU_ENABLE=1 DISTMUON_COMM_TIMEOUT_S=60 DISTMUON_AUTOTUNE=off
+if [ -n "${TOTAL_S:-}" ]; then
+  left=$(( TOTAL_S - ($(date +%s) - T0) - 20 ))
+  [ "$left" -lt "$LANE_TIMEOUT_S" ] && LANE_TIMEOUT_S=$(( left > 30 ? left : 30 ))
+fi
 export WORK LOG BIN PY RANKS NGPU LANE_TIMEOUT_S LD_LIBRARY_PATH
 
 LANES=${LANES:-cpp python sanitizer bench}
