@@ -32,6 +32,10 @@ import tempfile
 MODES = ("gather", "sharded", "dedicated", "adamw")
 
 
+# The calibration's rates of one part of the GPU (not of the links between parts).
+PER_PART_RATES = ("gemm_tflops_per_rank_min", "copy_gbs_per_rank_min", "adamw_gbs_per_rank_min")
+
+
 def fmt(v, f: str = "{:.1f}") -> str:
     """A table cell: '-' for a missing value."""
     return "-" if v is None else f.format(v)
@@ -267,10 +271,8 @@ def predict_planned(args: argparse.Namespace) -> None:
             cal, how = cals[d], "recorded"
         else:
             top = max(k for k in cals if k > 1)
-            cal = dict(cals[top], gemm_tflops_per_rank_min=cals[top]["gemm_tflops_per_rank_min"] * top / d,
-                       copy_gbs_per_rank_min=cals[top]["copy_gbs_per_rank_min"] * top / d)
-            if cals[top].get("adamw_gbs_per_rank_min"):
-                cal["adamw_gbs_per_rank_min"] = cals[top]["adamw_gbs_per_rank_min"] * top / d
+            # A part's own rates scale with its share of the GPU; the links' do not.
+            cal = {k: v * top / d if k in PER_PART_RATES else v for k, v in cals[top].items()}
             how = f"D = {top}'s scaled"
         cal = {k: v for k, v in cal.items() if k != "nccl_collective_us"}  # --collective-latency-us
         for spec in args.workloads.split():

@@ -152,6 +152,13 @@ watched() {
   fi
   wait $pid
 }
+# distmuon-plan --measure of workload $2 (name:layers) into the cost cache $1, on one process with
+# the environment after them (a part's share of the SMs, for instance).
+measure_costs() {
+  local cache=$1 wl=$2; shift 2
+  env "$@" timeout -k 10 120 $BIN/distmuon-plan --workload "${wl%%:*}" --layers "${wl##*:}" \
+    --measure --backend cuda --cache "$cache" --world-size 1 >> "$LOG" 2>&1
+}
 SMOKE=(--workload gpt2-large --layers 1 --dtype bf16 --no-adamw --mode gather,sharded,dedicated,adamw
        --steps 1 --warmup 1)
 # BENCH_ARGS: more distmuon-bench options for every step run (e.g. --batches-per-bucket, for an
@@ -166,9 +173,8 @@ if [[ " $STAGES " == *" step "* ]]; then
     if [ "${PLAN_COSTS:-}" = parts ]; then  # this part's own cost table (usage above)
       for wl in $WORKLOADS; do
         say "costs: ${wl%%:*} on one part of $d"
-        env $(partition_env "$d") timeout -k 10 120 $BIN/distmuon-plan --workload "${wl%%:*}" \
-          --layers "${wl##*:}" --measure --backend cuda --cache "$OUT/costs-part-$d.json" \
-          --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of ${wl%%:*} on one part of $d"
+        measure_costs "$OUT/costs-part-$d.json" "$wl" $(partition_env "$d") ||
+          say "FAILED: costs of ${wl%%:*} on one part of $d"
       done
       export DISTMUON_PLAN_COSTS=$OUT/costs-part-$d.json
     fi
@@ -201,8 +207,7 @@ if [[ " $STAGES " == *" costs "* ]]; then
     name=${wl%%:*} layers=${wl##*:}
     if over_budget $((BUDGET_S - 40)); then say "SKIPPED (time): costs of $name"; continue; fi
     say "costs: $name (whole GPU)"
-    timeout -k 10 120 $BIN/distmuon-plan --workload "$name" --layers "$layers" --measure --backend cuda \
-      --cache "$OUT/costs.json" --world-size 1 >> "$LOG" 2>&1 || say "FAILED: costs of $name"
+    measure_costs "$OUT/costs.json" "$wl" || say "FAILED: costs of $name"
   done
 fi
 

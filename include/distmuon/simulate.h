@@ -78,7 +78,7 @@ struct CommModel {
   double elementwise_bytes = 44;
   double hbm_bytes_per_s = 4.17e12;
   // The AdamW baseline's fused pass, where measured apart (distmuon-bench --calibrate's
-  // adamw_gbs: the pass ran 15-20 % under the copy rate between MPS parts of an H100, so charged
+  // adamw_gbs: the pass ran at 84-87 % of the copy rate between MPS parts of an H100, so charged
   // at hbm_bytes_per_s its steps came out short); bytes as sim_step.h counts them. 0: the
   // memory bandwidth.
   double adamw_bytes_per_s = 0;

@@ -135,3 +135,15 @@ def test_a_run_of_the_e2e_stage_alone_is_recorded(tmp_path: Path) -> None:
     assert by["adamw"]["step_over_adamw"] == 1.0
     assert math.isclose(by["distmuon-sharded"]["step_over_adamw"], 1.1)
     assert "| 8 | distmuon-sharded | 110.0 | 1.100 |" in (tmp_path / "cluster.md").read_text()
+
+
+def test_a_d_without_a_calibration_is_predicted_on_the_largest_scaled() -> None:
+    rec = RESULTS / "2026-12-07-h100-cluster"
+    r = report("--predict", "8,16", "--from-record", str(rec / "cluster.json"), "--costs", str(rec / "costs.json"),
+               "--workloads", "pi0:6")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split("|")[2].strip(): [c.strip() for c in line.split("|")[3:8]]
+            for line in r.stdout.splitlines() if line.startswith("| pi0 |")}
+    assert rows["8"][-1] == "recorded" and rows["16"][-1] == "D = 8's scaled"
+    # Half the part's rates and twice the ranks' traffic: every mode slower than at D = 8.
+    assert all(float(b) > float(a) for a, b in zip(rows["8"][:4], rows["16"][:4]))
