@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(256) copy_blocks_kernel(BlockCopyTable t) {
     for (int64_t i = start; i < t.numel[c]; i += step) store1d(t.dst[c], ddt, i, load1d(t.src[c], sdt, i));
     return;
   }
-  const int64_t bytes = t.numel[c] * (sdt == kF64 ? 8 : sdt == kF32 ? 4 : 2);
+  const int64_t bytes = t.numel[c] * elem_bytes(sdt);
   const char* src = static_cast<const char*>(t.src[c]);
   char* dst = static_cast<char*>(t.dst[c]);
   const uintptr_t align = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);

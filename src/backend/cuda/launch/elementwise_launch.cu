@@ -174,12 +174,11 @@ void launch_scale_copy(const BatchRef& src, bool transpose, const ScaleSpec& sca
 }
 
 void launch_copy_blocks(std::span<const BlockCopy> copies, int sm_count, cudaStream_t stream) {
+  check_block_copies(copies);
   std::vector<BlockCopy> todo;  // the empty copies dropped: each block of the grid has work
   todo.reserve(copies.size());
-  for (const BlockCopy& c : copies) {
-    DM_CHECK(c.numel >= 0, "copy_blocks: a copy of ", c.numel, " elements");
+  for (const BlockCopy& c : copies)
     if (c.numel > 0) todo.push_back(c);
-  }
   for (size_t first = 0; first < todo.size(); first += kMaxBlockCopies) {
     const int n = static_cast<int>(std::min<size_t>(kMaxBlockCopies, todo.size() - first));
     BlockCopyTable t{};
