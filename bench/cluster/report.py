@@ -152,7 +152,8 @@ def e2e_runs(out: str) -> list[dict]:
             e2e.append({"ranks": rec["world_size"], "optimizer": r["optimizer"],
                         "step_ms": r["step_ms"], "fwd_ms": r.get("fwd_ms"), "fwd_bwd_ms": r["fwd_bwd_ms"],
                         "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
-                        "peak_mem_gib": r.get("peak_mem_gib"), "config": rec.get("config"),
+                        "peak_mem_gib": r.get("peak_mem_gib"), "engine_peak_gib": r.get("engine_peak_gib"),
+                        "config": rec.get("config"),
                         "seq": rec.get("seq"), "gpu": rec.get("gpu")})
     adamw = {r["ranks"]: r["step_ms"] for r in e2e if r["optimizer"] == "adamw"}
     for r in e2e:
@@ -432,12 +433,14 @@ def main() -> None:
 def e2e_table(e2e: list[dict]) -> list[str]:
     if not e2e:
         return []
-    lines = ["", "| D | optimizer | step ms | x AdamW | forward ms | fwd+bwd ms | optimizer ms | loss | peak GiB |",
+    lines = ["", "| D | optimizer | step ms | x AdamW | forward ms | fwd+bwd ms | optimizer ms | loss | peak GiB "
+                 "(PyTorch / distmuon's engines) |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in e2e:
         lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['step_ms']:.1f} | "
                      f"{fmt(r['step_over_adamw'], '{:.3f}')} | {fmt(r.get('fwd_ms'))} | {r['fwd_bwd_ms']:.1f} | "
-                     f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} | {fmt(r.get('peak_mem_gib'))} |")
+                     f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} | {fmt(r.get('peak_mem_gib'))} / "
+                     f"{fmt(r.get('engine_peak_gib'))} |")
     return lines
 
 

@@ -191,6 +191,10 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     out = {"optimizer": kind, "fwd_bwd_ms": med[0].item(), "optimizer_ms": med[1].item(),
            "step_ms": med[2].item(), "fwd_ms": med[3].item(), "peak_mem_gib": mem, "final_loss": loss.item()}
+    # What distmuon's engines hold beside PyTorch's allocator (rank 0's; peak_mem_gib does not
+    # count it): their momentum, stages, workspaces and communication buffers.
+    if hasattr(opt, "stats"):
+        out["engine_peak_gib"] = opt.stats()["memory_peak_bytes"] / 2**30
     # Torch's FSDP2 keeps a model that ran forward alive past this (hooks held from C++), so
     # configurations run one after another here pile up their memory: bench/cluster/run.sh runs
     # one optimizer per process.

@@ -11,6 +11,7 @@
 // - Half-precision inputs are multiplied with fp32 accumulation and rounded once on output.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -243,6 +244,25 @@ struct BlockCopy {
   int64_t numel = 0;
 };
 
+// What a backend holds in its memory (Backend::memory_use): the Buffers it made that are still
+// alive and, CUDA, its own workspace; now and at the most since the backend was made. The
+// caller's memory (parameters, gradients a framework owns) is not in it.
+struct MemoryUse {
+  int64_t bytes = 0;
+  int64_t peak_bytes = 0;
+};
+
+// The count behind memory_use, shared with the release of every Buffer counted in it (a Buffer
+// may outlive its backend). Thread-safe.
+class MemoryCounter {
+ public:
+  void add(int64_t bytes);  // + held, - released
+  MemoryUse use() const { return {bytes_.load(), peak_.load()}; }
+
+ private:
+  std::atomic<int64_t> bytes_{0}, peak_{0};
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -252,6 +272,8 @@ class Backend {
 
   // ---- memory -------------------------------------------------------------------------------
   virtual Buffer alloc(size_t bytes) = 0;
+  // Bytes held (see MemoryUse); a backend that does not count reports zeros.
+  MemoryUse memory_use() const { return memory_->use(); }
   virtual void copy(void* dst, const void* src, size_t bytes) = 0;  // device to device
   virtual void copy_to_host(void* host_dst, const void* src, size_t bytes) = 0;
   virtual void copy_from_host(void* dst, const void* host_src, size_t bytes) = 0;
@@ -456,6 +478,14 @@ class Backend {
   // Calls f(part) for every part in [0, parts), concurrently where batch_parts allowed it. The
   // first exception is rethrown once every part has returned.
   virtual void run_parts(int64_t parts, const std::function<void(int64_t part)>& f);
+
+ protected:
+  // A Buffer of `bytes` at `ptr` that `release` frees, counted in memory_use() while it lives.
+  Buffer counted(void* ptr, size_t bytes, std::function<void(void*)> release);
+  MemoryCounter& memory() { return *memory_; }  // memory held outside Buffers (a workspace)
+
+ private:
+  std::shared_ptr<MemoryCounter> memory_ = std::make_shared<MemoryCounter>();
 };
 
 // Creates the backend for `kind`: "cpu", "cuda" (the calling thread's current CUDA device) or

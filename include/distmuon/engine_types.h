@@ -191,6 +191,9 @@ struct EngineStats {
   int64_t owned_matrices = 0;   // Muon matrices this rank orthogonalizes per step (all of them
                                 // in a single process and in gather mode)
   CommStats comm;               // bytes moved by this rank during step(), all communicators
+  // What the engine's backend holds: its buffers (momentum, stages, workspaces, communication
+  // buffers) now and at the most since it was made (Backend::memory_use).
+  MemoryUse memory;
   int64_t graph_captures = 0;   // steps captured into a graph (EngineOptions::graphs)
   int64_t graph_replays = 0;    // steps that replayed it (the captured step not counted)
   // Host milliseconds the last step() spent issuing its work: the whole call in one process; in

@@ -185,6 +185,8 @@ class PyEngine {
     d["muon_params"] = s.muon_params;
     d["adamw_params"] = s.adamw_params;
     d["owned_matrices"] = s.owned_matrices;
+    d["memory_bytes"] = s.memory.bytes;
+    d["memory_peak_bytes"] = s.memory.peak_bytes;
     d["graph_captures"] = s.graph_captures;
     d["graph_replays"] = s.graph_replays;
     d["comm_bytes_sent"] = s.comm.bytes_sent;

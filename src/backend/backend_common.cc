@@ -23,6 +23,22 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
   return *this;
 }
 
+void MemoryCounter::add(int64_t bytes) {
+  const int64_t now = bytes_.fetch_add(bytes) + bytes;
+  int64_t peak = peak_.load();
+  while (now > peak && !peak_.compare_exchange_weak(peak, now)) {
+  }
+}
+
+Buffer Backend::counted(void* ptr, size_t bytes, std::function<void(void*)> release) {
+  const auto n = static_cast<int64_t>(bytes);
+  memory_->add(n);
+  return Buffer(ptr, bytes, [count = memory_, n, free = std::move(release)](void* q) {
+    free(q);
+    count->add(-n);
+  });
+}
+
 void Buffer::reset() {
   if (ptr_ && release_) release_(ptr_);
   ptr_ = nullptr;

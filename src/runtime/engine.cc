@@ -386,6 +386,7 @@ EngineStats Engine::stats() {
   s.backend.copy_to_host(&st.nonfinite_skips, s.record.skip_counter.data(), sizeof(int64_t));
   if (!s.dist.world) st.owned_matrices = st.muon_matrices;
   st.cache = s.resources.cache_stats();
+  st.memory = s.backend.memory_use();
   st.ortho.flops += st.cache.flops;  // run_cached leaves its FLOPs to the cache's accounting
   return st;
 }

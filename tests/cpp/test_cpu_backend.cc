@@ -160,6 +160,24 @@ TEST(CpuBackend, Fp32ProductsOfSmallModelSizes) {
 
 // A thread count that is not one is refused where the backend reads it (it used to mean the
 // library default, silently).
+// memory_use counts the Buffers alive and the most held at once; a Buffer that outlives its
+// backend still releases (and uncounts) safely.
+TEST(CpuBackend, MemoryUseCountsLiveBuffersAndThePeak) {
+  auto be = std::make_unique<CpuBackend>();
+  EXPECT_EQ(be->memory_use().bytes, 0);
+  Buffer a = be->alloc(1000), b = be->alloc(3000);
+  EXPECT_EQ(be->memory_use().bytes, 4000);
+  b.reset();
+  EXPECT_EQ(be->memory_use().bytes, 1000);
+  EXPECT_EQ(be->memory_use().peak_bytes, 4000);
+  Buffer c = be->alloc(500), none = be->alloc(0);
+  EXPECT_EQ(be->memory_use().bytes, 1500);
+  EXPECT_EQ(be->memory_use().peak_bytes, 4000);
+  be.reset();
+  a.reset();
+  c.reset();  // after the backend: no crash (the count is shared with the Buffer)
+}
+
 TEST(CpuBackend, NegativeThreadCountIsRefused) {
   ::setenv("DISTMUON_NUM_THREADS", "-3", 1);
   std::string msg;

@@ -121,11 +121,11 @@ def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> N
 
 
 def test_a_run_of_the_e2e_stage_alone_is_recorded(tmp_path: Path) -> None:
-    for opt, step in (("adamw", 100.0), ("distmuon-sharded", 110.0)):
+    for opt, step, engine in (("adamw", 100.0, {}), ("distmuon-sharded", 110.0, {"engine_peak_gib": 1.25})):
         (tmp_path / f"e2e-8-{opt}.json").write_text(json.dumps({
             "world_size": 8, "config": "qwen2.5-0.5b", "seq": 1536, "gpu": "NVIDIA H100 80GB HBM3",
             "results": [{"optimizer": opt, "step_ms": step, "fwd_bwd_ms": 90.0,
-                         "optimizer_ms": step - 90.0, "final_loss": 11.9, "peak_mem_gib": 7.5}]}))
+                         "optimizer_ms": step - 90.0, "final_loss": 11.9, "peak_mem_gib": 7.5, **engine}]}))
     r = subprocess.run([sys.executable, str(REPORT), "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -134,7 +134,9 @@ def test_a_run_of_the_e2e_stage_alone_is_recorded(tmp_path: Path) -> None:
     by = {e["optimizer"]: e for e in rec["e2e"]}
     assert by["adamw"]["step_over_adamw"] == 1.0
     assert math.isclose(by["distmuon-sharded"]["step_over_adamw"], 1.1)
-    assert "| 8 | distmuon-sharded | 110.0 | 1.100 |" in (tmp_path / "cluster.md").read_text()
+    md = (tmp_path / "cluster.md").read_text()
+    assert "| 8 | distmuon-sharded | 110.0 | 1.100 |" in md and "| 7.5 / 1.2 |" in md  # PyTorch's / the engines'
+    assert by["distmuon-sharded"]["engine_peak_gib"] == 1.25 and by["adamw"]["engine_peak_gib"] is None
 
 
 def test_a_d_without_a_calibration_is_predicted_on_the_largest_scaled() -> None:

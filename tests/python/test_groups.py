@@ -202,6 +202,10 @@ def test_engine_stats_count_matrices_and_work() -> None:
     assert st["steps"] == 3 and st["muon_matrices"] == 4 and st["ortho_matrices"] == 12
     assert st["muon_params"] == sum(p.numel() for g in opt.param_groups if g["use_muon"] for p in g["params"])
     assert st["ortho_flops"] > 0 and st["nonfinite_skips"] == 0
+    # The engine's own memory (momentum at least: f32, one element per Muon parameter), beside
+    # PyTorch's allocator; stats() says it too.
+    assert st["memory_peak_bytes"] >= st["memory_bytes"] >= 4 * st["muon_params"]
+    assert opt.stats()["memory_bytes"] == st["memory_bytes"]
 
 
 def test_closure_is_evaluated_with_grad() -> None:

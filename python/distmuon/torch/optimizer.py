@@ -339,6 +339,10 @@ class Muon(ParamGroups, Engines, StateDicts):
           this rank ran, CacheMuon's counted as an ideal device does them), ``owned_matrices``;
         - ``graph_captures`` and ``graph_replays``: steps captured into a CUDA graph and steps
           that replayed it (``cuda_graphs``);
+        - ``memory_bytes`` and ``memory_peak_bytes``: device (or host, CPU) memory the engines
+          hold outside PyTorch's allocator (momentum, stages, workspaces, communication
+          buffers), now and at the most, summed over the engines; ``torch.cuda.memory_allocated``
+          does not see it;
         - CacheMuon (zeros when off): ``cache_hits``, ``cache_refreshes`` (cumulative; of
           which ``cache_unchecked_refreshes`` the check back-off sent without a test, and
           ``cache_batch_refreshes`` the ``cache_gate='batch'`` sent although the matrix passed),
@@ -356,6 +360,8 @@ class Muon(ParamGroups, Engines, StateDicts):
             "nonfinite_skips": e["nonfinite_skips"],
             "ortho_flops": e["ortho_flops"],
             "owned_matrices": e["owned_matrices"],
+            "memory_bytes": e["memory_bytes"],
+            "memory_peak_bytes": e["memory_peak_bytes"],
             "graph_captures": e["graph_captures"],
             "graph_replays": e["graph_replays"],
             "cache_hits": c["hits"],

@@ -47,7 +47,7 @@ Buffer CpuBackend::alloc(size_t bytes) {
   size_t rounded = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, rounded);
   DM_CHECK(p != nullptr, "cpu: out of memory allocating ", bytes, " bytes");
-  return Buffer(p, bytes, [](void* q) { std::free(q); });
+  return counted(p, bytes, [](void* q) { std::free(q); });
 }
 
 void CpuBackend::copy(void* dst, const void* src, size_t bytes) {

@@ -118,6 +118,7 @@ CudaBackend::CudaBackend(CudaBackendOptions options) : impl_(std::make_unique<Im
   const size_t ws = options.workspace_bytes ? options.workspace_bytes : recommended_workspace_bytes();
   s.own_workspace = cuda::device_alloc(ws);
   s.own_bytes = ws;
+  memory().add(static_cast<int64_t>(ws));
   s.use_workspace(static_cast<char*>(s.own_workspace.get()), ws);
   s.counters = cuda::device_alloc(sizeof(unsigned) * Impl::kCounters);
   DM_CHECK_CUDA(cudaMemset(s.counters.get(), 0, sizeof(unsigned) * Impl::kCounters));
@@ -133,11 +134,15 @@ size_t CudaBackend::workspace_bytes() const { return impl_->workspace_bytes; }
 
 void CudaBackend::set_workspace(void* ptr, size_t bytes) {
   if (!ptr) {  // back to the backend's own (allocated again if a caller's replaced it)
-    if (!impl_->own_workspace) impl_->own_workspace = cuda::device_alloc(impl_->own_bytes);
+    if (!impl_->own_workspace) {
+      impl_->own_workspace = cuda::device_alloc(impl_->own_bytes);
+      memory().add(static_cast<int64_t>(impl_->own_bytes));
+    }
     impl_->use_workspace(static_cast<char*>(impl_->own_workspace.get()), impl_->own_bytes);
     return;
   }
   impl_->use_workspace(static_cast<char*>(ptr), bytes);
+  if (impl_->own_workspace) memory().add(-static_cast<int64_t>(impl_->own_bytes));
   impl_->own_workspace.reset();
 }
 
@@ -190,7 +195,7 @@ Buffer CudaBackend::alloc(size_t bytes) {
   if (bytes == 0) return Buffer();
   void* p = nullptr;
   DM_CHECK_CUDA(cudaMalloc(&p, bytes));
-  return Buffer(p, bytes, [](void* q) { cudaFree(q); });
+  return counted(p, bytes, [](void* q) { cudaFree(q); });
 }
 
 void CudaBackend::copy(void* dst, const void* src, size_t bytes) {
