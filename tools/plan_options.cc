@@ -185,7 +185,7 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
     app.add_option(name, *var, help)->check(cli::at_least(0))->group(sim);
   app.add_option("--adamw-tbs", a.adamw_tbs,
                  "rate of the AdamW baseline's fused pass, TB/s of the bytes the simulator counts "
-                 "(distmuon-bench --calibrate's adamw_gbs; 0: --hbm-tbs)")
+                 "(distmuon-bench --calibrate's adamw_gbs; 0: 85 % of --hbm-tbs, the share measured)")
       ->check(cli::at_least(0))
       ->group(sim);
   app.add_option("--collective-latency-us", a.collective_latency_us,

@@ -58,7 +58,8 @@ TEST(PlanSimulate, BenchStepAddsTheCollectivesAroundTheOptimizer) {
   const SimPoint& p = pts[1];
   EXPECT_DOUBLE_EQ(p.fsdp_comm, 2 * ring_allgather_seconds(total, 4, cm, 4));
   EXPECT_GE(p.dedicated_exchange, p.fsdp_comm);  // a chain forwards at least what a ring moves
-  EXPECT_DOUBLE_EQ(p.adamw_update, 22 * total / cm.wire_elem_bytes / 4 / cm.hbm_bytes_per_s);
+  EXPECT_DOUBLE_EQ(p.adamw_update,
+                   22 * total / cm.wire_elem_bytes / 4 / cm.adamw_pass_bytes_per_s());
   // The AdamW engine: the vote, then the update.
   EXPECT_NEAR(p.adamw_engine, cm.collective_latency_s + 6 * cm.intra_latency_s + p.adamw_update,
               1e-12);
@@ -408,7 +409,8 @@ TEST(PlanSimulate, AdamWPassHasARateOfItsOwn) {
   const auto pts = simulate(s.mats, s.costs, {1, 4}, 8, slow, "lpt", {}, sim_tensors(s.w));
   for (size_t i = 0; i < pts.size(); ++i) {
     SCOPED_TRACE(pts[i].world);
-    EXPECT_DOUBLE_EQ(pts[i].adamw_update, 2 * ref[i].adamw_update);
+    const double ratio = s.base.adamw_pass_bytes_per_s() / slow.adamw_pass_bytes_per_s();
+    EXPECT_NEAR(pts[i].adamw_update, ratio * ref[i].adamw_update, 1e-12 * pts[i].adamw_update);
     EXPECT_GT(pts[i].adamw_step(), ref[i].adamw_step());
     EXPECT_DOUBLE_EQ(pts[i].sharded_step(), ref[i].sharded_step());
     EXPECT_DOUBLE_EQ(pts[i].dedicated_step(), ref[i].dedicated_step());
@@ -416,6 +418,13 @@ TEST(PlanSimulate, AdamWPassHasARateOfItsOwn) {
   }
   bad.adamw_bytes_per_s = -1;
   EXPECT_THROW(simulate(s.mats, s.costs, {2}, 8, bad, "lpt"), Error);
+  // Uncalibrated (0), the pass runs at the measured share of the copy rate, not at all of it.
+  CommModel share = s.base;
+  ASSERT_EQ(s.base.adamw_bytes_per_s, 0);
+  share.adamw_bytes_per_s = CommModel::kAdamWShareOfCopy * s.base.hbm_bytes_per_s;
+  const auto same = simulate(s.mats, s.costs, {1, 4}, 8, share, "lpt", {}, sim_tensors(s.w));
+  for (size_t i = 0; i < same.size(); ++i)
+    EXPECT_DOUBLE_EQ(same[i].adamw_update, ref[i].adamw_update);
 }
 
 // Owner modes divide the work: their compute shrinks as the world grows, and inside a node
