@@ -241,11 +241,11 @@ class StepModel {
   }
 
   // The FSDP2 emulation of distmuon-bench, a unit per layer (Workload::fsdp_units): before the
-  // step one reduce per non-empty dim-0 shard of every tensor (to its holder), after it one
-  // all-gather per tensor, each unit's launched as one group each way. Every rank issues the
-  // same, so one clock stands for all.
+  // step one reduce per non-empty dim-0 shard of every tensor (to its holder: a rooted reduce, at
+  // that rate where calibrated, as the dedicated mode's), after it one all-gather per tensor, each
+  // unit's launched as one group each way. Every rank issues the same, so one clock stands for all.
   void fsdp(SimPoint& p) const {
-    const Link r = reduce_link(d_, cm_, per_node_);
+    const Link r = root_reduce_link(d_, cm_, per_node_);
     Timeline rs(1, issue_), ag(1, issue_);
     for (const std::vector<size_t>& unit : units()) {
       bool joins = false;

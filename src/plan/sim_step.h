@@ -31,8 +31,9 @@ inline Link at_intra_rate(Link l, int world, int per_node, double intra_bytes_pe
   if (world <= per_node && intra_bytes_per_s > 0) l.beta = intra_bytes_per_s;
   return l;
 }
-// Reductions (intra_reduce_bytes_per_s); the dedicated mode's broadcasts and its reduces to one
-// rank, which fall back to the gathers' and the reductions' rates.
+// Reductions (intra_reduce_bytes_per_s); the dedicated mode's broadcasts and the reduces to one
+// rank (the dedicated mode's, the FSDP2 emulation's), which fall back to the gathers' and the
+// reductions' rates.
 inline Link reduce_link(int world, const CommModel& cm, int per_node) {
   return at_intra_rate(link(world, cm, per_node), world, per_node, cm.intra_reduce_bytes_per_s);
 }

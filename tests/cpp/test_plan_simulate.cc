@@ -348,7 +348,8 @@ struct SlowLinks {
 };
 
 // The dedicated mode's broadcasts and reduces run at their own rates where given; the other modes
-// and the dedicated mode beyond a node do not see them.
+// and the dedicated mode beyond a node do not see them, except the FSDP2 emulation's reduce of each
+// dim-0 shard to its holder, a rooted reduce as well (its all-gathers keep the gathers' rate).
 TEST(PlanSimulate, RootedCollectivesHaveRatesOfTheirOwn) {
   const SlowLinks s;
   const Workload& w = s.w;
@@ -365,7 +366,14 @@ TEST(PlanSimulate, RootedCollectivesHaveRatesOfTheirOwn) {
     EXPECT_DOUBLE_EQ(pts[0].sharded(), ref[0].sharded());
     EXPECT_DOUBLE_EQ(pts[0].gather(), ref[0].gather());
     EXPECT_DOUBLE_EQ(pts[1].dedicated(), ref[1].dedicated());  // 16 ranks: two nodes, the NICs
+    EXPECT_DOUBLE_EQ(pts[0].fsdp_all_gather, ref[0].fsdp_all_gather);
+    EXPECT_DOUBLE_EQ(pts[1].fsdp_reduce_scatter, ref[1].fsdp_reduce_scatter);
   }
+  auto fsdp_reduce = [&](const CommModel& cm) {
+    return simulate(mats, costs, {2}, 8, cm, "lpt", {}, sim_tensors(w))[0].fsdp_reduce_scatter;
+  };
+  EXPECT_DOUBLE_EQ(fsdp_reduce(fast_bc), ref[0].fsdp_reduce_scatter);
+  EXPECT_LT(fsdp_reduce(fast_red), ref[0].fsdp_reduce_scatter);
   bad.intra_broadcast_bytes_per_s = -1;
   EXPECT_THROW(simulate(mats, costs, {2}, 8, bad, "lpt"), Error);
 }
