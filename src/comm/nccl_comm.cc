@@ -310,7 +310,19 @@ class NcclComm final : public Communicator {
                                                std::span<const int64_t> recv_displs,
                                                CommType type) override {
     (void)send_count;
-    // One broadcast per member in a group: NCCL's all-gather needs equal counts.
+    // Equal counts end to end (Communicator::all_gather; FSDP2-like shards of rows divisible by
+    // the members): NCCL's own all-gather, its ring or NVLS, where each member's slot is its send
+    // (in place when send is that slot, as NCCL defines it).
+    const int64_t c0 = recv_counts[0];
+    bool uniform = c0 > 0;
+    for (int q = 0; q < size() && uniform; ++q)
+      uniform = recv_counts[q] == c0 && recv_displs[q] == q * c0;
+    if (uniform)
+      return launch("all_gather", [&] {
+        DM_CHECK_NCCL(ncclAllGather(send, recv, c0, nccl_type(type), sh_->comm, stream_.get()),
+                      describe("all_gather"));
+      });
+    // Otherwise one broadcast per member in a group (NCCL has no all-gather of unequal counts).
     return launch("all_gather_v", [&] {
       DM_CHECK_NCCL(ncclGroupStart(), describe("all_gather_v"));
       for (int q = 0; q < size(); ++q) {
