@@ -57,6 +57,13 @@ E2E_RANKS=${E2E_RANKS:-1,8}
 E2E_ARGS=${E2E_ARGS:---config qwen2.5-0.5b --seq 2048 --loss-chunk 512 --steps 5 --warmup 2}
 E2E_OPTIMIZERS=${E2E_OPTIMIZERS:-adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}  # per optimizer and D
+# Training runs two NCCL communicators on each rank's device (FSDP2's, distmuon's): NCCL orders
+# kernels of several communicators only as a whole program orders them, or, since 2.26, in the
+# order the host launched them with NCCL_LAUNCH_ORDER_IMPLICIT=1 (its documentation: otherwise
+# "deadlocks could ensue"). E2E_COMMS: the communicators that may have kernels in flight at once,
+# whose CTAs share half a rank's SMs (partition_env).
+E2E_ORDER=${NCCL_LAUNCH_ORDER_IMPLICIT:-1}
+E2E_COMMS=${E2E_COMMS:-2}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 LOG=$OUT/run.log
@@ -244,10 +251,11 @@ if [[ " $STAGES " == *" e2e "* ]]; then
       # its last reference goes (hooks held from C++), so configurations run one after another
       # in one process pile up (the fifth ran out of an H200's memory at D = 1).
       for opt in ${E2E_OPTIMIZERS//,/ }; do
-        say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS): $opt"
+        say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS; NCCL_LAUNCH_ORDER_IMPLICIT=$E2E_ORDER, CTAs shared by $E2E_COMMS communicators): $opt"
         # A step longer than a quarter of the limit prints every rank's stacks (E2E_ARGS may set
         # --stall-s again): a slow run says where it waits before the limit stops it.
-        limited "$E2E_TIMEOUT_S" "${ranks_env[@]}" $(partition_env "$d" 2) \
+        limited "$E2E_TIMEOUT_S" "${ranks_env[@]}" $(partition_env "$d" "$E2E_COMMS") \
+          NCCL_LAUNCH_ORDER_IMPLICIT="$E2E_ORDER" \
           $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
           --stall-s $((E2E_TIMEOUT_S / 4)) $E2E_ARGS --optimizers "$opt" --progress \
           --json "$OUT/e2e-$d-$opt.json" >> "$LOG" 2>&1 ||
