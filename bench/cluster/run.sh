@@ -57,6 +57,13 @@ E2E_RANKS=${E2E_RANKS:-1,8}
 E2E_ARGS=${E2E_ARGS:---config qwen2.5-0.5b --seq 2048 --loss-chunk 512 --steps 5 --warmup 2}
 E2E_OPTIMIZERS=${E2E_OPTIMIZERS:-adamw,distmuon-sharded,distmuon-dedicated,distmuon-gather,distmuon-sharded-bf16wire}
 E2E_TIMEOUT_S=${E2E_TIMEOUT_S:-300}  # per optimizer and D
+# Training runs two NCCL communicators on each rank's device (FSDP2's, distmuon's): NCCL orders
+# kernels of several communicators only as a whole program orders them, or, since 2.26, in the
+# order the host launched them with NCCL_LAUNCH_ORDER_IMPLICIT=1 (its documentation: otherwise
+# "deadlocks could ensue"). E2E_COMMS: the communicators that may have kernels in flight at once,
+# whose CTAs share half a rank's SMs (partition_env).
+E2E_ORDER=${NCCL_LAUNCH_ORDER_IMPLICIT:-1}
+E2E_COMMS=${E2E_COMMS:-2}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 LOG=$OUT/run.log
@@ -104,20 +111,43 @@ NGPU=$(nvidia-smi -L | wc -l)
 MPS_CTL=$(command -v nvidia-cuda-mps-control || ls /usr/local/nvidia/bin/nvidia-cuda-mps-control 2>/dev/null)
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
 MPS_ON=""
-mps_start() { [ -n "$MPS_ON" ] && return 0; mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
-  [ -n "$MPS_CTL" ] && $MPS_CTL -d && MPS_ON=1 && say "MPS daemon started"; }
-mps_stop() { [ -n "$MPS_ON" ] && echo quit | $MPS_CTL && MPS_ON="" && sleep 1 && say "MPS daemon stopped"; }
+mps_start() { [ -n "$MPS_ON" ] && return 0; [ -n "$MPS_CTL" ] || return 1
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+  # A daemon left by a run that was killed answers on our pipe and makes -d fail ("An instance of
+  # this daemon is already running"; the 6th session's e2e runs were skipped so): end it first.
+  if echo get_server_list | timeout 10 $MPS_CTL > /dev/null 2>&1; then
+    say "an MPS daemon of an earlier run was still up: stopping it"
+    echo quit | timeout 10 $MPS_CTL; sleep 2
+  fi
+  $MPS_CTL -d && MPS_ON=1 && say "MPS daemon started"; }
+mps_stop() { [ -n "$MPS_ON" ] && echo quit | timeout 10 $MPS_CTL && MPS_ON="" && sleep 1 && say "MPS daemon stopped"; }
+# The run in flight (a process group: `timeout` leads its own), ended with this script: a caller's
+# limit that stops run.sh must not leave ranks holding the GPU for the next measurement (bash runs
+# a trap only between commands, hence runs in the background and `wait`).
+RUN_PID="" WATCHED_PID=""
+limited() {  # limited SECONDS COMMAND...: the command under timeout, ended if this script is
+  timeout -k 10 "$@" & RUN_PID=$!
+  wait $RUN_PID; local rc=$?; RUN_PID=""; return $rc
+}
+on_signal() {
+  [ -n "$RUN_PID" ] && kill -TERM -- -"$RUN_PID" 2>/dev/null && sleep 2 && kill -KILL -- -"$RUN_PID" 2>/dev/null
+  [ -n "$WATCHED_PID" ] && kill -9 $WATCHED_PID $(pgrep -f "$BIN/distmuon-bench") 2>/dev/null
+  exit 143; }
+trap on_signal TERM INT
 trap mps_stop EXIT
 # D ranks sharing GPU 0 under MPS: each gets 100/D % of the SMs, and NCCL at most half of those
 # as CTAs. NCCL's several-ranks-per-GPU mode gives each rank its own channels and hangs when the
 # device cannot hold them all (its documentation says so, and advises capping NCCL_MAX_CTAS): at
 # D = 8 on an H100 (14 SMs a rank) the calibration's first all-gather never completed with NCCL's
-# own channel count (2026-12-06; D = 2 and 4 ran). NCCL_MAX_CTAS given by the caller wins.
+# own channel count (2026-12-06; D = 2 and 4 ran). $2 (default 1) is how many communicators can
+# have a kernel in flight at once on a rank (training: FSDP2's and distmuon's): they share the half,
+# so that their kernels fit side by side (the 6th session's FSDP2 runs at D = 4 stopped in a forward
+# pass with each at half). NCCL_MAX_CTAS given by the caller wins.
 SMS=${SMS:-$($PY -c 'import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)' 2>/dev/null || echo 0)}
 partition_env() {
-  local d=$1 ctas
+  local d=$1 comms=${2:-1} ctas
   echo "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=$((100 / d))"
-  ctas=$(( SMS / d / 2 ))
+  ctas=$(( SMS / d / 2 / comms ))
   [ "$d" -gt 1 ] && [ "$SMS" -gt 0 ] && [ -z "${NCCL_MAX_CTAS:-}" ] && echo "NCCL_MAX_CTAS=$(( ctas > 1 ? ctas : 1 ))"
 }
 # distmuon-bench on D ranks: one per GPU where there are D GPUs, else D MPS clients of GPU 0 with
@@ -136,7 +166,7 @@ bench() {
 # is killed (so that a hang says where it hangs).
 watched() {
   local limit=$1; shift
-  "$@" >> "$LOG" 2>&1 & local pid=$!
+  "$@" >> "$LOG" 2>&1 & local pid=$!; WATCHED_PID=$pid
   for _ in $(seq "$limit"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
   if kill -0 $pid 2>/dev/null; then
     say "still running after $limit s: the threads' stacks"
@@ -148,9 +178,10 @@ watched() {
         [ -n "$stacks" ] && { echo "--- rank process $q ($dbg)"; echo "$stacks" | head -n 150; } >> "$LOG" && break
       done
     done
-    kill -9 $pid $(pgrep -f "$BIN/distmuon-bench") 2>/dev/null; wait $pid 2>/dev/null; return 124
+    kill -9 $pid $(pgrep -f "$BIN/distmuon-bench") 2>/dev/null; wait $pid 2>/dev/null; WATCHED_PID=""
+    return 124
   fi
-  wait $pid
+  wait $pid; local rc=$?; WATCHED_PID=""; return $rc
 }
 # distmuon-plan --measure of workload $2 (name:layers) into the cost cache $1, on one process with
 # the environment after them (a part's share of the SMs, for instance).
@@ -220,10 +251,11 @@ if [[ " $STAGES " == *" e2e "* ]]; then
       # its last reference goes (hooks held from C++), so configurations run one after another
       # in one process pile up (the fifth ran out of an H200's memory at D = 1).
       for opt in ${E2E_OPTIMIZERS//,/ }; do
-        say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS): $opt"
+        say "e2e: FSDP2 training on $d ranks, $((100 / d)) % of the SMs each (MPS; NCCL_LAUNCH_ORDER_IMPLICIT=$E2E_ORDER, CTAs shared by $E2E_COMMS communicators): $opt"
         # A step longer than a quarter of the limit prints every rank's stacks (E2E_ARGS may set
         # --stall-s again): a slow run says where it waits before the limit stops it.
-        "${ranks_env[@]}" $(partition_env "$d") timeout -k 10 "$E2E_TIMEOUT_S" \
+        limited "$E2E_TIMEOUT_S" "${ranks_env[@]}" $(partition_env "$d" "$E2E_COMMS") \
+          NCCL_LAUNCH_ORDER_IMPLICIT="$E2E_ORDER" \
           $PY -m torch.distributed.run --standalone --nproc-per-node "$d" bench/multi_gpu/e2e_train.py \
           --stall-s $((E2E_TIMEOUT_S / 4)) $E2E_ARGS --optimizers "$opt" --progress \
           --json "$OUT/e2e-$d-$opt.json" >> "$LOG" 2>&1 ||

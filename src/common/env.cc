@@ -43,7 +43,8 @@ const std::vector<Knob>& knobs() {
       {"DISTMUON_PLAN_MEASURE", "auto",
        "auto | on | off: with DISTMUON_PLAN_COSTS=auto, rank 0 times the shape classes its store "
        "lacks at start-up (batches of 1 and 4, three runs each) and keeps them in the store for "
-       "the next runs (auto: on CUDA, where no other rank shares the GPU)"},
+       "the next runs (auto: on CUDA, unless ranks take turns on one GPU: several ranks per GPU "
+       "without MPS)"},
       {"DISTMUON_GRAPHS", "",
        "0 | 1: capture the single-process step into a graph and replay it while its buffers stay "
        "the same (CUDA; unset: EngineOptions::graphs, on by default)"},

@@ -49,18 +49,16 @@ std::string error_text(const Error& e) {
   return s;
 }
 
-// Whether rank 0 times the shape classes its store lacks before planning (DISTMUON_PLAN_MEASURE):
-// by default on CUDA, where a class takes milliseconds (on CPUs a large class takes seconds), and
-// not where ranks share the GPU (CUDA MPS, or NCCL's several ranks per GPU): rank 0 would time
-// its share, or time-sliced with the others, and keep that as the device's cost.
+// Whether rank 0 times the shape classes its store lacks before planning (DISTMUON_PLAN_MEASURE;
+// auto: plan_measure_by_default).
 bool measure_at_start(const Backend& be) {
   const std::string v = env::get("DISTMUON_PLAN_MEASURE");
   DM_CHECK(v == "auto" || v == "on" || v == "off", "DISTMUON_PLAN_MEASURE is '", v,
            "': use auto, on or off");
   if (v != "auto") return v == "on";
-  const bool shared = std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") != nullptr ||
-                      std::getenv("NCCL_MULTI_RANK_GPU_ENABLE") != nullptr;
-  return be.device().kind == DeviceKind::kCUDA && !shared;
+  return plan_measure_by_default(be.device().kind,
+                                 std::getenv("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") != nullptr,
+                                 std::getenv("NCCL_MULTI_RANK_GPU_ENABLE") != nullptr);
 }
 
 // Times the classes of `shapes` the store lacks and adds them to it, so that the plan below
@@ -121,6 +119,10 @@ MeasuredCosts rank0_measured_costs(Communicator& world, Backend& be, const std::
 }
 
 }  // namespace
+
+bool plan_measure_by_default(DeviceKind kind, bool mps_partition, bool several_ranks_per_gpu) {
+  return kind == DeviceKind::kCUDA && (mps_partition || !several_ranks_per_gpu);
+}
 
 void Engine::Impl::dist_setup() {
   dist.bind_streams(

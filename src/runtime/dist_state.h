@@ -122,4 +122,11 @@ struct DistState {
   CommStats comm_stats() const;
 };
 
+// DISTMUON_PLAN_MEASURE=auto: whether rank 0 times the shape classes its store lacks before
+// planning. On CUDA (on CPUs a large class takes seconds), unless ranks take turns on one GPU
+// (NCCL's several ranks per GPU without MPS): rank 0 would keep a time-sliced cost as the
+// device's. An MPS client (`mps_partition`) has SMs of its own, and the store keys a table by
+// the SMs the process sees, so it times its partition, apart from the whole GPU's table.
+bool plan_measure_by_default(DeviceKind kind, bool mps_partition, bool several_ranks_per_gpu);
+
 }  // namespace distmuon

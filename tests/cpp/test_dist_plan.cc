@@ -246,6 +246,17 @@ TEST(MpiPlan, ABadPlanMeasureSettingIsASetUpErrorOnEveryRank) {
   }
 }
 
+// DISTMUON_PLAN_MEASURE=auto times at start-up on CUDA, also on an MPS partition (its own SMs,
+// its own table), but not where NCCL's several ranks per GPU take turns without MPS, nor on CPUs.
+TEST(MpiPlan, StartUpTimingByDefaultOnCudaUnlessRanksTakeTurnsOnTheGpu) {
+  EXPECT_TRUE(plan_measure_by_default(DeviceKind::kCUDA, false, false));  // a GPU per rank
+  EXPECT_TRUE(plan_measure_by_default(DeviceKind::kCUDA, true, true));    // MPS partitions
+  EXPECT_TRUE(plan_measure_by_default(DeviceKind::kCUDA, true, false));
+  EXPECT_FALSE(plan_measure_by_default(DeviceKind::kCUDA, false, true));  // time-sliced
+  EXPECT_FALSE(plan_measure_by_default(DeviceKind::kCPU, false, false));
+  EXPECT_FALSE(plan_measure_by_default(DeviceKind::kCPU, true, true));
+}
+
 TEST(MpiPlan, AutoWithAnEmptyStorePlansAsAnalytic) {
   Communicator& c = world();
   CpuBackend be;
