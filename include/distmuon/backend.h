@@ -479,9 +479,12 @@ class Backend {
   // first exception is rethrown once every part has returned.
   virtual void run_parts(int64_t parts, const std::function<void(int64_t part)>& f);
 
- protected:
-  // A Buffer of `bytes` at `ptr` that `release` frees, counted in memory_use() while it lives.
+  // A Buffer of `bytes` at `ptr` that `release` frees, counted in memory_use() while it lives:
+  // the backend's own allocations, and memory of its device that another library allocated for
+  // the engine (a communicator's window, Communicator::alloc_window).
   Buffer counted(void* ptr, size_t bytes, std::function<void(void*)> release);
+
+ protected:
   MemoryCounter& memory() { return *memory_; }  // memory held outside Buffers (a workspace)
 
  private:

@@ -215,6 +215,17 @@ class Communicator {
   // it issued is launched and the exception goes on.
   void grouped(const std::function<void()>& issue);
 
+  // Memory on which this communicator's collectives need no SMs where it can give such memory
+  // (NCCL under DISTMUON_NCCL_CTA_POLICY=zero: a symmetric window, on which all-gathers and
+  // all-to-alls of equal counts run on the copy engines); null where it cannot (every other
+  // case: the caller allocates its own). Collective: every member calls it in the same order,
+  // and members get memory, or null, alike. The memory lives while the pointer (or a copy)
+  // does.
+  virtual std::shared_ptr<void> alloc_window(size_t bytes) {
+    (void)bytes;
+    return nullptr;
+  }
+
   CommStats stats() const { return stats_; }
   void reset_stats() { stats_ = {}; }
 

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,36 @@ class DeviceGuard {
   int previous_ = 0;
 };
 
+// NCCL's own all-to-all (ncclAlltoAll), CTA policies and symmetric windows: NCCL >= 2.28.
+#define DM_NCCL_HAS_WINDOWS (NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0))
+#if !DM_NCCL_HAS_WINDOWS
+#define NCCL_CTA_POLICY_DEFAULT 0
+#define NCCL_CTA_POLICY_EFFICIENCY 1
+#define NCCL_CTA_POLICY_ZERO 2
+#endif
+
+// DISTMUON_NCCL_CTA_POLICY: the SMs the engine's NCCL kernels take (ncclConfig_t.CTAPolicy);
+// -1 where unset (NCCL's default, which its own NCCL_CTA_POLICY may set). `zero` also makes the
+// communicator hand out symmetric windows (alloc_window), on which NCCL moves all-gathers and
+// all-to-alls with the copy engines: transfers beside compute that take none of its SMs.
+int cta_policy() {
+  const std::string v = env::get("DISTMUON_NCCL_CTA_POLICY");
+  if (v.empty()) return -1;
+  if (v == "default") return NCCL_CTA_POLICY_DEFAULT;
+  if (v == "efficiency") return NCCL_CTA_POLICY_EFFICIENCY;
+  if (v == "zero") return NCCL_CTA_POLICY_ZERO;
+  DM_FAIL("DISTMUON_NCCL_CTA_POLICY=", v, " is not one of default, efficiency, zero");
+}
+
+// Equal counts, member q's block at q * count: what NCCL's own all-gather and all-to-all take.
+bool regular(std::span<const int64_t> counts, std::span<const int64_t> displs) {
+  const int64_t c0 = counts[0];
+  bool yes = c0 > 0;
+  for (size_t q = 0; q < counts.size() && yes; ++q)
+    yes = counts[q] == c0 && displs[q] == static_cast<int64_t>(q) * c0;
+  return yes;
+}
+
 // Non-blocking by default: every NCCL call returns at once and is polled, so that a deadline holds
 // everywhere. A non-blocking launch costs a thread NCCL starts per group (85-143 us of host time
 // per launch measured between MPS ranks on an H100, most of a distributed step's host time at
@@ -54,6 +85,14 @@ class DeviceGuard {
 ncclConfig_t comm_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = env::get_bool("DISTMUON_NCCL_BLOCKING") ? 1 : 0;
+  if (const int policy = cta_policy(); policy >= 0) {
+#if DM_NCCL_HAS_WINDOWS
+    config.CTAPolicy = policy;
+#else
+    DM_FAIL("DISTMUON_NCCL_CTA_POLICY needs NCCL >= 2.28 at build time (built with ",
+            NCCL_MAJOR, ".", NCCL_MINOR, ")");
+#endif
+  }
   return config;
 }
 
@@ -72,6 +111,7 @@ struct Shared {
   bool in_group = false, abort_pending = false;
   std::string name;
   int device = 0;
+  int cta_policy = -1;  // DISTMUON_NCCL_CTA_POLICY when it was made (cta_policy())
   double release_timeout_s = 60;  // the owner's timeout when it let go
   const pid_t pid = getpid();     // a forked child must not tear down its parent's communicator
   // The last holder (the communicator or a request that outlived it) hands the handle over.
@@ -313,14 +353,11 @@ class NcclComm final : public Communicator {
     // Equal counts end to end (Communicator::all_gather; FSDP2-like shards of rows divisible by
     // the members): NCCL's own all-gather, its ring or NVLS, where each member's slot is its send
     // (in place when send is that slot, as NCCL defines it).
-    const int64_t c0 = recv_counts[0];
-    bool uniform = c0 > 0;
-    for (int q = 0; q < size() && uniform; ++q)
-      uniform = recv_counts[q] == c0 && recv_displs[q] == q * c0;
-    if (uniform)
+    if (regular(recv_counts, recv_displs))
       return launch("all_gather", [&] {
-        DM_CHECK_NCCL(ncclAllGather(send, recv, c0, nccl_type(type), sh_->comm, stream_.get()),
-                      describe("all_gather"));
+        DM_CHECK_NCCL(
+            ncclAllGather(send, recv, recv_counts[0], nccl_type(type), sh_->comm, stream_.get()),
+            describe("all_gather"));
       });
     // Otherwise one broadcast per member in a group (NCCL has no all-gather of unequal counts).
     return launch("all_gather_v", [&] {
@@ -342,6 +379,18 @@ class NcclComm final : public Communicator {
                                                std::span<const int64_t> recv_counts,
                                                std::span<const int64_t> recv_displs,
                                                CommType type) override {
+#if DM_NCCL_HAS_WINDOWS
+    // Equal blocks at the members' places on both sides (the sharded mode's layout on windows):
+    // NCCL's own all-to-all, which symmetric windows under the zero-CTA policy move on the copy
+    // engines.
+    if (regular(send_counts, send_displs) && regular(recv_counts, recv_displs) &&
+        send_counts[0] == recv_counts[0])
+      return launch("all_to_all", [&] {
+        DM_CHECK_NCCL(
+            ncclAlltoAll(send, recv, send_counts[0], nccl_type(type), sh_->comm, stream_.get()),
+            describe("all_to_all"));
+      });
+#endif
     return launch("all_to_all_v", [&] {
       const int me = rank();
       if (send_counts[me] > 0)
@@ -365,6 +414,42 @@ class NcclComm final : public Communicator {
       DM_CHECK_NCCL(ncclGroupEnd(), describe("all_to_all_v"));
     });
   }
+  std::shared_ptr<void> alloc_window(size_t bytes) override {
+#if DM_NCCL_HAS_WINDOWS
+    if (sh_->cta_policy != NCCL_CTA_POLICY_ZERO) return nullptr;
+    DeviceGuard g(device_);
+    const std::string what = describe("alloc_window");
+    DM_CHECK(!in_group(), what, ": not inside grouped()");
+    sh_->check_async(what);
+    void* p = nullptr;
+    DM_CHECK_NCCL(ncclMemAlloc(&p, bytes), what, " (", bytes, " bytes)");
+    ncclWindow_t win = nullptr;
+    try {
+      DM_CHECK_NCCL(ncclCommWindowRegister(sh_->comm, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC), what);
+      sh_->wait_ready(what, timeout_s());
+    } catch (...) {
+      ncclMemFree(p);
+      throw;
+    }
+    if (!win) {  // NCCL has no symmetric memory between these members (and says so: no window)
+      ncclMemFree(p);
+      return nullptr;
+    }
+    return std::shared_ptr<void>(p, [sh = sh_, win, device = device_](void* q) {
+      DeviceGuard guard(device);
+      if (!sh->aborted && getpid() == sh->pid) {
+        const ncclResult_t r = ncclCommWindowDeregister(sh->comm, win);
+        if (r != ncclSuccess && r != ncclInProgress)
+          DM_LOG(kWarn, sh->name, ": ncclCommWindowDeregister failed: ", ncclGetErrorString(r));
+      }
+      ncclMemFree(q);
+    });
+#else
+    (void)bytes;
+    return nullptr;
+#endif
+  }
+
   std::unique_ptr<CommRequest> do_barrier() override {
     return launch("barrier", [&] {
       DM_CHECK_NCCL(
@@ -405,6 +490,7 @@ class NcclComm final : public Communicator {
     auto sh = std::make_shared<Shared>();
     sh->comm = sub;
     sh->device = device_;
+    sh->cta_policy = cta_policy();
     sh->name = name() + "/split(" + std::to_string(color) + ")";
     sh->wait_ready("initialisation of " + sh->name, timeout_s());
     return std::make_unique<NcclComm>(std::move(sh), my_rank, static_cast<int>(members.size()),
@@ -519,6 +605,7 @@ std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& uid, in
   auto sh = std::make_shared<Shared>();
   sh->name = "nccl:world";
   sh->device = device;
+  sh->cta_policy = cta_policy();
   DM_CHECK_NCCL(ncclCommInitRankConfig(&sh->comm, size, id, rank, &config),
                 "nccl: initialisation of rank ", rank, " of ", size);
   // The first communicator's timeout is the environment's (set_timeout applies afterwards).

@@ -23,6 +23,14 @@ const std::vector<Knob>& knobs() {
        "thread NCCL starts per launch (about 0.1 ms of host time each, measured), but whose "
        "initialisation, split, teardown and first use of each path are no longer bounded by "
        "DISTMUON_COMM_TIMEOUT_S: a member that never arrives hangs them (for measuring)"},
+      {"DISTMUON_NCCL_CTA_POLICY", "",
+       "default | efficiency | zero: the SMs the engine's NCCL kernels take (NCCL >= 2.28; unset: "
+       "NCCL's choice). zero: the sharded mode's all-to-alls run on symmetric windows, which NCCL "
+       "moves with the copy engines, taking none of the SMs the owners compute on"},
+      {"DISTMUON_UNIFORM_ALL_TO_ALL", "",
+       "1: the sharded mode's all-to-alls send equal blocks (each pair's the largest of its bucket) "
+       "on any communicator; 0: packed blocks; unset: equal blocks where the communicator gives "
+       "windows (DISTMUON_NCCL_CTA_POLICY=zero)"},
       {"DISTMUON_DEDICATED_EARLY_BROADCAST", "0",
        "1: the dedicated mode (flat) broadcasts a bucket's weights right after its owners' compute "
        "instead of one slot later; the waiting NCCL kernels then sit on the peers' SMs beside their "

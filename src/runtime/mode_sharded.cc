@@ -14,9 +14,17 @@
 // update rows' all-to-all, one launch instead of two (a launch costs the host about 0.1 ms on
 // NCCL, and a step launches a few per bucket).
 //
+// Where the shard communicator gives windows (NCCL under DISTMUON_NCCL_CTA_POLICY=zero), the
+// all-to-alls' buffers are windows and every pair exchanges one equal block (the bucket's
+// largest): NCCL moves such all-to-alls with the copy engines, beside the owners' compute
+// instead of on its SMs (choose_layout).
+//
 // A rank's own rows of the matrices it owns never enter the all-to-alls: they are copied from
 // the gradient straight into the owner's stage, and applied straight from the update's stage
 // (one copy each way instead of three; at one rank that is every row).
+#include <algorithm>
+
+#include "distmuon/env.h"
 #include "distmuon/error.h"
 #include "runtime/mode_runner.h"
 
@@ -31,6 +39,7 @@ class ShardedRunner final : public ModeRunner {
     const size_t n = dist_.mats.size();
     grad_stage_offset_.assign(n, -1);
     update_stage_offset_.assign(n, -1);
+    choose_layout();
     bufs_.resize(dist_.buckets.size());
     for (size_t b = 0; b < dist_.buckets.size(); ++b) {
       const Bucket& bk = dist_.buckets[b];
@@ -57,11 +66,18 @@ class ShardedRunner final : public ModeRunner {
       }
       const DType w = dist_.mats[bk.mats[0]].wire;
       s.gstage = alloc(g, w);
-      s.recv_g = alloc(recv_g, w);
       s.ostage = alloc(o, w);
-      s.send_o = alloc(send_o, w);
-      s.send_g = alloc(send_g, w);
-      s.recv_o = alloc(recv_o, w);
+      if (uniform_) {
+        const auto [slot_g, slot_o] = uniform_blocks(bk);
+        s.grad.block = slot_g;
+        s.update.block = slot_o;
+        send_g = recv_g = dist_.shard_size * slot_g;
+        send_o = recv_o = dist_.shard_size * slot_o;
+      }
+      s.recv_g = wire(recv_g, w);
+      s.send_o = wire(send_o, w);
+      s.send_g = wire(send_g, w);
+      s.recv_o = wire(recv_o, w);
     }
   }
   int num_stages() const override { return 4; }
@@ -91,14 +107,61 @@ class ShardedRunner final : public ModeRunner {
   }
 
  private:
-  // Elements to and from each shard position in one all-to-all.
+  // Elements to and from each shard position in one all-to-all: packed (each position's
+  // elements right after the previous one's), or in equal blocks of `block` elements at
+  // q * block, which NCCL's own all-to-all takes (uniform_).
   struct AllToAllLayout {
     std::vector<int64_t> send_counts, send_displs, recv_counts, recv_displs;
+    int64_t block = 0;
     void reset(int positions) {
       for (auto* v : {&send_counts, &send_displs, &recv_counts, &recv_displs})
         v->assign(positions, 0);
     }
   };
+
+  // The all-to-alls' layout. Equal blocks cost the bytes by which a bucket's pairs differ, and
+  // pay where the communicator moves equal blocks without SMs: on the windows it gives
+  // (alloc_window: NCCL under DISTMUON_NCCL_CTA_POLICY=zero, its all-to-all on the copy
+  // engines). DISTMUON_UNIFORM_ALL_TO_ALL=1/0 chooses them, or not, on any communicator.
+  void choose_layout() {
+    const std::string forced = env::get("DISTMUON_UNIFORM_ALL_TO_ALL");
+    // Collective, as alloc_window is: every member gets a window or none.
+    windows_ = (forced.empty() || env::get_bool("DISTMUON_UNIFORM_ALL_TO_ALL")) &&
+               dist_.shard->alloc_window(256) != nullptr;
+    uniform_ = forced.empty() ? windows_ : env::get_bool("DISTMUON_UNIFORM_ALL_TO_ALL");
+  }
+  // Equal blocks of a bucket: the most elements any position sends another in the gradient
+  // rows' all-to-all, and in the update rows' (every member computes the same).
+  std::pair<int64_t, int64_t> uniform_blocks(const Bucket& bk) const {
+    const int S = dist_.shard_size;
+    std::vector<int64_t> grad(static_cast<size_t>(S) * S, 0), update(grad);  // [from * S + to]
+    for (int j : bk.mats) {
+      const DistMatrix& m = dist_.mats[j];
+      for (int q = 0; q < S; ++q) {
+        if (q == m.owner_s) continue;
+        if (m.owner_r == dist_.my_r) grad[static_cast<size_t>(q) * S + m.owner_s] += piece(m, q);
+        update[static_cast<size_t>(m.owner_s) * S + q] += piece(m, q);
+      }
+    }
+    return {*std::max_element(grad.begin(), grad.end()),
+            *std::max_element(update.begin(), update.end())};
+  }
+  // An all-to-all's buffer: on a window of the shard communicator where it gives them.
+  Buffer wire(int64_t elems, DType t) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(elems, 1)) * dtype_size(t);
+    if (!windows_ || !uniform_) return backend_.alloc(bytes);
+    std::shared_ptr<void> w = dist_.shard->alloc_window(bytes);
+    if (!w) return backend_.alloc(bytes);
+    return backend_.counted(w.get(), bytes, [w](void*) {});
+  }
+  // Where position q's elements start, in a layout being filled up to `packed`.
+  static int64_t start(const AllToAllLayout& l, int q, int64_t packed) {
+    return l.block > 0 ? q * l.block : packed;
+  }
+  // How many elements position q's block holds, its elements ending at `end`.
+  static int64_t extent(const AllToAllLayout& l, int q, int64_t end, const std::vector<int64_t>& displs) {
+    return l.block > 0 ? l.block : end - displs[q];
+  }
   struct BucketBuffers {
     Buffer send_g, recv_g, gstage, ostage, send_o, recv_o;
     AllToAllLayout grad, update;  // the gradient rows' all-to-all and the update rows' one
@@ -121,7 +184,7 @@ class ShardedRunner final : public ModeRunner {
     int64_t cur = 0;
     std::vector<BlockCopy> copies;
     for (int q = 0; q < S; ++q) {  // my rows of the matrices owned at position q of my replica
-      s.grad.send_displs[q] = cur;
+      cur = s.grad.send_displs[q] = start(s.grad, q, cur);
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         if (m.owner_r != dist_.my_r || m.owner_s != q || piece(m, me) == 0) continue;
@@ -133,15 +196,15 @@ class ShardedRunner final : public ModeRunner {
                           piece(m, me)});
         if (q != me) cur += piece(m, me);
       }
-      s.grad.send_counts[q] = cur - s.grad.send_displs[q];
+      s.grad.send_counts[q] = extent(s.grad, q, cur, s.grad.send_displs);
     }
     backend_.copy_blocks(copies);
     cur = 0;
     for (int q = 0; q < S; ++q) {  // every other position's rows of the matrices I own
-      s.grad.recv_displs[q] = cur;
+      cur = s.grad.recv_displs[q] = start(s.grad, q, cur);
       for (int j : bk.act)
         if (q != me && dist_.mats[j].owner == dist_.rank) cur += piece(dist_.mats[j], q);
-      s.grad.recv_counts[q] = cur - s.grad.recv_displs[q];
+      s.grad.recv_counts[q] = extent(s.grad, q, cur, s.grad.recv_displs);
     }
     s.collect = dist_.shard->all_to_all_v(s.send_g.data(), s.grad.send_counts, s.grad.send_displs,
                                           s.recv_g.data(), s.grad.recv_counts, s.grad.recv_displs,
@@ -237,7 +300,7 @@ class ShardedRunner final : public ModeRunner {
     int64_t cur = 0;
     std::vector<BlockCopy> copies;
     for (int q = 0; q < S; ++q) {  // rows of position q of the updates held at my position
-      s.update.send_displs[q] = cur;
+      cur = s.update.send_displs[q] = start(s.update, q, cur);
       for (int j : bk.act) {
         const DistMatrix& m = dist_.mats[j];
         // Mine stay: apply() reads them from the stage.
@@ -246,15 +309,15 @@ class ShardedRunner final : public ModeRunner {
                           at(s.send_o.data(), cur, w), w, piece(m, q)});
         cur += piece(m, q);
       }
-      s.update.send_counts[q] = cur - s.update.send_displs[q];
+      s.update.send_counts[q] = extent(s.update, q, cur, s.update.send_displs);
     }
     backend_.copy_blocks(copies);
     cur = 0;
     for (int q = 0; q < S; ++q) {  // my rows of the updates held at every other position q
-      s.update.recv_displs[q] = cur;
+      cur = s.update.recv_displs[q] = start(s.update, q, cur);
       for (int j : bk.act)
         if (q != me && dist_.mats[j].owner_s == q) cur += piece(dist_.mats[j], me);
-      s.update.recv_counts[q] = cur - s.update.recv_displs[q];
+      s.update.recv_counts[q] = extent(s.update, q, cur, s.update.recv_displs);
     }
     dist_.shard->grouped([&] {
       // The raise policy agreed on the statuses before the step changed anything.
@@ -300,6 +363,7 @@ class ShardedRunner final : public ModeRunner {
     backend_.muon_pass_grouped(MuonPass::kUpdate, updates);
   }
 
+  bool windows_ = false, uniform_ = false;  // choose_layout()
   std::vector<BucketBuffers> bufs_;
   // Per matrix: element offset in gstage (matrices I own) and in ostage (matrices owned at my
   // shard position).

@@ -243,6 +243,50 @@ TEST(MpiComm, AllToAllVWithUnevenAndEmptyCounts) {
   EXPECT_EQ(d.ops, 1);
 }
 
+// Equal blocks at the members' places (the sharded mode's layout on windows: NCCL's own
+// all-to-all), on the windows a communicator made under DISTMUON_NCCL_CTA_POLICY=zero gives:
+// every member gets one or none alike (MPI: none; NCCL: where the members share symmetric
+// memory), and the all-to-all on them puts every block in its place, the member's own included.
+TEST(MpiComm, EqualBlocksAllToAllOnWindows) {
+  Communicator& c = world();
+  const int p = c.size(), r = c.rank();
+  std::unique_ptr<Communicator> zc;
+  {
+    struct Env {  // unset however the block ends
+      Env() { setenv("DISTMUON_NCCL_CTA_POLICY", "zero", 1); }
+      ~Env() { unsetenv("DISTMUON_NCCL_CTA_POLICY"); }
+    } env;
+    zc = c.split(0, r);
+  }
+  constexpr int64_t kBlock = 5;
+  const size_t bytes = static_cast<size_t>(p * kBlock) * sizeof(double);
+  std::shared_ptr<void> ws = zc->alloc_window(bytes), wr = zc->alloc_window(bytes);
+  Bufs b;
+  auto have = b.of(std::vector<int32_t>{ws != nullptr, wr != nullptr});
+  c.all_reduce(have.data(), have.data(), 2, CommType::kI32, ReduceOp::kSum).wait();
+  const std::vector<int32_t> all = have.get();
+  EXPECT_TRUE(all[0] == 0 || all[0] == p) << all[0] << " of " << p << " members got a window";
+  EXPECT_EQ(all[0], all[1]);
+  std::vector<double> send(static_cast<size_t>(p * kBlock));
+  for (int q = 0; q < p; ++q)
+    for (int64_t k = 0; k < kBlock; ++k) send[q * kBlock + k] = 1000.0 * r + 10.0 * q + k;
+  Buffer own_s, own_r;
+  if (!ws) own_s = b.be->alloc(bytes), own_r = b.be->alloc(bytes);
+  void* s = ws ? ws.get() : own_s.data();
+  void* d = wr ? wr.get() : own_r.data();
+  b.be->copy_from_host(s, send.data(), bytes);
+  b.be->synchronize();
+  std::vector<int64_t> counts(static_cast<size_t>(p), kBlock), displs(static_cast<size_t>(p));
+  for (int q = 0; q < p; ++q) displs[q] = q * kBlock;
+  zc->all_to_all_v(s, counts, displs, d, counts, displs, CommType::kF64).wait();
+  std::vector<double> recv(static_cast<size_t>(p * kBlock));
+  b.be->synchronize();
+  b.be->copy_to_host(recv.data(), d, bytes);
+  for (int q = 0; q < p; ++q)
+    for (int64_t k = 0; k < kBlock; ++k)
+      EXPECT_EQ(recv[q * kBlock + k], 1000.0 * q + 10.0 * r + k) << "from " << q << ", " << k;
+}
+
 TEST(MpiComm, ByteCountersFollowTheDirectModel) {
   Communicator& c = world();
   const int p = c.size(), r = c.rank();

@@ -45,6 +45,38 @@ TEST(MpiEngine, DedicatedEarlyBroadcastsEqualTheSingleProcessEngine) {
   for (const Scenario& sc : scenarios(DistMode::kDedicated, 1)) check_scenario(sc);
 }
 
+// The sharded mode's all-to-alls in equal blocks (DISTMUON_UNIFORM_ALL_TO_ALL=1, the layout it
+// takes on NCCL's windows, where the copy engines move them) still equal one process, every
+// scenario with and without replicas; a step issues as many collectives as with packed blocks
+// and moves at least as many bytes (each pair's block is its bucket's largest).
+TEST(MpiEngine, ShardedEqualBlocksEqualTheSingleProcessEngine) {
+  struct Env {  // unset however the test ends: the later tests of this process see the default
+    explicit Env(const char* v) { setenv("DISTMUON_UNIFORM_ALL_TO_ALL", v, 1); }
+    ~Env() { unsetenv("DISTMUON_UNIFORM_ALL_TO_ALL"); }
+  };
+  {
+    Env env("1");
+    for (int replicate : {1, 2})
+      for (const Scenario& sc : scenarios(DistMode::kSharded, replicate)) check_scenario(sc);
+  }
+  if (world().size() < 2) return;
+  auto step_comm = [](const char* uniform) {
+    Env env(uniform);
+    Scenario sc;
+    sc.mode = DistMode::kSharded;
+    sc.bucket_bytes = 600;
+    DistRun run = make_dist(sc);
+    dist_step(run, sc, 0);
+    const CommStats before = run.e->stats().comm;
+    dist_step(run, sc, 2);  // every matrix has a gradient in steps 0 and 2
+    return run.e->stats().comm - before;
+  };
+  const CommStats packed = step_comm("0"), equal = step_comm("1");
+  EXPECT_EQ(equal.ops, packed.ops);
+  EXPECT_EQ(equal.launches, packed.launches);
+  EXPECT_GT(equal.bytes_sent, packed.bytes_sent);  // the shards are uneven: the pairs differ
+}
+
 // The Muon matrices in registration order (the plan's indices), their shapes and the bucket each
 // lies in, as the engine cuts buckets: consecutive matrices up to bucket_bytes (f32).
 struct MatInBucket {
