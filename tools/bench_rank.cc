@@ -70,6 +70,7 @@ struct Calibration {
   double broadcast_gbs = 0;  // NCCL broadcast (root 0) bus bandwidth: the dedicated mode's
   double reduce_gbs = 0;     // NCCL reduce (to root 0) bus bandwidth: the dedicated mode's
   double alltoall_gbs = 0;   // NCCL all-to-all bus bandwidth: the sharded mode's
+  bool alltoall_windows = false;  // ... timed in equal blocks on the communicator's windows
   // Host time per collective when many small ones are issued back to back, as the FSDP2
   // emulation and the engine issue them (the simulator's --collective-latency-us).
   double collective_us = 0;
@@ -176,9 +177,20 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
     std::vector<int64_t> counts(static_cast<size_t>(p), slot), displs(static_cast<size_t>(p));
     for (int q = 0; q < p; ++q) displs[static_cast<size_t>(q)] = q * slot;
     counts[static_cast<size_t>(comm.rank())] = 0;
+    // Where the communicator gives windows (DISTMUON_NCCL_CTA_POLICY=zero), the sharded mode
+    // sends equal blocks on them, its own included (the copy engines move them): timed so.
+    std::shared_ptr<void> wsend = comm.alloc_window(static_cast<size_t>(bytes));
+    std::shared_ptr<void> wrecv = wsend ? comm.alloc_window(static_cast<size_t>(bytes)) : nullptr;
+    c.alltoall_windows = wsend && wrecv;
+    const std::vector<int64_t> equal(static_cast<size_t>(p), slot);
     auto all_to_all = [&] {
-      comm.all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs, CommType::kBF16)
-          .wait();
+      if (c.alltoall_windows)
+        comm.all_to_all_v(wsend.get(), equal, displs, wrecv.get(), equal, displs, CommType::kBF16)
+            .wait();
+      else
+        comm.all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs,
+                          CommType::kBF16)
+            .wait();
     };
     all_gather();
     all_reduce();
@@ -278,8 +290,9 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
        "bf16 parameters with fp32 moments, counted at the bytes the simulator charges an element, "
        "likewise; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
        "all-gather, all-reduce, broadcast and reduce (root 0), and all-to-all (256 MiB / p to each "
-       "other rank, none to itself, as the sharded mode sends; bus bandwidth (p-1)/p * 256 MiB / "
-       "time); each timed alone, its issue included; host time per collective of 256 "
+       "other rank, none to itself, as the sharded mode sends; on the communicator's windows, where "
+       "it gives them, equal blocks to every rank itself included, as the sharded mode sends "
+       "there: nccl_alltoall_on_windows; bus bandwidth (p-1)/p * 256 MiB / time); each timed alone, its issue included; host time per collective of 256 "
        "back-to-back 1 KiB all-gathers; the share of the GEMM's rate a 1 KiB broadcast takes "
        "while its kernel waits for the root (rank 0 beside it)"},
       {"gemm_tflops_per_rank_min", gemm_min},
@@ -292,6 +305,7 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
       {"nccl_broadcast_busbw_gbs", c.broadcast_gbs},
       {"nccl_reduce_busbw_gbs", c.reduce_gbs},
       {"nccl_alltoall_busbw_gbs", c.alltoall_gbs},
+      {"nccl_alltoall_on_windows", c.alltoall_windows},
       {"nccl_collective_us", c.collective_us},
       {"nccl_wait_compute_share", c.wait_share},
       {"nccl_blocking", env::get_bool("DISTMUON_NCCL_BLOCKING")},
