@@ -1,10 +1,12 @@
 #include "plan_options.h"
 
+#include <string>
 #include <tuple>
 
 #include "distmuon/cost_table.h"
 #include "distmuon/error.h"
 #include "distmuon/plan.h"
+#include "distmuon/simulate.h"
 
 namespace distmuon::plan_tool {
 namespace {
@@ -185,7 +187,9 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
     app.add_option(name, *var, help)->check(cli::at_least(0))->group(sim);
   app.add_option("--adamw-tbs", a.adamw_tbs,
                  "rate of the AdamW baseline's fused pass, TB/s of the bytes the simulator counts "
-                 "(distmuon-bench --calibrate's adamw_gbs; 0: 85 % of --hbm-tbs, the share measured)")
+                 "(distmuon-bench --calibrate's adamw_gbs; 0: " +
+                     std::to_string(static_cast<int>(CommModel::kAdamWShareOfCopy * 100 + 0.5)) +
+                     " % of --hbm-tbs, the share measured)")
       ->check(cli::at_least(0))
       ->group(sim);
   app.add_option("--collective-latency-us", a.collective_latency_us,

@@ -158,8 +158,6 @@ TEST(CpuBackend, Fp32ProductsOfSmallModelSizes) {
   }
 }
 
-// A thread count that is not one is refused where the backend reads it (it used to mean the
-// library default, silently).
 // memory_use counts the Buffers alive and the most held at once; a Buffer that outlives its
 // backend still releases (and uncounts) safely.
 TEST(CpuBackend, MemoryUseCountsLiveBuffersAndThePeak) {
@@ -178,6 +176,8 @@ TEST(CpuBackend, MemoryUseCountsLiveBuffersAndThePeak) {
   c.reset();  // after the backend: no crash (the count is shared with the Buffer)
 }
 
+// A thread count that is not one is refused where the backend reads it (it used to mean the
+// library default, silently).
 TEST(CpuBackend, NegativeThreadCountIsRefused) {
   ::setenv("DISTMUON_NUM_THREADS", "-3", 1);
   std::string msg;
