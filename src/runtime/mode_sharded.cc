@@ -152,7 +152,7 @@ class ShardedRunner final : public ModeRunner {
     if (!windows_ || !uniform_) return backend_.alloc(bytes);
     std::shared_ptr<void> w = dist_.shard->alloc_window(bytes);
     if (!w) return backend_.alloc(bytes);
-    return backend_.counted(w.get(), bytes, [w](void*) {});
+    return backend_.counted(w.get(), bytes, [w](void*) mutable { w.reset(); });
   }
   // Where position q's elements start, in a layout being filled up to `packed`.
   static int64_t start(const AllToAllLayout& l, int q, int64_t packed) {
