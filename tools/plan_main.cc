@@ -169,6 +169,7 @@ int run(const PlanArgs& a) {
     cm.comm_wait_share = a.comm_wait_share;
     cm.grouped_hop_share = a.grouped_hop_share;
     cm.batches_across_buckets = !a.batches_per_bucket;
+    cm.uniform_all_to_all = a.uniform_all_to_all;
     const std::string solver = a.sim_solver.empty() ? solvers.front() : a.sim_solver;
     std::vector<int> worlds;
     for (int d = 1; d <= a.sim_max_world; d *= 2) worlds.push_back(d);

@@ -27,7 +27,8 @@ void check_plan_options(const CLI::App& app, const PlanArgs& a) {
         "--wire-bytes", "--elementwise-bytes", "--intra-reduce-gbs", "--intra-broadcast-gbs",
         "--intra-root-reduce-gbs", "--intra-alltoall-gbs", "--adamw-tbs", "--collective-latency-us",
         "--local-collective-us", "--bucket-mb", "--comm-compute-share", "--comm-wait-share",
-        "--batches-per-bucket", "--grouped-hop-share", "--sim-plan-analytic"})
+        "--batches-per-bucket", "--uniform-all-to-all", "--grouped-hop-share",
+        "--sim-plan-analytic"})
     DM_CHECK(!app.count(o) || a.simulate, o, " applies to --simulate");
   DM_CHECK(!a.sim_plan_analytic || a.measure || !a.costs.empty(),
            "--sim-plan-analytic places the owners on analytic costs and times the step with "
@@ -211,6 +212,10 @@ void add_plan_options(CLI::App& app, PlanArgs& a) {
                "owner modes: one batch per run of a bucket, right after it lands (the engine "
                "with DistOptions::batches_across_buckets off; default: each plan batch once, "
                "after its last bucket)")
+      ->group(sim);
+  app.add_flag("--uniform-all-to-all", a.uniform_all_to_all,
+               "sharded mode: every pair of an all-to-all moves one equal block, its bucket's "
+               "largest (the engine's layout on NCCL windows, DISTMUON_NCCL_CTA_POLICY=zero)")
       ->group(sim);
   app.add_flag("--sim-plan-analytic", a.sim_plan_analytic,
                "place the owners on the analytic costs an engine without a cost table plans with "

@@ -49,6 +49,7 @@ struct PlanArgs {
   double comm_wait_share = 0;
   double grouped_hop_share = CommModel{}.grouped_hop_share;
   bool batches_per_bucket = false;
+  bool uniform_all_to_all = false;
   bool sim_plan_analytic = false;  // owners placed on the engine's analytic costs
   int64_t wire_bytes = 2;
   double elementwise_bytes = 44;

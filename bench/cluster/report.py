@@ -102,6 +102,10 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
     # record) cut them at the buckets' borders: simulate them so.
     if rec.get("batches_per_bucket", True):
         sim.append("--batches-per-bucket")
+    # The sharded mode's all-to-alls in equal blocks on the communicator's windows, where the
+    # calibration found them (DISTMUON_NCCL_CTA_POLICY=zero), at the rate it timed them there.
+    if cal.get("nccl_alltoall_on_windows"):
+        sim.append("--uniform-all-to-all")
     if getattr(args, "grouped_hop_share", None) is not None:
         sim += ["--grouped-hop-share", f"{args.grouped_hop_share:.6g}"]
     # The AdamW baseline's pass at its own rate, where the calibration timed it (since 2026-12-07).

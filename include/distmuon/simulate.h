@@ -42,6 +42,9 @@ struct CommModel {
   // all-gathers' rate, the one-GPU cluster's sharded steps at D = 2..8 came out 10-40 % short):
   // 0 keeps intra_bytes_per_s.
   double intra_alltoall_bytes_per_s = 0;
+  // The sharded mode's all-to-alls in equal blocks, each pair's its bucket's largest (the
+  // engine's layout on a communicator's windows, DISTMUON_NCCL_CTA_POLICY=zero); false: packed.
+  bool uniform_all_to_all = false;
   int64_t wire_elem_bytes = 2;  // bf16 gradients and updates on the wire
   // What one collective costs the host that issues it, D > 1: the engine's NCCL communicator is
   // non-blocking, so NCCL launches each call from a thread of its own and the communicator polls

@@ -335,6 +335,19 @@ class StepModel {
           }
         }
       }
+      if (cm_.uniform_all_to_all) {  // every pair moves the bucket's largest pair's elements
+        std::vector<double> pair(static_cast<size_t>(d_) * d_, 0.0);  // [from * D + to]
+        for (int j : buckets_[b]) {
+          const SimMatrix& mt = mats_[static_cast<size_t>(j)];
+          for (int q = 0; q < d_; ++q)
+            if (q != mt.owner)
+              pair[static_cast<size_t>(q) * d_ + mt.owner] += static_cast<double>(
+                  piece(tensors_[static_cast<size_t>(mt.tensor)], mt.slice, d_, q));
+        }
+        const double block = *std::max_element(pair.begin(), pair.end()) * wire_;
+        std::fill(send.begin(), send.end(), (d_ - 1) * block);
+        std::fill(recv.begin(), recv.end(), (d_ - 1) * block);
+      }
       // The all-to-alls: the slowest rank sets the pace.
       for (int q = 0; q < d_; ++q) {
         const size_t i = static_cast<size_t>(q);

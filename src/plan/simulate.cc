@@ -44,7 +44,7 @@ std::string CommModel::describe() const {
       "  all-gather (gather mode, per bucket): ring, (D-1) alpha + (D-1)/D * bytes / beta, beta "
       "of the slowest hop\n"
       "  all-to-all (sharded mode, twice per bucket): pairwise, (D-1) alpha + max(intra share / "
-      "intra beta, inter share / inter beta) for the busiest owner\n"
+      "intra beta, inter share / inter beta) for the busiest owner; %s\n"
       "  reduce + broadcast (dedicated mode, per matrix): chains, (D-1) alpha + bytes / beta\n"
       "  a collective after the first of its group pays %.0f %% of its (D-1) alpha\n"
       "  FSDP2 around gather, sharded and AdamW (distmuon-bench's emulation): a rooted reduce "
@@ -65,6 +65,8 @@ std::string CommModel::describe() const {
       sim_detail::alltoall_link(1, *this, 1).beta / 1e9, inter_bytes_per_s / 1e9,
       inter_latency_s * 1e6, static_cast<long long>(wire_elem_bytes), collective_latency_s * 1e6,
       local_collective_s * 1e6, static_cast<double>(bucket_bytes) / (1 << 20),
+      uniform_all_to_all ? "every pair an equal block, its bucket's largest (windows)"
+                         : "packed blocks",
       grouped_hop_share * 100,
       batches_across_buckets ? "each batch once its last bucket has landed"
                              : "cut at the buckets' borders",

@@ -435,6 +435,34 @@ TEST(PlanSimulate, AdamWPassHasARateOfItsOwn) {
     EXPECT_DOUBLE_EQ(same[i].adamw_update, ref[i].adamw_update);
 }
 
+// The sharded mode's all-to-alls in equal blocks (the engine's layout on NCCL windows): every
+// pair moves its bucket's largest pair's bytes. With shards of unequal rows (1280 over 3 ranks:
+// 427 / 427 / 426) the sharded step grows; with equal ones (over 4) the busiest owner received
+// as much already (D - 1 times its largest pair), so it stays. No other mode moves.
+TEST(PlanSimulate, EqualBlocksChargeTheLargestPairToEveryPair) {
+  const auto mats = plan_matrices(load_workload("gpt2-large").first_layers(2));
+  const CostTable costs = analytic_cost_table(shape_counts(mats), parse_algorithm("auto"), {});
+  const Workload w = load_workload("gpt2-large").first_layers(2);
+  CommModel packed, equal;
+  packed.intra_bytes_per_s = equal.intra_bytes_per_s = 20e9;  // slow enough to show the bytes
+  equal.uniform_all_to_all = true;
+  const auto a = simulate(mats, costs, {3, 4}, 8, packed, "lpt", {}, sim_tensors(w));
+  const auto b = simulate(mats, costs, {3, 4}, 8, equal, "lpt", {}, sim_tensors(w));
+  ASSERT_EQ(a.size(), 2u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    SCOPED_TRACE(a[i].world);
+    if (a[i].world == 3)
+      EXPECT_GT(b[i].sharded_step(), a[i].sharded_step());
+    else
+      EXPECT_DOUBLE_EQ(b[i].sharded_step(), a[i].sharded_step());
+    EXPECT_EQ(b[i].sharded_collectives, a[i].sharded_collectives);
+    EXPECT_DOUBLE_EQ(b[i].gather_step(), a[i].gather_step());
+    EXPECT_DOUBLE_EQ(b[i].dedicated_step(), a[i].dedicated_step());
+    EXPECT_DOUBLE_EQ(b[i].adamw_step(), a[i].adamw_step());
+  }
+  EXPECT_NE(equal.describe().find("equal block"), std::string::npos);
+}
+
 // Owner modes divide the work: their compute shrinks as the world grows, and inside a node
 // (collectives at a few microseconds of host time, a blocking launch) their steps beat gather's.
 TEST(PlanSimulate, OwnerModesBeatGatherAsTheWorldGrows) {

@@ -149,3 +149,17 @@ def test_a_d_without_a_calibration_is_predicted_on_the_largest_scaled() -> None:
     assert rows["8"][-1] == "recorded" and rows["16"][-1] == "D = 8's scaled"
     # Half the part's rates and twice the ranks' traffic: every mode slower than at D = 8.
     assert all(float(b) > float(a) for a, b in zip(rows["8"][:4], rows["16"][:4]))
+
+
+def test_an_all_to_all_timed_on_windows_is_simulated_in_equal_blocks(monkeypatch) -> None:
+    """A calibration that timed the all-to-all on the communicator's windows (the sharded mode's
+    equal blocks under DISTMUON_NCCL_CTA_POLICY=zero) has the sharded step simulated in equal
+    blocks; the other modes do not move."""
+    predict = Predictor(monkeypatch)
+    cal = predict.cals["2"]
+    old = predict(cal)
+    assert "--uniform-all-to-all" not in predict.cmds[-1]
+    new = predict(dict(cal, nccl_alltoall_on_windows=True))
+    assert "--uniform-all-to-all" in predict.cmds[-1]
+    assert new["sharded"] >= old["sharded"]  # every pair its bucket's largest: never fewer bytes
+    assert new["gather"] == old["gather"] and new["dedicated"] == old["dedicated"]
