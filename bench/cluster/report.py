@@ -157,6 +157,7 @@ def e2e_runs(out: str) -> list[dict]:
                         "step_ms": r["step_ms"], "fwd_ms": r.get("fwd_ms"), "fwd_bwd_ms": r["fwd_bwd_ms"],
                         "optimizer_ms": r["optimizer_ms"], "loss": r["final_loss"],
                         "peak_mem_gib": r.get("peak_mem_gib"), "engine_peak_gib": r.get("engine_peak_gib"),
+                        "engine_issue_ms": r.get("engine_issue_ms"),
                         "config": rec.get("config"),
                         "seq": rec.get("seq"), "gpu": rec.get("gpu")})
     adamw = {r["ranks"]: r["step_ms"] for r in e2e if r["optimizer"] == "adamw"}
@@ -437,13 +438,17 @@ def main() -> None:
 def e2e_table(e2e: list[dict]) -> list[str]:
     if not e2e:
         return []
-    lines = ["", "| D | optimizer | step ms | x AdamW | forward ms | fwd+bwd ms | optimizer ms | loss | peak GiB "
-                 "(PyTorch / distmuon's engines) |",
+
+    def issue(r: dict) -> str:
+        return f" ({r['engine_issue_ms']:.1f})" if r.get("engine_issue_ms") is not None else ""
+
+    lines = ["", "| D | optimizer | step ms | x AdamW | forward ms | fwd+bwd ms | optimizer ms (engines' "
+                 "host issue) | loss | peak GiB (PyTorch / distmuon's engines) |",
              "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in e2e:
         lines.append(f"| {r['ranks']} | {r['optimizer']} | {r['step_ms']:.1f} | "
                      f"{fmt(r['step_over_adamw'], '{:.3f}')} | {fmt(r.get('fwd_ms'))} | {r['fwd_bwd_ms']:.1f} | "
-                     f"{r['optimizer_ms']:.1f} | {r['loss']:.4f} | {fmt(r.get('peak_mem_gib'))} / "
+                     f"{r['optimizer_ms']:.1f}{issue(r)} | {r['loss']:.4f} | {fmt(r.get('peak_mem_gib'))} / "
                      f"{fmt(r.get('engine_peak_gib'))} |")
     return lines
 

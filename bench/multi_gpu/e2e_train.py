@@ -130,7 +130,7 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         free = f", {torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB of the GPU free" if device.type == "cuda" else ""
         print(f"  {kind}: model built and sharded{free}", flush=True)
     gen = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
-    fw, fb, op, tot = [], [], [], []
+    fw, fb, op, tot, iss = [], [], [], [], []
     fwd = ForwardTimer(device)
     prof = None
     if args.profile:
@@ -173,6 +173,8 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
         if prof:
             prof.step()
         if step >= args.warmup:
+            if hasattr(opt, "stats"):  # the engines' host time issuing the step (after the sync)
+                iss.append(opt.stats()["issue_ms"])
             fw.append(fwd.ms())
             fb.append((t1 - t0) * 1e3)
             op.append((t2 - t1) * 1e3)
@@ -195,6 +197,9 @@ def run(kind: str, args, cfg: QwenConfig, mesh, device: torch.device) -> dict:
     # count it): their momentum, stages, workspaces and communication buffers.
     if hasattr(opt, "stats"):
         out["engine_peak_gib"] = opt.stats()["memory_peak_bytes"] / 2**30
+        # The engines' host time issuing a step (median over the timed steps, rank 0's): of the
+        # optimizer's time, what the host spends on the engine's launches.
+        out["engine_issue_ms"] = statistics.median(iss) if iss else None
     # Torch's FSDP2 keeps a model that ran forward alive past this (hooks held from C++), so
     # configurations run one after another here pile up their memory: bench/cluster/run.sh runs
     # one optimizer per process.

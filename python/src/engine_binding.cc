@@ -189,6 +189,7 @@ class PyEngine {
     d["memory_peak_bytes"] = s.memory.peak_bytes;
     d["graph_captures"] = s.graph_captures;
     d["graph_replays"] = s.graph_replays;
+    d["issue_ms"] = s.issue_ms;
     d["comm_bytes_sent"] = s.comm.bytes_sent;
     d["comm_bytes_received"] = s.comm.bytes_received;
     d["comm_ops"] = s.comm.ops;

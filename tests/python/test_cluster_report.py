@@ -121,7 +121,7 @@ def test_a_record_without_a_whole_gpu_calibration_needs_one(tmp_path: Path) -> N
 
 
 def test_a_run_of_the_e2e_stage_alone_is_recorded(tmp_path: Path) -> None:
-    for opt, step, engine in (("adamw", 100.0, {}), ("distmuon-sharded", 110.0, {"engine_peak_gib": 1.25})):
+    for opt, step, engine in (("adamw", 100.0, {}), ("distmuon-sharded", 110.0, {"engine_peak_gib": 1.25, "engine_issue_ms": 2.5})):
         (tmp_path / f"e2e-8-{opt}.json").write_text(json.dumps({
             "world_size": 8, "config": "qwen2.5-0.5b", "seq": 1536, "gpu": "NVIDIA H100 80GB HBM3",
             "results": [{"optimizer": opt, "step_ms": step, "fwd_bwd_ms": 90.0,
@@ -137,6 +137,8 @@ def test_a_run_of_the_e2e_stage_alone_is_recorded(tmp_path: Path) -> None:
     md = (tmp_path / "cluster.md").read_text()
     assert "| 8 | distmuon-sharded | 110.0 | 1.100 |" in md and "| 7.5 / 1.2 |" in md  # PyTorch's / the engines'
     assert by["distmuon-sharded"]["engine_peak_gib"] == 1.25 and by["adamw"]["engine_peak_gib"] is None
+    # The optimizer's time with the engines' host share beside it, where the run has engines.
+    assert "| 20.0 (2.5) | 11.9000 |" in md and "| 10.0 | 11.9000 |" in md
 
 
 def test_a_d_without_a_calibration_is_predicted_on_the_largest_scaled() -> None:

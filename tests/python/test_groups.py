@@ -206,6 +206,8 @@ def test_engine_stats_count_matrices_and_work() -> None:
     # PyTorch's allocator; stats() says it too.
     assert st["memory_peak_bytes"] >= st["memory_bytes"] >= 4 * st["muon_params"]
     assert opt.stats()["memory_bytes"] == st["memory_bytes"]
+    # The host's share of the last step: positive (a step was issued), and far below a second.
+    assert 0 < st["issue_ms"] < 1000 and opt.stats()["issue_ms"] == st["issue_ms"]
 
 
 def test_closure_is_evaluated_with_grad() -> None:

@@ -339,6 +339,9 @@ class Muon(ParamGroups, Engines, StateDicts):
           this rank ran, CacheMuon's counted as an ideal device does them), ``owned_matrices``;
         - ``graph_captures`` and ``graph_replays``: steps captured into a CUDA graph and steps
           that replayed it (``cuda_graphs``);
+        - ``issue_ms``: host milliseconds the engines spent issuing the last step's work (summed
+          over the engines; in a distributed step from after the ranks' vote to the wait for its
+          collectives): what a step costs the host beside what it costs the device;
         - ``memory_bytes`` and ``memory_peak_bytes``: device (or host, CPU) memory the engines
           hold outside PyTorch's allocator (momentum, stages, workspaces, communication
           buffers), now and at the most, summed over the engines; ``torch.cuda.memory_allocated``
@@ -364,6 +367,7 @@ class Muon(ParamGroups, Engines, StateDicts):
             "memory_peak_bytes": e["memory_peak_bytes"],
             "graph_captures": e["graph_captures"],
             "graph_replays": e["graph_replays"],
+            "issue_ms": e["issue_ms"],
             "cache_hits": c["hits"],
             "cache_refreshes": c["refreshes"],
             "cache_unchecked_refreshes": c["unchecked_refreshes"],
