@@ -124,8 +124,8 @@ def predict(plan: str, rec: dict, full: dict, costs: str, args: argparse.Namespa
         # The sharded mode's all-to-alls, where timed (bus bandwidth = (D-1)/D * bytes / time,
         # the bytes a rank sends to its peers, which is what the simulator charges them for).
         if cal.get("nccl_alltoall_busbw_gbs"):
-            sim += ["--intra-alltoall-gbs",
-                    f"{issue_free_gbs(cal['nccl_alltoall_busbw_gbs'], (d - 1) / d, issue_us):.6g}"]
+            a2a = cal["nccl_alltoall_busbw_gbs"] * getattr(args, "alltoall_scale", 1.0)
+            sim += ["--intra-alltoall-gbs", f"{issue_free_gbs(a2a, (d - 1) / d, issue_us):.6g}"]
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         r = subprocess.run(sim + ["--json", tmp.name], capture_output=True, text=True)
         if r.returncode != 0:
@@ -209,6 +209,8 @@ def resimulate(args: argparse.Namespace) -> None:
                      "recorded_error": r.get("error"),
                      "predicted_ms": p[m], "error": p[m] / r["step_ms"] - 1,
                      "predicted_engine_ms": p[f"{m}_engine"],
+                     # what the mode gains over gather's engine step, as the simulator sees it
+                     "predicted_engine_x_gather": p["gather_engine"] / p[f"{m}_engine"],
                      "predicted_fsdp_ms": p["fsdp"] if m != "dedicated" else None,
                      "collectives": p[f"{m}_collectives"] + (p["fsdp_collectives"] if m != "dedicated" else 0),
                      "costs": p["costs"], "costs_scale": p["costs_scale"],
@@ -218,18 +220,21 @@ def resimulate(args: argparse.Namespace) -> None:
         json.dump({"source": args.resimulate, "costs": args.costs, "planner": planner,
                    "comm_compute_share": args.comm_compute_share,
                    "comm_wait_share": args.comm_wait_share,
+                   "alltoall_scale": args.alltoall_scale,
                    "local_collective_us": args.local_collective_us,
                    "prediction": __doc__.split("\n\n")[2].replace("\n", " "), "runs": rows},
                   f, indent=1)
     lines = ["| workload | D | mode | step ms | recorded prediction | error | new prediction | error "
-             "| engine ms: measured / predicted | FSDP2 ms: measured / predicted | collectives |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| engine ms: measured / predicted | engine x gather's, predicted | FSDP2 ms: measured / "
+             "predicted | collectives |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         name = r["workload"] + (f" ({r['layers']} layers)" if r["layers"] else "")
         lines.append(f"| {name} | {r['ranks']} | {r['mode']} | {r['step_ms']:.1f} | "
                      f"{fmt(r['recorded_predicted_ms'])} | {fmt(r['recorded_error'], '{:+.0%}')} | "
                      f"{r['predicted_ms']:.1f} | {r['error']:+.0%} | {r['engine_ms']:.1f} / "
-                     f"{r['predicted_engine_ms']:.1f} | {fmt(r['fsdp_ms'])} / "
+                     f"{r['predicted_engine_ms']:.1f} | {r['predicted_engine_x_gather']:.2f} | "
+                     f"{fmt(r['fsdp_ms'])} / "
                      f"{fmt(r['predicted_fsdp_ms'])} | {r['collectives']} |")
     errs = [abs(r["error"]) for r in rows]
     old = [abs(r["recorded_error"]) for r in rows if r["recorded_error"] is not None]
@@ -317,6 +322,9 @@ def main() -> None:
     ap.add_argument("--comm-wait-share", type=float, default=None,
                     help="MPS ranks: share of a rank's compute its NCCL kernel takes while it waits "
                          "for its peers (default: the calibration's nccl_wait_compute_share, else 0)")
+    ap.add_argument("--alltoall-scale", type=float, default=1.0,
+                    help="what if the all-to-all ran this many times its calibrated rate (the "
+                         "sharded mode's transfers; 1: as calibrated)")
     ap.add_argument("--grouped-hop-share", type=float, default=None,
                     help="share of its hops' latency a collective pays after the first of its "
                          "group (default: the simulator's)")
@@ -335,6 +343,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=1024,
                     help="--predict: MiB of full matrices per bucket (distmuon-bench --bucket-mb; 0: one)")
     args = ap.parse_args()
+    if not args.alltoall_scale > 0:
+        ap.error(f"--alltoall-scale must be positive (got {args.alltoall_scale})")
     if args.predict:
         if not args.from_record:
             ap.error("--predict needs --from-record CLUSTER_JSON")

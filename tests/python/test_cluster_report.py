@@ -47,6 +47,10 @@ def test_resimulation_predicts_each_run_with_its_buckets_and_planner(tmp_path: P
     for (w, m, planner, mb), x in by.items():
         if mb == 32 and m == "sharded" and (w, m, planner, 1024.0) in by:
             assert x["collectives"] > by[(w, m, planner, 1024.0)]["collectives"]
+    # Each row's predicted engine step over gather's predicted one: the owner modes gain at D = 8.
+    for x in rows:
+        if x["mode"] in ("sharded", "dedicated"):
+            assert x["predicted_engine_x_gather"] > 1
     assert (tmp_path / "resimulated.md").read_text().count("\n| ") == len(rows) + 1
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "resimulated.png").stat().st_size > 0
@@ -165,3 +169,20 @@ def test_an_all_to_all_timed_on_windows_is_simulated_in_equal_blocks(monkeypatch
     assert "--uniform-all-to-all" in predict.cmds[-1]
     assert new["sharded"] >= old["sharded"]  # every pair its bucket's largest: never fewer bytes
     assert new["gather"] == old["gather"] and new["dedicated"] == old["dedicated"]
+
+
+def test_the_all_to_all_scale_speeds_the_sharded_step_alone(monkeypatch, tmp_path: Path) -> None:
+    """--alltoall-scale F (what if the all-to-all ran F times its calibrated rate): the sharded
+    prediction shrinks, no other mode's moves; a scale <= 0 is refused."""
+    predict = Predictor(monkeypatch)
+    cal = json.loads((RESULTS / "2026-12-07-h100-cluster" / "cluster.json").read_text())["calibration"]["2"]
+    assert cal.get("nccl_alltoall_busbw_gbs")  # timed there
+    old = predict(cal)
+    rate = predict.flag("--intra-alltoall-gbs")
+    monkeypatch.setattr(ARGS, "alltoall_scale", 4.0, raising=False)
+    new = predict(cal)
+    assert predict.flag("--intra-alltoall-gbs") > 3.9 * rate
+    assert new["sharded"] < old["sharded"]
+    assert new["gather"] == old["gather"] and new["dedicated"] == old["dedicated"]
+    r = report("--resimulate", str(AB), "--alltoall-scale", "0", "--out", str(tmp_path))
+    assert r.returncode != 0 and "--alltoall-scale must be positive" in r.stderr
