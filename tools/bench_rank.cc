@@ -188,8 +188,7 @@ Calibration calibrate(Communicator& host, Backend& be, Communicator& comm,
         comm.all_to_all_v(wsend.get(), equal, displs, wrecv.get(), equal, displs, CommType::kBF16)
             .wait();
       else
-        comm.all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs,
-                          CommType::kBF16)
+        comm.all_to_all_v(send.data(), counts, displs, recv.data(), counts, displs, CommType::kBF16)
             .wait();
     };
     all_gather();
@@ -290,9 +289,10 @@ json calibration_json(const std::vector<double>& per_rank, const Calibration& c)
        "bf16 parameters with fp32 moments, counted at the bytes the simulator charges an element, "
        "likewise; NCCL bus bandwidth of a 256 MiB-per-rank bf16 "
        "all-gather, all-reduce, broadcast and reduce (root 0), and all-to-all (256 MiB / p to each "
-       "other rank, none to itself, as the sharded mode sends; on the communicator's windows, where "
-       "it gives them, equal blocks to every rank itself included, as the sharded mode sends "
-       "there: nccl_alltoall_on_windows; bus bandwidth (p-1)/p * 256 MiB / time); each timed alone, its issue included; host time per collective of 256 "
+       "other rank, none to itself, as the sharded mode sends; on the communicator's windows, "
+       "where it gives them, equal blocks to every rank itself included, as the sharded mode "
+       "sends there: nccl_alltoall_on_windows; bus bandwidth (p-1)/p * 256 MiB / time); each "
+       "timed alone, its issue included; host time per collective of 256 "
        "back-to-back 1 KiB all-gathers; the share of the GEMM's rate a 1 KiB broadcast takes "
        "while its kernel waits for the root (rank 0 beside it)"},
       {"gemm_tflops_per_rank_min", gemm_min},

@@ -89,8 +89,8 @@ ncclConfig_t comm_config() {
 #if DM_NCCL_HAS_WINDOWS
     config.CTAPolicy = policy;
 #else
-    DM_FAIL("DISTMUON_NCCL_CTA_POLICY needs NCCL >= 2.28 at build time (built with ",
-            NCCL_MAJOR, ".", NCCL_MINOR, ")");
+    DM_FAIL("DISTMUON_NCCL_CTA_POLICY needs NCCL >= 2.28 at build time (built with ", NCCL_MAJOR,
+            ".", NCCL_MINOR, ")");
 #endif
   }
   return config;
@@ -111,7 +111,7 @@ struct Shared {
   bool in_group = false, abort_pending = false;
   std::string name;
   int device = 0;
-  int cta_policy = -1;  // DISTMUON_NCCL_CTA_POLICY when it was made (cta_policy())
+  int cta_policy = -1;            // DISTMUON_NCCL_CTA_POLICY when it was made (cta_policy())
   double release_timeout_s = 60;  // the owner's timeout when it let go
   const pid_t pid = getpid();     // a forked child must not tear down its parent's communicator
   // The last holder (the communicator or a request that outlived it) hands the handle over.
@@ -425,7 +425,8 @@ class NcclComm final : public Communicator {
     DM_CHECK_NCCL(ncclMemAlloc(&p, bytes), what, " (", bytes, " bytes)");
     ncclWindow_t win = nullptr;
     try {
-      DM_CHECK_NCCL(ncclCommWindowRegister(sh_->comm, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC), what);
+      DM_CHECK_NCCL(ncclCommWindowRegister(sh_->comm, p, bytes, &win, NCCL_WIN_COLL_SYMMETRIC),
+                    what);
       sh_->wait_ready(what, timeout_s());
     } catch (...) {
       ncclMemFree(p);

@@ -28,9 +28,9 @@ const std::vector<Knob>& knobs() {
        "NCCL's choice). zero: the sharded mode's all-to-alls run on symmetric windows, which NCCL "
        "moves with the copy engines, taking none of the SMs the owners compute on"},
       {"DISTMUON_UNIFORM_ALL_TO_ALL", "",
-       "1: the sharded mode's all-to-alls send equal blocks (each pair's the largest of its bucket) "
-       "on any communicator; 0: packed blocks; unset: equal blocks where the communicator gives "
-       "windows (DISTMUON_NCCL_CTA_POLICY=zero)"},
+       "1: the sharded mode's all-to-alls send equal blocks (each pair's the largest of its "
+       "bucket) on any communicator; 0: packed blocks; unset: equal blocks where the communicator "
+       "gives windows (DISTMUON_NCCL_CTA_POLICY=zero)"},
       {"DISTMUON_DEDICATED_EARLY_BROADCAST", "0",
        "1: the dedicated mode (flat) broadcasts a bucket's weights right after its owners' compute "
        "instead of one slot later; the waiting NCCL kernels then sit on the peers' SMs beside their "

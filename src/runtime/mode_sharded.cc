@@ -159,7 +159,8 @@ class ShardedRunner final : public ModeRunner {
     return l.block > 0 ? q * l.block : packed;
   }
   // How many elements position q's block holds, its elements ending at `end`.
-  static int64_t extent(const AllToAllLayout& l, int q, int64_t end, const std::vector<int64_t>& displs) {
+  static int64_t extent(const AllToAllLayout& l, int q, int64_t end,
+                        const std::vector<int64_t>& displs) {
     return l.block > 0 ? l.block : end - displs[q];
   }
   struct BucketBuffers {
